@@ -1,0 +1,81 @@
+"""Validated settings passed down explicitly: sampling, speculation and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specchat.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How tokens are chosen. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens <= 0:
+            raise ConfigError(f"max-tokens must be > 0, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class SpecParams:
+    """Speculation for one request: which drafter proposes and how many tokens (k) per step.
+
+    k = None means adaptive ("auto"): a controller picks k in [0, k_max] from the acceptance it sees.
+    """
+
+    drafter: str = "none"
+    k: int | None = 4
+    k_max: int = 8
+
+    def __post_init__(self) -> None:
+        if self.k is not None and not 0 <= self.k <= self.k_max:
+            raise ConfigError(f"k must be in [0, {self.k_max}] or 'auto', got {self.k}")
+        if self.k_max < 0 or self.k_max > 16:
+            raise ConfigError(f"k_max must be in [0, 16], got {self.k_max}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine loads and runs a model."""
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    kv_format: str = "auto"  # "auto" = the model dtype
+    kv_memory: int | None = None  # bytes for the KV pool; None = a default for the device
+    page_size: int = 16
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    eager: bool = True
+    weights: str = "auto"  # "auto" = as loaded
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page size must be a power of two, got {self.page_size}")
+        if self.kv_memory is not None and self.kv_memory <= 0:
+            raise ConfigError(f"kv memory must be > 0 bytes, got {self.kv_memory}")
