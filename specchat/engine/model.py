@@ -39,7 +39,7 @@ class ModelConfig:
     max_position: int = 4096
     tie_embeddings: bool = False
     qkv_bias: bool = False
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear" | "freq_factors", ...}
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -81,6 +81,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if not scaling:
         return inv_freq.float()
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "freq_factors":  # GGUF files of Llama 3.1 store the per-frequency divisors precomputed
+        return (inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)).float()
     if kind == "linear":
         return (inv_freq / float(scaling["factor"])).float()
     if kind == "llama3":

@@ -1,0 +1,293 @@
+"""Engine: the one way the CLI, the UI and agents talk to the model.
+
+    engine = Engine.load(EngineConfig(model="smollm2-135m"))
+    for event in engine.generate("Write a haiku", SamplingParams(max_tokens=64)):
+        ...  # TextDelta, StepEvent, then one Finished
+
+`submit` returns a RequestHandle whose `events()` yields that request's events. Without `start()` the
+caller's thread drives the step loop while it waits for events; after `start()` a background thread does,
+and callers only wait on their queues. Settings that change a running engine (k, drafter, ...) are queued
+and applied between steps, so they take effect on the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.drafters import Drafter, make_drafter
+from specchat.engine.kv_cache import DensePages, KVPool
+from specchat.engine.loader import Progress, build_model, load_checkpoint
+from specchat.engine.model import Transformer
+from specchat.engine.runner import ModelRunner
+from specchat.engine.sampling import make_generator
+from specchat.engine.scheduler import Scheduler
+from specchat.engine.sequence import Event, Finished, Sequence
+from specchat.engine.tokenizer import StreamDecoder, Tokenizer, export_gguf_tokenizer
+from specchat.errors import ConfigError, PromptError
+from specchat.registry import ModelSpec, fetch, resolve, tokenizer_dir
+
+Prompt = str | list[dict] | list[int]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET = 1 << 30  # bytes; pages are allocated lazily by the OS, so unused capacity costs nothing
+GPU_KV_FRACTION = 0.5  # of the memory free after loading the weights
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    return torch.device(name)
+
+
+def default_kv_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_FRACTION)
+    return CPU_KV_BUDGET
+
+
+class RequestHandle:
+    """A submitted request: iterate its events, or cancel it."""
+
+    def __init__(self, engine: Engine, request_id: int) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: queue.Queue[Event] = queue.Queue()
+        self.finished: Finished | None = None
+
+    def events(self) -> Iterator[Event]:
+        while self.finished is None:
+            if self.queue.empty() and not self.engine.running_in_background:
+                self.engine.step()
+                continue
+            event = self.queue.get()
+            if isinstance(event, Finished):
+                self.finished = event
+            yield event
+
+    def result(self) -> Finished:
+        """Wait for the end and return the Finished event."""
+        for _ in self.events():
+            pass
+        return self.finished
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        pool: KVPool,
+        config: EngineConfig,
+        model_spec: ModelSpec | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.config = config
+        self.model_spec = model_spec
+        self.device = pool.device
+        self.runner = ModelRunner(model, pool)
+        self.drafters: dict[str, Drafter] = {}
+        self.scheduler = Scheduler(self.runner, self.drafter, config.max_running, config.max_batch_tokens)
+        self.handles: dict[int, RequestHandle] = {}
+        self.listeners: list[Callable[[list[Event]], None]] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # --- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, config: EngineConfig | None = None, progress: Progress | None = None) -> Engine:
+        """Resolve, fetch (if needed) and load a model by alias or path."""
+        config = config or EngineConfig()
+        spec = resolve(config.model)
+        path = fetch(spec, progress=progress)
+        device = pick_device(config.device)
+        dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+        tokenizer = load_tokenizer(spec, path)
+        model_cfg, state = load_checkpoint(path, progress=progress)
+        model = build_model(model_cfg, state, dtype, device)
+        del state
+        budget = config.kv_memory or default_kv_budget(device)
+        c = model_cfg
+        pool = KVPool.from_budget(budget, c.num_layers, c.num_kv_heads, c.head_dim, config.page_size, dtype, device)
+        return cls(model, tokenizer, pool, config, spec)
+
+    def drafter(self, name: str) -> Drafter:
+        if name not in self.drafters:
+            self.drafters[name] = make_drafter(name, self)
+        return self.drafters[name]
+
+    # --- requests -------------------------------------------------------------------------------------------
+    def encode_prompt(
+        self, prompt: Prompt, system: str | None = None, raw: bool = False, tools: list | None = None
+    ) -> list[int]:
+        """A prompt (text, chat messages or token ids) -> token ids, validated against the context."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("empty prompt")
+            if raw:
+                ids = self.tokenizer.encode(prompt)
+            else:
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}
+                ]
+                ids = self.tokenizer.encode_chat(messages, tools=tools)
+        elif prompt and isinstance(prompt[0], dict):
+            ids = self.tokenizer.encode_chat(prompt, tools=tools)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise PromptError("empty prompt")
+        limit = self.model.cfg.max_position
+        if len(ids) >= limit:
+            raise PromptError(f"prompt is {len(ids)} tokens; the model's context holds {limit}")
+        return ids
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        spec: SpecParams | None = None,
+        system: str | None = None,
+        raw: bool = False,
+        tools: list | None = None,
+    ) -> RequestHandle:
+        """Queue a request; errors in its parameters raise here and touch no other request."""
+        sampling = sampling or SamplingParams()
+        spec = spec or SpecParams(drafter="none")
+        ids = self.encode_prompt(prompt, system=system, raw=raw, tools=tools)
+        self.drafter(spec.drafter)  # unknown drafters fail now, in the caller
+        seq = Sequence(
+            seq_id=next(self._ids),
+            prompt_ids=ids,
+            sampling=sampling,
+            spec=spec,
+            detok=StreamDecoder(self.tokenizer, ids),
+            eos_ids=self.tokenizer.stop_token_ids | set(self.model.cfg.eos_token_ids),
+            max_position=self.model.cfg.max_position,
+            generator=make_generator(sampling, self.device),
+            k=spec.k if spec.k is not None else min(4, spec.k_max),
+        )
+        handle = RequestHandle(self, seq.seq_id)
+        with self._lock:
+            self.handles[seq.seq_id] = handle
+            self.scheduler.add(seq)
+        self._wake.set()
+        return handle
+
+    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, **kwargs) -> Iterator[Event]:
+        """Submit and iterate the request's events."""
+        yield from self.submit(prompt, sampling, **kwargs).events()
+
+    def cancel(self, request_id: int) -> None:
+        self.apply(lambda: self.scheduler.cancel(request_id))
+
+    def apply(self, command: Callable[[], None]) -> None:
+        """Run a change to engine state between steps (on the engine's thread)."""
+        self._commands.put(command)
+        self._wake.set()
+        if not self.running_in_background:
+            with self._lock:
+                self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    # --- the step loop ----------------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Run one scheduler step and deliver its events."""
+        with self._lock:
+            self._drain_commands()
+            events = self.scheduler.step()
+            for event in events:
+                handle = self.handles.get(event.request_id)
+                if handle is not None:
+                    handle.queue.put(event)
+                    if isinstance(event, Finished):
+                        del self.handles[event.request_id]
+        if events:
+            for listener in self.listeners:
+                listener(events)
+        return events
+
+    @property
+    def running_in_background(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Run the step loop in a background thread from now on."""
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="specchat-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.scheduler.has_work() and self._commands.empty():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            self.step()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+
+    # --- accounting -------------------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Bytes of weights and KV cache, and what they would be in bf16."""
+        seen, weights_bytes = set(), 0
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                weights_bytes += t.numel() * t.element_size()
+        linear, linear_bf16 = 0, 0
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                linear += module.weight.numel() * module.weight.element_size()
+                linear_bf16 += module.weight.numel() * 2
+        c = self.model.cfg
+        return {
+            "weights_bytes": weights_bytes,
+            "linear_weight_bytes": linear,
+            "linear_weight_bytes_bf16": linear_bf16,
+            "kv_format": self.pool.store.name,
+            "kv_bytes_per_token": self.pool.bytes_per_token,
+            "kv_bytes_per_token_bf16": DensePages.bytes_per_token(
+                c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16
+            ),
+            "kv_capacity_tokens": self.pool.capacity_tokens,
+            "kv_used_tokens": self.pool.used_pages * self.pool.page_size,
+            "max_context": min(c.max_position, self.pool.capacity_tokens),
+        }
+
+
+def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
+    """The tokenizer of an HF directory, or the one converted (once, then cached) from a GGUF file."""
+    folder = tokenizer_dir(spec, model_path)
+    if model_path.is_file() and not (folder / "tokenizer.json").is_file():
+        export_gguf_tokenizer(model_path, folder)
+    return Tokenizer.from_dir(folder)

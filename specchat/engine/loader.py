@@ -1,0 +1,286 @@
+"""Checkpoints -> our Transformer: GGUF files (through the `gguf` package) and HF safetensors directories.
+
+Both paths produce a ModelConfig and a state dict in our parameter names (model.py): q/k/v are concatenated
+into `wqkv`, gate/up into `w_gate_up`. Everything a user can get wrong (missing or truncated files, an
+unsupported architecture, shapes that do not match the config) ends in a ModelFormatError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer
+from specchat.errors import ModelFormatError
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+SUPPORTED_HF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+SUPPORTED_GGUF = ("llama", "qwen2")
+
+
+# --- GGUF -----------------------------------------------------------------------------------------------
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF:
+        raise ModelFormatError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF)})")
+
+    def need(key: str):
+        value = _gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelFormatError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    names = {t.name for t in reader.tensors}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(_gguf_field(reader, f"{arch}.context_length", 4096)),
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows (interleaved rotary pairs -> HF's rotate-half halves)."""
+    rows, cols = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *cols).swapaxes(1, 2).reshape(rows, *cols)
+
+
+def load_gguf(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read and dequantize every tensor of a GGUF file (float32), renamed to our parameter names."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # gguf raises ValueError / struct errors / IndexError on damaged files
+        raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    cfg = gguf_config(reader, path)
+    raw: dict[str, torch.Tensor] = {}
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ModelFormatError(f"{path}: cannot read tensor {t.name} ({exc})") from None
+        raw[t.name] = torch.from_numpy(np.array(values, dtype=np.float32))
+        if progress:
+            progress("loading weights", i + 1, total)
+    if "rope_freqs.weight" in raw:
+        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": raw.pop("rope_freqs.weight").tolist()}
+    return cfg, _rename_gguf(raw, cfg, path)
+
+
+def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ModelFormatError(f"{path}: missing tensor {name}")
+        return raw[name]
+
+    permuted = cfg.arch == "llama"  # llama.cpp permutes q/k rows only for its llama architecture
+    sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
+    sd["lm_head.weight"] = raw.get("output.weight", sd["embed.weight"])
+    for i in range(cfg.num_layers):
+        b, o = f"blk.{i}.", f"layers.{i}."
+        q, k = take(b + "attn_q.weight"), take(b + "attn_k.weight")
+        if permuted:
+            q, k = _unpermute_rope(q, cfg.num_heads), _unpermute_rope(k, cfg.num_kv_heads)
+        sd[o + "attn.wqkv.weight"] = torch.cat([q, k, take(b + "attn_v.weight")])
+        if cfg.qkv_bias:
+            qb, kb = take(b + "attn_q.bias"), take(b + "attn_k.bias")
+            if permuted:
+                qb, kb = _unpermute_rope(qb, cfg.num_heads), _unpermute_rope(kb, cfg.num_kv_heads)
+            sd[o + "attn.wqkv.bias"] = torch.cat([qb, kb, take(b + "attn_v.bias")])
+        sd[o + "attn.wo.weight"] = take(b + "attn_output.weight")
+        sd[o + "attn_norm.weight"] = take(b + "attn_norm.weight")
+        sd[o + "mlp_norm.weight"] = take(b + "ffn_norm.weight")
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(b + "ffn_gate.weight"), take(b + "ffn_up.weight")])
+        sd[o + "mlp.w_down.weight"] = take(b + "ffn_down.weight")
+    return sd
+
+
+# --- HF safetensors directories ----------------------------------------------------------------------------
+def hf_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelFormatError(f"{path}: no config.json (not an HF-style model directory)")
+    try:
+        c = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{cfg_file}: invalid JSON ({exc})") from None
+    model_type = c.get("model_type")
+    if model_type not in SUPPORTED_HF:
+        raise ModelFormatError(
+            f"{path}: unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_HF)})"
+        )
+    try:
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        gen_cfg = path / "generation_config.json"
+        if gen_cfg.is_file():
+            g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos_ids += tuple(g_eos) if isinstance(g_eos, list) else ((g_eos,) if g_eos is not None else ())
+        return ModelConfig(
+            arch=SUPPORTED_HF[model_type],
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            rope_theta=float(c.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            max_position=int(c.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+            rope_scaling=c.get("rope_scaling"),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
+        )
+    except KeyError as exc:
+        raise ModelFormatError(f"{cfg_file}: missing key {exc}") from None
+
+
+def _check_safetensors_size(file: Path) -> None:
+    """A clear error for truncated files, before safetensors' own (less legible) one."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFormatError(f"{file}: truncated safetensors file ({size} bytes)")
+        header_len = struct.unpack("<Q", head)[0]
+        if 8 + header_len > size:
+            raise ModelFormatError(f"{file}: truncated safetensors file (header needs {header_len} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ModelFormatError(f"{file}: corrupt safetensors header") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise ModelFormatError(f"{file}: truncated safetensors file ({size} bytes, needs {8 + header_len + end})")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{path}: no *.safetensors files")
+    for f in files:
+        if not f.is_file():
+            raise ModelFormatError(f"{path}: missing weight file {f.name}")
+    return files
+
+
+def load_hf_dir(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    cfg = hf_config(path)
+    raw: dict[str, torch.Tensor] = {}
+    files = safetensors_files(path)
+    for i, file in enumerate(files):
+        _check_safetensors_size(file)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                    raw[name] = f.get_tensor(name)
+        except ModelFormatError:
+            raise
+        except Exception as exc:  # safetensors raises SafetensorError and others on damaged files
+            raise ModelFormatError(f"{file}: cannot read safetensors ({exc})") from None
+        if progress:
+            progress("loading weights", i + 1, len(files))
+    return cfg, _rename_hf(raw, cfg, path)
+
+
+def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ModelFormatError(f"{path}: missing tensor {name}")
+        return raw[name]
+
+    sd = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    sd["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        b, o = f"model.layers.{i}.", f"layers.{i}."
+        a = b + "self_attn."
+        sd[o + "attn.wqkv.weight"] = torch.cat([take(a + f"{p}_proj.weight") for p in "qkv"])
+        if cfg.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"])
+        sd[o + "attn.wo.weight"] = take(a + "o_proj.weight")
+        sd[o + "attn_norm.weight"] = take(b + "input_layernorm.weight")
+        sd[o + "mlp_norm.weight"] = take(b + "post_attention_layernorm.weight")
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(b + "mlp.gate_proj.weight"), take(b + "mlp.up_proj.weight")])
+        sd[o + "mlp.w_down.weight"] = take(b + "mlp.down_proj.weight")
+    return sd
+
+
+# --- building the module ------------------------------------------------------------------------------------
+def build_model(
+    cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
+) -> Transformer:
+    """Instantiate the Transformer and load the state dict, checking every shape against the config."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise ModelFormatError(f"checkpoint lacks {missing[0]}" + (f" and {len(missing) - 1} more" if missing[1:] else ""))
+    for name, ref in expected.items():
+        got = state_dict[name]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise ModelFormatError(
+                f"tensor {name} has shape {tuple(got.shape)}, the config implies {tuple(ref.shape)}"
+            )
+    tensors = {name: state_dict[name].to(device=device, dtype=dtype) for name in expected}
+    if cfg.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["embed.weight"]
+    model.load_state_dict(tensors, assign=True, strict=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.rope = RotaryEmbedding(cfg).to(device)  # non-persistent buffers were left on meta
+    return model.eval().requires_grad_(False)
+
+
+def load_checkpoint(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A GGUF file or an HF-style directory -> (config, state dict in our names)."""
+    if not path.exists():
+        raise ModelFormatError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return load_hf_dir(path, progress)
+    if path.suffix.lower() == ".gguf":
+        return load_gguf(path, progress)
+    raise ModelFormatError(f"{path}: expected a .gguf file or a directory with config.json + *.safetensors")

@@ -1,0 +1,73 @@
+"""One target forward over a ragged batch: flatten the requests' tokens, run the model, split the results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from specchat.engine.kv_cache import KVPool
+from specchat.engine.model import Transformer
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Per-step metadata: which tokens each request feeds and which rows need logits."""
+
+    seq_ids: list[int]
+    feeds: list[list[int]]  # tokens each request feeds this step
+    start_positions: list[int]  # position of each request's first fed token (= tokens already cached)
+    logit_rows: list[int]  # how many trailing rows of each feed need logits (0 for a mid-prompt chunk)
+
+    @classmethod
+    def dummy(cls, feed_lens: Seq[int], logit_rows: Seq[int] | None = None) -> StepBatch:
+        """A batch of fresh requests feeding token 0, for tests."""
+        n = len(feed_lens)
+        return cls(
+            seq_ids=list(range(n)),
+            feeds=[[0] * m for m in feed_lens],
+            start_positions=[0] * n,
+            logit_rows=list(logit_rows) if logit_rows is not None else [1] * n,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(f) for f in self.feeds)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    logits: list[torch.Tensor]  # per request: [logit_rows, vocab] fp32
+    hidden: list[dict[int, torch.Tensor]]  # per request: {layer: [len(feed), hidden]}
+
+
+class ModelRunner:
+    """Runs the target model over a StepBatch, with the KV pool as its cache."""
+
+    def __init__(self, model: Transformer, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.scale = model.cfg.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
+        ids = torch.tensor([t for f in batch.feeds for t in f], dtype=torch.long, device=self.device)
+        positions = torch.tensor(
+            [p for f, s in zip(batch.feeds, batch.start_positions, strict=True) for p in range(s, s + len(f))],
+            dtype=torch.long,
+            device=self.device,
+        )
+        kv = self.pool.prepare(batch.seq_ids, [len(f) for f in batch.feeds], self.scale)
+        rows, start = [], 0
+        for feed, n in zip(batch.feeds, batch.logit_rows, strict=True):
+            start += len(feed)
+            rows.extend(range(start - n, start))
+        logits_at = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits, hidden = self.model(ids, positions, kv, taps=taps, logits_at=logits_at)
+        per_seq_logits = list(logits.split(batch.logit_rows))
+        lens = [len(f) for f in batch.feeds]
+        split_hidden = {layer: h.split(lens) for layer, h in hidden.items()}
+        per_seq_hidden = [{layer: parts[i] for layer, parts in split_hidden.items()} for i in range(len(lens))]
+        return StepOutput(per_seq_logits, per_seq_hidden)

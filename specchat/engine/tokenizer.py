@@ -1,0 +1,172 @@
+"""Tokenizer, chat template and streaming detokenization.
+
+At run time we use the `tokenizers` library on a `tokenizer.json` plus the model's Jinja chat template,
+rendered the way HF transformers renders it (sandboxed Jinja, trim_blocks / lstrip_blocks, `tojson`,
+`raise_exception`, `strftime_now`). A GGUF file carries its vocabulary, merges and template in metadata;
+`export_gguf_tokenizer` converts them once (through transformers' GGUF converter) into such a directory.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from specchat.errors import ModelFormatError, PromptError
+
+# End-of-turn markers of common chat templates; those present in a vocabulary stop generation.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config stores special tokens as strings or as {"content": ...} dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Encode / decode plus the model's chat template and stop tokens."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        extra_eos_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.backend = backend
+        self.chat_template_source = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+        self.bos_token, self.eos_token = bos_token, eos_token
+        stop = set(extra_eos_ids)
+        for text in (eos_token, *END_OF_TURN_TOKENS):
+            tid = backend.token_to_id(text) if text else None
+            if tid is not None:
+                stop.add(tid)
+        self.stop_token_ids = frozenset(stop)
+
+    @classmethod
+    def from_dir(cls, path: Path, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja) from an HF-style directory."""
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelFormatError(f"{path}: no tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the tokenizers library raises plain Exceptions on bad files
+            raise ModelFormatError(f"{tok_file}: cannot read tokenizer ({exc})") from None
+        config = {}
+        if (path / "tokenizer_config.json").is_file():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(
+            backend,
+            template,
+            _token_text(config.get("bos_token")),
+            _token_text(config.get("eos_token")),
+            extra_eos_ids,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """The chat template applied to messages, as text."""
+        if self._template is None:
+            raise PromptError("this model has no chat template; use --raw to send the prompt as is")
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise PromptError(f"the chat template rejected these messages: {exc}") from None
+
+    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        # The rendered template already holds the BOS token where the model wants one.
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Decoding tokens one by one loses leading spaces (SentencePiece) and breaks multi-byte characters split
+    across tokens. So we decode a short window that starts a few tokens back and emit only the new part,
+    holding back text that ends in an incomplete character (U+FFFD).
+    """
+
+    CONTEXT_TOKENS = 6
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character at the very end)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.read_offset = len(self.ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+
+def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """Convert a GGUF file's tokenizer metadata into tokenizer.json + config + chat template in out_dir."""
+    import logging
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # transformers raises many kinds of errors for unsupported GGUF tokenizers
+        raise ModelFormatError(f"{gguf_path}: cannot convert the GGUF tokenizer ({exc})") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out_dir))

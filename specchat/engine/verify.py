@@ -1,0 +1,74 @@
+"""Speculative verification: which drafted tokens the target keeps, and the token it adds.
+
+Terms (used across the engine and its stats):
+- draft tokens d_1..d_k: proposed by a drafter for the positions after the request's last token;
+- accepted: the longest prefix d_1..d_a the target agrees with (0 <= a <= k);
+- recovered token: when d_{a+1} is rejected, the target's replacement for it;
+- bonus token: when all k drafts are accepted, the target's next token after d_k.
+Each step therefore emits a + 1 tokens: the accepted drafts plus one recovered or bonus token.
+
+Greedy: accept while d_i equals the target's argmax; the argmax at the first mismatch is the recovered token,
+so the output equals plain greedy decoding token for token.
+
+Sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", Alg. 1):
+accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); on rejection draw the recovered token from
+normalize(max(0, p_i - q_i)); when every draft is accepted draw the bonus from p_{k+1}. p is the target's
+distribution after temperature / top-k / top-p (the same processing plain sampling uses); q is the drafter's.
+A deterministic drafter is a point mass: q_i = onehot(d_i). The emitted tokens are then distributed exactly
+as if the target had sampled them one at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.config import SamplingParams
+from specchat.engine.sampling import probs_from_logits, sample_from_probs
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, list[int]]:
+    """target_logits [k+1, V] at [last token, d_1..d_k]; draft_probs [k, V] or None for a point mass.
+
+    Returns (accepted count a, emitted tokens d_1..d_a + [recovered or bonus]).
+    """
+    k = len(draft_tokens)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"need k + 1 = {k + 1} rows of target logits, got {target_logits.shape[0]}")
+    if params.greedy:
+        target = target_logits.argmax(-1).tolist()  # [k+1]
+        a = 0
+        while a < k and draft_tokens[a] == target[a]:
+            a += 1
+        return a, [*draft_tokens[:a], target[a]]
+
+    p = probs_from_logits(target_logits, params)  # [k+1, V]
+    if k == 0:
+        return 0, [int(sample_from_probs(p[0], generator))]
+    drafts = torch.tensor(draft_tokens, device=p.device)
+    p_draft = p[:k].gather(-1, drafts[:, None]).squeeze(-1)  # [k] p_i(d_i)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, drafts[:, None]).squeeze(-1).to(p.dtype)  # [k] q_i(d_i)
+    u = torch.rand(k, generator=generator, device=p.device)
+    accept = u * q_draft < p_draft  # u < p/q without dividing by q = 0
+    rejected = (~accept).nonzero()
+    if len(rejected) == 0:
+        return k, [*draft_tokens, int(sample_from_probs(p[k], generator))]
+    a = int(rejected[0])
+    if draft_probs is None:
+        residual = p[a].clone()
+        residual[draft_tokens[a]] = 0.0
+    else:
+        residual = (p[a] - draft_probs[a].to(p.dtype)).clamp_min(0.0)
+    total = residual.sum()
+    # The residual is empty only when p_a <= q_a everywhere, i.e. p_a == q_a, where rejection has probability 0;
+    # guard against round-off anyway by falling back to p_a.
+    residual = residual / total if total > 0 else p[a]
+    return a, [*draft_tokens[:a], int(sample_from_probs(residual, generator))]

