@@ -1,0 +1,437 @@
+"""Agent tools as the model sees them: JSON-schema descriptions, built-ins, user tools, bounded calls."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import inspect
+import json
+import re
+import sys
+import threading
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from specchat.agent.sandbox import (
+    ProcessResult,
+    SandboxError,
+    Workspace,
+    cap_text,
+    run_confined,
+    run_python,
+    shell_argv,
+)
+from specchat.errors import ConfigError
+
+BUILTIN_TOOLS = ("python", "read_file", "write_file", "list_dir", "shell", "final_answer")
+FINAL_ANSWER = "final_answer"
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_OUTPUT_CAP = 4000  # characters of one tool result the model sees
+MIN_OUTPUT_CAP = 200
+MAX_TIMEOUT_S = 600.0
+TOOL_MARK = "__specchat_tool__"
+TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+}
+PYTHON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+ConfirmFn = Callable[[str], bool]  # gets the command line, returns whether the user allows it
+F = TypeVar("F", bound=Callable[..., object])
+
+
+@dataclass(slots=True)
+class ToolResult:
+    """The outcome of one tool call; failures are results too, never exceptions."""
+
+    ok: bool
+    content: str
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ToolOptions:
+    """Limits and settings of one tool."""
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    output_cap: int = DEFAULT_OUTPUT_CAP
+    allow: tuple[str, ...] = ()  # shell only: the command names it may run
+    confirm: bool = True  # shell only: ask the user before each command
+
+    def __post_init__(self) -> None:
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ConfigError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {self.timeout_s}")
+        if self.output_cap < MIN_OUTPUT_CAP:
+            raise ConfigError(f"output_cap must be >= {MIN_OUTPUT_CAP} characters, got {self.output_cap}")
+        for name in self.allow:
+            if not name or "/" in name or name != name.strip():
+                raise ConfigError(f"allow lists bare command names, got {name!r}")
+
+
+@dataclass(slots=True)
+class Tool:
+    """A callable the model may invoke, with the JSON schema of its arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of an object: {"type": "object", "properties", "required"}
+    function: Callable[..., object]  # called with the model's arguments as keywords
+    options: ToolOptions = field(default_factory=ToolOptions)
+    self_limited: bool = False  # the function enforces the timeout and output cap itself (subprocess tools)
+
+    def __post_init__(self) -> None:
+        if not TOOL_NAME.match(self.name):
+            raise ConfigError(f"tool name {self.name!r} must be letters, digits, '_' or '-' (at most 64)")
+
+    def schema(self) -> dict[str, Any]:
+        """The description a chat template's `tools=` argument takes (HF / OpenAI function convention)."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+@dataclass(slots=True)
+class ToolsConfig:
+    """The tools a script enables: built-ins with their options, and user tools already loaded."""
+
+    builtin: dict[str, ToolOptions] = field(default_factory=dict)
+    user: list[Tool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in self.builtin:
+            if name not in BUILTIN_TOOLS:
+                raise ConfigError(f"unknown tool {name!r}{_suggest(name, BUILTIN_TOOLS)}")
+        shell = self.builtin.get("shell")
+        if shell is not None and not shell.allow:
+            raise ConfigError("tools.shell needs an allow list of command names")
+        seen = set(self.builtin)
+        for tool in self.user:
+            if tool.name in seen:
+                raise ConfigError(f"user tool {tool.name!r} has the name of another tool")
+            seen.add(tool.name)
+
+    @property
+    def names(self) -> list[str]:
+        """Every enabled tool name, built-ins first."""
+        return [*self.builtin, *(tool.name for tool in self.user)]
+
+
+class Toolbox:
+    """The tools of one run: schemas for the chat template, and calls that always return a ToolResult."""
+
+    def __init__(self, tools: Sequence[Tool]) -> None:
+        self.tools = {tool.name: tool for tool in tools}
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """Every tool's description, for `tools=`."""
+        return [tool.schema() for tool in self.tools.values()]
+
+    def call(self, name: str, arguments: object) -> ToolResult:
+        """Run one call within its tool's timeout and output cap; every failure comes back as a result."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult(False, "", f"unknown tool {name!r}; available: {', '.join(self.tools)}")
+        try:
+            checked = check_arguments(tool, arguments)
+        except ValueError as error:
+            return ToolResult(False, "", str(error))
+        if tool.self_limited:
+            return _invoke(tool, checked)
+        result = _invoke_with_timeout(tool, checked)
+        result.content = cap_text(result.content, tool.options.output_cap)
+        return result
+
+
+def build_toolbox(config: ToolsConfig, workspace: Path, confirm: ConfirmFn | None = None) -> Toolbox:
+    """The tools of one run, bound to its workspace; `confirm` asks the user before shell commands (TUI)."""
+    shell = config.builtin.get("shell")
+    if shell is not None and shell.confirm and confirm is None:
+        raise ConfigError("tools.shell asks before each command, which needs the TUI; set confirm = false")
+    room = Workspace(workspace)
+    factories = {
+        "python": _python_tool,
+        "read_file": _read_file_tool,
+        "write_file": _write_file_tool,
+        "list_dir": _list_dir_tool,
+        "shell": lambda room, options: _shell_tool(room, options, confirm),
+        "final_answer": _final_answer_tool,
+    }
+    builtins = [factories[name](room, options) for name, options in config.builtin.items()]
+    return Toolbox([*builtins, *config.user])
+
+
+def check_arguments(tool: Tool, arguments: object) -> dict[str, Any]:
+    """The model's arguments checked against the tool's schema; numbers given for strings become strings."""
+    if not isinstance(arguments, dict):
+        raise ValueError(f"arguments of {tool.name} must be a JSON object, got {_json_type_name(arguments)}")
+    properties: dict[str, Any] = tool.parameters.get("properties", {})
+    unknown = sorted(set(arguments) - set(properties))
+    if unknown:
+        raise ValueError(
+            f"unknown argument {unknown[0]!r} for {tool.name}; parameters: {', '.join(properties) or 'none'}"
+        )
+    missing = [name for name in tool.parameters.get("required", []) if name not in arguments]
+    if missing:
+        raise ValueError(f"missing required argument {missing[0]!r} for {tool.name}")
+    checked = dict(arguments)
+    for name, value in arguments.items():
+        expected = properties[name].get("type")
+        if expected == "string" and isinstance(value, int | float) and not isinstance(value, bool):
+            checked[name] = str(value)
+        elif expected in JSON_TYPES and not _is_json_type(value, expected):
+            raise ValueError(
+                f"argument {name!r} of {tool.name} must be {expected}, got {_json_type_name(value)}"
+            )
+        if "enum" in properties[name] and checked[name] not in properties[name]["enum"]:
+            raise ValueError(f"argument {name!r} of {tool.name} must be one of {properties[name]['enum']}")
+    return checked
+
+
+def tool(function: F) -> F:
+    """Mark a function in a user tool module as an agent tool; its signature and docstring give the schema."""
+    setattr(function, TOOL_MARK, True)
+    return function
+
+
+def load_user_tools(module_path: Path, names: Sequence[str], options: ToolOptions) -> list[Tool]:
+    """The tools in a Python file: the functions `names` lists, or else every function marked with @tool."""
+    if not module_path.is_file():
+        raise ConfigError(f"no such file {module_path}")
+    module_name = f"specchat_user_tools.{module_path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, module_path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{module_path} is not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        raise ConfigError(f"importing {module_path} failed: {type(error).__name__}: {error}") from None
+    if names:
+        functions = [getattr(module, name, None) for name in names]
+        for name, function in zip(names, functions, strict=True):
+            if not inspect.isfunction(function):
+                raise ConfigError(f"{module_path.name} has no function {name!r}")
+    else:
+        functions = [value for value in vars(module).values() if getattr(value, TOOL_MARK, False)]
+        if not functions:
+            raise ConfigError(
+                f"{module_path.name} has no @tool functions; mark some or list them in functions"
+            )
+    return [function_tool(function, options) for function in functions]
+
+
+def function_tool(function: Callable[..., object], options: ToolOptions | None = None) -> Tool:
+    """A Tool from a typed Python function: its name, its docstring's summary and Args, its signature."""
+    description, parameters = schema_from_function(function)
+    return Tool(function.__name__, description, parameters, function, options or ToolOptions())
+
+
+def schema_from_function(function: Callable[..., object]) -> tuple[str, dict[str, Any]]:
+    """The description and the parameters schema of a function, from its signature and docstring."""
+    doc = inspect.getdoc(function) or ""
+    arg_docs = _arg_docs(doc)
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception as error:
+        raise ConfigError(f"cannot read the type hints of {function.__name__}: {error}") from None
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for parameter in inspect.signature(function).parameters.values():
+        where = f"parameter {parameter.name!r} of {function.__name__}"
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise ConfigError(f"{where}: *args and **kwargs cannot be described to the model")
+        if parameter.name not in hints:
+            raise ConfigError(f"{where} needs a type annotation")
+        properties[parameter.name] = _json_schema(hints[parameter.name], where)
+        if parameter.name in arg_docs:
+            properties[parameter.name]["description"] = arg_docs[parameter.name]
+        if parameter.default is parameter.empty:
+            required.append(parameter.name)
+    summary = re.split(r"\n\s*\n|\n\s*(?:Args|Arguments|Parameters|Returns|Raises):", doc)[0]
+    description = " ".join(summary.split()) or function.__name__
+    return description, {"type": "object", "properties": properties, "required": required}
+
+
+def _json_schema(hint: Any, where: str) -> dict[str, Any]:
+    """The JSON schema of one Python type hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in PYTHON_TYPES:
+        return {"type": PYTHON_TYPES[hint]}
+    if hint is Any:
+        return {}
+    if origin in (typing.Union, types.UnionType):
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:
+            return _json_schema(options[0], where)
+        return {"anyOf": [_json_schema(arg, where) for arg in options]}
+    if origin is Literal and args and all(type(arg) in PYTHON_TYPES for arg in args):
+        return {"type": PYTHON_TYPES[type(args[0])], "enum": list(args)}
+    if hint in (list, tuple) or origin in (list, tuple, Sequence):
+        items = args[0] if len(args) == 1 or (len(args) == 2 and args[1] is Ellipsis) else None
+        return {"type": "array", **({"items": _json_schema(items, where)} if items is not None else {})}
+    if hint is dict or origin in (dict, Mapping):
+        return {"type": "object"}
+    raise ConfigError(f"{where}: type {hint!r} cannot be described to the model")
+
+
+def _arg_docs(doc: str) -> dict[str, str]:
+    """Parameter descriptions from a Google-style Args section or Sphinx `:param name:` lines."""
+    found = {name: text.strip() for name, text in re.findall(r":param\s+(\w+):\s*(.+)", doc)}
+    section = re.search(r"^(?:Args|Arguments|Parameters):\n((?:[ \t]+\S.*\n?)+)", doc, re.MULTILINE)
+    if section is None:
+        return found
+    lines = section.group(1).splitlines()
+    entry_indent = len(lines[0]) - len(lines[0].lstrip())
+    current = None
+    for line in lines:
+        entry = re.match(r"\s*(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line)
+        if entry is not None and len(line) - len(line.lstrip()) == entry_indent:
+            current = entry.group(1)
+            found[current] = entry.group(2).strip()
+        elif current is not None:
+            found[current] = f"{found[current]} {line.strip()}"
+    return found
+
+
+def _invoke(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
+    """Call the tool's function and turn whatever it returns or raises into a ToolResult."""
+    try:
+        value = tool.function(**arguments)
+    except SandboxError as error:
+        return ToolResult(False, "", str(error))
+    except Exception as error:
+        return ToolResult(False, "", f"{tool.name} raised {type(error).__name__}: {error}")
+    if isinstance(value, ToolResult):
+        return value
+    if isinstance(value, str):
+        return ToolResult(True, value)
+    if value is None:
+        return ToolResult(True, "(no result)")
+    return ToolResult(True, json.dumps(value, ensure_ascii=False, default=str))
+
+
+def _invoke_with_timeout(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
+    """Run an in-process tool on a daemon thread; at the timeout, stop waiting (a thread cannot be killed)."""
+    outcome: list[ToolResult] = []
+    worker = threading.Thread(target=lambda: outcome.append(_invoke(tool, arguments)), daemon=True)
+    worker.start()
+    worker.join(tool.options.timeout_s)
+    if not outcome:
+        return ToolResult(False, "", f"{tool.name} timed out after {tool.options.timeout_s:g} s")
+    return outcome[0]
+
+
+def _process_result(result: ProcessResult, options: ToolOptions) -> ToolResult:
+    """A subprocess outcome as a tool result: the output, plus an error for a timeout or a nonzero exit."""
+    output = result.output or "(no output; print() what you want to see)"
+    if result.timed_out:
+        return ToolResult(
+            False, result.output, f"timed out after {options.timeout_s:g} s; the process was killed"
+        )
+    if result.returncode != 0:
+        return ToolResult(False, result.output, f"exited with status {result.returncode}")
+    return ToolResult(True, output)
+
+
+def _object_schema(required: dict[str, str], optional: dict[str, str] | None = None) -> dict[str, Any]:
+    """A parameters schema of string arguments, each with its description."""
+    described = {**required, **(optional or {})}
+    properties = {name: {"type": "string", "description": text} for name, text in described.items()}
+    return {"type": "object", "properties": properties, "required": list(required)}
+
+
+def _python_tool(room: Workspace, options: ToolOptions) -> Tool:
+    def python(code: str) -> ToolResult:
+        return _process_result(run_python(code, room.root, options.timeout_s, options.output_cap), options)
+
+    description = (
+        "Run Python 3 code in a new process in the workspace directory and return what it prints "
+        "(stdout and stderr). The value of a final expression is printed too. No network access."
+    )
+    parameters = _object_schema({"code": "Python source code to run."})
+    return Tool("python", description, parameters, python, options, self_limited=True)
+
+
+def _shell_tool(room: Workspace, options: ToolOptions, confirm: ConfirmFn | None) -> Tool:
+    def shell(command: str) -> ToolResult:
+        argv = shell_argv(command, options.allow)
+        if options.confirm and (confirm is None or not confirm(command)):
+            return ToolResult(False, "", "the user did not allow this command")
+        return _process_result(run_confined(argv, room.root, options.timeout_s, options.output_cap), options)
+
+    description = (
+        f"Run one command ({', '.join(options.allow)}) in the workspace directory and return its output. "
+        "There is no shell: no pipes, redirection, globbing or chaining."
+    )
+    parameters = _object_schema({"command": "The command line, e.g. 'ls -l'."})
+    return Tool("shell", description, parameters, shell, options, self_limited=True)
+
+
+def _read_file_tool(room: Workspace, options: ToolOptions) -> Tool:
+    parameters = _object_schema({"path": "File path relative to the workspace."})
+    return Tool("read_file", "Read a text file from the workspace.", parameters, room.read_text, options)
+
+
+def _write_file_tool(room: Workspace, options: ToolOptions) -> Tool:
+    def write_file(path: str, content: str) -> str:
+        return f"wrote {len(content)} characters to {room.write_text(path, content)}"
+
+    description = (
+        "Write text to a file in the workspace, replacing it if it exists; parent folders are created."
+    )
+    parameters = _object_schema({"path": "File path relative to the workspace.", "content": "The new text."})
+    return Tool("write_file", description, parameters, write_file, options)
+
+
+def _list_dir_tool(room: Workspace, options: ToolOptions) -> Tool:
+    def list_dir(path: str = ".") -> str:
+        return "\n".join(room.list_dir(path)) or "(empty)"
+
+    parameters = _object_schema({}, {"path": "Directory relative to the workspace; default '.'."})
+    description = "List the files and folders (marked with /) in a workspace directory."
+    return Tool("list_dir", description, parameters, list_dir, options)
+
+
+def _final_answer_tool(room: Workspace, options: ToolOptions) -> Tool:
+    def final_answer(answer: str) -> str:
+        return answer
+
+    parameters = _object_schema({"answer": "The answer to the task."})
+    return Tool(
+        FINAL_ANSWER,
+        "Give the final answer to the task; this ends the run.",
+        parameters,
+        final_answer,
+        options,
+    )
+
+
+def _is_json_type(value: object, expected: str) -> bool:
+    """Whether a decoded JSON value has the JSON-schema type `expected` (booleans are not numbers)."""
+    if isinstance(value, bool) and expected != "boolean":
+        return False
+    return isinstance(value, JSON_TYPES[expected])
+
+
+def _json_type_name(value: object) -> str:
+    """The JSON type name of a decoded value, for messages to the model."""
+    for name in ("boolean", "integer", "number", "string", "array", "object"):
+        if _is_json_type(value, name):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _suggest(name: str, choices: Sequence[str]) -> str:
+    """'; did you mean X?' when a close match exists, plus the valid choices."""
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} (built-in tools: {', '.join(choices)})"

@@ -1,0 +1,203 @@
+"""The events an agent run emits, a JSONL writer (one object per line) and a readable headless printer.
+
+Every event names its run (the index of its task) so concurrent runs can share one stream. `stats` fields hold
+`SpecStats.to_json()` of the engine (steps, drafted, accepted, acceptance_rate, tokens_per_step, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+
+@dataclass(slots=True)
+class RunStart:
+    """A run begins: its task and the settings it runs with."""
+
+    type: str = field(default="run_start", init=False)
+    run: int
+    task: str
+    model: str
+    drafter: str
+    k: int | None  # None: adaptive
+    tools: list[str]
+    max_steps: int
+
+
+@dataclass(slots=True)
+class Step:
+    """One model turn finished: its text, and the engine's speculation stats for that turn."""
+
+    type: str = field(default="step", init=False)
+    run: int
+    step: int
+    text: str
+    tokens: int  # tokens generated in this turn
+    finish_reason: str  # the engine's: "eos", "stop", "max_tokens", ...
+    elapsed_s: float  # since the run started
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ToolCallEvent:
+    """The model asked for a tool."""
+
+    type: str = field(default="tool_call", init=False)
+    run: int
+    step: int
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ToolResultEvent:
+    """A tool answered (or failed)."""
+
+    type: str = field(default="tool_result", init=False)
+    run: int
+    step: int
+    id: str
+    name: str
+    ok: bool
+    content: str
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Final:
+    """The run has its answer; `source` is how it was found: "final_answer", "tag" or "regex"."""
+
+    type: str = field(default="final", init=False)
+    run: int
+    step: int
+    answer: str
+    source: str
+
+
+@dataclass(slots=True)
+class Error:
+    """Something went wrong; `fatal` ends the run, else (a malformed call, say) it goes back to the model."""
+
+    type: str = field(default="error", init=False)
+    run: int
+    step: int
+    message: str
+    fatal: bool = False
+
+
+@dataclass(slots=True)
+class RunEnd:
+    """A run is over: why, after how many steps and how long, with its speculation totals."""
+
+    type: str = field(default="run_end", init=False)
+    run: int
+    reason: str  # "final", "max_steps", "max_wall_s", "error" or "cancelled"
+    steps: int
+    tokens: int
+    elapsed_s: float
+    answer: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+Event = RunStart | Step | ToolCallEvent | ToolResultEvent | Final | Error | RunEnd
+
+
+def event_dict(event: Event) -> dict[str, Any]:
+    """An event as a plain dict with `type` first."""
+    return dataclasses.asdict(event)
+
+
+class JsonlWriter:
+    """Writes each event as one JSON object per line; safe to share between runs on several threads."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def write(self, event: Event) -> None:
+        """Append one event and flush, so a crash loses at most the line being written."""
+        line = json.dumps(event_dict(event), ensure_ascii=False)
+        with self.lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+class TracePrinter:
+    """Prints events as a compact plain-text trace: one line per event, model text indented under its step."""
+
+    def __init__(self, stream: TextIO, width: int = 100, max_lines: int = 8) -> None:
+        self.stream = stream
+        self.width = width
+        self.max_lines = max_lines
+        self.lock = threading.Lock()
+
+    def write(self, event: Event) -> None:
+        """Print one event."""
+        lines = self.format(event)
+        with self.lock:
+            self.stream.write("\n".join(lines) + "\n")
+            self.stream.flush()
+
+    def format(self, event: Event) -> list[str]:
+        """The lines that show one event."""
+        tag = f"[run {event.run}]"
+        match event:
+            case RunStart():
+                k = "auto" if event.k is None else event.k
+                tools = ", ".join(event.tools) or "none"
+                settings = f"model {event.model}, drafter {event.drafter} k={k}, tools {tools}"
+                return [
+                    self._clip(f"{tag} task: {event.task}"),
+                    f"{tag}   {settings}, max {event.max_steps} steps",
+                ]
+            case Step():
+                head = f"{tag} step {event.step}: {event.tokens} tokens{_stats_text(event.stats)}"
+                return [head, *self._block(event.text)]
+            case ToolCallEvent():
+                arguments = json.dumps(event.arguments, ensure_ascii=False)
+                return [self._clip(f"{tag}   -> {event.name}({arguments})")]
+            case ToolResultEvent():
+                status = "ok" if event.ok else f"error: {event.error}"
+                return [self._clip(f"{tag}   <- {event.name} {status}"), *self._block(event.content)]
+            case Final():
+                head = f"{tag} => final answer ({event.source})"
+                if "\n" in event.answer.strip():
+                    return [head + ":", *self._block(event.answer)]
+                return [self._clip(f"{head}: {event.answer.strip()}")]
+            case Error():
+                return [self._clip(f"{tag} !! {'fatal: ' if event.fatal else ''}{event.message}")]
+            case RunEnd():
+                return [
+                    f"{tag} end: {event.reason} after {event.steps} steps, {event.tokens} tokens, "
+                    f"{event.elapsed_s:.1f} s{_stats_text(event.stats)}"
+                ]
+        raise TypeError(f"not an agent event: {event!r}")
+
+    def _block(self, text: str) -> list[str]:
+        """Text indented under its event, cut to max_lines lines of at most `width` characters."""
+        lines = text.strip().splitlines() or ["(empty)"]
+        shown = [self._clip("      | " + line) for line in lines[: self.max_lines]]
+        if len(lines) > self.max_lines:
+            shown.append(f"      | ... {len(lines) - self.max_lines} more lines")
+        return shown
+
+    def _clip(self, line: str) -> str:
+        """One line, newlines flattened, cut to `width` characters."""
+        line = line.replace("\n", " ")
+        return line if len(line) <= self.width else line[: self.width - 3] + "..."
+
+
+def _stats_text(stats: dict[str, Any]) -> str:
+    """', 2.31 tokens/step, 57% accepted, 80% prefix-cache hits' for what the stats hold."""
+    parts = []
+    if "tokens_per_step" in stats:
+        parts.append(f"{stats['tokens_per_step']:.2f} tokens/step")
+    if stats.get("drafted"):
+        parts.append(f"{stats.get('acceptance_rate', 0.0):.0%} accepted")
+    if "prefix_hit_rate" in stats:
+        parts.append(f"{stats['prefix_hit_rate']:.0%} prefix-cache hits")
+    return "".join(f", {part}" for part in parts)
