@@ -111,7 +111,7 @@ class ToolsConfig:
                 raise ConfigError(f"unknown tool {name!r}{_suggest(name, BUILTIN_TOOLS)}")
         shell = self.builtin.get("shell")
         if shell is not None and not shell.allow:
-            raise ConfigError("tools.shell needs an allow list of command names")
+            raise ConfigError("the shell tool needs an allow list of command names (tools.shell.allow)")
         seen = set(self.builtin)
         for tool in self.user:
             if tool.name in seen:

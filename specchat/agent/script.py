@@ -1,0 +1,351 @@
+"""The agent script: one TOML file naming the model, prompt, tools, tasks, limits and speculation of its runs.
+
+Paths in a script (workspace, tasks_file, tools.user.module, a model given as ./path) are relative to the
+script's folder. Every problem is a ConfigError of one line that names the file and the key (docs/agents.md).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from specchat.agent.tools import (
+    BUILTIN_TOOLS,
+    DEFAULT_OUTPUT_CAP,
+    DEFAULT_TIMEOUT_S,
+    FINAL_ANSWER,
+    ToolOptions,
+    ToolsConfig,
+    load_user_tools,
+)
+from specchat.config import SamplingParams, SpecParams
+from specchat.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m"
+DRAFTERS = ("none", "ngram", "heads", "draft-model")
+STOP_KINDS = ("tool", "tag", "regex")
+TAG_NAME = re.compile(r"^[A-Za-z][\w.-]*$")
+TOP_KEYS = (
+    "model",
+    "system_prompt",
+    "tasks",
+    "tasks_file",
+    "max_steps",
+    "max_wall_s",
+    "concurrency",
+    "workspace",
+    "copy_workspace",
+    "sampling",
+    "speculation",
+    "tools",
+    "stop",
+)
+SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "max_tokens": int}
+TOOL_OPTION_KEYS = ("timeout_s", "output_cap")
+SHELL_OPTION_KEYS = (*TOOL_OPTION_KEYS, "allow", "confirm")
+TOML_TYPES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "a table",
+}
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class StopCondition:
+    """When a run has its answer: a call to final_answer, text inside <tag>...</tag>, or a regex match."""
+
+    kind: str = "tool"  # "tool" | "tag" | "regex"
+    value: str = FINAL_ANSWER  # the tool name, the tag name or the pattern
+    pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in STOP_KINDS:
+            raise ConfigError(f"stop kind must be one of {', '.join(STOP_KINDS)}, got {self.kind!r}")
+        if self.kind == "tool" and self.value != FINAL_ANSWER:
+            raise ConfigError(f"stop.tool must be {FINAL_ANSWER!r}, got {self.value!r}")
+        if self.kind == "tag":
+            if not TAG_NAME.match(self.value):
+                raise ConfigError(f"stop.tag must be a tag name such as 'final', got {self.value!r}")
+            tag = re.escape(self.value)
+            self.pattern = re.compile(rf"<{tag}>(.*?)</{tag}>", re.DOTALL)
+        if self.kind == "regex":
+            try:
+                self.pattern = re.compile(self.value)
+            except re.error as error:
+                raise ConfigError(f"stop.regex is not a valid regular expression: {error}") from None
+
+    def answer_in(self, text: str) -> str | None:
+        """For tag and regex stops, the answer in a reply (a regex's first group if it has one), else None."""
+        match = self.pattern.search(text) if self.pattern is not None else None
+        if match is None:
+            return None
+        return (match.group(1) if self.pattern.groups else match.group(0)).strip()
+
+
+@dataclass(slots=True)
+class AgentScript:
+    """A validated agent script; its paths are absolute."""
+
+    path: Path
+    tasks: list[str]
+    system_prompt: str
+    model: str = DEFAULT_MODEL
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    stop: StopCondition = field(default_factory=StopCondition)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculation: SpecParams = field(default_factory=lambda: SpecParams(drafter="none"))
+    max_steps: int = 8  # model turns per run
+    max_wall_s: float = 300.0  # wall time per run
+    concurrency: int = 1  # runs in flight at once
+    workspace: Path | None = None  # None: each run gets a fresh empty folder
+    copy_workspace: bool = False  # each run works on its own copy of the workspace
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ConfigError('no tasks: give tasks = ["..."] or tasks_file = "..."')
+        for index, task in enumerate(self.tasks):
+            if not task.strip():
+                raise ConfigError(f"task {index + 1} is empty")
+        if not self.model.strip():
+            raise ConfigError("model must not be empty")
+        if self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if not self.max_wall_s > 0:
+            raise ConfigError(f"max_wall_s must be > 0, got {self.max_wall_s}")
+        if self.concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.workspace is not None and not self.workspace.is_dir():
+            raise ConfigError(f"workspace: no such directory {self.workspace}")
+        if self.stop.kind == "tool" and FINAL_ANSWER not in self.tools.builtin:
+            raise ConfigError(f"stop.tool needs the {FINAL_ANSWER} tool enabled")
+
+    @property
+    def name(self) -> str:
+        """The script's file name without its suffix."""
+        return self.path.stem
+
+
+def load_script(path: str | Path) -> AgentScript:
+    """Read and validate an agent script; any problem is one ConfigError line naming the file and the key."""
+    path = Path(path)
+    try:
+        return _parse_script(path)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def default_system_prompt(stop: StopCondition) -> str:
+    """The system prompt of a script that gives none; it says how to finish, as the stop condition expects."""
+    finish = {
+        "tool": f"When you know the answer, call {FINAL_ANSWER} with it.",
+        "tag": f"When you know the answer, write it as <{stop.value}>the answer</{stop.value}>.",
+        "regex": "When you know the answer, state it.",
+    }[stop.kind]
+    return f"You are a helpful assistant that solves tasks with tools. Call a tool, read its result. {finish}"
+
+
+def _parse_script(path: Path) -> AgentScript:
+    """The script at `path`, with errors not yet prefixed by the file name."""
+    top = _Table(_read_toml(path), "", TOP_KEYS)
+    base = path.resolve().parent
+    stop = _stop(top.table("stop", STOP_KINDS))
+    workspace = top.get("workspace", str, None)
+    return AgentScript(
+        path=path.resolve(),
+        model=_model(top.get("model", str, DEFAULT_MODEL), base),
+        system_prompt=top.get("system_prompt", str, None) or default_system_prompt(stop),
+        tasks=_tasks(top, base),
+        tools=_tools(top.table("tools", ("enabled", *TOOL_OPTION_KEYS, "user", *BUILTIN_TOOLS)), base, stop),
+        stop=stop,
+        sampling=_sampling(top.table("sampling", tuple(SAMPLING_KEYS))),
+        speculation=_speculation(top.table("speculation", ("drafter", "k", "k_max"))),
+        max_steps=top.get("max_steps", int, 8),
+        max_wall_s=top.get("max_wall_s", float, 300.0),
+        concurrency=top.get("concurrency", int, 1),
+        workspace=(base / workspace).resolve() if workspace is not None else None,
+        copy_workspace=top.get("copy_workspace", bool, False),
+    )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("no such file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read the script: {error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"invalid TOML: {error}") from None
+
+
+def _model(model: str, base: Path) -> str:
+    """An alias or hub id unchanged; a path (./x, ../x, /x, ~/x or *.gguf) made absolute and checked."""
+    if not model.startswith(("./", "../", "/", "~")) and not model.endswith(".gguf"):
+        return model
+    path = (base / Path(model).expanduser()).resolve()
+    if not path.exists():
+        raise ConfigError(f"model: no such file or directory {path}")
+    return str(path)
+
+
+def _tasks(top: _Table, base: Path) -> list[str]:
+    """The tasks given inline, or read from tasks_file (one per line, or a TOML file with a tasks array)."""
+    inline = top.strings("tasks", None)
+    tasks_file = top.get("tasks_file", str, None)
+    if inline is not None and tasks_file is not None:
+        raise ConfigError("give tasks or tasks_file, not both")
+    if tasks_file is None:
+        return inline or []
+    path = base / tasks_file
+    if not path.is_file():
+        raise ConfigError(f"tasks_file: no such file {path}")
+    if path.suffix == ".toml":
+        return _wrap(
+            f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", [])
+        )
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _tools(table: _Table, base: Path, stop: StopCondition) -> ToolsConfig:
+    """The [tools] table: enabled built-ins, [tools.NAME] options, [tools.user] module."""
+    enabled = table.strings("enabled", [])
+    defaults = {
+        "timeout_s": table.get("timeout_s", float, DEFAULT_TIMEOUT_S),
+        "output_cap": table.get("output_cap", int, DEFAULT_OUTPUT_CAP),
+    }
+    for name in enabled:
+        if name not in BUILTIN_TOOLS:
+            close = difflib.get_close_matches(name, BUILTIN_TOOLS, n=1)
+            hint = (
+                f"; did you mean {close[0]!r}?" if close else f" (built-in tools: {', '.join(BUILTIN_TOOLS)})"
+            )
+            raise ConfigError(f"tools.enabled: unknown tool {name!r}{hint}")
+    for name in BUILTIN_TOOLS:
+        if name in table.data and name not in enabled:
+            raise ConfigError(f"tools.{name} has options but {name!r} is not in tools.enabled")
+    builtin = {name: _tool_options(table, name, defaults) for name in dict.fromkeys(enabled)}
+    if stop.kind == "tool":
+        builtin.setdefault(FINAL_ANSWER, ToolOptions(**defaults))
+    user = []
+    if "user" in table.data:
+        user_table = table.table("user", ("module", "functions", *TOOL_OPTION_KEYS))
+        module = user_table.get("module", str, None)
+        if module is None:
+            raise ConfigError("tools.user.module is required: the Python file that defines the tools")
+        functions = user_table.strings("functions", [])
+        options = _wrap("tools.user", lambda: ToolOptions(**_options(user_table, defaults)))
+        user = _wrap("tools.user", lambda: load_user_tools(base / module, functions, options))
+    return _wrap("tools", lambda: ToolsConfig(builtin, user))
+
+
+def _tool_options(table: _Table, name: str, defaults: dict[str, Any]) -> ToolOptions:
+    """The options of one enabled built-in, from [tools.NAME] over the [tools] defaults."""
+    options_table = table.table(name, SHELL_OPTION_KEYS if name == "shell" else TOOL_OPTION_KEYS)
+    options = _options(options_table, defaults)
+    if name == "shell":
+        options["allow"] = tuple(options_table.strings("allow", []))
+        options["confirm"] = options_table.get("confirm", bool, True)
+    return _wrap(f"tools.{name}", lambda: ToolOptions(**options))
+
+
+def _options(table: _Table, defaults: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "timeout_s": table.get("timeout_s", float, defaults["timeout_s"]),
+        "output_cap": table.get("output_cap", int, defaults["output_cap"]),
+    }
+
+
+def _stop(table: _Table) -> StopCondition:
+    """The [stop] table: exactly one of tool, tag or regex; final_answer when absent."""
+    given = [kind for kind in STOP_KINDS if kind in table.data]
+    if not given:
+        return StopCondition()
+    if len(given) > 1:
+        raise ConfigError(f"stop takes one of {', '.join(STOP_KINDS)}, got {' and '.join(given)}")
+    return StopCondition(given[0], table.get(given[0], str, None))
+
+
+def _sampling(table: _Table) -> SamplingParams:
+    values = {key: table.get(key, kind, None) for key, kind in SAMPLING_KEYS.items() if key in table.data}
+    return _wrap("sampling", lambda: SamplingParams(**values))
+
+
+def _speculation(table: _Table) -> SpecParams:
+    """The [speculation] table: drafter none | ngram | heads | draft-model[:NAME], k an integer or "auto"."""
+    drafter = table.get("drafter", str, "none")
+    family, _, draft_model = drafter.partition(":")
+    if family not in DRAFTERS or (":" in drafter and (family != "draft-model" or not draft_model)):
+        raise ConfigError(
+            f"speculation.drafter must be none, ngram, heads or draft-model[:NAME], got {drafter!r}"
+        )
+    k = table.data.get("k", 4)
+    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
+        raise ConfigError(f'speculation.k must be an integer or "auto", got {_describe(k)}')
+    k_max = table.get("k_max", int, 8)
+    return _wrap(
+        "speculation", lambda: SpecParams(drafter=drafter, k=None if k == "auto" else k, k_max=k_max)
+    )
+
+
+def _wrap(where: str, build: Callable[[], T]) -> T:
+    """Run `build`, naming `where` in the ConfigError it raises."""
+    try:
+        return build()
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _describe(value: object) -> str:
+    """'a string "8"': a TOML value's type and the value, for messages."""
+    kind = next((name for kind, name in TOML_TYPES.items() if isinstance(value, kind)), type(value).__name__)
+    return f"{kind} {value!r}"
+
+
+class _Table:
+    """A TOML table read key by key with type checks; a key it does not know is an error at once."""
+
+    def __init__(self, data: dict[str, Any], name: str, keys: Sequence[str]) -> None:
+        self.data = data
+        self.name = name
+        for key in data:
+            if key not in keys:
+                close = difflib.get_close_matches(key, keys, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(keys)})"
+                raise ConfigError(f"unknown key {self.where(key)!r}{hint}")
+
+    def where(self, key: str) -> str:
+        """The dotted name of a key, for messages."""
+        return f"{self.name}.{key}" if self.name else key
+
+    def get(self, key: str, kind: type[T], default: Any) -> T:
+        """The value of `key` checked to be of `kind` (integers pass as floats, booleans never as numbers)."""
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)  # type: ignore[return-value]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise ConfigError(f"{self.where(key)} must be {TOML_TYPES[kind]}, got {_describe(value)}")
+        return value
+
+    def strings(self, key: str, default: list[str] | None) -> list[str] | None:
+        """An array of strings."""
+        values = self.get(key, list, default)
+        for index, value in enumerate(values or []):
+            if not isinstance(value, str):
+                raise ConfigError(f"{self.where(key)}[{index}] must be a string, got {_describe(value)}")
+        return values
+
+    def table(self, key: str, keys: Sequence[str]) -> _Table:
+        """A sub-table (empty when absent) that knows `keys`."""
+        return _Table(self.get(key, dict, {}), self.where(key), keys)
