@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.drafters import Drafter, make_drafter
 from specchat.engine.kv_cache import DensePages, KVPool
 from specchat.engine.loader import Progress, build_model, load_checkpoint
@@ -119,8 +120,8 @@ class Engine:
         path = fetch(spec, progress=progress)
         device = pick_device(config.device)
         dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-        tokenizer = load_tokenizer(spec, path)
         model_cfg, state = load_checkpoint(path, progress=progress)
+        tokenizer = load_tokenizer(spec, path)
         model = build_model(model_cfg, state, dtype, device)
         del state
         budget = config.kv_memory or default_kv_budget(device)
@@ -183,6 +184,7 @@ class Engine:
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
             k=spec.k if spec.k is not None else min(4, spec.k_max),
+            adaptive=AdaptiveK(spec.k_max) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id)
         with self._lock:
@@ -197,6 +199,32 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         self.apply(lambda: self.scheduler.cancel(request_id))
+
+    def _running_seqs(self, request_id: int | None) -> list[Sequence]:
+        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        return seqs if request_id is None else [s for s in seqs if s.seq_id == request_id]
+
+    def set_k(self, k: int | None, request_id: int | None = None) -> None:
+        """Draft length for one request (or all live ones): an int, or None for adaptive; next step on."""
+
+        def change() -> None:
+            for seq in self._running_seqs(request_id):
+                seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
+                seq.adaptive = AdaptiveK(seq.spec.k_max) if k is None else None
+                seq.k = k if k is not None else seq.adaptive.best_k()
+
+        self.apply(change)
+
+    def set_drafter(self, name: str, request_id: int | None = None) -> None:
+        """Switch the drafter of one request (or all live ones) from the next step on."""
+        self.drafter(name)  # unknown names fail here, in the caller
+
+        def change() -> None:
+            for seq in self._running_seqs(request_id):
+                self.drafter(seq.spec.drafter).release(seq)
+                seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
+
+        self.apply(change)
 
     def apply(self, command: Callable[[], None]) -> None:
         """Run a change to engine state between steps (on the engine's thread)."""

@@ -135,11 +135,14 @@ class KVPool:
         return -(-num_tokens // self.page_size)
 
     # --- per-request bookkeeping ------------------------------------------------------------------------
-    def add(self, seq_id: int) -> None:
+    def add(self, seq_id: int, token_ids: list[int]) -> int:
+        """Start a block table for a request; returns how many of its leading tokens are already cached."""
         self.tables[seq_id] = []
         self.lengths[seq_id] = 0
+        return 0
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
+        """Release a request's pages (token_ids: its tokens, for caches that keep finished prefixes)."""
         self.free_pages.extend(reversed(self.tables.pop(seq_id)))
         del self.lengths[seq_id]
 

@@ -258,13 +258,13 @@ def build_model(
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state_dict))
     if missing:
-        raise ModelFormatError(f"checkpoint lacks {missing[0]}" + (f" and {len(missing) - 1} more" if missing[1:] else ""))
+        raise ModelFormatError(
+            f"checkpoint lacks {missing[0]}" + (f" and {len(missing) - 1} more" if missing[1:] else "")
+        )
     for name, ref in expected.items():
         got = state_dict[name]
         if tuple(got.shape) != tuple(ref.shape):
-            raise ModelFormatError(
-                f"tensor {name} has shape {tuple(got.shape)}, the config implies {tuple(ref.shape)}"
-            )
+            raise ModelFormatError(f"tensor {name} has shape {tuple(got.shape)}, the config implies {tuple(ref.shape)}")
     tensors = {name: state_dict[name].to(device=device, dtype=dtype) for name in expected}
     if cfg.tie_embeddings:
         tensors["lm_head.weight"] = tensors["embed.weight"]

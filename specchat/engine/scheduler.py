@@ -50,7 +50,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, events: list[Event]) -> None:
         if seq.status is Status.RUNNING:
-            self.pool.free(seq.seq_id)
+            self.pool.free(seq.seq_id, seq.all_ids[: seq.num_cached])
             self.drafter_for(seq.spec.drafter).release(seq)
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -76,13 +76,13 @@ class Scheduler:
             if need > len(self.pool.free_pages):
                 break
             self.waiting.popleft()
-            self.pool.add(seq.seq_id)
+            seq.num_cached = self.pool.add(seq.seq_id, seq.all_ids)
             seq.status = Status.RUNNING
             self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a request's pages and queue it to be recomputed later; nothing it produced is lost."""
-        self.pool.free(seq.seq_id)
+        self.pool.free(seq.seq_id, seq.all_ids[: seq.num_cached])
         self.drafter_for(seq.spec.drafter).release(seq)
         self.running.remove(seq)
         seq.num_cached = 0
@@ -141,7 +141,9 @@ class Scheduler:
             drafter: Drafter = self.drafter_for(name)
             taps.update(drafter.taps)
             g0 = time.perf_counter()
-            for (seq, k), draft in zip(group, drafter.propose([s for s, _ in group], [k for _, k in group]), strict=True):
+            for (seq, k), draft in zip(
+                group, drafter.propose([s for s, _ in group], [k for _, k in group]), strict=True
+            ):
                 drafts[seq.seq_id] = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
                 draft_ms[seq.seq_id] = (time.perf_counter() - g0) * 1e3
         for seq in self.running:
@@ -175,8 +177,11 @@ class Scheduler:
             kept = seq.append_tokens(emitted)
             verify_ms = (time.perf_counter() - t1) * 1e3
             if was_decode:
-                rec = StepRecord(k, accepted, len(kept), draft_ms.get(seq.seq_id, 0.0), verify_ms)
+                # a stop token ends the output but was produced by this step all the same
+                produced = len(kept) + (len(kept) < len(emitted) and seq.finish_reason == "stop")
+                rec = StepRecord(k, accepted, produced, draft_ms.get(seq.seq_id, 0.0), verify_ms)
                 seq.stats.observe_step(rec)
+                seq.k = seq.adaptive.update(k, accepted) if seq.adaptive else (seq.spec.k or 0)
                 events.append(StepEvent(seq.seq_id, rec, seq.k))
             delta = seq.take_delta()
             if delta or kept:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.config import SamplingParams, SpecParams
+from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.stats import SpecStats, StepRecord
 from specchat.engine.tokenizer import StreamDecoder
 
@@ -77,6 +78,7 @@ class Sequence:
     error: str | None = None
     num_cached: int = 0  # tokens whose keys/values are in the KV pool
     k: int = 0  # drafts to propose at the next step
+    adaptive: AdaptiveK | None = None  # set when the request's k is "auto"
     text: str = ""  # output text so far (stop strings cut off)
     emitted_chars: int = 0  # how much of `text` has gone out in TextDelta events
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # tapped hidden state of the newest token

@@ -1,0 +1,3 @@
+from specchat.cli import main
+
+main()

@@ -1,0 +1,55 @@
+"""`specchat models` lists the registry; `specchat pull` fetches a model ahead of time."""
+
+from __future__ import annotations
+
+import click
+
+from specchat.cli.options import StderrProgress
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return "?"
+
+
+@click.command()
+def models() -> None:
+    """List model aliases, where they come from, their size and whether they are present locally."""
+    from specchat.registry import disk_size, load_registry, local_path
+
+    specs, default = load_registry()
+    rows = []
+    for alias, spec in specs.items():
+        path = local_path(spec)
+        size = disk_size(path) if path else spec.size
+        name = f"{alias} (default)" if alias == default else alias
+        rows.append((name, spec.where, human_bytes(size), "yes" if path else "no", spec.description))
+    headers = ("alias", "source", "size", "local", "description")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers[:-1])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    click.echo(fmt.format(*headers))
+    for row in rows:
+        click.echo(fmt.format(*row))
+
+
+@click.command()
+@click.argument("name", required=False)
+def pull(name: str | None) -> None:
+    """Fetch model NAME (default: smollm2-135m) into the cache ahead of time."""
+    from specchat.engine.engine import load_tokenizer
+    from specchat.registry import fetch, resolve
+
+    spec = resolve(name)
+    path = fetch(spec, progress=StderrProgress())
+    load_tokenizer(spec, path)
+    click.echo(f"{spec.alias}: {path}")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(models)
+    group.add_command(pull)

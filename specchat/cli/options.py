@@ -1,0 +1,88 @@
+"""Options shared by several commands, and turning them into validated config objects."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from specchat.config import DEVICES, DTYPES, EngineConfig, SamplingParams, SpecParams
+from specchat.errors import ConfigError
+
+
+def model_options(func):
+    """MODEL argument + device / dtype."""
+
+    @click.argument("model", required=False)
+    @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+    @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def sampling_options(func):
+    @click.option("--max-tokens", type=int, default=256, show_default=True)
+    @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
+    @click.option("--top-p", type=float, default=1.0, show_default=True)
+    @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off")
+    @click.option("--seed", type=int, default=None)
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def spec_options(func):
+    @click.option("--drafter", default="none", show_default=True, help="none | ngram | heads | draft-model[:NAME]")
+    @click.option("--k", "k", default="4", show_default=True, help="draft tokens per step, or 'auto'")
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def engine_config(model: str | None, device: str, dtype: str | None, **extra) -> EngineConfig:
+    return EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, **extra)
+
+
+def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+
+
+def spec_params(drafter: str, k: str) -> SpecParams:
+    if k == "auto":
+        return SpecParams(drafter=drafter, k=None)
+    try:
+        value = int(k)
+    except ValueError:
+        raise ConfigError(f"--k must be an integer or 'auto', got {k!r}") from None
+    return SpecParams(drafter=drafter, k=value)
+
+
+class StderrProgress:
+    """A one-line progress display on stderr for fetching and loading (silent when not a terminal)."""
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty()
+        self.last = ""
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if total:
+            width = 30
+            filled = int(width * done / total)
+            line = f"{what} [{'#' * filled}{'.' * (width - filled)}] {100 * done // total:3d}%"
+        else:
+            line = f"{what} ..."
+        if line != self.last:
+            click.echo(f"\r\033[K{line}", err=True, nl=False)
+            self.last = line
+        if total and done >= total:
+            click.echo("\r\033[K", err=True, nl=False)
