@@ -123,9 +123,7 @@ class Workspace:
     def write_text(self, path: str, content: str) -> str:
         """Write a workspace file, creating parent folders; returns its path relative to the root."""
         if len(content) > MAX_WRITE_CHARS:
-            raise SandboxError(
-                f"content has {len(content)} characters; at most {MAX_WRITE_CHARS} are written"
-            )
+            raise SandboxError(f"content has {len(content)} characters; at most {MAX_WRITE_CHARS} are written")
         target = self.resolve(path)
         if target.is_dir():
             raise SandboxError(f"{path!r} is a directory")
@@ -228,13 +226,18 @@ def run_confined(
     outlive the call. Output beyond `output_cap` bytes is dropped from the middle as it is read, so memory
     stays bounded.
     """
+    env = confined_env(workspace)
+    program = shutil.which(argv[0], path=env["PATH"])
+    if program is None:
+        raise SandboxError(f"command not found: {argv[0]!r}")
+    argv = [program, *argv[1:]]
     if network_namespace_available():
         argv = [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--net", *argv]
     try:
         process = subprocess.Popen(
             argv,
             cwd=workspace,
-            env=confined_env(workspace),
+            env=env,
             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

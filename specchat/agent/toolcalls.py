@@ -22,7 +22,7 @@ from typing import Any
 from specchat.agent.tools import ToolResult
 
 HERMES_OPEN = "<tool_call>"
-HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 LLAMA_END_TOKENS = ("<|eom_id|>", "<|eot_id|>")
 THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)  # reasoning is not acted on
@@ -107,22 +107,16 @@ class _Collector:
             self.reply.calls.append(ToolCall(call_id(self.step, len(self.reply.calls)), name, arguments))
 
     def add_all(self, body: str) -> None:
-        """Record every JSON value in `body`, separated by whitespace, ',' or ';'."""
-        index = _skip_separators(body, 0)
-        if index == len(body):
-            self.error("empty tool call")
+        """Record every JSON value in `body`; a value that does not decode becomes an error."""
+        try:
+            values, _ = _read_values(body, 0, None)
+        except _DecodeError as error:
+            self.error(f"tool call could not be parsed: {error}")
             return
-        while index < len(body):
-            if body[index] not in "{[":
-                self.error(f"expected a JSON object, found {body[index : index + 20]!r}")
-                return
-            try:
-                value, index = _decode_at(body, index)
-            except _DecodeError as error:
-                self.error(f"tool call could not be parsed: {error}")
-                return
+        if not values:
+            self.error("empty tool call")
+        for value in values:
             self.add(value)
-            index = _skip_separators(body, index)
 
     def finish(self, content: str) -> ParsedReply:
         self.reply.content = EMPTY_FENCE.sub("", content).strip()
@@ -130,16 +124,30 @@ class _Collector:
 
 
 def _parse_hermes(text: str, step: int) -> ParsedReply:
-    """<tool_call> blocks; an unclosed last block counts when its JSON is whole (the model stopped early)."""
+    """<tool_call> blocks; an unclosed last block counts when its JSON is whole (the model stopped early).
+
+    Values are decoded from the opening tag on, so a closing tag inside a JSON string does not end the block;
+    only when that fails is the block cut at the first closing tag, so a broken call cannot swallow the next.
+    """
     collector = _Collector(step, "hermes")
     spans = []
-    for match in HERMES_BLOCK.finditer(text):
-        collector.add_all(_unfence(match.group(1)))
-        spans.append(match.span())
-    unclosed = text.rfind(HERMES_OPEN)
-    if not spans or unclosed >= spans[-1][1]:
-        collector.add_all(_unfence(text[unclosed + len(HERMES_OPEN) :]))
-        spans.append((unclosed, len(text)))
+    start = text.find(HERMES_OPEN)
+    while start != -1:
+        body_start = start + len(HERMES_OPEN)
+        first_close = text.find(HERMES_CLOSE, body_start)
+        try:
+            values, index = _read_values(text, body_start, HERMES_CLOSE)
+        except _DecodeError:
+            index = first_close if first_close != -1 else len(text)
+            collector.add_all(text[body_start:index])
+        else:
+            if not values:
+                collector.error("empty tool call")
+            for value in values:
+                collector.add(value)
+        end = index + len(HERMES_CLOSE) if text.startswith(HERMES_CLOSE, index) else len(text)
+        spans.append((start, end))
+        start = text.find(HERMES_OPEN, end)
     return collector.finish(_remove_spans(text, spans))
 
 
@@ -196,9 +204,7 @@ def _decode_at(text: str, start: int) -> tuple[object, int]:
     try:
         return ast.literal_eval(text[start:end]), end
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        raise _DecodeError(
-            f"invalid JSON ({json_error.msg} at character {json_error.pos - start})", end
-        ) from None
+        raise _DecodeError(f"invalid JSON ({json_error.msg} at character {json_error.pos - start})", end) from None
 
 
 def _balanced_end(text: str, start: int) -> int | None:
@@ -257,17 +263,31 @@ def _is_call(value: object) -> bool:
     return isinstance(value.get("name"), str) and ("arguments" in value or "parameters" in value)
 
 
-def _unfence(body: str) -> str:
-    """A block body without a surrounding ``` or ```json fence."""
-    body = body.strip()
-    if body.startswith("```"):
-        body = body.removeprefix("```json").removeprefix("```").removesuffix("```")
-    return body
+def _read_values(text: str, index: int, closing: str | None) -> tuple[list[object], int]:
+    """The JSON values from text[index] up to `closing` or the end, and where reading stopped.
+
+    Values may be separated by whitespace, ',' or ';' and wrapped in a ``` or ```json fence.
+    """
+    values = []
+    index = _skip_separators(text, index)
+    while index < len(text) and not (closing and text.startswith(closing, index)):
+        if text[index] not in "{[":
+            raise _DecodeError(f"expected a JSON object, found {text[index : index + 20]!r}", index)
+        value, index = _decode_at(text, index)
+        values.append(value)
+        index = _skip_separators(text, index)
+    return values, index
 
 
 def _skip_separators(text: str, index: int) -> int:
-    while index < len(text) and (text[index].isspace() or text[index] in ",;"):
-        index += 1
+    """The index of the next character that is not a separator or a code fence."""
+    while index < len(text):
+        if text[index].isspace() or text[index] in ",;":
+            index += 1
+        elif text.startswith("```", index):
+            index += 7 if text.startswith("```json", index) else 3
+        else:
+            break
     return index
 
 

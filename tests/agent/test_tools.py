@@ -1,0 +1,263 @@
+"""Built-in and user tools through the Toolbox: schemas, bounded calls, failures as results."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from specchat.agent.tools import (
+    Tool,
+    Toolbox,
+    ToolOptions,
+    ToolResult,
+    ToolsConfig,
+    build_toolbox,
+    function_tool,
+    load_user_tools,
+    tool,
+)
+from specchat.errors import ConfigError
+
+FILE_TOOLS = ("read_file", "write_file", "list_dir", "final_answer")
+
+
+def toolbox(tmp_path: Path, *names: str, ask=None, **shell) -> Toolbox:
+    options = {name: ToolOptions(timeout_s=20) for name in names}
+    if "shell" in names:
+        options["shell"] = ToolOptions(timeout_s=20, **shell)
+    return build_toolbox(ToolsConfig(options), tmp_path, ask)
+
+
+def test_schemas_follow_the_hf_function_convention(tmp_path: Path):
+    schemas = toolbox(tmp_path, "python", *FILE_TOOLS).schemas()
+    assert [s["function"]["name"] for s in schemas] == ["python", *FILE_TOOLS]
+    for schema in schemas:
+        assert schema["type"] == "function"
+        assert set(schema["function"]) == {"name", "description", "parameters"}
+        assert schema["function"]["parameters"]["type"] == "object"
+    python = schemas[0]["function"]["parameters"]
+    assert python["properties"]["code"]["type"] == "string" and python["required"] == ["code"]
+
+
+def test_python_tool(tmp_path: Path):
+    box = toolbox(tmp_path, "python")
+    assert box.call("python", {"code": "print(17 * 23)"}) == ToolResult(True, "391\n")
+    failed = box.call("python", {"code": "raise ValueError('boom')"})
+    assert not failed.ok and failed.error == "exited with status 1" and "ValueError: boom" in failed.content
+    silent = box.call("python", {"code": "x = 1"})
+    assert silent.ok and "no output" in silent.content
+
+
+def test_python_tool_timeout_is_an_error_result(tmp_path: Path):
+    box = build_toolbox(ToolsConfig({"python": ToolOptions(timeout_s=0.5)}), tmp_path)
+    result = box.call("python", {"code": "import time\ntime.sleep(30)"})
+    assert not result.ok and "timed out after 0.5 s" in result.error
+
+
+def test_file_tools_round_trip_and_refuse_escapes(tmp_path: Path):
+    box = toolbox(tmp_path, *FILE_TOOLS)
+    assert box.call("write_file", {"path": "a/b.txt", "content": "fact: 42"}).ok
+    assert box.call("read_file", {"path": "a/b.txt"}) == ToolResult(True, "fact: 42")
+    assert box.call("list_dir", {}) == ToolResult(True, "a/")
+    assert box.call("list_dir", {"path": "a"}) == ToolResult(True, "b.txt")
+    escaped = box.call("read_file", {"path": "../../etc/passwd"})
+    assert not escaped.ok and "leave the workspace" in escaped.error
+    assert not box.call("write_file", {"path": "/etc/x", "content": ""}).ok
+
+
+def test_final_answer_returns_the_answer_and_takes_numbers(tmp_path: Path):
+    box = toolbox(tmp_path, "final_answer")
+    assert box.call("final_answer", {"answer": "391"}) == ToolResult(True, "391")
+    assert box.call("final_answer", {"answer": 391}) == ToolResult(True, "391")
+
+
+def test_bad_calls_come_back_as_errors(tmp_path: Path):
+    box = toolbox(tmp_path, "python", "read_file")
+    assert "unknown tool 'pyhton'" in box.call("pyhton", {"code": ""}).error
+    assert "missing required argument 'code'" in box.call("python", {}).error
+    assert "unknown argument 'file'" in box.call("read_file", {"file": "a"}).error
+    assert "must be string, got boolean" in box.call("read_file", {"path": True}).error
+    assert "must be a JSON object" in box.call("python", ["print(1)"]).error
+
+
+def test_shell_runs_allowed_commands_without_a_shell(tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("alpha\nbeta\n")
+    box = toolbox(tmp_path, "shell", allow=("grep", "ls"), confirm=False)
+    assert box.call("shell", {"command": "grep -n beta notes.txt"}) == ToolResult(True, "2:beta\n")
+    refused = box.call("shell", {"command": "rm notes.txt"})
+    assert not refused.ok and "not allowed" in refused.error
+    assert not box.call("shell", {"command": "grep beta notes.txt | ls"}).ok
+    assert (tmp_path / "notes.txt").exists()
+
+
+def test_shell_asks_for_confirmation(tmp_path: Path):
+    asked = []
+
+    def decline(command: str) -> bool:
+        asked.append(command)
+        return False
+
+    box = toolbox(tmp_path, "shell", allow=("ls",), ask=decline)
+    result = box.call("shell", {"command": "ls"})
+    assert asked == ["ls"] and not result.ok and "did not allow" in result.error
+    approving = toolbox(tmp_path, "shell", allow=("ls",), ask=lambda command: True)
+    assert approving.call("shell", {"command": "ls"}).ok
+
+
+def test_shell_needing_confirmation_cannot_run_headless(tmp_path: Path):
+    with pytest.raises(ConfigError, match="confirm = false"):
+        toolbox(tmp_path, "shell", allow=("ls",))
+
+
+def test_in_process_tool_timeout_and_output_cap():
+    def slow() -> str:
+        """Sleep."""
+        import time
+
+        time.sleep(30)
+        return "late"
+
+    def chatty() -> str:
+        """Talk."""
+        return "x" * 10_000
+
+    box = Toolbox([function_tool(slow, ToolOptions(timeout_s=0.2)), function_tool(chatty, ToolOptions(output_cap=500))])
+    assert box.call("slow", {}) == ToolResult(False, "", "slow timed out after 0.2 s")
+    capped = box.call("chatty", {})
+    assert capped.ok and "[... output truncated:" in capped.content and len(capped.content) < 600
+
+
+def test_user_tool_exceptions_and_values_become_results():
+    def explode(n: int) -> str:
+        """Fail."""
+        raise RuntimeError(f"bad {n}")
+
+    def table(n: int) -> dict:
+        """Return structured data."""
+        return {"n": n, "square": n * n}
+
+    box = Toolbox([function_tool(explode), function_tool(table)])
+    assert box.call("explode", {"n": 3}) == ToolResult(False, "", "explode raised RuntimeError: bad 3")
+    assert box.call("table", {"n": 3}) == ToolResult(True, '{"n": 3, "square": 9}')
+
+
+USER_MODULE = '''
+from typing import Literal
+
+from specchat.agent import tool
+
+
+@tool
+def convert(amount: float, unit: Literal["km", "mi"], digits: int = 2) -> str:
+    """Convert a distance.
+
+    Args:
+        amount: The distance to convert.
+        unit: The unit it is in; the
+            result is in the other one.
+        digits (int): Decimal places.
+    """
+    factor = 1.609344 if unit == "mi" else 1 / 1.609344
+    return f"{round(amount * factor, digits)}"
+
+
+@tool
+def tags(words: list[str], note: str | None = None) -> list:
+    """Sort words.
+
+    :param words: Words to sort.
+    """
+    return sorted(words)
+
+
+def helper(x: int) -> int:
+    """Not marked; only loaded when listed."""
+    return x + 1
+'''
+
+
+def test_user_tools_from_a_module(tmp_path: Path):
+    module = tmp_path / "mytools.py"
+    module.write_text(USER_MODULE)
+    tools = load_user_tools(module, [], ToolOptions())
+    assert [t.name for t in tools] == ["convert", "tags"]
+    schema = tools[0].schema()["function"]
+    assert schema["description"] == "Convert a distance."
+    assert schema["parameters"] == {
+        "type": "object",
+        "properties": {
+            "amount": {"type": "number", "description": "The distance to convert."},
+            "unit": {
+                "type": "string",
+                "enum": ["km", "mi"],
+                "description": "The unit it is in; the result is in the other one.",
+            },
+            "digits": {"type": "integer", "description": "Decimal places."},
+        },
+        "required": ["amount", "unit"],
+    }
+    words = tools[1].parameters["properties"]
+    assert words["words"] == {"type": "array", "items": {"type": "string"}, "description": "Words to sort."}
+    assert words["note"] == {"type": "string"}
+    box = Toolbox(tools)
+    assert box.call("convert", {"amount": 10, "unit": "mi"}) == ToolResult(True, "16.09")
+    assert "must be one of" in box.call("convert", {"amount": 1, "unit": "ft"}).error
+    listed = load_user_tools(module, ["helper"], ToolOptions())
+    assert [t.name for t in listed] == ["helper"]
+
+
+@pytest.mark.parametrize(
+    ("source", "names", "message"),
+    [
+        ("def f(x: int) -> int:\n    return x\n", [], "no @tool functions"),
+        ("def f(x: int) -> int:\n    return x\n", ["g"], "has no function 'g'"),
+        ("import no_such_module_xyz\n", [], "importing .* failed: ModuleNotFoundError"),
+        (
+            "from specchat.agent import tool\n@tool\ndef f(x):\n    return x\n",
+            [],
+            "parameter 'x' of f needs a type annotation",
+        ),
+        (
+            "from specchat.agent import tool\n@tool\ndef f(*args: int):\n    return 1\n",
+            [],
+            r"\*args and \*\*kwargs",
+        ),
+        (
+            "from specchat.agent import tool\n@tool\ndef f(x: complex):\n    return 1\n",
+            [],
+            "cannot be described",
+        ),
+    ],
+)
+def test_bad_user_tool_modules(tmp_path: Path, source: str, names: list[str], message: str):
+    module = tmp_path / "bad_tools.py"
+    module.write_text(textwrap.dedent(source))
+    with pytest.raises(ConfigError, match=message):
+        load_user_tools(module, names, ToolOptions())
+
+
+def test_missing_user_module(tmp_path: Path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_user_tools(tmp_path / "nope.py", [], ToolOptions())
+
+
+def test_tools_config_validation():
+    with pytest.raises(ConfigError, match="did you mean 'read_file'"):
+        ToolsConfig({"readfile": ToolOptions()})
+    with pytest.raises(ConfigError, match="allow list"):
+        ToolsConfig({"shell": ToolOptions()})
+    clash = Tool("python", "mine", {"type": "object", "properties": {}}, lambda: "x")
+    with pytest.raises(ConfigError, match="name of another tool"):
+        ToolsConfig({"python": ToolOptions()}, [clash])
+    with pytest.raises(ConfigError, match="timeout_s"):
+        ToolOptions(timeout_s=0)
+    with pytest.raises(ConfigError, match="bare command names"):
+        ToolOptions(allow=("/bin/ls",))
+
+
+def test_tool_decorator_marks_without_wrapping():
+    def f() -> str:
+        """F."""
+        return "f"
+
+    assert tool(f) is f and f() == "f"
