@@ -221,6 +221,7 @@ def _tools(table: _Table, base: Path, stop: StopCondition) -> ToolsConfig:
         "timeout_s": table.get("timeout_s", float, DEFAULT_TIMEOUT_S),
         "output_cap": table.get("output_cap", int, DEFAULT_OUTPUT_CAP),
     }
+    default_options = _wrap("tools", lambda: ToolOptions(**defaults))
     for name in enabled:
         if name not in BUILTIN_TOOLS:
             close = difflib.get_close_matches(name, BUILTIN_TOOLS, n=1)
@@ -231,7 +232,7 @@ def _tools(table: _Table, base: Path, stop: StopCondition) -> ToolsConfig:
             raise ConfigError(f"tools.{name} has options but {name!r} is not in tools.enabled")
     builtin = {name: _tool_options(table, name, defaults) for name in dict.fromkeys(enabled)}
     if stop.kind == "tool":
-        builtin.setdefault(FINAL_ANSWER, ToolOptions(**defaults))
+        builtin.setdefault(FINAL_ANSWER, default_options)
     user = []
     if "user" in table.data:
         user_table = table.table("user", ("module", "functions", *TOOL_OPTION_KEYS))

@@ -1,0 +1,218 @@
+"""Agent scripts: a full script parses into validated settings; every bad one is one clear ConfigError line."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from specchat.agent.script import AgentScript, StopCondition, default_system_prompt, load_script
+from specchat.errors import ConfigError
+
+FULL = """
+model = "./weights/tiny.gguf"
+system_prompt = "Be terse."
+tasks = ["What is 2 + 2?", "What is 3 * 3?"]
+max_steps = 5
+max_wall_s = 60
+concurrency = 2
+workspace = "ws"
+copy_workspace = true
+
+[sampling]
+temperature = 0.7
+top_p = 0.9
+top_k = 40
+seed = 1
+max_tokens = 64
+
+[speculation]
+drafter = "draft-model:smollm2-135m"
+k = "auto"
+k_max = 6
+
+[tools]
+enabled = ["python", "read_file", "shell"]
+timeout_s = 3
+output_cap = 1000
+
+[tools.python]
+timeout_s = 7
+
+[tools.shell]
+allow = ["ls", "grep"]
+confirm = false
+
+[tools.user]
+module = "tools/extra.py"
+functions = ["double"]
+
+[stop]
+regex = "ANSWER: (\\\\d+)"
+"""
+
+EXTRA_TOOLS = '''
+def double(n: int) -> int:
+    """Double a number."""
+    return 2 * n
+'''
+
+
+def write(tmp_path: Path, text: str, name: str = "agent.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "tiny.gguf").write_bytes(b"GGUF")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "extra.py").write_text(EXTRA_TOOLS)
+    return tmp_path
+
+
+def test_full_script(project: Path):
+    script = load_script(write(project, FULL))
+    assert script.name == "agent"
+    assert script.model == str(project.resolve() / "weights" / "tiny.gguf")
+    assert script.system_prompt == "Be terse."
+    assert script.tasks == ["What is 2 + 2?", "What is 3 * 3?"]
+    assert (script.max_steps, script.max_wall_s, script.concurrency) == (5, 60.0, 2)
+    assert script.workspace == (project / "ws").resolve() and script.copy_workspace
+    sampling = script.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed, sampling.max_tokens) == (
+        0.7,
+        0.9,
+        40,
+        1,
+        64,
+    )
+    assert (script.speculation.drafter, script.speculation.k, script.speculation.k_max) == (
+        "draft-model:smollm2-135m",
+        None,
+        6,
+    )
+    tools = script.tools
+    assert list(tools.builtin) == ["python", "read_file", "shell"]  # regex stop: no final_answer added
+    assert tools.builtin["python"].timeout_s == 7 and tools.builtin["python"].output_cap == 1000
+    assert tools.builtin["read_file"].timeout_s == 3
+    assert tools.builtin["shell"].allow == ("ls", "grep") and tools.builtin["shell"].confirm is False
+    assert [t.name for t in tools.user] == ["double"] and tools.user[0].options.timeout_s == 3
+    assert script.stop.answer_in("so ANSWER: 42.") == "42"
+
+
+def test_minimal_script_gets_defaults(tmp_path: Path):
+    script = load_script(write(tmp_path, 'tasks = ["Say hi."]'))
+    assert script.model == "smollm2-135m"
+    assert script.tools.names == ["final_answer"]
+    assert script.stop == StopCondition()
+    assert script.system_prompt == default_system_prompt(script.stop) and "final_answer" in script.system_prompt
+    assert script.speculation.drafter == "none" and script.workspace is None
+    assert isinstance(script, AgentScript)
+
+
+def test_hub_ids_and_aliases_pass_through(tmp_path: Path):
+    script = load_script(write(tmp_path, 'model = "Qwen/Qwen2.5-1.5B-Instruct"\ntasks = ["x"]'))
+    assert script.model == "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def test_tasks_from_a_text_file(tmp_path: Path):
+    (tmp_path / "tasks.txt").write_text("# comment\nfirst task\n\n  second task  \n")
+    script = load_script(write(tmp_path, 'tasks_file = "tasks.txt"'))
+    assert script.tasks == ["first task", "second task"]
+
+
+def test_tasks_from_a_toml_file(tmp_path: Path):
+    (tmp_path / "tasks.toml").write_text('tasks = ["one", """two\nlines"""]')
+    script = load_script(write(tmp_path, 'tasks_file = "tasks.toml"'))
+    assert script.tasks == ["one", "two\nlines"]
+
+
+def test_tag_stop(tmp_path: Path):
+    script = load_script(write(tmp_path, 'tasks = ["x"]\n[stop]\ntag = "final"'))
+    assert script.tools.names == []
+    assert "<final>" in script.system_prompt
+    assert script.stop.answer_in("thinking... <final> 391 </final>") == "391"
+    assert script.stop.answer_in("<final>cut off") is None
+
+
+def test_regex_stop_without_groups_returns_the_match():
+    assert StopCondition("regex", r"\d+ apples").answer_in("I count 12 apples.") == "12 apples"
+    assert StopCondition().answer_in("<final>x</final>") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('tasks = ["x"]\nmax_step = 3', "unknown key 'max_step'; did you mean 'max_steps'?"),
+        ('tasks = ["x"]\n[sampling]\ntemprature = 0.5', "unknown key 'sampling.temprature'; did you mean"),
+        ('tasks = ["x"]\nmax_steps = "8"', "max_steps must be an integer, got a string '8'"),
+        ('tasks = ["x"]\nmax_steps = 2.5', "max_steps must be an integer, got a number 2.5"),
+        ('tasks = ["x"]\nmax_steps = 0', "max_steps must be >= 1, got 0"),
+        ('tasks = ["x"]\nconcurrency = true', "concurrency must be an integer, got a boolean True"),
+        ('tasks = ["x"]\nmax_wall_s = -1', "max_wall_s must be > 0"),
+        ("tasks = []", "no tasks"),
+        ("model = 'x'", "no tasks"),
+        ('tasks = ["x", " "]', "task 2 is empty"),
+        ("tasks = [1]", "tasks[0] must be a string, got an integer 1"),
+        ('tasks = ["x"]\ntasks_file = "t.txt"', "give tasks or tasks_file, not both"),
+        ('tasks_file = "missing.txt"', "tasks_file: no such file"),
+        ('tasks = ["x"]\nworkspace = "nowhere"', "workspace: no such directory"),
+        ('tasks = ["x"]\nmodel = "./missing.gguf"', "model: no such file or directory"),
+        (
+            'tasks = ["x"]\n[tools]\nenabled = ["pyhton"]',
+            "tools.enabled: unknown tool 'pyhton'; did you mean 'python'?",
+        ),
+        ('tasks = ["x"]\n[tools]\nenabled = ["browser"]', "unknown tool 'browser' (built-in tools: python"),
+        ('tasks = ["x"]\n[tools.shell]\nallow = ["ls"]', "tools.shell has options but 'shell' is not in tools.enabled"),
+        ('tasks = ["x"]\n[tools]\nenabled = ["shell"]', "shell tool needs an allow list"),
+        ('tasks = ["x"]\n[tools]\nenabled = ["shell"]\n[tools.shell]\nallow = ["/bin/rm"]', "bare command names"),
+        (
+            'tasks = ["x"]\n[tools]\nenabled = ["python"]\n[tools.python]\nallow = ["ls"]',
+            "unknown key 'tools.python.allow'",
+        ),
+        ('tasks = ["x"]\n[tools]\ntimeout_s = 0', "tools: timeout_s must be in (0, 600]"),
+        ('tasks = ["x"]\n[tools]\noutput_cap = 10', "output_cap must be >= 200"),
+        ('tasks = ["x"]\n[tools.user]\nfunctions = ["f"]', "tools.user.module is required"),
+        ('tasks = ["x"]\n[tools.user]\nmodule = "nope.py"', "tools.user: no such file"),
+        ('tasks = ["x"]\n[stop]\nregex = "(unclosed"', "stop.regex is not a valid regular expression"),
+        ('tasks = ["x"]\n[stop]\ntag = "<final>"', "stop.tag must be a tag name"),
+        ('tasks = ["x"]\n[stop]\ntool = "answer"', "stop.tool must be 'final_answer'"),
+        ('tasks = ["x"]\n[stop]\ntag = "a"\nregex = "b"', "stop takes one of tool, tag, regex, got tag and regex"),
+        ('tasks = ["x"]\n[sampling]\ntop_p = 1.5', "sampling: top-p must be in (0, 1], got 1.5"),
+        ('tasks = ["x"]\n[sampling]\nmax_tokens = 0', "sampling: max-tokens must be > 0"),
+        (
+            'tasks = ["x"]\n[speculation]\ndrafter = "eagle"',
+            "speculation.drafter must be none, ngram, heads or draft-model",
+        ),
+        ('tasks = ["x"]\n[speculation]\ndrafter = "ngram:3"', "speculation.drafter must be"),
+        ('tasks = ["x"]\n[speculation]\nk = "many"', 'speculation.k must be an integer or "auto"'),
+        ('tasks = ["x"]\n[speculation]\nk = 20', "speculation: k must be in [0, 8]"),
+        ('tasks = ["x"]\nsampling = 3', "sampling must be a table, got an integer 3"),
+        ('tasks = "x"\n[[', "invalid TOML"),
+    ],
+)
+def test_bad_scripts_name_the_file_and_the_key(tmp_path: Path, text: str, message: str):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_script(path)
+    line = str(caught.value)
+    assert line.startswith(f"{path}: ")
+    assert message in line
+    assert "\n" not in line
+
+
+def test_missing_script(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"nope\.toml: no such file"):
+        load_script(tmp_path / "nope.toml")
+
+
+def test_user_tool_module_errors_name_the_key(tmp_path: Path):
+    (tmp_path / "broken.py").write_text("raise RuntimeError('import-time failure')\n")
+    path = write(tmp_path, 'tasks = ["x"]\n[tools.user]\nmodule = "broken.py"')
+    with pytest.raises(
+        ConfigError, match=r"tools\.user: importing .*broken\.py failed: RuntimeError: import-time failure"
+    ):
+        load_script(path)
