@@ -113,6 +113,10 @@ class _Collector:
         except _DecodeError as error:
             self.error(f"tool call could not be parsed: {error}")
             return
+        self.record(values)
+
+    def record(self, values: list[object]) -> None:
+        """Record the values read from one tool-call block; none at all is an error."""
         if not values:
             self.error("empty tool call")
         for value in values:
@@ -141,10 +145,7 @@ def _parse_hermes(text: str, step: int) -> ParsedReply:
             index = first_close if first_close != -1 else len(text)
             collector.add_all(text[body_start:index])
         else:
-            if not values:
-                collector.error("empty tool call")
-            for value in values:
-                collector.add(value)
+            collector.record(values)
         end = index + len(HERMES_CLOSE) if text.startswith(HERMES_CLOSE, index) else len(text)
         spans.append((start, end))
         start = text.find(HERMES_OPEN, end)
