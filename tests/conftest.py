@@ -52,7 +52,7 @@ def save_tiny_hf(path: Path, overrides: dict | None = None, seed: int = 0) -> Pa
 def default_model_path() -> Path:
     from specchat.registry import fetch, resolve
 
-    return fetch(resolve("smollm2-135m"), quiet=True)
+    return fetch(resolve("smollm2-135m"))
 
 
 @pytest.fixture(scope="session")

