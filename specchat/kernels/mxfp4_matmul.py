@@ -32,6 +32,7 @@ the partials (a per-tile counter, reset by that program), so one launch does all
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -367,14 +368,16 @@ class MatmulConfig:
         assert self.tiles in (1, 2, 4) and 1 <= self.split_k <= MAX_SPLIT_K, self
 
 
-SM_COUNT_DEFAULT = 132  # H100/H200; the real count is read from the device when there is one
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """A launch for M rows of this weight: enough programs to cover the SMs twice, via split-K if needed."""
     num_n = triton.cdiv(weight.n, N_TILE) * (N_TILE // 64)
     iterations = weight.codes.shape[1] * WORD_ELEMS // (2 * K_TILE)
-    sms = torch.cuda.get_device_properties(weight.codes.device).multi_processor_count if weight.codes.is_cuda else 1
+    sms = _sm_count(weight.codes.device)
     split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(2 * sms, num_n), iterations // 4))
     return MatmulConfig(block_n=64, tiles=2, split_k=split_k)
 

@@ -1,0 +1,250 @@
+"""MXFP4 matmul on the GPU: time, bandwidth and speedup over torch bf16 on Llama-3.1-8B linear shapes.
+
+    PYTHONPATH=. python benchmarks/mxfp4_matmul.py [--sweep] [--shapes 6144x4096,...] [--ms 1,2,4]
+
+Per shape and M: a correctness check of the Triton kernel against the torch reference (random weights
+quantized by the Triton quantizer, which is first checked bit-for-bit against the reference), then the median
+time per call of the MXFP4 kernel and of torch bf16 F.linear, both measured in CUDA graphs that cycle
+through enough weight copies to defeat the 50 MB L2. Bandwidth counts the interchange bytes (packed codes +
+scales). --sweep also times a grid of launch configs and reports the best (and the default `choose_config`).
+The markdown table is printed last and written to $OUT/mxfp4_matmul.md when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LLAMA_8B_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+MS = (1, 2, 4, 8, 16, 32, 64)
+COPY_CEILING_TBPS = 4.28  # H200 device-to-device copy, read + write (docs/GPU.md)
+L2_DEFEAT_BYTES = 256 * 2**20  # weight copies per timing so that the working set is 5x the L2
+CALLS_PER_GRAPH = 20
+GRAPH_REPLAYS = 15
+SWEEP = (  # (block_n, tiles, num_warps, num_stages) x split_k
+    (64, 1, 4, 4),
+    (64, 2, 4, 3),
+    (64, 2, 4, 4),
+    (128, 1, 4, 4),
+    (128, 2, 4, 3),
+    (128, 2, 8, 3),
+)
+SPLITS = (1, 2, 4, 8, 16)
+
+
+def _import_kernels():
+    """specchat.kernels.mxfp4{,_matmul}, by file path if the package's __init__ cannot be imported here."""
+    try:
+        from specchat.kernels import mxfp4, mxfp4_matmul
+
+        return mxfp4, mxfp4_matmul
+    except ImportError:
+        root = Path(__file__).resolve().parents[1] / "specchat" / "kernels"
+        modules = []
+        for name in ("mxfp4", "mxfp4_matmul"):
+            spec = importlib.util.spec_from_file_location(f"specchat.kernels.{name}", root / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            modules.append(module)
+        return tuple(modules)
+
+
+mxfp4, mm = _import_kernels()
+
+
+def graph_time_us(calls: list) -> float:
+    """Median time per call (us) of the zero-argument callables, replayed as one CUDA graph."""
+    for call in calls:  # compile, allocate workspaces
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS_PER_GRAPH):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(GRAPH_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+    return statistics.median(times)
+
+
+def copy_bandwidth_tbps() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us([lambda: dst.copy_(src)])
+    return 2 * src.numel() / us / 1e6
+
+
+def check_quantizer() -> str:
+    """The Triton quantizer equals the torch reference bit for bit (random, extreme, NaN/Inf, zero blocks)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 4096, device="cuda") * torch.logspace(-40, 38, 512, device="cuda")[:, None]
+    x[0, 3] = float("nan")
+    x[1, 70] = float("-inf")
+    x[2, 64:96] = 0.0
+    x[3] = 1e-42  # float32 subnormals
+    x[4] = 1e-39  # bf16 subnormals
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rule in ("ocp", "roundup"):
+            xd = x.to(dtype)
+            codes, scales = mm.quantize_mxfp4_triton(xd, rule)
+            ref_codes, ref_scales = mxfp4.quantize_mxfp4(xd, rule)
+            ok = torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+            lines.append(f"quantize {rule:7s} {dtype!s:15s} bit-exact: {ok}")
+            assert ok, lines[-1]
+    return "\n".join(lines)
+
+
+def check_special_blocks() -> str:
+    """NaN blocks (HAS_NAN kernel) and block scales above 2 (exponent offset c > 0) against the reference."""
+    torch.manual_seed(1)
+    w = torch.randn(256, 512, device="cuda")
+    w[3, 40] = float("nan")  # row 3, block 1 -> NaN
+    w[7, 64:96] *= 1e30  # s > 128 -> c > 0
+    w[9, 0:32] *= 1e-30  # tiny block, kept (within 2^125 of the largest)
+    codes, scales = mxfp4.quantize_mxfp4(w)
+    weight = mm.prepare_weight(codes, scales, 512)
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    y = mm.mxfp4_matmul_triton(x, weight).float()
+    ref = x.float() @ mxfp4.dequantize_mxfp4(codes, scales).T
+    same_nan = torch.equal(torch.isnan(y), torch.isnan(ref))
+    finite = ~torch.isnan(ref)
+    error = ((y[finite] - ref[finite]).norm() / ref[finite].norm()).item()
+    line = f"special blocks: exp_offset {weight.exp_offset}, NaN columns match: {same_nan}, rel err {error:.1e}"
+    assert same_nan and error < 1e-2 and weight.exp_offset > 0 and weight.has_nan, line
+    return line
+
+
+def random_weight(n: int, k: int):
+    """A random [N, K] bf16 weight, its MXFP4 quantization (Triton quantizer) and the prepared kernel weight."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    codes, scales = mm.quantize_mxfp4_triton(w)
+    return w, codes, scales, mm.prepare_weight(codes, scales, k)
+
+
+def check_matmul(weight, codes, scales, k: int, m: int) -> float:
+    """Relative error of the fast kernel against x @ dequantize(W)^T in float32 (bf16 output rounding ~4e-3)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = mm.mxfp4_matmul_triton(x, weight)
+    ref = x.float() @ mxfp4.dequantize_mxfp4(codes, scales, k=k).T
+    error = ((y.float() - ref).norm() / ref.norm()).item()
+    assert error < 1e-2 and torch.isfinite(y).all(), (m, error)
+    return error
+
+
+def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[dict]) -> None:
+    w, codes, scales, weight = random_weight(n, k)
+    for m in (1, 16, 64):
+        error = check_matmul(weight, codes, scales, k, m)
+        print(f"  check N={n} K={k} M={m}: rel err {error:.2e}", flush=True)
+    mx_bytes = codes.numel() + scales.numel()
+    mx_copies = [weight] + [
+        mm.Mxfp4Weight(n, k, torch.randint_like(weight.codes, -(2**31), 2**31 - 1), weight.scales.clone(), True)
+        for _ in range(max(0, -(-L2_DEFEAT_BYTES // mx_bytes) - 1))
+    ]
+    bf_copies = [w] + [torch.randn_like(w) for _ in range(max(0, -(-L2_DEFEAT_BYTES // w.nbytes) - 1))]
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = graph_time_us([lambda x=x, wc=wc: F.linear(x, wc) for wc in bf_copies])
+        default = mm.choose_config(m, weight)
+        configs = {default}
+        if sweep:
+            iterations = weight.codes.shape[1] * mm.WORD_ELEMS // mm.K_TILE
+            for block_n, tiles, warps, stages in SWEEP:
+                for split in SPLITS:
+                    if split == 1 or iterations // (tiles * split) >= 2:
+                        configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages))
+        timings = {}
+        for config in configs:
+            try:
+                timings[config] = graph_time_us(
+                    [lambda x=x, wc=wc, c=config: mm.mxfp4_matmul_triton(x, wc, c) for wc in mx_copies]
+                )
+            except Exception as error:  # e.g. out of shared memory for this config
+                print(f"  config {config} failed: {type(error).__name__}: {str(error)[:120]}")
+        best = min(timings, key=timings.get)
+        record = dict(
+            n=n, k=k, m=m, bf16_us=bf16_us, default_us=timings[default], best_us=timings[best],
+            default=str(default), best=str(best), mx_bytes=mx_bytes,
+            sweep={str(c): t for c, t in sorted(timings.items(), key=lambda item: item[1])},
+        )  # fmt: skip
+        records.append(record)
+        print(
+            f"  N={n} K={k} M={m}: bf16 {bf16_us:.1f} us, mxfp4 default {timings[default]:.1f} us, "
+            f"best {timings[best]:.1f} us {best}",
+            flush=True,
+        )
+
+
+def table(records: list[dict], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| N | K | M | bf16 us | MXFP4 us | GB/s | % of 4.28 TB/s | speedup | best config (block_n, tiles, split_k, warps, stages) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        us = r["best_us"]
+        gbps = r["mx_bytes"] / us / 1e3
+        best = r["best"].replace("MatmulConfig", "")
+        lines.append(
+            f"| {r['n']} | {r['k']} | {r['m']} | {r['bf16_us']:.1f} | {us:.1f} | {gbps:.0f} | "
+            f"{100 * gbps / (COPY_CEILING_TBPS * 1e3):.0f}% | {r['bf16_us'] / us:.2f}x | {best} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LLAMA_8B_SHAPES))
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs, report the best")
+    args = parser.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    ms = tuple(int(m) for m in args.ms.split(","))
+
+    commit = (
+        os.environ.get("COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    device = torch.cuda.get_device_name()
+    print(f"{device}, torch {torch.__version__}, triton {mm.triton.__version__}, commit {commit}, {now}")
+    print(f"device copy: {copy_bandwidth_tbps():.2f} TB/s (read + write)")
+    print(check_quantizer(), flush=True)
+    print(check_special_blocks(), flush=True)
+
+    records: list[dict] = []
+    for n, k in shapes:
+        bench_shape(n, k, ms, args.sweep, records)
+    header = (
+        f"MXFP4 matmul vs torch bf16 F.linear, {device}, {now}, commit {commit}; "
+        f"median per call in CUDA graphs, weights cycled past L2; `{' '.join(sys.argv)}`"
+    )
+    text = table(records, header)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "mxfp4_matmul.md").write_text(text + "\n")
+        Path(os.environ["OUT"], "mxfp4_matmul.json").write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
