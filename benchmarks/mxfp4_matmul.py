@@ -86,10 +86,10 @@ def graph_time_us(calls: list) -> float:
 
 
 def copy_bandwidth_tbps() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
     us = graph_time_us([lambda: dst.copy_(src)])
-    return 2 * src.numel() / us / 1e6
+    return 2 * src.nbytes / us / 1e6
 
 
 def check_quantizer() -> str:
@@ -127,7 +127,7 @@ def check_special_blocks() -> str:
     ref = x.float() @ mxfp4.dequantize_mxfp4(codes, scales).T
     same_nan = torch.equal(torch.isnan(y), torch.isnan(ref))
     finite = ~torch.isnan(ref)
-    error = ((y[finite] - ref[finite]).norm() / ref[finite].norm()).item()
+    error = ((y[finite] - ref[finite]).double().norm() / ref[finite].double().norm()).item()  # 1e31 ** 2
     line = f"special blocks: exp_offset {weight.exp_offset}, NaN columns match: {same_nan}, rel err {error:.1e}"
     assert same_nan and error < 1e-2 and weight.exp_offset > 0 and weight.has_nan, line
     return line

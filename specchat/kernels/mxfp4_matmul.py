@@ -532,7 +532,7 @@ def _quantize_kernel(
     x = tl.load(x_ptr + rows[:, None, None] * stride_xr + k, mask=in_rows & (k < K), other=0.0)
     x = x.to(tl.float32)  # [BR, BB, 32]
     bits = x.to(tl.int32, bitcast=True)
-    nonfinite = tl.max(((bits >> 23) & 0xFF) == 0xFF, axis=2)  # [BR, BB]: NaN or Inf in the block
+    nonfinite = tl.max((((bits >> 23) & 0xFF) == 0xFF).to(tl.int32), axis=2) != 0  # [BR, BB]: NaN or Inf
     amax = tl.max(tl.abs(x), axis=2)
     # floor(log2(amax)) - 2 from the exponent field; zero and subnormal amax clamp to -127 like the reference
     exponent = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2, -127)
