@@ -1,0 +1,1 @@
+"""The Textual UI of `specchat run`: chats beside live speculation, throughput, memory and controls panels."""

@@ -1,0 +1,448 @@
+"""specchat's Textual app: chats in tabs beside live Speculation, Throughput, Memory and Controls panels.
+
+The engine runs its step loop in its own thread and posts one EngineStep message per step (all requests'
+events together); the app routes text to the chats, folds the figures into LiveMetrics and repaints the panels
+on a timer, so the UI's work does not grow with the token rate.
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from collections import deque
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import ClassVar
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, TabbedContent, TabPane
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.sequence import Finished, TextDelta
+from specchat.errors import ConfigError, SpecchatError
+from specchat.registry import cache_dir
+from specchat.ui.bridge import SETTERS, EngineBridge, ProgressPoster, drafter_names, load_engine
+from specchat.ui.chat import ChatPane, PromptInput
+from specchat.ui.controls import KV_FORMATS, WEIGHT_FORMATS, ControlsPanel, k_text
+from specchat.ui.memory import MemoryPanel
+from specchat.ui.messages import EngineReady, EngineStep, LoadFailed, LoadProgress, MemoryRead, SettingApplied
+from specchat.ui.metrics import LiveMetrics
+from specchat.ui.screens import HistoryScreen, LoadScreen
+from specchat.ui.speculation import SpeculationPanel
+from specchat.ui.store import ChatStore
+from specchat.ui.throughput import ThroughputPanel
+from specchat.ui.transcript import to_json, to_markdown, transcript_path
+
+PANEL_REFRESH_S = 0.25
+MEMORY_REFRESH_S = 1.0
+
+
+@dataclass(slots=True)
+class ChatSettings:
+    """What new requests get, and what the Controls panel shows."""
+
+    k: int | None
+    drafter: str
+    temperature: float
+    weights: str | None = None  # None = as loaded
+    kv: str | None = None
+
+
+class SpecchatApp(App[Exception | None]):
+    """Chat with a local model and watch speculative decoding work."""
+
+    CSS_PATH = "specchat.tcss"
+    TITLE = "specchat"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Stop", id="cancel"),
+        Binding("ctrl+t", "new_chat", "New chat", id="new_chat"),
+        Binding("f8", "close_chat", "Close chat", id="close_chat", show=False),
+        Binding("ctrl+r", "history", "History", id="history"),
+        Binding("ctrl+s", "save_markdown", "Save", id="save_markdown"),
+        Binding("f6", "copy_reply", "Copy reply", id="copy_reply"),
+        Binding("ctrl+up", "k_up", "K+1", id="k_up"),
+        Binding("ctrl+down", "k_down", "K-1", id="k_down"),
+        Binding("f5", "k_auto", "K auto", id="k_auto", show=False),
+        Binding("f2", "next_drafter", "Drafter", id="next_drafter", show=False),
+        Binding("f3", "toggle_weights", "Weights", id="toggle_weights", show=False),
+        Binding("f4", "toggle_kv", "KV", id="toggle_kv", show=False),
+        Binding("ctrl+pagedown", "next_tab", "Next chat", id="next_tab", show=False),
+        Binding("ctrl+pageup", "previous_tab", "Previous chat", id="previous_tab", show=False),
+    ]
+
+    def __init__(
+        self,
+        engine=None,
+        config: EngineConfig | None = None,
+        sampling: SamplingParams | None = None,
+        spec: SpecParams | None = None,
+        system: str | None = None,
+        store: ChatStore | None = None,
+        transcript_dir: Path | None = None,
+    ) -> None:
+        super().__init__()
+        self.engine = engine
+        self.config = config or EngineConfig()
+        self.sampling = sampling or SamplingParams()
+        spec = spec or SpecParams()
+        self.settings = ChatSettings(k=spec.k, drafter=spec.drafter, temperature=self.sampling.temperature)
+        self.k_max = spec.k_max
+        self.system = system
+        self.store = store or ChatStore()
+        self.transcript_dir = transcript_dir or Path.cwd()
+        self.history = self.store.recent_prompts()
+        self.metrics = LiveMetrics()
+        self.bridge: EngineBridge | None = None
+        self.requests: dict[int, ChatPane] = {}
+        self.step_delays_ms: deque[float] = deque(maxlen=4096)  # engine post -> handled, for the benchmark
+        self.chats_opened = 0
+
+    @property
+    def model_name(self) -> str:
+        spec = getattr(self.engine, "model_spec", None)
+        return spec.alias if spec is not None else self.config.model
+
+    def compose(self):
+        yield Header()
+        with Horizontal(id="main"):
+            yield TabbedContent(id="chats")
+            with VerticalScroll(id="side"):
+                yield SpeculationPanel(id="speculation")
+                yield ThroughputPanel(id="throughput")
+                yield MemoryPanel(id="memory")
+                yield ControlsPanel(
+                    self.settings.k, self.settings.drafter, drafter_names(), self.settings.temperature, id="controls"
+                )
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.load_keymap()
+        await self.action_new_chat()
+        self.set_interval(PANEL_REFRESH_S, self.refresh_panels)
+        self.set_interval(MEMORY_REFRESH_S, self.request_memory)
+        if self.engine is not None:
+            self.attach_engine(self.engine)
+        else:
+            self.push_screen(LoadScreen(self.config.model))
+            self.load_model()
+
+    def on_unmount(self) -> None:
+        if self.engine is not None:
+            for request_id in list(self.requests):
+                self.engine.cancel(request_id)
+        if self.bridge is not None:
+            self.bridge.detach()
+
+    def load_keymap(self) -> None:
+        """Remap bindings by id from $SPECCHAT_HOME/keymap.toml (e.g. `new_chat = "ctrl+n"`)."""
+        path = cache_dir() / "keymap.toml"
+        if not path.is_file():
+            return
+        try:
+            self.set_keymap({str(k): str(v) for k, v in tomllib.loads(path.read_text()).items()})
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            self.notify(f"{path}: {exc}", severity="error")
+
+    # --- the engine ---------------------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="load")
+    def load_model(self) -> None:
+        """Fetch and load the model off the UI thread; progress comes back as messages."""
+        try:
+            engine = load_engine(self.config, ProgressPoster(self))
+        except SpecchatError as exc:
+            self.post_message(LoadFailed(exc))
+            return
+        self.post_message(EngineReady(engine))
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        if isinstance(self.screen, LoadScreen):
+            self.screen.show_progress(message.what, message.done, message.total)
+
+    def on_engine_ready(self, message: EngineReady) -> None:
+        if isinstance(self.screen, LoadScreen):
+            self.pop_screen()
+        self.attach_engine(message.engine)
+        self.notify(f"{self.model_name} loaded", timeout=3)
+
+    def on_load_failed(self, message: LoadFailed) -> None:
+        self.exit(message.error, return_code=1)
+
+    def attach_engine(self, engine) -> None:
+        """Start listening to the engine and put the model's name in the header."""
+        self.engine = engine
+        self.bridge = EngineBridge(engine, self)
+        self.bridge.attach()
+        self.sub_title = self.model_name
+        for pane in self.query(ChatPane):
+            pane.model = self.model_name
+        self.request_memory()
+
+    def request_memory(self) -> None:
+        if self.bridge is not None:
+            self.bridge.request_memory()
+
+    def on_memory_read(self, message: MemoryRead) -> None:
+        self.query_one(MemoryPanel).memory = message.memory
+
+    async def on_engine_step(self, message: EngineStep) -> None:
+        """Route one step's events: text to its chat, figures to the metrics."""
+        self.metrics.observe(message.events, message.time)
+        texts: dict[int, list[str]] = {}
+        finished: list[Finished] = []
+        for event in message.events:
+            if isinstance(event, TextDelta) and event.text:
+                texts.setdefault(event.request_id, []).append(event.text)
+            elif isinstance(event, Finished):
+                finished.append(event)
+        for request_id, parts in texts.items():
+            pane = self.requests.get(request_id)
+            if pane is not None:
+                await pane.append("".join(parts))
+        for event in finished:
+            pane = self.requests.pop(event.request_id, None)
+            if pane is not None:
+                await pane.finish(event)
+        self.step_delays_ms.append((time.perf_counter() - message.time) * 1e3)
+
+    def refresh_panels(self) -> None:
+        """Repaint the live panels (on a timer: the cost does not grow with the token rate)."""
+        if not self.metrics.dirty:
+            return
+        self.metrics.sample()
+        self.metrics.queue_depth = self.bridge.queue_depth() if self.bridge else None
+        view = replace(self.metrics.view(), active_requests=len(self.requests))
+        self.query_one(SpeculationPanel).view = view
+        self.query_one(ThroughputPanel).view = view
+
+    # --- chats --------------------------------------------------------------------------------------------------
+    @property
+    def chat(self) -> ChatPane | None:
+        """The chat in the active tab."""
+        pane = self.query_one(TabbedContent).active_pane
+        return pane.query_one(ChatPane) if pane is not None else None
+
+    async def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
+        """Send the prompt of a chat to the engine and stream the answer into that chat."""
+        pane = next(a for a in message.prompt_input.ancestors if isinstance(a, ChatPane))
+        if self.engine is None:
+            self.notify("the model is still loading", severity="warning")
+            return
+        if pane.busy:
+            self.notify("this chat is still answering: Esc stops it, Ctrl+T opens another chat", severity="warning")
+            return
+        try:
+            sampling = replace(self.sampling, temperature=self.settings.temperature)
+            spec = SpecParams(drafter=self.settings.drafter, k=self.settings.k, k_max=self.k_max)
+            handle = self.engine.submit([*pane.messages, {"role": "user", "content": message.text}], sampling, spec)
+        except SpecchatError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        message.prompt_input.remember(message.text)
+        self.requests[handle.request_id] = pane
+        await pane.add_user(message.text)
+        await pane.begin_reply(handle.request_id)
+        self.query_one(TabbedContent).get_tab(pane.parent.id).label = pane.title
+
+    async def action_new_chat(self) -> ChatPane:
+        """Open a new chat in its own tab."""
+        self.chats_opened += 1
+        pane_id = f"chat-{self.chats_opened}"
+        pane = ChatPane(self.store, self.history, self.model_name, self.system)
+        tabs = self.query_one(TabbedContent)
+        await tabs.add_pane(TabPane("new chat", pane, id=pane_id))
+        tabs.active = pane_id
+        pane.prompt_input.focus()
+        return pane
+
+    async def action_close_chat(self) -> None:
+        """Close the active chat (its conversation stays saved)."""
+        pane = self.chat
+        if pane is None:
+            return
+        if pane.busy:
+            self.engine.cancel(pane.request_id)
+            self.requests.pop(pane.request_id, None)
+        await self.query_one(TabbedContent).remove_pane(pane.parent.id)
+        if self.chat is None:
+            await self.action_new_chat()
+
+    def action_next_tab(self) -> None:
+        """Show the next chat."""
+        self.query_one(TabbedContent).query_one("Tabs").action_next_tab()
+
+    def action_previous_tab(self) -> None:
+        """Show the previous chat."""
+        self.query_one(TabbedContent).query_one("Tabs").action_previous_tab()
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        event.pane.query_one(PromptInput).focus()
+
+    def action_cancel(self) -> None:
+        """Stop the active chat's answer (the text so far is kept)."""
+        pane = self.chat
+        if pane is not None and pane.busy and self.engine is not None:
+            self.engine.cancel(pane.request_id)
+
+    def action_copy_reply(self) -> None:
+        """Copy the active chat's last answer to the clipboard."""
+        reply = self.chat.last_reply() if self.chat else None
+        if reply is None:
+            self.notify("no answer to copy yet", severity="warning")
+            return
+        self.copy_to_clipboard(reply)
+        self.notify("answer copied")
+
+    def action_history(self) -> None:
+        """Browse saved conversations."""
+        self.push_screen(HistoryScreen(self.store.conversations()), self.open_conversation)
+
+    async def open_conversation(self, conversation_id: int | None) -> None:
+        """Show a saved conversation in a tab (the one it is in, if open)."""
+        if conversation_id is None:
+            return
+        tabs = self.query_one(TabbedContent)
+        for pane in self.query(ChatPane):
+            if pane.conversation_id == conversation_id:
+                tabs.active = pane.parent.id
+                return
+        pane = self.chat if self.chat is not None and not self.chat.messages else await self.action_new_chat()
+        await pane.load(conversation_id)
+        tabs.get_tab(pane.parent.id).label = pane.title
+
+    def action_save_markdown(self) -> None:
+        """Save the active chat as Markdown."""
+        self.save_transcript(".md")
+
+    def action_save_json(self) -> None:
+        """Save the active chat as JSON."""
+        self.save_transcript(".json")
+
+    def save_transcript(self, suffix: str) -> Path | None:
+        pane = self.chat
+        if pane is None or not any(m["role"] != "system" for m in pane.messages):
+            self.notify("nothing to save yet", severity="warning")
+            return None
+        path = transcript_path(self.transcript_dir, pane.title, suffix)
+        text = (
+            to_markdown(pane.title, pane.messages)
+            if suffix == ".md"
+            else to_json(pane.title, pane.model, pane.messages)
+        )
+        path.write_text(text)
+        self.notify(f"saved {path}")
+        return path
+
+    # --- live settings ------------------------------------------------------------------------------------------
+    def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
+        self.change_setting(message.name, message.value)
+
+    def change_setting(self, name: str, value: str) -> None:
+        """Apply a setting: K and temperature at once, drafter / weights / KV in a worker thread."""
+        controls = self.query_one(ControlsPanel)
+        if name == "k":
+            try:
+                k = None if value == "auto" else int(value)
+                SpecParams(drafter=self.settings.drafter, k=k, k_max=self.k_max)
+            except (ValueError, ConfigError) as exc:
+                reason = str(exc) if isinstance(exc, ConfigError) else f"K must be an integer or 'auto', got {value!r}"
+                self.notify(reason, severity="error")
+                controls.show("k", k_text(self.settings.k))
+                return
+            self.settings.k = k
+            if self.engine is not None:
+                self.engine.set_k(k)
+            controls.show("k", k_text(k))
+        elif name == "temperature":
+            try:
+                temperature = replace(self.sampling, temperature=float(value)).temperature
+            except (ValueError, ConfigError) as exc:
+                self.notify(f"temperature: {exc}", severity="error")
+                controls.show("temperature", str(self.settings.temperature))
+                return
+            self.settings.temperature = temperature
+            controls.show("temperature", str(temperature))
+            self.notify(f"temperature {temperature}: from the next message on", timeout=3)
+        else:
+            if self.bridge is None:
+                self.notify("the model is still loading", severity="warning")
+                controls.show(name, getattr(self.settings, name) or "")
+                return
+            if not self.bridge.has_setter(name):
+                self.notify(f"{name}: this engine has no {SETTERS[name]}() yet", severity="warning")
+                controls.show(name, getattr(self.settings, name) or "")
+                return
+            controls.set_busy(True)
+            self.notify(f"{name} → {value}…", timeout=3)
+            self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
+
+    def on_setting_applied(self, message: SettingApplied) -> None:
+        controls = self.query_one(ControlsPanel)
+        controls.set_busy(False)
+        if message.error is not None:
+            self.notify(f"{message.name}: {message.error}", severity="error")
+            controls.show(message.name, getattr(self.settings, message.name) or "")
+            return
+        setattr(self.settings, message.name, message.value)
+        controls.show(message.name, message.value)
+        self.notify(f"{message.name} = {message.value}", timeout=3)
+        self.request_memory()
+
+    def action_k_up(self) -> None:
+        """One more draft token per step."""
+        current = self.settings.k if self.settings.k is not None else (self.metrics.k_next or 0)
+        self.change_setting("k", str(min(current + 1, self.k_max)))
+
+    def action_k_down(self) -> None:
+        """One draft token fewer per step."""
+        current = self.settings.k if self.settings.k is not None else (self.metrics.k_next or 0)
+        self.change_setting("k", str(max(current - 1, 0)))
+
+    def action_k_auto(self) -> None:
+        """Let the adaptive controller pick K."""
+        self.change_setting("k", "auto")
+
+    def action_next_drafter(self) -> None:
+        """Switch to the next drafter."""
+        names = drafter_names()
+        current = names.index(self.settings.drafter) if self.settings.drafter in names else -1
+        self.change_setting("drafter", names[(current + 1) % len(names)])
+
+    def action_toggle_weights(self) -> None:
+        """Weights MXFP4 <-> bf16."""
+        self.change_setting("weights", "bf16" if self.settings.weights == "mxfp4" else "mxfp4")
+
+    def action_toggle_kv(self) -> None:
+        """KV cache MXFP4 <-> bf16."""
+        self.change_setting("kv", "bf16" if self.settings.kv == "mxfp4" else "mxfp4")
+
+    def get_system_commands(self, screen: Screen):
+        """The command palette: every action, plus each drafter and format by name."""
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New chat", "Open a chat in a new tab", self.action_new_chat)
+        yield SystemCommand("Close chat", "Close this tab (the conversation stays saved)", self.action_close_chat)
+        yield SystemCommand("History", "Open a saved conversation", self.action_history)
+        yield SystemCommand("Save transcript as Markdown", "Write this chat to a .md file", self.action_save_markdown)
+        yield SystemCommand("Save transcript as JSON", "Write this chat to a .json file", self.action_save_json)
+        yield SystemCommand("Copy last answer", "Copy this chat's last answer", self.action_copy_reply)
+        yield SystemCommand("Stop generation", "Cancel this chat's running answer", self.action_cancel)
+        yield SystemCommand("K +1", "One more draft token per step", self.action_k_up)
+        yield SystemCommand("K -1", "One draft token fewer per step", self.action_k_down)
+        yield SystemCommand("K auto", "Adaptive draft length", self.action_k_auto)
+        for name in drafter_names():
+            yield SystemCommand(f"Drafter: {name}", f"Draft with {name}", partial(self.change_setting, "drafter", name))
+        for fmt in WEIGHT_FORMATS:
+            yield SystemCommand(f"Weights: {fmt}", f"Weights in {fmt}", partial(self.change_setting, "weights", fmt))
+        for fmt in KV_FORMATS:
+            yield SystemCommand(f"KV cache: {fmt}", f"KV cache in {fmt}", partial(self.change_setting, "kv", fmt))
+
+
+def run_tui(config: EngineConfig, sampling: SamplingParams, spec: SpecParams, system: str | None) -> None:
+    """Run the app; a load error ends it and is raised here, for the CLI to print as one line."""
+    error = SpecchatApp(config=config, sampling=sampling, spec=spec, system=system).run()
+    if isinstance(error, Exception):
+        raise error

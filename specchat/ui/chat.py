@@ -1,0 +1,229 @@
+"""One chat: the transcript (Markdown, streamed) and the prompt input, saved to the store as it happens."""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+from textual import events
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Label, Markdown, Static, TextArea
+from textual.widgets.markdown import MarkdownStream
+
+from specchat.engine.sequence import Finished
+from specchat.ui.store import FLUSH_S, ChatStore
+
+ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter) starts a new line, Up/Down at the edges walk history."""
+
+    class Submitted(Message):
+        """The user sent a prompt."""
+
+        def __init__(self, prompt_input: PromptInput, text: str) -> None:
+            super().__init__()
+            self.prompt_input = prompt_input
+            self.text = text
+
+        @property
+        def control(self) -> PromptInput:
+            return self.prompt_input
+
+    def __init__(self, prompts: list[str], **kwargs) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+        self.prompts = prompts  # sent prompts, shared by all chats, oldest first
+        self.prompt_index: int | None = None  # position while walking the prompts; None = editing a new one
+        self.draft = ""
+
+    async def _on_key(self, event: events.Key) -> None:
+        """Enter sends; Ctrl+J / Shift+Enter insert a newline; everything else edits as usual."""
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            text = self.text.strip()
+            if text:
+                self.post_message(self.Submitted(self, text))
+            return
+        if event.key in ("ctrl+j", "shift+enter"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+    def action_cursor_up(self, select: bool = False) -> None:
+        """Up on the first line recalls the previous prompt."""
+        if select or self.cursor_location[0] > 0 or not self.prompts:
+            super().action_cursor_up(select)
+            return
+        if self.prompt_index is None:
+            self.draft, self.prompt_index = self.text, len(self.prompts)
+        if self.prompt_index > 0:
+            self.prompt_index -= 1
+            self.show_text(self.prompts[self.prompt_index], at_end=False)
+
+    def action_cursor_down(self, select: bool = False) -> None:
+        """Down on the last line moves forward in history, back to the prompt being written."""
+        if select or self.cursor_location[0] < self.document.line_count - 1 or self.prompt_index is None:
+            super().action_cursor_down(select)
+            return
+        self.prompt_index += 1
+        if self.prompt_index >= len(self.prompts):
+            self.prompt_index = None
+            self.show_text(self.draft, at_end=True)
+        else:
+            self.show_text(self.prompts[self.prompt_index], at_end=True)
+
+    def show_text(self, text: str, at_end: bool) -> None:
+        """Replace the content; the cursor goes to the end, or to the end of the first line."""
+        self.load_text(text)
+        last = self.document.line_count - 1
+        row = last if at_end else 0
+        self.move_cursor((row, len(self.document[row])))
+
+    def remember(self, text: str) -> None:
+        """Add a sent prompt to history and clear the input."""
+        if not self.prompts or self.prompts[-1] != text:
+            self.prompts.append(text)
+        self.prompt_index = None
+        self.clear()
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message of the transcript; focus it and press c to copy it."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("c", "copy", "Copy message", id="copy_message")]
+
+    def __init__(self, role: str, content: str = "") -> None:
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.content = content
+
+    def compose(self):
+        yield Label(ROLE_LABELS.get(self.role, self.role), classes="role")
+        yield Markdown(self.content)
+        yield Static("", classes="footer")
+
+    def action_copy(self) -> None:
+        """Copy the message's text to the clipboard."""
+        self.app.copy_to_clipboard(self.content)
+        self.notify("message copied")
+
+    def set_footer(self, text: str) -> None:
+        self.query_one(".footer", Static).update(text)
+
+
+def finish_line(event: Finished) -> str:
+    """The figures shown under a finished reply."""
+    s = event.stats
+    parts = [f"{len(event.token_ids)} tokens", f"{event.tok_per_s:.1f} tok/s", f"{s.tokens_per_step or 1:.2f} tok/step"]
+    if s.drafted:
+        parts.append(f"acceptance {s.acceptance_rate:.0%}")
+    parts.append(event.reason if event.error is None else f"error: {event.error}")
+    return " · ".join(parts)
+
+
+class ChatPane(Vertical):
+    """A conversation: its messages, its one running request, its row in the store."""
+
+    def __init__(self, store: ChatStore, prompts: list[str], model: str, system: str | None = None, **kwargs) -> None:
+        super().__init__(classes="chat", **kwargs)
+        self.store = store
+        self.prompts = prompts
+        self.model = model
+        self.conversation_id: int | None = None
+        self.title = "new chat"
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.request_id: int | None = None
+        self.reply: MessageView | None = None
+        self.reply_stream: MarkdownStream | None = None
+        self.reply_text = ""
+        self.reply_db_id: int | None = None
+        self.flushed_at = 0.0
+
+    def compose(self):
+        yield VerticalScroll(classes="transcript")
+        yield PromptInput(self.prompts, classes="prompt")
+
+    def on_mount(self) -> None:
+        self.query_one(".transcript", VerticalScroll).anchor()
+
+    @property
+    def busy(self) -> bool:
+        return self.request_id is not None
+
+    @property
+    def prompt_input(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    async def load(self, conversation_id: int) -> None:
+        """Show a stored conversation; new messages continue it."""
+        self.conversation_id = conversation_id
+        found = self.store.conversation(conversation_id)
+        self.title = found.title if found else self.title
+        stored = self.store.messages(conversation_id)
+        views = []
+        for m in stored:
+            if m.role != "system":
+                views.append(MessageView(m.role, m.content))
+            self.messages.append({"role": m.role, "content": m.content})
+        await self.query_one(".transcript", VerticalScroll).mount_all(views)
+        for view, m in zip(views, [m for m in stored if m.role != "system"], strict=True):
+            if m.meta and m.meta.get("footer"):
+                view.set_footer(m.meta["footer"])
+
+    async def add_user(self, text: str) -> None:
+        """Show and store the user's message (a new conversation starts with its first one)."""
+        if self.conversation_id is None:
+            self.title = " ".join(text.split())[:48]
+            self.conversation_id = self.store.new_conversation(self.title, self.model)
+            for m in self.messages:  # the system message
+                self.store.add_message(self.conversation_id, m["role"], m["content"])
+        self.store.add_message(self.conversation_id, "user", text)
+        self.messages.append({"role": "user", "content": text})
+        await self.query_one(".transcript", VerticalScroll).mount(MessageView("user", text))
+
+    async def begin_reply(self, request_id: int) -> None:
+        """Open an empty assistant message that the request's text will stream into."""
+        self.request_id = request_id
+        self.reply_text = ""
+        self.reply = MessageView("assistant")
+        await self.query_one(".transcript", VerticalScroll).mount(self.reply)
+        self.reply.add_class("streaming")
+        self.reply_stream = Markdown.get_stream(self.reply.query_one(Markdown))
+        self.reply_db_id = self.store.add_message(self.conversation_id, "assistant", "")
+        self.flushed_at = time.monotonic()
+
+    async def append(self, text: str) -> None:
+        """New text of the running reply (all of one step at once)."""
+        if self.reply_stream is None or not text:
+            return
+        self.reply_text += text
+        self.reply.content = self.reply_text
+        await self.reply_stream.write(text)
+        now = time.monotonic()
+        if now - self.flushed_at >= FLUSH_S:
+            self.store.update_message(self.reply_db_id, self.reply_text)
+            self.flushed_at = now
+
+    async def finish(self, event: Finished) -> None:
+        """The reply ended: final text, figures under it, stored."""
+        if self.reply_stream is not None:
+            await self.reply_stream.stop()
+        footer = finish_line(event)
+        text = event.text if event.reason != "cancelled" else self.reply_text
+        if self.reply is not None:
+            self.reply.content = text
+            self.reply.remove_class("streaming")
+            self.reply.set_footer(footer)
+        self.messages.append({"role": "assistant", "content": text})
+        meta = {"footer": footer, "reason": event.reason, "stats": event.stats.to_json(), "tok_per_s": event.tok_per_s}
+        self.store.update_message(self.reply_db_id, text, meta)
+        self.request_id, self.reply_stream, self.reply_db_id = None, None, None
+
+    def last_reply(self) -> str | None:
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), None)

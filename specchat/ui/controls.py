@@ -1,0 +1,111 @@
+"""The Controls panel: K, drafter, weight and KV formats, temperature. Edits go to the app as one message."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Button, Input, Label, ProgressBar, Select
+
+WEIGHT_FORMATS = ("bf16", "mxfp4")
+KV_FORMATS = ("bf16", "mxfp4", "k8v4")
+
+
+def k_text(k: int | None) -> str:
+    return "auto" if k is None else str(k)
+
+
+class ControlsPanel(Vertical):
+    """Live settings; the app applies them and calls `show()` with what took effect."""
+
+    class Changed(Message):
+        """The user asked for a setting: name is k | drafter | weights | kv | temperature; value is text."""
+
+        def __init__(self, name: str, value: str) -> None:
+            super().__init__()
+            self.name = name
+            self.value = value
+
+    def __init__(self, k: int | None, drafter: str, drafters: tuple[str, ...], temperature: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.k = k
+        self.drafter = drafter
+        self.drafters = drafters if drafter in drafters else (*drafters, drafter)
+        self.temperature = temperature
+
+    def compose(self):
+        with Horizontal(classes="row"):
+            yield Label("K", classes="name")
+            yield Input(k_text(self.k), id="k-input", compact=True, classes="k-field")
+            yield Button("-", id="k-down", compact=True)
+            yield Button("+", id="k-up", compact=True)
+            yield Button("auto", id="k-auto", compact=True)
+        with Horizontal(classes="row"):
+            yield Label("drafter", classes="name")
+            yield Select(
+                [(d, d) for d in self.drafters], value=self.drafter, allow_blank=False, id="drafter", compact=True
+            )
+        with Horizontal(classes="row"):
+            yield Label("weights", classes="name")
+            yield Select([(f, f) for f in WEIGHT_FORMATS], prompt="as loaded", id="weights", compact=True)
+        with Horizontal(classes="row"):
+            yield Label("KV", classes="name")
+            yield Select([(f, f) for f in KV_FORMATS], prompt="as loaded", id="kv", compact=True)
+        with Horizontal(classes="row"):
+            yield Label("temp", classes="name")
+            yield Input(str(self.temperature), id="temperature", compact=True, classes="temp-field")
+        yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="busy")
+
+    def on_mount(self) -> None:
+        self.border_title = "Controls"
+        self.query_one("#busy", ProgressBar).display = False
+
+    @on(Button.Pressed, "#k-down")
+    def on_k_down(self) -> None:
+        """K - 1."""
+        self.post_message(self.Changed("k", str(max((self.k if self.k is not None else 4) - 1, 0))))
+
+    @on(Button.Pressed, "#k-up")
+    def on_k_up(self) -> None:
+        """K + 1."""
+        self.post_message(self.Changed("k", str((self.k if self.k is not None else 4) + 1)))
+
+    @on(Button.Pressed, "#k-auto")
+    def on_k_auto(self) -> None:
+        """Adaptive K."""
+        self.post_message(self.Changed("k", "auto"))
+
+    @on(Input.Submitted, "#k-input")
+    def on_k_submitted(self, event: Input.Submitted) -> None:
+        """K typed into the field."""
+        self.post_message(self.Changed("k", event.value.strip()))
+
+    @on(Input.Submitted, "#temperature")
+    def on_temperature_submitted(self, event: Input.Submitted) -> None:
+        """Temperature typed into the field."""
+        self.post_message(self.Changed("temperature", event.value.strip()))
+
+    @on(Select.Changed)
+    def on_select_changed(self, event: Select.Changed) -> None:
+        """Drafter, weights or KV picked."""
+        if event.value is not Select.BLANK:
+            self.post_message(self.Changed(event.select.id, str(event.value)))
+
+    def show(self, name: str, value: str) -> None:
+        """Reflect a setting that took effect (without posting it again)."""
+        if name == "k":
+            self.k = None if value == "auto" else int(value)
+            self.query_one("#k-input", Input).value = value
+        elif name == "temperature":
+            self.temperature = float(value)
+            self.query_one("#temperature", Input).value = value
+        else:
+            select = self.query_one(f"#{name}", Select)
+            with self.prevent(Select.Changed):
+                select.value = value
+            if name == "drafter":
+                self.drafter = value
+
+    def set_busy(self, busy: bool) -> None:
+        """Show the indeterminate bar while a long change (quantizing, loading a drafter) runs."""
+        self.query_one("#busy", ProgressBar).display = busy

@@ -1,0 +1,60 @@
+"""Messages that cross from worker threads (engine loop, loader, setters) into the app."""
+
+from __future__ import annotations
+
+from textual.message import Message
+
+from specchat.engine.sequence import Event
+
+
+class EngineStep(Message):
+    """The events of one engine step (all requests), posted once per step from the engine thread."""
+
+    def __init__(self, events: list[Event], time: float) -> None:
+        super().__init__()
+        self.events = events
+        self.time = time
+
+
+class LoadProgress(Message):
+    """Fetching or loading the model moved on (total 0 = unknown)."""
+
+    def __init__(self, what: str, done: int, total: int) -> None:
+        super().__init__()
+        self.what = what
+        self.done = done
+        self.total = total
+
+
+class EngineReady(Message):
+    """The model is loaded; the engine is passed over to the app."""
+
+    def __init__(self, engine: object) -> None:
+        super().__init__()
+        self.engine = engine
+
+
+class LoadFailed(Message):
+    """The model could not be loaded; the error ends the app."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+
+class MemoryRead(Message):
+    """engine.memory(), read between steps on the engine thread."""
+
+    def __init__(self, memory: dict) -> None:
+        super().__init__()
+        self.memory = memory
+
+
+class SettingApplied(Message):
+    """A live setting (drafter, weights, KV) finished changing, or failed with `error`."""
+
+    def __init__(self, name: str, value: str, error: str | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.value = value
+        self.error = error

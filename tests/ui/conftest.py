@@ -1,0 +1,66 @@
+"""UI test helpers: an app on a given engine with its own store, and polling instead of sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from textual.pilot import Pilot
+
+from specchat.config import SamplingParams, SpecParams
+from specchat.ui.app import SpecchatApp
+from specchat.ui.store import ChatStore
+
+SIZE = (150, 50)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run `async def` tests in a fresh event loop (Pilot needs one; no asyncio plugin required)."""
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    asyncio.run(pyfuncitem.obj(**kwargs))
+    return True
+
+
+async def wait_for(pilot: Pilot, condition: Callable[[], object], timeout: float = 60.0, what: str = "") -> None:
+    """Let the app run until `condition()` is true; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+        await pilot.pause(0.05)
+
+
+async def type_prompt(pilot: Pilot, text: str) -> None:
+    """Type into the focused prompt and press Enter."""
+    await pilot.press(*[" " if c == " " else c for c in text])
+    await pilot.press("enter")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ChatStore:
+    db = ChatStore(tmp_path / "chats.sqlite3")
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def make_app(store: ChatStore, tmp_path: Path):
+    """SpecchatApp on a loaded engine, saving into this test's folder."""
+
+    def make(engine, max_tokens: int = 16, drafter: str = "none", k: int | None = 4, **sampling) -> SpecchatApp:
+        return SpecchatApp(
+            engine=engine,
+            sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+            spec=SpecParams(drafter=drafter, k=k),
+            store=store,
+            transcript_dir=tmp_path,
+        )
+
+    return make
