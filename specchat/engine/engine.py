@@ -12,6 +12,7 @@ and applied between steps, so they take effect on the next step.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import queue
 import threading
@@ -30,6 +31,7 @@ from specchat.engine.runner import ModelRunner
 from specchat.engine.sampling import make_generator
 from specchat.engine.scheduler import Scheduler
 from specchat.engine.sequence import Event, Finished, Sequence
+from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.engine.tokenizer import StreamDecoder, Tokenizer, export_gguf_tokenizer
 from specchat.errors import ConfigError, PromptError
 from specchat.registry import ModelSpec, fetch, resolve, tokenizer_dir
@@ -104,6 +106,7 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.drafter, config.max_running, config.max_batch_tokens)
         self.handles: dict[int, RequestHandle] = {}
         self.listeners: list[Callable[[list[Event]], None]] = []
+        self.metrics = EngineMetrics()
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -189,6 +192,7 @@ class Engine:
         handle = RequestHandle(self, seq.seq_id)
         with self._lock:
             self.handles[seq.seq_id] = handle
+            self.metrics.observe_submit(seq.seq_id)
             self.scheduler.add(seq)
         self._wake.set()
         return handle
@@ -247,6 +251,7 @@ class Engine:
         with self._lock:
             self._drain_commands()
             events = self.scheduler.step()
+            self.metrics.observe_events(events)
             for event in events:
                 handle = self.handles.get(event.request_id)
                 if handle is not None:
@@ -285,6 +290,22 @@ class Engine:
             self._thread = None
 
     # --- accounting -------------------------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Aggregate speculation, throughput, latency, queue depth and memory, now."""
+        with self._lock:
+            p50, p99 = self.metrics.latency_percentiles()
+            return Snapshot(
+                spec=copy.deepcopy(self.metrics.spec),
+                tok_per_s=self.metrics.tok_per_s(),
+                latency_p50_ms=p50,
+                latency_p99_ms=p99,
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                tokens_total=self.metrics.tokens_total,
+                finished_total=self.metrics.finished_total,
+                memory=self.memory(),
+            )
+
     def memory(self) -> dict:
         """Bytes of weights and KV cache, and what they would be in bf16."""
         seen, weights_bytes = set(), 0
