@@ -191,13 +191,16 @@ def _fetch_hf(spec: ModelSpec) -> Path:
         ) from None
 
 
-def tokenizer_dir(spec: ModelSpec, model_path: Path) -> Path:
-    """Where the tokenizer files live: the HF directory itself, or a cache folder converted from the GGUF."""
-    if model_path.is_dir():
-        return model_path
+def derived_dir(model_path: Path) -> Path:
+    """A cache folder for what we derive from a model file (its tokenizer, its dequantized weights)."""
     stat = model_path.stat()
     key = hashlib.sha1(f"{model_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "tokenizers" / f"{model_path.stem}-{key}"
+    return cache_dir() / "derived" / f"{model_path.stem}-{key}"
+
+
+def tokenizer_dir(spec: ModelSpec, model_path: Path) -> Path:
+    """Where the tokenizer files live: the HF directory itself, or a cache folder converted from the GGUF."""
+    return model_path if model_path.is_dir() else derived_dir(model_path) / "tokenizer"
 
 
 def disk_size(path: Path | None) -> int | None:

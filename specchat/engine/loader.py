@@ -7,6 +7,7 @@ unsupported architecture, shapes that do not match the config) ends in a ModelFo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable
@@ -22,6 +23,7 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 SUPPORTED_HF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 SUPPORTED_GGUF = ("llama", "qwen2")
+GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models up to this size in float32
 
 
 # --- GGUF -----------------------------------------------------------------------------------------------
@@ -73,8 +75,47 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *cols).swapaxes(1, 2).reshape(rows, *cols)
 
 
-def load_gguf(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read and dequantize every tensor of a GGUF file (float32), renamed to our parameter names."""
+def load_gguf(
+    path: Path, progress: Progress | None = None, cache: Path | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read and dequantize every tensor of a GGUF file (float32), renamed to our parameter names.
+
+    Parsing and dequantizing take seconds; with `cache` (a safetensors path) the result is saved once, for
+    models of up to GGUF_CACHE_MAX_BYTES in float32, and later loads read it back in a fraction of that.
+    """
+    if cache is not None and cache.is_file():
+        return _read_converted(cache)
+    cfg, sd = _load_gguf(path, progress)
+    if cache is not None and sum(t.numel() for t in sd.values()) * 4 <= GGUF_CACHE_MAX_BYTES:
+        _write_converted(cache, cfg, sd)
+    return cfg, sd
+
+
+def _write_converted(cache: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v for k, v in sd.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_suffix(".part")
+    save_file(tensors, str(partial), metadata={"config": json.dumps(dataclasses.asdict(cfg))})
+    partial.replace(cache)
+
+
+def _read_converted(cache: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(cache), framework="pt") as f:
+        fields = json.loads(f.metadata()["config"])
+    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    cfg = ModelConfig(**fields)
+    sd = load_file(str(cache))
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    return cfg, sd
+
+
+def _load_gguf(path: Path, progress: Progress | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -279,12 +320,14 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def load_checkpoint(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A GGUF file or an HF-style directory -> (config, state dict in our names)."""
+def load_checkpoint(
+    path: Path, progress: Progress | None = None, cache: Path | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A GGUF file or an HF-style directory -> (config, state dict in our names); `cache`: see load_gguf."""
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or directory")
     if path.is_dir():
         return load_hf_dir(path, progress)
     if path.suffix.lower() == ".gguf":
-        return load_gguf(path, progress)
+        return load_gguf(path, progress, cache)
     raise ModelFormatError(f"{path}: expected a .gguf file or a directory with config.json + *.safetensors")
