@@ -13,6 +13,7 @@ The markdown table is printed last and written to $OUT/mxfp4_matmul.md when OUT 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -133,11 +134,11 @@ def check_special_blocks() -> str:
     return line
 
 
-def random_weight(n: int, k: int):
+def random_weight(n: int, k: int, tile_major: bool):
     """A random [N, K] bf16 weight, its MXFP4 quantization (Triton quantizer) and the prepared kernel weight."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     codes, scales = mm.quantize_mxfp4_triton(w)
-    return w, codes, scales, mm.prepare_weight(codes, scales, k)
+    return w, codes, scales, mm.prepare_weight(codes, scales, k, tile_major=tile_major)
 
 
 def check_matmul(weight, codes, scales, k: int, m: int) -> float:
@@ -150,14 +151,14 @@ def check_matmul(weight, codes, scales, k: int, m: int) -> float:
     return error
 
 
-def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[dict]) -> None:
-    w, codes, scales, weight = random_weight(n, k)
+def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, tile_major: bool, records: list[dict]) -> None:
+    w, codes, scales, weight = random_weight(n, k, tile_major)
     for m in (1, 16, 64):
         error = check_matmul(weight, codes, scales, k, m)
         print(f"  check N={n} K={k} M={m}: rel err {error:.2e}", flush=True)
     mx_bytes = codes.numel() + scales.numel()
     mx_copies = [weight] + [
-        mm.Mxfp4Weight(n, k, torch.randint_like(weight.codes, -(2**31), 2**31 - 1), weight.scales.clone(), True)
+        dataclasses.replace(weight, codes=torch.randint_like(weight.codes, -(2**31), 2**31 - 1))
         for _ in range(max(0, -(-L2_DEFEAT_BYTES // mx_bytes) - 1))
     ]
     bf_copies = [w] + [torch.randn_like(w) for _ in range(max(0, -(-L2_DEFEAT_BYTES // w.nbytes) - 1))]
@@ -167,7 +168,7 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[
         default = mm.choose_config(m, weight)
         configs = {default}
         if sweep:
-            iterations = weight.codes.shape[1] * mm.WORD_ELEMS // mm.K_TILE
+            iterations = weight.scales.shape[1] * mxfp4.BLOCK_SIZE // mm.K_TILE
             for block_n, tiles, warps, stages in SWEEP:
                 for split in SPLITS:
                     if split == 1 or iterations // (tiles * split) >= 2:
@@ -217,9 +218,21 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LLAMA_8B_SHAPES))
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs, report the best")
+    parser.add_argument("--profile", metavar="CONFIG", help="block_n,tiles,split_k,warps,stages: run 5 plain calls")
+    parser.add_argument("--tile-major", action="store_true", help="prepare weights in tile-major word order")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = tuple(int(m) for m in args.ms.split(","))
+    if args.profile:  # for ncu: no graphs, no checks
+        config = mm.MatmulConfig(*map(int, args.profile.split(",")))
+        for n, k in shapes:
+            weight = random_weight(n, k, args.tile_major)[3]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                for _ in range(5):
+                    mm.mxfp4_matmul_triton(x, weight, config)
+        torch.cuda.synchronize()
+        return
 
     commit = (
         os.environ.get("COMMIT")
@@ -234,7 +247,7 @@ def main() -> None:
 
     records: list[dict] = []
     for n, k in shapes:
-        bench_shape(n, k, ms, args.sweep, records)
+        bench_shape(n, k, ms, args.sweep, args.tile_major, records)
     header = (
         f"MXFP4 matmul vs torch bf16 F.linear, {device}, {now}, commit {commit}; "
         f"median per call in CUDA graphs, weights cycled past L2; `{' '.join(sys.argv)}`"

@@ -45,6 +45,7 @@ from specchat.kernels.mxfp4 import BLOCK_SIZE, E8M0_NAN, dequantize_mxfp4, mxfp4
 MAX_M = 64  # activation rows per launch (decode and verification); more rows run in chunks
 K_TILE = 128  # k per prepared tile: 4 lanes x 4 words x 8 elements; K is padded to this
 N_TILE = 128  # prepared rows are padded to a multiple of this (the largest BLOCK_N)
+ROW_GROUP = 64  # rows per group in the tile-major word order
 MAX_SPLIT_K = 16
 WORD_ELEMS = 8
 BF16_SCALE_LIMIT = 128  # largest scale code whose multiplier 2^(s - 1) is a finite bf16
@@ -67,18 +68,28 @@ class Mxfp4Weight:
 
     n: int
     k: int
-    codes: torch.Tensor  # CPU: uint8 [N, Kp/2] (interchange layout); CUDA: int32 words [Np, Kt/8]
+    codes: torch.Tensor  # plain: uint8 [N, Kp/2]; kernel: int32 words [Np, Kt/8] or [Np/64, Kt/128, 64, 16]
     scales: torch.Tensor  # CPU: uint8 E8M0 [N, Kp/32]; CUDA: uint8 s + 126 - c [Np, Kt/32]
     prepared: bool  # True: the kernel layout (K padded to K_TILE, N to N_TILE)
     exp_offset: int = 0  # c: the kernel scales blocks by 2^(s - 127 - c) and the output by 2^c
     has_nan: bool = False  # some scale is 0xFF (NaN block)
+    tile_major: bool = False  # kernel words stored per (64-row group, k-tile): each CTA step reads 4 KB
+
+    def words(self) -> torch.Tensor:
+        """Kernel words in row order, [Np, Kt/8]."""
+        if not self.tile_major:
+            return self.codes
+        groups, tiles = self.codes.shape[:2]
+        return self.codes.permute(0, 2, 1, 3).reshape(groups * ROW_GROUP, tiles * K_TILE // WORD_ELEMS)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel()
 
 
-def prepare_weight(codes: torch.Tensor, scales: torch.Tensor, k: int | None = None, layout: str = "auto"):
+def prepare_weight(
+    codes: torch.Tensor, scales: torch.Tensor, k: int | None = None, layout: str = "auto", tile_major: bool = False
+):
     """Interchange (codes [N, Kp/2], scales [N, Kp/32]) -> Mxfp4Weight for the device they sit on.
 
     layout: "auto" (kernel layout on CUDA, plain on CPU), "kernel" or "plain".
@@ -93,10 +104,10 @@ def prepare_weight(codes: torch.Tensor, scales: torch.Tensor, k: int | None = No
     if layout == "plain":
         return Mxfp4Weight(n, k, codes.contiguous(), scales.contiguous(), prepared=False)
     assert layout == "kernel", layout
-    return _prepare_kernel_layout(codes, scales, n, k)
+    return _prepare_kernel_layout(codes, scales, n, k, tile_major)
 
 
-def _prepare_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> Mxfp4Weight:
+def _prepare_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int, tile_major: bool) -> Mxfp4Weight:
     kt = triton.cdiv(k, K_TILE) * K_TILE
     np_ = triton.cdiv(n, N_TILE) * N_TILE
     nibbles = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, -1)  # [N, Kp]
@@ -121,7 +132,9 @@ def _prepare_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, n: int, k:
         for field, position in enumerate(bits):  # mantissa, exp0, exp1, sign = nibble bits 0..3
             word |= ((el[..., e] >> field) & 1) << position
     words = word.to(torch.uint32).view(torch.int32).reshape(np_, kt // WORD_ELEMS)  # [Np, Kt/8]
-    return Mxfp4Weight(n, k, words, kernel_scales.contiguous(), True, exp_offset, has_nan)
+    if tile_major:
+        words = words.reshape(np_ // ROW_GROUP, ROW_GROUP, kt // K_TILE, 16).permute(0, 2, 1, 3).contiguous()
+    return Mxfp4Weight(n, k, words, kernel_scales.contiguous(), True, exp_offset, has_nan, tile_major)
 
 
 def unprepare_weight(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +142,7 @@ def unprepare_weight(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     codes_shape, scales_shape = mxfp4_storage_shapes((weight.n, weight.k))
     if not weight.prepared:
         return weight.codes, weight.scales
-    words = weight.codes.view(torch.uint32).to(torch.int64)  # [Np, Kt/8]
+    words = weight.words().view(torch.uint32).to(torch.int64)  # [Np, Kt/8]
     np_, kt = words.shape[0], words.shape[1] * WORD_ELEMS
     words = words.reshape(np_, kt // K_TILE, 4, 4)  # [Np, tile, t, q]
     el = torch.zeros((*words.shape, WORD_ELEMS), dtype=torch.int64, device=words.device)
@@ -282,7 +295,9 @@ def _mxfp4_matmul_kernel(
     num_k_tiles,
     stride_xm,
     stride_ym,
-    stride_wn,
+    group_stride,  # words between 64-row groups
+    row_stride,  # words between rows of a group
+    tile_stride,  # words between k-tiles of a row
     stride_sn,
     out_scale,  # 2^c
     split_k,  # programs along K; the last to finish a tile sums the partials
@@ -301,8 +316,9 @@ def _mxfp4_matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # words of one iteration, [BN, tile, lane t, 4]: each lane's 4 words are contiguous (one 16-byte load)
     word_offs = (
-        offs_n[:, None, None, None] * stride_wn
-        + tl.arange(0, TILES)[None, :, None, None] * 16
+        (offs_n // 64)[:, None, None, None] * group_stride
+        + (offs_n % 64)[:, None, None, None] * row_stride
+        + tl.arange(0, TILES)[None, :, None, None] * tile_stride
         + tl.arange(0, 4)[None, None, :, None] * 4
         + tl.arange(0, 4)[None, None, None, :]
     )
@@ -317,7 +333,7 @@ def _mxfp4_matmul_kernel(
         w = _weight_tile(
             w_ptr,
             s_ptr,
-            word_offs + it * (BLOCK_K // 8),
+            word_offs + it * TILES * tile_stride,
             scale_offs + it * Q,
             BLOCK_N,
             Q,
@@ -376,7 +392,7 @@ def _sm_count(device: torch.device) -> int:
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """A launch for M rows of this weight: enough programs to cover the SMs twice, via split-K if needed."""
     num_n = triton.cdiv(weight.n, N_TILE) * (N_TILE // 64)
-    iterations = weight.codes.shape[1] * WORD_ELEMS // (2 * K_TILE)
+    iterations = weight.scales.shape[1] * BLOCK_SIZE // (2 * K_TILE)
     sms = _sm_count(weight.codes.device)
     split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(2 * sms, num_n), iterations // 4))
     return MatmulConfig(block_n=64, tiles=2, split_k=split_k)
@@ -422,7 +438,7 @@ def mxfp4_matmul_triton(
         fast = x.is_cuda and x.dtype == torch.bfloat16
     assert not fast or x.dtype == torch.bfloat16, "the fast path takes bf16 activations"
     m = x.shape[0]
-    padded_k = weight.codes.shape[1] * WORD_ELEMS
+    padded_k = weight.scales.shape[1] * BLOCK_SIZE
     if padded_k != weight.k:  # K % K_TILE != 0: the kernel reads whole tiles of x
         x = F.pad(x, (0, padded_k - weight.k))
     y = torch.empty((m, weight.n), dtype=x.dtype, device=x.device)
@@ -435,8 +451,11 @@ def mxfp4_matmul_triton(
 def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool) -> None:
     m = x.shape[0]
     block_m = _block_m(m)
-    rows_padded, words_per_row = weight.codes.shape
-    num_k_tiles = words_per_row * WORD_ELEMS // K_TILE
+    rows_padded, num_k_tiles = weight.scales.shape[0], weight.scales.shape[1] * BLOCK_SIZE // K_TILE
+    if weight.tile_major:
+        strides = (num_k_tiles * ROW_GROUP * 16, 16, ROW_GROUP * 16)
+    else:
+        strides = (ROW_GROUP * weight.codes.stride(0), weight.codes.stride(0), 16)
     tiles = config.tiles
     while num_k_tiles % tiles:  # an iteration never reads past its row
         tiles //= 2
@@ -446,7 +465,7 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
     _mxfp4_matmul_kernel[grid](
         x, weight.codes, weight.scales, y, partials, counters,
         m, weight.n, num_k_tiles,
-        x.stride(0), y.stride(0), weight.codes.stride(0), weight.scales.stride(0),
+        x.stride(0), y.stride(0), *strides, weight.scales.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, TILES=tiles,
         FAST=fast, HAS_NAN=weight.has_nan, num_warps=config.num_warps, num_stages=config.num_stages,
