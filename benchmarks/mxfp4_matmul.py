@@ -39,6 +39,8 @@ SWEEP = (  # (block_n, tiles, num_warps, num_stages) x split_k
     (128, 1, 4, 4),
     (128, 2, 4, 3),
     (128, 2, 8, 3),
+    (64, 1, 4, 6),
+    (128, 1, 4, 6),
 )
 SPLITS = (1, 2, 4, 8, 16)
 
