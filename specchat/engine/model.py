@@ -101,25 +101,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables indexed by absolute position."""
+    """cos/sin of position x frequency, computed for the positions at hand (no table, no host sync: the
+    same in eager mode and inside a CUDA graph)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cache is None or self._cache[0].shape[0] < length or self._cache[0].device != device:
-            size = max(length, 2 * (self._cache[0].shape[0] if self._cache else 1024))
-            t = torch.arange(size, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2]
-            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-            self._cache = (emb.cos(), emb.sin())
-        return self._cache
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables(int(positions.max()) + 1, positions.device)
-        return cos[positions], sin[positions]  # [T, D] each
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], fp32 as in HF transformers
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        return emb.cos(), emb.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

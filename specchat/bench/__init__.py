@@ -1,0 +1,1 @@
+"""Load benchmarks behind `specchat bench`: concurrent sessions on a real model, and synthetic GPU shapes."""

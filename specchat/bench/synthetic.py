@@ -1,0 +1,160 @@
+"""Decode and verification speed on a random-weight model of a real shape, built directly on the device.
+
+Speed does not depend on the weights' values, so no checkpoint is needed: the model is created with random
+weights where it runs. Each configuration prefills `batch` requests with `context` random tokens, then times
+`steps` engine steps through the real ModelRunner and KV pool.
+
+Speculative rows use a benchmark-only drafter of set acceptance rate: every step feeds [last token + k random
+drafts] per request through the real target forward and greedy verification (argmax over all k + 1 rows),
+then keeps a accepted drafts, a drawn from the chain-acceptance distribution with per-token rate `acceptance`
+(P(a = j) = acceptance^j (1 - acceptance) for j < k, P(a = k) = acceptance^k), and truncates the KV of the
+rest. Real drafters cost extra drafting time; this measures the target side only, and says so in its label.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specchat.engine.kv_cache import KVPool
+from specchat.engine.model import ModelConfig, Transformer
+from specchat.engine.runner import ModelRunner, StepBatch
+
+SHAPES = {
+    "llama-3.1-8b": ModelConfig(
+        arch="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position=131072,
+    ),
+    "smollm2-135m": ModelConfig(
+        arch="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        max_position=8192,
+        tie_embeddings=True,
+    ),
+}
+INIT_STD = 0.02
+
+
+@dataclass(slots=True)
+class SyntheticCase:
+    batch: int
+    weights: str = "bf16"  # "bf16" | "mxfp4"
+    kv: str = "bf16"
+    k: int = 0  # drafts per step (0 = plain decode)
+    acceptance: float = 0.0  # per-token acceptance of the benchmark-only drafter
+
+
+@dataclass(slots=True)
+class SyntheticResult:
+    case: SyntheticCase
+    tok_per_s: float  # aggregate over the batch
+    step_ms: float  # median wall time of one step
+    tokens_per_step: float  # per request
+    weights_bytes: int
+    kv_bytes_per_token: int
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
+    """A Transformer of the given shape with N(0, INIT_STD) weights, created on `device`."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    model = model.to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, INIT_STD)
+    return model.eval().requires_grad_(False)
+
+
+def sample_accepted(rng: random.Random, k: int, acceptance: float) -> int:
+    a = 0
+    while a < k and rng.random() < acceptance:
+        a += 1
+    return a
+
+
+def run_case(
+    model: Transformer,
+    case: SyntheticCase,
+    context: int,
+    steps: int,
+    warmup: int = 4,
+    seed: int = 0,
+    runner_factory=ModelRunner,
+) -> SyntheticResult:
+    """Time `steps` decode / verify steps of `case.batch` requests that each start with `context` tokens."""
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    tokens_per_seq = context + (warmup + steps) * (case.k + 1) + 16
+    pool = KVPool(
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        num_pages=case.batch * (-(-tokens_per_seq // 16) + 1),
+        page_size=16,
+        dtype=next(model.parameters()).dtype,
+        device=device,
+        kv_format=case.kv,
+    )
+    runner = runner_factory(model, pool)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    for b in range(case.batch):
+        prompt = torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist()
+        pool.add(b, prompt)
+        runner.forward(StepBatch([b], [prompt], [0], [1]))
+        lengths.append(context)
+    step_times, emitted = [], 0
+    for i in range(warmup + steps):
+        feeds = [torch.randint(0, cfg.vocab_size, (1 + case.k,), generator=gen).tolist() for _ in range(case.batch)]
+        batch = StepBatch(list(range(case.batch)), feeds, [n - 1 for n in lengths], [1 + case.k] * case.batch)
+        # positions n-1.. : the newest token (uncached) then the drafts, as in the scheduler
+        for b in range(case.batch):
+            pool.truncate(b, lengths[b] - 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = runner.forward(batch)
+        verdicts = [logits.argmax(-1) for logits in out.logits]  # greedy verification's work
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        del verdicts
+        for b in range(case.batch):
+            a = sample_accepted(rng, case.k, case.acceptance)
+            pool.truncate(b, lengths[b] + a)  # keep the newest token and the accepted drafts
+            lengths[b] += a + 1
+            if i >= warmup:
+                emitted += a + 1
+        if i >= warmup:
+            step_times.append(dt)
+    total = sum(step_times)
+    return SyntheticResult(
+        case=case,
+        tok_per_s=emitted / total,
+        step_ms=sorted(step_times)[len(step_times) // 2] * 1e3,
+        tokens_per_step=emitted / (steps * case.batch),
+        weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        kv_bytes_per_token=pool.bytes_per_token,
+    )
