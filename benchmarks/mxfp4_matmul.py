@@ -34,13 +34,13 @@ CALLS_PER_GRAPH = 20
 GRAPH_REPLAYS = 15
 SWEEP = (  # (block_n, tiles, num_warps, num_stages) x split_k
     (64, 1, 4, 4),
+    (64, 1, 4, 6),
     (64, 2, 4, 3),
     (64, 2, 4, 4),
     (128, 1, 4, 4),
+    (128, 1, 4, 6),
     (128, 2, 4, 3),
     (128, 2, 8, 3),
-    (64, 1, 4, 6),
-    (128, 1, 4, 6),
 )
 SPLITS = (1, 2, 4, 8, 16)
 
@@ -136,11 +136,11 @@ def check_special_blocks() -> str:
     return line
 
 
-def random_weight(n: int, k: int, tile_major: bool):
+def random_weight(n: int, k: int):
     """A random [N, K] bf16 weight, its MXFP4 quantization (Triton quantizer) and the prepared kernel weight."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     codes, scales = mm.quantize_mxfp4_triton(w)
-    return w, codes, scales, mm.prepare_weight(codes, scales, k, tile_major=tile_major)
+    return w, codes, scales, mm.prepare_weight(codes, scales, k)
 
 
 def check_matmul(weight, codes, scales, k: int, m: int) -> float:
@@ -153,8 +153,8 @@ def check_matmul(weight, codes, scales, k: int, m: int) -> float:
     return error
 
 
-def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, tile_major: bool, records: list[dict]) -> None:
-    w, codes, scales, weight = random_weight(n, k, tile_major)
+def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[dict]) -> None:
+    w, codes, scales, weight = random_weight(n, k)
     for m in (1, 16, 64):
         error = check_matmul(weight, codes, scales, k, m)
         print(f"  check N={n} K={k} M={m}: rel err {error:.2e}", flush=True)
@@ -170,7 +170,7 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, tile_major: bo
         default = mm.choose_config(m, weight)
         configs = {default}
         if sweep:
-            iterations = weight.scales.shape[1] * mxfp4.BLOCK_SIZE // mm.K_TILE
+            iterations = weight.codes.shape[1]  # k-tiles
             for block_n, tiles, warps, stages in SWEEP:
                 for split in SPLITS:
                     if split == 1 or iterations // (tiles * split) >= 2:
@@ -221,14 +221,13 @@ def main() -> None:
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs, report the best")
     parser.add_argument("--profile", metavar="CONFIG", help="block_n,tiles,split_k,warps,stages: run 5 plain calls")
-    parser.add_argument("--tile-major", action="store_true", help="prepare weights in tile-major word order")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = tuple(int(m) for m in args.ms.split(","))
     if args.profile:  # for ncu: no graphs, no checks
         config = mm.MatmulConfig(*map(int, args.profile.split(",")))
         for n, k in shapes:
-            weight = random_weight(n, k, args.tile_major)[3]
+            weight = random_weight(n, k)[3]
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for _ in range(5):
@@ -249,7 +248,7 @@ def main() -> None:
 
     records: list[dict] = []
     for n, k in shapes:
-        bench_shape(n, k, ms, args.sweep, args.tile_major, records)
+        bench_shape(n, k, ms, args.sweep, records)
     header = (
         f"MXFP4 matmul vs torch bf16 F.linear, {device}, {now}, commit {commit}; "
         f"median per call in CUDA graphs, weights cycled past L2; `{' '.join(sys.argv)}`"

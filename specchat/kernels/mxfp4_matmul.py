@@ -43,11 +43,14 @@ import triton.language as tl
 from specchat.kernels.mxfp4 import BLOCK_SIZE, E8M0_NAN, dequantize_mxfp4, mxfp4_storage_shapes
 
 MAX_M = 64  # activation rows per launch (decode and verification); more rows run in chunks
+WORD_ELEMS = 8  # E2M1 elements per prepared int32 word
 K_TILE = 128  # k per prepared tile: 4 lanes x 4 words x 8 elements; K is padded to this
 N_TILE = 128  # prepared rows are padded to a multiple of this (the largest BLOCK_N)
-ROW_GROUP = 64  # rows per group in the tile-major word order
+ROW_GROUP = 64  # rows per group: the kernel layout stores each (row group, k-tile) contiguously
+_ROW_GROUP = tl.constexpr(ROW_GROUP)
+_TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per (row group, k-tile): 4 KB
+_TILE_SCALES = tl.constexpr(ROW_GROUP * K_TILE // BLOCK_SIZE)  # scale bytes per (row group, k-tile)
 MAX_SPLIT_K = 16
-WORD_ELEMS = 8
 BF16_SCALE_LIMIT = 128  # largest scale code whose multiplier 2^(s - 1) is a finite bf16
 KERNEL_SCALE_BIAS = 126  # prepared scale byte = s + 126 - c: the bf16 exponent field of 2^(s - 1 - c)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -68,28 +71,18 @@ class Mxfp4Weight:
 
     n: int
     k: int
-    codes: torch.Tensor  # plain: uint8 [N, Kp/2]; kernel: int32 words [Np, Kt/8] or [Np/64, Kt/128, 64, 16]
-    scales: torch.Tensor  # CPU: uint8 E8M0 [N, Kp/32]; CUDA: uint8 s + 126 - c [Np, Kt/32]
+    codes: torch.Tensor  # plain: uint8 [N, Kp/2]; kernel: int32 words [Np/64, Kt/128, 64 rows, 16]
+    scales: torch.Tensor  # plain: uint8 E8M0 [N, Kp/32]; kernel: uint8 s + 126 - c [Np/64, Kt/128, 64, 4]
     prepared: bool  # True: the kernel layout (K padded to K_TILE, N to N_TILE)
     exp_offset: int = 0  # c: the kernel scales blocks by 2^(s - 127 - c) and the output by 2^c
     has_nan: bool = False  # some scale is 0xFF (NaN block)
-    tile_major: bool = False  # kernel words stored per (64-row group, k-tile): each CTA step reads 4 KB
-
-    def words(self) -> torch.Tensor:
-        """Kernel words in row order, [Np, Kt/8]."""
-        if not self.tile_major:
-            return self.codes
-        groups, tiles = self.codes.shape[:2]
-        return self.codes.permute(0, 2, 1, 3).reshape(groups * ROW_GROUP, tiles * K_TILE // WORD_ELEMS)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel()
 
 
-def prepare_weight(
-    codes: torch.Tensor, scales: torch.Tensor, k: int | None = None, layout: str = "auto", tile_major: bool = False
-):
+def prepare_weight(codes: torch.Tensor, scales: torch.Tensor, k: int | None = None, layout: str = "auto"):
     """Interchange (codes [N, Kp/2], scales [N, Kp/32]) -> Mxfp4Weight for the device they sit on.
 
     layout: "auto" (kernel layout on CUDA, plain on CPU), "kernel" or "plain".
@@ -104,10 +97,10 @@ def prepare_weight(
     if layout == "plain":
         return Mxfp4Weight(n, k, codes.contiguous(), scales.contiguous(), prepared=False)
     assert layout == "kernel", layout
-    return _prepare_kernel_layout(codes, scales, n, k, tile_major)
+    return _prepare_kernel_layout(codes, scales, n, k)
 
 
-def _prepare_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int, tile_major: bool) -> Mxfp4Weight:
+def _prepare_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> Mxfp4Weight:
     kt = triton.cdiv(k, K_TILE) * K_TILE
     np_ = triton.cdiv(n, N_TILE) * N_TILE
     nibbles = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, -1)  # [N, Kp]
@@ -132,9 +125,19 @@ def _prepare_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, n: int, k:
         for field, position in enumerate(bits):  # mantissa, exp0, exp1, sign = nibble bits 0..3
             word |= ((el[..., e] >> field) & 1) << position
     words = word.to(torch.uint32).view(torch.int32).reshape(np_, kt // WORD_ELEMS)  # [Np, Kt/8]
-    if tile_major:
-        words = words.reshape(np_ // ROW_GROUP, ROW_GROUP, kt // K_TILE, 16).permute(0, 2, 1, 3).contiguous()
-    return Mxfp4Weight(n, k, words, kernel_scales.contiguous(), True, exp_offset, has_nan, tile_major)
+    return Mxfp4Weight(n, k, _tile_major(words, 16), _tile_major(kernel_scales, 4), True, exp_offset, has_nan)
+
+
+def _tile_major(rows: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """[Np, tiles * per_tile] -> [Np/64, tiles, 64, per_tile]: one (row group, k-tile) is contiguous."""
+    np_, tiles = rows.shape[0], rows.shape[1] // per_tile
+    return rows.reshape(np_ // ROW_GROUP, ROW_GROUP, tiles, per_tile).permute(0, 2, 1, 3).contiguous()
+
+
+def _row_major(tiles: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_tile_major`."""
+    groups, num_tiles, rows, per_tile = tiles.shape
+    return tiles.permute(0, 2, 1, 3).reshape(groups * rows, num_tiles * per_tile)
 
 
 def unprepare_weight(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +145,7 @@ def unprepare_weight(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     codes_shape, scales_shape = mxfp4_storage_shapes((weight.n, weight.k))
     if not weight.prepared:
         return weight.codes, weight.scales
-    words = weight.words().view(torch.uint32).to(torch.int64)  # [Np, Kt/8]
+    words = _row_major(weight.codes).view(torch.uint32).to(torch.int64)  # [Np, Kt/8]
     np_, kt = words.shape[0], words.shape[1] * WORD_ELEMS
     words = words.reshape(np_, kt // K_TILE, 4, 4)  # [Np, tile, t, q]
     el = torch.zeros((*words.shape, WORD_ELEMS), dtype=torch.int64, device=words.device)
@@ -152,7 +155,7 @@ def unprepare_weight(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     el = el.reshape(np_, kt // K_TILE, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(np_, kt)
     el = el[: weight.n, : codes_shape[1] * 2].to(torch.uint8)
     codes = el[:, 0::2] | (el[:, 1::2] << 4)
-    kernel_scales = weight.scales[: weight.n, : scales_shape[1]].int()  # flushed blocks: zero codes
+    kernel_scales = _row_major(weight.scales)[: weight.n, : scales_shape[1]].int()  # flushed blocks: zero codes
     scales = kernel_scales - (KERNEL_SCALE_BIAS - weight.exp_offset)
     scales = torch.where(kernel_scales == E8M0_NAN, E8M0_NAN, scales).to(torch.uint8)
     return codes.contiguous(), scales.contiguous()
@@ -268,9 +271,9 @@ def _weight_tile(
     HAS_NAN: tl.constexpr,
 ):
     """One iteration's weights -> [BLOCK_N, 32 Q] operand (bf16 if FAST else float32), k in natural order."""
-    words = tl.load(w_ptr + word_offs)  # [BN, tiles, lane t, 4]
+    words = tl.load(w_ptr + word_offs).reshape(BLOCK_N, Q // 4, 4, 4)  # [BN, tile, lane t, q4]
     words = tl.trans(words, (0, 1, 3, 2)).reshape(BLOCK_N, Q, 4)  # [BN, chunk q, lane t]
-    scales = tl.load(s_ptr + scale_offs).to(tl.int32)  # [BN, Q]
+    scales = tl.load(s_ptr + scale_offs).to(tl.int32).reshape(BLOCK_N, Q)  # [BN, Q]
     scales = tl.broadcast_to(scales[:, :, None], (BLOCK_N, Q, 4))  # [BN, Q, T]
     if FAST:
         e0, e1, e2, e3, e4, e5, e6, e7 = _decode_bf16_asm(words, scales, HAS_NAN)
@@ -285,8 +288,8 @@ def _weight_tile(
 @triton.jit
 def _mxfp4_matmul_kernel(
     x_ptr,  # [M, Kt] activations (zero-padded to the weight's padded K)
-    w_ptr,  # [Np, Kt/8] int32 prepared words
-    s_ptr,  # [Np, Kt/32] uint8 kernel scale bytes
+    w_ptr,  # [Np/64, Kt/128, 64, 16] int32 prepared words
+    s_ptr,  # [Np/64, Kt/128, 64, 4] uint8 kernel scale bytes
     y_ptr,  # [M, N] output, x's dtype
     partial_ptr,  # [split_k, Np, BLOCK_M] float32 split-K partials (unused when split_k == 1)
     counter_ptr,  # [Np / BLOCK_N] int32 split-K arrivals, zero between launches
@@ -295,10 +298,6 @@ def _mxfp4_matmul_kernel(
     num_k_tiles,
     stride_xm,
     stride_ym,
-    group_stride,  # words between 64-row groups
-    row_stride,  # words between rows of a group
-    tile_stride,  # words between k-tiles of a row
-    stride_sn,
     out_scale,  # 2^c
     split_k,  # programs along K; the last to finish a tile sums the partials
     BLOCK_M: tl.constexpr,
@@ -314,15 +313,14 @@ def _mxfp4_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # words of one iteration, [BN, tile, lane t, 4]: each lane's 4 words are contiguous (one 16-byte load)
-    word_offs = (
-        (offs_n // 64)[:, None, None, None] * group_stride
-        + (offs_n % 64)[:, None, None, None] * row_stride
-        + tl.arange(0, TILES)[None, :, None, None] * tile_stride
-        + tl.arange(0, 4)[None, None, :, None] * 4
-        + tl.arange(0, 4)[None, None, None, :]
-    )
-    scale_offs = offs_n[:, None] * stride_sn + tl.arange(0, Q)[None, :]  # [BN, Q]
+    # one iteration reads TILES (row group, k-tile) blocks per 64 rows, each contiguous: [BN, tile, 16 words]
+    # with lane t's 4 words at 4t (one 16-byte load), and [BN, tile, 4] scale bytes
+    group, row = offs_n // _ROW_GROUP, offs_n % _ROW_GROUP
+    tile = tl.arange(0, TILES)[None, :, None]
+    word_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS
+    word_offs += tl.arange(0, 16)[None, None, :]
+    scale_offs = (group * num_k_tiles * _TILE_SCALES + row * 4)[:, None, None] + tile * _TILE_SCALES
+    scale_offs += tl.arange(0, 4)[None, None, :]
 
     iterations = tl.cdiv(num_k_tiles, TILES)
     per_split = tl.cdiv(iterations, split_k)
@@ -333,8 +331,8 @@ def _mxfp4_matmul_kernel(
         w = _weight_tile(
             w_ptr,
             s_ptr,
-            word_offs + it * TILES * tile_stride,
-            scale_offs + it * Q,
+            word_offs + it * TILES * _TILE_WORDS,
+            scale_offs + it * TILES * _TILE_SCALES,
             BLOCK_N,
             Q,
             FAST,
@@ -392,7 +390,7 @@ def _sm_count(device: torch.device) -> int:
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """A launch for M rows of this weight: enough programs to cover the SMs twice, via split-K if needed."""
     num_n = triton.cdiv(weight.n, N_TILE) * (N_TILE // 64)
-    iterations = weight.scales.shape[1] * BLOCK_SIZE // (2 * K_TILE)
+    iterations = weight.codes.shape[1] // 2
     sms = _sm_count(weight.codes.device)
     split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(2 * sms, num_n), iterations // 4))
     return MatmulConfig(block_n=64, tiles=2, split_k=split_k)
@@ -438,7 +436,7 @@ def mxfp4_matmul_triton(
         fast = x.is_cuda and x.dtype == torch.bfloat16
     assert not fast or x.dtype == torch.bfloat16, "the fast path takes bf16 activations"
     m = x.shape[0]
-    padded_k = weight.scales.shape[1] * BLOCK_SIZE
+    padded_k = weight.codes.shape[1] * K_TILE
     if padded_k != weight.k:  # K % K_TILE != 0: the kernel reads whole tiles of x
         x = F.pad(x, (0, padded_k - weight.k))
     y = torch.empty((m, weight.n), dtype=x.dtype, device=x.device)
@@ -451,11 +449,8 @@ def mxfp4_matmul_triton(
 def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool) -> None:
     m = x.shape[0]
     block_m = _block_m(m)
-    rows_padded, num_k_tiles = weight.scales.shape[0], weight.scales.shape[1] * BLOCK_SIZE // K_TILE
-    if weight.tile_major:
-        strides = (num_k_tiles * ROW_GROUP * 16, 16, ROW_GROUP * 16)
-    else:
-        strides = (ROW_GROUP * weight.codes.stride(0), weight.codes.stride(0), 16)
+    groups, num_k_tiles = weight.codes.shape[:2]
+    rows_padded = groups * ROW_GROUP
     tiles = config.tiles
     while num_k_tiles % tiles:  # an iteration never reads past its row
         tiles //= 2
@@ -465,7 +460,7 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
     _mxfp4_matmul_kernel[grid](
         x, weight.codes, weight.scales, y, partials, counters,
         m, weight.n, num_k_tiles,
-        x.stride(0), y.stride(0), *strides, weight.scales.stride(0),
+        x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, TILES=tiles,
         FAST=fast, HAS_NAN=weight.has_nan, num_warps=config.num_warps, num_stages=config.num_stages,
