@@ -382,18 +382,34 @@ class MatmulConfig:
         assert self.tiles in (1, 2, 4) and 1 <= self.split_k <= MAX_SPLIT_K, self
 
 
+WIDE_N = 16384  # from here on 128-row programs are faster (fewer, longer programs; 2 row groups each)
+SPLIT_K_WAVES = 3.0  # programs per SM that split-K aims for (half that for M > 32)
+SPLIT_K_MIN_TILES = 28  # long K also splits while each split keeps this many k-tiles
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
-    """A launch for M rows of this weight: enough programs to cover the SMs twice, via split-K if needed."""
-    num_n = triton.cdiv(weight.n, N_TILE) * (N_TILE // 64)
-    iterations = weight.codes.shape[1] // 2
-    sms = _sm_count(weight.codes.device)
-    split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(2 * sms, num_n), iterations // 4))
-    return MatmulConfig(block_n=64, tiles=2, split_k=split_k)
+    """The launch for M rows of this weight, from the H200 sweep (benchmarks/mxfp4_matmul.py --sweep).
+
+    128-row programs for wide weights, 64 otherwise. Split-K doubles while the programs stay within
+    SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each split iterates twice.
+    """
+    k_tiles = weight.codes.shape[1]
+    block_n = 128 if weight.n >= WIDE_N else 64
+    tiles = 2 if k_tiles % 2 == 0 else 1
+    programs = weight.codes.shape[0] * ROW_GROUP // block_n
+    target = SPLIT_K_WAVES * (1 if m <= 32 else 0.5) * _sm_count(weight.codes.device)
+    split_k = 1
+    while split_k * 2 <= MAX_SPLIT_K and k_tiles // (tiles * split_k * 2) >= 2:
+        wide_enough = programs * split_k * 2 <= target or k_tiles // (split_k * 2) >= SPLIT_K_MIN_TILES
+        if not wide_enough:
+            break
+        split_k *= 2
+    return MatmulConfig(block_n=block_n, tiles=tiles, split_k=split_k)
 
 
 def _block_m(m: int) -> int:
