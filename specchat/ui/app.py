@@ -13,13 +13,15 @@ from collections import deque
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import Screen
+from textual.widget import Widget
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
@@ -38,6 +40,7 @@ from specchat.ui.store import ChatStore
 from specchat.ui.throughput import ThroughputPanel
 from specchat.ui.transcript import to_json, to_markdown, transcript_path
 
+W = TypeVar("W", bound=Widget)
 PANEL_REFRESH_S = 0.25
 MEMORY_REFRESH_S = 1.0
 
@@ -101,6 +104,18 @@ class SpecchatApp(App[Exception | None]):
         self.requests: dict[int, ChatPane] = {}
         self.step_delays_ms: deque[float] = deque(maxlen=4096)  # engine post -> handled, for the benchmark
         self.chats_opened = 0
+
+    @property
+    def main(self) -> Screen:
+        """The chat screen (queries go there even while a dialog is on top)."""
+        return self.screen_stack[0]
+
+    def widget(self, kind: type[W]) -> W | None:
+        """The chat screen's widget of that type; None once the app is closing."""
+        try:
+            return self.main.query_one(kind)
+        except (NoMatches, IndexError):
+            return None
 
     @property
     def model_name(self) -> str:
@@ -178,7 +193,7 @@ class SpecchatApp(App[Exception | None]):
         self.bridge = EngineBridge(engine, self)
         self.bridge.attach()
         self.sub_title = self.model_name
-        for pane in self.query(ChatPane):
+        for pane in self.main.query(ChatPane):
             pane.model = self.model_name
         self.request_memory()
 
@@ -187,7 +202,8 @@ class SpecchatApp(App[Exception | None]):
             self.bridge.request_memory()
 
     def on_memory_read(self, message: MemoryRead) -> None:
-        self.query_one(MemoryPanel).memory = message.memory
+        if (panel := self.widget(MemoryPanel)) is not None:
+            panel.memory = message.memory
 
     async def on_engine_step(self, message: EngineStep) -> None:
         """Route one step's events: text to its chat, figures to the metrics."""
@@ -209,21 +225,24 @@ class SpecchatApp(App[Exception | None]):
                 await pane.finish(event)
         self.step_delays_ms.append((time.perf_counter() - message.time) * 1e3)
 
-    def refresh_panels(self) -> None:
+    async def refresh_panels(self) -> None:
         """Repaint the live panels (on a timer: the cost does not grow with the token rate)."""
-        if not self.metrics.dirty:
+        for pane in list(self.requests.values()):  # text held back by the stream interval if steps paused
+            await pane.show_pending()
+        if not self.metrics.dirty or not self.screen_stack:
             return
         self.metrics.sample()
         self.metrics.queue_depth = self.bridge.queue_depth() if self.bridge else None
         view = replace(self.metrics.view(), active_requests=len(self.requests))
-        self.query_one(SpeculationPanel).view = view
-        self.query_one(ThroughputPanel).view = view
+        for kind in (SpeculationPanel, ThroughputPanel):
+            if (panel := self.widget(kind)) is not None:
+                panel.view = view
 
     # --- chats --------------------------------------------------------------------------------------------------
     @property
     def chat(self) -> ChatPane | None:
         """The chat in the active tab."""
-        pane = self.query_one(TabbedContent).active_pane
+        pane = self.main.query_one(TabbedContent).active_pane
         return pane.query_one(ChatPane) if pane is not None else None
 
     async def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
@@ -246,14 +265,14 @@ class SpecchatApp(App[Exception | None]):
         self.requests[handle.request_id] = pane
         await pane.add_user(message.text)
         await pane.begin_reply(handle.request_id)
-        self.query_one(TabbedContent).get_tab(pane.parent.id).label = pane.title
+        self.main.query_one(TabbedContent).get_tab(pane.parent.id).label = pane.title
 
     async def action_new_chat(self) -> ChatPane:
         """Open a new chat in its own tab."""
         self.chats_opened += 1
         pane_id = f"chat-{self.chats_opened}"
         pane = ChatPane(self.store, self.history, self.model_name, self.system)
-        tabs = self.query_one(TabbedContent)
+        tabs = self.main.query_one(TabbedContent)
         await tabs.add_pane(TabPane("new chat", pane, id=pane_id))
         tabs.active = pane_id
         pane.prompt_input.focus()
@@ -267,20 +286,21 @@ class SpecchatApp(App[Exception | None]):
         if pane.busy:
             self.engine.cancel(pane.request_id)
             self.requests.pop(pane.request_id, None)
-        await self.query_one(TabbedContent).remove_pane(pane.parent.id)
+        await self.main.query_one(TabbedContent).remove_pane(pane.parent.id)
         if self.chat is None:
             await self.action_new_chat()
 
     def action_next_tab(self) -> None:
         """Show the next chat."""
-        self.query_one(TabbedContent).query_one("Tabs").action_next_tab()
+        self.main.query_one(TabbedContent).query_one("Tabs").action_next_tab()
 
     def action_previous_tab(self) -> None:
         """Show the previous chat."""
-        self.query_one(TabbedContent).query_one("Tabs").action_previous_tab()
+        self.main.query_one(TabbedContent).query_one("Tabs").action_previous_tab()
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        event.pane.query_one(PromptInput).focus()
+        for prompt in event.pane.query(PromptInput):  # none while the tab is being built or torn down
+            prompt.focus()
 
     def action_cancel(self) -> None:
         """Stop the active chat's answer (the text so far is kept)."""
@@ -305,8 +325,8 @@ class SpecchatApp(App[Exception | None]):
         """Show a saved conversation in a tab (the one it is in, if open)."""
         if conversation_id is None:
             return
-        tabs = self.query_one(TabbedContent)
-        for pane in self.query(ChatPane):
+        tabs = self.main.query_one(TabbedContent)
+        for pane in self.main.query(ChatPane):
             if pane.conversation_id == conversation_id:
                 tabs.active = pane.parent.id
                 return
@@ -343,7 +363,7 @@ class SpecchatApp(App[Exception | None]):
 
     def change_setting(self, name: str, value: str) -> None:
         """Apply a setting: K and temperature at once, drafter / weights / KV in a worker thread."""
-        controls = self.query_one(ControlsPanel)
+        controls = self.main.query_one(ControlsPanel)
         if name == "k":
             try:
                 k = None if value == "auto" else int(value)
@@ -381,7 +401,9 @@ class SpecchatApp(App[Exception | None]):
             self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
 
     def on_setting_applied(self, message: SettingApplied) -> None:
-        controls = self.query_one(ControlsPanel)
+        controls = self.widget(ControlsPanel)
+        if controls is None:
+            return
         controls.set_busy(False)
         if message.error is not None:
             self.notify(f"{message.name}: {message.error}", severity="error")

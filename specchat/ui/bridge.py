@@ -69,8 +69,10 @@ def drafter_names() -> tuple[str, ...]:
     """The drafter names the engine knows (its own list when it publishes one)."""
     from specchat.engine import drafters
 
-    names = getattr(drafters, "DRAFTERS", None) or getattr(drafters, "NAMES", None)
-    return tuple(names) if names else KNOWN_DRAFTERS
+    published = getattr(drafters, "DRAFTERS", None) or getattr(drafters.base, "DRAFTERS", None)
+    if isinstance(published, str):  # "none | ngram | heads[:FILE] | ..."
+        published = [name.split("[")[0].strip() for name in published.split("|")]
+    return tuple(published) if published else KNOWN_DRAFTERS
 
 
 def read_field(obj: object, name: str):

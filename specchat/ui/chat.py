@@ -15,6 +15,7 @@ from textual.widgets.markdown import MarkdownStream
 from specchat.engine.sequence import Finished
 from specchat.ui.store import FLUSH_S, ChatStore
 
+STREAM_INTERVAL_S = 0.05  # the reply's Markdown grows at most 20 times a second, whatever the token rate
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
 
@@ -143,6 +144,8 @@ class ChatPane(Vertical):
         self.reply_stream: MarkdownStream | None = None
         self.reply_text = ""
         self.reply_db_id: int | None = None
+        self.unshown = ""  # reply text not handed to the Markdown stream yet
+        self.shown_at = 0.0
         self.flushed_at = 0.0
 
     def compose(self):
@@ -199,20 +202,30 @@ class ChatPane(Vertical):
         self.flushed_at = time.monotonic()
 
     async def append(self, text: str) -> None:
-        """New text of the running reply (all of one step at once)."""
+        """New text of the running reply (all of one step at once); shown at most every STREAM_INTERVAL_S."""
         if self.reply_stream is None or not text:
             return
         self.reply_text += text
         self.reply.content = self.reply_text
-        await self.reply_stream.write(text)
+        self.unshown += text
         now = time.monotonic()
+        if now - self.shown_at >= STREAM_INTERVAL_S:
+            await self.show_pending()
         if now - self.flushed_at >= FLUSH_S:
             self.store.update_message(self.reply_db_id, self.reply_text)
             self.flushed_at = now
 
+    async def show_pending(self) -> None:
+        """Hand the text received since the last call to the Markdown stream."""
+        if self.reply_stream is not None and self.unshown:
+            await self.reply_stream.write(self.unshown)
+            self.unshown = ""
+            self.shown_at = time.monotonic()
+
     async def finish(self, event: Finished) -> None:
         """The reply ended: final text, figures under it, stored."""
         if self.reply_stream is not None:
+            await self.show_pending()
             await self.reply_stream.stop()
         footer = finish_line(event)
         text = event.text if event.reason != "cancelled" else self.reply_text

@@ -54,11 +54,9 @@ class ControlsPanel(Vertical):
         with Horizontal(classes="row"):
             yield Label("temp", classes="name")
             yield Input(str(self.temperature), id="temperature", compact=True, classes="temp-field")
-        yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="busy")
 
     def on_mount(self) -> None:
         self.border_title = "Controls"
-        self.query_one("#busy", ProgressBar).display = False
 
     @on(Button.Pressed, "#k-down")
     def on_k_down(self) -> None:
@@ -92,7 +90,7 @@ class ControlsPanel(Vertical):
             self.post_message(self.Changed(event.select.id, str(event.value)))
 
     def show(self, name: str, value: str) -> None:
-        """Reflect a setting that took effect (without posting it again)."""
+        """Reflect a setting that took effect (without posting it again); "" = as loaded."""
         if name == "k":
             self.k = None if value == "auto" else int(value)
             self.query_one("#k-input", Input).value = value
@@ -102,10 +100,17 @@ class ControlsPanel(Vertical):
         else:
             select = self.query_one(f"#{name}", Select)
             with self.prevent(Select.Changed):
-                select.value = value
+                if value:
+                    select.value = value
+                else:  # "as loaded"
+                    select.clear()
             if name == "drafter":
                 self.drafter = value
 
     def set_busy(self, busy: bool) -> None:
-        """Show the indeterminate bar while a long change (quantizing, loading a drafter) runs."""
-        self.query_one("#busy", ProgressBar).display = busy
+        """Show an indeterminate bar while a long change (quantizing, loading a drafter) runs."""
+        bars = self.query(ProgressBar)
+        if busy and not bars:
+            self.mount(ProgressBar(total=None, show_eta=False, show_percentage=False))
+        elif not busy:
+            bars.remove()

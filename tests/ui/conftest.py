@@ -43,6 +43,12 @@ async def type_prompt(pilot: Pilot, text: str) -> None:
     await pilot.press("enter")
 
 
+async def send(pilot: Pilot, app: SpecchatApp, text: str) -> None:
+    """Put a prompt into the active chat's input at once and press Enter."""
+    app.chat.prompt_input.load_text(text)
+    await pilot.press("enter")
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> ChatStore:
     db = ChatStore(tmp_path / "chats.sqlite3")
