@@ -1,6 +1,7 @@
 """MXFP4 matmul on the GPU: time, bandwidth and speedup over torch bf16 on Llama-3.1-8B linear shapes.
 
     PYTHONPATH=. python benchmarks/mxfp4_matmul.py [--sweep] [--shapes 6144x4096,...] [--ms 1,2,4]
+    ncu -k regex:_mxfp4_matmul ... python benchmarks/mxfp4_matmul.py --profile 128,2,1,4,3 --shapes 28672x4096 --ms 1
 
 Per shape and M: a correctness check of the Triton kernel against the torch reference (random weights
 quantized by the Triton quantizer, which is first checked bit-for-bit against the reference), then the median

@@ -23,8 +23,10 @@ Encoding rules (`quantize_mxfp4(rule=...)`), all producing spec-compliant blocks
 Special inputs (defined here, not by the spec):
 - All-zero block: scale code 0 (2^-127), codes 0 (or 8 for -0.0 elements); dequantizes to zeros.
 - Tiny blocks: the exponent is clamped to E8M0's range, so a block whose amax is below 2^-125 gets scale
-  2^-127 and its elements round (mostly to zero) on that grid. Huge blocks cannot overflow: a finite float32
-  has amax < 2^128, so the ocp exponent is at most 125 and the roundup exponent at most 126.
+  2^-127 and its elements round (mostly to zero) on that grid. Huge blocks cannot overflow the scale: a
+  finite float32 has amax < 2^128, so the ocp exponent is at most 125 and the roundup exponent at most 126.
+  Dequantized values follow the target dtype: "ocp" and "mse" blocks of float32 input stay finite in
+  float32, but "roundup" may round an element above 3.5 * 2^126 up to 4 * 2^126 = 2^128, which is inf there.
 - NaN or +-Inf anywhere in a block: scale 0xFF (NaN) and codes 0, so the whole block dequantizes to NaN.
   An infinite weight is a bug upstream; saturating it would silently corrupt its 31 neighbours instead.
 - Signs follow the float's sign bit: a negative value that rounds to zero (and -0.0) encodes as -0 (code 8).

@@ -5,15 +5,16 @@ The interchange format is `specchat.kernels.mxfp4`'s (codes uint8 [N, K/2], scal
 
 - CPU: the plain codes and scales. `mxfp4_linear` dequantizes into a shared scratch buffer (`DequantScratch`)
   and calls F.linear, so no dequantized copy outlives the call.
-- CUDA: a re-laid-out copy for the Triton kernel (below). Same bytes per weight (K padded to 128).
+- CUDA: a re-laid-out copy for the Triton kernel (below). Same bytes per weight (K padded to 128, N to 128).
 
 The Triton kernel (Hopper has no FP4 tensor cores) computes y^T = W @ x^T on the tensor cores with W as the
 register operand: each thread decodes its own slice of W straight into the bf16 operand fragment, so no
 layout conversion or shared-memory round trip is spent on the weight. The load-time layout makes that work:
 
 - Fragment order. In the MMA's A-operand layout, lane t (of 4 sharing a row) holds, in every 32 k of a row,
-  k = 2t + {0, 1, 8, 9, 16, 17, 24, 25}. The prepared row stores, per 128-element tile, the four lanes' words
-  one after another ([lane t][32-k chunk q] words), so a thread reads 16 contiguous bytes per row and tile.
+  k = 2t + {0, 1, 8, 9, 16, 17, 24, 25}. A row's 128-element k-tile is 16 words, [lane t][32-k chunk q], so a
+  thread reads 16 contiguous bytes per row and tile; the 64 rows of a row group are stored next to each
+  other per k-tile (4 KB, scales likewise), so every load of a program step is one contiguous block.
 - Bit order. Each 32-bit word holds those 8 elements as four bf16x2 pairs (k, k+1), with bits placed so that
   pair j comes out as (word << 3j) & 0x81C081C0 for j < 3 (sign -> bit 15/31, exponent and mantissa
   -> bits 8..6 / 24..22) and pair 3 with three shifts. The 16 bits are the E2M1 value times 2^-126 as a bf16
@@ -33,6 +34,7 @@ the partials (a per-tile counter, reset by that program), so one launch does all
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +42,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specchat.kernels.mxfp4 import BLOCK_SIZE, E8M0_NAN, dequantize_mxfp4, mxfp4_storage_shapes
+from specchat.kernels.mxfp4 import (
+    BLOCK_SIZE,
+    E8M0_NAN,
+    e2m1_to_float,
+    mxfp4_storage_shapes,
+    scales_to_float,
+    unpack_nibbles,
+)
 
 MAX_M = 64  # activation rows per launch (decode and verification); more rows run in chunks
 WORD_ELEMS = 8  # E2M1 elements per prepared int32 word
@@ -119,12 +128,12 @@ def _prepare_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, n: int, k:
     # [Np, Kt] -> [Np, tile, chunk q, r, lane t, c] with k = 128 tile + 32 q + 8 r + 2 t + c
     el = nibbles.reshape(np_, kt // K_TILE, 4, 4, 4, 2)
     el = el.permute(0, 1, 4, 2, 3, 5).reshape(np_, kt // K_TILE, 4, 4, WORD_ELEMS)  # [.., t, q, e]
-    el = el.to(torch.int64)
-    word = torch.zeros(el.shape[:-1], dtype=torch.int64, device=el.device)
+    el = el.to(torch.int32)
+    word = torch.zeros(el.shape[:-1], dtype=torch.int32, device=el.device)
     for e, bits in enumerate(_ELEMENT_BITS):
         for field, position in enumerate(bits):  # mantissa, exp0, exp1, sign = nibble bits 0..3
-            word |= ((el[..., e] >> field) & 1) << position
-    words = word.to(torch.uint32).view(torch.int32).reshape(np_, kt // WORD_ELEMS)  # [Np, Kt/8]
+            word |= ((el[..., e] >> field) & 1) << position  # bit 31 wraps to the sign, as intended
+    words = word.reshape(np_, kt // WORD_ELEMS)  # [Np, Kt/8]
     return Mxfp4Weight(n, k, _tile_major(words, 16), _tile_major(kernel_scales, 4), True, exp_offset, has_nan)
 
 
@@ -145,10 +154,10 @@ def unprepare_weight(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     codes_shape, scales_shape = mxfp4_storage_shapes((weight.n, weight.k))
     if not weight.prepared:
         return weight.codes, weight.scales
-    words = _row_major(weight.codes).view(torch.uint32).to(torch.int64)  # [Np, Kt/8]
+    words = _row_major(weight.codes)  # [Np, Kt/8] int32
     np_, kt = words.shape[0], words.shape[1] * WORD_ELEMS
     words = words.reshape(np_, kt // K_TILE, 4, 4)  # [Np, tile, t, q]
-    el = torch.zeros((*words.shape, WORD_ELEMS), dtype=torch.int64, device=words.device)
+    el = torch.zeros((*words.shape, WORD_ELEMS), dtype=torch.int32, device=words.device)
     for e, bits in enumerate(_ELEMENT_BITS):
         for field, position in enumerate(bits):
             el[..., e] |= ((words >> position) & 1) << field
@@ -498,9 +507,7 @@ class DequantScratch:
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         buffer = self._buffers.get((device, dtype))
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
@@ -514,11 +521,29 @@ class DequantScratch:
 DEFAULT_SCRATCH = DequantScratch()
 
 
+DEQUANT_CHUNK_ELEMS = 1 << 20  # rows are dequantized in chunks of about this many elements (bounded temporaries)
+
+
+@functools.cache
+def _byte_pair_table(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: the (low, high) nibble E2M1 values of every code byte."""
+    byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    return e2m1_to_float(unpack_nibbles(byte[:, None]))
+
+
 def dequantize_weight_into(weight: Mxfp4Weight, out: torch.Tensor) -> torch.Tensor:
-    """Plain-layout weight -> out [N, K] (out's dtype), without allocating a second [N, K] float buffer."""
+    """Plain-layout weight -> out [N, K] (out's dtype): `dequantize_mxfp4`'s values, in row chunks."""
     assert not weight.prepared and out.shape == (weight.n, weight.k), (out.shape, weight.n, weight.k)
-    values = dequantize_mxfp4(weight.codes, weight.scales, dtype=torch.float32, k=weight.k)
-    return out.copy_(values)
+    table = _byte_pair_table(out.device)
+    kp = weight.codes.shape[1] * 2
+    rows = max(1, DEQUANT_CHUNK_ELEMS // kp)
+    for r0 in range(0, weight.n, rows):
+        codes = weight.codes[r0 : r0 + rows]  # [r, Kp/2]
+        values = torch.index_select(table, 0, codes.flatten().to(torch.int32))  # [r * Kp/2, 2]
+        values = values.view(-1, weight.scales.shape[1], BLOCK_SIZE)  # [r, Kp/32, 32]
+        values *= scales_to_float(weight.scales[r0 : r0 + rows])[..., None]
+        out[r0 : r0 + rows] = values.view(-1, kp)[:, : weight.k]
+    return out
 
 
 def mxfp4_linear(
