@@ -91,7 +91,9 @@ class Mxfp4Weight:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel()
 
 
-def prepare_weight(codes: torch.Tensor, scales: torch.Tensor, k: int | None = None, layout: str = "auto"):
+def prepare_weight(
+    codes: torch.Tensor, scales: torch.Tensor, k: int | None = None, layout: str = "auto"
+) -> Mxfp4Weight:
     """Interchange (codes [N, Kp/2], scales [N, Kp/32]) -> Mxfp4Weight for the device they sit on.
 
     layout: "auto" (kernel layout on CUDA, plain on CPU), "kernel" or "plain".
