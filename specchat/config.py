@@ -8,6 +8,7 @@ from specchat.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+KV_FORMATS = ("auto", "bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats; auto = the model dtype
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kv_format: str = "auto"  # "auto" = the model dtype
+    kv_rotation: bool = True  # Hadamard-rotate keys/values before quantizing them (mxfp4, k8v4)
     kv_memory: int | None = None  # bytes for the KV pool; None = a default for the device
     page_size: int = 16
     max_batch_tokens: int = 2048
@@ -77,5 +79,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page size must be a power of two, got {self.page_size}")
+        if self.kv_format not in KV_FORMATS:
+            raise ConfigError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ConfigError(f"kv memory must be > 0 bytes, got {self.kv_memory}")

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from specchat.config import DEVICES, DTYPES, EngineConfig, SamplingParams, SpecParams
+from specchat.config import DEVICES, DTYPES, KV_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.errors import ConfigError
 
 
@@ -17,11 +17,40 @@ def model_options(func):
     @click.argument("model", required=False)
     @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
     @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    @click.option(
+        "--kv",
+        "kv_format",
+        type=click.Choice(KV_FORMATS),
+        default="auto",
+        show_default=True,
+        help="KV cache pages: auto = model dtype, mxfp4 (-73% vs bf16), k8v4 = fp8 keys + mxfp4 values (-61%)",
+    )
+    @click.option(
+        "--kv-memory", default=None, help="KV cache size, e.g. 512M or 8G (default: 1G on CPU, half the free GPU)"
+    )
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, kv_format, kv_memory, **kwargs):
+        # Kept on the click context for `engine_config`, so commands need not thread them through.
+        click.get_current_context().meta[KV_SETTINGS] = {"kv_format": kv_format, "kv_memory": parse_bytes(kv_memory)}
         return func(*args, **kwargs)
 
     return wrapper
+
+
+KV_SETTINGS = "specchat.kv"  # click context meta key of the KV options
+BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'512M', '8G', '1.5G', '1000000' -> bytes (binary units; a trailing B or iB is allowed)."""
+    if text is None:
+        return None
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = value[-1:] if value[-1:] in BYTE_UNITS else ""
+    try:
+        return int(float(value[: len(value) - len(unit)]) * BYTE_UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"--kv-memory must be a size like 512M or 8G, got {text!r}") from None
 
 
 def sampling_options(func):
@@ -48,7 +77,9 @@ def spec_options(func):
 
 
 def engine_config(model: str | None, device: str, dtype: str | None, **extra) -> EngineConfig:
-    return EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, **extra)
+    ctx = click.get_current_context(silent=True)
+    kv = ctx.meta.get(KV_SETTINGS, {}) if ctx is not None else {}
+    return EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, **{**kv, **extra})
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:

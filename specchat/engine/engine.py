@@ -24,7 +24,8 @@ import torch
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.drafters import Drafter, make_drafter
-from specchat.engine.kv_cache import DensePages, KVPool
+from specchat.engine.kv_cache import KVPool
+from specchat.engine.kv_pages import PAGE_FORMATS, bytes_per_token
 from specchat.engine.loader import Progress, build_model, load_checkpoint
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
@@ -129,7 +130,8 @@ class Engine:
         del state
         budget = config.kv_memory or default_kv_budget(device)
         c = model_cfg
-        pool = KVPool.from_budget(budget, c.num_layers, c.num_kv_heads, c.head_dim, config.page_size, dtype, device)
+        shape = (c.num_layers, c.num_kv_heads, c.head_dim, config.page_size)
+        pool = KVPool.from_budget(budget, *shape, dtype, device, config.kv_format, rotate=config.kv_rotation)
         return cls(model, tokenizer, pool, config, spec)
 
     def drafter(self, name: str) -> Drafter:
@@ -230,6 +232,18 @@ class Engine:
 
         self.apply(change)
 
+    def set_kv(self, fmt: str) -> None:
+        """Switch the KV page format (bf16 | fp16 | fp32 | mxfp4 | k8v4), converting live conversations in place.
+
+        Runs between steps, like `apply`, but in the caller, so that a switch the memory budget cannot hold
+        (live requests need more pages than the new format fits) raises KVCacheFullError here and changes nothing.
+        """
+        if fmt not in PAGE_FORMATS:
+            raise ConfigError(f"kv format must be one of {', '.join(PAGE_FORMATS)}, got {fmt!r}")
+        with self._lock:
+            self._drain_commands()
+            self.pool.convert(fmt)
+
     def apply(self, command: Callable[[], None]) -> None:
         """Run a change to engine state between steps (on the engine's thread)."""
         self._commands.put(command)
@@ -318,19 +332,29 @@ class Engine:
             if isinstance(module, torch.nn.Linear):
                 linear += module.weight.numel() * module.weight.element_size()
                 linear_bf16 += module.weight.numel() * 2
-        c = self.model.cfg
         return {
             "weights_bytes": weights_bytes,
             "linear_weight_bytes": linear,
             "linear_weight_bytes_bf16": linear_bf16,
-            "kv_format": self.pool.store.name,
-            "kv_bytes_per_token": self.pool.bytes_per_token,
-            "kv_bytes_per_token_bf16": DensePages.bytes_per_token(
-                c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16
-            ),
-            "kv_capacity_tokens": self.pool.capacity_tokens,
-            "kv_used_tokens": self.pool.used_pages * self.pool.page_size,
-            "max_context": min(c.max_position, self.pool.capacity_tokens),
+            **self.kv_memory(),
+        }
+
+    def kv_memory(self) -> dict:
+        """KV cache accounting: format, bytes per token, used / cached / capacity, max context and sessions."""
+        pool, c = self.pool, self.model.cfg
+        max_context = min(c.max_position, pool.capacity_tokens)
+        return {
+            "kv_format": pool.store.name,
+            "kv_bytes_per_token": pool.bytes_per_token,
+            "kv_bytes_per_token_bf16": bytes_per_token("bf16", c.num_layers, c.num_kv_heads, c.head_dim),
+            "kv_capacity_tokens": pool.capacity_tokens,
+            "kv_capacity_bytes": pool.capacity_tokens * pool.bytes_per_token,
+            "kv_used_tokens": pool.used_pages * pool.page_size,
+            "kv_used_bytes": pool.used_pages * pool.page_size * pool.bytes_per_token,
+            "kv_cached_tokens": pool.cached_pages * pool.page_size,  # evictable prefix cache, counted as free
+            "kv_prefix_hit_tokens": pool.prefix_hit_tokens,
+            "max_context": max_context,
+            "max_sessions": pool.num_pages // pool.pages_for(max_context),  # concurrent, each at max_context
         }
 
 

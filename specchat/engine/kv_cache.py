@@ -1,83 +1,115 @@
-"""Paged KV cache: a fixed pool of pages, per-request block tables, and the per-step `KVBatch` view.
+"""Paged KV cache: a fixed pool of pages, per-request block tables, prefix sharing, and the per-step `KVBatch`.
 
 Terms: a *page* holds the keys and values of `page_size` consecutive tokens of one request, for every layer.
 A request's *block table* lists its pages in order; token position p lives in page table[p // page_size] at
-offset p % page_size, i.e. in *slot* table[p // page_size] * page_size + p % page_size.
+offset p % page_size, i.e. in *slot* table[p // page_size] * page_size + p % page_size. How a page stores
+numbers (bf16, MXFP4, ...) is the `PageStore`'s business (engine.kv_pages); the pool only does bookkeeping.
 
-The pool only does bookkeeping; how a page stores numbers is the page store's business (`DensePages` here:
-the model dtype).
+Prefix sharing (as vLLM's automatic prefix caching): a full page is keyed by a hash chain over the tokens
+up to its end, key_i = hash((key_{i-1}, tokens of page i)), so equal keys mean equal prefixes (the page's own
+tokens and parent key are compared too). A request that starts with a cached prefix takes those pages instead
+of recomputing them. Pages are refcounted; a page whose count drops to zero stays cached, *evictable*, and is
+handed out again least recently used first, so evictable pages count as free. A page is published (made
+findable) once its tokens are known and its keys/values written: prompt pages at the next `add`, pages of
+generated tokens when the request is freed. Shared pages are never written: a request only writes positions
+past its length, and a page it must rewrite after `truncate` or `fork` is copied first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from specchat.engine.kv_pages import PageStore, bytes_per_token, format_for_dtype
 from specchat.errors import KVCacheFullError
-from specchat.kernels.attention import causal_attention
+from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
 
-
-class DensePages:
-    """Pages in a plain floating dtype: k/v [layers, num_pages * page_size, KVH, D]."""
-
-    name = "dense"
-
-    def __init__(
-        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
-    ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [T, KVH, D] at slots [T]."""
-        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
-
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k/v [len(slots), KVH, D] of the given slots."""
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+ROOT_KEY = 0  # parent key of a request's first page
 
 
 @dataclass(slots=True)
-class SeqSlots:
-    """Where one request's tokens are, for one step."""
+class CachedPage:
+    """What a published page holds: the prefix key it is found by, its parent's key and its tokens."""
 
-    q_len: int  # new tokens fed this step
-    ctx_len: int  # tokens in context after this step's tokens are stored
-    ctx_slots: torch.Tensor  # [ctx_len] slots of the whole context, in position order
+    key: int
+    parent: int
+    tokens: tuple[int, ...]
 
 
 class KVBatch:
-    """The KV cache as seen by one forward pass over a ragged batch; implements model.KVAttention."""
+    """The KV cache as seen by one forward pass over a ragged batch; implements model.KVAttention.
 
-    def __init__(self, pool: KVPool, seqs: list[SeqSlots], new_slots: torch.Tensor, scale: float) -> None:
-        self.pool = pool
-        self.seqs = seqs
+    Everything that depends only on where the requests' tokens are (slots, block tables) is built once per
+    step, not once per layer.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        q_lens: list[int],
+        ctx_lens: list[int],
+        tables: list[list[int]],
+        new_slots: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.pool, self.store = pool, pool.store
+        self.q_lens, self.ctx_lens, self.tables = q_lens, ctx_lens, tables
         self.new_slots = new_slots  # [T] where this step's tokens go
         self.scale = scale
         # Fresh prefill: every request's whole context is this step's tokens, so attend to them directly.
-        self.all_fresh = all(s.q_len == s.ctx_len for s in seqs)
+        self.all_fresh = q_lens == ctx_lens
+        self._metadata: AttentionMetadata | None = None
+        self._ctx_index: list[torch.Tensor | slice] | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.pool.store.write(layer, self.new_slots, k, v)
-        outs = []
-        start = 0
-        for s in self.seqs:
-            qs = q[start : start + s.q_len]
-            if self.all_fresh:
-                ks, vs = k[start : start + s.q_len], v[start : start + s.q_len]
-            else:
-                ks, vs = self.pool.store.read(layer, s.ctx_slots)
-            outs.append(causal_attention(qs, ks, vs, self.scale))
-            start += s.q_len
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation."""
+        store = self.store
+        q, k, v = store.rotate(q), store.rotate(k), store.rotate(v)
+        store.write(layer, self.new_slots, k, v)
+        if self.all_fresh:
+            out = self._attend_fresh(q, k, v)
+        elif self.pool.device.type == "cuda" and paged_attention_supported(
+            q.shape[-1], q.shape[1] // k.shape[1], max(self.q_lens)
+        ):
+            out = paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
+        else:
+            out = self._attend_gathered(layer, q)
+        return store.rotate(out)
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
+        if len(self.q_lens) == 1:
+            return causal_attention(q, kh, vh, self.scale)
+        outs, start = [], 0
+        for n in self.q_lens:
+            rows = slice(start, start + n)
+            outs.append(causal_attention(q[rows], kh[:, rows], vh[:, rows], self.scale))
+            start += n
+        return torch.cat(outs)
+
+    def _attend_gathered(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The reference path: read each request's context back from its pages."""
+        outs, start = [], 0
+        for n, index in zip(self.q_lens, self.ctx_index(), strict=True):
+            k, v = self.store.read(layer, index, q.dtype)  # [KVH, ctx_len, D]
+            outs.append(causal_attention(q[start : start + n], k, v, self.scale))
+            start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def metadata(self) -> AttentionMetadata:
+        if self._metadata is None:
+            self._metadata = AttentionMetadata.build(
+                self.tables, self.q_lens, self.ctx_lens, self.pool.page_size, self.pool.device
+            )
+        return self._metadata
+
+    def ctx_index(self) -> list[torch.Tensor | slice]:
+        """Per request, the slots of its whole context: a slice when its pages are consecutive (no copy)."""
+        if self._ctx_index is None:
+            self._ctx_index = [self.pool.slots(t, 0, n) for t, n in zip(self.tables, self.ctx_lens, strict=True)]
+        return self._ctx_index
 
 
 class KVPool:
@@ -92,16 +124,32 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_format: str = "auto",
+        rotate: bool = True,
     ) -> None:
         if num_pages <= 0:
             raise KVCacheFullError("the KV memory budget is too small for a single page")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_pages, self.page_size = num_pages, page_size
+        self.page_size = page_size
         self.device = torch.device(device)
-        self.store = DensePages(num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype, self.device)
-        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        fmt = format_for_dtype(dtype) if kv_format == "auto" else kv_format
+        self.rotate = rotate
+        self.budget_bytes = num_pages * page_size * bytes_per_token(fmt, num_layers, num_kv_heads, head_dim)
+        self.store = PageStore(fmt, num_layers, num_kv_heads, head_dim, num_pages * page_size, self.device, rotate)
+        self._reset_pages(num_pages)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.tokens: dict[int, list[int]] = {}  # tokens known for each request (prompt, or all at free)
+        self.keys: dict[int, list[int]] = {}  # prefix keys of each request's leading full pages
+        self.prefix_hit_tokens = 0  # tokens taken from the prefix cache instead of being computed
+
+    def _reset_pages(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self.refcount = [0] * num_pages
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # published, unreferenced; oldest first
+        self.published: dict[int, CachedPage] = {}  # page -> what it holds
+        self.index: dict[int, int] = {}  # prefix key -> page
 
     @classmethod
     def from_budget(
@@ -113,15 +161,17 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_format: str = "auto",
+        rotate: bool = True,
     ) -> KVPool:
-        per_token = DensePages.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
-        num_pages = budget_bytes // (per_token * page_size)
-        return cls(num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device)
+        fmt = format_for_dtype(dtype) if kv_format == "auto" else kv_format
+        num_pages = budget_bytes // (bytes_per_token(fmt, num_layers, num_kv_heads, head_dim) * page_size)
+        return cls(num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device, fmt, rotate)
 
     # --- accounting -------------------------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
-        return self.store.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.store.k.dtype)
+        return bytes_per_token(self.store.name, self.num_layers, self.num_kv_heads, self.head_dim)
 
     @property
     def capacity_tokens(self) -> int:
@@ -129,27 +179,139 @@ class KVPool:
 
     @property
     def num_free_pages(self) -> int:
-        """Pages a request could get now."""
-        return len(self.free_pages)
+        """Pages a request could get now (evictable cached pages included)."""
+        return len(self.free_pages) + len(self.evictable)
 
     @property
     def used_pages(self) -> int:
         return self.num_pages - self.num_free_pages
 
+    @property
+    def cached_pages(self) -> int:
+        """Evictable pages kept for prefix sharing."""
+        return len(self.evictable)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    # --- pages ----------------------------------------------------------------------------------------------
+    def _take_page(self) -> int:
+        if self.free_pages:
+            page = self.free_pages.pop()
+        elif self.evictable:
+            page, _ = self.evictable.popitem(last=False)  # least recently used
+            self._unpublish(page)
+        else:
+            raise KVCacheFullError(f"KV cache full: all {self.num_pages} pages are in use")
+        self.refcount[page] = 1
+        return page
+
+    def _claim(self, page: int) -> None:
+        if self.refcount[page] == 0:
+            del self.evictable[page]
+        self.refcount[page] += 1
+
+    def _release(self, page: int) -> None:
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            if page in self.published:
+                self.evictable[page] = None
+            else:
+                self.free_pages.append(page)
+
+    def _unpublish(self, page: int) -> None:
+        entry = self.published.pop(page)
+        if self.index.get(entry.key) == page:
+            del self.index[entry.key]
+
+    def _page_slots(self, pages: list[int]) -> torch.Tensor:
+        offsets = torch.arange(self.page_size)
+        return (torch.tensor(pages, dtype=torch.long)[:, None] * self.page_size + offsets).flatten().to(self.device)
+
+    def _make_private(self, seq_id: int, i: int) -> None:
+        """Make page i of a request safe to write: copy it if shared, unpublish it if only cached."""
+        table = self.tables[seq_id]
+        page = table[i]
+        if self.refcount[page] > 1:
+            copy = self._take_page()
+            self.store.copy_slots(self._page_slots([page]), self._page_slots([copy]))
+            self.refcount[page] -= 1
+            table[i] = copy
+        elif page in self.published:
+            self._unpublish(page)
+
+    def _publish(self, seq_id: int, tokens: list[int]) -> None:
+        """Make a request's written full pages with known tokens findable by their prefix key."""
+        keys, table = self.keys[seq_id], self.tables[seq_id]
+        ps = self.page_size
+        for i in range(len(keys), min(self.lengths[seq_id], len(tokens)) // ps):
+            parent = keys[-1] if keys else ROOT_KEY
+            chunk = tuple(tokens[i * ps : (i + 1) * ps])
+            key = hash((parent, chunk))
+            keys.append(key)
+            if key not in self.index and table[i] not in self.published:
+                self.index[key] = table[i]
+                self.published[table[i]] = CachedPage(key, parent, chunk)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. when the weights change and cached keys/values no longer match)."""
+        for page in list(self.published):
+            self._unpublish(page)
+        self.free_pages.extend(reversed(self.evictable))
+        self.evictable.clear()
+        for keys in self.keys.values():
+            keys.clear()
+
     # --- per-request bookkeeping ------------------------------------------------------------------------
     def add(self, seq_id: int, token_ids: list[int]) -> int:
-        """Start a block table for a request; returns how many of its leading tokens are already cached."""
-        self.tables[seq_id] = []
-        self.lengths[seq_id] = 0
-        return 0
+        """Start a block table for a request; returns how many of its leading tokens are already cached.
+
+        The count is whole pages, and always less than len(token_ids), so at least the last token is fed.
+        """
+        for running, tokens in self.tokens.items():
+            self._publish(running, tokens)
+        ps = self.page_size
+        matched, keys, parent = [], [], ROOT_KEY
+        for i in range((len(token_ids) - 1) // ps):
+            chunk = tuple(token_ids[i * ps : (i + 1) * ps])
+            key = hash((parent, chunk))
+            page = self.index.get(key)
+            if page is None or self.published[page].tokens != chunk or self.published[page].parent != parent:
+                break
+            matched.append(page)
+            keys.append(key)
+            parent = key
+        for page in matched:
+            self._claim(page)
+        self.tables[seq_id] = matched
+        self.keys[seq_id] = keys
+        self.tokens[seq_id] = list(token_ids)
+        self.lengths[seq_id] = len(matched) * ps
+        self.prefix_hit_tokens += len(matched) * ps
+        return len(matched) * ps
 
     def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
-        """Release a request's pages (token_ids: its tokens, for caches that keep finished prefixes)."""
-        self.free_pages.extend(reversed(self.tables.pop(seq_id)))
-        del self.lengths[seq_id]
+        """Release a request's pages; token_ids (the tokens whose KV is valid) lets its full pages be cached."""
+        if token_ids is not None:
+            self._publish(seq_id, token_ids)
+        for page in reversed(self.tables.pop(seq_id)):  # deepest first: evicted before their parents
+            self._release(page)
+        del self.lengths[seq_id], self.tokens[seq_id], self.keys[seq_id]
+
+    def fork(self, src_id: int, dst_id: int) -> None:
+        """Start request dst_id as a copy of src_id: full pages shared, the partial last page copied."""
+        length = self.lengths[src_id]
+        partial = length % self.page_size != 0
+        if partial and self.num_free_pages == 0:
+            raise KVCacheFullError("KV cache full: no free page to fork a request's last page into")
+        for page in self.tables[src_id]:
+            self._claim(page)
+        self.tables[dst_id] = list(self.tables[src_id])
+        self.lengths[dst_id] = length
+        self.tokens[dst_id] = list(self.tokens[src_id])
+        self.keys[dst_id] = list(self.keys[src_id])
+        if partial:
+            self._make_private(dst_id, len(self.tables[dst_id]) - 1)
 
     def length(self, seq_id: int) -> int:
         return self.lengths[seq_id]
@@ -160,9 +322,16 @@ class KVPool:
             raise ValueError(f"cannot truncate request {seq_id} of {self.lengths[seq_id]} tokens to {length}")
         table = self.tables[seq_id]
         keep = self.pages_for(length)
-        self.free_pages.extend(reversed(table[keep:]))
+        copies = length % self.page_size != 0 and self.refcount[table[keep - 1]] > 1
+        if copies and self.num_free_pages + sum(self.refcount[p] == 1 for p in table[keep:]) == 0:
+            raise KVCacheFullError("KV cache full: no free page to copy a shared page that truncate rewrites")
+        for page in reversed(table[keep:]):
+            self._release(page)
         del table[keep:]
+        del self.keys[seq_id][length // self.page_size :]
         self.lengths[seq_id] = length
+        if length % self.page_size:
+            self._make_private(seq_id, keep - 1)
 
     def extra_pages_needed(self, seq_id: int, num_new: int) -> int:
         return max(0, self.pages_for(self.lengths[seq_id] + num_new) - len(self.tables[seq_id]))
@@ -171,31 +340,84 @@ class KVPool:
         """Whether every request in `needs` (seq_id -> new tokens) can grow by that many tokens at once."""
         return sum(self.extra_pages_needed(s, n) for s, n in needs.items()) <= self.num_free_pages
 
-    def _reserve(self, seq_id: int, num_new: int) -> None:
+    def append(self, seq_id: int, num_new: int) -> None:
+        """Grow a request by num_new tokens, taking pages as needed (their KV is written by the forward)."""
         extra = self.extra_pages_needed(seq_id, num_new)
-        if extra > len(self.free_pages):
+        if extra > self.num_free_pages:
             raise KVCacheFullError(
-                f"KV cache full: {num_new} more tokens need {extra} pages, {len(self.free_pages)} free"
+                f"KV cache full: {num_new} more tokens need {extra} pages, {self.num_free_pages} free"
             )
-        table = self.tables[seq_id]
-        for _ in range(extra):
-            table.append(self.free_pages.pop())
+        self.tables[seq_id].extend(self._take_page() for _ in range(extra))
+        self.lengths[seq_id] += num_new
 
-    def _slots(self, seq_id: int, start: int, stop: int) -> torch.Tensor:
+    def slots(self, table: list[int], start: int, stop: int) -> torch.Tensor | slice:
+        """Slots of positions start..stop-1 of a block table: a slice when they are consecutive."""
+        ps = self.page_size
+        first, last = start // ps, (stop - 1) // ps
+        if (
+            stop > start
+            and table[last] - table[first] == last - first
+            and all(table[i + 1] == table[i] + 1 for i in range(first, last))
+        ):
+            base = table[first] * ps - first * ps
+            return slice(base + start, base + stop)
         pos = torch.arange(start, stop)
-        table = torch.tensor(self.tables[seq_id], dtype=torch.long)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+        pages = torch.tensor(table, dtype=torch.long)[pos // ps]
+        return (pages * ps + pos % ps).to(self.device)
 
     def prepare(self, seq_ids: list[int], num_new: list[int], scale: float) -> KVBatch:
         """Reserve room for each request's new tokens and return the step's view of the cache."""
         if not self.can_append(dict(zip(seq_ids, num_new, strict=True))):
             raise KVCacheFullError("KV cache full: not enough free pages for this step")
-        seqs, new_slots = [], []
+        tables, ctx_lens, new_slots = [], [], []
         for seq_id, n in zip(seq_ids, num_new, strict=True):
-            self._reserve(seq_id, n)
             start = self.lengths[seq_id]
-            self.lengths[seq_id] = start + n
-            ctx = self._slots(seq_id, 0, start + n)
-            seqs.append(SeqSlots(q_len=n, ctx_len=start + n, ctx_slots=ctx.to(self.device)))
-            new_slots.append(ctx[start:])
-        return KVBatch(self, seqs, torch.cat(new_slots).to(self.device), scale)
+            self.append(seq_id, n)
+            table = self.tables[seq_id]
+            tables.append(list(table))
+            ctx_lens.append(start + n)
+            index = self.slots(table, start, start + n)
+            if isinstance(index, slice):
+                index = torch.arange(index.start, index.stop, device=self.device)
+            new_slots.append(index)
+        new = new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)
+        return KVBatch(self, list(num_new), ctx_lens, tables, new, scale)
+
+    # --- live format switch -----------------------------------------------------------------------------
+    def convert(self, fmt: str, rotate: bool | None = None) -> None:
+        """Re-encode every live page into page format fmt, keeping the memory budget.
+
+        The page count follows the budget (a smaller format holds more tokens). Cached prefixes are kept,
+        most recently used first, as far as they fit. Raises KVCacheFullError, changing nothing, when the
+        live requests alone need more pages than the new format has.
+        """
+        rotate = self.rotate if rotate is None else rotate
+        if fmt == self.store.name and rotate == self.rotate:
+            return
+        per_page = bytes_per_token(fmt, self.num_layers, self.num_kv_heads, self.head_dim) * self.page_size
+        num_pages = self.budget_bytes // per_page
+        live = [p for p in range(self.num_pages) if self.refcount[p] > 0]
+        if len(live) > num_pages:
+            raise KVCacheFullError(
+                f"cannot switch the KV cache to {fmt}: live requests hold {len(live) * self.page_size} tokens, "
+                f"the same memory holds {num_pages * self.page_size} tokens in {fmt}"
+            )
+        room = num_pages - len(live)
+        kept = list(self.evictable)[::-1][:room][::-1]  # the most recently used cached pages that fit
+        order = live + kept
+        new_id = {old: new for new, old in enumerate(order)}
+        self.store = self.store.reencode(
+            fmt, num_pages * self.page_size, self._page_slots(order), self._page_slots(list(range(len(order)))), rotate
+        )
+        self.rotate = rotate
+
+        refcount, published = self.refcount, self.published
+        self._reset_pages(num_pages)
+        self.free_pages = list(range(num_pages - 1, len(order) - 1, -1))
+        for old, new in new_id.items():
+            self.refcount[new] = refcount[old]
+        for old in kept:
+            self.evictable[new_id[old]] = None
+        self.published = {new_id[p]: entry for p, entry in published.items() if p in new_id}
+        self.index = {entry.key: p for p, entry in self.published.items()}
+        self.tables = {s: [new_id[p] for p in table] for s, table in self.tables.items()}

@@ -1,26 +1,457 @@
-"""Attention over a request's cached context: the plain torch reference.
+"""Attention over paged KV: the plain torch reference and a Triton kernel for decode and verification.
 
 Terms: a request feeds `q_len` new tokens whose keys/values are already stored, so its context holds
 `ctx_len >= q_len` tokens and the new tokens sit at its end. New token i (0-based) sees context positions
 0 .. ctx_len - q_len + i (causal). Grouped-query attention: query head h reads KV head h // (H / KVH).
+Pages: context position p of a request lives in slot table[p // page_size] * page_size + p % page_size of
+its layer's `PageTensor` rows (see kv_quant), in any element format (dense, MXFP4, MXFP8).
+
+The kernel is split-KV ("flash-decoding", Dao et al. 2023): program (partition, KV head, request) runs an
+online softmax (Milakov & Gimelshein 2018) over one slice of the context for all query rows of its KV group
+(q_len tokens x H/KVH heads, so each key tile is read once for the whole group), and a second kernel merges
+the partitions. Quantized tiles are decoded in registers, never written back:
+
+- MXFP4 / MXFP8 codes become fp16 by placing their bits: an E2M1 nibble (sign, 2 exponent bits, mantissa)
+  moved to fp16 bits 15 and 11..9 is its value times 2^-14 (exponent 0 lands on fp16 subnormals, which is
+  exactly E2M1's 0 and 0.5); an E4M3 byte moved to bits 15 and 14..7 is its value times 2^-8.
+- One fp16 multiply per element applies 2^(s - s_tile + 14) (or + 8), where s is the element's E8M0 block
+  scale and s_tile the largest in the tile; 2^(s_tile - 127) multiplies the scores (keys) or the tile's
+  contribution to the output (values) in fp32. Elements more than 2^24 below their tile's largest block
+  round to zero: a negligible term in a dot product over head_dim and a softmax-weighted sum.
+- MXFP4 packs elements 2j and 2j + 1 in byte j, so its tiles are split into even and odd columns, and the
+  query (keys) or the output (values) is split alike; dense and MXFP8 tiles are split into two halves.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor, pow2
+
+BLOCK_N = 64  # keys per tile
+MIN_BLOCK_M = 16  # query rows per program are padded to a tensor-core tile
+MAX_BLOCK_M = 128  # query rows per program: q_len x (H / KVH) must fit
+MAX_HEAD_DIM = 256
+PROGRAMS_PER_SM = 4  # split the context until the grid covers the GPU this many times over
+INTERPRETER_PROGRAMS = 4  # the same target under TRITON_INTERPRET=1 (no SMs to fill; keep it fast)
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FMT_IDS = {DENSE: 0, MXFP4: 1, MXFP8: 2}
+_NEG_BIG = tl.constexpr(-1.0e30)  # running max of a row that has seen no key yet (finite: exp2(-inf - -inf) is NaN)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [q_len, H, D], k/v [ctx_len, KVH, D] -> [q_len, H, D]; the q rows are the last q_len positions."""
-    q_len, ctx_len = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
+    """q [q_len, H, D], k/v [KVH, ctx_len, D] -> [q_len, H, D]; the q rows are the last q_len positions."""
+    q_len, ctx_len = q.shape[0], k.shape[1]
     mask = None
-    if q_len > 1:
+    if 1 < q_len < ctx_len:
         # row i may see columns <= ctx_len - q_len + i
         rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows  # [q_len, ctx_len]
     out = F.scaled_dot_product_attention(
-        qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        q.transpose(0, 1),  # [H, q_len, D]
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=mask,
+        is_causal=q_len > 1 and q_len == ctx_len,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(0, 1)  # [q_len, H, D]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each request of a ragged batch sits: its query rows, its context and its pages."""
+
+    block_tables: torch.Tensor  # [B, max pages] int32, padded with 0
+    q_starts: torch.Tensor  # [B] int32: first row of each request in the flat query [T, H, D]
+    q_lens: torch.Tensor  # [B] int32
+    ctx_lens: torch.Tensor  # [B] int32
+    max_q_len: int
+    max_ctx_len: int
+    page_size: int
+
+    @classmethod
+    def build(
+        cls, tables: list[list[int]], q_lens: list[int], ctx_lens: list[int], page_size: int, device
+    ) -> AttentionMetadata:
+        width = max(1, max(len(t) for t in tables))
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+
+        def ints(values):
+            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+        return cls(ints(padded), ints(starts), ints(q_lens), ints(ctx_lens), max(q_lens), max(ctx_lens), page_size)
+
+    @property
+    def batch_size(self) -> int:
+        return self.q_lens.shape[0]
+
+
+def paged_attention_reference(
+    q: torch.Tensor, k_pages: PageTensor, v_pages: PageTensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]: each request's context read back from its pages, attention in float32."""
+    out = torch.empty_like(q)
+    tables, starts = meta.block_tables.long().cpu(), meta.q_starts.tolist()
+    for b, (start, q_len, ctx_len) in enumerate(zip(starts, meta.q_lens.tolist(), meta.ctx_lens.tolist(), strict=True)):
+        pos = torch.arange(ctx_len)
+        slots = (tables[b, pos // meta.page_size] * meta.page_size + pos % meta.page_size).to(q.device)
+        k = k_pages.read(slots, torch.float32)  # [KVH, ctx_len, D]
+        v = v_pages.read(slots, torch.float32)
+        rows = slice(start, start + q_len)
+        out[rows] = causal_attention(q[rows].float(), k, v, scale).to(q.dtype)
+    return out
+
+
+# --- Triton ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp4_to_f16(code):
+    """E2M1 nibble (bits 0..3 of an int32) -> fp16 equal to its value times 2^-14."""
+    bits = ((code & 0x8) << 12) | ((code & 0x7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fp8_to_f16(code):
+    """E4M3 byte (an int32 0..255) -> fp16 equal to its value times 2^-8."""
+    bits = ((code & 0x80) << 8) | ((code & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_tile(
+    data_ptr,  # this KV head's rows
+    scale_ptr,  # this KV head's E8M0 scales (unused for dense)
+    slots,  # [BLOCK_N] int64
+    valid,  # [BLOCK_N] bool
+    stride_s,
+    stride_ss,
+    FMT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """A key or value tile as two column halves [BLOCK_N, HEAD_DIM / 2] and a scalar factor (see the docstring)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    NB: tl.constexpr = HEAD_DIM // 32
+    rows = data_ptr + slots[:, None] * stride_s  # [BLOCK_N, 1]
+    if FMT == 0:
+        d = tl.arange(0, HALF)[None, :]
+        a = tl.load(rows + d, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        b = tl.load(rows + HALF + d, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        factor = 1.0
+    else:
+        s = tl.load(scale_ptr + slots[:, None] * stride_ss + tl.arange(0, NB)[None, :], mask=valid[:, None], other=0)
+        s = s.to(tl.int32)  # [BLOCK_N, NB]
+        s_tile = tl.max(tl.max(s, axis=1), axis=0)
+        factor = pow2(s_tile - 127)
+        rows3 = rows[:, :, None]  # [BLOCK_N, 1, 1]
+        mask3 = valid[:, None, None]
+        if FMT == 1:
+            # elements 2j (low nibbles) -> a, 2j + 1 (high nibbles) -> b; block of byte j is j // 16
+            rel = pow2(tl.maximum(s - s_tile, -40) + 14).to(tl.float16)[:, :, None]  # [BLOCK_N, NB, 1]
+            byte = tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+            codes = tl.load(rows3 + byte, mask=mask3, other=0).to(tl.int32)  # [BLOCK_N, NB, 16]
+            a = tl.reshape(_fp4_to_f16(codes) * rel, (BLOCK_N, HALF))
+            b = tl.reshape(_fp4_to_f16(codes >> 4) * rel, (BLOCK_N, HALF))
+        else:
+            # blocks 0 .. NB/2 - 1 -> a, the rest -> b
+            HB: tl.constexpr = NB // 2
+            blk = tl.arange(0, HB)[None, :]
+            s_a = tl.load(scale_ptr + slots[:, None] * stride_ss + blk, mask=valid[:, None], other=0).to(tl.int32)
+            s_b = tl.load(scale_ptr + slots[:, None] * stride_ss + HB + blk, mask=valid[:, None], other=0).to(tl.int32)
+            rel_a = pow2(tl.maximum(s_a - s_tile, -40) + 8).to(tl.float16)[:, :, None]  # [BLOCK_N, HB, 1]
+            rel_b = pow2(tl.maximum(s_b - s_tile, -40) + 8).to(tl.float16)[:, :, None]
+            byte = tl.arange(0, HB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+            codes_a = tl.load(rows3 + byte, mask=mask3, other=0).to(tl.int32)  # [BLOCK_N, HB, 32]
+            codes_b = tl.load(rows3 + HALF + byte, mask=mask3, other=0).to(tl.int32)
+            a = tl.reshape(_fp8_to_f16(codes_a) * rel_a, (BLOCK_N, HALF))
+            b = tl.reshape(_fp8_to_f16(codes_b) * rel_b, (BLOCK_N, HALF))
+    return a, b, factor
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    part_out_ptr,  # [T, H, P, D] fp32: unnormalised partial outputs
+    part_max_ptr,  # [T, H, P] fp32: running max (log2 units)
+    part_sum_ptr,  # [T, H, P] fp32: softmax denominators
+    k_ptr,
+    k_scale_ptr,
+    v_ptr,
+    v_scale_ptr,
+    tables_ptr,  # [B, max pages] int32
+    q_starts_ptr,
+    q_lens_ptr,
+    ctx_lens_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    partition_tokens,
+    stride_qt,
+    stride_qh,
+    stride_kh,
+    stride_ks,
+    stride_ksh,
+    stride_kss,
+    stride_vh,
+    stride_vs,
+    stride_vsh,
+    stride_vss,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    stride_op,
+    stride_mt,
+    stride_mh,
+    K_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    part = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.program_id(2)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    ctx_len = tl.load(ctx_lens_ptr + req)
+    q_len = tl.load(q_lens_ptr + req)
+    q_start = tl.load(q_starts_ptr + req)
+    start = part * partition_tokens
+    end = tl.minimum(start + partition_tokens, ctx_len)
+
+    # query rows: row r is new token r // GROUP of the request, query head kv_head * GROUP + r % GROUP
+    r = tl.arange(0, BLOCK_M)
+    token = q_start + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_valid = r // GROUP < q_len
+    last_key = ctx_len - q_len + r // GROUP  # causal: the last position each row sees
+    d = tl.arange(0, HALF)
+    q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    if K_FMT == 1:
+        qa_col, qb_col = 2 * d, 2 * d + 1
+    else:
+        qa_col, qb_col = d, HALF + d
+    q_a = tl.load(q_row + qa_col[None, :], mask=row_valid[:, None], other=0.0).to(tl.float32)
+    q_b = tl.load(q_row + qb_col[None, :], mask=row_valid[:, None], other=0.0).to(tl.float32)
+    q_a = (q_a * qk_scale).to(DOT_DTYPE)  # [BLOCK_M, HALF]
+    q_b = (q_b * qk_scale).to(DOT_DTYPE)
+
+    m_i = tl.full((BLOCK_M,), _NEG_BIG, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc_a = tl.zeros((BLOCK_M, HALF), tl.float32)
+    acc_b = tl.zeros((BLOCK_M, HALF), tl.float32)
+    k_head = k_ptr + kv_head * stride_kh
+    k_scale_head = k_scale_ptr + kv_head * stride_ksh
+    v_head = v_ptr + kv_head * stride_vh
+    v_scale_head = v_scale_ptr + kv_head * stride_vsh
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(tables_ptr + req * stride_tb + pos // PAGE_SIZE, mask=valid, other=0)
+        slots = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N]
+
+        k_a, k_b, k_factor = _load_tile(
+            k_head, k_scale_head, slots, valid, stride_ks, stride_kss, K_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE
+        )
+        scores = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
+        scores = tl.dot(q_b, tl.trans(k_b), scores, input_precision=PRECISION) * k_factor  # [BLOCK_M, BLOCK_N]
+        visible = (pos[None, :] <= last_key[:, None]) & valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_a, v_b, v_factor = _load_tile(
+            v_head, v_scale_head, slots, valid, stride_vs, stride_vss, V_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE
+        )
+        p = p.to(DOT_DTYPE)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision=PRECISION) * v_factor
+        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision=PRECISION) * v_factor
+        m_i = m_new
+
+    if V_FMT == 1:
+        oa_col, ob_col = 2 * d, 2 * d + 1
+    else:
+        oa_col, ob_col = d, HALF + d
+    out_row = part_out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + part * stride_op
+    tl.store(out_row + oa_col[None, :], acc_a, mask=row_valid[:, None])
+    tl.store(out_row + ob_col[None, :], acc_b, mask=row_valid[:, None])
+    stat = token * stride_mt + head * stride_mh + part
+    tl.store(part_max_ptr + stat, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + stat, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    part_out_ptr,  # [T, H, P, D] fp32
+    part_max_ptr,  # [T, H, P]
+    part_sum_ptr,
+    out_ptr,  # [T, H, D]
+    num_parts,
+    stride_ot,
+    stride_oh,
+    stride_op,
+    stride_mt,
+    stride_mh,
+    stride_yt,
+    stride_yh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """out = sum_p 2^(m_p - m) acc_p / sum_p 2^(m_p - m) l_p, m = max_p m_p: one program per (token, head)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    live = p < num_parts
+    stat = t * stride_mt + h * stride_mh + p
+    m = tl.load(part_max_ptr + stat, mask=live, other=_NEG_BIG)
+    l_p = tl.load(part_sum_ptr + stat, mask=live, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # [BLOCK_P]
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(
+        part_out_ptr + t * stride_ot + h * stride_oh + p[:, None] * stride_op + d[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )  # [BLOCK_P, D]
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_p * w, axis=0)
+    tl.store(out_ptr + t * stride_yt + h * stride_yh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_attention_supported(head_dim: int, group: int, max_q_len: int) -> bool:
+    """Whether the kernel takes this shape (otherwise use the reference)."""
+    return head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= MAX_HEAD_DIM and group * max_q_len <= MAX_BLOCK_M
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: PageTensor,
+    v_pages: PageTensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_partitions: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
+
+    num_partitions: how many slices the longest context is split into (default: enough to fill the GPU).
+    """
+    t, num_heads, head_dim = q.shape
+    kv_heads = k_pages.data.shape[0]
+    group = num_heads // kv_heads
+    assert num_heads == group * kv_heads, (num_heads, kv_heads)
+    assert paged_attention_supported(head_dim, group, meta.max_q_len), (head_dim, group, meta.max_q_len)
+    assert q.dtype in KV_DTYPES and q.stride(-1) == 1, (q.dtype, q.stride())
+    assert k_pages.fmt in (DENSE, MXFP4, MXFP8) and v_pages.fmt in (DENSE, MXFP4), (k_pages.fmt, v_pages.fmt)
+    assert (k_pages.fmt == DENSE) == (v_pages.fmt == DENSE), "dense keys go with dense values"
+    for pages in (k_pages, v_pages):
+        assert pages.data.shape[0] == kv_heads and pages.data.stride(-1) == 1, pages.data.shape
+        assert pages.data.device == q.device, (pages.data.device, q.device)
+    assert meta.page_size & (meta.page_size - 1) == 0, meta.page_size
+    assert meta.block_tables.dtype == torch.int32 and meta.q_lens.shape[0] == meta.batch_size
+
+    if k_pages.fmt == DENSE:
+        assert k_pages.data.dtype in KV_DTYPES and v_pages.data.dtype == k_pages.data.dtype
+        dot_dtype = k_pages.data.dtype
+        if dot_dtype == torch.bfloat16 and _interpreting():
+            dot_dtype = torch.float32  # the interpreter's numpy dot has no bf16
+    else:
+        dot_dtype = torch.float16  # decoded codes are exact fp16 (see the module docstring)
+
+    batch = meta.batch_size
+    if num_partitions is None:
+        target = INTERPRETER_PROGRAMS if _interpreting() else PROGRAMS_PER_SM * _sm_count(q.device)
+        num_partitions = triton.cdiv(target, batch * kv_heads)
+    num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, BLOCK_N)))
+    partition_tokens = triton.cdiv(triton.cdiv(meta.max_ctx_len, num_partitions), BLOCK_N) * BLOCK_N
+
+    part_out = torch.empty(t, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(t, num_heads, num_partitions, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    k_scales = k_pages.data if k_pages.scales is None else k_pages.scales
+    v_scales = v_pages.data if v_pages.scales is None else v_pages.scales
+    _paged_attention_kernel[(num_partitions, kv_heads, batch)](
+        q,
+        part_out,
+        part_max,
+        part_sum,
+        k_pages.data,
+        k_scales,
+        v_pages.data,
+        v_scales,
+        meta.block_tables,
+        meta.q_starts,
+        meta.q_lens,
+        meta.ctx_lens,
+        scale * math.log2(math.e),
+        partition_tokens,
+        q.stride(0),
+        q.stride(1),
+        k_pages.data.stride(0),
+        k_pages.data.stride(1),
+        k_scales.stride(0),
+        k_scales.stride(1),
+        v_pages.data.stride(0),
+        v_pages.data.stride(1),
+        v_scales.stride(0),
+        v_scales.stride(1),
+        meta.block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        K_FMT=_FMT_IDS[k_pages.fmt],
+        V_FMT=_FMT_IDS[v_pages.fmt],
+        DOT_DTYPE=_TL_DTYPES[dot_dtype],
+        PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=meta.page_size,
+        BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(group * meta.max_q_len)),
+        BLOCK_N=BLOCK_N,
+        num_warps=num_warps,
+    )
+    out = torch.empty_like(q)
+    _merge_partitions_kernel[(t, num_heads)](
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        num_partitions,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_P=triton.next_power_of_2(num_partitions),
+    )
+    return out
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

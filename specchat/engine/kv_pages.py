@@ -1,0 +1,138 @@
+"""KV page formats: how a page stores numbers, and the Hadamard rotation applied before quantizing.
+
+Formats (names are what `--kv` takes):
+- "bf16" | "fp16" | "fp32": keys and values as they are.
+- "mxfp4": keys and values in MXFP4 (OCP MX v1.0: E2M1 elements, one E8M0 scale per 32 along head_dim),
+  4.25 bits per element: 73.4% less than bf16.
+- "k8v4": keys in MXFP8 (E4M3 elements, same block scales; keys are the sensitive half: an error in a key
+  moves every softmax weight of the query), values in MXFP4: 6.25 bits per element, 60.9% less than bf16.
+
+Rotation (QuaRot, Ashkboos et al. 2024; QuIP#, Tseng et al. 2024): before quantizing, every head's keys and
+values are multiplied by an orthonormal Hadamard matrix R (block-diagonal, blocks of the largest power of two
+dividing head_dim). It spreads outlier channels over the whole block, so the shared scale fits the others
+better. Queries are rotated alike, so scores are unchanged: (qR)(kR)^T = q k^T. Values come out rotated,
+sum_j p_j v_j R, and the output is rotated back by R^T = R (a symmetric Sylvester matrix). Dense formats are
+stored unrotated: there it would only cost time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.kernels.kv_quant import DEFAULT_RULE, DENSE, MXFP4, MXFP8, PageTensor, row_bytes
+
+DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QUANTIZED_FORMATS = {"mxfp4": (MXFP4, MXFP4), "k8v4": (MXFP8, MXFP4)}  # (key, value) element formats
+PAGE_FORMATS = (*DENSE_FORMATS, *QUANTIZED_FORMATS)
+CONVERT_CHUNK_SLOTS = 4096  # rows converted at once by a format switch (bounds its scratch memory)
+
+
+def format_for_dtype(dtype: torch.dtype) -> str:
+    """The dense page format of a model dtype ("auto")."""
+    return {v: k for k, v in DENSE_FORMATS.items()}[dtype]
+
+
+def element_formats(fmt: str) -> tuple[str, str]:
+    if fmt in DENSE_FORMATS:
+        return DENSE, DENSE
+    return QUANTIZED_FORMATS[fmt]
+
+
+def bytes_per_token(fmt: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """KV bytes one token takes in every layer and KV head, block scales included."""
+    k_fmt, v_fmt = element_formats(fmt)
+    dtype = DENSE_FORMATS.get(fmt, torch.float32)
+    per_head = row_bytes(k_fmt, head_dim, dtype) + row_bytes(v_fmt, head_dim, dtype)
+    return num_layers * num_kv_heads * per_head
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two): symmetric, H @ H = I."""
+    assert n > 0 and n & (n - 1) == 0, n
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).float()
+
+
+def rotation_matrix(head_dim: int) -> torch.Tensor:
+    """Block-diagonal Hadamard [head_dim, head_dim], blocks of the largest power of two dividing head_dim."""
+    block = head_dim & -head_dim
+    return torch.block_diag(*[hadamard(block)] * (head_dim // block))
+
+
+class PageStore:
+    """Keys and values of every layer in one page format: `PageTensor` rows [KVH, slots, ...] per layer."""
+
+    def __init__(
+        self,
+        fmt: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        device: torch.device,
+        rotate: bool = True,
+        rule: str = DEFAULT_RULE,
+    ) -> None:
+        self.name = fmt
+        self.rule = rule
+        self.num_kv_heads, self.head_dim, self.num_slots, self.device = num_kv_heads, head_dim, num_slots, device
+        self.k: list[PageTensor | None] = []
+        self.v: list[PageTensor | None] = []
+        for _ in range(num_layers):
+            self._add_layer()
+        quantized = fmt in QUANTIZED_FORMATS
+        self.rotation = rotation_matrix(head_dim).to(device) if quantized and rotate else None  # [D, D]
+        self._rotation_in: dict[torch.dtype, torch.Tensor] = {}  # the rotation cast to each activation dtype
+
+    def _add_layer(self) -> None:
+        k_fmt, v_fmt = element_formats(self.name)
+        dtype = DENSE_FORMATS.get(self.name, torch.float32)
+        for rows, fmt in ((self.k, k_fmt), (self.v, v_fmt)):
+            rows.append(
+                PageTensor.empty(fmt, self.num_kv_heads, self.num_slots, self.head_dim, dtype, self.device, self.rule)
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v))
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> x R (also R's inverse: R is symmetric and orthonormal); identity without rotation."""
+        if self.rotation is None:
+            return x
+        if x.dtype not in self._rotation_in:
+            self._rotation_in[x.dtype] = self.rotation.to(x.dtype)
+        return x @ self._rotation_in[x.dtype]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [T, KVH, D] (already rotated) at slots [T]."""
+        self.k[layer].write(slots, k)
+        self.v[layer].write(slots, v)
+
+    def read(self, layer: int, index: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """k/v [KVH, n, D] of the given slots, in dtype (still rotated)."""
+        return self.k[layer].read(index, dtype), self.v[layer].read(index, dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for t in (*self.k, *self.v):
+            t.copy_slots(src, dst)
+
+    def reencode(
+        self, fmt: str, num_slots: int, src: torch.Tensor, dst: torch.Tensor, rotate: bool = True
+    ) -> PageStore:
+        """A new store in format fmt holding rows src of this one at dst; this store is emptied layer by layer.
+
+        Peak memory is about the larger of the two stores plus one layer, not both.
+        """
+        other = PageStore(fmt, 0, self.num_kv_heads, self.head_dim, num_slots, self.device, rotate, self.rule)
+        for layer in range(len(self.k)):
+            other._add_layer()
+            for lo in range(0, src.numel(), CONVERT_CHUNK_SLOTS):
+                s, d = src[lo : lo + CONVERT_CHUNK_SLOTS], dst[lo : lo + CONVERT_CHUNK_SLOTS]
+                k, v = self.read(layer, s, torch.float32)  # [KVH, n, D], in this store's basis
+                k, v = other.rotate(self.rotate(k)), other.rotate(self.rotate(v))
+                other.write(layer, d, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+            self.k[layer] = self.v[layer] = None
+        return other

@@ -1,0 +1,158 @@
+"""Paged attention: the torch reference against plain softmax attention, and the Triton kernel against the reference.
+
+The kernel tests run on CUDA, or on CPU under TRITON_INTERPRET=1. Triton reads that variable when a kernel is
+defined, so on a CPU-only machine `test_kernels_under_interpreter` reruns this file in a subprocess with it set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specchat.kernels.attention import (
+    MAX_BLOCK_M,
+    AttentionMetadata,
+    causal_attention,
+    paged_attention,
+    paged_attention_reference,
+    paged_attention_supported,
+)
+from specchat.kernels.kv_quant import PageTensor
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+kernel_test = pytest.mark.skipif(
+    not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1 (run by the subprocess test)"
+)
+PAGE_FORMATS = {  # name -> (key element format, value element format, page dtype)
+    "fp32": ("dense", "dense", torch.float32),
+    "fp16": ("dense", "dense", torch.float16),
+    "bf16": ("dense", "dense", torch.bfloat16),
+    "mxfp4": ("mxfp4", "mxfp4", torch.float32),
+    "k8v4": ("mxfp8", "mxfp4", torch.float32),
+}
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Row by row softmax(q k^T) v with the causal and GQA rules written out; k/v [KVH, ctx, D]."""
+    q_len, num_heads, _ = q.shape
+    kv_heads, ctx_len, _ = k.shape
+    out = torch.empty_like(q)
+    for i in range(q_len):
+        for h in range(num_heads):
+            kh = h // (num_heads // kv_heads)
+            seen = ctx_len - q_len + i + 1
+            weights = torch.softmax(k[kh, :seen] @ q[i, h] * scale, dim=0)
+            out[i, h] = weights @ v[kh, :seen]
+    return out
+
+
+@pytest.mark.parametrize(("q_len", "ctx_len", "num_heads", "kv_heads"), [(1, 9, 4, 2), (5, 5, 6, 3), (4, 23, 8, 2)])
+def test_causal_attention_equals_naive(q_len, ctx_len, num_heads, kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(q_len, num_heads, 16, generator=gen)
+    k, v = torch.randn(2, kv_heads, ctx_len, 16, generator=gen)
+    torch.testing.assert_close(causal_attention(q, k, v, 0.3), naive_attention(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def random_paged_batch(
+    page_format: str,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int = 16,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, PageTensor, PageTensor, AttentionMetadata, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Requests with random keys/values written to shuffled pages; also returns each request's rows [KVH, ctx, D]."""
+    k_fmt, v_fmt, dtype = PAGE_FORMATS[page_format]
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in ctx_lens) + 3
+    k_pages = PageTensor.empty(k_fmt, kv_heads, num_pages * page_size, head_dim, dtype, device, "mse")
+    v_pages = PageTensor.empty(v_fmt, kv_heads, num_pages * page_size, head_dim, dtype, device, "mse")
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    tables, rows = [], []
+    for ctx_len in ctx_lens:
+        table = [free.pop() for _ in range(-(-ctx_len // page_size))]
+        pos = torch.arange(ctx_len)
+        slots = (torch.tensor(table)[pos // page_size] * page_size + pos % page_size).to(device)
+        # keys with a few outlier channels, as real ones have
+        k = torch.randn(ctx_len, kv_heads, head_dim, generator=gen) * (1 + 4 * (torch.arange(head_dim) % 17 == 0))
+        v = torch.randn(ctx_len, kv_heads, head_dim, generator=gen)
+        k_pages.write(slots, k.to(device))
+        v_pages.write(slots, v.to(device))
+        tables.append(table)
+        rows.append((k_pages.read(slots, torch.float32), v_pages.read(slots, torch.float32)))
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    meta = AttentionMetadata.build(tables, q_lens, ctx_lens, page_size, device)
+    return q, k_pages, v_pages, meta, rows
+
+
+def test_reference_reads_pages_in_position_order():
+    q_lens, ctx_lens = [1, 3], [20, 35]
+    q, k_pages, v_pages, meta, rows = random_paged_batch("fp32", q_lens, ctx_lens, 4, 2, 32)
+    out = paged_attention_reference(q, k_pages, v_pages, meta, 0.2)
+    start = 0
+    for n, (k, v) in zip(q_lens, rows, strict=True):
+        expected = naive_attention(q[start : start + n], k, v, 0.2)
+        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_supported_shapes():
+    assert paged_attention_supported(128, 4, 17)
+    assert not paged_attention_supported(128, 8, MAX_BLOCK_M // 8 + 1)
+    assert not paged_attention_supported(96, 1, 1)
+
+
+def test_wrapper_rejects_what_it_cannot_run():
+    q, k_pages, v_pages, meta, _ = random_paged_batch("fp32", [MAX_BLOCK_M // 2 + 1], [80], 4, 2, 32)
+    with pytest.raises(AssertionError):
+        paged_attention(q, k_pages, v_pages, meta, 0.2)
+
+
+CASES = {
+    # name: (page format, q_lens, ctx_lens, heads, kv heads, head_dim, partitions)
+    "decode-ragged": ("fp32", [1, 1, 1], [1, 16, 47], 4, 2, 32, None),
+    "verify-page-boundaries": ("fp32", [5, 2, 1], [17, 32, 33], 4, 1, 32, 3),
+    "fp16-gqa4": ("fp16", [3, 1], [40, 64], 8, 2, 64, 2),
+    "bf16": ("bf16", [2, 4], [31, 50], 4, 2, 64, None),
+    "mxfp4-decode": ("mxfp4", [1, 1], [70, 9], 4, 2, 64, 2),
+    "mxfp4-verify": ("mxfp4", [5, 3], [21, 90], 8, 2, 128, 3),
+    "k8v4-verify": ("k8v4", [4, 1], [48, 130], 4, 2, 64, 2),
+}
+
+
+@kernel_test
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_equals_reference(case):
+    page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, parts = CASES[case]
+    q, k_pages, v_pages, meta, _ = random_paged_batch(
+        page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, seed=len(case), device=DEVICE
+    )
+    scale = head_dim**-0.5
+    expected = paged_attention_reference(q, k_pages, v_pages, meta, scale).float()
+    got = paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=parts).float()
+    # dense fp32 is exact up to summation order; 16-bit pages and decoded tiles go through fp16/bf16 dots
+    tol = 1e-5 if page_format == "fp32" else (2e-2 if page_format == "bf16" else 4e-3)
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(INTERPRET or torch.cuda.is_available(), reason="the kernel tests run directly here")
+def test_kernels_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    files = [__file__, os.path.join(os.path.dirname(__file__), "test_attention_quantize.py")]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel or triton", *files],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
