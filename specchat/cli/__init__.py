@@ -30,9 +30,9 @@ def main() -> None:
 
 
 def _register() -> None:
-    from specchat.cli import generate, models, run
+    from specchat.cli import bench, generate, models, run, train_heads
 
-    for module in (generate, models, run):
+    for module in (bench, generate, models, run, train_heads):
         module.register(main)
 
 

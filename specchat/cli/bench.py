@@ -1,0 +1,159 @@
+"""`specchat bench`: concurrent sessions on a real model, or decode/verify speed of a synthetic shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import click
+
+from specchat.cli.options import StderrProgress, spec_params
+from specchat.config import DEVICES, DTYPES, EngineConfig
+from specchat.errors import ConfigError
+
+
+def int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ConfigError(f"{what} must list integers >= 0, got {text!r}")
+    return values
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    click.echo("| " + " | ".join(headers) + " |")
+    click.echo("|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|")
+    for row in rows:
+        click.echo("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
+
+
+def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json) -> None:
+    from specchat.bench.sessions import run_sessions
+    from specchat.config import SamplingParams
+    from specchat.engine.engine import Engine
+
+    prompts = [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{prompts_file}: no prompts (one per line)")
+    engine = Engine.load(config, progress=StderrProgress())
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    results = []
+    for n in int_list(sessions, "--sessions"):
+        for name in drafter.split(","):
+            results.append(run_sessions(engine, prompts, n, sampling, spec_params(name.strip(), k)))
+    if as_json:
+        for r in results:
+            click.echo(json.dumps(dataclasses.asdict(r)))
+        return
+    base = {r.drafter: r.tok_per_s for r in results if r.sessions == results[0].sessions}
+    rows = [
+        [
+            r.sessions,
+            r.drafter,
+            r.k,
+            r.tok_per_s,
+            f"{r.tok_per_s / base[r.drafter]:.2f}x",
+            r.latency_p50_ms,
+            r.latency_p99_ms,
+            r.acceptance_rate,
+            r.tokens_per_step,
+            r.kv_used_tokens_peak,
+        ]
+        for r in results
+    ]
+    headers = ["sessions", "drafter", "k", "tok/s", f"vs {results[0].sessions}", "P50 ms/token", "P99 ms/token"]
+    print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
+
+
+def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, eager, as_json) -> None:
+    import torch
+
+    from specchat.bench.synthetic import SHAPES, SyntheticCase, random_model, run_case
+    from specchat.engine.engine import pick_device
+    from specchat.engine.runner import ModelRunner
+
+    if shape not in SHAPES:
+        raise ConfigError(f"unknown synthetic shape {shape!r} (available: {', '.join(SHAPES)})")
+    dev = pick_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    runner_factory = ModelRunner
+    if dev.type == "cuda" and not eager:
+        from specchat.engine.cuda_graph import CudaGraphRunner
+
+        runner_factory = CudaGraphRunner
+    results = []
+    for weight_fmt in weights.split(","):
+        model = random_model(SHAPES[shape], dtype, dev)
+        if weight_fmt == "mxfp4":
+            from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules
+
+            swap_modules(model, fp4_modules(model, round_to_nearest(model, select_linears(model), "ocp")))
+        elif weight_fmt != "bf16":
+            raise ConfigError(f"--weights takes bf16 and/or mxfp4, got {weight_fmt!r}")
+        for kv_fmt in kv.split(","):
+            for b in int_list(batch, "--batch"):
+                for kk in int_list(k, "--k"):
+                    label = weight_fmt if weight_fmt == "mxfp4" else str(dtype).removeprefix("torch.")
+                    case = SyntheticCase(b, label, kv_fmt, kk, acceptance if kk else 0.0)
+                    results.append(run_case(model, case, context, steps, runner_factory=runner_factory))
+                    click.echo(f"done: {case}", err=True)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if as_json:
+        for r in results:
+            click.echo(json.dumps(dataclasses.asdict(r)))
+        return
+    plain = {(r.case.batch, r.case.weights, r.case.kv): r.tok_per_s for r in results if r.case.k == 0}
+    rows = []
+    for r in results:
+        c = r.case
+        base = plain.get((c.batch, c.weights, c.kv))
+        spec = f"k={c.k}, a={c.acceptance} (benchmark drafter)" if c.k else "plain"
+        ratio = f"{r.tok_per_s / base:.2f}x" if base else "-"
+        rows.append(
+            [c.batch, c.weights, c.kv, spec, r.tok_per_s, r.tok_per_s / c.batch, r.step_ms, r.tokens_per_step, ratio]
+        )
+    mode = "eager" if eager or dev.type != "cuda" else "CUDA graphs"
+    click.echo(f"synthetic {shape}, {dev}, context {context}, {steps} steps, {mode}")
+    headers = ["batch", "weights", "KV", "decoding", "tok/s", "tok/s per request", "step ms", "tokens/step"]
+    print_table([*headers, "vs plain"], rows)
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+@click.option("--sessions", default=None, help="comma-separated concurrent session counts, e.g. 1,8,32")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), help="one prompt per line")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--drafter", default="none", show_default=True, help="comma-separated drafters to compare")
+@click.option("--k", "k", default=None, help="sessions: draft tokens or 'auto' (default 4); synthetic: list (0,4)")
+@click.option("--weights", default="bf16", show_default=True, help="bf16 | mxfp4 (synthetic: a comma list)")
+@click.option("--kv", default="bf16", show_default=True, help="KV page format (synthetic: a comma list)")
+@click.option("--synthetic", "shape", default=None, help="a random-weight model of this shape, e.g. llama-3.1-8b")
+@click.option("--batch", default="1", show_default=True, help="synthetic: comma-separated batch sizes")
+@click.option("--acceptance", type=float, default=0.8, show_default=True, help="synthetic: benchmark drafter rate")
+@click.option("--context", type=int, default=512, show_default=True, help="synthetic: tokens per request")
+@click.option("--steps", type=int, default=64, show_default=True, help="synthetic: timed steps")
+@click.option("--eager", is_flag=True, help="synthetic on CUDA: no CUDA graphs")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
+def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
+          acceptance, context, steps, eager, as_json) -> None:  # fmt: skip
+    """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
+    if (sessions is None) == (shape is None):
+        raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
+    if shape is not None:
+        bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
+        return
+    if prompts_file is None:
+        raise click.UsageError("--sessions needs --prompts FILE")
+    config = EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv)
+    bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(bench)

@@ -1,0 +1,156 @@
+"""CUDA graphs for decode and verification steps: the model's forward captured once per shape, then replayed.
+
+At batch 1 an 8B-parameter model runs ~700 kernels per token; launching them one by one from Python costs
+more than the GPU takes to run them. A captured graph replays them all with one launch. Shapes are bucketed:
+a graph serves steps in which every request feeds the same number q of tokens (1 for plain decode, k + 1 for
+verification), with the batch padded up to a bucket size and the attention's context split for a bucket of
+maximum context length. Padding requests attend to q tokens of a scratch page of their own and are ignored.
+
+Everything else (prefill, ragged q, hidden-state taps, the CPU) runs eagerly through ModelRunner, which stays
+the reference: tests/engine/test_cuda_graph.py holds the two equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from specchat.engine.kv_cache import KVBatch, KVPool
+from specchat.engine.model import Transformer
+from specchat.engine.runner import ModelRunner, StepBatch, StepOutput
+from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_GRAPH_Q = 9  # tokens per request in a captured step: k + 1 for k <= 8
+CTX_BUCKETS = (1024, 4096, 16384, 65536, 131072)
+SCRATCH_SEQ = -1  # the pool entry holding the padding requests' page
+
+
+def _bucket(value: int, buckets: Seq[int]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
+class StaticKVBatch(KVBatch):
+    """A KVBatch whose attention metadata lives in fixed device buffers (what a captured graph reads)."""
+
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, new_slots: torch.Tensor, q: int, scale: float) -> None:
+        batch = meta.block_tables.shape[0]
+        super().__init__(pool, [q] * batch, [meta.max_ctx_len] * batch, [[0]] * batch, new_slots, scale)
+        self.static_meta = meta
+
+    def metadata(self) -> AttentionMetadata:
+        return self.static_meta
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [B*q]
+    positions: torch.Tensor  # [B*q]
+    new_slots: torch.Tensor  # [B*q]
+    meta: AttentionMetadata
+    logits: torch.Tensor  # [B*q, vocab] output
+    padding: tuple[torch.Tensor, ...]  # positions, new_slots, block_tables, ctx_lens of padding requests
+
+
+class CudaGraphRunner(ModelRunner):
+    """ModelRunner that replays CUDA graphs for uniform decode / verify steps on a CUDA device."""
+
+    def __init__(self, model: Transformer, pool: KVPool) -> None:
+        super().__init__(model, pool)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+        pool.add(SCRATCH_SEQ, [])
+        pool.append(SCRATCH_SEQ, pool.page_size)
+        self.scratch_page = pool.tables[SCRATCH_SEQ][0]
+        self._signature = self._state_signature()
+
+    def _state_signature(self) -> tuple:
+        """Identity of what a graph has baked in: the page store's tensors and the model's Linear modules."""
+        layer = self.model.layers[0]
+        return (id(self.pool.store), id(layer.attn.wqkv), id(layer.mlp.w_down), id(self.model.lm_head))
+
+    def _graph_key(self, batch: StepBatch, taps: Seq[int]) -> tuple | None:
+        q = len(batch.feeds[0])
+        if taps or not 1 <= q <= MAX_GRAPH_Q:
+            return None
+        if any(len(f) != q for f in batch.feeds) or any(r != q for r in batch.logit_rows):
+            return None
+        if any(s == 0 for s in batch.start_positions):  # a fresh prompt: prefill runs eagerly
+            return None
+        cfg = self.model.cfg
+        if not paged_attention_supported(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, q):
+            return None
+        b = _bucket(len(batch.feeds), BATCH_BUCKETS)
+        ctx = _bucket(max(s + q for s in batch.start_positions), CTX_BUCKETS)
+        return None if b is None or ctx is None else (b, q, ctx)
+
+    def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
+        key = self._graph_key(batch, taps)
+        if key is None:
+            return super().forward(batch, taps)
+        signature = self._state_signature()
+        if signature != self._signature:  # weights or KV format switched: captured pointers are stale
+            self.graphs.clear()
+            self._signature = signature
+        graph = self.graphs.get(key) or self._capture(*key)
+        self.graphs[key] = graph
+        return self._replay(graph, batch, key[1])
+
+    @torch.inference_mode()
+    def _replay(self, g: _Graph, batch: StepBatch, q: int) -> StepOutput:
+        n = len(batch.feeds)
+        kv = self.pool.prepare(batch.seq_ids, [q] * n, self.scale)  # bookkeeping: pages, slots, tables
+        rows = n * q
+        g.ids[:rows].copy_(torch.tensor([t for f in batch.feeds for t in f]), non_blocking=True)
+        g.positions[:rows].copy_(
+            torch.tensor([p for s in batch.start_positions for p in range(s, s + q)]), non_blocking=True
+        )
+        g.new_slots[:rows].copy_(kv.new_slots, non_blocking=True)
+        width = g.meta.block_tables.shape[1]
+        tables = torch.zeros(n, width, dtype=torch.int32)
+        for i, table in enumerate(kv.tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        g.meta.block_tables[:n].copy_(tables, non_blocking=True)
+        g.meta.ctx_lens[:n].copy_(torch.tensor(kv.ctx_lens, dtype=torch.int32), non_blocking=True)
+        if n < len(g.meta.ctx_lens):  # rows past n may hold an earlier, larger step's requests: reset them
+            pad_positions, pad_slots, pad_tables, pad_ctx = g.padding
+            g.positions[rows:].copy_(pad_positions[rows:])
+            g.new_slots[rows:].copy_(pad_slots[rows:])
+            g.meta.block_tables[n:].copy_(pad_tables[n:])
+            g.meta.ctx_lens[n:].copy_(pad_ctx[n:])
+        g.graph.replay()
+        logits = g.logits[:rows]
+        return StepOutput(list(logits.split([q] * n)), [{} for _ in range(n)])
+
+    @torch.inference_mode()
+    def _capture(self, b: int, q: int, ctx: int) -> _Graph:
+        dev, ps = self.device, self.pool.page_size
+        rows = b * q
+        # Padding requests (and the warm-up) see q tokens of the scratch page, at positions 0..q-1.
+        ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        positions = torch.arange(q, device=dev).repeat(b)
+        new_slots = (self.scratch_page * ps + torch.arange(q, device=dev)).repeat(b)
+        meta = AttentionMetadata(
+            block_tables=torch.full((b, -(-ctx // ps)), self.scratch_page, dtype=torch.int32, device=dev),
+            q_starts=torch.arange(0, rows, q, dtype=torch.int32, device=dev),
+            q_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
+            ctx_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
+            max_q_len=q,
+            max_ctx_len=ctx,
+            page_size=ps,
+        )
+        kv = StaticKVBatch(self.pool, meta, new_slots, q, self.scale)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                self.model(ids, positions, kv)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits, _ = self.model(ids, positions, kv)
+        padding = (positions.clone(), new_slots.clone(), meta.block_tables.clone(), meta.ctx_lens.clone())
+        return _Graph(graph, ids, positions, new_slots, meta, logits, padding)
