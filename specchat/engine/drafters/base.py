@@ -10,6 +10,7 @@ for each request, the tapped hidden state of the position that produced its newe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,8 +45,47 @@ class NoDrafter(Drafter):
     """Plain decoding."""
 
 
+DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
+DRAFTERS = "none | ngram | heads[:FILE] | draft-model[:NAME]"
+
+
 def make_drafter(name: str, context) -> Drafter:
-    """A drafter by its CLI name; `context` is the engine (model, tokenizer, config) it may need."""
-    if name == "none":
+    """A drafter by its CLI name; `context` is the engine (model, tokenizer, config) it may need.
+
+    none: plain decoding. ngram: prompt lookup. heads: the trained heads models.toml lists for the model, or
+    heads:FILE. draft-model: the registry's default model (or draft-model:NAME) drafting with its own KV.
+    """
+    kind, _, arg = name.partition(":")
+    if kind == "none" and not arg:
         return NoDrafter()
-    raise ConfigError(f"unknown drafter {name!r} (available: none)")
+    if kind == "ngram" and not arg:
+        from specchat.engine.drafters.ngram import NgramDrafter
+
+        return NgramDrafter()
+    if kind == "heads":
+        from specchat.engine.drafters.heads import HeadsDrafter
+
+        return HeadsDrafter.from_file(_heads_file(arg, context), context.model)
+    if kind == "draft-model":
+        from specchat.engine.drafters.draft_model import load_draft_model_drafter
+
+        return load_draft_model_drafter(arg or None, context)
+    raise ConfigError(f"unknown drafter {name!r} (available: {DRAFTERS})")
+
+
+def _heads_file(arg: str, engine) -> Path:
+    """heads:FILE, else the heads file the model's registry entry names (relative to specchat/data)."""
+    if arg:
+        path = Path(arg).expanduser()
+    else:
+        spec = engine.model_spec
+        if spec is None or not spec.heads:
+            alias = spec.alias if spec else "this model"
+            raise ConfigError(
+                f"no trained draft heads for {alias}: train them with `specchat train-heads {alias} --out FILE` "
+                "and pass --drafter heads:FILE"
+            )
+        path = DATA_DIR / spec.heads
+    if not path.is_file():
+        raise ConfigError(f"draft heads file not found: {path}")
+    return path

@@ -1,0 +1,95 @@
+"""`specchat train-heads`: self-distil draft heads for a model from the shipped prompt set."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from specchat.cli.options import StderrProgress, engine_config, model_options
+
+PLAIN_PROGRESS_EVERY_S = 10.0  # without a terminal: one progress line this often
+
+
+class LineProgress:
+    """A progress bar on a terminal, a line every few seconds (and at each stage's end) otherwise."""
+
+    def __init__(self) -> None:
+        self.bar = StderrProgress() if sys.stderr.isatty() else None
+        self.last = 0.0
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar(what, done, total)
+            return
+        now = time.monotonic()
+        if now - self.last >= PLAIN_PROGRESS_EVERY_S or done >= total:
+            click.echo(f"{what}: {done}/{total}", err=True)
+            self.last = now
+
+
+@click.command("train-heads")
+@model_options
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="heads file to write")
+@click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="draft heads (most drafts a step)")
+@click.option("--tap", type=int, default=None, help="target layer the heads read (default: the last)")
+@click.option("--parallel", is_flag=True, help="Medusa-style independent heads instead of sequential ones")
+@click.option("--draft-vocab", type=int, default=16384, show_default=True, help="tokens heads draft from; 0 = all")
+@click.option("--max-tokens", type=int, default=384, show_default=True, help="per generated answer")
+@click.option("--samples", type=int, default=2, show_default=True, help="sampled answers per prompt besides greedy")
+@click.option("--epochs", type=int, default=4, show_default=True)
+@click.option("--batch-size", type=int, default=512, show_default=True)
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-prompts", type=int, default=0, help="train on the first N prompts only (quick runs)")
+@click.option("--max-running", type=int, default=64, show_default=True, help="answers generated concurrently")
+def train_heads(
+    model,
+    device,
+    dtype,
+    weights,
+    out,
+    num_heads,
+    tap,
+    parallel,
+    draft_vocab,
+    max_tokens,
+    samples,
+    epochs,
+    batch_size,
+    lr,
+    seed,
+    max_prompts,
+    max_running,
+) -> None:
+    """Train draft heads for MODEL (default: smollm2-135m) on its own answers; resumes an interrupted run."""
+    from specchat.engine.engine import Engine
+    from specchat.engine.train_heads import TrainConfig
+    from specchat.engine.train_heads import train_heads as run_training
+
+    cfg = TrainConfig(
+        num_heads=num_heads,
+        tap=tap,
+        sequential=not parallel,
+        draft_vocab=draft_vocab,
+        max_tokens=max_tokens,
+        samples_per_prompt=samples,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        max_prompts=max_prompts,
+    )
+    config = engine_config(model, device, dtype, weights=weights, max_running=max_running)
+    engine = Engine.load(config, progress=StderrProgress())
+    log = lambda line: click.echo(line, err=True)
+    report = run_training(engine, cfg, out, LineProgress(), log)
+    for i, (acc, tps) in enumerate(zip(report["top1"], report["tokens_per_step"], strict=True)):
+        click.echo(f"head {i + 1}: top-1 {acc:.3f}   chain estimate at k={i + 1}: {tps:.2f} tokens/step")
+    click.echo(f"wrote {out} ({report['eval_positions']} held-out positions)")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(train_heads)

@@ -1,0 +1,231 @@
+"""Draft heads: small residual blocks on the target's own hidden state propose the next k tokens.
+
+Medusa (Cai et al. 2024): the hidden state h_t at a tap layer (the last layer: Medusa; an earlier one: early
+exit) already predicted the newest token x_{t+1} through the target's lm_head; head i (1-based) is a residual
+block whose output, through the target's own final norm and lm_head, predicts x_{t+1+i}. Heads share the
+target's lm_head, so each one is only a block of hidden x hidden weights.
+
+Sequential variant (Hydra, Ankner et al. 2024; EAGLE, Li et al. 2024): head i also reads the embedding of
+the token before the one it predicts (x_{t+i}: the newest token for head 1, then each head's own draft) and
+the state s_{i-1} of the head before it instead of h_t:
+
+    parallel:    s_i = h_t     + f_i(norm(h_t))
+    sequential:  s_i = s_{i-1} + f_i([norm(s_{i-1}); norm(E[x_{t+i}])]),   s_0 = h_t
+    f_i(u) = W_down silu(W_up u)    (W_down starts at zero, so every head starts as the target's own lm_head)
+
+Draft vocabulary: on a CPU one lm_head product (49k x 576 for the default model) costs as much as a fifth of
+a target step, once per draft token for sequential heads. Heads therefore choose from the `draft_vocab`
+most frequent tokens of their training data only (as FR-Spec, Zhao et al. 2025, does for EAGLE): the
+target still verifies every draft, so this changes speed, never the output.
+
+File format: a safetensors file with the head weights and `draft_vocab` (token ids, int64), and metadata
+"format" = HEADS_FORMAT, "config" = HeadsConfig as JSON, "target" = what the heads were trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specchat.engine.drafters.base import Draft, Drafter
+from specchat.engine.model import RMSNorm, Transformer
+from specchat.engine.sampling import probs_from_logits, sample_from_probs
+from specchat.errors import ConfigError, ModelFormatError
+
+if TYPE_CHECKING:
+    from specchat.engine.sequence import Sequence
+
+HEADS_FORMAT = "specchat-draft-heads-v1"
+
+
+@dataclass(slots=True)
+class HeadsConfig:
+    """Shape of a set of draft heads and the target they read."""
+
+    hidden_size: int
+    vocab_size: int  # the target's vocabulary (draft_vocab ids index it)
+    num_layers: int  # the target's depth, to check the tap against
+    num_heads: int  # heads = the most tokens drafted per step
+    tap: int  # target layer whose output (residual stream) the heads read
+    sequential: bool = True
+    ffn_size: int = 0  # width of each head's hidden layer; 0 = hidden_size
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ConfigError(f"draft heads: need at least one head, got {self.num_heads}")
+        if not 0 <= self.tap < self.num_layers:
+            raise ConfigError(f"draft heads: tap layer {self.tap} outside the target's {self.num_layers} layers")
+        if self.ffn_size == 0:
+            self.ffn_size = self.hidden_size
+
+    @classmethod
+    def for_model(cls, model: Transformer, num_heads: int, tap: int | None = None, **kw) -> HeadsConfig:
+        c = model.cfg
+        tap = c.num_layers - 1 if tap is None else tap
+        return cls(c.hidden_size, c.vocab_size, c.num_layers, num_heads, tap, rms_norm_eps=c.rms_norm_eps, **kw)
+
+
+class HeadBlock(nn.Module):
+    """One draft head: s_prev (+ the previous token's embedding) -> s, a residual SiLU MLP."""
+
+    def __init__(self, cfg: HeadsConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.state_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.embed_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.sequential else None
+        self.up = nn.Linear(2 * d if cfg.sequential else d, cfg.ffn_size, bias=False)
+        self.down = nn.Linear(cfg.ffn_size, d, bias=False)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(self, state: torch.Tensor, prev_embed: torch.Tensor | None = None) -> torch.Tensor:
+        """state [N, d], prev_embed [N, d] (sequential heads only) -> next state [N, d]."""
+        u = self.state_norm(state)
+        if self.embed_norm is not None:
+            u = torch.cat([u, self.embed_norm(prev_embed)], dim=-1)  # [N, 2d]
+        return state + self.down(F.silu(self.up(u)))
+
+
+class DraftHeads(nn.Module):
+    """The trained part: num_heads blocks plus the draft vocabulary they choose from."""
+
+    def __init__(self, cfg: HeadsConfig, draft_vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(HeadBlock(cfg) for _ in range(cfg.num_heads))
+        vocab = torch.arange(cfg.vocab_size) if draft_vocab is None else draft_vocab.long()
+        self.register_buffer("draft_vocab", vocab)  # [Vd] target token ids
+
+    def teacher_forced(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None) -> torch.Tensor:
+        """hidden [N, d] (h_t), prev_embeds [K, N, d] (E[x_{t+1..t+K}], sequential only) -> states [K, N, d].
+
+        Training feeds the true previous tokens; drafting feeds each head's own choice (`HeadsDrafter`).
+        """
+        states, state = [], hidden
+        for i, block in enumerate(self.blocks):
+            if self.cfg.sequential:
+                state = block(state, prev_embeds[i])
+                states.append(state)
+            else:
+                states.append(block(hidden))
+        return torch.stack(states)
+
+    def save(self, path: Path, target: dict) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in self.state_dict().items()}
+        tensors["draft_vocab"] = self.draft_vocab.long().contiguous()
+        meta = {"format": HEADS_FORMAT, "config": json.dumps(asdict(self.cfg)), "target": json.dumps(target)}
+        save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: Path) -> tuple[DraftHeads, dict]:
+        """(heads in fp32 on the CPU, the "target" metadata)."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+        except (OSError, ValueError) as exc:
+            raise ModelFormatError(f"{path}: cannot read draft heads ({exc})") from None
+        if meta.get("format") != HEADS_FORMAT:
+            raise ModelFormatError(f"{path}: not a draft heads file (format {meta.get('format')!r})")
+        heads = cls(HeadsConfig(**json.loads(meta["config"])), tensors["draft_vocab"])
+        heads.load_state_dict({name: t.float() for name, t in tensors.items()})
+        return heads, json.loads(meta.get("target", "{}"))
+
+
+class DraftVocabOutput:
+    """The target's final norm + the lm_head rows of the draft vocabulary (frozen): state -> draft logits."""
+
+    def __init__(self, model: Transformer, draft_vocab: torch.Tensor) -> None:
+        self.norm = model.norm
+        weight = model.lm_head.weight.detach()
+        full = len(draft_vocab) == weight.shape[0]
+        self.weight = weight if full else weight[draft_vocab.to(weight.device)].contiguous()  # [Vd, d]
+
+    def __call__(self, state: torch.Tensor) -> torch.Tensor:
+        """state [..., d] -> logits [..., Vd] in fp32."""
+        return F.linear(self.norm(state), self.weight).float()
+
+
+def check_compatible(cfg: HeadsConfig, model: Transformer, where: str) -> None:
+    c = model.cfg
+    if (cfg.hidden_size, cfg.vocab_size, cfg.num_layers) != (c.hidden_size, c.vocab_size, c.num_layers):
+        raise ConfigError(
+            f"draft heads {where} were trained for hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+            f"{cfg.num_layers} layers; this model has {c.hidden_size}, {c.vocab_size}, {c.num_layers}"
+        )
+
+
+class HeadsDrafter(Drafter):
+    """Drafts with trained heads from each request's tapped hidden state (seq.hidden)."""
+
+    name = "heads"
+
+    def __init__(self, heads: DraftHeads, model: Transformer) -> None:
+        weight = model.lm_head.weight
+        self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
+        self.cfg = heads.cfg
+        self.taps = (heads.cfg.tap,)
+        self.embed = model.embed
+        self.vocab_size = model.cfg.vocab_size
+        self.draft_vocab = self.heads.draft_vocab  # [Vd]
+        self.output = DraftVocabOutput(model, self.draft_vocab)
+
+    @classmethod
+    def from_file(cls, path: Path, model: Transformer) -> HeadsDrafter:
+        heads, _ = DraftHeads.load(path)
+        check_compatible(heads.cfg, model, str(path))
+        return cls(heads, model)
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
+        """logits [B, Vd] -> a token per request (argmax, or a draw from q) and q over the full vocab."""
+        best = self.draft_vocab[logits.argmax(-1)].tolist()
+        tokens, probs = [], []
+        for b, seq in enumerate(seqs):
+            if seq.sampling.greedy:
+                tokens.append(best[b])
+                probs.append(None)
+                continue
+            q_draft = probs_from_logits(logits[b], seq.sampling)  # [Vd]
+            tokens.append(int(self.draft_vocab[sample_from_probs(q_draft, seq.generator)]))
+            probs.append(torch.zeros(self.vocab_size, device=q_draft.device).index_copy_(0, self.draft_vocab, q_draft))
+        return tokens, probs
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        # A request whose hidden state was not tapped yet (it just switched drafters) skips one step.
+        ready = [i for i, seq in enumerate(seqs) if self.cfg.tap in seq.hidden]
+        drafts = [Draft([]) for _ in seqs]
+        if not ready:
+            return drafts
+        group = [seqs[i] for i in ready]
+        depth = min(max(ks[i] for i in ready), self.cfg.num_heads)
+        hidden = torch.stack([seq.hidden[self.cfg.tap] for seq in group])  # [B, d]
+        if self.cfg.sequential:
+            prev = torch.tensor([seq.all_ids[-1] for seq in group], device=hidden.device)  # [B] newest tokens
+            state, steps = hidden, []
+            for block in self.heads.blocks[:depth]:
+                state = block(state, self.embed(prev))  # [B, d]
+                tokens, probs = self._choose(group, self.output(state))
+                steps.append((tokens, probs))
+                prev = torch.tensor(tokens, device=hidden.device)
+        else:
+            states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
+            logits = self.output(states)  # [depth, B, Vd]
+            steps = [self._choose(group, logits[i]) for i in range(depth)]
+        for b, i in enumerate(ready):
+            k = min(ks[i], depth)
+            tokens = [steps[j][0][b] for j in range(k)]
+            qs = [steps[j][1][b] for j in range(k)]
+            drafts[i] = Draft(tokens, None if qs[0] is None else torch.stack(qs))
+        return drafts

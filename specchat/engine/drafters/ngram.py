@@ -1,0 +1,75 @@
+"""Prompt lookup decoding (Saxena 2023): draft by copying what followed an earlier match of the context's tail.
+
+Take the last n tokens of prompt + output; if the same n tokens occurred earlier, propose the tokens that
+followed that occurrence. n runs from `max_n` down to `min_n` (longer matches are more specific), and the most
+recent earlier occurrence wins (in code edits and agent loops the latest copy is usually the one being
+repeated). Costs no model call at all: strong where the output repeats its context, silent elsewhere.
+
+Each request keeps an index {n-gram: position just after its latest occurrence}, extended incrementally as
+tokens arrive; a request's tokens only ever grow (rejected drafts never enter them), so the index never needs
+rolling back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specchat.engine.drafters.base import Draft, Drafter
+from specchat.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specchat.engine.sequence import Sequence
+
+DEFAULT_MIN_N = 1
+DEFAULT_MAX_N = 4
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """Where each n-gram (min_n <= n <= max_n) of one request's tokens last ended, with a continuation."""
+
+    min_n: int
+    max_n: int
+    indexed: int = 0  # n-grams ending before this position are in `follows`
+    follows: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position right after it
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index every n-gram that ends before the newest token (so that each has at least one follower)."""
+        end = len(tokens) - 1  # the n-gram ending at the newest token is the query, not an entry
+        for stop in range(max(self.indexed, 1), end + 1):
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                self.follows[tuple(tokens[stop - n : stop])] = stop
+        self.indexed = max(self.indexed, end + 1)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest earlier match of the context's tail."""
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = self.follows.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: a deterministic drafter (point-mass drafts), no model call."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ConfigError(f"ngram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[int, NgramIndex] = {}
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = []
+        for seq, k in zip(seqs, ks, strict=True):
+            index = self.indexes.setdefault(seq.seq_id, NgramIndex(self.min_n, self.max_n))
+            tokens = seq.all_ids
+            index.extend(tokens)
+            drafts.append(Draft(index.lookup(tokens, k)))
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        self.indexes.pop(seq.seq_id, None)

@@ -1,0 +1,319 @@
+"""Self-distillation of draft heads: the target answers the shipped prompts, heads learn its own next tokens.
+
+Medusa-2's self-distillation (Cai et al. 2024, sec. 2.3.2): train on the target's own outputs rather than a
+fixed corpus, so the heads learn what this model says, not what people wrote. Stages, each saved in a work
+directory beside the output file so that a run interrupted anywhere resumes where it stopped:
+
+1. answers:  the engine answers every `train` prompt (all submitted at once; the scheduler batches them):
+             one greedy answer each, plus `samples_per_prompt` sampled ones for variety.
+2. features: one teacher-forced target forward per answer captures h_t at the tap layer for every position t
+             whose next token x_{t+1} the target wrote, and the window x_{t+1} .. x_{t+1+K}.
+3. train:    head i learns x_{t+1+i} from h_t (and, sequential heads, x_{t+1} .. x_{t+i}) with cross-entropy
+             over the draft vocabulary; head i's loss weighs depth_decay^(i-1) (Medusa's 0.8^i). Checkpoints
+             every `checkpoint_every` steps.
+4. report:   per-head top-1 accuracy on held-out answers (teacher-forced) and the chain estimate of tokens per
+             step at k = 1..K (head i counts only where heads 1..i are all right), then the heads file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specchat.config import SamplingParams, SpecParams
+from specchat.engine.drafters.base import DATA_DIR
+from specchat.engine.drafters.heads import DraftHeads, DraftVocabOutput, HeadsConfig
+from specchat.engine.runner import StepBatch
+from specchat.engine.sequence import Finished
+from specchat.errors import ConfigError
+
+PROMPTS_DIR = DATA_DIR / "prompts"
+CATEGORIES = ("code", "math", "chat", "tool_use", "code_edit")
+IGNORE = -100  # label of positions past the end of an answer, or outside the draft vocabulary
+FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced forward
+WARMUP_STEPS = 50
+MIN_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak learning rate
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def load_prompt_set(split: str | None = None, categories: tuple[str, ...] = CATEGORIES) -> list[dict]:
+    """The shipped prompts ({"id", "split", "messages", "category"}), optionally one split only."""
+    prompts = []
+    for category in categories:
+        for line in (PROMPTS_DIR / f"{category}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if split is None or record["split"] == split:
+                prompts.append({**record, "category": category})
+    return prompts
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    """What to train and how. Fields marked (data) shape the saved answers/features; changing them needs a
+    fresh work directory."""
+
+    num_heads: int = 4
+    tap: int | None = None  # (data) None = the last layer
+    sequential: bool = True
+    ffn_size: int = 0  # 0 = hidden size
+    draft_vocab: int = 16384  # (data) most frequent answer tokens the heads may draft; 0 = the whole vocabulary
+    max_tokens: int = 384  # (data) per answer
+    samples_per_prompt: int = 2  # (data) sampled answers per prompt, besides the greedy one
+    temperature: float = 0.8  # (data) of the sampled answers
+    eval_fraction: float = 0.1  # (data) answers held out for the accuracy report
+    max_prompts: int = 0  # (data) use only the first N train prompts; 0 = all
+    epochs: int = 4
+    batch_size: int = 512
+    lr: float = 2e-3
+    depth_decay: float = 0.8
+    checkpoint_every: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_heads <= 16:
+            raise ConfigError(f"--heads must be in [1, 16], got {self.num_heads}")
+        if self.draft_vocab < 0 or self.epochs < 1 or self.batch_size < 1 or self.samples_per_prompt < 0:
+            raise ConfigError("draft vocab, samples per prompt must be >= 0; epochs, batch size >= 1")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
+
+    def data_key(self) -> dict:
+        keys = ("tap", "draft_vocab", "max_tokens", "samples_per_prompt", "temperature", "eval_fraction", "max_prompts")
+        return {k: getattr(self, k) for k in keys} | {"num_heads": self.num_heads, "seed": self.seed}
+
+
+class HeadTrainer:
+    """Runs the four stages for `engine`'s model; `work` holds everything needed to resume."""
+
+    def __init__(self, engine, cfg: TrainConfig, work: Path, progress: Progress, log: Callable[[str], None]):
+        self.engine, self.cfg, self.work, self.progress, self.log = engine, cfg, work, progress, log
+        self.model = engine.model
+        self.tap = self.model.cfg.num_layers - 1 if cfg.tap is None else cfg.tap
+        self.device = engine.device
+        work.mkdir(parents=True, exist_ok=True)
+        key_file = work / "config.json"
+        if key_file.is_file() and json.loads(key_file.read_text()) != cfg.data_key():
+            raise ConfigError(f"{work} holds data made with other settings; delete it or choose another --out")
+        key_file.write_text(json.dumps(cfg.data_key()))
+
+    # --- 1. answers -------------------------------------------------------------------------------------
+    def answers(self) -> list[dict]:
+        path = self.work / "answers.jsonl"
+        if path.is_file():
+            return [json.loads(line) for line in path.read_text().splitlines()]
+        prompts = load_prompt_set("train")[: self.cfg.max_prompts or None]
+        jobs = []
+        for n, prompt in enumerate(prompts):
+            jobs.append((prompt, SamplingParams(max_tokens=self.cfg.max_tokens)))
+            for s in range(self.cfg.samples_per_prompt):
+                seed = self.cfg.seed * 100_003 + n * 101 + s
+                sampling = SamplingParams(temperature=self.cfg.temperature, seed=seed, max_tokens=self.cfg.max_tokens)
+                jobs.append((prompt, sampling))
+        handles = {}
+        for prompt, sampling in jobs:
+            handle = self.engine.submit(prompt["messages"], sampling, SpecParams(drafter="none", k=0))
+            handles[handle.request_id] = (prompt, sampling.greedy)
+        records, done = [], 0
+        while self.engine.scheduler.has_work():
+            for event in self.engine.step():
+                if isinstance(event, Finished):
+                    prompt, greedy = handles[event.request_id]
+                    prompt_ids = self.engine.encode_prompt(prompt["messages"])
+                    records.append(
+                        {"id": prompt["id"], "greedy": greedy, "prompt_ids": prompt_ids, "output_ids": event.token_ids}
+                    )
+                    done += 1
+                    self.progress("answers", done, len(jobs))
+        records.sort(key=lambda r: (r["id"], len(r["output_ids"])))
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return records
+
+    # --- 2. features ------------------------------------------------------------------------------------
+    def features(self, records: list[dict]) -> dict[str, torch.Tensor]:
+        path = self.work / "features.safetensors"
+        if path.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        K = self.cfg.num_heads
+        vocab = self._draft_vocab(records)
+        held_out = self._held_out_ids(records)
+        hidden, windows, is_eval = [], [], []
+        runner, pool = self.engine.runner, self.engine.pool
+        batch: list[dict] = []
+        for n, record in enumerate(records):
+            # Held-out prompts keep only their greedy answer: the report measures agreement with greedy decoding.
+            if record["greedy"] or record["id"] not in held_out:
+                batch.append(record)
+            tokens = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in batch)
+            if not batch or (tokens < FEATURE_BATCH_TOKENS and n + 1 < len(records)):
+                continue
+            seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
+            ids = [-(i + 1) for i in range(len(batch))]  # ids no live request uses
+            for seq_id, seq in zip(ids, seqs, strict=True):
+                pool.add(seq_id, seq)
+            out = runner.forward(StepBatch(ids, seqs, [0] * len(seqs), [0] * len(seqs)), taps=[self.tap])
+            for seq_id, r, seq, h in zip(ids, batch, seqs, out.hidden, strict=True):
+                pool.free(seq_id)
+                # h_t for t = P-1 .. T-2: the positions whose next token x_{t+1} the target wrote.
+                first, last = len(r["prompt_ids"]) - 1, len(seq) - 1
+                if last <= first:
+                    continue
+                padded = torch.tensor(seq + [IGNORE] * (K + 1))
+                starts = torch.arange(first + 1, last + 1)  # t + 1
+                windows.append(padded[starts[:, None] + torch.arange(K + 1)])  # [n, K+1]: x_{t+1} .. x_{t+1+K}
+                hidden.append(h[self.tap][first:last].float().cpu())  # [n, d]
+                is_eval.append(torch.full((last - first,), r["id"] in held_out, dtype=torch.bool))
+            batch = []
+            self.progress("features", n + 1, len(records))
+        feats = {
+            "hidden": torch.cat(hidden).contiguous(),
+            "windows": torch.cat(windows).contiguous(),
+            "is_eval": torch.cat(is_eval),
+            "draft_vocab": vocab,
+        }
+        from safetensors.torch import save_file
+
+        save_file(feats, str(path))
+        return feats
+
+    def _draft_vocab(self, records: list[dict]) -> torch.Tensor:
+        counts = Counter(t for r in records for t in r["output_ids"])
+        size = self.cfg.draft_vocab
+        if size == 0 or size >= self.model.cfg.vocab_size:
+            return torch.arange(self.model.cfg.vocab_size)
+        # Most frequent answer tokens first, then the end-of-turn tokens (answers end there), then by id.
+        ranked = [t for t, _ in counts.most_common()] + sorted(self.engine.tokenizer.stop_token_ids)
+        ranked += [t for t in range(self.model.cfg.vocab_size) if t not in counts]
+        return torch.tensor(list(dict.fromkeys(ranked))[:size])
+
+    def _held_out_ids(self, records: list[dict]) -> set[str]:
+        ids = sorted({r["id"] for r in records})
+        random.Random(self.cfg.seed).shuffle(ids)
+        return set(ids[: max(1, round(len(ids) * self.cfg.eval_fraction))])
+
+    # --- 3. train ---------------------------------------------------------------------------------------
+    def train(self, feats: dict[str, torch.Tensor]) -> DraftHeads:
+        cfg = self.cfg
+        head_cfg = HeadsConfig.for_model(
+            self.model, cfg.num_heads, self.tap, sequential=cfg.sequential, ffn_size=cfg.ffn_size
+        )
+        torch.manual_seed(cfg.seed)
+        heads = DraftHeads(head_cfg, feats["draft_vocab"]).to(self.device)
+        output = DraftVocabOutput(self.model, heads.draft_vocab)
+        hidden, windows = feats["hidden"].to(self.device), feats["windows"].to(self.device)
+        labels = self._draft_labels(windows[:, 1:], heads.draft_vocab)  # [N, K] indices into the draft vocab
+        train_rows = (~feats["is_eval"]).nonzero().squeeze(-1)
+        steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
+        total = cfg.epochs * steps_per_epoch
+        opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
+        step = self._resume(heads, opt)
+        weights = torch.tensor([cfg.depth_decay**i for i in range(cfg.num_heads)], device=self.device)
+        model_dtype = self.model.lm_head.weight.dtype
+        heads.train()
+        while step < total:
+            epoch, i = divmod(step, steps_per_epoch)
+            order = train_rows[torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(epoch))]
+            rows = order[i * cfg.batch_size : (i + 1) * cfg.batch_size].to(self.device)
+            lr = cfg.lr * lr_factor(step, total)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            with torch.autocast(self.device.type, dtype=model_dtype, enabled=model_dtype != torch.float32):
+                logits = self._forward(heads, output, hidden[rows], windows[rows])  # [K, B, Vd]
+                loss = per_head_loss(logits.float(), labels[rows]) @ weights / weights.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            self.progress(f"train loss {loss.item():.3f}", step, total)
+            if step % cfg.checkpoint_every == 0 or step == total:
+                torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step}, self.checkpoint)
+        return heads.eval()
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.work / "checkpoint.pt"
+
+    def _resume(self, heads: DraftHeads, opt: torch.optim.Optimizer) -> int:
+        if not self.checkpoint.is_file():
+            return 0
+        state = torch.load(self.checkpoint, map_location=self.device)
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["opt"])
+        self.log(f"resuming from {self.checkpoint} at step {state['step']}")
+        return state["step"]
+
+    def _draft_labels(self, targets: torch.Tensor, draft_vocab: torch.Tensor) -> torch.Tensor:
+        """Token ids [N, K] -> indices into the draft vocabulary, IGNORE where absent or past the end."""
+        index = torch.full((self.model.cfg.vocab_size,), IGNORE, dtype=torch.long, device=targets.device)
+        index[draft_vocab] = torch.arange(len(draft_vocab), device=targets.device)
+        return torch.where(targets >= 0, index[targets.clamp_min(0)], IGNORE)
+
+    def _forward(self, heads: DraftHeads, output: DraftVocabOutput, h: torch.Tensor, win: torch.Tensor):
+        """h [B, d], win [B, K+1] -> draft logits [K, B, Vd] with teacher forcing."""
+        prev = None
+        if heads.cfg.sequential:
+            with torch.no_grad():
+                prev = self.model.embed(win[:, :-1].clamp_min(0)).transpose(0, 1).float()  # [K, B, d]
+        return output(heads.teacher_forced(h, prev))
+
+    # --- 4. report ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def report(self, heads: DraftHeads, feats: dict[str, torch.Tensor]) -> dict:
+        """Per-head top-1 accuracy on held-out answers, and the chain estimate of tokens per step."""
+        output = DraftVocabOutput(self.model, heads.draft_vocab.to(self.device))
+        rows = feats["is_eval"].nonzero().squeeze(-1)
+        K = heads.cfg.num_heads
+        hits, valid, chain = torch.zeros(K), torch.zeros(K), torch.zeros(K)
+        for start in range(0, len(rows), self.cfg.batch_size):
+            r = rows[start : start + self.cfg.batch_size]
+            win = feats["windows"][r].to(self.device)
+            logits = self._forward(heads, output, feats["hidden"][r].to(self.device).float(), win)
+            guess = heads.draft_vocab.to(self.device)[logits.argmax(-1)].T  # [B, K] token ids
+            right = guess == win[:, 1:]
+            present = win[:, 1:] >= 0
+            hits += (right & present).sum(0).cpu()
+            valid += present.sum(0).cpu()
+            chain += (right.cumprod(-1).bool() & present).sum(0).cpu()
+        accuracy = (hits / valid.clamp_min(1)).tolist()
+        chain_rate = (chain / valid[0].clamp_min(1)).tolist()
+        tokens_per_step = [1 + sum(chain_rate[:k]) for k in range(1, K + 1)]
+        return {"top1": accuracy, "tokens_per_step": tokens_per_step, "eval_positions": int(valid[0])}
+
+
+def per_head_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """logits [K, B, Vd], labels [B, K] -> mean cross-entropy per head [K]."""
+    return torch.stack([F.cross_entropy(logits[i], labels[:, i], ignore_index=IGNORE) for i in range(logits.shape[0])])
+
+
+def lr_factor(step: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to MIN_LR_FRACTION."""
+    if step < WARMUP_STEPS:
+        return (step + 1) / WARMUP_STEPS
+    progress = (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS)
+    return MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_heads(engine, cfg: TrainConfig, out: Path, progress: Progress, log: Callable[[str], None]) -> dict:
+    """Train heads for engine's model and write them to `out`; returns the report."""
+    trainer = HeadTrainer(engine, cfg, out.with_name(out.name + ".work"), progress, log)
+    records = trainer.answers()
+    log(f"{len(records)} answers, {sum(len(r['output_ids']) for r in records)} tokens")
+    feats = trainer.features(records)
+    log(f"{len(feats['hidden'])} positions, {int(feats['is_eval'].sum())} held out")
+    heads = trainer.train(feats)
+    report = trainer.report(heads, feats)
+    spec = engine.model_spec
+    target = {"model": spec.alias if spec else "", "train": asdict(cfg), "report": report}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    heads.save(out, target)
+    return report
