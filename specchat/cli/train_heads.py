@@ -49,7 +49,6 @@ def train_heads(
     model,
     device,
     dtype,
-    weights,
     out,
     num_heads,
     tap,
@@ -63,6 +62,7 @@ def train_heads(
     seed,
     max_prompts,
     max_running,
+    **model_extra,
 ) -> None:
     """Train draft heads for MODEL (default: smollm2-135m) on its own answers; resumes an interrupted run."""
     from specchat.engine.engine import Engine
@@ -82,7 +82,7 @@ def train_heads(
         seed=seed,
         max_prompts=max_prompts,
     )
-    config = engine_config(model, device, dtype, weights=weights, max_running=max_running)
+    config = engine_config(model, device, dtype, max_running=max_running, **model_extra)  # model_extra: --weights
     engine = Engine.load(config, progress=StderrProgress())
     log = lambda line: click.echo(line, err=True)
     report = run_training(engine, cfg, out, LineProgress(), log)
