@@ -9,6 +9,7 @@ from specchat.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_FORMATS = ("auto", "bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats; auto = the model dtype
+WEIGHT_FORMATS = ("auto", "bf16", "mxfp4")  # bf16 = unquantized, in the model dtype; auto = as the checkpoint stores
 
 
 @dataclass(slots=True)
@@ -83,3 +84,5 @@ class EngineConfig:
             raise ConfigError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ConfigError(f"kv memory must be > 0 bytes, got {self.kv_memory}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")

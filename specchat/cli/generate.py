@@ -62,6 +62,7 @@ def generate(
     model,
     device,
     dtype,
+    weights,
     prompt,
     prompts_file,
     system,
@@ -81,7 +82,7 @@ def generate(
     prompts = read_prompts(prompt, prompts_file)
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
-    config = engine_config(model, device, dtype)
+    config = engine_config(model, device, dtype, weights=weights)
     engine = Engine.load(config, progress=StderrProgress())
     handles = [engine.submit(p, sampling, spec, system=system, raw=raw) for p in prompts]
     for i, handle in enumerate(handles):

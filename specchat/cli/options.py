@@ -7,16 +7,23 @@ import sys
 
 import click
 
-from specchat.config import DEVICES, DTYPES, KV_FORMATS, EngineConfig, SamplingParams, SpecParams
+from specchat.config import DEVICES, DTYPES, KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.errors import ConfigError
 
 
 def model_options(func):
-    """MODEL argument + device / dtype."""
+    """MODEL argument + device / dtype / weights."""
 
     @click.argument("model", required=False)
     @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
     @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    @click.option(
+        "--weights",
+        type=click.Choice(WEIGHT_FORMATS),
+        default="auto",
+        show_default=True,
+        help="linear weights: bf16 = unquantized (model dtype), mxfp4, auto = as the checkpoint stores them",
+    )
     @click.option(
         "--kv",
         "kv_format",

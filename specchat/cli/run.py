@@ -81,13 +81,13 @@ def plain_repl(engine, sampling, spec, system: str | None) -> None:
 @click.option("--plain", is_flag=True, help="a plain streaming REPL instead of the TUI")
 @sampling_options
 @spec_options
-def run(model, device, dtype, system, plain, max_tokens, temperature, top_p, top_k, seed, drafter, k) -> None:
+def run(model, device, dtype, weights, system, plain, max_tokens, temperature, top_p, top_k, seed, drafter, k) -> None:
     """Chat with MODEL (default: smollm2-135m)."""
     from specchat.engine.engine import Engine
 
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
-    engine = Engine.load(engine_config(model, device, dtype), progress=StderrProgress())
+    engine = Engine.load(engine_config(model, device, dtype, weights=weights), progress=StderrProgress())
     plain_repl(engine, sampling, spec, system)
 
 

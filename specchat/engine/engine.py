@@ -35,6 +35,9 @@ from specchat.engine.sequence import Event, Finished, Sequence
 from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.engine.tokenizer import StreamDecoder, Tokenizer, export_gguf_tokenizer
 from specchat.errors import ConfigError, PromptError
+from specchat.quant.checkpoint import checkpoint_method, take_packed
+from specchat.quant.fp4_linear import Fp4Linear
+from specchat.quant.handler import WEIGHT_FORMATS, WeightSwitch, weight_switch
 from specchat.registry import ModelSpec, fetch, resolve, tokenizer_dir
 
 Prompt = str | list[dict] | list[int]
@@ -95,8 +98,10 @@ class Engine:
         pool: KVPool,
         config: EngineConfig,
         model_spec: ModelSpec | None = None,
+        weights: WeightSwitch | None = None,
     ) -> None:
         self.model = model
+        self.weights = weights or weight_switch(model, {}, None, None)
         self.tokenizer = tokenizer
         self.pool = pool
         self.config = config
@@ -126,13 +131,15 @@ class Engine:
         dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
         model_cfg, state = load_checkpoint(path, progress=progress)
         tokenizer = load_tokenizer(spec, path)
+        packed, method = take_packed(state), checkpoint_method(path)
         model = build_model(model_cfg, state, dtype, device)
         del state
+        weights = weight_switch(model, packed, method, path, config.weights)
         budget = config.kv_memory or default_kv_budget(device)
         c = model_cfg
         shape = (c.num_layers, c.num_kv_heads, c.head_dim, config.page_size)
         pool = KVPool.from_budget(budget, *shape, dtype, device, config.kv_format, rotate=config.kv_rotation)
-        return cls(model, tokenizer, pool, config, spec)
+        return cls(model, tokenizer, pool, config, spec, weights)
 
     def drafter(self, name: str) -> Drafter:
         if name not in self.drafters:
@@ -231,6 +238,16 @@ class Engine:
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
 
         self.apply(change)
+
+    def set_weights(self, fmt: str) -> None:
+        """Switch the linear weights between "bf16" (unquantized, the model dtype) and "mxfp4" between steps.
+
+        Running requests continue: their KV cache is kept, only the next steps use the new weights. What the
+        switch back needs is kept (quant.handler.WeightSwitch): memory() reports it as weights_restore_bytes.
+        """
+        if fmt not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+        self.apply(lambda: self.weights.set(fmt))
 
     def set_kv(self, fmt: str) -> None:
         """Switch the KV page format (bf16 | fp16 | fp32 | mxfp4 | k8v4), converting live conversations in place.
@@ -332,10 +349,16 @@ class Engine:
             if isinstance(module, torch.nn.Linear):
                 linear += module.weight.numel() * module.weight.element_size()
                 linear_bf16 += module.weight.numel() * 2
+            elif isinstance(module, Fp4Linear):  # packed codes + scales are its only copy of the weight
+                linear += module.nbytes
+                linear_bf16 += module.in_features * module.out_features * 2
         return {
             "weights_bytes": weights_bytes,
             "linear_weight_bytes": linear,
             "linear_weight_bytes_bf16": linear_bf16,
+            "weights_format": self.weights.current,  # "bf16" = unquantized, in the model dtype
+            "weights_method": self.weights.method,  # how the MXFP4 weights were made: gptq (cached), rtn-mse, ...
+            "weights_restore_bytes": self.weights.stash_bytes,  # host memory kept to switch back exactly
             **self.kv_memory(),
         }
 

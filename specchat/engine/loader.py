@@ -327,6 +327,10 @@ def load_checkpoint(
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or directory")
     if path.is_dir():
+        from specchat.quant.checkpoint import is_mxfp4_checkpoint, load_mxfp4_checkpoint
+
+        if is_mxfp4_checkpoint(path):  # written by `specchat quantize`: the state also holds packed linears
+            return load_mxfp4_checkpoint(path, progress)
         return load_hf_dir(path, progress)
     if path.suffix.lower() == ".gguf":
         return load_gguf(path, progress, cache)

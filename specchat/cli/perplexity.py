@@ -1,0 +1,125 @@
+"""`specchat perplexity`: how well a model (and its weight / KV formats) predicts a text, like llama.cpp's tool.
+
+Sliding window (as in HF transformers' perplexity guide): windows of `context` tokens start every `stride`
+tokens; each window scores only the tokens no earlier window scored, so every token after the first is scored
+exactly once, with at least context - stride tokens of history (all of it in the first window).
+
+    perplexity = exp(mean over scored tokens of -log p(token | history))
+
+Each window runs through the engine's own model and KV pool, in two forwards: the history first, then the
+scored tokens, which read their whole context back from the KV pages. So the weight format (`--weights`) and
+the page format (`--kv`) apply exactly as they do when chatting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import click
+import torch
+
+from specchat.cli.options import StderrProgress, engine_config, model_options
+from specchat.errors import ConfigError, PromptError
+
+HELD_OUT_TEXT = "heldout_textwrap.txt"  # specchat/data/text: never calibrated or tuned on
+DEFAULT_CONTEXT = 1024
+DEFAULT_STRIDE = 512
+PPL_SEQ_ID = -1  # the pool id of the window being scored; negative ids never collide with requests
+
+
+@dataclass(slots=True)
+class PerplexityResult:
+    ppl: float
+    tokens: int  # tokens scored
+    nll_sum: float  # sum of -log p over them (nats)
+
+
+def held_out_text() -> str:
+    return resources.files("specchat").joinpath("data", "text", HELD_OUT_TEXT).read_text()
+
+
+def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, score_from, end) per window over n tokens: window ids[begin:end] scores ids[score_from:end]."""
+    windows, scored_to = [], 1  # token 0 has no history: it is never scored
+    for begin in range(0, n, stride):
+        end = min(begin + context, n)
+        if end > scored_to:
+            windows.append((begin, scored_to, end))
+            scored_to = end
+        if end == n:
+            break
+    return windows
+
+
+def perplexity(engine, ids: list[int], context: int, stride: int, progress=None) -> PerplexityResult:
+    """Perplexity of `engine`'s model on token ids, windows of `context` tokens every `stride` tokens."""
+    from specchat.engine.runner import StepBatch
+
+    if not 0 < stride <= context:
+        raise ConfigError(f"stride must be in [1, context = {context}], got {stride}")
+    if len(ids) < 2:
+        raise PromptError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
+    context = min(context, engine.model.cfg.max_position)
+    stride = min(stride, context)
+    runner, pool = engine.runner, engine.pool
+    windows = sliding_windows(len(ids), context, stride)
+    nll, scored = 0.0, 0
+    for w, (begin, score_from, end) in enumerate(windows):
+        window = ids[begin:end]
+        first_row = score_from - 1 - begin  # window position whose logits predict the first scored token
+        split = max(1, first_row)  # history chunk [0, split), scored chunk [split, len - 1)
+        chunks = [(window[:split], 0, split - first_row), (window[split:-1], split, len(window) - 1 - split)]
+        pool.add(PPL_SEQ_ID, [])
+        try:
+            logits = torch.cat(
+                [
+                    runner.forward(StepBatch([PPL_SEQ_ID], [feed], [start], [rows])).logits[0]
+                    for feed, start, rows in chunks
+                    if feed
+                ]
+            )  # [scored, vocab] fp32
+        finally:
+            pool.free(PPL_SEQ_ID)
+        targets = torch.tensor(ids[score_from:end], device=logits.device)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])
+        nll -= float(logprobs.double().sum())
+        scored += len(targets)
+        if progress:
+            progress("perplexity", w + 1, len(windows))
+    return PerplexityResult(math.exp(nll / scored), scored, nll)
+
+
+@click.command("perplexity")
+@model_options
+@click.option(
+    "--file",
+    "text_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="text to score (default: the held-out text shipped in specchat/data/text)",
+)
+@click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, help="tokens per window")
+@click.option("--stride", type=int, default=DEFAULT_STRIDE, show_default=True, help="tokens between windows")
+@click.option("--json", "as_json", is_flag=True, help='print {"ppl", "tokens"} as JSON')
+def perplexity_command(model, device, dtype, weights, text_file, context, stride, as_json) -> None:
+    """Perplexity of MODEL (default: smollm2-135m) on a text, through the engine's model and KV cache."""
+    from specchat.engine.engine import Engine
+
+    if context <= 1:
+        raise ConfigError(f"--context must be > 1, got {context}")
+    text = text_file.read_text() if text_file else held_out_text()
+    config = engine_config(model, device, dtype, weights=weights)  # --kv and --kv-memory: model_options
+    engine = Engine.load(config, progress=StderrProgress())
+    ids = engine.tokenizer.encode(text)
+    result = perplexity(engine, ids, context, stride, progress=StderrProgress())
+    if as_json:
+        click.echo(json.dumps({"ppl": round(result.ppl, 4), "tokens": result.tokens}))
+    else:
+        click.echo(f"perplexity {result.ppl:.4f} over {result.tokens} tokens (context {context}, stride {stride})")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(perplexity_command)

@@ -1,0 +1,183 @@
+"""MXFP4 checkpoints: what `specchat quantize` writes and `specchat generate DIR` loads.
+
+A checkpoint is a directory:
+
+    config.json            the model's shape, HF style (read by engine.loader.hf_config)
+    model.safetensors      our parameter names (engine/model.py): dense tensors as `name`, each MXFP4 linear as
+                           `name.codes` (uint8 [N, Kp/2], element 2j in the low nibble) and `name.scales`
+                           (uint8 [N, Kp/32], E8M0), the interchange layout of kernels.mxfp4 (OCP MX v1.0)
+    specchat_mxfp4.json    metadata: format version, method (rtn | gptq) and its settings, rounding rule, layer
+                           selection, the quantized modules with their [out, in] shapes, source model,
+                           calibration text
+    tokenizer files        copied from the source model
+
+Loading is bit-exact: the stored codes and scales become the Fp4Linear buffers unchanged (laid out for the
+device). `load_mxfp4_checkpoint` returns a state dict that `engine.loader.build_model` accepts (each MXFP4
+weight dequantized under its dense name) plus the packed entries, which `take_packed` removes for
+`quant.handler` to install; the dense copies live only until the Fp4Linear modules replace them.
+
+The live toggle's MXFP4 weights for a model come from `cache_dir(model_path)` when `specchat quantize` has
+written a checkpoint there (its default output), else from round-to-nearest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specchat.engine.model import ModelConfig
+from specchat.errors import ModelFormatError
+from specchat.kernels.mxfp4 import dequantize_mxfp4
+
+METADATA_FILE = "specchat_mxfp4.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT = "specchat-mxfp4"
+FORMAT_VERSION = 1
+CODES, SCALES = ".codes", ".scales"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+Packed = dict[str, tuple[torch.Tensor, torch.Tensor]]
+Progress = Callable[[str, int, int], None]
+
+
+def is_mxfp4_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+def cache_dir(model_path: Path) -> Path:
+    """Where `specchat quantize MODEL` keeps MODEL's MXFP4 checkpoint for the live toggle (keyed by the file)."""
+    from specchat.registry import cache_dir as home
+
+    stat = model_path.stat()
+    key = hashlib.sha1(f"{model_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return home() / "mxfp4" / f"{model_path.stem}-{key}"
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """ModelConfig -> the config.json keys engine.loader.hf_config reads back into the same ModelConfig."""
+    config = {
+        "model_type": HF_MODEL_TYPES[cfg.arch],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids),
+    }
+    if cfg.rope_scaling:
+        config["rope_scaling"] = cfg.rope_scaling
+    return config
+
+
+def save_mxfp4_checkpoint(
+    out: Path, model: torch.nn.Module, packed: Packed, tokenizer_dir: Path, metadata: dict
+) -> None:
+    """Write `model` (dense) with the linears in `packed` stored as MXFP4 codes and scales."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg: ModelConfig = model.cfg
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        module = name.rpartition(".")[0]
+        if module in packed or (cfg.tie_embeddings and name == "lm_head.weight"):
+            continue  # stored packed, or the tied head (the embedding holds it)
+        tensors[name] = tensor.detach().cpu().contiguous()
+    for name, (codes, scales) in packed.items():
+        tensors[name + CODES] = codes.cpu().contiguous()
+        tensors[name + SCALES] = scales.cpu().contiguous()
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", "specchat": FORMAT})
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
+    shapes = {name: list(model.get_submodule(name).weight.shape) for name in sorted(packed)}  # [out, in]
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, **metadata, "quantized": shapes}
+    (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+
+
+def read_metadata(path: Path) -> dict:
+    try:
+        meta = json.loads((path / METADATA_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{path / METADATA_FILE}: invalid JSON ({exc})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise ModelFormatError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} checkpoint")
+    return meta
+
+
+def _read_tensors(path: Path, names: Callable[[str], bool] = lambda _: True) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    from specchat.engine.loader import _check_safetensors_size
+
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise ModelFormatError(f"{path}: missing {WEIGHTS_FILE}")
+    _check_safetensors_size(file)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys() if names(name)}  # noqa: SIM118
+    except Exception as exc:  # SafetensorError and friends on damaged files
+        raise ModelFormatError(f"{file}: cannot read safetensors ({exc})") from None
+
+
+def load_mxfp4_checkpoint(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict]:
+    """An MXFP4 checkpoint -> (config, state dict with dense stand-ins plus the packed `.codes`/`.scales`)."""
+    from specchat.engine.loader import hf_config
+
+    meta = read_metadata(path)
+    cfg = hf_config(path)
+    state = _read_tensors(path)
+    for name in meta["quantized"]:
+        codes, scales = state.get(name + CODES), state.get(name + SCALES)
+        if codes is None or scales is None:
+            raise ModelFormatError(f"{path}: metadata names {name} but {WEIGHTS_FILE} lacks its codes or scales")
+        _, in_features = meta["quantized"][name]
+        state[name + ".weight"] = dequantize_mxfp4(codes, scales, torch.float32, k=in_features)
+    if cfg.tie_embeddings:
+        state.setdefault("lm_head.weight", state["embed.weight"])
+    if progress:
+        progress("loading weights", 1, 1)
+    return cfg, state
+
+
+def checkpoint_method(path: Path) -> str | None:
+    """How an MXFP4 checkpoint's weights were made ("gptq", "rtn-mse", ...); None for any other model."""
+    if not is_mxfp4_checkpoint(path):
+        return None
+    meta = read_metadata(path)
+    return meta["method"] if meta["method"] != "rtn" else f"rtn-{meta['rule']}"
+
+
+def take_packed(state: dict[str, torch.Tensor]) -> Packed:
+    """Remove and return the MXFP4 entries of a loaded state dict: {module name: (codes, scales)}."""
+    names = [key.removesuffix(CODES) for key in state if key.endswith(CODES)]
+    return {name: (state.pop(name + CODES), state.pop(name + SCALES)) for name in names}
+
+
+def read_packed(path: Path) -> tuple[Packed, dict]:
+    """Only the MXFP4 linears of a checkpoint (the live toggle's cached weights) and its metadata."""
+    meta = read_metadata(path)
+    state = _read_tensors(path, lambda name: name.endswith((CODES, SCALES)))
+    return take_packed(state), meta

@@ -1,0 +1,256 @@
+"""GPTQ on the MXFP4 grid: error-compensating quantization of a model's linear layers from calibration text.
+
+GPTQ (Frantar et al. 2023, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers")
+quantizes the weight W [N, K] of a layer y = x W^T one input column at a time and, after each column, spreads
+that column's rounding error over the columns not yet quantized so that the layer's output on calibration
+inputs X [T, K] changes least. The proxy loss is ||X W^T - X Q^T||^2, whose Hessian in each row of W is
+H = 2 X^T X; with U the upper Cholesky factor of H^-1, quantizing column j and updating the rest by
+
+    W[:, j+1:] -= (W[:, j] - Q[:, j]) / U[j, j] * U[j, j+1:]
+
+is the optimal (OBS) compensation. Columns are processed in chunks of `CHUNK_COLUMNS` with the updates to
+later chunks applied once per chunk (the paper's "lazy batch" trick); the result is the same.
+
+What changes for MXFP4 (OCP MX v1.0): a block of 32 consecutive columns shares one E8M0 scale per row. When
+the sweep reaches a block, its scale is fixed from the block's current, already error-compensated weights,
+choosing per row the exponent with the least squared rounding error (rule "mse" of kernels.mxfp4; "ocp" and
+"roundup" are selectable). The encoder changes, the format does not: the result is plain OCP MXFP4.
+
+Options beyond the paper's defaults, each measured in docs/benchmarks.md:
+- `damp`: the diagonal dampening, as a fraction of the mean diagonal of H (the paper uses 0.01).
+- `act_order`: quantize the columns with the largest H diagonal first (the paper's "act-order"), here by block:
+  blocks of 32 in descending order of their summed diagonal, and columns inside a block likewise, so that every
+  block's scale is still chosen when the sweep first enters it.
+
+`calibrate` runs the model block by block over the calibration tokens, as the GPTQ code does: each block's
+Hessians are measured on inputs that already flow through the quantized blocks before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+from torch import nn
+
+from specchat.engine.model import Block, Transformer
+from specchat.kernels.attention import causal_attention
+from specchat.kernels.mxfp4 import (
+    BLOCK_SIZE,
+    dequantize_mxfp4,
+    e2m1_to_float,
+    pack_nibbles,
+    padded_k,
+    quantize_mxfp4,
+    round_to_e2m1,
+    scales_to_float,
+)
+
+CALIBRATION_TEXT = "calibration_heapq.txt"  # specchat/data/text; a different text from the held-out one
+CALIBRATION_TOKENS = 2048
+CALIBRATION_SEQ_LEN = 1024  # tokens per calibration sequence (the perplexity tool's default context)
+CHUNK_COLUMNS = 128  # columns per lazy-batch chunk (a multiple of BLOCK_SIZE)
+DEFAULT_DAMP = 0.01  # fraction of mean(diag(H)) added to the diagonal
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(slots=True)
+class GptqSettings:
+    """How `gptq_quantize` encodes one layer."""
+
+    rule: str = "mse"
+    damp: float = DEFAULT_DAMP
+    act_order: bool = False
+
+    def __post_init__(self) -> None:
+        if self.damp <= 0:
+            raise ValueError(f"damp must be > 0, got {self.damp}")
+
+
+class HessianAccumulator:
+    """Running H = 2/T * sum over calibration tokens of x x^T for one layer's input x [K]."""
+
+    def __init__(self, k: int) -> None:
+        self.hessian = torch.zeros(k, k, dtype=torch.float64)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)  # [T, K]
+        self.hessian += 2 * x.T @ x
+        self.tokens += x.shape[0]
+
+    def result(self) -> torch.Tensor:
+        return self.hessian / max(self.tokens, 1)
+
+
+def _inverse_hessian_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1, so that H^-1 = U^T U."""
+    h = hessian.clone()
+    h.diagonal().add_(damp * h.diagonal().mean())
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    return torch.linalg.cholesky(inverse, upper=True)
+
+
+def _block_scales(block: torch.Tensor, rule: str) -> torch.Tensor:
+    """Per-row E8M0 scale codes [N] for one block of 32 columns [N, 32]."""
+    _, scales = quantize_mxfp4(block, rule=rule)  # [N, 1]
+    return scales[:, 0]
+
+
+def _round_column(column: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Values of one column [N] rounded onto the E2M1 grid scaled by `scale` [N]."""
+    return e2m1_to_float(round_to_e2m1(column / scale)) * scale
+
+
+def gptq_quantize(
+    weight: torch.Tensor, hessian: torch.Tensor, settings: GptqSettings | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] + H [K, K] -> MXFP4 (codes uint8 [N, Kp/2], scales uint8 [N, Kp/32]), Kp = K padded to 32."""
+    settings = settings or GptqSettings()
+    n, k = weight.shape
+    kp = padded_k(k)
+    w = torch.nn.functional.pad(weight.float(), (0, kp - k))  # [N, Kp]
+    h = torch.nn.functional.pad(hessian.to(torch.float64), (0, kp - k, 0, kp - k))  # [Kp, Kp]
+
+    dead = h.diagonal() == 0  # inputs never active in calibration (and the padding): no error to compensate
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    perm = _column_order(h, settings.act_order)  # [Kp]; blocks of 32 stay contiguous
+    w, h = w[:, perm], h[perm][:, perm]
+    u = _inverse_hessian_cholesky(h, settings.damp).float()  # [Kp, Kp]; factored in float64
+
+    q = torch.zeros_like(w)  # quantized values, permuted order
+    scale_codes = torch.zeros(n, kp // BLOCK_SIZE, dtype=torch.uint8)  # [N, blocks], permuted block order
+    for c0 in range(0, kp, CHUNK_COLUMNS):
+        c1 = min(c0 + CHUNK_COLUMNS, kp)
+        w_chunk = w[:, c0:c1].clone()  # [N, C]
+        err_chunk = torch.zeros_like(w_chunk)
+        u_chunk = u[c0:c1, c0:c1]
+        scale = None
+        for j in range(c1 - c0):
+            col = c0 + j
+            if col % BLOCK_SIZE == 0:
+                # the block's scale, from its weights as updated by every error compensated so far
+                codes = _block_scales(w_chunk[:, j : j + BLOCK_SIZE], settings.rule)
+                scale_codes[:, col // BLOCK_SIZE] = codes
+                scale = scales_to_float(codes)  # [N]
+            q_col = _round_column(w_chunk[:, j], scale)
+            q[:, col] = q_col
+            err = (w_chunk[:, j] - q_col) / u_chunk[j, j]  # [N]
+            w_chunk[:, j:] -= err[:, None] * u_chunk[j, j:][None, :]
+            err_chunk[:, j] = err
+        w[:, c1:] -= err_chunk @ u[c0:c1, c1:]  # lazy update of the later chunks
+
+    inverse = torch.argsort(perm)
+    block_inverse = inverse[::BLOCK_SIZE] // BLOCK_SIZE  # original block b sits at permuted block block_inverse[b]
+    q = q[:, inverse]  # [N, Kp], original column order
+    scale_codes = scale_codes[:, block_inverse]  # [N, Kp/32]
+    scale = scales_to_float(scale_codes).repeat_interleave(BLOCK_SIZE, dim=1)  # [N, Kp]
+    codes = round_to_e2m1(q / scale)  # exact: q lies on each block's grid
+    return pack_nibbles(codes), scale_codes
+
+
+def _column_order(h: torch.Tensor, act_order: bool) -> torch.Tensor:
+    """The order GPTQ visits columns in: natural, or act-order kept block-contiguous (see the module doc)."""
+    kp = h.shape[0]
+    if not act_order:
+        return torch.arange(kp)
+    diag = h.diagonal().reshape(kp // BLOCK_SIZE, BLOCK_SIZE)  # [blocks, 32]
+    block_order = torch.argsort(diag.sum(dim=1), descending=True, stable=True)
+    within = torch.argsort(diag, dim=1, descending=True, stable=True)  # [blocks, 32]
+    return (block_order[:, None] * BLOCK_SIZE + within[block_order]).reshape(-1)
+
+
+# --- whole-model calibration ---------------------------------------------------------------------------------
+def calibration_text() -> str:
+    return resources.files("specchat").joinpath("data", "text", CALIBRATION_TEXT).read_text()
+
+
+def calibration_sequences(
+    ids: Sequence[int], tokens: int = CALIBRATION_TOKENS, seq_len: int = CALIBRATION_SEQ_LEN
+) -> list[torch.Tensor]:
+    """The first `tokens` token ids cut into sequences of at most `seq_len` ([L] int64 each)."""
+    ids = torch.tensor(list(ids[:tokens]), dtype=torch.long)
+    return list(ids.split(seq_len))
+
+
+class _DenseCausalKV:
+    """KVAttention for one calibration sequence run all at once: plain causal attention, no cache."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v, self.scale)
+
+
+def _run_block(block: Block, model: Transformer, hidden: list[torch.Tensor], positions: torch.Tensor) -> list:
+    kv = _DenseCausalKV(model.cfg.head_dim**-0.5)
+    outputs = []
+    for x in hidden:
+        cos, sin = model.rope(positions[: x.shape[0]])
+        outputs.append(block(x, cos, sin, kv))
+    return outputs
+
+
+@torch.inference_mode()
+def calibrate(
+    model: Transformer,
+    sequences: Sequence[torch.Tensor],
+    names: Sequence[str],
+    settings: GptqSettings | None = None,
+    progress: Progress | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """GPTQ-quantize the linears `names` (module names) of `model` over calibration token sequences.
+
+    Block by block: one pass measures the Hessians of the block's chosen linears on inputs that already flow
+    through the quantized blocks before it; a second pass, with this block's weights quantized, makes the next
+    block's inputs. Returns {name: (codes, scales)} in the interchange layout, on the CPU. The model is left as
+    it was: quantized values replace the weights only during the call.
+    """
+    settings = settings or GptqSettings()
+    wanted = set(names)
+    device = next(model.parameters()).device
+    dtype = model.embed.weight.dtype
+    positions = torch.arange(max(len(s) for s in sequences), device=device)
+    hidden = [model.embed(s.to(device)) for s in sequences]  # per sequence [L, hidden]
+    result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    originals: dict[str, torch.Tensor] = {}
+
+    def quantize(name: str, module: nn.Linear, hessian: torch.Tensor) -> None:
+        codes, scales = gptq_quantize(module.weight.float().cpu(), hessian, settings)
+        result[name] = (codes, scales)
+        originals[name] = module.weight
+        module.weight = nn.Parameter(dequantize_mxfp4(codes, scales, dtype, k=module.in_features).to(device))
+        if progress:
+            progress("GPTQ", len(result), len(wanted))
+
+    try:
+        for i, block in enumerate(model.layers):
+            targets = {n: m for n, m in block.named_modules() if f"layers.{i}.{n}" in wanted}
+            accumulators = {n: HessianAccumulator(m.in_features) for n, m in targets.items()}
+            hooks = [
+                m.register_forward_hook(lambda _m, args, _out, acc=accumulators[n]: acc.add(args[0]))
+                for n, m in targets.items()
+            ]
+            try:
+                _run_block(block, model, hidden, positions)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            for n, module in targets.items():
+                quantize(f"layers.{i}.{n}", module, accumulators[n].result())
+            hidden = _run_block(block, model, hidden, positions)
+        if "lm_head" in wanted:
+            acc = HessianAccumulator(model.cfg.hidden_size)
+            for x in hidden:
+                acc.add(model.norm(x))
+            quantize("lm_head", model.lm_head, acc.result())
+    finally:
+        for name, weight in originals.items():
+            model.get_submodule(name).weight = weight
+    return result
