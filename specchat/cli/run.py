@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import click
 
@@ -87,7 +88,13 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
 
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
-    engine = Engine.load(engine_config(model, device, dtype, weights=weights), progress=StderrProgress())
+    config = engine_config(model, device, dtype, weights=weights)
+    if not plain and sys.stdin.isatty() and sys.stdout.isatty():
+        from specchat.ui.app import run_tui
+
+        run_tui(config, sampling, spec, system)  # loads the model itself, behind a progress screen
+        return
+    engine = Engine.load(config, progress=StderrProgress())
     plain_repl(engine, sampling, spec, system)
 
 

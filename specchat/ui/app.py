@@ -126,7 +126,7 @@ class SpecchatApp(App[Exception | None]):
         yield Header()
         with Horizontal(id="main"):
             yield TabbedContent(id="chats")
-            with VerticalScroll(id="side"):
+            with VerticalScroll(id="side", classes="panels"):
                 yield SpeculationPanel(id="speculation")
                 yield ThroughputPanel(id="throughput")
                 yield MemoryPanel(id="memory")
@@ -261,8 +261,9 @@ class SpecchatApp(App[Exception | None]):
         except SpecchatError as exc:
             self.notify(str(exc), severity="error")
             return
-        message.prompt_input.remember(message.text)
         self.requests[handle.request_id] = pane
+        pane.request_id = handle.request_id  # busy from now on, before any await
+        message.prompt_input.remember(message.text)
         await pane.add_user(message.text)
         await pane.begin_reply(handle.request_id)
         self.main.query_one(TabbedContent).get_tab(pane.parent.id).label = pane.title

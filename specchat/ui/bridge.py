@@ -23,11 +23,11 @@ KNOWN_DRAFTERS = ("none", "ngram", "heads", "draft-model")
 
 
 def load_engine(config: EngineConfig, progress: Callable[[str, int, int], None]):
-    """Fetch the model if needed (quietly: the terminal belongs to the UI), then load it."""
+    """Fetch the model if needed (pip runs quietly: the terminal belongs to the UI), then load it."""
     from specchat.engine.engine import Engine
     from specchat.registry import fetch, resolve
 
-    fetch(resolve(config.model), progress=progress, quiet=True)
+    fetch(resolve(config.model), progress=progress)
     return Engine.load(config, progress=progress)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import ClassVar
 
@@ -145,6 +146,7 @@ class ChatPane(Vertical):
         self.reply_text = ""
         self.reply_db_id: int | None = None
         self.unshown = ""  # reply text not handed to the Markdown stream yet
+        self.stream_lock = asyncio.Lock()
         self.shown_at = 0.0
         self.flushed_at = 0.0
 
@@ -217,19 +219,25 @@ class ChatPane(Vertical):
 
     async def show_pending(self) -> None:
         """Hand the text received since the last call to the Markdown stream."""
-        if self.reply_stream is not None and self.unshown:
-            await self.reply_stream.write(self.unshown)
-            self.unshown = ""
+        async with self.stream_lock:  # the panel timer and the step handler both call this
+            if self.reply_stream is None or not self.unshown:
+                return
+            text, self.unshown = self.unshown, ""
             self.shown_at = time.monotonic()
+            await self.reply_stream.write(text)
 
     async def finish(self, event: Finished) -> None:
         """The reply ended: final text, figures under it, stored."""
-        if self.reply_stream is not None:
-            await self.show_pending()
-            await self.reply_stream.stop()
+        await self.show_pending()
+        async with self.stream_lock:
+            if self.reply_stream is not None:
+                await self.reply_stream.stop()
+                self.reply_stream = None
         footer = finish_line(event)
-        text = event.text if event.reason != "cancelled" else self.reply_text
+        text = event.text
         if self.reply is not None:
+            if text != self.reply_text:  # the final text wins (a byte split across steps, a cut stop string)
+                await self.reply.query_one(Markdown).update(text)
             self.reply.content = text
             self.reply.remove_class("streaming")
             self.reply.set_footer(footer)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from textual import events
 from textual.pilot import Pilot
 
 from specchat.config import SamplingParams, SpecParams
@@ -43,10 +44,19 @@ async def type_prompt(pilot: Pilot, text: str) -> None:
     await pilot.press("enter")
 
 
+def press_now(app: SpecchatApp, key: str) -> None:
+    """Send a key as a terminal would, without waiting for the app to go idle (Pilot.press waits for that,
+    which during a stream means until the answer ends)."""
+    event = events.Key(key, key if len(key) == 1 else None)
+    event.set_sender(app)
+    app._driver.send_message(event)
+
+
 async def send(pilot: Pilot, app: SpecchatApp, text: str) -> None:
-    """Put a prompt into the active chat's input at once and press Enter."""
+    """Put a prompt into the active chat's input at once and press Enter (without waiting for idle)."""
     app.chat.prompt_input.load_text(text)
-    await pilot.press("enter")
+    press_now(app, "enter")
+    await wait_for(pilot, lambda: app.chat.prompt_input.text == "", what="the prompt to be taken")
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import MessageView
 from specchat.ui.screens import HistoryScreen
 from specchat.ui.speculation import SpeculationPanel
-from tests.ui.conftest import SIZE, send, type_prompt, wait_for
+from tests.ui.conftest import SIZE, press_now, send, type_prompt, wait_for
 
 
 async def test_typed_prompt_streams_tokens(tiny_engine, make_app, store):
@@ -39,7 +39,7 @@ async def test_escape_cancels_and_keeps_the_text(tiny_engine, make_app, store):
         await type_prompt(pilot, "tell me a long story")
         pane = app.chat
         await wait_for(pilot, lambda: len(pane.reply_text) > 0 or not pane.busy, what="first tokens")
-        await pilot.press("escape")
+        press_now(app, "escape")
         await wait_for(pilot, lambda: not pane.busy, what="the cancel")
         assert app.metrics.total_tokens < 200
         assert "cancelled" in str(pane.query(MessageView).last().query_one(".footer").render())
@@ -52,11 +52,11 @@ async def test_raising_k_changes_the_next_step(tiny_engine, make_app):
         await type_prompt(pilot, "count with me")
         pane = app.chat
         await wait_for(pilot, lambda: app.metrics.k_next == 2, what="a step at k=2")
-        await pilot.press("ctrl+up")
-        assert app.settings.k == 3
+        press_now(app, "ctrl+up")
+        await wait_for(pilot, lambda: app.settings.k == 3, what="K raised")
         await wait_for(pilot, lambda: app.metrics.k_next == 3, what="a step at k=3")
         await wait_for(pilot, lambda: "next 3" in str(app.query_one(SpeculationPanel).query_one(".headline").render()))
-        await pilot.press("escape")
+        press_now(app, "escape")
         await wait_for(pilot, lambda: not pane.busy)
 
 
@@ -92,7 +92,7 @@ async def test_two_chats_run_at_once(tiny_engine, make_app):
         await wait_for(pilot, lambda: app.chat is not first and app.chat.prompt_input.has_focus, what="a new tab")
         second = app.chat
         await send(pilot, app, "second chat")
-        await pilot.press("ctrl+pageup")
+        press_now(app, "ctrl+pageup")
         await wait_for(pilot, lambda: app.chat is first, what="back to the first tab")
         await send(pilot, app, "first chat")
         assert first.busy and second.busy and len(app.requests) == 2
