@@ -42,6 +42,16 @@ class Step:
 
 
 @dataclass(slots=True)
+class Delta:
+    """New text of the turn being generated; only sessions that stream emit it (for live views)."""
+
+    type: str = field(default="delta", init=False)
+    run: int
+    step: int
+    text: str
+
+
+@dataclass(slots=True)
 class ToolCallEvent:
     """The model asked for a tool."""
 
@@ -103,7 +113,25 @@ class RunEnd:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-Event = RunStart | Step | ToolCallEvent | ToolResultEvent | Final | Error | RunEnd
+@dataclass(slots=True)
+class SessionEnd:
+    """Every run of a session is over: how they ended, the whole workload's throughput and speculation.
+
+    `prefix_hit_rate` is the share of prompt tokens the engine took from its prefix cache instead of computing
+    them, over every turn of every run; None when the engine does not report prefix-cache hits.
+    """
+
+    type: str = field(default="session_end", init=False)
+    runs: int
+    reasons: dict[str, int]  # RunEnd.reason -> runs
+    elapsed_s: float
+    tokens: int  # completion tokens of every turn of every run
+    tok_per_s: float  # tokens / elapsed_s: the workload's throughput
+    prefix_hit_rate: float | None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+Event = RunStart | Step | Delta | ToolCallEvent | ToolResultEvent | Final | Error | RunEnd | SessionEnd
 
 
 def event_dict(event: Event) -> dict[str, Any]:
@@ -138,12 +166,16 @@ class TracePrinter:
     def write(self, event: Event) -> None:
         """Print one event."""
         lines = self.format(event)
+        if not lines:
+            return
         with self.lock:
             self.stream.write("\n".join(lines) + "\n")
             self.stream.flush()
 
     def format(self, event: Event) -> list[str]:
         """The lines that show one event."""
+        if isinstance(event, SessionEnd):
+            return [_session_text(event)]
         tag = f"[run {event.run}]"
         match event:
             case RunStart():
@@ -157,6 +189,8 @@ class TracePrinter:
             case Step():
                 head = f"{tag} step {event.step}: {event.tokens} tokens{_stats_text(event.stats)}"
                 return [head, *self._block(event.text)]
+            case Delta():
+                return []  # the whole reply is shown with its step
             case ToolCallEvent():
                 arguments = json.dumps(event.arguments, ensure_ascii=False)
                 return [self._clip(f"{tag}   -> {event.name}({arguments})")]
@@ -201,3 +235,13 @@ def _stats_text(stats: dict[str, Any]) -> str:
     if "prefix_hit_rate" in stats:
         parts.append(f"{stats['prefix_hit_rate']:.0%} prefix-cache hits")
     return "".join(f", {part}" for part in parts)
+
+
+def _session_text(event: SessionEnd) -> str:
+    """'[all] 4 runs (3 final, 1 max_steps), 412 tokens in 9.8 s, 42.0 tokens/s, ..., prefix-cache hits 61%'."""
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(event.reasons.items()))
+    hits = "n/a" if event.prefix_hit_rate is None else f"{event.prefix_hit_rate:.0%}"
+    return (
+        f"[all] {event.runs} runs ({reasons}), {event.tokens} tokens in {event.elapsed_s:.1f} s, "
+        f"{event.tok_per_s:.1f} tokens/s{_stats_text(event.stats)}, prefix-cache hits {hits}"
+    )

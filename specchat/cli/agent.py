@@ -1,0 +1,84 @@
+"""`specchat agent SCRIPT`: run an agent script's tasks on the engine, in the TUI or as a headless trace / JSONL."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from specchat.cli.options import StderrProgress, spec_params
+from specchat.config import DEVICES, DTYPES, EngineConfig
+
+TUI_MODULE = "specchat.ui.agent"  # the TUI's agent view, when it has one
+TUI_ENTRY = "run_agent_app"  # run_agent_app(script, config, concurrency) -> None
+
+
+def tui_launcher() -> Callable | None:
+    """The TUI's agent view entry point, or None while the UI has none."""
+    if importlib.util.find_spec("specchat.ui") is None or importlib.util.find_spec(TUI_MODULE) is None:
+        return None
+    return getattr(importlib.import_module(TUI_MODULE), TUI_ENTRY, None)
+
+
+def run_headless(script, config: EngineConfig, concurrency: int | None, as_json: bool) -> None:
+    """Load the engine, run every task, print a readable trace (or JSONL events) on stdout."""
+    from specchat.agent.runner import AgentSession
+    from specchat.agent.trace import JsonlWriter, TracePrinter
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(config, progress=StderrProgress())
+    session = AgentSession(engine, script, concurrency)
+    if session.warning:
+        click.echo(f"specchat: warning: {session.warning}", err=True)
+    sink = JsonlWriter(sys.stdout) if as_json else TracePrinter(sys.stdout)
+    engine.start()
+    try:
+        session.run(sink.write)
+    finally:
+        engine.close()
+
+
+@click.command()
+@click.argument("script_path", metavar="SCRIPT", type=click.Path(path_type=Path))
+@click.option("--headless", is_flag=True, help="print a readable trace instead of showing the runs in the TUI")
+@click.option("--json", "as_json", is_flag=True, help="write one JSON event per line to stdout (implies --headless)")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None, help="runs in flight at once [script's]")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+@click.option("--drafter", default=None, help="override the script's drafter: none | ngram | heads | draft-model")
+@click.option("--k", "k", default=None, help="override the script's draft tokens per step, or 'auto'")
+def agent(
+    script_path: Path,
+    headless: bool,
+    as_json: bool,
+    concurrency: int | None,
+    device: str,
+    dtype: str | None,
+    drafter: str | None,
+    k: str | None,
+) -> None:
+    """Run the tasks of an agent SCRIPT (TOML; see docs/agents.md), several at once, with tools."""
+    from specchat.agent.script import load_script
+
+    script = load_script(script_path)
+    if drafter is not None or k is not None:
+        current = script.speculation
+        override = spec_params(drafter or current.drafter, k or ("auto" if current.k is None else str(current.k)))
+        script = dataclasses.replace(script, speculation=override)
+    config = EngineConfig(model=script.model, device=device, dtype=dtype)
+    if not headless and not as_json:
+        launch = tui_launcher()
+        if launch is not None:
+            launch(script, config, concurrency)
+            return
+        click.echo("specchat: the TUI has no agent view yet; printing the trace instead", err=True)
+    run_headless(script, config, concurrency, as_json)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(agent)
