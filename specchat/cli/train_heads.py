@@ -33,6 +33,9 @@ class LineProgress:
 @click.command("train-heads")
 @model_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="heads file to write")
+@click.option(
+    "--work", type=click.Path(file_okay=False, path_type=Path), help="answers, features, checkpoints (default OUT.work)"
+)
 @click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="draft heads (most drafts a step)")
 @click.option("--tap", type=int, default=None, help="target layer the heads read (default: the last)")
 @click.option("--parallel", is_flag=True, help="Medusa-style independent heads instead of sequential ones")
@@ -50,6 +53,7 @@ def train_heads(
     device,
     dtype,
     out,
+    work,
     num_heads,
     tap,
     parallel,
@@ -85,7 +89,7 @@ def train_heads(
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)  # model_extra: --weights
     engine = Engine.load(config, progress=StderrProgress())
     log = lambda line: click.echo(line, err=True)
-    report = run_training(engine, cfg, out, LineProgress(), log)
+    report = run_training(engine, cfg, out, LineProgress(), log, work)
     for i, (acc, tps) in enumerate(zip(report["top1"], report["tokens_per_step"], strict=True)):
         click.echo(f"head {i + 1}: top-1 {acc:.3f}   chain estimate at k={i + 1}: {tps:.2f} tokens/step")
     click.echo(f"wrote {out} ({report['eval_positions']} held-out positions)")

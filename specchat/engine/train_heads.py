@@ -17,6 +17,7 @@ directory beside the output file so that a run interrupted anywhere resumes wher
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -38,6 +39,7 @@ from specchat.errors import ConfigError
 PROMPTS_DIR = DATA_DIR / "prompts"
 CATEGORIES = ("code", "math", "chat", "tool_use", "code_edit")
 IGNORE = -100  # label of positions past the end of an answer, or outside the draft vocabulary
+MAX_HEADS = 16  # features keep the next MAX_HEADS + 1 tokens of every position, so any head count reuses them
 FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 WARMUP_STEPS = 50
 MIN_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak learning rate
@@ -58,14 +60,14 @@ def load_prompt_set(split: str | None = None, categories: tuple[str, ...] = CATE
 
 @dataclass(slots=True)
 class TrainConfig:
-    """What to train and how. Fields marked (data) shape the saved answers/features; changing them needs a
-    fresh work directory."""
+    """What to train and how. Fields marked (data) shape the saved answers and features; changing them needs a
+    fresh work directory. The others only shape training, so variants can share one work directory."""
 
     num_heads: int = 4
     tap: int | None = None  # (data) None = the last layer
     sequential: bool = True
     ffn_size: int = 0  # 0 = hidden size
-    draft_vocab: int = 16384  # (data) most frequent answer tokens the heads may draft; 0 = the whole vocabulary
+    draft_vocab: int = 16384  # most frequent answer tokens the heads may draft; 0 = the whole vocabulary
     max_tokens: int = 384  # (data) per answer
     samples_per_prompt: int = 2  # (data) sampled answers per prompt, besides the greedy one
     temperature: float = 0.8  # (data) of the sampled answers
@@ -79,16 +81,20 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_heads <= 16:
-            raise ConfigError(f"--heads must be in [1, 16], got {self.num_heads}")
+        if not 1 <= self.num_heads <= MAX_HEADS:
+            raise ConfigError(f"--heads must be in [1, {MAX_HEADS}], got {self.num_heads}")
         if self.draft_vocab < 0 or self.epochs < 1 or self.batch_size < 1 or self.samples_per_prompt < 0:
             raise ConfigError("draft vocab, samples per prompt must be >= 0; epochs, batch size >= 1")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
 
     def data_key(self) -> dict:
-        keys = ("tap", "draft_vocab", "max_tokens", "samples_per_prompt", "temperature", "eval_fraction", "max_prompts")
-        return {k: getattr(self, k) for k in keys} | {"num_heads": self.num_heads, "seed": self.seed}
+        keys = ("tap", "max_tokens", "samples_per_prompt", "temperature", "eval_fraction", "max_prompts", "seed")
+        return {k: getattr(self, k) for k in keys}
+
+    def train_key(self) -> str:
+        """Names this training run's checkpoint, so runs with other settings never resume from it."""
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
 class HeadTrainer:
@@ -102,7 +108,7 @@ class HeadTrainer:
         work.mkdir(parents=True, exist_ok=True)
         key_file = work / "config.json"
         if key_file.is_file() and json.loads(key_file.read_text()) != cfg.data_key():
-            raise ConfigError(f"{work} holds data made with other settings; delete it or choose another --out")
+            raise ConfigError(f"{work} holds data made with other settings; delete it or choose another --work")
         key_file.write_text(json.dumps(cfg.data_key()))
 
     # --- 1. answers -------------------------------------------------------------------------------------
@@ -144,8 +150,7 @@ class HeadTrainer:
             from safetensors.torch import load_file
 
             return load_file(str(path))
-        K = self.cfg.num_heads
-        vocab = self._draft_vocab(records)
+        K = MAX_HEADS
         held_out = self._held_out_ids(records)
         hidden, windows, is_eval = [], [], []
         runner, pool = self.engine.runner, self.engine.pool
@@ -179,7 +184,6 @@ class HeadTrainer:
             "hidden": torch.cat(hidden).contiguous(),
             "windows": torch.cat(windows).contiguous(),
             "is_eval": torch.cat(is_eval),
-            "draft_vocab": vocab,
         }
         from safetensors.torch import save_file
 
@@ -202,15 +206,16 @@ class HeadTrainer:
         return set(ids[: max(1, round(len(ids) * self.cfg.eval_fraction))])
 
     # --- 3. train ---------------------------------------------------------------------------------------
-    def train(self, feats: dict[str, torch.Tensor]) -> DraftHeads:
+    def train(self, records: list[dict], feats: dict[str, torch.Tensor]) -> DraftHeads:
         cfg = self.cfg
         head_cfg = HeadsConfig.for_model(
             self.model, cfg.num_heads, self.tap, sequential=cfg.sequential, ffn_size=cfg.ffn_size
         )
         torch.manual_seed(cfg.seed)
-        heads = DraftHeads(head_cfg, feats["draft_vocab"]).to(self.device)
+        heads = DraftHeads(head_cfg, self._draft_vocab(records)).to(self.device)
         output = DraftVocabOutput(self.model, heads.draft_vocab)
-        hidden, windows = feats["hidden"].to(self.device), feats["windows"].to(self.device)
+        hidden = feats["hidden"].to(self.device)
+        windows = feats["windows"][:, : cfg.num_heads + 1].to(self.device)  # [N, K+1]
         labels = self._draft_labels(windows[:, 1:], heads.draft_vocab)  # [N, K] indices into the draft vocab
         train_rows = (~feats["is_eval"]).nonzero().squeeze(-1)
         steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
@@ -241,7 +246,7 @@ class HeadTrainer:
 
     @property
     def checkpoint(self) -> Path:
-        return self.work / "checkpoint.pt"
+        return self.work / f"checkpoint-{self.cfg.train_key()}.pt"
 
     def _resume(self, heads: DraftHeads, opt: torch.optim.Optimizer) -> int:
         if not self.checkpoint.is_file():
@@ -276,7 +281,7 @@ class HeadTrainer:
         hits, valid, chain = torch.zeros(K), torch.zeros(K), torch.zeros(K)
         for start in range(0, len(rows), self.cfg.batch_size):
             r = rows[start : start + self.cfg.batch_size]
-            win = feats["windows"][r].to(self.device)
+            win = feats["windows"][r, : K + 1].to(self.device)
             logits = self._forward(heads, output, feats["hidden"][r].to(self.device).float(), win)
             guess = heads.draft_vocab.to(self.device)[logits.argmax(-1)].T  # [B, K] token ids
             right = guess == win[:, 1:]
@@ -303,14 +308,16 @@ def lr_factor(step: int, total: int) -> float:
     return MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_heads(engine, cfg: TrainConfig, out: Path, progress: Progress, log: Callable[[str], None]) -> dict:
-    """Train heads for engine's model and write them to `out`; returns the report."""
-    trainer = HeadTrainer(engine, cfg, out.with_name(out.name + ".work"), progress, log)
+def train_heads(
+    engine, cfg: TrainConfig, out: Path, progress: Progress, log: Callable[[str], None], work: Path | None = None
+) -> dict:
+    """Train heads for engine's model and write them to `out` (work directory: OUT.work); returns the report."""
+    trainer = HeadTrainer(engine, cfg, work or out.with_name(out.name + ".work"), progress, log)
     records = trainer.answers()
     log(f"{len(records)} answers, {sum(len(r['output_ids']) for r in records)} tokens")
     feats = trainer.features(records)
     log(f"{len(feats['hidden'])} positions, {int(feats['is_eval'].sum())} held out")
-    heads = trainer.train(feats)
+    heads = trainer.train(records, feats)
     report = trainer.report(heads, feats)
     spec = engine.model_spec
     target = {"model": spec.alias if spec else "", "train": asdict(cfg), "report": report}

@@ -1,0 +1,90 @@
+"""`specchat train-heads` end to end on the tiny random model: stages, resumption, a usable heads file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specchat.config import SamplingParams, SpecParams
+from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
+from specchat.engine.train_heads import CATEGORIES, TrainConfig, load_prompt_set, lr_factor, train_heads
+from specchat.errors import ConfigError
+
+
+def test_prompt_set_has_every_category_and_both_splits():
+    prompts = load_prompt_set()
+    for category in CATEGORIES:
+        mine = [p for p in prompts if p["category"] == category]
+        assert {p["split"] for p in mine} == {"train", "eval"}
+        assert all(p["messages"][-1]["role"] == "user" for p in mine)
+    assert len({p["id"] for p in prompts}) == len(prompts)
+    # code-edit snippets held out for benchmarks never appear in a training prompt
+    edits = [p for p in prompts if p["category"] == "code_edit"]
+    held_out_code = {p["messages"][-1]["content"].split("```", 1)[1] for p in edits if p["split"] == "eval"}
+    trained_code = {p["messages"][-1]["content"].split("```", 1)[1] for p in edits if p["split"] == "train"}
+    assert not held_out_code & trained_code
+
+
+def test_lr_schedule_warms_up_then_decays():
+    assert lr_factor(0, 1000) < lr_factor(49, 1000) == pytest.approx(1.0)
+    assert lr_factor(999, 1000) == pytest.approx(0.1, abs=1e-3)
+
+
+def test_train_heads_writes_usable_heads_and_resumes(tiny_engine, tmp_path):
+    cfg = TrainConfig(num_heads=2, max_prompts=4, max_tokens=12, samples_per_prompt=1, epochs=2, batch_size=16)
+    stages = []
+    progress = lambda stage, done, total: stages.append(stage.split()[0])
+    out = tmp_path / "heads.safetensors"
+    report = train_heads(tiny_engine, cfg, out, progress, lambda line: None)
+    assert {"answers", "features", "train"} <= set(stages)
+    assert len(report["top1"]) == 2 and all(0.0 <= a <= 1.0 for a in report["top1"])
+    assert report["tokens_per_step"][0] >= 1.0
+
+    heads, target = DraftHeads.load(out)
+    assert heads.cfg.num_heads == 2 and heads.cfg.tap == tiny_engine.model.cfg.num_layers - 1
+    assert target["train"]["num_heads"] == 2
+    answers = (tmp_path / "heads.safetensors.work" / "answers.jsonl").read_text().splitlines()
+    assert len(answers) == 4 * 2  # one greedy and one sampled answer per prompt
+    assert sum(json.loads(a)["greedy"] for a in answers) == 4
+
+    # A second run with the same data settings reuses answers and features, and resumes the finished training.
+    stages.clear()
+    again = train_heads(tiny_engine, cfg, out, progress, lambda line: None)
+    assert "answers" not in stages and "features" not in stages and "train" not in stages
+    assert again["top1"] == pytest.approx(report["top1"])
+
+    # Other training settings (here: head count) share the work directory's data but not its checkpoint.
+    more = TrainConfig(num_heads=3, max_prompts=4, max_tokens=12, samples_per_prompt=1, epochs=1, batch_size=16)
+    train_heads(
+        tiny_engine,
+        more,
+        tmp_path / "three.safetensors",
+        progress,
+        lambda line: None,
+        out.with_name(out.name + ".work"),
+    )
+    assert DraftHeads.load(tmp_path / "three.safetensors")[0].cfg.num_heads == 3
+
+    drafter = HeadsDrafter.from_file(out, tiny_engine.model)
+    tiny_engine.drafters["heads:trained"] = drafter
+    fin = tiny_engine.submit("def f(x):", SamplingParams(max_tokens=8), SpecParams("heads:trained", k=2)).result()
+    assert len(fin.token_ids) == 8 and fin.stats.drafted > 0
+
+
+def test_changed_data_settings_refuse_the_old_work_dir(tiny_engine, tmp_path):
+    cfg = TrainConfig(num_heads=1, max_prompts=2, max_tokens=4, samples_per_prompt=0, epochs=1, batch_size=8)
+    train_heads(tiny_engine, cfg, tmp_path / "h.safetensors", lambda *a: None, lambda line: None)
+    changed = TrainConfig(num_heads=1, max_prompts=2, max_tokens=5, samples_per_prompt=0, epochs=1, batch_size=8)
+    with pytest.raises(ConfigError, match="other settings"):
+        train_heads(tiny_engine, changed, tmp_path / "h.safetensors", lambda *a: None, lambda line: None)
+
+
+def test_draft_labels_map_tokens_into_the_draft_vocab(tiny_engine, tmp_path):
+    from specchat.engine.train_heads import IGNORE, HeadTrainer
+
+    trainer = HeadTrainer(tiny_engine, TrainConfig(), tmp_path, lambda *a: None, lambda line: None)
+    vocab = torch.tensor([7, 3, 11])
+    targets = torch.tensor([[3, 11], [5, IGNORE]])
+    assert trainer._draft_labels(targets, vocab).tolist() == [[1, 2], [IGNORE, IGNORE]]
