@@ -32,7 +32,7 @@ from specchat.ui.bridge import SETTERS, EngineBridge, ProgressPoster, drafter_na
 from specchat.ui.chat import ChatPane, PromptInput
 from specchat.ui.controls import KV_FORMATS, WEIGHT_FORMATS, ControlsPanel, k_text
 from specchat.ui.memory import MemoryPanel
-from specchat.ui.messages import EngineReady, EngineStep, LoadFailed, LoadProgress, MemoryRead, SettingApplied
+from specchat.ui.messages import EngineReading, EngineReady, EngineStep, LoadFailed, LoadProgress, SettingApplied
 from specchat.ui.metrics import LiveMetrics
 from specchat.ui.screens import HistoryScreen, LoadScreen
 from specchat.ui.speculation import SpeculationPanel
@@ -42,7 +42,7 @@ from specchat.ui.transcript import to_json, to_markdown, transcript_path
 
 W = TypeVar("W", bound=Widget)
 PANEL_REFRESH_S = 0.25
-MEMORY_REFRESH_S = 1.0
+READING_REFRESH_S = 1.0  # memory and engine snapshot
 
 
 @dataclass(slots=True)
@@ -102,6 +102,7 @@ class SpecchatApp(App[Exception | None]):
         self.metrics = LiveMetrics()
         self.bridge: EngineBridge | None = None
         self.requests: dict[int, ChatPane] = {}
+        self.engine_figures: dict | None = None  # from engine.snapshot(), when the engine has it
         self.step_delays_ms: deque[float] = deque(maxlen=4096)  # engine post -> handled, for the benchmark
         self.chats_opened = 0
 
@@ -139,7 +140,7 @@ class SpecchatApp(App[Exception | None]):
         self.load_keymap()
         await self.action_new_chat()
         self.set_interval(PANEL_REFRESH_S, self.refresh_panels)
-        self.set_interval(MEMORY_REFRESH_S, self.request_memory)
+        self.set_interval(READING_REFRESH_S, self.request_reading)
         if self.engine is not None:
             self.attach_engine(self.engine)
         else:
@@ -195,15 +196,19 @@ class SpecchatApp(App[Exception | None]):
         self.sub_title = self.model_name
         for pane in self.main.query(ChatPane):
             pane.model = self.model_name
-        self.request_memory()
+        self.request_reading()
 
-    def request_memory(self) -> None:
+    def request_reading(self) -> None:
         if self.bridge is not None:
-            self.bridge.request_memory()
+            self.bridge.request_reading()
 
-    def on_memory_read(self, message: MemoryRead) -> None:
+    def on_engine_reading(self, message: EngineReading) -> None:
+        """Memory to its panel; the engine's own throughput figures replace the UI's estimates."""
         if (panel := self.widget(MemoryPanel)) is not None:
             panel.memory = message.memory
+        if message.figures is not None and message.figures != self.engine_figures:
+            self.engine_figures = message.figures
+            self.metrics.dirty = True
 
     async def on_engine_step(self, message: EngineStep) -> None:
         """Route one step's events: text to its chat, figures to the metrics."""
@@ -232,8 +237,7 @@ class SpecchatApp(App[Exception | None]):
         if not self.metrics.dirty or not self.screen_stack:
             return
         self.metrics.sample()
-        self.metrics.queue_depth = self.bridge.queue_depth() if self.bridge else None
-        view = replace(self.metrics.view(), active_requests=len(self.requests))
+        view = replace(self.metrics.view(), active_requests=len(self.requests), **(self.engine_figures or {}))
         for kind in (SpeculationPanel, ThroughputPanel):
             if (panel := self.widget(kind)) is not None:
                 panel.view = view
@@ -413,7 +417,7 @@ class SpecchatApp(App[Exception | None]):
         setattr(self.settings, message.name, message.value)
         controls.show(message.name, message.value)
         self.notify(f"{message.name} = {message.value}", timeout=3)
-        self.request_memory()
+        self.request_reading()
 
     def action_k_up(self) -> None:
         """One more draft token per step."""

@@ -16,7 +16,7 @@ from textual.app import App
 
 from specchat.config import EngineConfig
 from specchat.errors import SpecchatError
-from specchat.ui.messages import EngineStep, LoadProgress, MemoryRead, SettingApplied
+from specchat.ui.messages import EngineReading, EngineStep, LoadProgress, SettingApplied
 
 SETTERS = {"drafter": "set_drafter", "weights": "set_weights", "kv": "set_kv"}
 KNOWN_DRAFTERS = ("none", "ngram", "heads", "draft-model")
@@ -75,11 +75,16 @@ def drafter_names() -> tuple[str, ...]:
     return tuple(published) if published else KNOWN_DRAFTERS
 
 
-def read_field(obj: object, name: str):
-    """obj.name or obj[name], else None (engine snapshots may be dataclasses or dicts)."""
-    if isinstance(obj, dict):
-        return obj.get(name)
-    return getattr(obj, name, None)
+def snapshot_figures(snap) -> dict:
+    """engine.snapshot() -> the MetricsView fields it provides (None where nothing was measured yet)."""
+    measured = snap.tokens_total > 0
+    return {
+        "tok_per_s": snap.tok_per_s if measured else None,
+        "itl_p50_ms": snap.latency_p50_ms if measured else None,
+        "itl_p99_ms": snap.latency_p99_ms if measured else None,
+        "active_requests": snap.running,
+        "queue_depth": snap.waiting,
+    }
 
 
 class EngineBridge:
@@ -109,32 +114,29 @@ class EngineBridge:
         """Engine thread: one non-blocking post per step, whatever the number of tokens."""
         self.app.post_message(EngineStep(events, time.perf_counter()))
 
-    def request_memory(self) -> None:
-        """Ask for memory figures; they arrive as a MemoryRead message, read between two steps."""
+    def request_reading(self) -> None:
+        """Ask for memory (and snapshot) figures; they come back as an EngineReading, read between two steps
+        on the engine's thread (snapshot() takes the engine lock, which the UI thread must never wait on)."""
         apply = getattr(self.engine, "apply", None)
         if apply is None:
-            self.app.post_message(MemoryRead(self.read_memory()))
+            self.post_reading()
         else:
-            apply(lambda: self.app.post_message(MemoryRead(self.read_memory())))
+            apply(self.post_reading)
 
-    def read_memory(self) -> dict:
+    def post_reading(self) -> None:
+        memory, figures = {}, None
         try:
-            memory = dict(self.engine.memory())
+            snapshot = getattr(self.engine, "snapshot", None)
+            if snapshot is None:
+                memory = dict(self.engine.memory())
+            else:
+                snap = snapshot()
+                memory, figures = dict(snap.memory), snapshot_figures(snap)
         except Exception as exc:  # shown in the panel; the engine keeps running
             memory = {"error": f"{type(exc).__name__}: {exc}"}
         memory.setdefault("rss_bytes", rss_bytes())
         memory.setdefault("gpu_bytes", gpu_bytes(self.engine))
-        return memory
-
-    def queue_depth(self) -> int | None:
-        """Requests waiting for a slot, from engine.snapshot() when the engine has it."""
-        snapshot = getattr(self.engine, "snapshot", None)
-        if snapshot is None:
-            return None
-        try:
-            return read_field(snapshot(), "queue_depth")
-        except Exception:
-            return None
+        self.app.post_message(EngineReading(memory, figures))
 
     def has_setter(self, name: str) -> bool:
         return hasattr(self.engine, SETTERS[name])

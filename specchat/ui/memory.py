@@ -9,14 +9,16 @@ from specchat.ui.figures import NA, count, size
 
 
 def weights_format(memory: dict) -> str:
-    """The engine's name for the weight format, else one read off the bytes per linear weight."""
-    if memory.get("weights_format"):
-        return str(memory["weights_format"])
+    """The quantized format (and how it was made), else the unquantized dtype read off the bytes per weight."""
+    fmt = memory.get("weights_format")
+    if fmt and fmt != "bf16":  # the engine says "bf16" for "unquantized, in the model dtype"
+        method = memory.get("weights_method")
+        return f"{fmt} ({method})" if method else str(fmt)
     linear, bf16 = memory.get("linear_weight_bytes"), memory.get("linear_weight_bytes_bf16")
     if not linear or not bf16:
-        return NA
+        return str(fmt or NA)
     bits = 16 * linear / bf16
-    return {32.0: "fp32", 16.0: "16-bit"}.get(round(bits, 2), f"{bits:.2f}-bit")
+    return {32.0: "fp32", 16.0: "bf16"}.get(round(bits, 2), f"{bits:.2f}-bit")
 
 
 def memory_text(memory: dict) -> str:
@@ -28,21 +30,30 @@ def memory_text(memory: dict) -> str:
     linear, bf16 = memory.get("linear_weight_bytes"), memory.get("linear_weight_bytes_bf16")
     ratio = f"  (×{linear / bf16:.2f})" if linear and bf16 else ""
     used, capacity = memory.get("kv_used_tokens"), memory.get("kv_capacity_tokens")
-    gpu = memory.get("gpu_bytes")
     lines = [
-        f"weights [b]{weights_format(memory):<6}[/b] {size(memory.get('weights_bytes'))}",
+        f"weights [b]{weights_format(memory)}[/b]",
+        f"  total        {size(memory.get('weights_bytes'))}",
         f"  linear       {size(linear)}",
         f"  as bf16      {size(bf16)}{ratio}",
-        f"KV      [b]{memory.get('kv_format', NA):<6}[/b] {size(memory.get('kv_bytes_per_token'))}/token",
-        f"  as bf16      {size(memory.get('kv_bytes_per_token_bf16'))}/token",
+    ]
+    if memory.get("weights_restore_bytes"):
+        lines.append(f"  kept to undo {size(memory['weights_restore_bytes'])}")
+    lines += [
+        f"KV      [b]{memory.get('kv_format', NA)}[/b]",
+        f"  per token    {size(memory.get('kv_bytes_per_token'))}",
+        f"  as bf16      {size(memory.get('kv_bytes_per_token_bf16'))}",
         f"  used         {count(used)} / {count(capacity)} tokens",
     ]
-    if memory.get("kv_bytes") is not None:
-        lines.append(f"  pool         {size(memory['kv_bytes'])}")
+    if memory.get("kv_capacity_bytes") is not None:
+        lines.append(f"  pool         {size(memory['kv_capacity_bytes'])}")
+    if memory.get("kv_cached_tokens"):
+        lines.append(f"  prefix cache {count(memory['kv_cached_tokens'])} tokens")
+    sessions = memory.get("max_sessions")
     lines += [
         f"max context    {count(memory.get('max_context'))} tokens",
+        *([f"  sessions     {sessions} at max context"] if sessions is not None else []),
         f"RSS            {size(memory.get('rss_bytes'))}",
-        f"GPU            {size(gpu) if gpu is not None else NA}",
+        f"GPU            {size(memory['gpu_bytes']) if memory.get('gpu_bytes') is not None else NA}",
     ]
     return "\n".join(lines)
 

@@ -42,12 +42,13 @@ class LoadFailed(Message):
         self.error = error
 
 
-class MemoryRead(Message):
-    """engine.memory(), read between steps on the engine thread."""
+class EngineReading(Message):
+    """Memory figures, and engine-wide throughput figures when the engine has snapshot(); read between steps."""
 
-    def __init__(self, memory: dict) -> None:
+    def __init__(self, memory: dict, figures: dict | None) -> None:
         super().__init__()
         self.memory = memory
+        self.figures = figures  # MetricsView fields: tok_per_s, itl_p50_ms, itl_p99_ms, active_requests, queue_depth
 
 
 class SettingApplied(Message):

@@ -40,7 +40,7 @@ class MetricsView:
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
     active_requests: int = 0
-    queue_depth: int | None = None  # from engine.snapshot() when the engine has it
+    queue_depth: int | None = None  # requests waiting for a slot (engine.snapshot() only)
     total_tokens: int = 0
 
 
@@ -60,7 +60,6 @@ class LiveMetrics:
         self.total_tokens = 0
         self.k_last: int | None = None
         self.k_next: int | None = None
-        self.queue_depth: int | None = None
         self.dirty = False
 
     def observe(self, events: Iterable[Event], t: float) -> None:
@@ -134,6 +133,5 @@ class LiveMetrics:
             itl_p50_ms=percentile(lat, 50) if lat else None,
             itl_p99_ms=percentile(lat, 99) if lat else None,
             active_requests=len(self.last_emit),
-            queue_depth=self.queue_depth,
             total_tokens=self.total_tokens,
         )

@@ -13,12 +13,12 @@ BAR = 12  # cells of a histogram bar
 
 
 def headline(view: MetricsView) -> str:
-    k = NA if view.k_last is None else str(view.k_last)
     k_next = NA if view.k_next is None else str(view.k_next)
+    drafted = NA if view.k_last is None else str(view.k_last)
     return (
         f"acceptance   [b]{pct(view.acceptance_now)}[/b]\n"
         f"tokens/step  [b]{num(view.tokens_per_step_now, 2)}[/b]\n"
-        f"k now {k} · next {k_next}"
+        f"k next {k_next} · last step drafted {drafted}"
     )
 
 

@@ -55,7 +55,9 @@ async def test_raising_k_changes_the_next_step(tiny_engine, make_app):
         press_now(app, "ctrl+up")
         await wait_for(pilot, lambda: app.settings.k == 3, what="K raised")
         await wait_for(pilot, lambda: app.metrics.k_next == 3, what="a step at k=3")
-        await wait_for(pilot, lambda: "next 3" in str(app.query_one(SpeculationPanel).query_one(".headline").render()))
+        await wait_for(
+            pilot, lambda: "k next 3" in str(app.query_one(SpeculationPanel).query_one(".headline").render())
+        )
         press_now(app, "escape")
         await wait_for(pilot, lambda: not pane.busy)
 

@@ -38,11 +38,16 @@ MEMORY = {
     "linear_weight_bytes": 36_000_000,
     "linear_weight_bytes_bf16": 134_000_000,
     "weights_format": "mxfp4",
+    "weights_method": "gptq",
+    "weights_restore_bytes": 98_000_000,
     "kv_format": "mxfp4",
     "kv_bytes_per_token": 5_760,
     "kv_bytes_per_token_bf16": 23_040,
     "kv_capacity_tokens": 186_000,
     "kv_used_tokens": 1_536,
+    "kv_capacity_bytes": 1_071_360_000,
+    "kv_cached_tokens": 512,
+    "max_sessions": 22,
     "max_context": 8192,
     "rss_bytes": 1_100_000_000,
     "gpu_bytes": None,
@@ -71,7 +76,7 @@ class PanelsApp(App):
 
 
 def test_panels_snapshot(snap_compare):
-    assert snap_compare(PanelsApp(), terminal_size=(84, 40))
+    assert snap_compare(PanelsApp(), terminal_size=(84, 44))
 
 
 def test_empty_panels_say_na(snap_compare):
@@ -79,4 +84,4 @@ def test_empty_panels_say_na(snap_compare):
         def on_mount(self) -> None:
             self.query_one(MemoryPanel).memory = {"kv_format": "bf16"}
 
-    assert snap_compare(EmptyPanels(), terminal_size=(84, 40))
+    assert snap_compare(EmptyPanels(), terminal_size=(84, 44))
