@@ -1,0 +1,172 @@
+"""The agent loop's logic against canned replies: answers, tool results, errors, nudges, limits, cancellation."""
+
+import threading
+from pathlib import Path
+
+from specchat.agent.runner import AgentSession
+from specchat.agent.script import load_script
+from specchat.agent.trace import Delta, Error, Final, RunEnd, RunStart, SessionEnd, Step, ToolCallEvent
+from tests.agent.scripted_engine import HANG, ScriptedEngine
+
+STRUCTURED_TEMPLATE = "{% for m in messages %}{{ m.tool_calls }}{% endfor %}{{ tools }}"
+PYTHON_CALL = '<tool_call>[{"name": "python", "arguments": {"code": "print(17 * 23)"}}]</tool_call>'
+FINAL_CALL = '<tool_call>[{"name": "final_answer", "arguments": {"answer": "391"}}]</tool_call>'
+
+
+def write_script(tmp_path: Path, body: str = "") -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        'tasks = ["What is 17 * 23?"]\nsystem_prompt = "Use tools."\nmax_steps = 3\n'
+        + body
+        + '\n[tools]\nenabled = ["python", "final_answer"]\n'
+    )
+    return path
+
+
+def run(engine: ScriptedEngine, path: Path, **session_options) -> tuple[list, list]:
+    events = []
+    outcomes = AgentSession(engine, load_script(path), **session_options).run(events.append)
+    return outcomes, events
+
+
+def test_tool_call_then_final_answer(tmp_path):
+    engine = ScriptedEngine([PYTHON_CALL, FINAL_CALL])
+    outcomes, events = run(engine, write_script(tmp_path))
+    assert [type(e).__name__ for e in events] == [
+        "RunStart",
+        "Step",
+        "ToolCallEvent",
+        "ToolResultEvent",
+        "Step",
+        "ToolCallEvent",
+        "ToolResultEvent",
+        "Final",
+        "RunEnd",
+        "SessionEnd",
+    ]
+    assert events[3].ok and events[3].content == "391\n"
+    assert (outcomes[0].reason, outcomes[0].answer, outcomes[0].steps) == ("final", "391", 2)
+    first, second = engine.requests
+    assert first["tools"] is None  # ChatML ignores tools=: they are listed in the system prompt instead
+    assert '"name": "python"' in first["messages"][0]["content"] and "<tools>" in first["messages"][0]["content"]
+    assert second["messages"][-2] == {"role": "assistant", "content": PYTHON_CALL}
+    assert second["messages"][-1] == {"role": "user", "content": "<tool_response>\n391\n\n</tool_response>"}
+    end = events[-2]
+    assert isinstance(end, RunEnd) and end.answer == "391"
+    assert end.tokens == len(PYTHON_CALL.split()) + len(FINAL_CALL.split())  # one token per word here
+    assert end.stats["tokens_per_step"] == 2.0 and end.stats["prompt_tokens"] == 40
+
+
+def test_structured_template_gets_tools_and_tool_messages(tmp_path):
+    engine = ScriptedEngine([PYTHON_CALL, FINAL_CALL], chat_template=STRUCTURED_TEMPLATE)
+    run(engine, write_script(tmp_path))
+    first, second = engine.requests
+    assert [t["function"]["name"] for t in first["tools"]] == ["python", "final_answer"]
+    assert first["messages"][0]["content"] == "Use tools."
+    assistant, tool = second["messages"][-2:]
+    assert assistant["tool_calls"][0]["function"] == {"name": "python", "arguments": {"code": "print(17 * 23)"}}
+    assert tool == {"role": "tool", "tool_call_id": "c00010000", "name": "python", "content": "391\n"}
+
+
+def test_malformed_call_goes_back_and_the_loop_goes_on(tmp_path):
+    engine = ScriptedEngine(['<tool_call>{"name": "python", "arguments": {"code": "print(', FINAL_CALL])
+    outcomes, events = run(engine, write_script(tmp_path))
+    errors = [e for e in events if isinstance(e, Error)]
+    assert len(errors) == 1 and not errors[0].fatal and "cut off" in errors[0].message
+    feedback = engine.requests[1]["messages"][-1]
+    assert feedback["role"] == "user" and "could not be parsed" in feedback["content"]
+    assert outcomes[0].reason == "final"
+
+
+def test_bad_arguments_come_back_as_an_error_result(tmp_path):
+    bad = '<tool_call>{"name": "python", "arguments": {"answer": "17"}}</tool_call>'
+    engine = ScriptedEngine([bad, FINAL_CALL])
+    _, events = run(engine, write_script(tmp_path))
+    result = events[3]
+    assert not result.ok and "unknown argument 'answer'" in result.error
+    assert "Error: unknown argument 'answer'" in engine.requests[1]["messages"][-1]["content"]
+
+
+def test_reply_without_a_call_is_nudged_until_max_steps(tmp_path):
+    engine = ScriptedEngine(["It is 391.", "Still 391.", "391!"])
+    outcomes, _ = run(engine, write_script(tmp_path))
+    assert outcomes[0].reason == "max_steps" and outcomes[0].steps == 3
+    nudge = engine.requests[1]["messages"][-1]["content"]
+    assert "no tool call" in nudge and "call final_answer" in nudge and "<tool_call>" in nudge
+    roles = [m["role"] for m in outcomes[0].messages]
+    assert roles == ["system", "user", *["assistant", "user"] * 3]
+
+
+def test_tool_result_and_parse_errors_share_one_user_turn(tmp_path):
+    engine = ScriptedEngine([PYTHON_CALL + '<tool_call>{"name": "python"', FINAL_CALL])
+    run(engine, write_script(tmp_path))
+    last = engine.requests[1]["messages"][-1]
+    assert last["role"] == "user" and engine.requests[1]["messages"][-2]["role"] == "assistant"
+    assert last["content"].startswith("<tool_response>\n391") and "could not be parsed" in last["content"]
+
+
+def test_tag_stop_takes_the_answer_from_the_reply(tmp_path):
+    engine = ScriptedEngine(["Let me see. <final>391</final>"])
+    path = write_script(tmp_path, '\n[stop]\ntag = "final"\n')
+    outcomes, events = run(engine, path)
+    final = next(e for e in events if isinstance(e, Final))
+    assert (final.answer, final.source) == ("391", "tag")
+    assert outcomes[0].reason == "final"
+
+
+def test_a_reply_that_calls_tools_is_not_final(tmp_path):
+    engine = ScriptedEngine([PYTHON_CALL + " <final>349</final>", "<final>391</final>"])
+    outcomes, _ = run(engine, write_script(tmp_path, '\n[stop]\ntag = "final"\n'))
+    assert (outcomes[0].answer, outcomes[0].steps) == ("391", 2)
+
+
+def test_wall_time_cancels_the_request_in_flight(tmp_path):
+    engine = ScriptedEngine([HANG])
+    outcomes, events = run(engine, write_script(tmp_path, "max_wall_s = 0.2\n"))
+    assert outcomes[0].reason == "max_wall_s" and outcomes[0].steps == 1
+    assert isinstance(events[1], Step) and events[1].finish_reason == "cancelled"
+
+
+def test_cancel_ends_every_run(tmp_path):
+    engine = ScriptedEngine([HANG, HANG])
+    path = tmp_path / "agent.toml"
+    path.write_text('tasks = ["a", "b"]\nconcurrency = 2\n')
+    session = AgentSession(engine, load_script(path))
+    ends = []
+    for event in session.events():
+        if isinstance(event, RunStart) and event.run == 1:
+            threading.Timer(0.05, session.cancel).start()  # both runs are waiting on the engine by then
+        if isinstance(event, RunEnd):
+            ends.append(event.reason)
+    assert ends == ["cancelled", "cancelled"]
+
+
+def test_missing_drafter_falls_back_to_plain_decoding_with_a_warning(tmp_path):
+    engine = ScriptedEngine([FINAL_CALL])
+    session = AgentSession(engine, load_script(write_script(tmp_path, '\n[speculation]\ndrafter = "ngram"\n')))
+    assert "'ngram' is not available" in session.warning and session.spec.drafter == "none"
+    events = []
+    session.run(events.append)
+    assert engine.requests[0]["spec"].drafter == "none"
+    assert isinstance(events[0], RunStart) and events[0].drafter == "none"
+
+
+def test_concurrent_runs_and_the_session_summary(tmp_path):
+    engine = ScriptedEngine([FINAL_CALL, "no idea", "no idea", "no idea"])
+    path = tmp_path / "agent.toml"
+    path.write_text('tasks = ["a", "b"]\nconcurrency = 2\nmax_steps = 2\n')
+    outcomes, events = run(engine, path)
+    assert sorted(o.reason for o in outcomes) == ["final", "max_steps"]
+    summary = events[-1]
+    assert isinstance(summary, SessionEnd) and summary.runs == 2
+    assert summary.reasons == {"final": 1, "max_steps": 1}
+    assert summary.prefix_hit_rate == 0.5  # 10 of every 20 prompt tokens came from the cache
+    assert summary.stats["steps"] == 3 and summary.tokens == sum(o.tokens for o in outcomes)
+
+
+def test_streaming_sessions_emit_deltas(tmp_path):
+    engine = ScriptedEngine([FINAL_CALL])
+    _, events = run(engine, write_script(tmp_path), stream=True)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert deltas and "".join(d.text for d in deltas) == FINAL_CALL
+    assert not [e for e in events if isinstance(e, ToolCallEvent) and e.name != "final_answer"]
