@@ -1,0 +1,78 @@
+"""`specchat agent`: JSONL and the readable trace from a real (tiny, random) model; one-line errors."""
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from specchat.cli import main
+
+
+def write_script(tmp_path: Path, model: Path, tools: str = "[]") -> Path:
+    """Two tasks for the tiny model (its context is 256 tokens: no tools listed by default, a tag stop)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        f'model = "{model}"\ntasks = ["What is 2 + 2?", "What is 3 + 3?"]\nmax_steps = 2\nconcurrency = 2\n'
+        f'[tools]\nenabled = {tools}\n[stop]\ntag = "final"\n[sampling]\nmax_tokens = 8\n'
+    )
+    return path
+
+
+def test_json_writes_one_typed_event_per_line(tiny_model_dir, tmp_path):
+    script = write_script(tmp_path, tiny_model_dir)
+    result = CliRunner().invoke(main, ["agent", str(script), "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert all(isinstance(record["type"], str) for record in records)
+    ends = [record for record in records if record["type"] == "run_end"]
+    assert sorted(end["run"] for end in ends) == [0, 1]
+    assert all(end["reason"] == "max_steps" and "tokens_per_step" in end["stats"] for end in ends)
+    assert records[-1]["type"] == "session_end" and records[-1]["runs"] == 2
+
+
+def test_headless_prints_a_trace_and_overrides_apply(tiny_model_dir, tmp_path):
+    script = write_script(tmp_path, tiny_model_dir)
+    args = ["agent", str(script), "--headless", "--device", "cpu", "--concurrency", "1", "--drafter", "nosuch"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "drafter 'nosuch' is not available here" in result.stderr
+    assert "[run 0] task: What is 2 + 2?" in result.stdout and "drafter none k=4" in result.stdout
+    assert "[run 1] end: max_steps after 2 steps" in result.stdout
+    assert "[all] 2 runs (2 max_steps)" in result.stdout
+
+
+def test_a_conversation_that_outgrows_the_context_ends_its_run_with_an_error(tiny_model_dir, tmp_path):
+    script = write_script(tmp_path, tiny_model_dir, tools='["python", "read_file", "write_file", "list_dir"]')
+    result = CliRunner().invoke(main, ["agent", str(script), "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    errors = [record for record in records if record["type"] == "error"]
+    assert errors and all(e["fatal"] and "the model's context holds 256" in e["message"] for e in errors)
+    assert records[-1]["reasons"] == {"error": 2}
+
+
+def test_without_headless_falls_back_to_the_trace_when_the_tui_has_no_agent_view(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("specchat.cli.agent.tui_launcher", lambda: None)
+    result = CliRunner().invoke(main, ["agent", str(write_script(tmp_path, tiny_model_dir)), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "the TUI has no agent view yet; printing the trace instead" in result.stderr
+    assert "[all] 2 runs" in result.stdout
+
+
+def test_the_tui_agent_view_gets_the_script_when_it_exists(tiny_model_dir, tmp_path, monkeypatch):
+    launched = []
+    monkeypatch.setattr("specchat.cli.agent.tui_launcher", lambda: lambda *args: launched.append(args))
+    result = CliRunner().invoke(main, ["agent", str(write_script(tmp_path, tiny_model_dir)), "--concurrency", "3"])
+    assert result.exit_code == 0, result.output
+    script, config, concurrency = launched[0]
+    assert script.tasks[0] == "What is 2 + 2?" and config.model == str(tiny_model_dir) and concurrency == 3
+
+
+def test_a_bad_script_is_one_line_and_exit_1(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text('tasks = ["x"]\nmax_step = 3\n')
+    result = CliRunner().invoke(main, ["agent", str(path), "--headless"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"specchat: error: {path}: unknown key 'max_step'; did you mean 'max_steps'?"
+    ]
