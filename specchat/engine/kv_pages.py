@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from specchat.errors import ConfigError
 from specchat.kernels.kv_quant import DEFAULT_RULE, DENSE, MXFP4, MXFP8, PageTensor, row_bytes
+from specchat.kernels.mxfp4 import BLOCK_SIZE
 
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZED_FORMATS = {"mxfp4": (MXFP4, MXFP4), "k8v4": (MXFP8, MXFP4)}  # (key, value) element formats
@@ -75,6 +77,10 @@ class PageStore:
         rotate: bool = True,
         rule: str = DEFAULT_RULE,
     ) -> None:
+        if fmt in QUANTIZED_FORMATS and head_dim % BLOCK_SIZE:
+            raise ConfigError(
+                f"the {fmt} KV format needs a head_dim that is a multiple of 32; this model's is {head_dim}"
+            )
         self.name = fmt
         self.rule = rule
         self.num_kv_heads, self.head_dim, self.num_slots, self.device = num_kv_heads, head_dim, num_slots, device

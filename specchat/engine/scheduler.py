@@ -108,8 +108,8 @@ class Scheduler:
                     k = self._draft_len(seq)
                     plan.append((seq, seq.all_ids[seq.num_cached :], k))
                     budget -= 1 + k
-            for seq in self.running:
-                if seq.num_cached < seq.num_tokens - 1 and budget > 0:
+            for seq in self.running:  # prompts (all but their last token may come from the prefix cache)
+                if (seq.in_prefill or seq.num_cached < seq.num_tokens - 1) and budget > 0:
                     chunk = seq.all_ids[seq.num_cached : seq.num_cached + budget]
                     plan.append((seq, chunk, 0))
                     budget -= len(chunk)
