@@ -39,6 +39,15 @@ from specchat.errors import ConfigError
 PROMPTS_DIR = DATA_DIR / "prompts"
 CATEGORIES = ("code", "math", "chat", "tool_use", "code_edit")
 IGNORE = -100  # label of positions past the end of an answer, or outside the draft vocabulary
+# Sampled answers go out under a varied system message: more varied answers, and no two requests the same.
+SYSTEM_VARIANTS = (
+    "You are a helpful AI assistant.",
+    "You are a concise assistant. Answer directly.",
+    "You are a friendly assistant who explains things step by step.",
+    "You are an expert programmer and careful writer.",
+    "You are a patient teacher.",
+    "You are a precise assistant; keep answers short and correct.",
+)
 MAX_HEADS = 16  # features keep the next MAX_HEADS + 1 tokens of every position, so any head count reuses them
 FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 WARMUP_STEPS = 50
@@ -119,21 +128,23 @@ class HeadTrainer:
         prompts = load_prompt_set("train")[: self.cfg.max_prompts or None]
         jobs = []
         for n, prompt in enumerate(prompts):
-            jobs.append((prompt, SamplingParams(max_tokens=self.cfg.max_tokens)))
+            jobs.append((prompt, prompt["messages"], SamplingParams(max_tokens=self.cfg.max_tokens)))
             for s in range(self.cfg.samples_per_prompt):
                 seed = self.cfg.seed * 100_003 + n * 101 + s
                 sampling = SamplingParams(temperature=self.cfg.temperature, seed=seed, max_tokens=self.cfg.max_tokens)
-                jobs.append((prompt, sampling))
+                jobs.append(
+                    (prompt, with_system(prompt["messages"], SYSTEM_VARIANTS[s % len(SYSTEM_VARIANTS)]), sampling)
+                )
         handles = {}
-        for prompt, sampling in jobs:
-            handle = self.engine.submit(prompt["messages"], sampling, SpecParams(drafter="none", k=0))
-            handles[handle.request_id] = (prompt, sampling.greedy)
+        for prompt, messages, sampling in jobs:
+            handle = self.engine.submit(messages, sampling, SpecParams(drafter="none", k=0))
+            handles[handle.request_id] = (prompt, messages, sampling.greedy)
         records, done = [], 0
         while self.engine.scheduler.has_work():
             for event in self.engine.step():
                 if isinstance(event, Finished):
-                    prompt, greedy = handles[event.request_id]
-                    prompt_ids = self.engine.encode_prompt(prompt["messages"])
+                    prompt, messages, greedy = handles[event.request_id]
+                    prompt_ids = self.engine.encode_prompt(messages)
                     records.append(
                         {"id": prompt["id"], "greedy": greedy, "prompt_ids": prompt_ids, "output_ids": event.token_ids}
                     )
@@ -293,6 +304,13 @@ class HeadTrainer:
         chain_rate = (chain / valid[0].clamp_min(1)).tolist()
         tokens_per_step = [1 + sum(chain_rate[:k]) for k in range(1, K + 1)]
         return {"top1": accuracy, "tokens_per_step": tokens_per_step, "eval_positions": int(valid[0])}
+
+
+def with_system(messages: list[dict], text: str) -> list[dict]:
+    """messages with `text` opening the system message (added if there is none)."""
+    if messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{text} {messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def per_head_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
