@@ -2,7 +2,8 @@
 
 from specchat.agent.script import AgentScript, StopCondition, load_script
 from specchat.agent.toolcalls import ParsedReply, ToolCall, parse_tool_calls
-from specchat.agent.tools import Tool, Toolbox, ToolOptions, ToolResult, ToolsConfig, build_toolbox, tool
+from specchat.agent.tools import Tool, Toolbox, ToolOptions, ToolResult, ToolsConfig, build_toolbox
+from specchat.agent.usertools import tool
 
 __all__ = [
     "AgentScript",

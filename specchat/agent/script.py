@@ -21,8 +21,8 @@ from specchat.agent.tools import (
     FINAL_ANSWER,
     ToolOptions,
     ToolsConfig,
-    load_user_tools,
 )
+from specchat.agent.usertools import load_user_tools
 from specchat.config import SamplingParams, SpecParams
 from specchat.errors import ConfigError
 

@@ -12,10 +12,8 @@ from specchat.agent.tools import (
     ToolResult,
     ToolsConfig,
     build_toolbox,
-    function_tool,
-    load_user_tools,
-    tool,
 )
+from specchat.agent.usertools import function_tool, load_user_tools, tool
 from specchat.errors import ConfigError
 
 FILE_TOOLS = ("read_file", "write_file", "list_dir", "final_answer")
