@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specchat.engine.drafters.base import Draft, Drafter
-from specchat.engine.kv_cache import DensePages, KVPool
+from specchat.engine.kv_cache import KVPool
+from specchat.engine.kv_pages import bytes_per_token, format_for_dtype
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
@@ -140,7 +141,7 @@ def load_draft_model_drafter(name: str | None, engine) -> DraftModelDrafter:
         model = build_model(cfg, state, dtype, engine.device)
     c = model.cfg
     # As many tokens as the target's pool holds, within the device's KV budget.
-    per_token = DensePages.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    per_token = bytes_per_token(format_for_dtype(dtype), c.num_layers, c.num_kv_heads, c.head_dim)
     budget = min(default_kv_budget(engine.device), engine.pool.capacity_tokens * per_token)
     pool = KVPool.from_budget(
         budget, c.num_layers, c.num_kv_heads, c.head_dim, engine.pool.page_size, dtype, engine.device
