@@ -130,7 +130,7 @@ def load_draft_model_drafter(name: str | None, engine) -> DraftModelDrafter:
     spec = resolve(name)
     label = f"draft-model:{spec.alias}" if name else "draft-model"
     own = engine.model_spec
-    dtype = engine.pool.store.k.dtype
+    dtype = engine.model.embed.weight.dtype
     if own is not None and spec.where == own.where:
         model = engine.model
     else:
