@@ -23,12 +23,14 @@ import torch
 from specchat.cli.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, HELD_OUT_TEXT, perplexity
 from specchat.config import EngineConfig
 from specchat.engine.engine import Engine
-from specchat.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences, calibration_text
+from specchat.kernels.mxfp4 import dequantize_mxfp4, mxfp4_nbytes, quantize_mxfp4
+from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences, calibration_text, rotate_blocks
 from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules
 
 TEXTS = {"heldout": HELD_OUT_TEXT, "dev": "dev_queue.txt"}
 FIRST_LAST_DOWN = "blocks,-layers.0.mlp.w_down,-layers.29.mlp.w_down"
+FIRST_LAST_BLOCK = "blocks,-layers.0.*,-layers.29.*"
+ALL_CALIBRATION_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -38,79 +40,128 @@ class Variant:
     layers: str = "blocks"
     gptq: GptqSettings = field(default_factory=GptqSettings)
     embedding: bool = False  # also round the (tied) token embedding to MXFP4, values only
-    note: str = ""
+    rotate: bool = False  # quantize W R (R: 32-point block Hadamard); evaluated as dequant(W R) R, dense
+    calibration_tokens: int = 2048
+    derive: str | None = None  # reuse this variant's packed weights, restricted to `layers`
 
 
+ACT = GptqSettings(act_order=True)
 VARIANTS = {
-    "bf16": Variant("bf16", note="baseline: the GGUF weights dequantized"),
+    "bf16": Variant("bf16"),
     "rtn-ocp": Variant("rtn", "ocp"),
     "rtn-roundup": Variant("rtn", "roundup"),
     "rtn-mse": Variant("rtn", "mse"),
-    "gptq-ocp": Variant("gptq", "ocp"),
-    "gptq": Variant("gptq", "mse"),
-    "gptq-act": Variant("gptq", "mse", gptq=GptqSettings(act_order=True)),
-    "gptq-damp0.1": Variant("gptq", "mse", gptq=GptqSettings(damp=0.1)),
-    "gptq-keep-down0+29": Variant("gptq", "mse", layers=FIRST_LAST_DOWN),
+    "rtn-mse-rot": Variant("rtn", "mse", rotate=True),
     "rtn-mse+head": Variant("rtn", "mse", layers="all"),
-    "gptq+head": Variant("gptq", "mse", layers="all"),
     "rtn-mse+head+embed": Variant("rtn", "mse", layers="all", embedding=True),
+    "gptq-act+head": Variant("gptq", "mse", layers="all", gptq=ACT),
+    "gptq-act": Variant("gptq", derive="gptq-act+head"),
+    "gptq-act-keep-down0+29": Variant("gptq", layers=FIRST_LAST_DOWN, derive="gptq-act+head"),
+    "gptq-act-keep-block0+29": Variant("gptq", layers=FIRST_LAST_BLOCK, derive="gptq-act+head"),
+    "gptq": Variant("gptq", "mse"),
+    "gptq-act-rot": Variant("gptq", "mse", gptq=GptqSettings(act_order=True, rotate=True), rotate=True),
+    "gptq-act-damp0.1": Variant("gptq", "mse", gptq=GptqSettings(damp=0.1, act_order=True)),
+    "gptq-act-calib-all": Variant("gptq", "mse", gptq=ACT, calibration_tokens=ALL_CALIBRATION_TOKENS),
+    "gptq-act-ocp": Variant("gptq", "ocp", gptq=ACT),
 }
 
 
-def packed_weights(engine: Engine, variant: Variant, calib: list[torch.Tensor]) -> dict:
-    names = select_linears(engine.model, variant.layers)
+def packed_weights(engine: Engine, variant: Variant, calib_ids: list[int], done: dict[str, dict]) -> dict:
+    model = engine.model
+    names = select_linears(model, variant.layers)
+    if variant.derive:
+        return {name: done[variant.derive][name] for name in names}
+    if variant.method == "rtn" and variant.rotate:
+        return {n: quantize_mxfp4(rotate_blocks(model.get_submodule(n).weight), variant.rule) for n in names}
     if variant.method == "rtn":
-        return round_to_nearest(engine.model, names, variant.rule)
-    settings = GptqSettings(variant.rule, variant.gptq.damp, variant.gptq.act_order)
-    return calibrate(engine.model, calib, names, settings)
+        return round_to_nearest(model, names, variant.rule)
+    settings = GptqSettings(variant.rule, variant.gptq.damp, variant.gptq.act_order, variant.gptq.rotate)
+    return calibrate(model, calibration_sequences(calib_ids, variant.calibration_tokens), names, settings)
 
 
-def run_variant(engine: Engine, variant: Variant, ids: list[int], calib, args) -> dict:
+def quantized_modules(model: torch.nn.Module, variant: Variant, packed: dict) -> dict:
+    """Fp4Linear modules; rotated variants as dense modules holding dequant(W R) R (what x R @ (W R)^T computes)."""
+    if not variant.rotate:
+        return fp4_modules(model, packed)
+    modules = {}
+    for name, (codes, scales) in packed.items():
+        dense = model.get_submodule(name)
+        values = dequantize_mxfp4(codes, scales, torch.float32, k=dense.in_features).to(dense.weight.device)
+        linear = torch.nn.Linear(dense.in_features, dense.out_features, bias=dense.bias is not None)
+        linear.weight.data = rotate_blocks(values).to(dense.weight.dtype)
+        if dense.bias is not None:
+            linear.bias.data = dense.bias.data.clone()
+        modules[name] = linear.to(dense.weight.device).requires_grad_(False)
+    return modules
+
+
+def block_linear_bytes(model: torch.nn.Module, packed: dict) -> int:
+    """Bytes of the transformer blocks' linear weights: MXFP4 where quantized, bf16 elsewhere."""
+    total = 0
+    for name in select_linears(model, "blocks"):
+        shape = model.get_submodule(name).weight.shape
+        total += mxfp4_nbytes(shape) if name in packed else shape.numel() * 2
+    return total
+
+
+def run_variant(engine: Engine, variant: Variant, texts: dict, calib_ids: list[int], done: dict, args) -> dict:
+    """Quantize as `variant` says, measure perplexity on each text, undo the swap."""
     t0 = time.perf_counter()
     model = engine.model
-    packed = {} if variant.method == "bf16" else packed_weights(engine, variant, calib)
+    packed = {} if variant.method == "bf16" else packed_weights(engine, variant, calib_ids, done)
     quant_s = time.perf_counter() - t0
-    original = swap_modules(model, fp4_modules(model, packed))
+    size = block_linear_bytes(model, packed)
+    original = swap_modules(model, quantized_modules(model, variant, packed))
     embed = model.embed.weight.data
     if variant.embedding:
         codes, scales = quantize_mxfp4(embed, rule=variant.rule)
         model.embed.weight.data = dequantize_mxfp4(codes, scales, embed.dtype, k=embed.shape[1])
     try:
-        result = perplexity(engine, ids, args.context, args.stride)
+        ppl = {name: perplexity(engine, ids, args.context, args.stride).ppl for name, ids in texts.items()}
     finally:
         model.embed.weight.data = embed
         swap_modules(model, original)
-    return {"ppl": result.ppl, "tokens": result.tokens, "quantize_s": quant_s, "layers": len(packed)}
+    return {"packed": packed, "ppl": ppl, "quantize_s": quant_s, "layers": len(packed), "bytes": size}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text", default="heldout", help="heldout | dev | a file path")
+    parser.add_argument("--texts", default="heldout,dev", help="comma list of heldout | dev | file paths")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of: {', '.join(VARIANTS)}")
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
     parser.add_argument("--stride", type=int, default=DEFAULT_STRIDE)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--json-out", type=Path, help="append one JSON line per variant here")
     args = parser.parse_args()
 
-    engine = Engine.load(EngineConfig(device="cpu", dtype=args.dtype))
-    if args.text in TEXTS:
-        text = resources.files("specchat").joinpath("data", "text", TEXTS[args.text]).read_text()
-    else:
-        text = Path(args.text).read_text()
-    ids = engine.tokenizer.encode(text)
-    calib = calibration_sequences(engine.tokenizer.encode(calibration_text()))
-    baseline = None
-    print(f"| variant | perplexity | vs bf16 | layers | quantize s |  ({args.text}, {len(ids)} tokens)")
-    print("| --- | --- | --- | --- | --- |")
+    engine = Engine.load(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    texts = {}
+    for name in args.texts.split(","):
+        path = resources.files("specchat").joinpath("data", "text", TEXTS[name]) if name in TEXTS else Path(name)
+        texts[name] = engine.tokenizer.encode(path.read_text())
+    calib_ids = engine.tokenizer.encode(calibration_text())
+    header = ["variant", *(f"{t} ppl ({len(ids)} tokens) | vs bf16" for t, ids in texts.items())]
+    header += ["MXFP4 linears", "block linears MB", "quantize s"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * (len(header) + len(texts)))
+    done: dict[str, dict] = {}
+    baseline: dict[str, float] = {}
     for name in args.variants.split(","):
-        row = run_variant(engine, VARIANTS[name], ids, calib, args)
-        baseline = baseline or (row["ppl"] if name == "bf16" else None)
-        delta = f"{100 * (row['ppl'] / baseline - 1):+.1f}%" if baseline else "-"
-        print(f"| {name} | {row['ppl']:.3f} | {delta} | {row['layers']} | {row['quantize_s']:.0f} |", flush=True)
+        row = run_variant(engine, VARIANTS[name], texts, calib_ids, done, args)
+        done[name] = row.pop("packed")
+        if name == "bf16":
+            baseline = row["ppl"]
+        cells = [name]
+        for text, ppl in row["ppl"].items():
+            delta = f"{100 * (ppl / baseline[text] - 1):+.1f}%" if baseline else "-"
+            cells += [f"{ppl:.3f}", delta]
+        cells += [row["layers"], f"{row['bytes'] / 1e6:.1f}", f"{row['quantize_s']:.0f}"]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
         if args.json_out:
             with args.json_out.open("a") as f:
-                f.write(json.dumps({"variant": name, "text": args.text, **row}) + "\n")
+                f.write(json.dumps({"variant": name, **row}) + "\n")
 
 
 if __name__ == "__main__":

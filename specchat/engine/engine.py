@@ -242,12 +242,18 @@ class Engine:
     def set_weights(self, fmt: str) -> None:
         """Switch the linear weights between "bf16" (unquantized, the model dtype) and "mxfp4" between steps.
 
-        Running requests continue: their KV cache is kept, only the next steps use the new weights. What the
-        switch back needs is kept (quant.handler.WeightSwitch): memory() reports it as weights_restore_bytes.
+        Running requests continue: their KV cache is kept, only the next steps use the new weights; cached
+        prefixes of finished requests are dropped. What the switch back needs is kept
+        (quant.handler.WeightSwitch): memory() reports it as weights_restore_bytes.
         """
         if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-        self.apply(lambda: self.weights.set(fmt))
+
+        def change() -> None:
+            self.weights.set(fmt)
+            self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
+
+        self.apply(change)
 
     def set_kv(self, fmt: str) -> None:
         """Switch the KV page format (bf16 | fp16 | fp32 | mxfp4 | k8v4), converting live conversations in place.

@@ -28,15 +28,16 @@ Hessians are measured on inputs that already flow through the quantized blocks b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specchat.engine.model import Block, Transformer
-from specchat.kernels.attention import causal_attention
 from specchat.kernels.mxfp4 import (
     BLOCK_SIZE,
     dequantize_mxfp4,
@@ -64,6 +65,7 @@ class GptqSettings:
     rule: str = "mse"
     damp: float = DEFAULT_DAMP
     act_order: bool = False
+    rotate: bool = False  # quantize W R, R = blockdiag(Hadamard 32 / sqrt 32); the layer must then see x R
 
     def __post_init__(self) -> None:
         if self.damp <= 0:
@@ -74,12 +76,14 @@ class HessianAccumulator:
     """Running H = 2/T * sum over calibration tokens of x x^T for one layer's input x [K]."""
 
     def __init__(self, k: int) -> None:
-        self.hessian = torch.zeros(k, k, dtype=torch.float64)
+        self.k = k
+        self.hessian: torch.Tensor | None = None  # [K, K] float64, on the inputs' device
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(torch.float64)  # [T, K]
-        self.hessian += 2 * x.T @ x
+        x = x.reshape(-1, self.k).to(torch.float64)  # [T, K]
+        product = 2 * x.T @ x
+        self.hessian = product if self.hessian is None else self.hessian + product
         self.tokens += x.shape[0]
 
     def result(self) -> torch.Tensor:
@@ -124,7 +128,7 @@ def gptq_quantize(
     u = _inverse_hessian_cholesky(h, settings.damp).float()  # [Kp, Kp]; factored in float64
 
     q = torch.zeros_like(w)  # quantized values, permuted order
-    scale_codes = torch.zeros(n, kp // BLOCK_SIZE, dtype=torch.uint8)  # [N, blocks], permuted block order
+    scale_codes = torch.zeros(n, kp // BLOCK_SIZE, dtype=torch.uint8, device=w.device)  # [N, blocks], permuted
     for c0 in range(0, kp, CHUNK_COLUMNS):
         c1 = min(c0 + CHUNK_COLUMNS, kp)
         w_chunk = w[:, c0:c1].clone()  # [N, C]
@@ -154,11 +158,26 @@ def gptq_quantize(
     return pack_nibbles(codes), scale_codes
 
 
+def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) times R = blockdiag(H_32 / sqrt(32)) on the right; R = R^T = R^-1."""
+    *lead, k = x.shape
+    blocks = x.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
+    return (blocks @ _hadamard(BLOCK_SIZE, x.dtype, x.device)).reshape(x.shape)
+
+
+def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix of order n (a power of two), symmetric."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
+
+
 def _column_order(h: torch.Tensor, act_order: bool) -> torch.Tensor:
     """The order GPTQ visits columns in: natural, or act-order kept block-contiguous (see the module doc)."""
     kp = h.shape[0]
     if not act_order:
-        return torch.arange(kp)
+        return torch.arange(kp, device=h.device)
     diag = h.diagonal().reshape(kp // BLOCK_SIZE, BLOCK_SIZE)  # [blocks, 32]
     block_order = torch.argsort(diag.sum(dim=1), descending=True, stable=True)
     within = torch.argsort(diag, dim=1, descending=True, stable=True)  # [blocks, 32]
@@ -185,7 +204,10 @@ class _DenseCausalKV:
         self.scale = scale
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v, self.scale)
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]: causal grouped-query attention over the sequence."""
+        heads_first = [t.transpose(0, 1) for t in (q, k, v)]  # [heads, T, D]
+        out = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1)
 
 
 def _run_block(block: Block, model: Transformer, hidden: list[torch.Tensor], positions: torch.Tensor) -> list:
@@ -222,10 +244,14 @@ def calibrate(
     originals: dict[str, torch.Tensor] = {}
 
     def quantize(name: str, module: nn.Linear, hessian: torch.Tensor) -> None:
-        codes, scales = gptq_quantize(module.weight.float().cpu(), hessian, settings)
-        result[name] = (codes, scales)
+        weight = module.weight.float()
+        if settings.rotate:  # x W^T = (x R)(W R)^T: quantize W R against the Hessian of x R, R^T H R
+            weight, hessian = rotate_blocks(weight), rotate_blocks(rotate_blocks(hessian).T).T
+        codes, scales = gptq_quantize(weight, hessian, settings)
+        result[name] = (codes.cpu(), scales.cpu())
         originals[name] = module.weight
-        module.weight = nn.Parameter(dequantize_mxfp4(codes, scales, dtype, k=module.in_features).to(device))
+        fake = dequantize_mxfp4(codes, scales, torch.float32, k=module.in_features)
+        module.weight = nn.Parameter((rotate_blocks(fake) if settings.rotate else fake).to(dtype))
         if progress:
             progress("GPTQ", len(result), len(wanted))
 

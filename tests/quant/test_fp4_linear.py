@@ -1,0 +1,42 @@
+"""Fp4Linear: packed weights are the only resident copy, and it computes x @ dequant(W)^T + b."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specchat.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from specchat.quant.fp4_linear import Fp4Linear
+
+
+def test_cpu_module_holds_only_packed_weights() -> None:
+    torch.manual_seed(0)
+    dense = nn.Linear(96, 40, bias=True)
+    fp4 = Fp4Linear.from_linear(dense, rule="mse")
+    buffers = dict(fp4.named_buffers())
+    assert set(buffers) == {"codes", "scales"}
+    assert buffers["codes"].dtype == torch.uint8 and buffers["codes"].shape == (40, 48)  # 2 codes a byte
+    assert buffers["scales"].dtype == torch.uint8 and buffers["scales"].shape == (40, 3)  # one per 32
+    assert [name for name, _ in fp4.named_parameters()] == ["bias"]  # no dense weight anywhere
+    assert fp4.nbytes == 40 * 48 + 40 * 3
+
+
+def test_forward_equals_dense_linear_on_dequantized_weight() -> None:
+    torch.manual_seed(1)
+    dense = nn.Linear(80, 33, bias=True)  # K not a multiple of 32: padded blocks
+    codes, scales = quantize_mxfp4(dense.weight.detach(), rule="roundup")
+    fp4 = Fp4Linear.from_packed(codes, scales, 80, dense.bias.detach().clone())
+    x = torch.randn(7, 80)
+    expected = F.linear(x, dequantize_mxfp4(codes, scales, torch.float32, k=80), dense.bias)
+    with torch.inference_mode():  # as the engine runs it (the shared scratch buffer is an inference tensor)
+        torch.testing.assert_close(fp4(x), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fp4.packed()[0], codes) and torch.equal(fp4.packed()[1], scales)
+
+
+def test_to_linear_round_trips_the_values() -> None:
+    torch.manual_seed(2)
+    fp4 = Fp4Linear.from_linear(nn.Linear(64, 16, bias=False))
+    linear = fp4.to_linear(torch.float32)
+    assert torch.equal(linear.weight, fp4.dequantized(torch.float32))
+    assert torch.equal(Fp4Linear.from_linear(linear).packed()[0], fp4.packed()[0])  # MXFP4 values re-encode exactly
