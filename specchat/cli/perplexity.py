@@ -1,8 +1,8 @@
 """`specchat perplexity`: how well a model (and its weight / KV formats) predicts a text, like llama.cpp's tool.
 
 Sliding window (as in HF transformers' perplexity guide): windows of `context` tokens start every `stride`
-tokens; each window scores only the tokens no earlier window scored, so every token after the first is scored
-exactly once, with at least context - stride tokens of history (all of it in the first window).
+tokens; each window scores only the predictions no earlier window made, so every token after the first is
+scored exactly once, with at least context - stride tokens of history (all there is in the first window).
 
     perplexity = exp(mean over scored tokens of -log p(token | history))
 
@@ -43,10 +43,11 @@ def held_out_text() -> str:
 
 
 def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, score_from, end) per window over n tokens: window ids[begin:end] scores ids[score_from:end]."""
+    """(begin, score_from, end) per window over n tokens: the model reads ids[begin:end - 1] (at most
+    `context` tokens) and scores its predictions of ids[score_from:end]."""
     windows, scored_to = [], 1  # token 0 has no history: it is never scored
-    for begin in range(0, n, stride):
-        end = min(begin + context, n)
+    for begin in range(0, n - 1, stride):
+        end = min(begin + context + 1, n)
         if end > scored_to:
             windows.append((begin, scored_to, end))
             scored_to = end
