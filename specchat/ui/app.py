@@ -237,7 +237,8 @@ class SpecchatApp(App[Exception | None]):
         if not self.metrics.dirty or not self.screen_stack:
             return
         self.metrics.sample()
-        view = replace(self.metrics.view(), active_requests=len(self.requests), **(self.engine_figures or {}))
+        figures = {"active_requests": len(self.requests), **(self.engine_figures or {})}
+        view = replace(self.metrics.view(), **figures)
         for kind in (SpeculationPanel, ThroughputPanel):
             if (panel := self.widget(kind)) is not None:
                 panel.view = view

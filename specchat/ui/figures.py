@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from textual.widgets import Static
+
 NA = "n/a"
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
@@ -44,3 +46,17 @@ def pct(x: float | None) -> str:
 
 def num(x: float | None, digits: int = 1, unit: str = "") -> str:
     return NA if x is None else f"{x:.{digits}f}{unit}"
+
+
+class FigureText(Static):
+    """Panel text that asks for a new layout only when its number of lines changes (a layout pass costs a
+    whole-screen reflow; redrawing the same lines does not)."""
+
+    def __init__(self, text: str = "", **kwargs) -> None:
+        super().__init__(text, **kwargs)
+        self.line_count = text.count("\n")
+
+    def show(self, text: str) -> None:
+        lines = text.count("\n")
+        self.update(text, layout=lines != self.line_count)
+        self.line_count = lines

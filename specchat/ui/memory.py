@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from textual.reactive import reactive
-from textual.widgets import Static
 
-from specchat.ui.figures import NA, count, size
+from specchat.ui.figures import NA, FigureText, count, size
 
 
 def weights_format(memory: dict) -> str:
@@ -58,15 +57,15 @@ def memory_text(memory: dict) -> str:
     return "\n".join(lines)
 
 
-class MemoryPanel(Static):
+class MemoryPanel(FigureText):
     """Where the bytes are."""
 
     memory: reactive[dict] = reactive(dict, init=False)
 
     def on_mount(self) -> None:
         self.border_title = "Memory"
-        self.update(memory_text({}))
+        self.show(memory_text({}))
 
     def watch_memory(self, memory: dict) -> None:
         """Show the new figures."""
-        self.update(memory_text(memory))
+        self.show(memory_text(memory))

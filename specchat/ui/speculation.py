@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from textual.containers import Vertical
 from textual.reactive import reactive
-from textual.widgets import Sparkline, Static
+from textual.widgets import Sparkline
 
-from specchat.ui.figures import NA, bar, num, pct
+from specchat.ui.figures import NA, FigureText, bar, num, pct
 from specchat.ui.metrics import MetricsView
 
 BAR = 12  # cells of a histogram bar
@@ -63,19 +63,19 @@ class SpeculationPanel(Vertical):
     view: reactive[MetricsView] = reactive(MetricsView, init=False)
 
     def compose(self):
-        yield Static(headline(MetricsView()), classes="headline")
+        yield FigureText(headline(MetricsView()), classes="headline")
         yield Sparkline([], classes="acceptance-history")
-        yield Static(histogram(MetricsView()), classes="histogram")
-        yield Static(positions(MetricsView()), classes="positions")
-        yield Static(step_time(MetricsView()), classes="step-time")
+        yield FigureText(histogram(MetricsView()), classes="histogram")
+        yield FigureText(positions(MetricsView()), classes="positions")
+        yield FigureText(step_time(MetricsView()), classes="step-time")
 
     def on_mount(self) -> None:
         self.border_title = "Speculation"
 
     def watch_view(self, view: MetricsView) -> None:
         """Show the new figures."""
-        self.query_one(".headline", Static).update(headline(view))
+        self.query_one(".headline", FigureText).show(headline(view))
         self.query_one(".acceptance-history", Sparkline).data = list(view.acceptance_history)
-        self.query_one(".histogram", Static).update(histogram(view))
-        self.query_one(".positions", Static).update(positions(view))
-        self.query_one(".step-time", Static).update(step_time(view))
+        self.query_one(".histogram", FigureText).show(histogram(view))
+        self.query_one(".positions", FigureText).show(positions(view))
+        self.query_one(".step-time", FigureText).show(step_time(view))

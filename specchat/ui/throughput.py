@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from textual.containers import Vertical
 from textual.reactive import reactive
-from textual.widgets import Sparkline, Static
+from textual.widgets import Sparkline
 
-from specchat.ui.figures import NA, count, num
+from specchat.ui.figures import NA, FigureText, count, num
 from specchat.ui.metrics import MetricsView
 
 
@@ -27,7 +27,7 @@ class ThroughputPanel(Vertical):
     view: reactive[MetricsView] = reactive(MetricsView, init=False)
 
     def compose(self):
-        yield Static(throughput_text(MetricsView()), classes="figures")
+        yield FigureText(throughput_text(MetricsView()), classes="figures")
         yield Sparkline([], classes="rate-history")
 
     def on_mount(self) -> None:
@@ -35,5 +35,5 @@ class ThroughputPanel(Vertical):
 
     def watch_view(self, view: MetricsView) -> None:
         """Show the new figures."""
-        self.query_one(".figures", Static).update(throughput_text(view))
+        self.query_one(".figures", FigureText).show(throughput_text(view))
         self.query_one(".rate-history", Sparkline).data = list(view.tok_per_s_history)

@@ -98,7 +98,7 @@ async def test_two_chats_run_at_once(tiny_engine, make_app):
         await wait_for(pilot, lambda: app.chat is first, what="back to the first tab")
         await send(pilot, app, "first chat")
         assert first.busy and second.busy and len(app.requests) == 2
-        await wait_for(pilot, lambda: not first.busy and not second.busy, what="both answers")
+        await wait_for(pilot, lambda: not first.busy and not second.busy, timeout=240, what="both answers")
         assert first.messages[-1]["role"] == second.messages[-1]["role"] == "assistant"
         assert [first.title, second.title] == ["first chat", "second chat"]
 
