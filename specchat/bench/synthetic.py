@@ -22,6 +22,7 @@ import torch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import ModelConfig, Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
+from specchat.engine.stats import percentile
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(
@@ -68,6 +69,8 @@ class SyntheticResult:
     tok_per_s: float  # aggregate over the batch
     step_ms: float  # median wall time of one step
     tokens_per_step: float  # per request
+    latency_p50_ms: float  # per-token latency: a step's time over the tokens it gave a request
+    latency_p99_ms: float
     weights_bytes: int
     kv_bytes_per_token: int
 
@@ -84,6 +87,14 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
             else:
                 p.normal_(0.0, INIT_STD)
     return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters and buffers (packed MXFP4 weights are buffers), each storage once."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())
+    }
+    return sum(storages.values())
 
 
 def sample_accepted(rng: random.Random, k: int, acceptance: float) -> int:
@@ -125,7 +136,7 @@ def run_case(
         pool.add(b, prompt)
         runner.forward(StepBatch([b], [prompt], [0], [1]))
         lengths.append(context)
-    step_times, emitted = [], 0
+    step_times, latencies, emitted = [], [], 0
     for i in range(warmup + steps):
         feeds = [torch.randint(0, cfg.vocab_size, (1 + case.k,), generator=gen).tolist() for _ in range(case.batch)]
         batch = StepBatch(list(range(case.batch)), feeds, [n - 1 for n in lengths], [1 + case.k] * case.batch)
@@ -147,6 +158,7 @@ def run_case(
             lengths[b] += a + 1
             if i >= warmup:
                 emitted += a + 1
+                latencies.extend([dt * 1e3 / (a + 1)] * (a + 1))
         if i >= warmup:
             step_times.append(dt)
     total = sum(step_times)
@@ -155,6 +167,8 @@ def run_case(
         tok_per_s=emitted / total,
         step_ms=sorted(step_times)[len(step_times) // 2] * 1e3,
         tokens_per_step=emitted / (steps * case.batch),
-        weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        latency_p50_ms=percentile(latencies, 50),
+        latency_p99_ms=percentile(latencies, 99),
+        weights_bytes=weight_bytes(model),
         kv_bytes_per_token=pool.bytes_per_token,
     )

@@ -120,7 +120,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     mode = "eager" if eager or dev.type != "cuda" else "CUDA graphs"
     click.echo(f"synthetic {shape}, {dev}, context {context}, {steps} steps, {mode}")
     headers = ["batch", "weights", "KV", "decoding", "tok/s", "tok/s per request", "step ms", "tokens/step"]
-    print_table([*headers, "vs plain"], rows)
+    print_table([*headers, "P50 ms/token", "P99 ms/token", "vs plain"], rows)
 
 
 @click.command()
