@@ -133,9 +133,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, help="torch threads (1 is fastest on a shared, loaded CPU)")
     parser.add_argument("--json-out", type=Path, help="append one JSON line per variant here")
     args = parser.parse_args()
-
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     texts = {}
     for name in args.texts.split(","):

@@ -40,8 +40,9 @@ from torch import nn
 from specchat.engine.model import Block, Transformer
 from specchat.kernels.mxfp4 import (
     BLOCK_SIZE,
+    E2M1_MAGNITUDES,
+    E2M1_MIDPOINTS,
     dequantize_mxfp4,
-    e2m1_to_float,
     pack_nibbles,
     padded_k,
     quantize_mxfp4,
@@ -104,11 +105,6 @@ def _block_scales(block: torch.Tensor, rule: str) -> torch.Tensor:
     return scales[:, 0]
 
 
-def _round_column(column: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Values of one column [N] rounded onto the E2M1 grid scaled by `scale` [N]."""
-    return e2m1_to_float(round_to_e2m1(column / scale)) * scale
-
-
 def gptq_quantize(
     weight: torch.Tensor, hessian: torch.Tensor, settings: GptqSettings | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +123,8 @@ def gptq_quantize(
     w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_hessian_cholesky(h, settings.damp).float()  # [Kp, Kp]; factored in float64
 
+    grid = torch.tensor(E2M1_MAGNITUDES, device=w.device)  # [8]
+    midpoints = torch.tensor(E2M1_MIDPOINTS, device=w.device)  # [7]
     q = torch.zeros_like(w)  # quantized values, permuted order
     scale_codes = torch.zeros(n, kp // BLOCK_SIZE, dtype=torch.uint8, device=w.device)  # [N, blocks], permuted
     for c0 in range(0, kp, CHUNK_COLUMNS):
@@ -134,7 +132,6 @@ def gptq_quantize(
         w_chunk = w[:, c0:c1].clone()  # [N, C]
         err_chunk = torch.zeros_like(w_chunk)
         u_chunk = u[c0:c1, c0:c1]
-        scale = None
         for j in range(c1 - c0):
             col = c0 + j
             if col % BLOCK_SIZE == 0:
@@ -142,11 +139,11 @@ def gptq_quantize(
                 codes = _block_scales(w_chunk[:, j : j + BLOCK_SIZE], settings.rule)
                 scale_codes[:, col // BLOCK_SIZE] = codes
                 scale = scales_to_float(codes)  # [N]
-            q_col = _round_column(w_chunk[:, j], scale)
-            q[:, col] = q_col
-            err = (w_chunk[:, j] - q_col) / u_chunk[j, j]  # [N]
-            w_chunk[:, j:] -= err[:, None] * u_chunk[j, j:][None, :]
-            err_chunk[:, j] = err
+            v = w_chunk[:, j] / scale  # [N], on the E2M1 scale
+            # nearest grid value (saturating at 6; exact ties, which have measure zero, round down)
+            q[:, col] = grid[torch.bucketize(v.abs(), midpoints)].copysign(v) * scale
+            err_chunk[:, j] = (w_chunk[:, j] - q[:, col]) / u_chunk[j, j]
+            w_chunk[:, j:].addr_(err_chunk[:, j], u_chunk[j, j:], alpha=-1)  # OBS update of this chunk
         w[:, c1:] -= err_chunk @ u[c0:c1, c1:]  # lazy update of the later chunks
 
     inverse = torch.argsort(perm)

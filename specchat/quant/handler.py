@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specchat.kernels.mxfp4 import Rule
+from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
+from specchat.quant.checkpoint import cache_dir, is_mxfp4_checkpoint, read_packed
 from specchat.quant.fp4_linear import Fp4Linear
 
 DEFAULT_LAYERS = "blocks"
@@ -74,8 +75,6 @@ def swap_modules(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, n
 
 def round_to_nearest(model: nn.Module, names: Sequence[str], rule: Rule = DEFAULT_RULE) -> Packed:
     """MXFP4 codes and scales of the named dense linears, each block's scale by `rule`, elements RNE."""
-    from specchat.kernels.mxfp4 import quantize_mxfp4
-
     return {name: quantize_mxfp4(model.get_submodule(name).weight.detach(), rule=rule) for name in names}
 
 
@@ -167,8 +166,6 @@ def _offload(module: nn.Module, resident: set[int]) -> nn.Module:
 
 def default_mxfp4(model: nn.Module, model_path: Path | None) -> tuple[dict[str, Fp4Linear], str]:
     """The MXFP4 form of a dense model for the toggle: the cached `specchat quantize` result, else RTN."""
-    from specchat.quant.checkpoint import cache_dir, is_mxfp4_checkpoint, read_packed
-
     cached = cache_dir(model_path) if model_path is not None else None
     if cached is not None and is_mxfp4_checkpoint(cached):
         packed, meta = read_packed(cached)
