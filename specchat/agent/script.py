@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from specchat.agent.demos import Demo, DemoCall
 from specchat.agent.tools import (
     BUILTIN_TOOLS,
     DEFAULT_OUTPUT_CAP,
@@ -44,7 +45,10 @@ TOP_KEYS = (
     "speculation",
     "tools",
     "stop",
+    "tool_choice",
+    "examples",
 )
+TOOL_CHOICES = ("auto", "first", "required")
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "max_tokens": int}
 TOOL_OPTION_KEYS = ("timeout_s", "output_cap")
 SHELL_OPTION_KEYS = (*TOOL_OPTION_KEYS, "allow", "confirm")
@@ -108,6 +112,8 @@ class AgentScript:
     concurrency: int = 1  # runs in flight at once
     workspace: Path | None = None  # None: each run gets a fresh empty folder
     copy_workspace: bool = False  # each run works on its own copy of the workspace
+    tool_choice: str = "auto"  # "first" | "required": those turns are guided tool calls (agent/guided.py)
+    examples: list[Demo] = field(default_factory=list)  # worked examples shown before each task
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -127,6 +133,16 @@ class AgentScript:
             raise ConfigError(f"workspace: no such directory {self.workspace}")
         if self.stop.kind == "tool" and FINAL_ANSWER not in self.tools.builtin:
             raise ConfigError(f"stop.tool needs the {FINAL_ANSWER} tool enabled")
+        if self.tool_choice not in TOOL_CHOICES:
+            raise ConfigError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {self.tool_choice!r}")
+        if self.tool_choice != "auto" and not self.tools.names:
+            raise ConfigError(f"tool_choice = {self.tool_choice!r} needs at least one tool enabled")
+        for index, demo in enumerate(self.examples, 1):
+            for call in demo.calls:
+                if call.name not in self.tools.names:
+                    raise ConfigError(f"examples[{index}] calls {call.name!r}, which is not an enabled tool")
+        if self.tool_choice == "required" and self.stop.kind != "tool":
+            raise ConfigError('tool_choice = "required" makes every turn a tool call: it needs the final_answer stop')
 
     @property
     def name(self) -> str:
@@ -167,12 +183,14 @@ def _parse_script(path: Path) -> AgentScript:
         tools=_tools(top.table("tools", ("enabled", *TOOL_OPTION_KEYS, "user", *BUILTIN_TOOLS)), base, stop),
         stop=stop,
         sampling=_sampling(top.table("sampling", tuple(SAMPLING_KEYS))),
-        speculation=_speculation(top.table("speculation", ("drafter", "k", "k_max"))),
+        speculation=_speculation(top.table("speculation", ("drafter", "k", "k_max")), base),
         max_steps=top.get("max_steps", int, 8),
         max_wall_s=top.get("max_wall_s", float, 300.0),
         concurrency=top.get("concurrency", int, 1),
         workspace=(base / workspace).resolve() if workspace is not None else None,
         copy_workspace=top.get("copy_workspace", bool, False),
+        tool_choice=top.get("tool_choice", str, "auto"),
+        examples=_examples(top),
     )
 
 
@@ -212,6 +230,30 @@ def _tasks(top: _Table, base: Path) -> list[str]:
         return _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
     lines = path.read_text(encoding="utf-8").splitlines()
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _examples(top: _Table) -> list[Demo]:
+    """The [[examples]] tables: task, calls (name, arguments, result) and answer of each worked example."""
+    demos = []
+    for index, item in enumerate(top.get("examples", list, []), 1):
+        if not isinstance(item, dict):
+            raise ConfigError(f"examples[{index}] must be a table ([[examples]]), got {_describe(item)}")
+        table = _Table(item, f"examples[{index}]", ("task", "calls", "answer"))
+        task, answer = table.get("task", str, ""), table.get("answer", str, None)
+        if not task.strip() or answer is None:
+            raise ConfigError(f"examples[{index}] needs a task and an answer")
+        calls = []
+        for number, call in enumerate(table.get("calls", list, []), 1):
+            where = f"examples[{index}].calls[{number}]"
+            if not isinstance(call, dict):
+                raise ConfigError(f"{where} must be a table, got {_describe(call)}")
+            call_table = _Table(call, where, ("name", "arguments", "result"))
+            name = call_table.get("name", str, None)
+            if name is None:
+                raise ConfigError(f"{where} needs a name")
+            calls.append(DemoCall(name, call_table.get("arguments", dict, {}), call_table.get("result", str, "")))
+        demos.append(Demo(task, answer, calls))
+    return demos
 
 
 def _tools(table: _Table, base: Path, stop: StopCondition) -> ToolsConfig:
@@ -277,12 +319,16 @@ def _sampling(table: _Table) -> SamplingParams:
     return _wrap("sampling", lambda: SamplingParams(**values))
 
 
-def _speculation(table: _Table) -> SpecParams:
-    """The [speculation] table: drafter none | ngram | heads | draft-model[:NAME], k an integer or "auto"."""
+def _speculation(table: _Table, base: Path) -> SpecParams:
+    """The [speculation] table: drafter none | ngram | heads[:FILE] | draft-model[:NAME], k an integer or "auto"."""
     drafter = table.get("drafter", str, "none")
-    family, _, draft_model = drafter.partition(":")
-    if family not in DRAFTERS or (":" in drafter and (family != "draft-model" or not draft_model)):
-        raise ConfigError(f"speculation.drafter must be none, ngram, heads or draft-model[:NAME], got {drafter!r}")
+    family, _, argument = drafter.partition(":")
+    if family not in DRAFTERS or (":" in drafter and (family not in ("heads", "draft-model") or not argument)):
+        raise ConfigError(
+            f"speculation.drafter must be none, ngram, heads[:FILE] or draft-model[:NAME], got {drafter!r}"
+        )
+    if family == "heads" and argument:  # a heads file, relative to the script's folder
+        drafter = f"heads:{(base / Path(argument).expanduser()).resolve()}"
     k = table.data.get("k", 4)
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
         raise ConfigError(f'speculation.k must be an integer or "auto", got {_describe(k)}')

@@ -49,9 +49,13 @@ class ScriptedTokenizer:
     def __init__(self, chat_template_source: str) -> None:
         self.chat_template_source = chat_template_source
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(char) for char in text]
+
 
 class ScriptedEngine:
-    """Replies in order; records what each request was given (messages, tools, sampling, speculation)."""
+    """Replies in order. `requests` holds each prompt it encoded (one per turn: messages, tools) with the requests
+    submitted for it (prompt ids past the conversation, sampling, speculation)."""
 
     def __init__(self, replies: list[str | object], chat_template: str = "ChatML", drafters: tuple = ("none",)):
         self.replies = list(replies)
@@ -65,10 +69,19 @@ class ScriptedEngine:
         if name not in self.drafters:
             raise ConfigError(f"unknown drafter {name!r}")
 
-    def submit(self, messages, sampling: SamplingParams, spec: SpecParams, tools=None) -> ScriptedHandle:
+    def encode_prompt(self, messages: list[dict], tools=None) -> list[int]:
         with self.lock:
-            self.requests.append({"messages": [dict(m) for m in messages], "tools": tools, "spec": spec})
+            self.requests.append({"messages": [dict(m) for m in messages], "tools": tools, "submits": []})
+            return [-len(self.requests)]  # a marker for the prompt, so submit can tell whose request it is
+
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams) -> ScriptedHandle:
+        with self.lock:
+            request = self.requests[-prompt_ids[0] - 1]
+            request["submits"].append({"text": "".join(map(chr, prompt_ids[1:])), "sampling": sampling, "spec": spec})
             reply = self.replies.pop(0) if self.replies else "I do not know."
+            for stop in sampling.stop:  # the engine ends a reply at a stop string and leaves the string out
+                if isinstance(reply, str) and stop in reply:
+                    reply = reply[: reply.index(stop)]
             self.prefix_hit_tokens += 10
             return ScriptedHandle(len(self.requests), reply, prompt_tokens=20)
 

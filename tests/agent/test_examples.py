@@ -22,9 +22,16 @@ def test_example_loads_and_builds_its_toolbox(path: Path):
 def test_find_fact_workspace_holds_the_facts():
     script = load_script(EXAMPLES / "find_fact.toml")
     box = build_toolbox(script.tools, script.workspace)
-    assert "ship_log.txt" in box.call("list_dir", {}).content
-    assert "named Aurora" in box.call("read_file", {"path": "ship_log.txt"}).content
-    assert "Navigator: Tomas Berg" in box.call("read_file", {"path": "crew.txt"}).content
+    assert "named Aurora" in box.call("read_file", {"path": "ship.txt"}).content
+    assert "carries coffee" in box.call("read_file", {"path": "cargo.txt"}).content
+    assert "navigator is Tomas Berg" in box.call("read_file", {"path": "crew.txt"}).content
+
+
+def test_the_135m_examples_show_the_pattern_they_ask_for():
+    for name in ("arithmetic", "find_fact"):
+        script = load_script(EXAMPLES / f"{name}.toml")
+        assert script.tool_choice == "first" and len(script.examples) == 2
+        assert all(script.stop.answer_in(demo.answer) for demo in script.examples)  # the regex reads the demos
 
 
 def test_fix_code_fails_before_the_fix_and_passes_after():

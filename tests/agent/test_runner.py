@@ -147,7 +147,7 @@ def test_missing_drafter_falls_back_to_plain_decoding_with_a_warning(tmp_path):
     assert "'ngram' is not available" in session.warning and session.spec.drafter == "none"
     events = []
     session.run(events.append)
-    assert engine.requests[0]["spec"].drafter == "none"
+    assert engine.requests[0]["submits"][0]["spec"].drafter == "none"
     assert isinstance(events[0], RunStart) and events[0].drafter == "none"
 
 
@@ -170,3 +170,59 @@ def test_streaming_sessions_emit_deltas(tmp_path):
     deltas = [e for e in events if isinstance(e, Delta)]
     assert deltas and "".join(d.text for d in deltas) == FINAL_CALL
     assert not [e for e in events if isinstance(e, ToolCallEvent) and e.name != "final_answer"]
+
+
+REGEX_STOP = "\n[stop]\nregex = '(?im)answer is:? *(.+?)\\.?\\s*$'\n"
+
+
+def test_a_guided_first_turn_writes_the_structure_and_the_model_the_values(tmp_path):
+    engine = ScriptedEngine(['python", "x', 'print(17 * 23)"}', "The answer is 391."])
+    outcomes, events = run(engine, write_script(tmp_path, 'tool_choice = "first"\n' + REGEX_STOP))
+    assert events[1].text == PYTHON_CALL and events[1].stats["requests"] == 2
+    assert [e.content for e in events if type(e).__name__ == "ToolResultEvent"] == ["391\n"]
+    assert (outcomes[0].reason, outcomes[0].answer) == ("final", "391")
+    name_piece, value_piece = engine.requests[0]["submits"]
+    assert name_piece["text"] == '<tool_call>[{"name": "' and name_piece["sampling"].stop == ['"']
+    assert value_piece["text"] == '<tool_call>[{"name": "python", "arguments": {"code": "'
+    assert len(engine.requests[1]["submits"]) == 1  # "first": later turns are the model's own
+
+
+def test_a_guided_value_may_hold_escaped_quotes(tmp_path):
+    engine = ScriptedEngine(["python", 'print(\\"', 'hi\\"', ')"', "The answer is hi."])
+    _, events = run(engine, write_script(tmp_path, 'tool_choice = "first"\n' + REGEX_STOP))
+    call = next(e for e in events if isinstance(e, ToolCallEvent))
+    assert call.arguments == {"code": 'print("hi")'}
+
+
+def test_a_guided_name_that_is_no_tool_is_answered_as_an_unknown_tool(tmp_path):
+    engine = ScriptedEngine(['17"', FINAL_CALL])
+    _, events = run(engine, write_script(tmp_path, 'tool_choice = "first"\n'))
+    result = next(e for e in events if type(e).__name__ == "ToolResultEvent")
+    assert result.name == "17" and "unknown tool '17'" in result.error
+
+
+def test_worked_examples_come_before_the_task_in_the_run_format(tmp_path):
+    examples = (
+        '[[examples]]\ntask = "What is 3 * 4?"\nanswer = "The answer is 12."\n'
+        'calls = [{ name = "python", arguments = { code = "print(3 * 4)" }, result = "12" }]\n'
+    )
+    engine = ScriptedEngine(["The answer is 391."])
+    run(engine, write_script(tmp_path, examples + REGEX_STOP))
+    messages = engine.requests[0]["messages"]
+    demo_call = '<tool_call>[{"name": "python", "arguments": {"code": "print(3 * 4)"}}]</tool_call>'
+    assert messages[1:] == [
+        {"role": "user", "content": "What is 3 * 4?"},
+        {"role": "assistant", "content": demo_call},
+        {"role": "user", "content": "<tool_response>\n12\n</tool_response>"},
+        {"role": "assistant", "content": "The answer is 12."},
+        {"role": "user", "content": "What is 17 * 23?"},
+    ]
+
+
+def test_worked_examples_end_in_a_final_answer_call_for_the_tool_stop(tmp_path):
+    examples = '[[examples]]\ntask = "What is 3 * 4?"\nanswer = "12"\n'
+    engine = ScriptedEngine([FINAL_CALL], chat_template=STRUCTURED_TEMPLATE)
+    run(engine, write_script(tmp_path, examples))
+    demo = engine.requests[0]["messages"][1:3]
+    assert demo[0] == {"role": "user", "content": "What is 3 * 4?"}
+    assert demo[1]["tool_calls"][0]["function"] == {"name": "final_answer", "arguments": {"answer": "12"}}

@@ -51,3 +51,13 @@ def test_concurrent_runs_give_the_sequential_transcripts(default_engine, tmp_pat
     assert [run.messages for run in concurrent] == [run.messages for run in sequential]
     assert [run.reason for run in concurrent] == [run.reason for run in sequential]
     assert all(len(run.messages) >= 3 for run in concurrent)  # each run got at least one reply
+
+
+def test_the_find_fact_example_completes_on_the_default_model(default_engine):
+    script = load_script(Path(__file__).parents[2] / "examples" / "agents" / "find_fact.toml")
+    outcomes = AgentSession(default_engine, script).run(lambda event: None)
+    assert [(run.reason, run.answer) for run in outcomes] == [
+        ("final", "Aurora"),
+        ("final", "coffee"),
+        ("final", "Tomas Berg"),
+    ]

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from specchat.agent.demos import Demo, DemoCall
 from specchat.agent.script import AgentScript, StopCondition, default_system_prompt, load_script
 from specchat.errors import ConfigError
 
@@ -138,6 +139,20 @@ def test_tag_stop(tmp_path: Path):
     assert script.stop.answer_in("<final>cut off") is None
 
 
+def test_examples_tool_choice_and_a_heads_file(tmp_path: Path):
+    path = write(
+        tmp_path,
+        'tasks = ["x"]\ntool_choice = "first"\n[tools]\nenabled = ["python"]\n'
+        '[[examples]]\ntask = "What is 3 * 4?"\nanswer = "12"\n'
+        'calls = [{ name = "python", arguments = { code = "print(3 * 4)" }, result = "12" }]\n'
+        '[speculation]\ndrafter = "heads:heads.safetensors"',
+    )
+    script = load_script(path)
+    assert script.tool_choice == "first"
+    assert script.examples == [Demo("What is 3 * 4?", "12", [DemoCall("python", {"code": "print(3 * 4)"}, "12")])]
+    assert script.speculation.drafter == f"heads:{tmp_path / 'heads.safetensors'}"
+
+
 def test_regex_stop_without_groups_returns_the_match():
     assert StopCondition("regex", r"\d+ apples").answer_in("I count 12 apples.") == "12 apples"
     assert StopCondition().answer_in("<final>x</final>") is None
@@ -185,12 +200,26 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks = ["x"]\n[sampling]\nmax_tokens = 0', "sampling: max-tokens must be > 0"),
         (
             'tasks = ["x"]\n[speculation]\ndrafter = "eagle"',
-            "speculation.drafter must be none, ngram, heads or draft-model",
+            "speculation.drafter must be none, ngram, heads[:FILE] or draft-model[:NAME]",
         ),
         ('tasks = ["x"]\n[speculation]\ndrafter = "ngram:3"', "speculation.drafter must be"),
         ('tasks = ["x"]\n[speculation]\nk = "many"', 'speculation.k must be an integer or "auto"'),
         ('tasks = ["x"]\n[speculation]\nk = 20', "speculation: k must be in [0, 8]"),
         ('tasks = ["x"]\nsampling = 3', "sampling must be a table, got an integer 3"),
+        ('tasks = ["x"]\ntool_choice = "always"', "tool_choice must be one of auto, first, required"),
+        ('tasks = ["x"]\ntool_choice = "first"\n[stop]\ntag = "f"', "tool_choice = 'first' needs at least one tool"),
+        (
+            'tasks = ["x"]\ntool_choice = "required"\n[stop]\ntag = "f"\n[tools]\nenabled = ["python"]',
+            "it needs the final_answer stop",
+        ),
+        ('tasks = ["x"]\nexamples = ["y"]', "examples[1] must be a table ([[examples]]), got a string 'y'"),
+        ('tasks = ["x"]\n[[examples]]\ntask = "y"', "examples[1] needs a task and an answer"),
+        ('tasks = ["x"]\n[[examples]]\ntask = "y"\nanswr = "z"', "unknown key 'examples[1].answr'"),
+        (
+            'tasks = ["x"]\n[[examples]]\ntask = "y"\nanswer = "z"\ncalls = [{ name = "grep" }]',
+            "examples[1] calls 'grep', which is not an enabled tool",
+        ),
+        ('tasks = ["x"]\n[[examples]]\ntask = "y"\nanswer = "z"\ncalls = [{ result = "1" }]', "calls[1] needs a name"),
         ('tasks = "x"\n[[', "invalid TOML"),
     ],
 )
