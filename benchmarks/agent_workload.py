@@ -1,0 +1,116 @@
+"""Agent workload: N concurrent runs of an agent script on one engine, once per drafter, side by side.
+
+    PYTHONPATH=. python benchmarks/agent_workload.py --script examples/agents/arithmetic.toml --concurrency 4
+
+For each drafter (none, ngram, heads, draft-model; the engine's missing ones are reported, not run) every round
+runs the script's tasks with greedy sampling and prints, per drafter, the median over rounds of the workload's
+throughput (completion tokens of every turn / wall time) and its tokens per step, acceptance and prefix-cache hit
+rate (prompt tokens taken from the cache / prompt tokens of every turn). The prefix cache is emptied before each
+session so that every drafter starts cold. Greedy verification is lossless, so every drafter must produce the
+same transcripts as plain decoding; the last column checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from specchat.agent.runner import AgentSession, RunOutcome
+from specchat.agent.script import AgentScript, load_script
+from specchat.agent.trace import SessionEnd
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.engine import Engine
+from specchat.errors import SpecchatError
+
+DRAFTERS = ("none", "ngram", "heads", "draft-model")
+
+
+def run_session(engine: Engine, script: AgentScript, concurrency: int) -> tuple[SessionEnd, list[RunOutcome]]:
+    """One session from a cold prefix cache, with the step loop in the background."""
+    engine.pool.clear_prefix_cache()
+    summary: list[SessionEnd] = []
+    engine.start()
+    try:
+        session = AgentSession(engine, script, concurrency)
+        outcomes = session.run(lambda event: summary.append(event) if isinstance(event, SessionEnd) else None)
+    finally:
+        engine.close()
+    return summary[0], outcomes
+
+
+def available(engine: Engine, drafter: str) -> str | None:
+    """None when the engine can draft with `drafter`, else why not (one line)."""
+    try:
+        engine.drafter(drafter)
+    except SpecchatError as error:
+        return str(error)
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--script", type=Path, default=Path("examples/agents/arithmetic.toml"))
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--drafters", default=",".join(DRAFTERS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw summaries here")
+    args = parser.parse_args()
+
+    script = load_script(args.script)
+    script = dataclasses.replace(
+        script, max_wall_s=3600.0, sampling=dataclasses.replace(script.sampling, temperature=0.0)
+    )
+    engine = Engine.load(EngineConfig(model=script.model, device=args.device, dtype=args.dtype))
+    engine.submit("warm up", SamplingParams(max_tokens=4)).result()
+    drafters = [name for name in args.drafters.split(",") if name]
+    missing = {name: why for name in drafters if (why := available(engine, name)) is not None}
+    runnable = [name for name in drafters if name not in missing]
+
+    results: dict[str, list[SessionEnd]] = {name: [] for name in runnable}
+    transcripts: dict[str, list] = {}
+    for _ in range(args.rounds):
+        for name in runnable:  # interleaved, so that load on the machine hits every drafter alike
+            spec = SpecParams(drafter=name, k=args.k if name != "none" else 0, k_max=max(args.k, 8))
+            summary, outcomes = run_session(engine, dataclasses.replace(script, speculation=spec), args.concurrency)
+            results[name].append(summary)
+            transcripts[name] = [outcome.messages for outcome in outcomes]
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = torch.cuda.get_device_name() if engine.device.type == "cuda" else platform.processor() or "cpu"
+    print(f"# {args.script} x{len(script.tasks)} tasks, concurrency {args.concurrency}, k={args.k}, greedy, ")
+    print(f"# {engine.device.type} ({device}), torch threads {torch.get_num_threads()}, {args.rounds} rounds, ")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}")
+    print(
+        "| drafter | completion tokens | tokens/s (median) | tokens/step | acceptance | prefix-cache hits | steps "
+        "| same transcripts as none |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, summaries in results.items():
+        last = summaries[-1]
+        tok_per_s = statistics.median(summary.tok_per_s for summary in summaries)
+        hits = "n/a" if last.prefix_hit_rate is None else f"{last.prefix_hit_rate:.0%}"
+        same = "yes" if transcripts[name] == transcripts.get("none", transcripts[name]) else "NO"
+        print(
+            f"| {name} | {last.tokens} | {tok_per_s:.1f} | {last.stats['tokens_per_step']:.2f} "
+            f"| {last.stats['acceptance_rate']:.0%} | {hits} | {last.stats['steps']} | {same} |"
+        )
+    for name, why in missing.items():
+        print(f"| {name} | missing: {why} | | | | | | |")
+    if args.json is not None:
+        raw = {name: [dataclasses.asdict(summary) for summary in summaries] for name, summaries in results.items()}
+        args.json.write_text(json.dumps({"results": raw, "missing": missing}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
