@@ -94,3 +94,27 @@ def test_loading_with_mxfp4_keeps_no_dense_copy(tiny_model_dir) -> None:
     assert engine.memory()["weights_format"] == "bf16"
     assert not any(isinstance(m, Fp4Linear) for m in engine.model.modules())
     assert torch.is_tensor(engine.model.layers[0].attn.wqkv.weight)
+
+
+def test_toggle_uses_the_cached_gptq_result(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """`specchat quantize MODEL` without --out calibrates once into the cache; the toggle then loads it."""
+    from click.testing import CliRunner
+
+    from specchat.cli import main
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+    from specchat.quant.checkpoint import cache_dir, read_packed
+    from specchat.quant.handler import packed_state
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    args = ["quantize", str(tiny_model_dir), "--device", "cpu", "--calibration-tokens", "256"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    cached, meta = read_packed(cache_dir(tiny_model_dir))
+    assert meta["method"] == "gptq" and meta["gptq"]["calibration_tokens"] == 256
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    engine.set_weights("mxfp4")
+    assert engine.memory()["weights_method"] == "gptq (cached)"
+    running = packed_state(engine.model)
+    assert all(torch.equal(running[n][0], cached[n][0]) and torch.equal(running[n][1], cached[n][1]) for n in cached)
