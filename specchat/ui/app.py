@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import tomllib
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -26,15 +26,16 @@ from textual.widgets import Footer, Header, TabbedContent, TabPane
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.sequence import Finished, TextDelta
-from specchat.errors import ConfigError, SpecchatError
+from specchat.errors import SpecchatError
 from specchat.registry import cache_dir
-from specchat.ui.bridge import SETTERS, EngineBridge, ProgressPoster, drafter_names, load_engine
+from specchat.ui.bridge import EngineBridge, ProgressPoster, drafter_names, load_engine
 from specchat.ui.chat import ChatPane, PromptInput
-from specchat.ui.controls import KV_FORMATS, WEIGHT_FORMATS, ControlsPanel, k_text
+from specchat.ui.controls import KV_FORMATS, WEIGHT_FORMATS, ControlsPanel
 from specchat.ui.memory import MemoryPanel
-from specchat.ui.messages import EngineReading, EngineReady, EngineStep, LoadFailed, LoadProgress, SettingApplied
+from specchat.ui.messages import EngineReading, EngineReady, EngineStep, LoadFailed, LoadProgress
 from specchat.ui.metrics import LiveMetrics
 from specchat.ui.screens import HistoryScreen, LoadScreen
+from specchat.ui.settings import ChatSettings, LiveSettings
 from specchat.ui.speculation import SpeculationPanel
 from specchat.ui.store import ChatStore
 from specchat.ui.throughput import ThroughputPanel
@@ -45,18 +46,7 @@ PANEL_REFRESH_S = 0.25
 READING_REFRESH_S = 1.0  # memory and engine snapshot
 
 
-@dataclass(slots=True)
-class ChatSettings:
-    """What new requests get, and what the Controls panel shows."""
-
-    k: int | None
-    drafter: str
-    temperature: float
-    weights: str | None = None  # None = as loaded
-    kv: str | None = None
-
-
-class SpecchatApp(App[Exception | None]):
+class SpecchatApp(LiveSettings, App[Exception | None]):
     """Chat with a local model and watch speculative decoding work."""
 
     CSS_PATH = "specchat.tcss"
@@ -93,7 +83,13 @@ class SpecchatApp(App[Exception | None]):
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
         spec = spec or SpecParams()
-        self.settings = ChatSettings(k=spec.k, drafter=spec.drafter, temperature=self.sampling.temperature)
+        self.settings = ChatSettings(
+            k=spec.k,
+            drafter=spec.drafter,
+            temperature=self.sampling.temperature,
+            weights=None if self.config.weights == "auto" else self.config.weights,
+            kv=None if self.config.kv_format == "auto" else self.config.kv_format,
+        )
         self.k_max = spec.k_max
         self.system = system
         self.store = store or ChatStore()
@@ -138,6 +134,9 @@ class SpecchatApp(App[Exception | None]):
 
     async def on_mount(self) -> None:
         self.load_keymap()
+        controls = self.main.query_one(ControlsPanel)
+        for name in ("weights", "kv"):
+            controls.show(name, getattr(self.settings, name) or "")
         await self.action_new_chat()
         self.set_interval(PANEL_REFRESH_S, self.refresh_panels)
         self.set_interval(READING_REFRESH_S, self.request_reading)
@@ -239,9 +238,12 @@ class SpecchatApp(App[Exception | None]):
         self.metrics.sample()
         figures = {"active_requests": len(self.requests), **(self.engine_figures or {})}
         view = replace(self.metrics.view(), **figures)
-        for kind in (SpeculationPanel, ThroughputPanel):
-            if (panel := self.widget(kind)) is not None:
-                panel.view = view
+        try:
+            for kind in (SpeculationPanel, ThroughputPanel):
+                if (panel := self.widget(kind)) is not None:
+                    panel.view = view
+        except NoMatches:  # the app is closing: the panels' children are already gone
+            return
 
     # --- chats --------------------------------------------------------------------------------------------------
     @property
@@ -362,91 +364,6 @@ class SpecchatApp(App[Exception | None]):
         path.write_text(text)
         self.notify(f"saved {path}")
         return path
-
-    # --- live settings ------------------------------------------------------------------------------------------
-    def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
-        self.change_setting(message.name, message.value)
-
-    def change_setting(self, name: str, value: str) -> None:
-        """Apply a setting: K and temperature at once, drafter / weights / KV in a worker thread."""
-        controls = self.main.query_one(ControlsPanel)
-        if name == "k":
-            try:
-                k = None if value == "auto" else int(value)
-                SpecParams(drafter=self.settings.drafter, k=k, k_max=self.k_max)
-            except (ValueError, ConfigError) as exc:
-                reason = str(exc) if isinstance(exc, ConfigError) else f"K must be an integer or 'auto', got {value!r}"
-                self.notify(reason, severity="error")
-                controls.show("k", k_text(self.settings.k))
-                return
-            self.settings.k = k
-            if self.engine is not None:
-                self.engine.set_k(k)
-            controls.show("k", k_text(k))
-        elif name == "temperature":
-            try:
-                temperature = replace(self.sampling, temperature=float(value)).temperature
-            except (ValueError, ConfigError) as exc:
-                self.notify(f"temperature: {exc}", severity="error")
-                controls.show("temperature", str(self.settings.temperature))
-                return
-            self.settings.temperature = temperature
-            controls.show("temperature", str(temperature))
-            self.notify(f"temperature {temperature}: from the next message on", timeout=3)
-        else:
-            if self.bridge is None:
-                self.notify("the model is still loading", severity="warning")
-                controls.show(name, getattr(self.settings, name) or "")
-                return
-            if not self.bridge.has_setter(name):
-                self.notify(f"{name}: this engine has no {SETTERS[name]}() yet", severity="warning")
-                controls.show(name, getattr(self.settings, name) or "")
-                return
-            controls.set_busy(True)
-            self.notify(f"{name} → {value}…", timeout=3)
-            self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
-
-    def on_setting_applied(self, message: SettingApplied) -> None:
-        controls = self.widget(ControlsPanel)
-        if controls is None:
-            return
-        controls.set_busy(False)
-        if message.error is not None:
-            self.notify(f"{message.name}: {message.error}", severity="error")
-            controls.show(message.name, getattr(self.settings, message.name) or "")
-            return
-        setattr(self.settings, message.name, message.value)
-        controls.show(message.name, message.value)
-        self.notify(f"{message.name} = {message.value}", timeout=3)
-        self.request_reading()
-
-    def action_k_up(self) -> None:
-        """One more draft token per step."""
-        current = self.settings.k if self.settings.k is not None else (self.metrics.k_next or 0)
-        self.change_setting("k", str(min(current + 1, self.k_max)))
-
-    def action_k_down(self) -> None:
-        """One draft token fewer per step."""
-        current = self.settings.k if self.settings.k is not None else (self.metrics.k_next or 0)
-        self.change_setting("k", str(max(current - 1, 0)))
-
-    def action_k_auto(self) -> None:
-        """Let the adaptive controller pick K."""
-        self.change_setting("k", "auto")
-
-    def action_next_drafter(self) -> None:
-        """Switch to the next drafter."""
-        names = drafter_names()
-        current = names.index(self.settings.drafter) if self.settings.drafter in names else -1
-        self.change_setting("drafter", names[(current + 1) % len(names)])
-
-    def action_toggle_weights(self) -> None:
-        """Weights MXFP4 <-> bf16."""
-        self.change_setting("weights", "bf16" if self.settings.weights == "mxfp4" else "mxfp4")
-
-    def action_toggle_kv(self) -> None:
-        """KV cache MXFP4 <-> bf16."""
-        self.change_setting("kv", "bf16" if self.settings.kv == "mxfp4" else "mxfp4")
 
     def get_system_commands(self, screen: Screen):
         """The command palette: every action, plus each drafter and format by name."""

@@ -99,10 +99,11 @@ class ControlsPanel(Vertical):
             self.query_one("#temperature", Input).value = value
         else:
             select = self.query_one(f"#{name}", Select)
+            choices = {"drafter": self.drafters, "weights": WEIGHT_FORMATS, "kv": KV_FORMATS}[name]
             with self.prevent(Select.Changed):
-                if value:
+                if value in choices:
                     select.value = value
-                else:  # "as loaded"
+                else:  # "as loaded", or a format the panel does not offer (fp16 / fp32 KV)
                     select.clear()
             if name == "drafter":
                 self.drafter = value

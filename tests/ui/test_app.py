@@ -7,10 +7,10 @@ import json
 from textual.widgets import Markdown
 
 from specchat.ui.app import SpecchatApp
-from specchat.ui.chat import MessageView
+from specchat.ui.chat import MessageView, PromptInput
 from specchat.ui.screens import HistoryScreen
 from specchat.ui.speculation import SpeculationPanel
-from tests.ui.conftest import SIZE, press_now, send, type_prompt, wait_for
+from tests.ui.conftest import SIZE, press_now, type_prompt, wait_for
 
 
 async def test_typed_prompt_streams_tokens(tiny_engine, make_app, store):
@@ -93,11 +93,12 @@ async def test_two_chats_run_at_once(tiny_engine, make_app):
         await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: app.chat is not first and app.chat.prompt_input.has_focus, what="a new tab")
         second = app.chat
-        await send(pilot, app, "second chat")
+        for pane, text in ((first, "first chat"), (second, "second chat")):  # one right after the other
+            pane.prompt_input.post_message(PromptInput.Submitted(pane.prompt_input, text))
+        await wait_for(pilot, lambda: first.busy and second.busy, what="both requests submitted")
+        assert len(app.requests) == 2
         press_now(app, "ctrl+pageup")
         await wait_for(pilot, lambda: app.chat is first, what="back to the first tab")
-        await send(pilot, app, "first chat")
-        assert first.busy and second.busy and len(app.requests) == 2
         await wait_for(pilot, lambda: not first.busy and not second.busy, timeout=240, what="both answers")
         assert first.messages[-1]["role"] == second.messages[-1]["role"] == "assistant"
         assert [first.title, second.title] == ["first chat", "second chat"]

@@ -1,0 +1,116 @@
+"""Live settings: the Controls panel and the key bindings change K, drafter, weights, KV and temperature.
+
+K and temperature apply at once (K through `engine.set_k`, from the next step; temperature from the next
+message). Drafter, weights and KV call the engine's setter in a worker thread, since loading a drafter or
+quantizing takes a while; a missing setter or a refusal becomes a notification and the control snaps back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+from specchat.config import SpecParams
+from specchat.errors import ConfigError
+from specchat.ui.bridge import SETTERS, drafter_names
+from specchat.ui.controls import ControlsPanel, k_text
+from specchat.ui.messages import SettingApplied
+
+
+@dataclass(slots=True)
+class ChatSettings:
+    """What new requests get, and what the Controls panel shows."""
+
+    k: int | None
+    drafter: str
+    temperature: float
+    weights: str | None = None  # None = as loaded
+    kv: str | None = None
+
+
+class LiveSettings:
+    """The settings half of SpecchatApp (a mixin: it uses the app's engine, bridge, metrics and widgets)."""
+
+    def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
+        self.change_setting(message.name, message.value)
+
+    def change_setting(self, name: str, value: str) -> None:
+        """Apply a setting: K and temperature at once, drafter / weights / KV in a worker thread."""
+        controls = self.main.query_one(ControlsPanel)
+        if name == "k":
+            try:
+                k = None if value == "auto" else int(value)
+                SpecParams(drafter=self.settings.drafter, k=k, k_max=self.k_max)
+            except (ValueError, ConfigError) as exc:
+                reason = str(exc) if isinstance(exc, ConfigError) else f"K must be an integer or 'auto', got {value!r}"
+                self.notify(reason, severity="error")
+                controls.show("k", k_text(self.settings.k))
+                return
+            self.settings.k = k
+            if self.engine is not None:
+                self.engine.set_k(k)
+            controls.show("k", k_text(k))
+        elif name == "temperature":
+            try:
+                temperature = replace(self.sampling, temperature=float(value)).temperature
+            except (ValueError, ConfigError) as exc:
+                self.notify(f"temperature: {exc}", severity="error")
+                controls.show("temperature", str(self.settings.temperature))
+                return
+            self.settings.temperature = temperature
+            controls.show("temperature", str(temperature))
+            self.notify(f"temperature {temperature}: from the next message on", timeout=3)
+        else:
+            if self.bridge is None:
+                self.notify("the model is still loading", severity="warning")
+                controls.show(name, getattr(self.settings, name) or "")
+                return
+            if not self.bridge.has_setter(name):
+                self.notify(f"{name}: this engine has no {SETTERS[name]}() yet", severity="warning")
+                controls.show(name, getattr(self.settings, name) or "")
+                return
+            controls.set_busy(True)
+            self.notify(f"{name} → {value}…", timeout=3)
+            self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
+
+    def on_setting_applied(self, message: SettingApplied) -> None:
+        controls = self.widget(ControlsPanel)
+        if controls is None:
+            return
+        controls.set_busy(False)
+        if message.error is not None:
+            self.notify(f"{message.name}: {message.error}", severity="error")
+            controls.show(message.name, getattr(self.settings, message.name) or "")
+            return
+        setattr(self.settings, message.name, message.value)
+        controls.show(message.name, message.value)
+        self.notify(f"{message.name} = {message.value}", timeout=3)
+        self.request_reading()
+
+    def action_k_up(self) -> None:
+        """One more draft token per step."""
+        current = self.settings.k if self.settings.k is not None else (self.metrics.k_next or 0)
+        self.change_setting("k", str(min(current + 1, self.k_max)))
+
+    def action_k_down(self) -> None:
+        """One draft token fewer per step."""
+        current = self.settings.k if self.settings.k is not None else (self.metrics.k_next or 0)
+        self.change_setting("k", str(max(current - 1, 0)))
+
+    def action_k_auto(self) -> None:
+        """Let the adaptive controller pick K."""
+        self.change_setting("k", "auto")
+
+    def action_next_drafter(self) -> None:
+        """Switch to the next drafter."""
+        names = drafter_names()
+        current = names.index(self.settings.drafter) if self.settings.drafter in names else -1
+        self.change_setting("drafter", names[(current + 1) % len(names)])
+
+    def action_toggle_weights(self) -> None:
+        """Weights MXFP4 <-> bf16."""
+        self.change_setting("weights", "bf16" if self.settings.weights == "mxfp4" else "mxfp4")
+
+    def action_toggle_kv(self) -> None:
+        """KV cache MXFP4 <-> bf16."""
+        self.change_setting("kv", "bf16" if self.settings.kv == "mxfp4" else "mxfp4")
