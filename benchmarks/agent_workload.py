@@ -3,11 +3,14 @@
     PYTHONPATH=. python benchmarks/agent_workload.py --script examples/agents/arithmetic.toml --concurrency 4
 
 For each drafter (none, ngram, heads, draft-model; the engine's missing ones are reported, not run) every round
-runs the script's tasks with greedy sampling and prints, per drafter, the median over rounds of the workload's
-throughput (completion tokens of every turn / wall time) and its tokens per step, acceptance and prefix-cache hit
-rate (prompt tokens taken from the cache / prompt tokens of every turn). The prefix cache is emptied before each
-session so that every drafter starts cold. Greedy verification is lossless, so every drafter must produce the
-same transcripts as plain decoding; the last column checks it.
+runs the script's tasks with greedy sampling. Greedy verification is lossless, so every drafter must produce the
+same transcripts as plain decoding (the last column checks it); the work is then the same and wall times compare
+directly: the speedup is none's median wall time over the drafter's, and tokens/s counts the tokens the
+transcripts keep (a step that verifies several tokens can run past a stop string; the tokens past it are
+generated but dropped, so generated counts differ between drafters). Per drafter it also prints tokens per step
+and acceptance (engine SpecStats over every turn of every run), target steps (forwards, summed over requests)
+and the prefix-cache hit rate (prompt tokens taken from the cache / prompt tokens of every turn). The prefix
+cache is emptied before each session, so every drafter starts cold.
 """
 
 from __future__ import annotations
@@ -92,21 +95,25 @@ def main() -> None:
     print(f"# {engine.device.type} ({device}), torch threads {torch.get_num_threads()}, {args.rounds} rounds, ")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}")
     print(
-        "| drafter | completion tokens | tokens/s (median) | tokens/step | acceptance | prefix-cache hits | steps "
-        "| same transcripts as none |"
+        "| drafter | wall s (median) | speedup | tokens/s | tokens/step | acceptance | target steps "
+        "| prefix-cache hits | same transcripts as none |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
+    baseline = statistics.median(summary.elapsed_s for summary in results["none"]) if "none" in results else None
+    kept_tokens = results["none"][-1].tokens if "none" in results else None  # what the transcripts hold
     for name, summaries in results.items():
         last = summaries[-1]
-        tok_per_s = statistics.median(summary.tok_per_s for summary in summaries)
+        wall = statistics.median(summary.elapsed_s for summary in summaries)
+        speedup = f"{baseline / wall:.2f}x" if baseline else "n/a"
         hits = "n/a" if last.prefix_hit_rate is None else f"{last.prefix_hit_rate:.0%}"
         same = "yes" if transcripts[name] == transcripts.get("none", transcripts[name]) else "NO"
+        tok_per_s = (kept_tokens or last.tokens) / wall
         print(
-            f"| {name} | {last.tokens} | {tok_per_s:.1f} | {last.stats['tokens_per_step']:.2f} "
-            f"| {last.stats['acceptance_rate']:.0%} | {hits} | {last.stats['steps']} | {same} |"
+            f"| {name} | {wall:.1f} | {speedup} | {tok_per_s:.1f} | {last.stats['tokens_per_step']:.2f} "
+            f"| {last.stats['acceptance_rate']:.0%} | {last.stats['steps']} | {hits} | {same} |"
         )
     for name, why in missing.items():
-        print(f"| {name} | missing: {why} | | | | | | |")
+        print(f"| {name} | missing: {why} | | | | | | | |")
     if args.json is not None:
         raw = {name: [dataclasses.asdict(summary) for summary in summaries] for name, summaries in results.items()}
         args.json.write_text(json.dumps({"results": raw, "missing": missing}, indent=1))
