@@ -68,7 +68,7 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
     print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
 
 
-def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, eager, as_json) -> None:
+def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, cuda_graphs, as_json) -> None:
     import torch
 
     from specchat.bench.synthetic import SHAPES, SyntheticCase, random_model, run_case
@@ -80,7 +80,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     runner_factory = ModelRunner
-    if dev.type == "cuda" and not eager:
+    if dev.type == "cuda" and cuda_graphs:
         from specchat.engine.cuda_graph import CudaGraphRunner
 
         runner_factory = CudaGraphRunner
@@ -117,7 +117,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
         rows.append(
             [c.batch, c.weights, c.kv, spec, r.tok_per_s, r.tok_per_s / c.batch, r.step_ms, r.tokens_per_step, ratio]
         )
-    mode = "eager" if eager or dev.type != "cuda" else "CUDA graphs"
+    mode = "CUDA graphs" if cuda_graphs and dev.type == "cuda" else "eager"
     click.echo(f"synthetic {shape}, {dev}, context {context}, {steps} steps, {mode}")
     headers = ["batch", "weights", "KV", "decoding", "tok/s", "tok/s per request", "step ms", "tokens/step"]
     print_table([*headers, "P50 ms/token", "P99 ms/token", "vs plain"], rows)
@@ -139,15 +139,15 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option("--acceptance", type=float, default=0.8, show_default=True, help="synthetic: benchmark drafter rate")
 @click.option("--context", type=int, default=512, show_default=True, help="synthetic: tokens per request")
 @click.option("--steps", type=int, default=64, show_default=True, help="synthetic: timed steps")
-@click.option("--eager", is_flag=True, help="synthetic on CUDA: no CUDA graphs")
+@click.option("--cuda-graphs", is_flag=True, help="synthetic on CUDA: replay CUDA graphs (not yet validated on a GPU)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
 def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
-          acceptance, context, steps, eager, as_json) -> None:  # fmt: skip
+          acceptance, context, steps, cuda_graphs, as_json) -> None:  # fmt: skip
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
     if shape is not None:
-        bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
+        bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, cuda_graphs, as_json)
         return
     if prompts_file is None:
         raise click.UsageError("--sessions needs --prompts FILE")
