@@ -384,7 +384,7 @@ class KVPool:
         return KVBatch(self, list(num_new), ctx_lens, tables, new, scale)
 
     # --- live format switch -----------------------------------------------------------------------------
-    def convert(self, fmt: str, rotate: bool | None = None) -> None:
+    def convert(self, fmt: str, rotate: bool | None = None, rule: str | None = None) -> None:
         """Re-encode every live page into page format fmt, keeping the memory budget.
 
         The page count follows the budget (a smaller format holds more tokens). Cached prefixes are kept,
@@ -392,7 +392,8 @@ class KVPool:
         live requests alone need more pages than the new format has.
         """
         rotate = self.rotate if rotate is None else rotate
-        if fmt == self.store.name and rotate == self.rotate:
+        rule = self.store.rule if rule is None else rule
+        if fmt == self.store.name and rotate == self.rotate and rule == self.store.rule:
             return
         per_page = bytes_per_token(fmt, self.num_layers, self.num_kv_heads, self.head_dim) * self.page_size
         num_pages = self.budget_bytes // per_page
@@ -407,7 +408,12 @@ class KVPool:
         order = live + kept
         new_id = {old: new for new, old in enumerate(order)}
         self.store = self.store.reencode(
-            fmt, num_pages * self.page_size, self._page_slots(order), self._page_slots(list(range(len(order)))), rotate
+            fmt,
+            num_pages * self.page_size,
+            self._page_slots(order),
+            self._page_slots(list(range(len(order)))),
+            rotate,
+            rule,
         )
         self.rotate = rotate
 

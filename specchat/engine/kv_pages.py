@@ -126,13 +126,19 @@ class PageStore:
             t.copy_slots(src, dst)
 
     def reencode(
-        self, fmt: str, num_slots: int, src: torch.Tensor, dst: torch.Tensor, rotate: bool = True
+        self,
+        fmt: str,
+        num_slots: int,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        rotate: bool = True,
+        rule: str = DEFAULT_RULE,
     ) -> PageStore:
         """A new store in format fmt holding rows src of this one at dst; this store is emptied layer by layer.
 
         Peak memory is about the larger of the two stores plus one layer, not both.
         """
-        other = PageStore(fmt, 0, self.num_kv_heads, self.head_dim, num_slots, self.device, rotate, self.rule)
+        other = PageStore(fmt, 0, self.num_kv_heads, self.head_dim, num_slots, self.device, rotate, rule)
         for layer in range(len(self.k)):
             other._add_layer()
             for lo in range(0, src.numel(), CONVERT_CHUNK_SLOTS):

@@ -39,6 +39,7 @@ BLOCK_N = 64  # keys per tile
 MIN_BLOCK_M = 16  # query rows per program are padded to a tensor-core tile
 MAX_BLOCK_M = 128  # query rows per program: q_len x (H / KVH) must fit
 MAX_HEAD_DIM = 256
+MAX_GROUPED_Q = 32  # the reference attends with plain matmuls up to this many new tokens (decode, verification)
 PROGRAMS_PER_SM = 4  # split the context until the grid covers the GPU this many times over
 INTERPRETER_PROGRAMS = 4  # the same target under TRITON_INTERPRET=1 (no SMs to fill; keep it fast)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,22 +49,32 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # running max of a row that has seen no key ye
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [q_len, H, D], k/v [KVH, ctx_len, D] -> [q_len, H, D]; the q rows are the last q_len positions."""
-    q_len, ctx_len = q.shape[0], k.shape[1]
-    mask = None
-    if 1 < q_len < ctx_len:
-        # row i may see columns <= ctx_len - q_len + i
-        rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows  # [q_len, ctx_len]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),  # [H, q_len, D]
-        k.to(q.dtype),
-        v.to(q.dtype),
-        attn_mask=mask,
-        is_causal=q_len > 1 and q_len == ctx_len,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1)  # [q_len, H, D]
+    q_len, num_heads, head_dim = q.shape
+    kv_heads, ctx_len = k.shape[:2]
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if q_len > MAX_GROUPED_Q:  # prompts: SDPA's fused kernel (no [q_len, ctx_len] matrix)
+        mask = None
+        if q_len < ctx_len:
+            mask = _causal_mask(q_len, ctx_len, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k, v, attn_mask=mask, is_causal=q_len == ctx_len, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)
+    # Decode and verification: the group's H/KVH query heads x q_len tokens become the rows of one score matrix
+    # per KV head, so keys and values are read in place instead of being repeated for every query head.
+    group = num_heads // kv_heads
+    rows = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)
+    scores = torch.bmm(rows, k.transpose(1, 2)).float() * scale  # [KVH, G * q_len, ctx_len]
+    if q_len > 1:
+        scores = scores.masked_fill(~_causal_mask(q_len, ctx_len, q.device).repeat(group, 1), float("-inf"))
+    out = torch.bmm(scores.softmax(dim=-1).to(v.dtype), v)  # [KVH, G * q_len, D]
+    return out.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+def _causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
+    """[q_len, ctx_len] bool: new token i sees context positions <= ctx_len - q_len + i."""
+    rows = torch.arange(q_len, device=device)[:, None] + (ctx_len - q_len)
+    return torch.arange(ctx_len, device=device)[None, :] <= rows
 
 
 @dataclass(slots=True)
@@ -348,11 +359,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     num_partitions: int | None = None,
+    block_n: int = BLOCK_N,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
-    num_partitions: how many slices the longest context is split into (default: enough to fill the GPU).
+    num_partitions: how many slices the longest context is split into (default: enough to fill the GPU);
+    block_n (keys per tile) and num_warps are launch settings for benchmarks to sweep.
     """
     t, num_heads, head_dim = q.shape
     kv_heads = k_pages.data.shape[0]
@@ -380,8 +393,8 @@ def paged_attention(
     if num_partitions is None:
         target = INTERPRETER_PROGRAMS if _interpreting() else PROGRAMS_PER_SM * _sm_count(q.device)
         num_partitions = triton.cdiv(target, batch * kv_heads)
-    num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, BLOCK_N)))
-    partition_tokens = triton.cdiv(triton.cdiv(meta.max_ctx_len, num_partitions), BLOCK_N) * BLOCK_N
+    num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, block_n)))
+    partition_tokens = triton.cdiv(triton.cdiv(meta.max_ctx_len, num_partitions), block_n) * block_n
 
     part_out = torch.empty(t, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(t, num_heads, num_partitions, dtype=torch.float32, device=q.device)
@@ -427,7 +440,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         PAGE_SIZE=meta.page_size,
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(group * meta.max_q_len)),
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         num_warps=num_warps,
     )
     out = torch.empty_like(q)

@@ -26,18 +26,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from specchat.kernels.mxfp4 import (
     BLOCK_SIZE,
+    E2M1_EMAX,
     E2M1_MAGNITUDES,
+    E2M1_MAX,
     E8M0_BIAS,
     E8M0_MAX_EXP,
     E8M0_MIN_EXP,
     E8M0_NAN,
     RULES,
-    quantize_mxfp4,
+    round_to_e2m1,
     scales_to_float,
 )
 
@@ -51,6 +54,8 @@ E4M3_MIN_NORMAL_EXP = -6
 E4M3_MANTISSA_BITS = 3
 E4M3_BIAS = 7
 
+_MSE_OFFSETS = (0, 1, -1)  # candidate exponents around the OCP one, in the reference's tie-break order
+_E2M1_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES)
 # byte -> (value of the low nibble, value of the high nibble): one gather decodes two MXFP4 elements.
 _E2M1_BYTE_PAIRS = torch.tensor(
     [[(-1.0 if (n >> 3) & 1 else 1.0) * E2M1_MAGNITUDES[n & 7] for n in (byte & 0xF, byte >> 4)] for byte in range(256)]
@@ -103,17 +108,50 @@ def dequantize_mxfp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
 
 
 def dequantize_mxfp4_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize_mxfp4` with one table gather per byte (both nibbles): the CPU read path of MXFP4 pages."""
+    """`dequantize_mxfp4` with one table lookup per byte (both nibbles): the CPU read path of MXFP4 pages."""
     *lead, half = codes.shape
-    pairs = _E2M1_BYTE_PAIRS.to(codes.device)[codes.long()]  # [..., K/2, 2]
+    pairs = F.embedding(codes.int(), _E2M1_BYTE_PAIRS.to(codes.device))  # [..., K/2, 2]
     values = pairs.reshape(*lead, 2 * half // BLOCK_SIZE, BLOCK_SIZE)  # [..., K/32, 32]
     return (values * scales_to_float(scales)[..., None]).reshape(*lead, 2 * half).to(dtype)
+
+
+def quantize_mxfp4_rows(x: torch.Tensor, rule: str = DEFAULT_RULE) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_mxfp4` for K a multiple of 32, equal to it bit for bit, in a fixed number of tensor ops.
+
+    Per-step KV rows are small, so the reference's op count, not its arithmetic, is what costs on CPU: here all
+    candidate exponents of the "mse" rule are rounded at once, and their squared errors compared in float64 as
+    the reference does.
+    """
+    *lead, k = x.shape
+    assert k % BLOCK_SIZE == 0 and rule in RULES, (x.shape, rule)
+    blocks = x.float().reshape(-1, BLOCK_SIZE)  # [N, 32]
+    amax = blocks.abs().amax(dim=-1)  # [N]; NaN or inf when the block holds one
+    finite = torch.isfinite(amax)
+    amax = torch.where(finite, amax, 0.0)
+    ocp = torch.frexp(amax)[1] - 1 - E2M1_EMAX  # floor(log2 amax) - emax(E2M1)
+    ocp = torch.where(amax > 0, ocp, E8M0_MIN_EXP)
+    if rule == "roundup":
+        ocp = ocp + (amax > E2M1_MAX * torch.ldexp(torch.ones_like(amax), ocp.clamp(min=E8M0_MIN_EXP).float()))
+    offsets = torch.tensor(_MSE_OFFSETS if rule == "mse" else (0,), dtype=torch.int32)
+    exponents = (ocp[:, None] + offsets).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)  # [N, C] candidates, in tie order
+    scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents.float())  # [N, C]
+    codes = round_to_e2m1(blocks[:, None, :] / scale[..., None])  # [N, C, 32], sign in bit 3
+    if rule == "mse":
+        magnitude = _E2M1_MAGNITUDES[(codes & 0x7).long()] * scale[..., None]
+        error = magnitude.double() - blocks.abs()[:, None, :].double()
+        best = (error * error).sum(dim=-1).argmin(dim=-1, keepdim=True)  # [N, 1]: the first of equal errors
+        codes = codes.gather(1, best[..., None].expand(-1, 1, BLOCK_SIZE))
+        exponents = exponents.gather(1, best)
+    codes = torch.where(finite[:, None], codes[:, 0], 0)  # [N, 32]
+    scales = torch.where(finite, (exponents[:, 0] + E8M0_BIAS).to(torch.uint8), E8M0_NAN).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # element 2j in the low nibble
+    return packed.reshape(*lead, k // 2), scales.reshape(*lead, k // BLOCK_SIZE)
 
 
 def quantize_rows(x: torch.Tensor, fmt: str, rule: str = DEFAULT_RULE) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [..., D] -> (codes, scales) of a quantized element format."""
     if fmt == MXFP4:
-        return quantize_mxfp4(x, rule)
+        return quantize_mxfp4_rows(x, rule)
     return quantize_mxfp8(x)
 
 

@@ -1,0 +1,158 @@
+"""Paged decode attention on the GPU: MXFP4 and k8v4 pages vs bf16 pages vs torch SDPA on contiguous bf16.
+
+    python benchmarks/attention.py [--contexts 1024,8192,32768] [--batches 1,16] [--sweep]
+
+Llama-3.1-8B attention shape: 32 query heads, 8 KV heads, head_dim 128, one layer, page size 16, pages in a
+shuffled order (as a busy pool hands them out). Times are medians of `triton.testing.do_bench` (L2 flushed
+before every run), of the whole `paged_attention` call (attention kernel + partition merge). Bandwidth counts
+the KV bytes the call must read (keys + values, block scales included) over that time; the ceiling is the
+H200's measured 4.28 TB/s device copy (../shared/GPU.md). Rows with q=5 are speculative verification (4
+drafts + 1 per request, causal among them). --sweep also times launch settings around the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+from datetime import date
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from specchat.kernels.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+COPY_CEILING = 4.28e12  # bytes/s, H200 device-to-device copy (read + write)
+FORMATS = {"bf16": (DENSE, DENSE), "mxfp4": (MXFP4, MXFP4), "k8v4": (MXFP8, MXFP4)}
+FILL_CHUNK = 1 << 16  # rows quantized at once while filling pages
+
+
+def make_pages(fmt: str, batch: int, ctx: int, gen: torch.Generator) -> tuple[PageTensor, PageTensor, list[list[int]]]:
+    """Random keys/values of `batch` requests of `ctx` tokens each, written into shuffled pages."""
+    pages_per_seq = triton.cdiv(ctx, PAGE)
+    num_slots = batch * pages_per_seq * PAGE
+    k_fmt, v_fmt = FORMATS[fmt]
+    k = PageTensor.empty(k_fmt, KV_HEADS, num_slots, HEAD_DIM, torch.bfloat16, "cuda", "mse")
+    v = PageTensor.empty(v_fmt, KV_HEADS, num_slots, HEAD_DIM, torch.bfloat16, "cuda", "mse")
+    order = torch.randperm(batch * pages_per_seq, generator=gen).tolist()
+    tables = [order[b * pages_per_seq : (b + 1) * pages_per_seq] for b in range(batch)]
+    for lo in range(0, num_slots, FILL_CHUNK):
+        slots = torch.arange(lo, min(lo + FILL_CHUNK, num_slots), device="cuda")
+        for pages in (k, v):
+            pages.write(slots, torch.randn(len(slots), KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
+    return k, v, tables
+
+
+def kv_bytes(k: PageTensor, v: PageTensor, tokens: int) -> int:
+    per_slot = sum(t.data[:, :1].nbytes + (0 if t.scales is None else t.scales[:, :1].nbytes) for t in (k, v))
+    return per_slot * tokens
+
+
+def bench(fn) -> float:
+    """Median seconds."""
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+
+
+def bench_paged(q, k, v, meta, scale, **launch) -> float:
+    return bench(lambda: paged_attention(q, k, v, meta, scale, **launch))
+
+
+def bench_sdpa(q: torch.Tensor, batch: int, ctx: int) -> tuple[float, int]:
+    """SDPA over contiguous bf16 [B, KVH, ctx, D] (grouped-query): median seconds and KV bytes."""
+    k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    rows = q.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
+    return bench(lambda: F.scaled_dot_product_attention(rows, k, v, enable_gqa=True)), k.nbytes + v.nbytes
+
+
+def check(q, k, v, meta, scale) -> float:
+    """Largest error of the kernel against the reference on the first request (a spot check on real shapes)."""
+    one = AttentionMetadata(
+        meta.block_tables[:1],
+        meta.q_starts[:1],
+        meta.q_lens[:1],
+        meta.ctx_lens[:1],
+        meta.max_q_len,
+        meta.max_ctx_len,
+        PAGE,
+    )
+    rows = q[: meta.max_q_len]
+    ref = paged_attention_reference(rows, k, v, one, scale).float()
+    return (paged_attention(rows, k, v, one, scale).float() - ref).abs().max().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--q-lens", default="1,5")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    scale = HEAD_DIM**-0.5
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = torch.cuda.get_device_name()
+    print(
+        f"{date.today()} · {device} · torch {torch.__version__} · triton {triton.__version__} · {platform.python_version()} · commit {commit}"
+    )
+    print(
+        f"{HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, page {PAGE}; median of do_bench, L2 flushed\n"
+    )
+    print(
+        "| context | batch | q | kernel | time (us) | KV read (MB) | GB/s | of 4.28 TB/s | vs bf16 pages | max err vs ref |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    sweep_rows = []
+    for ctx in map(int, args.contexts.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            pages = {fmt: make_pages(fmt, batch, ctx, gen) for fmt in FORMATS}
+            for q_len in map(int, args.q_lens.split(",")):
+                if q_len > 1 and ctx != max(map(int, args.contexts.split(","))):
+                    continue  # verification: the longest context only
+                tables = pages["bf16"][2]
+                meta = AttentionMetadata.build(tables, [q_len] * batch, [ctx] * batch, PAGE, "cuda")
+                q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                times = {}
+                for fmt, (k, v, _) in pages.items():
+                    t = bench_paged(q, k, v, meta, scale)
+                    times[fmt] = t
+                    nbytes = kv_bytes(k, v, batch * ctx)
+                    err = check(q, k, v, meta, scale)
+                    print(
+                        f"| {ctx} | {batch} | {q_len} | {fmt} pages | {t * 1e6:.1f} | {nbytes / 1e6:.1f} | "
+                        f"{nbytes / t / 1e9:.0f} | {nbytes / t / COPY_CEILING:.0%} | {times['bf16'] / t:.2f}x | {err:.1e} |",
+                        flush=True,
+                    )
+                if q_len == 1:  # SDPA on contiguous bf16 [B, KVH, ctx, D] (grouped-query)
+                    t, nbytes = bench_sdpa(q, batch, ctx)
+                    print(
+                        f"| {ctx} | {batch} | 1 | torch SDPA, contiguous bf16 | {t * 1e6:.1f} | {nbytes / 1e6:.1f} | "
+                        f"{nbytes / t / 1e9:.0f} | {nbytes / t / COPY_CEILING:.0%} | {times['bf16'] / t:.2f}x | - |",
+                        flush=True,
+                    )
+                if args.sweep and q_len == 1 and ctx == 32768:
+                    for fmt in ("bf16", "mxfp4"):
+                        k, v, _ = pages[fmt]
+                        for block_n in (32, 64, 128):
+                            for warps in (4, 8):
+                                for parts_scale in (0.5, 1, 2):
+                                    parts = max(1, round(parts_scale * 4 * 132 / (batch * KV_HEADS)))
+                                    t = bench_paged(
+                                        q, k, v, meta, scale, num_partitions=parts, block_n=block_n, num_warps=warps
+                                    )
+                                    sweep_rows.append((batch, fmt, block_n, warps, parts, t))
+            del pages
+            torch.cuda.empty_cache()
+    if sweep_rows:
+        print("\nLaunch sweep at context 32768 (defaults: block_n 64, 4 warps, 4 programs per SM):\n")
+        print("| batch | pages | block_n | warps | partitions | time (us) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for batch, fmt, block_n, warps, parts, t in sweep_rows:
+            print(f"| {batch} | {fmt} | {block_n} | {warps} | {parts} | {t * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
