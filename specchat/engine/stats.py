@@ -10,7 +10,9 @@ Definitions (compatible with vLLM's spec-decode metrics):
   steps that all draft this equals vLLM's mean acceptance length 1 + accepted / drafts.
 - accepted_per_position[i] / drafted_per_position[i]: how often the (i+1)-th draft of a step was accepted.
 - emitted_histogram[n]: steps that emitted n tokens (n = 1 .. k + 1).
-- draft_ms / verify_ms: wall time spent proposing and in the target forward + verification.
+- draft_ms / verify_ms: wall time spent proposing and in the target forward + verification, summed over steps;
+  draft_ms_per_step / verify_ms_per_step: the same per step.
+- recent_*: the same rates over the last `window` steps only (what the UI shows as "now").
 """
 
 from __future__ import annotations
@@ -90,6 +92,14 @@ class SpecStats:
         return self.emitted / self.steps if self.steps else 0.0
 
     @property
+    def draft_ms_per_step(self) -> float:
+        return self.draft_ms / self.steps if self.steps else 0.0
+
+    @property
+    def verify_ms_per_step(self) -> float:
+        return self.verify_ms / self.steps if self.steps else 0.0
+
+    @property
     def recent_acceptance_rate(self) -> float:
         drafted = sum(r.k for r in self.recent)
         return sum(r.accepted for r in self.recent) / drafted if drafted else 0.0
@@ -111,6 +121,10 @@ class SpecStats:
             "emitted_histogram": list(self.emitted_histogram),
             "draft_ms": round(self.draft_ms, 3),
             "verify_ms": round(self.verify_ms, 3),
+            "draft_ms_per_step": round(self.draft_ms_per_step, 3),
+            "verify_ms_per_step": round(self.verify_ms_per_step, 3),
+            "recent_acceptance_rate": round(self.recent_acceptance_rate, 4),
+            "recent_tokens_per_step": round(self.recent_tokens_per_step, 4),
         }
 
 
