@@ -67,6 +67,11 @@ def main() -> None:
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument(
+        "--unaided",
+        action="store_true",
+        help="drop the script's small-model aids (tool_choice auto, no worked examples): longer, repetitive turns",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw summaries here")
     args = parser.parse_args()
 
@@ -74,6 +79,8 @@ def main() -> None:
     script = dataclasses.replace(
         script, max_wall_s=3600.0, sampling=dataclasses.replace(script.sampling, temperature=0.0)
     )
+    if args.unaided:
+        script = dataclasses.replace(script, tool_choice="auto", examples=[])
     engine = Engine.load(EngineConfig(model=script.model, device=args.device, dtype=args.dtype))
     engine.submit("warm up", SamplingParams(max_tokens=4)).result()
     drafters = [name for name in args.drafters.split(",") if name]
@@ -91,7 +98,8 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name() if engine.device.type == "cuda" else platform.processor() or "cpu"
-    print(f"# {args.script} x{len(script.tasks)} tasks, concurrency {args.concurrency}, k={args.k}, greedy, ")
+    aids = ", unaided" if args.unaided else ""
+    print(f"# {args.script}{aids} x{len(script.tasks)} tasks, concurrency {args.concurrency}, k={args.k}, greedy, ")
     print(f"# {engine.device.type} ({device}), torch threads {torch.get_num_threads()}, {args.rounds} rounds, ")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}")
     print(
