@@ -17,6 +17,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from specchat.errors import ConfigError, PromptError
 from specchat.quant.checkpoint import checkpoint_method, take_packed
 from specchat.quant.fp4_linear import Fp4Linear
 from specchat.quant.handler import WEIGHT_FORMATS, WeightSwitch, weight_switch
-from specchat.registry import ModelSpec, fetch, resolve, tokenizer_dir
+from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
 
 Prompt = str | list[dict] | list[int]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,7 +116,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], None], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -129,7 +130,8 @@ class Engine:
         path = fetch(spec, progress=progress)
         device = pick_device(config.device)
         dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-        model_cfg, state = load_checkpoint(path, progress=progress)
+        cache = derived_dir(path) / "weights.safetensors" if path.is_file() else None
+        model_cfg, state = load_checkpoint(path, progress=progress, cache=cache)
         tokenizer = load_tokenizer(spec, path)
         packed, method = take_packed(state), checkpoint_method(path)
         model = build_model(model_cfg, state, dtype, device)
@@ -239,7 +241,19 @@ class Engine:
 
         self.apply(change)
 
-    def set_weights(self, fmt: str) -> None:
+    def set_kv(self, fmt: str) -> None:
+        """Switch the KV page format (bf16 | fp16 | fp32 | mxfp4 | k8v4), converting live conversations in place.
+
+        Runs between steps, like `apply`, but in the caller, so that a switch the memory budget cannot hold
+        (live requests need more pages than the new format fits) raises KVCacheFullError here and changes nothing.
+        """
+        if fmt not in PAGE_FORMATS:
+            raise ConfigError(f"kv format must be one of {', '.join(PAGE_FORMATS)}, got {fmt!r}")
+        with self._lock:
+            self._drain_commands()
+            self.pool.convert(fmt)
+
+    def set_weights(self, fmt: str) -> Future:
         """Switch the linear weights between "bf16" (unquantized, the model dtype) and "mxfp4" between steps.
 
         Running requests continue: their KV cache is kept, only the next steps use the new weights; cached
@@ -253,34 +267,35 @@ class Engine:
             self.weights.set(fmt)
             self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
 
-        self.apply(change)
+        return self.apply(change)
 
-    def set_kv(self, fmt: str) -> None:
-        """Switch the KV page format (bf16 | fp16 | fp32 | mxfp4 | k8v4), converting live conversations in place.
+    def apply(self, command: Callable[[], None]) -> Future:
+        """Run a change to engine state between steps (on the engine's thread).
 
-        Runs between steps, like `apply`, but in the caller, so that a switch the memory budget cannot hold
-        (live requests need more pages than the new format fits) raises KVCacheFullError here and changes nothing.
+        Returns a Future that completes when the change has run (and holds its error, if it failed); without
+        a background thread the change runs now and its error is raised here.
         """
-        if fmt not in PAGE_FORMATS:
-            raise ConfigError(f"kv format must be one of {', '.join(PAGE_FORMATS)}, got {fmt!r}")
-        with self._lock:
-            self._drain_commands()
-            self.pool.convert(fmt)
-
-    def apply(self, command: Callable[[], None]) -> None:
-        """Run a change to engine state between steps (on the engine's thread)."""
-        self._commands.put(command)
+        done: Future = Future()
+        self._commands.put((command, done))
         self._wake.set()
         if not self.running_in_background:
             with self._lock:
                 self._drain_commands()
+            done.result()
+        return done
 
     def _drain_commands(self) -> None:
         while True:
             try:
-                self._commands.get_nowait()()
+                command, done = self._commands.get_nowait()
             except queue.Empty:
                 return
+            try:
+                command()
+            except Exception as exc:  # delivered to whoever waits on the Future
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
 
     # --- the step loop ----------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -327,6 +342,11 @@ class Engine:
             self._thread = None
 
     # --- accounting -------------------------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        """Start the engine-wide aggregates afresh (benchmarks measure one phase at a time)."""
+        with self._lock:
+            self.metrics = EngineMetrics()
+
     def snapshot(self) -> Snapshot:
         """Aggregate speculation, throughput, latency, queue depth and memory, now."""
         with self._lock:

@@ -1,0 +1,133 @@
+"""Continuous batching: concurrent requests give exactly their single-request outputs; cancellation, a full
+KV pool and bad requests affect only the requests concerned."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.sequence import Finished, TextDelta
+from specchat.errors import ConfigError, SpecchatError
+
+PROMPTS = [
+    "Hi",
+    "Write a Python function that adds two numbers.",
+    "List three colors.",
+    "Explain recursion to a child in a few sentences, please, using an example about stairs.",
+    "def fib(n):",
+    "What is 12 * 12?",
+    "Translate 'good morning' to French.",
+    "Tell me a fact about the moon and another about the sun.",
+]
+KS = [1, 3, 5, None]
+
+
+def available_drafters(engine) -> list[str]:
+    names = []
+    for name in ("none", "ngram", "heads", "draft-model"):
+        try:
+            engine.drafter(name)
+            names.append(name)
+        except SpecchatError:
+            pass
+    return names
+
+
+def alone(engine, prompt: str, max_tokens: int) -> list[int]:
+    return engine.submit(prompt, SamplingParams(max_tokens=max_tokens)).result().token_ids
+
+
+def run_concurrently(engine, specs: list[SpecParams], max_tokens: list[int]) -> list[Finished]:
+    handles = [
+        engine.submit(p, SamplingParams(max_tokens=m), spec=s)
+        for p, s, m in zip(PROMPTS, specs, max_tokens, strict=True)
+    ]
+    return [h.result() for h in handles]
+
+
+@pytest.mark.parametrize("engine_name", ["tiny_engine", "default_engine"])
+def test_eight_concurrent_requests_equal_single_runs(request, engine_name):
+    engine = request.getfixturevalue(engine_name)
+    drafters = available_drafters(engine)
+    max_tokens = [12 + 5 * i for i in range(len(PROMPTS))]  # mixed lengths: requests finish at different steps
+    expected = [alone(engine, p, m) for p, m in zip(PROMPTS, max_tokens, strict=True)]
+    specs = [SpecParams(drafter=drafters[i % len(drafters)], k=KS[i % len(KS)]) for i in range(len(PROMPTS))]
+    results = run_concurrently(engine, specs, max_tokens)
+    for spec, fin, want in zip(specs, results, expected, strict=True):
+        assert fin.token_ids == want, f"drafter {spec.drafter}, k {spec.k}"
+    assert engine.pool.used_pages == 0 or engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_background_thread_serves_many_callers(tiny_engine):
+    expected = [alone(tiny_engine, p, 10) for p in PROMPTS[:4]]
+    tiny_engine.start()
+    try:
+        results: dict[int, list[int]] = {}
+
+        def consume(i: int) -> None:
+            results[i] = tiny_engine.submit(PROMPTS[i], SamplingParams(max_tokens=10)).result().token_ids
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [results[i] for i in range(4)] == expected
+    finally:
+        tiny_engine.close()
+
+
+def test_cancellation_frees_pages(tiny_engine):
+    free_before = tiny_engine.pool.num_free_pages
+    handle = tiny_engine.submit(PROMPTS[3], SamplingParams(max_tokens=200, ignore_eos=True))
+    events = handle.events()
+    for event in events:
+        if isinstance(event, TextDelta) and event.token_ids:
+            break
+    assert tiny_engine.pool.num_free_pages < free_before
+    handle.cancel()
+    fin = handle.result()
+    assert fin.reason == "cancelled"
+    assert 0 < len(fin.token_ids) < 200
+    assert tiny_engine.pool.num_free_pages == free_before
+
+
+def test_full_pool_makes_requests_wait_and_all_finish(tiny_model_dir, tiny_engine):
+    from specchat.engine.engine import Engine
+
+    max_tokens = 40
+    expected = [alone(tiny_engine, p, max_tokens) for p in PROMPTS]
+    per_token = tiny_engine.pool.bytes_per_token
+    # room for about two requests' worth of tokens: the rest must queue (or be preempted and recomputed)
+    small = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_memory=per_token * 160))
+    handles = [small.submit(p, SamplingParams(max_tokens=max_tokens)) for p in PROMPTS]
+    saw_waiting = False
+    while any(h.finished is None for h in handles):
+        small.step()
+        saw_waiting |= len(small.scheduler.waiting) > 0
+        for h in handles:
+            while not h.queue.empty():
+                event = h.queue.get()
+                if isinstance(event, Finished):
+                    h.finished = event
+    assert saw_waiting
+    assert [h.finished.token_ids for h in handles] == expected
+    assert small.pool.num_free_pages == small.pool.num_pages
+
+
+def test_bad_request_fails_alone(tiny_model_dir, tiny_engine):
+    from specchat.engine.engine import Engine
+
+    expected = alone(tiny_engine, PROMPTS[1], 20)
+    small = Engine.load(
+        EngineConfig(model=str(tiny_model_dir), device="cpu", kv_memory=tiny_engine.pool.bytes_per_token * 64)
+    )
+    good = small.submit(PROMPTS[1], SamplingParams(max_tokens=20))
+    with pytest.raises(ConfigError):
+        small.submit(PROMPTS[2], SamplingParams(max_tokens=20), spec=SpecParams(drafter="no-such-drafter"))
+    too_big = small.submit(list(range(100, 200)), SamplingParams(max_tokens=20))  # 100 tokens > 64 in the pool
+    assert too_big.result().reason == "error"
+    assert "KV" in too_big.result().error
+    assert good.result().token_ids == expected
