@@ -48,11 +48,8 @@ DENSE, MXFP4, MXFP8 = "dense", "mxfp4", "mxfp8"
 ELEMENT_FORMATS = (DENSE, MXFP4, MXFP8)
 DEFAULT_RULE = "mse"  # MXFP4 scale rule for KV rows (least squared error; see the module docstring)
 
-E4M3_MAX = 448.0
+E4M3_MAX = 448.0  # E4M3 (bias 7, 3 mantissa bits, subnormals below 2^-6, no infinities)
 E4M3_EMAX = 8  # 448 = 1.75 * 2^8
-E4M3_MIN_NORMAL_EXP = -6
-E4M3_MANTISSA_BITS = 3
-E4M3_BIAS = 7
 
 _MSE_OFFSETS = (0, 1, -1)  # candidate exponents around the OCP one, in the reference's tie-break order
 _E2M1_MAGNITUDES = torch.tensor(E2M1_MAGNITUDES)
@@ -132,12 +129,12 @@ def quantize_mxfp4_rows(x: torch.Tensor, rule: str = DEFAULT_RULE) -> tuple[torc
     ocp = torch.where(amax > 0, ocp, E8M0_MIN_EXP)
     if rule == "roundup":
         ocp = ocp + (amax > E2M1_MAX * torch.ldexp(torch.ones_like(amax), ocp.clamp(min=E8M0_MIN_EXP).float()))
-    offsets = torch.tensor(_MSE_OFFSETS if rule == "mse" else (0,), dtype=torch.int32)
+    offsets = torch.tensor(_MSE_OFFSETS if rule == "mse" else (0,), dtype=torch.int32, device=x.device)
     exponents = (ocp[:, None] + offsets).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)  # [N, C] candidates, in tie order
     scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents.float())  # [N, C]
     codes = round_to_e2m1(blocks[:, None, :] / scale[..., None])  # [N, C, 32], sign in bit 3
     if rule == "mse":
-        magnitude = _E2M1_MAGNITUDES[(codes & 0x7).long()] * scale[..., None]
+        magnitude = _E2M1_MAGNITUDES.to(x.device)[(codes & 0x7).long()] * scale[..., None]
         error = magnitude.double() - blocks.abs()[:, None, :].double()
         best = (error * error).sum(dim=-1).argmin(dim=-1, keepdim=True)  # [N, 1]: the first of equal errors
         codes = codes.gather(1, best[..., None].expand(-1, 1, BLOCK_SIZE))

@@ -14,9 +14,10 @@ from specchat.kernels.kv_quant import (
     dequantize_mxfp4_rows,
     dequantize_mxfp8,
     quantize_into_pages,
+    quantize_mxfp4_rows,
     quantize_mxfp8,
 )
-from specchat.kernels.mxfp4 import E8M0_BIAS, E8M0_NAN, dequantize_mxfp4
+from specchat.kernels.mxfp4 import E8M0_BIAS, E8M0_NAN, RULES, dequantize_mxfp4, quantize_mxfp4
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,6 +61,29 @@ def test_mxfp8_error_bound():
     assert torch.all(error <= x.reshape(50, 4, 32).abs() / 16 + amax * 2.0**-15)
 
 
+def awkward_rows(tokens: int, kv_heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
+    """Random rows over many magnitudes, with a zero, a NaN, an inf, a -0.0, a tiny and a huge block and grid ties."""
+    x = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    x = x * torch.exp(torch.randn(tokens, kv_heads, 1, generator=gen) * 3)
+    x[0, 0, :32] = 0.0
+    x[1, 1, 5] = float("nan")
+    x[1, 0, 33] = float("-inf")
+    x[2, 0, 40] = -0.0
+    x[3, 2] *= 1e-20
+    x[5, 2] *= 1e30
+    x[4, 1, :32] = torch.tensor([4.5, -5.0, 2.5, 0.75] * 8)  # exact ties on the grid, and between candidates
+    return x
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_fast_mxfp4_quantizer_equals_reference(rule):
+    x = awkward_rows(6, 3, 64, torch.Generator().manual_seed(1))
+    x[2, 1] *= 1e-20  # float32-subnormal blocks too
+    codes, scales = quantize_mxfp4_rows(x, rule)
+    expected_codes, expected_scales = quantize_mxfp4(x, rule)
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+
+
 def test_mxfp4_table_decode_equals_reference():
     codes = torch.arange(256, dtype=torch.uint8).reshape(4, 2, 32)  # every byte
     scales = torch.tensor([[[120, 127]], [[0, 130]], [[254, 1]], [[E8M0_NAN, 127]]], dtype=torch.uint8).expand(4, 2, 2)
@@ -81,14 +105,7 @@ def test_mxfp4_table_decode_equals_reference():
 def test_triton_quantize_equals_reference(fmt, rule, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     tokens, kv_heads, num_slots = 6, 3, 24
-    x = torch.randn(tokens, kv_heads, head_dim, generator=gen) * torch.exp(
-        torch.randn(tokens, kv_heads, 1, generator=gen) * 3
-    )
-    x[0, 0, :32] = 0.0  # a zero block
-    x[1, 1, 5] = float("nan")  # a NaN block
-    x[2, 0, 40] = -0.0
-    x[3, 2] *= 1e-20  # tiny blocks
-    x[4, 1, :32] = torch.tensor([4.5, -5.0, 2.5, 0.75] * 8)  # exact ties on the grid
+    x = awkward_rows(tokens, kv_heads, head_dim, gen)
     slots = torch.randperm(num_slots, generator=gen)[:tokens]
     reference = PageTensor.empty(fmt, kv_heads, num_slots, head_dim, torch.float32, "cpu", rule)
     reference.write(slots, x)
