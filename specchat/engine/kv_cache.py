@@ -387,9 +387,10 @@ class KVPool:
     def convert(self, fmt: str, rotate: bool | None = None, rule: str | None = None) -> None:
         """Re-encode every live page into page format fmt, keeping the memory budget.
 
-        The page count follows the budget (a smaller format holds more tokens). Cached prefixes are kept,
-        most recently used first, as far as they fit. Raises KVCacheFullError, changing nothing, when the
-        live requests alone need more pages than the new format has.
+        The page count follows the budget (a smaller format holds more tokens). Pages keep their numbers unless
+        the pool shrinks below them. Cached prefixes are kept, most recently used first, as far as they fit.
+        Raises KVCacheFullError, changing nothing, when the live requests alone need more pages than the new
+        format has.
         """
         rotate = self.rotate if rotate is None else rotate
         rule = self.store.rule if rule is None else rule
@@ -405,13 +406,16 @@ class KVPool:
             )
         room = num_pages - len(live)
         kept = list(self.evictable)[::-1][:room][::-1]  # the most recently used cached pages that fit
+        # Pages keep their numbers where the new pool has them; only those past its end move to free numbers.
         order = live + kept
-        new_id = {old: new for new, old in enumerate(order)}
+        new_id = {p: p for p in order if p < num_pages}
+        vacant = sorted(set(range(num_pages)) - set(new_id))
+        new_id.update(zip([p for p in order if p >= num_pages], vacant, strict=False))
         self.store = self.store.reencode(
             fmt,
             num_pages * self.page_size,
             self._page_slots(order),
-            self._page_slots(list(range(len(order)))),
+            self._page_slots([new_id[p] for p in order]),
             rotate,
             rule,
         )
@@ -419,7 +423,7 @@ class KVPool:
 
         refcount, published = self.refcount, self.published
         self._reset_pages(num_pages)
-        self.free_pages = list(range(num_pages - 1, len(order) - 1, -1))
+        self.free_pages = sorted(set(range(num_pages)) - set(new_id.values()), reverse=True)
         for old, new in new_id.items():
             self.refcount[new] = refcount[old]
         for old in kept:

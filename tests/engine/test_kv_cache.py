@@ -178,8 +178,11 @@ def test_convert_keeps_live_pages(source, target):
     before = [context(pool, s) for s in (1, 2)]
     pool.add(3, prompt)  # publishes request 1's prompt pages
     pool.free(3, prompt)
+    tables = {s: list(pool.tables[s]) for s in (1, 2)}
     pool.convert(target)
     assert pool.store.name == target and pool.used_pages == 4
+    if pool.num_pages >= 16:
+        assert {s: pool.tables[s] for s in (1, 2)} == tables  # page numbers survive when the pool does not shrink
     for seq_id, (k, v) in zip((1, 2), before, strict=True):
         got_k, got_v = context(pool, seq_id)
         # what writing the same rows straight into the new format would give
@@ -200,3 +203,16 @@ def test_convert_refuses_what_the_budget_cannot_hold():
     with pytest.raises(KVCacheFullError, match="cannot switch"):
         pool.convert("fp32")
     assert pool.store.name == "mxfp4" and pool.length(1) == 12 and pool.num_pages == 8
+
+
+def test_convert_moves_pages_past_the_end_of_a_smaller_pool():
+    pool = make_pool(num_pages=16, kv_format="mxfp4")  # the same bytes hold 2 fp32 pages
+    pool.add(1, [])
+    feed(pool, 1, 40)  # pages 0..9
+    pool.add(2, [])
+    feed(pool, 2, 7, seed=3)  # pages 10, 11
+    before = context(pool, 2)
+    pool.free(1)
+    pool.convert("fp32")
+    assert pool.num_pages == 2 and sorted(pool.tables[2]) == [0, 1]
+    torch.testing.assert_close(context(pool, 2), before)
