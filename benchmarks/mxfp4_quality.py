@@ -24,7 +24,7 @@ from specchat.cli.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, HELD_OUT_TE
 from specchat.config import EngineConfig
 from specchat.engine.engine import Engine
 from specchat.kernels.mxfp4 import dequantize_mxfp4, mxfp4_nbytes, quantize_mxfp4
-from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences, calibration_text, rotate_blocks
+from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences, calibration_text
 from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules
 
 TEXTS = {"heldout": HELD_OUT_TEXT, "dev": "dev_queue.txt"}
@@ -40,7 +40,7 @@ class Variant:
     layers: str = "blocks"
     gptq: GptqSettings = field(default_factory=GptqSettings)
     embedding: bool = False  # also round the (tied) token embedding to MXFP4, values only
-    rotate: bool = False  # quantize W R (R: 32-point block Hadamard); evaluated as dequant(W R) R, dense
+    rotate: bool = False  # quantize W R (R: 32-point block Hadamard), run by RotatedFp4Linear
     calibration_tokens: int = 2048
     derive: str | None = None  # reuse this variant's packed weights, restricted to `layers`
 
@@ -63,6 +63,7 @@ VARIANTS = {
     "gptq-act-damp0.1": Variant("gptq", "mse", gptq=GptqSettings(damp=0.1, act_order=True)),
     "gptq-act-calib-all": Variant("gptq", "mse", gptq=ACT, calibration_tokens=ALL_CALIBRATION_TOKENS),
     "gptq-act-ocp": Variant("gptq", "ocp", gptq=ACT),
+    "gptq-act-calib-all-keep-down0+29": Variant("gptq", layers=FIRST_LAST_DOWN, derive="gptq-act-calib-all"),
 }
 
 
@@ -71,28 +72,10 @@ def packed_weights(engine: Engine, variant: Variant, calib_ids: list[int], done:
     names = select_linears(model, variant.layers)
     if variant.derive:
         return {name: done[variant.derive][name] for name in names}
-    if variant.method == "rtn" and variant.rotate:
-        return {n: quantize_mxfp4(rotate_blocks(model.get_submodule(n).weight), variant.rule) for n in names}
     if variant.method == "rtn":
-        return round_to_nearest(model, names, variant.rule)
+        return round_to_nearest(model, names, variant.rule, variant.rotate)
     settings = GptqSettings(variant.rule, variant.gptq.damp, variant.gptq.act_order, variant.gptq.rotate)
     return calibrate(model, calibration_sequences(calib_ids, variant.calibration_tokens), names, settings)
-
-
-def quantized_modules(model: torch.nn.Module, variant: Variant, packed: dict) -> dict:
-    """Fp4Linear modules; rotated variants as dense modules holding dequant(W R) R (what x R @ (W R)^T computes)."""
-    if not variant.rotate:
-        return fp4_modules(model, packed)
-    modules = {}
-    for name, (codes, scales) in packed.items():
-        dense = model.get_submodule(name)
-        values = dequantize_mxfp4(codes, scales, torch.float32, k=dense.in_features).to(dense.weight.device)
-        linear = torch.nn.Linear(dense.in_features, dense.out_features, bias=dense.bias is not None)
-        linear.weight.data = rotate_blocks(values).to(dense.weight.dtype)
-        if dense.bias is not None:
-            linear.bias.data = dense.bias.data.clone()
-        modules[name] = linear.to(dense.weight.device).requires_grad_(False)
-    return modules
 
 
 def block_linear_bytes(model: torch.nn.Module, packed: dict) -> int:
@@ -111,7 +94,7 @@ def run_variant(engine: Engine, variant: Variant, texts: dict, calib_ids: list[i
     packed = {} if variant.method == "bf16" else packed_weights(engine, variant, calib_ids, done)
     quant_s = time.perf_counter() - t0
     size = block_linear_bytes(model, packed)
-    original = swap_modules(model, quantized_modules(model, variant, packed))
+    original = swap_modules(model, fp4_modules(model, packed, rotated=variant.rotate))
     embed = model.embed.weight.data
     if variant.embedding:
         codes, scales = quantize_mxfp4(embed, rule=variant.rule)

@@ -30,6 +30,7 @@ METHODS = ("gptq", "rtn")
 @click.option("--method", type=click.Choice(METHODS), default="gptq", show_default=True)
 @click.option("--rule", type=click.Choice(RULES), default="mse", show_default=True, help="block scale rule")
 @click.option("--layers", default="blocks", show_default=True, help="linears to quantize (docs/quantization.md)")
+@click.option("--rotate/--no-rotate", default=True, show_default=True, help="32-point block Hadamard rotation")
 @click.option("--act-order/--no-act-order", default=True, show_default=True, help="GPTQ: largest H diagonal first")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: dampening, x mean(diag H)")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -37,13 +38,15 @@ METHODS = ("gptq", "rtn")
 @click.option("--calibration-tokens", type=int, default=2048, show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="of the dense tensors saved beside")
-def quantize(model, out, method, rule, layers, act_order, damp, calibration, calibration_tokens, device, dtype) -> None:
+def quantize(
+    model, out, method, rule, layers, rotate, act_order, damp, calibration, calibration_tokens, device, dtype
+) -> None:
     """Quantize MODEL's linear layers to MXFP4 (OCP MX v1.0) and save a checkpoint `generate` can load."""
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
-    from specchat.quant.checkpoint import cache_dir, is_mxfp4_checkpoint, save_mxfp4_checkpoint
+    from specchat.quant.checkpoint import cache_dir, describe, is_mxfp4_checkpoint, save_mxfp4_checkpoint
     from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences, calibration_text
-    from specchat.quant.handler import round_to_nearest, select_linears
+    from specchat.quant.handler import ROTATION, round_to_nearest, select_linears
     from specchat.registry import fetch, resolve, tokenizer_dir
 
     if calibration_tokens <= 0:
@@ -59,13 +62,14 @@ def quantize(model, out, method, rule, layers, act_order, damp, calibration, cal
     except ValueError as exc:
         raise ConfigError(f"--layers: {exc}") from None
     started = time.perf_counter()
-    meta = {"method": method, "rule": rule, "layers": layers, "source": spec.alias, "source_path": str(source)}
+    meta = {"method": method, "rule": rule, "rotation": ROTATION if rotate else None, "layers": layers}
+    meta |= {"source": spec.alias, "source_path": str(source)}
     if method == "rtn":
-        packed = round_to_nearest(engine.model, names, rule)
+        packed = round_to_nearest(engine.model, names, rule, rotate)
     else:
         text = calibration.read_text() if calibration else calibration_text()
         sequences = calibration_sequences(engine.tokenizer.encode(text), calibration_tokens)
-        settings = GptqSettings(rule=rule, damp=damp, act_order=act_order)
+        settings = GptqSettings(rule=rule, damp=damp, act_order=act_order, rotate=rotate)
         packed = calibrate(engine.model, sequences, names, settings, progress=progress)
         meta["gptq"] = {"damp": damp, "act_order": act_order, "calibration_tokens": sum(len(s) for s in sequences)}
         meta["calibration"] = str(calibration) if calibration else "specchat/data/text/calibration_heapq.txt"
@@ -74,7 +78,7 @@ def quantize(model, out, method, rule, layers, act_order, damp, calibration, cal
     target = out or cache_dir(source)
     save_mxfp4_checkpoint(target, engine.model, packed, tokenizer_dir(spec, source), meta)
     where = "" if out else " (the cache the live MXFP4 toggle reads)"
-    click.echo(f"{len(packed)} linears -> MXFP4 ({method}, rule {rule}) in {meta['seconds']} s: {target}{where}")
+    click.echo(f"{len(packed)} linears -> MXFP4 ({describe(meta)}) in {meta['seconds']} s: {target}{where}")
 
 
 def register(group: click.Group) -> None:

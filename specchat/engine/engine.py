@@ -36,7 +36,7 @@ from specchat.engine.sequence import Event, Finished, Sequence
 from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.engine.tokenizer import StreamDecoder, Tokenizer, export_gguf_tokenizer
 from specchat.errors import ConfigError, PromptError
-from specchat.quant.checkpoint import checkpoint_method, take_packed
+from specchat.quant.checkpoint import checkpoint_metadata, take_packed
 from specchat.quant.fp4_linear import Fp4Linear
 from specchat.quant.handler import WEIGHT_FORMATS, WeightSwitch, weight_switch
 from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
@@ -133,10 +133,10 @@ class Engine:
         cache = derived_dir(path) / "weights.safetensors" if path.is_file() else None
         model_cfg, state = load_checkpoint(path, progress=progress, cache=cache)
         tokenizer = load_tokenizer(spec, path)
-        packed, method = take_packed(state), checkpoint_method(path)
+        packed, meta = take_packed(state), checkpoint_metadata(path)
         model = build_model(model_cfg, state, dtype, device)
         del state
-        weights = weight_switch(model, packed, method, path, config.weights)
+        weights = weight_switch(model, packed, meta, path, config.weights)
         budget = config.kv_memory or default_kv_budget(device)
         c = model_cfg
         shape = (c.num_layers, c.num_kv_heads, c.head_dim, config.page_size)

@@ -6,7 +6,8 @@ A checkpoint is a directory:
     model.safetensors      our parameter names (engine/model.py): dense tensors as `name`, each MXFP4 linear as
                            `name.codes` (uint8 [N, Kp/2], element 2j in the low nibble) and `name.scales`
                            (uint8 [N, Kp/32], E8M0), the interchange layout of kernels.mxfp4 (OCP MX v1.0)
-    specchat_mxfp4.json    metadata: format version, method (rtn | gptq) and its settings, rounding rule, layer
+    specchat_mxfp4.json    metadata: format version, method (rtn | gptq) and its settings, rounding rule, rotation
+                           (null, or "hadamard32": the codes encode W R, see quant.fp4_linear), layer
                            selection, the quantized modules with their [out, in] shapes, source model,
                            calibration text
     tokenizer files        copied from the source model
@@ -33,6 +34,7 @@ import torch
 from specchat.engine.model import ModelConfig
 from specchat.errors import ModelFormatError
 from specchat.kernels.mxfp4 import dequantize_mxfp4
+from specchat.quant.fp4_linear import rotate_blocks
 
 METADATA_FILE = "specchat_mxfp4.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,6 +48,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+ROTATIONS = (None, "hadamard32")  # None: codes encode W; "hadamard32": W R (quant.fp4_linear.RotatedFp4Linear)
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
 Packed = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -109,7 +112,7 @@ def save_mxfp4_checkpoint(
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", "specchat": FORMAT})
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
     shapes = {name: list(model.get_submodule(name).weight.shape) for name in sorted(packed)}  # [out, in]
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, **metadata, "quantized": shapes}
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "rotation": None, **metadata, "quantized": shapes}
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
@@ -123,6 +126,8 @@ def read_metadata(path: Path) -> dict:
         raise ModelFormatError(f"{path / METADATA_FILE}: invalid JSON ({exc})") from None
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise ModelFormatError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} checkpoint")
+    if meta.get("rotation") not in ROTATIONS:
+        raise ModelFormatError(f"{path}: unknown rotation {meta.get('rotation')!r} (known: {ROTATIONS})")
     return meta
 
 
@@ -154,7 +159,8 @@ def load_mxfp4_checkpoint(path: Path, progress: Progress | None = None) -> tuple
         if codes is None or scales is None:
             raise ModelFormatError(f"{path}: metadata names {name} but {WEIGHTS_FILE} lacks its codes or scales")
         _, in_features = meta["quantized"][name]
-        state[name + ".weight"] = dequantize_mxfp4(codes, scales, torch.float32, k=in_features)
+        values = dequantize_mxfp4(codes, scales, torch.float32, k=in_features)  # of W R if rotated
+        state[name + ".weight"] = rotate_blocks(values) if meta["rotation"] else values
     if cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["embed.weight"])
     if progress:
@@ -162,12 +168,15 @@ def load_mxfp4_checkpoint(path: Path, progress: Progress | None = None) -> tuple
     return cfg, state
 
 
-def checkpoint_method(path: Path) -> str | None:
-    """How an MXFP4 checkpoint's weights were made ("gptq", "rtn-mse", ...); None for any other model."""
-    if not is_mxfp4_checkpoint(path):
-        return None
-    meta = read_metadata(path)
-    return meta["method"] if meta["method"] != "rtn" else f"rtn-{meta['rule']}"
+def checkpoint_metadata(path: Path) -> dict | None:
+    """The metadata of an MXFP4 checkpoint; None for any other model."""
+    return read_metadata(path) if is_mxfp4_checkpoint(path) else None
+
+
+def describe(meta: dict) -> str:
+    """How MXFP4 weights were made, in one word: "gptq", "gptq-rot", "rtn-mse", "rtn-mse-rot"."""
+    name = meta["method"] if meta["method"] != "rtn" else f"rtn-{meta['rule']}"
+    return name + ("-rot" if meta.get("rotation") else "")
 
 
 def take_packed(state: dict[str, torch.Tensor]) -> Packed:

@@ -28,7 +28,6 @@ Hessians are measured on inputs that already flow through the quantized blocks b
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -49,6 +48,7 @@ from specchat.kernels.mxfp4 import (
     round_to_e2m1,
     scales_to_float,
 )
+from specchat.quant.fp4_linear import rotate_blocks
 
 CALIBRATION_TEXT = "calibration_heapq.txt"  # specchat/data/text; a different text from the held-out one
 CALIBRATION_TOKENS = 2048
@@ -153,21 +153,6 @@ def gptq_quantize(
     scale = scales_to_float(scale_codes).repeat_interleave(BLOCK_SIZE, dim=1)  # [N, Kp]
     codes = round_to_e2m1(q / scale)  # exact: q lies on each block's grid
     return pack_nibbles(codes), scale_codes
-
-
-def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (K a multiple of 32) times R = blockdiag(H_32 / sqrt(32)) on the right; R = R^T = R^-1."""
-    *lead, k = x.shape
-    blocks = x.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
-    return (blocks @ _hadamard(BLOCK_SIZE, x.dtype, x.device)).reshape(x.shape)
-
-
-def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix of order n (a power of two), symmetric."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
 
 
 def _column_order(h: torch.Tensor, act_order: bool) -> torch.Tensor:

@@ -26,11 +26,13 @@ import torch
 from torch import nn
 
 from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
-from specchat.quant.checkpoint import cache_dir, is_mxfp4_checkpoint, read_packed
-from specchat.quant.fp4_linear import Fp4Linear
+from specchat.quant.checkpoint import cache_dir, describe, is_mxfp4_checkpoint, read_packed
+from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, rotate_blocks
 
 DEFAULT_LAYERS = "blocks"
-DEFAULT_RULE: Rule = "mse"  # round-to-nearest default, chosen by measured perplexity (docs/benchmarks.md)
+DEFAULT_RULE: Rule = "mse"  # the toggle's round-to-nearest fallback, chosen on the development text
+DEFAULT_ROTATE = True  # ... with the 32-point block Hadamard rotation (RotatedFp4Linear); docs/benchmarks.md
+ROTATION = "hadamard32"
 WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = the unquantized weights, in the model dtype
 LINEAR_TYPES = (nn.Linear, Fp4Linear)
 BLOCK_LINEARS = "layers.*"
@@ -73,19 +75,24 @@ def swap_modules(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, n
     return replaced
 
 
-def round_to_nearest(model: nn.Module, names: Sequence[str], rule: Rule = DEFAULT_RULE) -> Packed:
-    """MXFP4 codes and scales of the named dense linears, each block's scale by `rule`, elements RNE."""
+def round_to_nearest(model: nn.Module, names: Sequence[str], rule: Rule = DEFAULT_RULE, rotate: bool = False) -> Packed:
+    """MXFP4 codes and scales of the named dense linears (of W R if `rotate`), block scales by `rule`, RNE."""
+    if rotate:
+        weights = {name: rotate_blocks(model.get_submodule(name).weight.detach()) for name in names}
+        return {name: quantize_mxfp4(w, rule=rule) for name, w in weights.items()}
     return {name: quantize_mxfp4(model.get_submodule(name).weight.detach(), rule=rule) for name in names}
 
 
-def fp4_modules(model: nn.Module, packed: Packed) -> dict[str, Fp4Linear]:
-    """Fp4Linear modules for the named linears of `model`, on its device, biases copied from the dense ones."""
+def fp4_modules(model: nn.Module, packed: Packed, rotated: bool = False) -> dict[str, Fp4Linear]:
+    """Fp4Linear modules (RotatedFp4Linear if the packed weights are W R) for the named linears of `model`, on
+    its device, biases copied from the dense ones."""
     device = next(model.parameters()).device
+    cls = RotatedFp4Linear if rotated else Fp4Linear
     modules = {}
     for name, (codes, scales) in packed.items():
         dense = model.get_submodule(name)
         bias = None if dense.bias is None else dense.bias.detach().clone()
-        modules[name] = Fp4Linear.from_packed(codes.to(device), scales.to(device), dense.in_features, bias)
+        modules[name] = cls.from_packed(codes.to(device), scales.to(device), dense.in_features, bias)
     return modules
 
 
@@ -169,15 +176,18 @@ def default_mxfp4(model: nn.Module, model_path: Path | None) -> tuple[dict[str, 
     cached = cache_dir(model_path) if model_path is not None else None
     if cached is not None and is_mxfp4_checkpoint(cached):
         packed, meta = read_packed(cached)
-        return fp4_modules(model, packed), f"{meta['method']} (cached)"
-    packed = round_to_nearest(model, select_linears(model), DEFAULT_RULE)
-    return fp4_modules(model, packed), f"rtn-{DEFAULT_RULE}"
+        return fp4_modules(model, packed, meta["rotation"] is not None), f"{describe(meta)} (cached)"
+    packed = round_to_nearest(model, select_linears(model), DEFAULT_RULE, DEFAULT_ROTATE)
+    return fp4_modules(model, packed, DEFAULT_ROTATE), describe(
+        {"method": "rtn", "rule": DEFAULT_RULE, "rotation": ROTATION if DEFAULT_ROTATE else None}
+    )
 
 
 def weight_switch(
-    model: nn.Module, packed: Packed, method: str | None, model_path: Path | None, requested: str = "auto"
+    model: nn.Module, packed: Packed, meta: dict | None, model_path: Path | None, requested: str = "auto"
 ) -> WeightSwitch:
-    """Install a checkpoint's MXFP4 linears (`packed`, made by `method`), apply `requested`, return the toggle.
+    """Install a checkpoint's MXFP4 linears (`packed`, described by its metadata `meta`), apply `requested`,
+    and return the model's toggle.
 
     Home form: MXFP4 for a checkpoint with MXFP4 linears (bf16 then means their dequantized values), and for a
     dense model loaded with requested="mxfp4", whose dense linears are dropped so that the memory saving holds;
@@ -190,8 +200,8 @@ def weight_switch(
         swap_modules(model, modules)
         return WeightSwitch(model, "mxfp4", method, to_dense)
     if packed:
-        swap_modules(model, fp4_modules(model, packed))
-        switch = WeightSwitch(model, "mxfp4", method, to_dense)
+        swap_modules(model, fp4_modules(model, packed, meta["rotation"] is not None))
+        switch = WeightSwitch(model, "mxfp4", describe(meta), to_dense)
     else:
         switch = WeightSwitch(model, "bf16", None, lambda: default_mxfp4(model, model_path))
     if requested != "auto":

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from specchat.quant.fp4_linear import Fp4Linear
+from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, rotate_blocks
 
 
 def test_cpu_module_holds_only_packed_weights() -> None:
@@ -40,3 +40,18 @@ def test_to_linear_round_trips_the_values() -> None:
     linear = fp4.to_linear(torch.float32)
     assert torch.equal(linear.weight, fp4.dequantized(torch.float32))
     assert torch.equal(Fp4Linear.from_linear(linear).packed()[0], fp4.packed()[0])  # MXFP4 values re-encode exactly
+
+
+def test_rotated_module_computes_x_times_its_effective_weight() -> None:
+    """RotatedFp4Linear holds W R and computes (x R)(W R)^T: the layer of the effective weight dequant(W R) R."""
+    torch.manual_seed(3)
+    dense = nn.Linear(64, 24, bias=True)
+    fp4 = RotatedFp4Linear.from_linear(dense)
+    codes, scales = fp4.packed()
+    effective = rotate_blocks(dequantize_mxfp4(codes, scales, torch.float32, k=64))  # [N, K]
+    assert torch.equal(fp4.dequantized(torch.float32), effective)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(fp4(x), F.linear(x, effective, dense.bias), rtol=1e-5, atol=1e-5)
+        relative_error = (fp4(x) - dense(x)).norm() / dense(x).norm()
+        assert relative_error < 0.2  # and close to the original layer (4-bit elements)

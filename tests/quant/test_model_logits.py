@@ -17,12 +17,12 @@ def _logits(engine, ids: list[int]) -> torch.Tensor:
         engine.pool.free(-1)
 
 
-@pytest.mark.parametrize("layers", ["blocks", "all"])
-def test_mxfp4_logits_equal_dequantized_dense_logits(engine, layers: str) -> None:
+@pytest.mark.parametrize(("layers", "rotate"), [("blocks", False), ("all", False), ("blocks", True)])
+def test_mxfp4_logits_equal_dequantized_dense_logits(engine, layers: str, rotate: bool) -> None:
     model = engine.model
     ids = engine.tokenizer.encode("def wrap(text, width=70):\n    return text.split()")
-    packed = round_to_nearest(model, select_linears(model, layers), "ocp")
-    swap_modules(model, fp4_modules(model, packed))
+    packed = round_to_nearest(model, select_linears(model, layers), "ocp", rotate)
+    swap_modules(model, fp4_modules(model, packed, rotate))
     mxfp4 = _logits(engine, ids)  # [T, vocab] through Fp4Linear (packed weights, scratch dequantization)
     swap_modules(model, dense_modules(model, torch.float32))
     dense = _logits(engine, ids)  # [T, vocab] through nn.Linear holding the dequantized values

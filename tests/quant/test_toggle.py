@@ -71,7 +71,7 @@ def test_memory_counts_the_running_form_and_the_kept_one(engine) -> None:
     assert dense["weights_restore_bytes"] == 0
     engine.set_weights("mxfp4")
     packed = engine.memory()
-    assert packed["weights_format"] == "mxfp4" and packed["weights_method"] == "rtn-mse"
+    assert packed["weights_format"] == "mxfp4" and packed["weights_method"] == "rtn-mse-rot"
     fp4 = [m for m in engine.model.modules() if isinstance(m, Fp4Linear)]
     block_linears = sum(m.in_features * m.out_features for m in fp4)
     # 4.25 bits per weight: codes (K/2 bytes a row) + scales (K/32 bytes a row)
@@ -115,6 +115,6 @@ def test_toggle_uses_the_cached_gptq_result(tiny_model_dir, tmp_path, monkeypatc
 
     engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
     engine.set_weights("mxfp4")
-    assert engine.memory()["weights_method"] == "gptq (cached)"
+    assert engine.memory()["weights_method"] == "gptq-rot (cached)"
     running = packed_state(engine.model)
     assert all(torch.equal(running[n][0], cached[n][0]) and torch.equal(running[n][1], cached[n][1]) for n in cached)
