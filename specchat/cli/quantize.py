@@ -30,7 +30,7 @@ METHODS = ("gptq", "rtn")
 @click.option("--method", type=click.Choice(METHODS), default="gptq", show_default=True)
 @click.option("--rule", type=click.Choice(RULES), default="mse", show_default=True, help="block scale rule")
 @click.option("--layers", default="blocks", show_default=True, help="linears to quantize (docs/quantization.md)")
-@click.option("--rotate/--no-rotate", default=True, show_default=True, help="32-point block Hadamard rotation")
+@click.option("--rotate/--no-rotate", default=None, help="32-point block Hadamard rotation [default: on for gptq]")
 @click.option("--act-order/--no-act-order", default=True, show_default=True, help="GPTQ: largest H diagonal first")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: dampening, x mean(diag H)")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -61,6 +61,7 @@ def quantize(
         names = select_linears(engine.model, layers)
     except ValueError as exc:
         raise ConfigError(f"--layers: {exc}") from None
+    rotate = method == "gptq" if rotate is None else rotate  # rotation helps GPTQ, hurts RTN (benchmarks.md)
     started = time.perf_counter()
     meta = {"method": method, "rule": rule, "rotation": ROTATION if rotate else None, "layers": layers}
     meta |= {"source": spec.alias, "source_path": str(source)}

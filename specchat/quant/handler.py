@@ -30,8 +30,8 @@ from specchat.quant.checkpoint import cache_dir, describe, is_mxfp4_checkpoint, 
 from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, rotate_blocks
 
 DEFAULT_LAYERS = "blocks"
-DEFAULT_RULE: Rule = "mse"  # the toggle's round-to-nearest fallback, chosen on the development text
-DEFAULT_ROTATE = True  # ... with the 32-point block Hadamard rotation (RotatedFp4Linear); docs/benchmarks.md
+DEFAULT_RULE: Rule = "mse"  # the toggle's round-to-nearest fallback (docs/benchmarks.md: mse < roundup < ocp)
+DEFAULT_ROTATE = False  # the block rotation helps GPTQ a lot but hurts round to nearest (docs/benchmarks.md)
 ROTATION = "hadamard32"
 WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = the unquantized weights, in the model dtype
 LINEAR_TYPES = (nn.Linear, Fp4Linear)

@@ -71,7 +71,7 @@ def test_memory_counts_the_running_form_and_the_kept_one(engine) -> None:
     assert dense["weights_restore_bytes"] == 0
     engine.set_weights("mxfp4")
     packed = engine.memory()
-    assert packed["weights_format"] == "mxfp4" and packed["weights_method"] == "rtn-mse-rot"
+    assert packed["weights_format"] == "mxfp4" and packed["weights_method"] == "rtn-mse"
     fp4 = [m for m in engine.model.modules() if isinstance(m, Fp4Linear)]
     block_linears = sum(m.in_features * m.out_features for m in fp4)
     # 4.25 bits per weight: codes (K/2 bytes a row) + scales (K/32 bytes a row)
