@@ -127,14 +127,14 @@ class DraftHeads(nn.Module):
     @classmethod
     def load(cls, path: Path) -> tuple[DraftHeads, dict]:
         """(heads in fp32 on the CPU, the "target" metadata)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
             tensors = load_file(str(path))
-        except (OSError, ValueError) as exc:
+        except (OSError, SafetensorError) as exc:
             raise ModelFormatError(f"{path}: cannot read draft heads ({exc})") from None
         if meta.get("format") != HEADS_FORMAT:
             raise ModelFormatError(f"{path}: not a draft heads file (format {meta.get('format')!r})")

@@ -1,0 +1,146 @@
+"""Drafters on their own: n-gram lookup cases, the draft model's cache bookkeeping, heads files and shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from specchat.config import SamplingParams, SpecParams
+from specchat.engine.drafters import make_drafter
+from specchat.engine.drafters.draft_model import DraftModelDrafter
+from specchat.engine.drafters.heads import DraftHeads, HeadsConfig, HeadsDrafter
+from specchat.engine.drafters.ngram import NgramDrafter, NgramIndex
+from specchat.errors import ConfigError, ModelFormatError
+
+
+def lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3) -> list[int]:
+    index = NgramIndex(min_n, max_n)
+    index.extend(tokens)
+    return index.lookup(tokens, k)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        ([1, 2, 3, 4, 9, 1, 2, 3], 3, [4, 9, 1]),  # tail [1, 2, 3] seen before: copy what followed
+        ([1, 2, 3, 4, 9, 1, 2, 3], 1, [4]),
+        ([5, 6, 7, 5, 6, 8, 5, 6], 2, [8, 5]),  # two earlier matches: the most recent wins
+        ([1, 2, 7, 3, 9, 8, 2, 3], 2, [9, 8]),  # [2, 3] absent before, [3] present: fall back to n = 1
+        ([1, 2, 3, 4], 3, []),  # nothing repeats
+        ([4, 4, 4], 5, [4]),  # the continuation stops at the end of the context
+    ],
+)
+def test_ngram_lookup_cases(tokens, k, expected):
+    assert lookup(tokens, k) == expected
+
+
+def test_ngram_min_n_refuses_short_matches():
+    assert lookup([1, 2, 7, 3, 9, 8, 2, 3], 2, min_n=2) == []
+
+
+def test_ngram_incremental_index_equals_one_built_at_once():
+    tokens = torch.randint(0, 5, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    grown = NgramIndex(1, 4)
+    for end in range(1, len(tokens) + 1):
+        grown.extend(tokens[:end])
+    whole = NgramIndex(1, 4)
+    whole.extend(tokens)
+    assert grown.follows == whole.follows
+
+
+def test_ngram_drafter_bad_settings():
+    with pytest.raises(ConfigError):
+        NgramDrafter(min_n=3, max_n=2)
+
+
+def test_make_drafter_names(tiny_engine):
+    assert make_drafter("none", tiny_engine).name == "none"
+    assert make_drafter("ngram", tiny_engine).name == "ngram"
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        make_drafter("medusa", tiny_engine)
+    with pytest.raises(ConfigError, match="no trained draft heads"):
+        make_drafter("heads", tiny_engine)  # the tiny model has no registry entry with heads
+    with pytest.raises(ConfigError, match="not found"):
+        make_drafter("heads:/nonexistent/heads.safetensors", tiny_engine)
+
+
+def random_heads(model, sequential: bool = True, num_heads: int = 3, draft_vocab: int = 0) -> DraftHeads:
+    """Heads whose blocks are random (the trained init leaves W_down at zero), so drafts vary."""
+    cfg = HeadsConfig.for_model(model, num_heads, sequential=sequential)
+    vocab = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:draft_vocab]
+    heads = DraftHeads(cfg, vocab if draft_vocab else None)
+    torch.manual_seed(1)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.down.weight, std=0.5)
+    return heads
+
+
+def test_heads_file_round_trip(tiny_engine, tmp_path):
+    heads = random_heads(tiny_engine.model, draft_vocab=1000)
+    path = tmp_path / "h.safetensors"
+    heads.save(path, {"model": "tiny"})
+    loaded, target = DraftHeads.load(path)
+    assert target == {"model": "tiny"} and loaded.cfg == heads.cfg
+    assert torch.equal(loaded.draft_vocab, heads.draft_vocab)
+    for a, b in zip(loaded.parameters(), heads.parameters(), strict=True):
+        torch.testing.assert_close(a, b.to(torch.bfloat16).float())  # stored in bf16
+
+
+def test_heads_file_for_another_model_is_refused(tiny_engine, default_engine, tmp_path):
+    path = tmp_path / "h.safetensors"
+    random_heads(tiny_engine.model).save(path, {})
+    with pytest.raises(ConfigError, match="trained for hidden"):
+        HeadsDrafter.from_file(path, default_engine.model)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelFormatError):
+        DraftHeads.load(tmp_path / "junk.safetensors")
+
+
+@dataclass
+class FakeSeq:
+    """What a drafter reads of a request."""
+
+    seq_id: int
+    all_ids: list[int]
+    sampling: SamplingParams
+    hidden: dict = field(default_factory=dict)
+    generator: torch.Generator | None = None
+
+
+@pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "parallel"])
+def test_heads_propose_from_tapped_hidden_state(tiny_engine, sequential):
+    heads = random_heads(tiny_engine.model, sequential=sequential, draft_vocab=500)
+    drafter = HeadsDrafter(heads, tiny_engine.model)
+    hidden = {heads.cfg.tap: torch.randn(tiny_engine.model.cfg.hidden_size)}
+    greedy = FakeSeq(1, [5, 6, 7], SamplingParams(), hidden)
+    sampled = FakeSeq(2, [5, 6, 7], SamplingParams(temperature=1.0), hidden, torch.Generator().manual_seed(0))
+    untapped = FakeSeq(3, [5, 6, 7], SamplingParams())  # just switched to heads: no hidden state yet
+    drafts = drafter.propose([greedy, sampled, untapped], [5, 2, 2])
+
+    assert len(drafts[0].tokens) == 3 and drafts[0].probs is None  # capped at the number of heads
+    assert set(drafts[0].tokens) <= set(heads.draft_vocab.tolist())
+    q = drafts[1].probs
+    assert len(drafts[1].tokens) == 2 and q.shape == (2, tiny_engine.model.cfg.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(2))
+    outside = torch.ones(q.shape[-1], dtype=torch.bool)
+    outside[heads.draft_vocab] = False
+    assert float(q[:, outside].sum()) == 0.0  # heads only ever draft from their draft vocabulary
+    assert drafts[2].tokens == []
+
+
+def test_draft_model_cache_follows_the_request(tiny_engine):
+    drafter = make_drafter(f"draft-model:{tiny_engine.model_spec.path}", tiny_engine)
+    assert isinstance(drafter, DraftModelDrafter) and drafter.model is tiny_engine.model  # weights shared
+    tiny_engine.drafters["draft-model:self"] = drafter
+    handle = tiny_engine.submit(
+        "one two", SamplingParams(max_tokens=10, ignore_eos=True), SpecParams("draft-model:self", k=3)
+    )
+    for _ in handle.events():
+        state = drafter.states.get(handle.request_id)
+        if state is not None:
+            # the draft cache holds exactly the tokens it says it holds
+            assert drafter.pool.length(handle.request_id) == len(state.cached)
+    assert handle.request_id not in drafter.states  # released with the request
+    assert drafter.pool.used_pages == 0
