@@ -64,6 +64,9 @@ VARIANTS = {
     "gptq-act-calib-all": Variant("gptq", "mse", gptq=ACT, calibration_tokens=ALL_CALIBRATION_TOKENS),
     "gptq-act-ocp": Variant("gptq", "ocp", gptq=ACT),
     "gptq-act-calib-all-keep-down0+29": Variant("gptq", layers=FIRST_LAST_DOWN, derive="gptq-act-calib-all"),
+    "gptq-act-rot-calib-all": Variant(
+        "gptq", gptq=GptqSettings(act_order=True, rotate=True), rotate=True, calibration_tokens=ALL_CALIBRATION_TOKENS
+    ),
 }
 
 

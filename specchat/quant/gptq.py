@@ -21,6 +21,8 @@ Options beyond the paper's defaults, each measured in docs/benchmarks.md:
 - `act_order`: quantize the columns with the largest H diagonal first (the paper's "act-order"), here by block:
   blocks of 32 in descending order of their summed diagonal, and columns inside a block likewise, so that every
   block's scale is still chosen when the sweep first enters it.
+- `rotate`: quantize W R against R^T H R, R = blockdiag(H_32 / sqrt(32)) (quant.fp4_linear.RotatedFp4Linear
+  runs the result as (x R)(W R)^T); the layer's function is unchanged, its blocks lose their outliers.
 
 `calibrate` runs the model block by block over the calibration tokens, as the GPTQ code does: each block's
 Hessians are measured on inputs that already flow through the quantized blocks before it.
