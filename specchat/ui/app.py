@@ -28,6 +28,7 @@ from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.errors import SpecchatError
 from specchat.registry import cache_dir
+from specchat.ui.agent_runs import AgentRuns
 from specchat.ui.bridge import EngineBridge, ProgressPoster, drafter_names, load_engine
 from specchat.ui.chat import ChatPane, PromptInput
 from specchat.ui.controls import KV_FORMATS, WEIGHT_FORMATS, ControlsPanel
@@ -46,7 +47,7 @@ PANEL_REFRESH_S = 0.25
 READING_REFRESH_S = 1.0  # memory and engine snapshot
 
 
-class SpecchatApp(LiveSettings, App[Exception | None]):
+class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
     """Chat with a local model and watch speculative decoding work."""
 
     CSS_PATH = "specchat.tcss"
@@ -248,9 +249,9 @@ class SpecchatApp(LiveSettings, App[Exception | None]):
     # --- chats --------------------------------------------------------------------------------------------------
     @property
     def chat(self) -> ChatPane | None:
-        """The chat in the active tab."""
+        """The chat in the active tab (None on an agent run's tab)."""
         pane = self.main.query_one(TabbedContent).active_pane
-        return pane.query_one(ChatPane) if pane is not None else None
+        return next(iter(pane.query(ChatPane)), None) if pane is not None else None
 
     async def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
         """Send the prompt of a chat to the engine and stream the answer into that chat."""
@@ -311,9 +312,11 @@ class SpecchatApp(LiveSettings, App[Exception | None]):
             prompt.focus()
 
     def action_cancel(self) -> None:
-        """Stop the active chat's answer (the text so far is kept)."""
+        """Stop the active chat's answer (the text so far is kept), or the runs of the active agent tab."""
         pane = self.chat
-        if pane is not None and pane.busy and self.engine is not None:
+        if pane is None:
+            self.stop_agent_tab()
+        elif pane.busy and self.engine is not None:
             self.engine.cancel(pane.request_id)
 
     def action_copy_reply(self) -> None:
@@ -375,6 +378,7 @@ class SpecchatApp(LiveSettings, App[Exception | None]):
         yield SystemCommand("Save transcript as JSON", "Write this chat to a .json file", self.action_save_json)
         yield SystemCommand("Copy last answer", "Copy this chat's last answer", self.action_copy_reply)
         yield SystemCommand("Stop generation", "Cancel this chat's running answer", self.action_cancel)
+        yield from self.agent_commands()
         yield SystemCommand("K +1", "One more draft token per step", self.action_k_up)
         yield SystemCommand("K -1", "One draft token fewer per step", self.action_k_down)
         yield SystemCommand("K auto", "Adaptive draft length", self.action_k_auto)

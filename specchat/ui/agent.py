@@ -1,0 +1,31 @@
+"""`specchat agent SCRIPT` in the TUI: the model loads behind the progress screen, then each task of the script
+runs in a tab of its own with its live trace, beside the Speculation, Throughput, Memory and Controls panels."""
+
+from __future__ import annotations
+
+from specchat.agent.script import AgentScript
+from specchat.config import EngineConfig
+from specchat.ui.app import SpecchatApp
+
+
+class AgentApp(SpecchatApp):
+    """The chat app that starts one agent script as soon as its engine is attached."""
+
+    TITLE = "specchat agent"
+
+    def __init__(self, script: AgentScript, config: EngineConfig, concurrency: int | None = None, **kwargs) -> None:
+        super().__init__(config=config, sampling=script.sampling, spec=script.speculation, **kwargs)
+        self.script = script
+        self.concurrency = concurrency
+
+    def attach_engine(self, engine) -> None:
+        """Attach as the chat app does, then start the script."""
+        super().attach_engine(engine)
+        self.call_after_refresh(self.start_agent, self.script, self.concurrency)
+
+
+def run_agent_app(script: AgentScript, config: EngineConfig, concurrency: int | None) -> None:
+    """Run the app; a load error ends it and is raised here, for the CLI to print as one line."""
+    error = AgentApp(script, config, concurrency).run()
+    if isinstance(error, Exception):
+        raise error

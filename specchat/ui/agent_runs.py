@@ -1,0 +1,262 @@
+"""Agent runs in the app: an agent script's tasks in tabs with live traces, on the engine and panels of the chats.
+
+A session (specchat.agent.runner.AgentSession) runs in a worker thread, its runs in threads of their own that
+the engine batches; the Speculation, Throughput and Memory panels read the engine's steps as for chat. The
+session's events wait in a queue, and the app is woken by at most one AgentEvents message in flight per
+session, however fast the runs stream: it drains the queue and adds each run's events to its tab. Before a
+shell command a run's thread posts a ShellQuestion and waits on a Future, which the dialog resolves, or
+stopping the runs (Esc, closing the app) resolves as a refusal: no thread waits on the UI forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, InvalidStateError
+from pathlib import Path
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.message import Message
+from textual.widgets import TabbedContent, TabPane
+
+from specchat.agent.runner import AgentSession
+from specchat.agent.script import AgentScript, load_script
+from specchat.agent.trace import Event, RunStart, SessionEnd
+from specchat.errors import SpecchatError
+from specchat.ui.agent_view import AgentRunPane, AgentScriptScreen, ShellConfirmScreen
+
+EXAMPLES = "examples/agents/*.toml"  # offered in the script dialog, from the working directory
+
+
+def settle(answer: Future[bool], allowed: bool) -> None:
+    """Answer a shell question unless it already has its answer."""
+    with contextlib.suppress(InvalidStateError):
+        answer.set_result(allowed)
+
+
+def session_line(event: SessionEnd) -> str:
+    """'4 runs (3 final, 1 max_steps), 412 tokens in 9.8 s, 42.0 tok/s, prefix-cache hits 61%'."""
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(event.reasons.items()))
+    hits = "n/a" if event.prefix_hit_rate is None else f"{event.prefix_hit_rate:.0%}"
+    return (
+        f"{event.runs} runs ({reasons}), {event.tokens} tokens in {event.elapsed_s:.1f} s, "
+        f"{event.tok_per_s:.1f} tok/s, prefix-cache hits {hits}"
+    )
+
+
+class AgentTabs:
+    """One agent session in the app: its run tabs, the queue its events wait in, its open shell questions."""
+
+    def __init__(self, app: App, number: int, script: AgentScript, concurrency: int | None) -> None:
+        self.app = app
+        self.number = number
+        self.script = script
+        self.concurrency = concurrency
+        self.session: AgentSession | None = None  # made in the worker (a drafter may take a while to load)
+        self.panes: dict[int, AgentRunPane] = {}
+        self.summary: SessionEnd | None = None
+        self.lock = threading.Lock()
+        self.queued: list[Event] = []
+        self.woken = False  # an AgentEvents message is on its way
+        self.stopped = False
+        self.run_of_thread: dict[int, int] = {}  # thread id -> the run it is running (a run keeps its thread)
+        self.questions: set[Future[bool]] = set()
+
+    def begin(self, session: AgentSession) -> None:
+        """Worker: the session is made; if the runs were stopped meanwhile, they end at once."""
+        with self.lock:
+            self.session = session
+            stopped = self.stopped
+        if stopped:
+            session.cancel()
+
+    def put(self, event: Event) -> None:
+        """Session threads: queue an event, and wake the app unless a wake-up is already on its way."""
+        with self.lock:
+            if isinstance(event, RunStart):
+                self.run_of_thread[threading.get_ident()] = event.run
+            self.queued.append(event)
+            if self.woken:
+                return
+            self.woken = True
+        self.app.post_message(AgentEvents(self))
+
+    def drain(self) -> list[Event]:
+        """UI thread: the events queued since the last drain."""
+        with self.lock:
+            events, self.queued, self.woken = self.queued, [], False
+        return events
+
+    def confirm(self, command: str) -> bool:
+        """A run's thread: ask the user whether to run a shell command, and wait for the answer."""
+        answer: Future[bool] = Future()
+        with self.lock:
+            if self.stopped:
+                return False
+            self.questions.add(answer)
+            run = self.run_of_thread.get(threading.get_ident(), 0)
+        try:
+            if not self.app.post_message(ShellQuestion(self, run, command, answer)):
+                return False  # the app has closed
+            return answer.result()
+        finally:
+            with self.lock:
+                self.questions.discard(answer)
+
+    def stop(self) -> None:
+        """End every run and refuse every open shell question."""
+        with self.lock:
+            self.stopped = True
+            session, questions = self.session, list(self.questions)
+        if session is not None:
+            session.cancel()
+        for answer in questions:
+            settle(answer, False)
+
+
+class AgentEvents(Message):
+    """A session has events waiting."""
+
+    def __init__(self, tabs: AgentTabs) -> None:
+        super().__init__()
+        self.tabs = tabs
+
+
+class ShellQuestion(Message):
+    """A run asks to execute a shell command; `answer` gets whether the user allows it."""
+
+    def __init__(self, tabs: AgentTabs, run: int, command: str, answer: Future[bool]) -> None:
+        super().__init__()
+        self.tabs = tabs
+        self.run = run
+        self.command = command
+        self.answer = answer
+
+
+class AgentRuns:
+    """The agent half of SpecchatApp (a mixin: it uses the app's engine, tabs and notifications)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.agent_sessions: list[AgentTabs] = []
+        self.shell_waiting: deque[ShellQuestion] = deque()
+        self.shell_asking: ShellQuestion | None = None
+
+    async def start_agent(self, script: AgentScript, concurrency: int | None = None) -> AgentTabs:
+        """Open a tab per task of the script (the first one shown) and start its runs."""
+        tabs = AgentTabs(self, len(self.agent_sessions) + 1, script, concurrency)
+        self.agent_sessions.append(tabs)
+        container = self.main.query_one(TabbedContent)
+        for run, task in enumerate(script.tasks):
+            pane = tabs.panes[run] = AgentRunPane(run, task)
+            await container.add_pane(TabPane(pane.label, pane, id=f"agent-{tabs.number}-run-{run}"))
+        container.active = f"agent-{tabs.number}-run-0"
+        self.run_session(tabs, self.engine)
+        return tabs
+
+    @work(thread=True, group="agent")
+    def run_session(self, tabs: AgentTabs, engine) -> None:
+        """Run the session off the UI thread; its events come back through the tabs' queue."""
+        try:
+            session = AgentSession(engine, tabs.script, tabs.concurrency, confirm=tabs.confirm, stream=True)
+        except SpecchatError as exc:
+            self.notify(f"agent script {tabs.number}: {exc}", severity="error", timeout=10)
+            return
+        if session.warning:
+            self.notify(session.warning, severity="warning", timeout=10)
+        tabs.begin(session)
+        session.run(tabs.put)
+
+    async def on_agent_events(self, message: AgentEvents) -> None:
+        """Show what the session's runs did since the last wake-up, each run in its tab, then the session's end."""
+        tabs, by_run, summary = message.tabs, {}, None
+        for event in tabs.drain():
+            if isinstance(event, SessionEnd):
+                summary = event
+            else:
+                by_run.setdefault(event.run, []).append(event)
+        container = self.widget(TabbedContent)
+        if container is None:  # the app is closing
+            return
+        for run, events in by_run.items():
+            pane = tabs.panes[run]
+            await pane.show(events)
+            container.get_tab(pane.parent.id).label = pane.label
+        if summary is not None:
+            tabs.summary = summary
+            self.notify(session_line(summary), title=f"agent script {tabs.number} done", timeout=10)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        for pane in event.pane.query(AgentRunPane):  # arrow keys scroll the trace; Tab walks its results
+            pane.query_one(".trace").focus()
+
+    def agent_tabs(self) -> AgentTabs | None:
+        """The session whose run is in the active tab."""
+        active = self.main.query_one(TabbedContent).active_pane
+        pane = next(iter(active.query(AgentRunPane)), None) if active is not None else None
+        return next((tabs for tabs in self.agent_sessions if pane in tabs.panes.values()), None)
+
+    def stop_agent_tab(self) -> None:
+        """Stop the runs of the agent script in the active tab (what they did so far stays shown)."""
+        tabs = self.agent_tabs()
+        if tabs is not None and tabs.summary is None:
+            tabs.stop()
+            self.notify(f"stopping the runs of agent script {tabs.number}", timeout=3)
+
+    def on_unmount(self) -> None:
+        for tabs in self.agent_sessions:
+            tabs.stop()
+
+    # --- shell confirmation ----------------------------------------------------------------------------------
+    def on_shell_question(self, message: ShellQuestion) -> None:
+        self.shell_waiting.append(message)
+        if self.shell_asking is None:
+            self.ask_next_shell_question()
+
+    def ask_next_shell_question(self) -> None:
+        """Show the oldest open shell question (one dialog at a time; questions of stopped runs are skipped)."""
+        while self.shell_waiting:
+            question = self.shell_waiting.popleft()
+            if question.answer.done():
+                continue
+            self.shell_asking = question
+            task = question.tabs.script.tasks[question.run]
+            asker = f"agent script {question.tabs.number}, run {question.run + 1}: {task}"
+            self.push_screen(ShellConfirmScreen(asker, question.command), self.answer_shell_question)
+            return
+        self.shell_asking = None
+
+    def answer_shell_question(self, allowed: bool | None) -> None:
+        """The dialog's answer goes to the waiting run; the next question, if any, is shown."""
+        if self.shell_asking is not None:
+            settle(self.shell_asking.answer, bool(allowed))
+        self.ask_next_shell_question()
+
+    # --- the command palette ---------------------------------------------------------------------------------
+    def agent_commands(self) -> Iterator[SystemCommand]:
+        """The palette's agent entries."""
+        yield SystemCommand("Run agent script", "Run an agent script's tasks, each in a new tab", self.action_run_agent)
+
+    def action_run_agent(self) -> None:
+        """Ask for an agent script and run its tasks in new tabs on the loaded model."""
+        if self.engine is None:
+            self.notify("the model is still loading", severity="warning")
+            return
+        examples = sorted(str(path) for path in Path.cwd().glob(EXAMPLES))
+        self.push_screen(AgentScriptScreen(examples), self.run_agent_script)
+
+    async def run_agent_script(self, path: Path | None) -> None:
+        """Load the script and start it; a bad script is one line of notification."""
+        if path is None:
+            return
+        try:
+            script = load_script(path)
+        except SpecchatError as exc:
+            self.notify(str(exc), severity="error", timeout=10)
+            return
+        if script.model != self.model_name:
+            self.notify(f"{path.name} names {script.model}; it runs on the loaded {self.model_name}", timeout=5)
+        await self.start_agent(script)
