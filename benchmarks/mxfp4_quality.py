@@ -41,7 +41,7 @@ class Variant:
     gptq: GptqSettings = field(default_factory=GptqSettings)
     embedding: bool = False  # also round the (tied) token embedding to MXFP4, values only
     rotate: bool = False  # quantize W R (R: 32-point block Hadamard), run by RotatedFp4Linear
-    calibration_tokens: int = 2048
+    calibration_tokens: int = 2048  # the variants measured first; the default now takes the whole text
     derive: str | None = None  # reuse this variant's packed weights, restricted to `layers`
 
 

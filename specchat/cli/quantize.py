@@ -20,6 +20,7 @@ from specchat.cli.options import StderrProgress
 from specchat.config import DEVICES, DTYPES
 from specchat.errors import ConfigError
 from specchat.kernels.mxfp4 import RULES
+from specchat.quant.gptq import CALIBRATION_TOKENS
 
 METHODS = ("gptq", "rtn")
 
@@ -35,7 +36,7 @@ METHODS = ("gptq", "rtn")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: dampening, x mean(diag H)")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="GPTQ calibration text (default: the one shipped in specchat/data/text)")  # fmt: skip
-@click.option("--calibration-tokens", type=int, default=2048, show_default=True)
+@click.option("--calibration-tokens", type=int, default=CALIBRATION_TOKENS, show_default=True, help="at most")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="of the dense tensors saved beside")
 def quantize(
