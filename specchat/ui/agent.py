@@ -21,7 +21,7 @@ class AgentApp(SpecchatApp):
     def attach_engine(self, engine) -> None:
         """Attach as the chat app does, then start the script."""
         super().attach_engine(engine)
-        self.call_after_refresh(self.start_agent, self.script, self.concurrency)
+        self.call_later(self.start_agent, self.script, self.concurrency)
 
 
 def run_agent_app(script: AgentScript, config: EngineConfig, concurrency: int | None) -> None:

@@ -154,6 +154,7 @@ class AgentRuns:
             pane = tabs.panes[run] = AgentRunPane(run, task)
             await container.add_pane(TabPane(pane.label, pane, id=f"agent-{tabs.number}-run-{run}"))
         container.active = f"agent-{tabs.number}-run-0"
+        tabs.panes[0].query_one(".trace").focus()  # else the chat's input, focused before, takes its tab back
         self.run_session(tabs, self.engine)
         return tabs
 
