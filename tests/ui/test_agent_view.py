@@ -13,9 +13,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from textual.app import App
 from textual.widgets import Input
 
+import specchat.ui
 from specchat.agent.script import load_script
+from specchat.agent.trace import Error, Final, RunEnd, RunStart, Step, ToolCallEvent, ToolResultEvent
 from specchat.config import EngineConfig
 from specchat.ui.agent import AgentApp
 from specchat.ui.agent_runs import AgentTabs
@@ -268,3 +271,34 @@ async def test_the_default_model_answers_in_its_tab(default_engine, tmp_path, st
         assert (pane.state, pane.answer) == ("final", "391")
         assert app.metrics.total_tokens > 0 and app.metrics.view().acceptance_now is not None
         await wait_for(pilot, lambda: not app.workers, what="the session's worker")
+
+
+SNAPSHOT_EVENTS = [
+    RunStart(0, "Sum the squares of 1 to 12.", "smollm2-135m", "ngram", 4, ["python"], 4),
+    Step(0, 1, LONG_CALL, 21, "stop", 1.2, {"tokens_per_step": 2.62, "drafted": 24, "acceptance_rate": 0.54}),
+    ToolCallEvent(
+        0, 1, "c1", "python", {"code": "total = 0\nfor i in range(1, 13):\n    total += i * i\nprint(total)"}
+    ),
+    ToolResultEvent(0, 1, "c1", "python", True, "\n".join(str(i) for i in range(12)) + "\n650"),
+    Error(0, 2, "the tool call could not be parsed: the JSON is cut off"),
+    Step(0, 2, "The answer is 650.", 6, "stop", 2.0, {"tokens_per_step": 1.5, "drafted": 8, "acceptance_rate": 0.25}),
+    Final(0, 2, "650", "regex"),
+    RunEnd(0, "final", 2, 27, 2.0, "650", {"tokens_per_step": 2.25, "drafted": 32, "acceptance_rate": 0.47}),
+]
+
+
+class RunPaneApp(App):
+    """One run's pane, fed fixed events."""
+
+    CSS_PATH = Path(specchat.ui.__file__).parent / "specchat.tcss"
+    AUTO_FOCUS = None
+
+    def compose(self):
+        yield AgentRunPane(0, "Sum the squares of 1 to 12.")
+
+    async def on_mount(self) -> None:
+        await self.query_one(AgentRunPane).show(SNAPSHOT_EVENTS)
+
+
+def test_run_pane_snapshot(snap_compare):
+    assert snap_compare(RunPaneApp(), terminal_size=(90, 44))
