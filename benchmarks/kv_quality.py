@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.manual_seed(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     engine = Engine.load(EngineConfig(device=args.device, kv_memory=1 << 30))
     c = engine.model.cfg
     texts = {
@@ -107,7 +108,6 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
 
     bf16 = results.get("bf16")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(
         f"\n{date.today()} · {platform.machine()} {args.device} · commit {commit} · model {c.num_layers} layers, "
         f"{c.num_kv_heads} KV heads, head_dim {c.head_dim} · {len(prompts)} eval prompts x {args.tokens} greedy tokens\n"
