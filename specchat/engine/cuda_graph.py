@@ -95,6 +95,7 @@ class CudaGraphRunner(ModelRunner):
         if signature != self._signature:  # weights or KV format switched: captured pointers are stale
             self.graphs.clear()
             self._signature = signature
+            self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]  # a shrinking KV switch may renumber it
         graph = self.graphs.get(key) or self._capture(*key)
         self.graphs[key] = graph
         return self._replay(graph, batch, key[1])

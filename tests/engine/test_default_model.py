@@ -37,7 +37,7 @@ def test_logits_match_transformers_gguf_loader(default_engine, hf_model):
     runner = default_engine.runner
     from specchat.engine.runner import StepBatch
 
-    runner.pool.add(-1, ids)
+    runner.pool.add(-1, [])  # no prefix sharing: this test feeds the whole prompt
     try:
         got = runner.forward(StepBatch([-1], [ids], [0], [len(ids)])).logits[0]
     finally:
