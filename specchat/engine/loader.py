@@ -139,12 +139,19 @@ def _load_gguf(path: Path, progress: Progress | None) -> tuple[ModelConfig, dict
     return cfg, _rename_gguf(raw, cfg, path)
 
 
-def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
+    """raw[name], or a ModelFormatError naming the missing tensor and the file."""
+
     def take(name: str) -> torch.Tensor:
         if name not in raw:
             raise ModelFormatError(f"{path}: missing tensor {name}")
         return raw[name]
 
+    return take
+
+
+def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    take = _tensor_getter(raw, path)
     permuted = cfg.arch == "llama"  # llama.cpp permutes q/k rows only for its llama architecture
     sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
     sd["lm_head.weight"] = raw.get("output.weight", sd["embed.weight"])
@@ -272,11 +279,7 @@ def load_hf_dir(path: Path, progress: Progress | None = None) -> tuple[ModelConf
 
 
 def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
-    def take(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise ModelFormatError(f"{path}: missing tensor {name}")
-        return raw[name]
-
+    take = _tensor_getter(raw, path)
     sd = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     sd["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else take("lm_head.weight")
     for i in range(cfg.num_layers):

@@ -7,8 +7,6 @@ defined, so on a CPU-only machine `test_kernels_under_interpreter` reruns this f
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,12 +20,8 @@ from specchat.kernels.attention import (
     paged_attention_supported,
 )
 from specchat.kernels.kv_quant import PageTensor
+from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-kernel_test = pytest.mark.skipif(
-    not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1 (run by the subprocess test)"
-)
 PAGE_FORMATS = {  # name -> (key element format, value element format, page dtype)
     "fp32": ("dense", "dense", torch.float32),
     "fp16": ("dense", "dense", torch.float16),
@@ -144,15 +138,7 @@ def test_kernel_equals_reference(case):
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(INTERPRET or torch.cuda.is_available(), reason="the kernel tests run directly here")
+@subprocess_test
 def test_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     files = [__file__, os.path.join(os.path.dirname(__file__), "test_attention_quantize.py")]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel or triton", *files],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
+    run_under_interpreter(files, "kernel or triton")

@@ -4,8 +4,6 @@ subprocess test in test_attention.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,12 +16,7 @@ from specchat.kernels.kv_quant import (
     quantize_mxfp8,
 )
 from specchat.kernels.mxfp4 import E8M0_BIAS, E8M0_NAN, RULES, dequantize_mxfp4, quantize_mxfp4
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-kernel_test = pytest.mark.skipif(
-    not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1"
-)
+from tests.kernels.interpreter import DEVICE, kernel_test
 
 
 def test_mxfp8_round_up_scale_never_clips():

@@ -8,10 +8,6 @@ with it set.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,12 +25,7 @@ from specchat.kernels.mxfp4_matmul import (
     quantize_mxfp4_triton,
     unprepare_weight,
 )
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-kernel_test = pytest.mark.skipif(
-    not (INTERPRET or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1 (run by the subprocess test)"
-)
+from tests.kernels.interpreter import DEVICE, INTERPRET, kernel_test, run_under_interpreter, subprocess_test
 
 
 def random_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,17 +43,9 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double().cpu() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.skipif(INTERPRET or torch.cuda.is_available(), reason="the subprocess runs the kernel tests")
+@subprocess_test
 def test_kernels_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not under_interpreter"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run_under_interpreter([__file__], "not under_interpreter")
 
 
 # ------------------------------------------------------------------------------------------------ layout, CPU
