@@ -154,7 +154,7 @@ class AgentRuns:
             pane = tabs.panes[run] = AgentRunPane(run, task)
             await container.add_pane(TabPane(pane.label, pane, id=f"agent-{tabs.number}-run-{run}"))
         container.active = f"agent-{tabs.number}-run-0"
-        tabs.panes[0].query_one(".trace").focus()  # else the chat's input, focused before, takes its tab back
+        self.main.set_focus(tabs.panes[0].query_one(".trace"))  # now: a screen resuming unfocused picks a widget
         self.run_session(tabs, self.engine)
         return tabs
 
@@ -191,8 +191,12 @@ class AgentRuns:
             self.notify(session_line(summary), title=f"agent script {tabs.number} done", timeout=10)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        for pane in event.pane.query(AgentRunPane):  # arrow keys scroll the trace; Tab walks its results
-            pane.query_one(".trace").focus()
+        """Focus the shown run's trace (arrow keys scroll it, Tab walks its results), as the app does a chat's input:
+        at once and only while its tab is shown."""
+        if event.pane is not event.tabbed_content.active_pane:
+            return
+        for pane in event.pane.query(AgentRunPane):
+            self.main.set_focus(pane.query_one(".trace"))
 
     def agent_tabs(self) -> AgentTabs | None:
         """The session whose run is in the active tab."""

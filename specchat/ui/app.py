@@ -308,8 +308,12 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         self.main.query_one(TabbedContent).query_one("Tabs").action_previous_tab()
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        """Focus the shown chat's input, at once and only while its tab is shown: focusing a widget activates its
+        tab, so a focus landing later would take an old tab back (and two such focuses would swap tabs forever)."""
+        if event.pane is not event.tabbed_content.active_pane:
+            return
         for prompt in event.pane.query(PromptInput):  # none while the tab is being built or torn down
-            prompt.focus()
+            self.main.set_focus(prompt)
 
     def action_cancel(self) -> None:
         """Stop the active chat's answer (the text so far is kept), or the runs of the active agent tab."""
