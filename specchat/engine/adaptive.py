@@ -1,13 +1,23 @@
-"""Adaptive K: per request, pick how many tokens to draft next from the acceptance seen so far.
+"""Adaptive K: per request, pick how many tokens to draft next from the acceptance and step times seen so far.
 
-A step that drafts k tokens emits 1 + sum_{j=1..k} prod_{i<=j} a_i tokens on average, where a_i is the chance
-that draft i is accepted given that drafts 1..i-1 were (Leviathan et al. 2023, sec. 3.1, with one rate per
-position instead of one for all: a head or a draft model gets worse the further it looks ahead). The step's
-cost grows with k (drafting, and verifying k + 1 tokens instead of 1), here 1 + cost_per_draft * k plain
-decode steps. The controller keeps an exponential moving average of each a_i over the positions actually
-tested, and picks the k in [0, k_max] with the most tokens per unit of cost. When no k > 0 pays it stops
-drafting and probes with k = 1 every `probe_every` steps, so that a change in the text (say, a code block
-after prose) is noticed. A k the user sets bypasses this controller altogether (the engine keeps it fixed).
+A step that drafts k tokens emits E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i tokens on average, where a_i is the
+chance that draft i is accepted given that drafts 1..i-1 were (Leviathan et al. 2023, sec. 3.1, with one rate
+per position instead of one for all: a head or a draft model gets worse the further it looks ahead). The
+controller keeps an exponential moving average of each a_i over the positions actually tested, and picks the
+k in [0, k_max] with the most tokens per unit of time, E(k) / C(k), where C(k) is the step's time relative to
+a plain step.
+
+C(k) is measured, not assumed: what a draft costs depends on the drafter and, more, on the hardware. On the
+default model on a CPU in fp32 a verification forward over 2..8 tokens takes ~1.8x a 1-token one (the small-M
+GEMM path), while in bf16 it takes ~1.15x (see docs/speculative.md). So the controller keeps an EMA of the
+step time at each k it has run, interpolates between them (and extrapolates with `cost_per_draft` per token),
+and runs a plain step now and then to keep the reference time fresh. Without step times (a caller that
+passes none) it uses C(k) = 1 + cost_per_draft * k.
+
+When no k > 0 pays it stops drafting and probes with k = 1 every `probe_every` steps, so that a change in the
+text (say, a code block after prose) is noticed. A k the user sets bypasses this controller (the engine keeps
+it fixed). Step times make k, and so the random draws of sampled verification, depend on timing: seeded
+sampling repeats exactly with a fixed k.
 """
 
 from __future__ import annotations
@@ -17,12 +27,10 @@ from dataclasses import dataclass, field
 from specchat.errors import ConfigError
 
 PRIOR_ACCEPTANCE = 0.6  # a_i before any evidence: optimistic enough to start drafting
-EMA_WEIGHT = 0.3  # weight of the newest observation of a position
-# One more draft token costs this fraction of a plain decode step: verifying it in the same target forward
-# (memory-bound on weights, so nearly free on a GPU, more on a CPU) plus proposing it (heads: a slice of the
-# lm_head; n-gram: nothing). Measured on the default model on CPU: see docs/speculative.md.
-COST_PER_DRAFT = 0.1
-PROBE_EVERY = 16
+EMA_WEIGHT = 0.3  # weight of the newest observation (acceptance of a position, time of a step)
+COST_PER_DRAFT = 0.1  # relative step cost of one more draft token where nothing was measured
+PROBE_EVERY = 16  # idle steps between probes with k = 1
+REMEASURE_PLAIN_EVERY = 64  # drafting steps between plain steps that refresh the reference time
 
 
 @dataclass(slots=True)
@@ -33,13 +41,15 @@ class AdaptiveK:
     cost_per_draft: float = COST_PER_DRAFT
     probe_every: int = PROBE_EVERY
     rates: list[float] = field(default_factory=list)  # a_1 .. a_kmax
-    idle_steps: int = 0  # steps in a row without drafting
+    step_ms: list[float | None] = field(default_factory=list)  # EMA of the step time at k = 0 .. k_max
+    idle_steps: int = 0  # steps in a row that chose not to draft
+    since_plain: int = 0  # timed drafting steps since the last timed plain step
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or not 0.0 < self.ema <= 1.0 or self.cost_per_draft < 0 or self.probe_every < 1:
             raise ConfigError("adaptive K: need k_max >= 0, 0 < ema <= 1, cost_per_draft >= 0, probe_every >= 1")
-        if not self.rates:
-            self.rates = [self.prior] * self.k_max
+        self.rates = self.rates or [self.prior] * self.k_max
+        self.step_ms = self.step_ms or [None] * (self.k_max + 1)
 
     @property
     def alpha(self) -> float:
@@ -54,16 +64,40 @@ class AdaptiveK:
             total += reach
         return total
 
+    def step_cost(self, k: int) -> float:
+        """C(k): time of a step drafting k tokens over that of a plain step, from measured times where known."""
+        plain = self.step_ms[0]
+        known = [j for j in range(1, self.k_max + 1) if self.step_ms[j] is not None]
+        if k == 0:
+            return 1.0
+        if plain is None or not known:
+            return 1.0 + self.cost_per_draft * k
+        below = [j for j in known if j <= k]
+        above = [j for j in known if j >= k]
+        if below and above:  # measured, or between two measured k: interpolate
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = self.step_ms[lo], self.step_ms[hi]
+            t = t_lo if lo == hi else t_lo + (t_hi - t_lo) * (k - lo) / (hi - lo)
+            return t / plain
+        nearest = below[-1] if below else above[0]
+        return max(1.0, self.step_ms[nearest] / plain + self.cost_per_draft * (k - nearest))
+
     def best_k(self) -> int:
-        gains = [self.expected_tokens(k) / (1 + self.cost_per_draft * k) for k in range(self.k_max + 1)]
+        gains = [self.expected_tokens(k) / self.step_cost(k) for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=gains.__getitem__)
 
-    def update(self, k: int, accepted: int) -> int:
-        """Observe a step (k drafts, `accepted` kept) and return k for the next step."""
+    def update(self, k: int, accepted: int, step_ms: float | None = None) -> int:
+        """Observe a step (k drafts, `accepted` kept, optionally its wall time) and return k for the next step."""
         # Positions 1..accepted were accepted; position accepted + 1 was tested and rejected (if it exists).
         for i in range(min(accepted + 1, k, self.k_max)):
             seen = 1.0 if i < accepted else 0.0
             self.rates[i] += self.ema * (seen - self.rates[i])
+        if step_ms is not None and k <= self.k_max:
+            old = self.step_ms[k]
+            self.step_ms[k] = step_ms if old is None else old + self.ema * (step_ms - old)
+            self.since_plain = 0 if k == 0 else self.since_plain + 1
+            if k > 0 and (self.step_ms[0] is None or self.since_plain >= REMEASURE_PLAIN_EVERY):
+                return 0  # one plain step to (re)measure the reference time
         nxt = self.best_k()
         if nxt > 0:
             self.idle_steps = 0

@@ -181,7 +181,10 @@ class Scheduler:
                 produced = len(kept) + (len(kept) < len(emitted) and seq.finish_reason == "stop")
                 rec = StepRecord(k, accepted, produced, draft_ms.get(seq.seq_id, 0.0), verify_ms)
                 seq.stats.observe_step(rec)
-                seq.k = seq.adaptive.update(k, accepted) if seq.adaptive else (seq.spec.k or 0)
+                if seq.adaptive:
+                    seq.k = seq.adaptive.update(k, accepted, rec.draft_ms + rec.verify_ms)
+                else:
+                    seq.k = seq.spec.k or 0
                 events.append(StepEvent(seq.seq_id, rec, seq.k))
             delta = seq.take_delta()
             if delta or kept:

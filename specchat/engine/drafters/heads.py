@@ -210,7 +210,7 @@ class HeadsDrafter(Drafter):
             return drafts
         group = [seqs[i] for i in ready]
         depth = min(max(ks[i] for i in ready), self.cfg.num_heads)
-        hidden = torch.stack([seq.hidden[self.cfg.tap] for seq in group])  # [B, d]
+        hidden = torch.stack([seq.hidden[self.cfg.tap] for seq in group]).to(self.output.weight.dtype)  # [B, d]
         if self.cfg.sequential:
             prev = torch.tensor([seq.all_ids[-1] for seq in group], device=hidden.device)  # [B] newest tokens
             state, steps = hidden, []
