@@ -10,6 +10,7 @@ import torch
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.drafters.heads import HeadsDrafter
+from specchat.engine.drafters.hybrid import NgramThenHeads
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.sequence import StepEvent
@@ -46,10 +47,10 @@ def tiny_heads(tiny_engine, tmp_path_factory):
     for sequential in (True, False):
         path = tmp_path_factory.mktemp("heads") / "h.safetensors"
         random_heads(tiny_engine.model, sequential=sequential, num_heads=5, draft_vocab=2000).save(path, {})
-        tiny_engine.drafters[f"heads:{'seq' if sequential else 'par'}"] = HeadsDrafter.from_file(
-            path, tiny_engine.model
-        )
-    return ["heads:seq", "heads:par"]
+        name = f"heads:{'seq' if sequential else 'par'}"
+        tiny_engine.drafters[name] = HeadsDrafter.from_file(path, tiny_engine.model)
+    tiny_engine.drafters["ngram+heads:seq"] = NgramThenHeads(tiny_engine.drafters["heads:seq"])
+    return ["heads:seq", "heads:par", "ngram+heads:seq"]
 
 
 def test_greedy_is_lossless_on_tiny_model(tiny_engine, tiny_heads):
@@ -62,7 +63,7 @@ def test_greedy_is_lossless_on_tiny_model(tiny_engine, tiny_heads):
 
 @pytest.mark.slow
 def test_greedy_is_lossless_on_default_model(default_engine):
-    stats = assert_lossless(default_engine, ["ngram", "heads", "draft-model"], max_tokens=40)
+    stats = assert_lossless(default_engine, ["ngram", "heads", "ngram+heads", "draft-model"], max_tokens=40)
     assert stats[("ngram", 5)].accepted > 0 and stats[("heads", 3)].accepted > 0
 
 

@@ -46,18 +46,22 @@ class NoDrafter(Drafter):
 
 
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
-DRAFTERS = "none | ngram | heads[:FILE] | draft-model[:NAME]"
+DRAFTERS = "none | ngram | heads[:FILE] | ngram+heads[:FILE] | draft-model[:NAME] | default"
 
 
 def make_drafter(name: str, context) -> Drafter:
     """A drafter by its CLI name; `context` is the engine (model, tokenizer, config) it may need.
 
     none: plain decoding. ngram: prompt lookup. heads: the trained heads models.toml lists for the model, or
-    heads:FILE. draft-model: the registry's default model (or draft-model:NAME) drafting with its own KV.
+    heads:FILE. ngram+heads: prompt lookup where it matches, heads elsewhere. draft-model: the registry's
+    default model (or draft-model:NAME) drafting with its own KV. default: the model's models.toml `drafter`.
     """
     kind, _, arg = name.partition(":")
     if kind == "none" and not arg:
         return NoDrafter()
+    if kind == "default" and not arg:
+        spec = context.model_spec
+        return make_drafter(spec.drafter if spec is not None and spec.drafter else "none", context)
     if kind == "ngram" and not arg:
         from specchat.engine.drafters.ngram import NgramDrafter
 
@@ -66,6 +70,11 @@ def make_drafter(name: str, context) -> Drafter:
         from specchat.engine.drafters.heads import HeadsDrafter
 
         return HeadsDrafter.from_file(_heads_file(arg, context), context.model)
+    if kind == "ngram+heads":
+        from specchat.engine.drafters.heads import HeadsDrafter
+        from specchat.engine.drafters.hybrid import NgramThenHeads
+
+        return NgramThenHeads(HeadsDrafter.from_file(_heads_file(arg, context), context.model))
     if kind == "draft-model":
         from specchat.engine.drafters.draft_model import load_draft_model_drafter
 

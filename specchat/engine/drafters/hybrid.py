@@ -1,0 +1,44 @@
+"""`ngram+heads`: prompt lookup where the context repeats, trained heads everywhere else.
+
+A match of at least `min_n` tokens in the context (Saxena 2023) is usually right for several tokens at once
+(code edits, tool results, agent loops) and costs nothing to find; where there is none, the heads draft
+from the target's hidden state (Cai et al. 2024). Per request and per step: the n-gram draft when the lookup
+finds one, else the heads' draft. Both are deterministic in greedy decoding; with sampling the n-gram draft
+is a point mass and the heads return their q, so verification stays lossless either way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specchat.engine.drafters.base import Draft, Drafter
+from specchat.engine.drafters.heads import HeadsDrafter
+from specchat.engine.drafters.ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from specchat.engine.sequence import Sequence
+
+MIN_NGRAM = 2  # a one-token match says too little to beat the heads
+
+
+class NgramThenHeads(Drafter):
+    name = "ngram+heads"
+
+    def __init__(self, heads: HeadsDrafter, min_n: int = MIN_NGRAM) -> None:
+        self.ngram = NgramDrafter(min_n=min_n)
+        self.heads = heads
+        self.taps = heads.taps
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = self.ngram.propose(seqs, ks)
+        misses = [i for i, d in enumerate(drafts) if not d.tokens]
+        if misses:
+            for i, draft in zip(
+                misses, self.heads.propose([seqs[i] for i in misses], [ks[i] for i in misses]), strict=True
+            ):
+                drafts[i] = draft
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        self.ngram.release(seq)
+        self.heads.release(seq)
