@@ -90,7 +90,9 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
         if weight_fmt == "mxfp4":
             from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules
 
-            swap_modules(model, fp4_modules(model, round_to_nearest(model, select_linears(model), "ocp")))
+            # every linear incl. the untied output head, as gpt-fast's int4 yardstick quantizes them
+            names = select_linears(model, "all")
+            swap_modules(model, fp4_modules(model, round_to_nearest(model, names, "ocp")))
         elif weight_fmt != "bf16":
             raise ConfigError(f"--weights takes bf16 and/or mxfp4, got {weight_fmt!r}")
         for kv_fmt in kv.split(","):
@@ -115,7 +117,19 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
         spec = f"k={c.k}, a={c.acceptance} (benchmark drafter)" if c.k else "plain"
         ratio = f"{r.tok_per_s / base:.2f}x" if base else "-"
         rows.append(
-            [c.batch, c.weights, c.kv, spec, r.tok_per_s, r.tok_per_s / c.batch, r.step_ms, r.tokens_per_step, ratio]
+            [
+                c.batch,
+                c.weights,
+                c.kv,
+                spec,
+                r.tok_per_s,
+                r.tok_per_s / c.batch,
+                r.step_ms,
+                r.tokens_per_step,
+                r.latency_p50_ms,
+                r.latency_p99_ms,
+                ratio,
+            ]
         )
     mode = "CUDA graphs" if cuda_graphs and dev.type == "cuda" else "eager"
     click.echo(f"synthetic {shape}, {dev}, context {context}, {steps} steps, {mode}")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
+#   bash benchmarks/h200.sh [PART ...]     PART: env tests attention batch1 sessions (default: all)
+# Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
+# part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
+# when present, since the GPU machine has no network).
+set -uo pipefail
+OUT=${OUT:-h200-out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(env tests attention batch1 sessions)
+synthetic() { python -m specchat bench --synthetic llama-3.1-8b --device cuda "$@"; }
+for part in "${parts[@]}"; do
+  log="$OUT/h200_$part.log"
+  echo "=== $part $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null)" | tee "$log"
+  case $part in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$log"
+      python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
+      if [ -d .devcarry-gpu/whl ]; then
+        pip install -q --no-index --find-links .devcarry-gpu/whl pytest pytest-timeout 2>&1 | tail -2 | tee -a "$log"
+      fi ;;
+    tests)
+      timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/engine/test_kv_cuda.py \
+        tests/kernels 2>&1 | tail -30 | tee -a "$log" ;;
+    attention)
+      timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
+    batch1)
+      timeout 200 synthetic --weights bf16,mxfp4 --batch 1 --k 0,4 --cuda-graphs --steps 128 2>&1 | tee -a "$log"
+      timeout 150 synthetic --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 32 2>&1 | tee -a "$log" ;;
+    sessions)
+      timeout 300 synthetic --weights bf16,mxfp4 --batch 1,8,32 --k 0,4 --cuda-graphs 2>&1 | tee -a "$log" ;;
+    kv)
+      timeout 200 synthetic --weights mxfp4 --kv bf16,mxfp4 --batch 1,32 --k 0,4 --context 8192 --cuda-graphs \
+        2>&1 | tee -a "$log" ;;
+    *) echo "unknown part $part" | tee -a "$log" ;;
+  esac
+done
