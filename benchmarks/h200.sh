@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(env tests attention batch1 sessions)
-synthetic() { python -m specchat bench --synthetic llama-3.1-8b --device cuda "$@"; }
+synthetic=(python -m specchat bench --synthetic llama-3.1-8b --device cuda)
 for part in "${parts[@]}"; do
   log="$OUT/h200_$part.log"
   echo "=== $part $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null)" | tee "$log"
@@ -27,12 +27,12 @@ for part in "${parts[@]}"; do
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
     batch1)
-      timeout 200 synthetic --weights bf16,mxfp4 --batch 1 --k 0,4 --cuda-graphs --steps 128 2>&1 | tee -a "$log"
-      timeout 150 synthetic --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 32 2>&1 | tee -a "$log" ;;
+      timeout 200 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --cuda-graphs --steps 128 2>&1 | tee -a "$log"
+      timeout 150 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 32 2>&1 | tee -a "$log" ;;
     sessions)
-      timeout 300 synthetic --weights bf16,mxfp4 --batch 1,8,32 --k 0,4 --cuda-graphs 2>&1 | tee -a "$log" ;;
+      timeout 300 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1,8,32 --k 0,4 --cuda-graphs 2>&1 | tee -a "$log" ;;
     kv)
-      timeout 200 synthetic --weights mxfp4 --kv bf16,mxfp4 --batch 1,32 --k 0,4 --context 8192 --cuda-graphs \
+      timeout 200 "${synthetic[@]}" --weights mxfp4 --kv bf16,mxfp4 --batch 1,32 --k 0,4 --context 8192 --cuda-graphs \
         2>&1 | tee -a "$log" ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
