@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
-#   bash benchmarks/h200.sh [PART ...]     PART: env tests attention batch1 sessions (default: all)
+#   bash benchmarks/h200.sh [PART ...]     PART: env tests attention batch1 sessions profile kv (default: all)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
 # when present, since the GPU machine has no network).
@@ -27,12 +27,17 @@ for part in "${parts[@]}"; do
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
     batch1)
-      timeout 200 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --cuda-graphs --steps 128 2>&1 | tee -a "$log"
-      timeout 150 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 32 2>&1 | tee -a "$log" ;;
+      timeout 200 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 128 2>&1 | tee -a "$log"
+      timeout 150 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 32 --eager 2>&1 | tee -a "$log" ;;
     sessions)
-      timeout 300 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1,8,32 --k 0,4 --cuda-graphs 2>&1 | tee -a "$log" ;;
+      timeout 300 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1,8,32 --k 0,4 2>&1 | tee -a "$log" ;;
+    profile)
+      for w in bf16 mxfp4; do
+        timeout 120 python benchmarks/profile_step.py --weights $w --fused 2>&1 | tee -a "$log"
+      done
+      timeout 120 python benchmarks/profile_step.py --weights bf16 2>&1 | tee -a "$log" ;;
     kv)
-      timeout 200 "${synthetic[@]}" --weights mxfp4 --kv bf16,mxfp4 --batch 1,32 --k 0,4 --context 8192 --cuda-graphs \
+      timeout 200 "${synthetic[@]}" --weights mxfp4 --kv bf16,mxfp4 --batch 1,32 --k 0,4 --context 8192 \
         2>&1 | tee -a "$log" ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac

@@ -70,7 +70,7 @@ class EngineConfig:
     page_size: int = 16
     max_batch_tokens: int = 2048
     max_running: int = 64
-    eager: bool = True
+    eager: bool = False  # CUDA: plain PyTorch modules and no CUDA graphs (the reference path)
     weights: str = "auto"  # "auto" = as loaded
 
     def __post_init__(self) -> None:

@@ -68,22 +68,20 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
     print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
 
 
-def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, cuda_graphs, as_json) -> None:
+def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, eager, as_json) -> None:
     import torch
 
     from specchat.bench.synthetic import SHAPES, SyntheticCase, random_model, run_case
-    from specchat.engine.engine import pick_device
-    from specchat.engine.runner import ModelRunner
+    from specchat.engine.engine import make_runner, pick_device
 
     if shape not in SHAPES:
         raise ConfigError(f"unknown synthetic shape {shape!r} (available: {', '.join(SHAPES)})")
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    runner_factory = ModelRunner
-    if dev.type == "cuda" and cuda_graphs:
-        from specchat.engine.cuda_graph import CudaGraphRunner
 
-        runner_factory = CudaGraphRunner
+    def runner_factory(model, pool):
+        return make_runner(model, pool, eager)
+
     results = []
     for weight_fmt in weights.split(","):
         model = random_model(SHAPES[shape], dtype, dev)
@@ -131,7 +129,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
                 ratio,
             ]
         )
-    mode = "CUDA graphs" if cuda_graphs and dev.type == "cuda" else "eager"
+    mode = "eager" if eager or dev.type != "cuda" else "fused kernels + CUDA graphs"
     click.echo(f"synthetic {shape}, {dev}, context {context}, {steps} steps, {mode}")
     headers = ["batch", "weights", "KV", "decoding", "tok/s", "tok/s per request", "step ms", "tokens/step"]
     print_table([*headers, "P50 ms/token", "P99 ms/token", "vs plain"], rows)
@@ -153,19 +151,21 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option("--acceptance", type=float, default=0.8, show_default=True, help="synthetic: benchmark drafter rate")
 @click.option("--context", type=int, default=512, show_default=True, help="synthetic: tokens per request")
 @click.option("--steps", type=int, default=64, show_default=True, help="synthetic: timed steps")
-@click.option("--cuda-graphs", is_flag=True, help="synthetic on CUDA: replay CUDA graphs (not yet validated on a GPU)")
+@click.option("--eager", is_flag=True, help="plain PyTorch modules, no CUDA graphs (the reference path)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
 def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
-          acceptance, context, steps, cuda_graphs, as_json) -> None:  # fmt: skip
+          acceptance, context, steps, eager, as_json) -> None:  # fmt: skip
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
     if shape is not None:
-        bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, cuda_graphs, as_json)
+        bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
         return
     if prompts_file is None:
         raise click.UsageError("--sessions needs --prompts FILE")
-    config = EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv)
+    config = EngineConfig(
+        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv, eager=eager
+    )
     bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json)
 
 

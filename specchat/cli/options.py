@@ -35,16 +35,21 @@ def model_options(func):
     @click.option(
         "--kv-memory", default=None, help="KV cache size, e.g. 512M or 8G (default: 1G on CPU, half the free GPU)"
     )
+    @click.option("--eager", is_flag=True, help="CUDA: plain PyTorch modules, no fused kernels or CUDA graphs")
     @functools.wraps(func)
-    def wrapper(*args, kv_format, kv_memory, **kwargs):
+    def wrapper(*args, kv_format, kv_memory, eager, **kwargs):
         # Kept on the click context for `engine_config`, so commands need not thread them through.
-        click.get_current_context().meta[KV_SETTINGS] = {"kv_format": kv_format, "kv_memory": parse_bytes(kv_memory)}
+        click.get_current_context().meta[ENGINE_SETTINGS] = {
+            "kv_format": kv_format,
+            "kv_memory": parse_bytes(kv_memory),
+            "eager": eager,
+        }
         return func(*args, **kwargs)
 
     return wrapper
 
 
-KV_SETTINGS = "specchat.kv"  # click context meta key of the KV options
+ENGINE_SETTINGS = "specchat.engine"  # click context meta key of the KV and --eager options
 BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -85,8 +90,8 @@ def spec_options(func):
 
 def engine_config(model: str | None, device: str, dtype: str | None, **extra) -> EngineConfig:
     ctx = click.get_current_context(silent=True)
-    kv = ctx.meta.get(KV_SETTINGS, {}) if ctx is not None else {}
-    return EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, **{**kv, **extra})
+    settings = ctx.meta.get(ENGINE_SETTINGS, {}) if ctx is not None else {}
+    return EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, **{**settings, **extra})
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:

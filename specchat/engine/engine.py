@@ -62,6 +62,18 @@ def default_kv_budget(device: torch.device) -> int:
     return CPU_KV_BUDGET
 
 
+def make_runner(model: Transformer, pool: KVPool, eager: bool) -> ModelRunner:
+    """The step runner: on CUDA, unless `eager`, fused elementwise kernels and CUDA graphs for decode and
+    verification steps (docs/benchmarks.md); the plain ModelRunner otherwise (and always on the CPU)."""
+    if eager or pool.device.type != "cuda":
+        return ModelRunner(model, pool)
+    from specchat.engine.cuda_graph import CudaGraphRunner
+    from specchat.kernels.fused import fuse
+
+    fuse(model)
+    return CudaGraphRunner(model, pool)
+
+
 class RequestHandle:
     """A submitted request: iterate its events, or cancel it."""
 
@@ -108,7 +120,7 @@ class Engine:
         self.config = config
         self.model_spec = model_spec
         self.device = pool.device
-        self.runner = ModelRunner(model, pool)
+        self.runner = make_runner(model, pool, eager=config.eager)
         self.drafters: dict[str, Drafter] = {}
         self.scheduler = Scheduler(self.runner, self.drafter, config.max_running, config.max_batch_tokens)
         self.handles: dict[int, RequestHandle] = {}

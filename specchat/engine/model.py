@@ -126,6 +126,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+class Rotary(nn.Module):
+    """RoPE applied to a step's queries and keys (a module, so a fused kernel can take its place)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU's gate: [gate | up] -> silu(gate) * up."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -135,12 +152,14 @@ class Attention(nn.Module):
         # q, k and v projections fused into one matrix: one weight read per step instead of three.
         self.wqkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = Rotary()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KVH, D]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k = self.rotary(q, k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         out = kv.attend(self.layer, q, k, v)  # [T, H, D]
         return self.wo(out.reshape(t, self.q_size))
@@ -151,13 +170,12 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(self.act(self.w_gate_up(x)))
 
 
 class Block(nn.Module):

@@ -1,0 +1,202 @@
+"""One-pass Triton kernels for the small steps of a decoder layer: RMSNorm, rotary embedding, SiLU-and-mul.
+
+At batch 1 an 8B model's step is four matmuls per layer and, in plain PyTorch, ~40 small elementwise kernels
+around them (RMSNorm alone is six: cast, square, mean, rsqrt, two multiplies). Inside a CUDA graph launches
+are free, but each kernel still costs a few microseconds of GPU time: on the H200 they took ~2.6 ms of a
+6.6 ms bf16 step (docs/benchmarks.md). These kernels do each job in one pass over its data.
+
+They are a transform applied from outside (STYLE.md #3): `fuse(model)` swaps the model's `RMSNorm`, `Rotary`
+and `SiluAndMul` modules for the subclasses below, whose forward runs the kernel on CUDA (or under
+TRITON_INTERPRET=1) and the plain module's forward otherwise; `unfuse(model)` swaps them back. The plain
+modules in engine/model.py are the references; tests/kernels/test_fused.py holds each kernel to its reference
+(same fp32 arithmetic, results rounded to the activation dtype once, as PyTorch does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from specchat.engine.model import RMSNorm, Rotary, SiluAndMul
+
+SILU_BLOCK = 1024
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and x.device.type == "cpu")
+
+
+# --- RMSNorm ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    normed = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)  # the reference casts back before the weight
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=live)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> weight * normalise(x) in x's dtype (weight in x's dtype too)."""
+    assert weight.dtype == x.dtype and x.shape[-1] == weight.shape[0], (x.dtype, weight.dtype, x.shape)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    n = x2.shape[1]
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2,
+        weight,
+        y,
+        n,
+        x2.stride(0),
+        y.stride(0),
+        eps,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+        enable_fp_fusion=False,
+    )
+    return y.view(x.shape)
+
+
+class FusedRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _use_kernel(x) or self.weight.dtype != x.dtype:
+            return super().forward(x)
+        return rms_norm(x, self.weight, self.eps)
+
+
+# --- rotary embedding of q and k ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Program (token, head): heads 0 .. H-1 are q's, the rest k's. x * cos + rotate_half(x) * sin in fp32."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    c1 = tl.load(cos_ptr + t * stride_ct + d)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d)
+    s1 = tl.load(sin_ptr + t * stride_ct + d)
+    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d)
+    if h < NUM_Q_HEADS:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        dst = q_out_ptr + (t * NUM_Q_HEADS + h) * 2 * HALF
+    else:
+        num_k_heads = tl.num_programs(1) - NUM_Q_HEADS
+        src = k_ptr + t * stride_kt + (h - NUM_Q_HEADS) * stride_kh
+        dst = k_out_ptr + (t * num_k_heads + h - NUM_Q_HEADS) * 2 * HALF
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    # the reference rounds each product and the sum in fp32 (no fused multiply-add): keep its order
+    a1 = x1 * c1
+    b1 = (-x2) * s1
+    a2 = x2 * c2
+    b2 = x1 * s2
+    tl.store(dst + d, (a1 + b1).to(q_out_ptr.dtype.element_ty))
+    tl.store(dst + HALF + d, (a2 + b2).to(q_out_ptr.dtype.element_ty))
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, KVH, D] (any row and head strides), cos/sin [T, D] fp32 -> contiguous rotated q, k."""
+    t, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype, (q.stride(), k.stride())
+    assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    q_out = torch.empty((t, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if t:
+        _rope_kernel[(t, num_heads + num_kv_heads)](
+            q, k, cos, sin, q_out, k_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            NUM_Q_HEADS=num_heads, HALF=head_dim // 2, num_warps=1, enable_fp_fusion=False,
+        )  # fmt: skip
+    return q_out, k_out
+
+
+class FusedRotary(Rotary):
+    def forward(self, q, k, cos, sin):
+        head_dim = q.shape[-1]
+        if not _use_kernel(q) or head_dim & (head_dim - 1) or q.dtype == torch.float64:
+            return super().forward(q, k, cos, sin)
+        return rope_qk(q, k, cos, sin)
+
+
+# --- SiLU-and-mul ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, n, stride_x, stride_y, BLOCK: tl.constexpr):
+    """y = silu(x[:, :n]) * x[:, n:], silu rounded to the output dtype first (as F.silu then * does)."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=live, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (silu * up).to(y_ptr.dtype.element_ty), mask=live)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2n] -> silu(x[..., :n]) * x[..., n:]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[1] // 2
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        grid = (x2.shape[0], triton.cdiv(n, SILU_BLOCK))
+        _silu_mul_kernel[grid](
+            x2, y, n, x2.stride(0), y.stride(0), BLOCK=SILU_BLOCK, num_warps=4, enable_fp_fusion=False
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+class FusedSiluAndMul(SiluAndMul):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _use_kernel(x) or x.dtype == torch.float64:
+            return super().forward(x)
+        return silu_mul(x)
+
+
+# --- the transform ----------------------------------------------------------------------------------------------
+
+FUSED = {RMSNorm: FusedRMSNorm, Rotary: FusedRotary, SiluAndMul: FusedSiluAndMul}
+PLAIN = {fused: plain for plain, fused in FUSED.items()}
+
+
+def _swap_classes(model: nn.Module, mapping: dict[type, type]) -> int:
+    """Re-class matching modules in place (same parameters, same state): returns how many were swapped."""
+    swapped = 0
+    for module in model.modules():
+        new = mapping.get(type(module))
+        if new is not None:
+            module.__class__ = new
+            swapped += 1
+    return swapped
+
+
+def fuse(model: nn.Module) -> int:
+    """Use the fused kernels in `model` (where its tensors are on CUDA); returns the number of modules swapped."""
+    return _swap_classes(model, FUSED)
+
+
+def unfuse(model: nn.Module) -> int:
+    """Back to the plain PyTorch modules."""
+    return _swap_classes(model, PLAIN)
