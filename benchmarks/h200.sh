@@ -23,7 +23,7 @@ for part in "${parts[@]}"; do
       fi ;;
     tests)
       timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/engine/test_kv_cuda.py \
-        tests/kernels 2>&1 | tail -30 | tee -a "$log" ;;
+        tests/kernels/${TESTS_KERNELS:-} 2>&1 | tail -30 | tee -a "$log" ;;
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
     batch1)

@@ -46,7 +46,9 @@ def test_graph_replay_equals_eager(kv, fused):
         want = eager.forward(batch).logits
         got = graphed.forward(batch).logits
         for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+            # fused: the same fp32 math rounded alike, but sums in another order, through 30 bf16 layers
+            tol = 5e-2 if fused else 2e-2
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
             top = w.gather(-1, g.argmax(-1, keepdim=True)).squeeze(-1)  # the reference's logit of our choice
-            assert torch.all(w.max(-1).values - top <= (0 if not fused else 2e-2))  # argmax, up to rounding ties
+            assert torch.all(w.max(-1).values - top <= (0 if not fused else tol))  # argmax, up to rounding ties
     assert graphed.graphs, "no step was replayed from a graph"
