@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.engine import Engine
+from specchat.engine.sequence import Finished
 
 
 @dataclass(slots=True)
 class SessionsResult:
     sessions: int
+    requests: int
     drafter: str
     k: str
     completion_tokens: int
@@ -26,28 +28,41 @@ class SessionsResult:
 
 
 def run_sessions(
-    engine: Engine, prompts: list[str], sessions: int, sampling: SamplingParams, spec: SpecParams
+    engine: Engine,
+    prompts: list[str],
+    sessions: int,
+    sampling: SamplingParams,
+    spec: SpecParams,
+    requests: int | None = None,
 ) -> SessionsResult:
-    """Submit `sessions` requests at once (prompts cycled) and run them all to the end."""
+    """Run `requests` prompts (default: `sessions`; prompts cycled) with at most `sessions` in flight.
+
+    A finished request's slot is refilled at once (continuous batching), so runs that share `requests` do the
+    same work at different concurrency and their throughputs compare directly.
+    """
+    assert not engine.running_in_background, "the benchmark drives the engine's steps itself"
     engine.reset_metrics()
     peak = 0
-
-    def track_peak(_events) -> None:
-        nonlocal peak
-        peak = max(peak, engine.pool.used_pages * engine.pool.page_size)
-
-    engine.listeners.append(track_peak)
+    todo = list(range(requests or sessions))
+    in_flight, finished = [], []
     start = time.perf_counter()
-    try:
-        handles = [engine.submit(prompts[i % len(prompts)], sampling, spec) for i in range(sessions)]
-        finished = [h.result() for h in handles]
-    finally:
-        engine.listeners.remove(track_peak)
+    while todo or in_flight:
+        while todo and len(in_flight) < sessions:
+            in_flight.append(engine.submit(prompts[todo.pop(0) % len(prompts)], sampling, spec))
+        engine.step()
+        peak = max(peak, engine.pool.used_pages * engine.pool.page_size)
+        for handle in list(in_flight):
+            while not handle.queue.empty():
+                event = handle.queue.get()
+                if isinstance(event, Finished):
+                    finished.append(event)
+                    in_flight.remove(handle)
     wall = time.perf_counter() - start
     snap = engine.snapshot()
     tokens = sum(len(f.token_ids) for f in finished)
     return SessionsResult(
         sessions=sessions,
+        requests=len(finished),
         drafter=spec.drafter,
         k="auto" if spec.k is None else str(spec.k),
         completion_tokens=tokens,

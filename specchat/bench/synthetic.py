@@ -50,6 +50,18 @@ SHAPES = {
         max_position=8192,
         tie_embeddings=True,
     ),
+    "tiny": ModelConfig(  # a smoke test of the benchmark itself
+        arch="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position=1024,
+    ),
 }
 INIT_STD = 0.02
 

@@ -40,10 +40,15 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
         raise ConfigError(f"{prompts_file}: no prompts (one per line)")
     engine = Engine.load(config, progress=StderrProgress())
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    counts = int_list(sessions, "--sessions")
+    if min(counts) < 1:
+        raise ConfigError(f"--sessions must list counts >= 1, got {sessions!r}")
+    requests = max(counts)  # every count runs the same requests, so their throughputs compare
     results = []
-    for n in int_list(sessions, "--sessions"):
+    for n in counts:
         for name in drafter.split(","):
-            results.append(run_sessions(engine, prompts, n, sampling, spec_params(name.strip(), k)))
+            spec = spec_params(name.strip(), k)
+            results.append(run_sessions(engine, prompts, n, sampling, spec, requests=requests))
     if as_json:
         for r in results:
             click.echo(json.dumps(dataclasses.asdict(r)))
@@ -52,8 +57,9 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
     rows = [
         [
             r.sessions,
+            r.requests,
             r.drafter,
-            r.k,
+            r.k if r.drafter != "none" else "-",
             r.tok_per_s,
             f"{r.tok_per_s / base[r.drafter]:.2f}x",
             r.latency_p50_ms,
@@ -64,7 +70,16 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
         ]
         for r in results
     ]
-    headers = ["sessions", "drafter", "k", "tok/s", f"vs {results[0].sessions}", "P50 ms/token", "P99 ms/token"]
+    headers = [
+        "sessions",
+        "requests",
+        "drafter",
+        "k",
+        "tok/s",
+        f"vs {results[0].sessions}",
+        "P50 ms/token",
+        "P99 ms/token",
+    ]
     print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
 
 

@@ -1,0 +1,45 @@
+"""`specchat bench`: the sessions runner keeps its concurrency and the synthetic runner reports what it ran."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from specchat.bench.sessions import run_sessions
+from specchat.cli import main
+from specchat.config import SamplingParams, SpecParams
+
+
+def test_sessions_run_every_request_with_bounded_concurrency(tiny_engine):
+    in_flight_seen = []
+
+    def watch(_events):
+        in_flight_seen.append(len(tiny_engine.handles))
+
+    tiny_engine.listeners.append(watch)
+    try:
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+        result = run_sessions(tiny_engine, ["a b c", "hello there"], 2, sampling, SpecParams(drafter="none"), 5)
+    finally:
+        tiny_engine.listeners.remove(watch)
+    assert result.requests == 5 and result.completion_tokens == 5 * 6
+    assert max(in_flight_seen) == 2  # never more than `sessions` at once, and the slots were kept full
+    assert result.tok_per_s > 0 and not tiny_engine.handles
+
+
+def test_synthetic_bench_json_rows():
+    args = ["bench", "--synthetic", "tiny", "--device", "cpu", "--batch", "1,2", "--k", "0,2"]
+    run = CliRunner().invoke(main, [*args, "--steps", "2", "--context", "8", "--json"])
+    assert run.exit_code == 0, run.output
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [(r["case"]["batch"], r["case"]["k"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    plain = [r for r in rows if r["case"]["k"] == 0]
+    assert all(r["tokens_per_step"] == 1.0 for r in plain)  # plain decoding gives one token per step
+    assert all(1.0 <= r["tokens_per_step"] <= 3.0 for r in rows)  # k = 2: at most k + 1
+    assert all(r["kv_bytes_per_token"] > 0 and r["weights_bytes"] > 0 for r in rows)
+
+
+def test_bench_flags_fail_with_one_line():
+    run = CliRunner().invoke(main, ["bench", "--synthetic", "llama-9000"])
+    assert run.exit_code != 0 and "unknown synthetic shape" in run.output
