@@ -23,6 +23,7 @@ from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import ModelConfig, Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.stats import percentile
+from specchat.quant.handler import weight_bytes
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(
@@ -99,14 +100,6 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
             else:
                 p.normal_(0.0, INIT_STD)
     return model.eval().requires_grad_(False)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters and buffers (packed MXFP4 weights are buffers), each storage once."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())
-    }
-    return sum(storages.values())
 
 
 def sample_accepted(rng: random.Random, k: int, acceptance: float) -> int:

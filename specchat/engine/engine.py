@@ -38,7 +38,7 @@ from specchat.engine.tokenizer import StreamDecoder, Tokenizer, export_gguf_toke
 from specchat.errors import ConfigError, PromptError
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
 from specchat.quant.fp4_linear import Fp4Linear
-from specchat.quant.handler import WEIGHT_FORMATS, WeightSwitch, weight_switch
+from specchat.quant.handler import WEIGHT_FORMATS, WeightSwitch, weight_bytes, weight_switch
 from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
 
 Prompt = str | list[dict] | list[int]
@@ -377,11 +377,6 @@ class Engine:
 
     def memory(self) -> dict:
         """Bytes of weights and KV cache, and what they would be in bf16."""
-        seen, weights_bytes = set(), 0
-        for t in (*self.model.parameters(), *self.model.buffers()):
-            if t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                weights_bytes += t.numel() * t.element_size()
         linear, linear_bf16 = 0, 0
         for module in self.model.modules():
             if isinstance(module, torch.nn.Linear):
@@ -391,7 +386,7 @@ class Engine:
                 linear += module.nbytes
                 linear_bf16 += module.in_features * module.out_features * 2
         return {
-            "weights_bytes": weights_bytes,
+            "weights_bytes": weight_bytes(self.model),
             "linear_weight_bytes": linear,
             "linear_weight_bytes_bf16": linear_bf16,
             "weights_format": self.weights.current,  # "bf16" = unquantized, in the model dtype

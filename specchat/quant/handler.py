@@ -46,6 +46,16 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, LINEAR_TYPES)]
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (packed MXFP4 weights are buffers), shared storage once."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
 def select_linears(model: nn.Module, layers: str = DEFAULT_LAYERS) -> list[str]:
     """Module names chosen by a layer selection (see the module docstring), in module order."""
     names = linear_names(model)
