@@ -22,7 +22,9 @@ for part in "${parts[@]}"; do
         pip install -q --no-index --find-links .devcarry-gpu/whl pytest pytest-timeout 2>&1 | tail -2 | tee -a "$log"
       fi ;;
     tests)
+      [ -d .devcarry-gpu/tokenizer ] && export SPECCHAT_TEST_TOKENIZER=$PWD/.devcarry-gpu/tokenizer
       timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/engine/test_kv_cuda.py \
+        tests/engine/test_engine_cuda.py \
         tests/kernels/${TESTS_KERNELS:-} 2>&1 | tail -30 | tee -a "$log" ;;
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
@@ -37,7 +39,7 @@ for part in "${parts[@]}"; do
       done
       timeout 120 python benchmarks/profile_step.py --weights bf16 2>&1 | tee -a "$log" ;;
     kv)
-      timeout 200 "${synthetic[@]}" --weights mxfp4 --kv bf16,mxfp4 --batch 1,32 --k 0,4 --context 8192 \
+      timeout 240 "${synthetic[@]}" --weights mxfp4 --kv bf16,mxfp4,k8v4 --batch 1,8 --k 0 --context 8192 --steps 32 \
         2>&1 | tee -a "$log" ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
