@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast 
 def cuda_tiny_model_dir(request, tmp_path_factory) -> Path:
     tokenizer = os.environ.get("SPECCHAT_TEST_TOKENIZER")
     source = Path(tokenizer) if tokenizer else request.getfixturevalue("default_tokenizer_dir")
-    path = save_tiny_hf(tmp_path_factory.mktemp("tiny-llama-cuda"))
+    # head_dim 32: the smallest the paged-attention kernel (and so the graphs) take
+    path = save_tiny_hf(tmp_path_factory.mktemp("tiny-llama-cuda"), {"hidden_size": 128, "intermediate_size": 256})
     for f in source.iterdir():
         shutil.copy(f, path / f.name)
     return path
