@@ -35,8 +35,7 @@ import triton.language as tl
 
 from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor, pow2
 
-BLOCK_N = 64  # keys per tile (dense pages)
-BLOCK_N_QUANTIZED = 128  # MXFP4 / MXFP8 pages: 838 vs 1,074 us at 32k, batch 16 on the H200 (docs/benchmarks.md)
+BLOCK_N = 64  # keys per tile
 MIN_BLOCK_M = 16  # query rows per program are padded to a tensor-core tile
 MAX_BLOCK_M = 128  # query rows per program: q_len x (H / KVH) must fit
 MAX_HEAD_DIM = 256
@@ -360,13 +359,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     num_partitions: int | None = None,
-    block_n: int | None = None,
+    block_n: int = BLOCK_N,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
     num_partitions: how many slices the longest context is split into (default: enough to fill the GPU);
-    block_n (keys per tile; default by page format) and num_warps are launch settings for benchmarks to sweep.
+    block_n (keys per tile) and num_warps are launch settings for benchmarks to sweep.
     """
     t, num_heads, head_dim = q.shape
     kv_heads = k_pages.data.shape[0]
@@ -390,8 +389,6 @@ def paged_attention(
     else:
         dot_dtype = torch.float16  # decoded codes are exact fp16 (see the module docstring)
 
-    if block_n is None:
-        block_n = BLOCK_N if k_pages.fmt == DENSE else BLOCK_N_QUANTIZED
     batch = meta.batch_size
     if num_partitions is None:
         target = INTERPRETER_PROGRAMS if _interpreting() else PROGRAMS_PER_SM * _sm_count(q.device)
