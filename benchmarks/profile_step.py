@@ -13,7 +13,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specchat.bench.synthetic import SHAPES, random_model
+from specchat.bench.synthetic import SHAPES, quantize_all, random_model
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.runner import ModelRunner, StepBatch
 
@@ -29,9 +29,7 @@ def main() -> None:
     cfg = SHAPES[args.shape]
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     if args.weights == "mxfp4":
-        from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules
-
-        swap_modules(model, fp4_modules(model, round_to_nearest(model, select_linears(model, "all"), "ocp")))
+        quantize_all(model)
     if args.fused:
         from specchat.kernels.fused import fuse
 

@@ -175,7 +175,7 @@ class TracePrinter:
     def format(self, event: Event) -> list[str]:
         """The lines that show one event."""
         if isinstance(event, SessionEnd):
-            return [_session_text(event)]
+            return [f"[all] {session_summary(event)}"]
         tag = f"[run {event.run}]"
         match event:
             case RunStart():
@@ -237,11 +237,11 @@ def _stats_text(stats: dict[str, Any]) -> str:
     return "".join(f", {part}" for part in parts)
 
 
-def _session_text(event: SessionEnd) -> str:
-    """'[all] 4 runs (3 final, 1 max_steps), 412 tokens in 9.8 s, 42.0 tokens/s, ..., prefix-cache hits 61%'."""
+def session_summary(event: SessionEnd) -> str:
+    """'4 runs (3 final, 1 max_steps), 412 tokens in 9.8 s, 42.0 tokens/s, ..., prefix-cache hits 61%'."""
     reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(event.reasons.items()))
     hits = "n/a" if event.prefix_hit_rate is None else f"{event.prefix_hit_rate:.0%}"
     return (
-        f"[all] {event.runs} runs ({reasons}), {event.tokens} tokens in {event.elapsed_s:.1f} s, "
+        f"{event.runs} runs ({reasons}), {event.tokens} tokens in {event.elapsed_s:.1f} s, "
         f"{event.tok_per_s:.1f} tokens/s{_stats_text(event.stats)}, prefix-cache hits {hits}"
     )

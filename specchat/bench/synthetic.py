@@ -23,7 +23,7 @@ from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import ModelConfig, Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.stats import percentile
-from specchat.quant.handler import weight_bytes
+from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules, weight_bytes
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(
@@ -100,6 +100,13 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
             else:
                 p.normal_(0.0, INIT_STD)
     return model.eval().requires_grad_(False)
+
+
+def quantize_all(model: Transformer) -> None:
+    """Every linear to MXFP4 in place, the untied output head included (as gpt-fast's int4 yardstick does),
+    by round to nearest with the OCP rule."""
+    names = select_linears(model, "all")
+    swap_modules(model, fp4_modules(model, round_to_nearest(model, names, "ocp")))
 
 
 def sample_accepted(rng: random.Random, k: int, acceptance: float) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
 def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, eager, as_json) -> None:
     import torch
 
-    from specchat.bench.synthetic import SHAPES, SyntheticCase, random_model, run_case
+    from specchat.bench.synthetic import SHAPES, SyntheticCase, quantize_all, random_model, run_case
     from specchat.engine.engine import make_runner, pick_device
 
     if shape not in SHAPES:
@@ -94,18 +95,12 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 
-    def runner_factory(model, pool):
-        return make_runner(model, pool, eager)
-
+    runner_factory = functools.partial(make_runner, eager=eager)
     results = []
     for weight_fmt in weights.split(","):
         model = random_model(SHAPES[shape], dtype, dev)
         if weight_fmt == "mxfp4":
-            from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules
-
-            # every linear incl. the untied output head, as gpt-fast's int4 yardstick quantizes them
-            names = select_linears(model, "all")
-            swap_modules(model, fp4_modules(model, round_to_nearest(model, names, "ocp")))
+            quantize_all(model)
         elif weight_fmt != "bf16":
             raise ConfigError(f"--weights takes bf16 and/or mxfp4, got {weight_fmt!r}")
         for kv_fmt in kv.split(","):

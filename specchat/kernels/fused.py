@@ -26,8 +26,11 @@ from specchat.engine.model import RMSNorm, Rotary, SiluAndMul
 SILU_BLOCK = 1024
 
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton itself does
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
-    return x.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and x.device.type == "cpu")
+    return x.is_cuda or (INTERPRET and x.device.type == "cpu")
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------------------

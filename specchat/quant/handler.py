@@ -87,10 +87,11 @@ def swap_modules(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, n
 
 def round_to_nearest(model: nn.Module, names: Sequence[str], rule: Rule = DEFAULT_RULE, rotate: bool = False) -> Packed:
     """MXFP4 codes and scales of the named dense linears (of W R if `rotate`), block scales by `rule`, RNE."""
-    if rotate:
-        weights = {name: rotate_blocks(model.get_submodule(name).weight.detach()) for name in names}
-        return {name: quantize_mxfp4(w, rule=rule) for name, w in weights.items()}
-    return {name: quantize_mxfp4(model.get_submodule(name).weight.detach(), rule=rule) for name in names}
+    packed = {}
+    for name in names:
+        weight = model.get_submodule(name).weight.detach()
+        packed[name] = quantize_mxfp4(rotate_blocks(weight) if rotate else weight, rule=rule)
+    return packed
 
 
 def fp4_modules(model: nn.Module, packed: Packed, rotated: bool = False) -> dict[str, Fp4Linear]:

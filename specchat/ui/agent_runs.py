@@ -24,7 +24,7 @@ from textual.widgets import TabbedContent, TabPane
 
 from specchat.agent.runner import AgentSession
 from specchat.agent.script import AgentScript, load_script
-from specchat.agent.trace import Event, RunStart, SessionEnd
+from specchat.agent.trace import Event, RunStart, SessionEnd, session_summary
 from specchat.errors import SpecchatError
 from specchat.ui.agent_view import AgentRunPane, AgentScriptScreen, ShellConfirmScreen
 
@@ -35,16 +35,6 @@ def settle(answer: Future[bool], allowed: bool) -> None:
     """Answer a shell question unless it already has its answer."""
     with contextlib.suppress(InvalidStateError):
         answer.set_result(allowed)
-
-
-def session_line(event: SessionEnd) -> str:
-    """'4 runs (3 final, 1 max_steps), 412 tokens in 9.8 s, 42.0 tok/s, prefix-cache hits 61%'."""
-    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(event.reasons.items()))
-    hits = "n/a" if event.prefix_hit_rate is None else f"{event.prefix_hit_rate:.0%}"
-    return (
-        f"{event.runs} runs ({reasons}), {event.tokens} tokens in {event.elapsed_s:.1f} s, "
-        f"{event.tok_per_s:.1f} tok/s, prefix-cache hits {hits}"
-    )
 
 
 class AgentTabs:
@@ -188,7 +178,7 @@ class AgentRuns:
             container.get_tab(pane.parent.id).label = pane.label
         if summary is not None:
             tabs.summary = summary
-            self.notify(session_line(summary), title=f"agent script {tabs.number} done", timeout=10)
+            self.notify(session_summary(summary), title=f"agent script {tabs.number} done", timeout=10)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         """Focus the shown run's trace (arrow keys scroll it, Tab walks its results), as the app does a chat's input:
