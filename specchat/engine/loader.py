@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import torch
 
 from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer
 from specchat.errors import ModelFormatError
+from specchat.quant.checkpoint import is_mxfp4_checkpoint, read_mxfp4_state
+from specchat.safetensors_io import read_safetensors
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -223,25 +224,6 @@ def hf_config(path: Path) -> ModelConfig:
         raise ModelFormatError(f"{cfg_file}: missing key {exc}") from None
 
 
-def _check_safetensors_size(file: Path) -> None:
-    """A clear error for truncated files, before safetensors' own (less legible) one."""
-    size = file.stat().st_size
-    with file.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ModelFormatError(f"{file}: truncated safetensors file ({size} bytes)")
-        header_len = struct.unpack("<Q", head)[0]
-        if 8 + header_len > size:
-            raise ModelFormatError(f"{file}: truncated safetensors file (header needs {header_len} bytes)")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ModelFormatError(f"{file}: corrupt safetensors header") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end > size:
-        raise ModelFormatError(f"{file}: truncated safetensors file ({size} bytes, needs {8 + header_len + end})")
-
-
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -258,21 +240,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_hf_dir(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     cfg = hf_config(path)
     raw: dict[str, torch.Tensor] = {}
     files = safetensors_files(path)
     for i, file in enumerate(files):
-        _check_safetensors_size(file)
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
-                    raw[name] = f.get_tensor(name)
-        except ModelFormatError:
-            raise
-        except Exception as exc:  # safetensors raises SafetensorError and others on damaged files
-            raise ModelFormatError(f"{file}: cannot read safetensors ({exc})") from None
+        raw.update(read_safetensors(file))
         if progress:
             progress("loading weights", i + 1, len(files))
     return cfg, _rename_hf(raw, cfg, path)
@@ -294,6 +266,15 @@ def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> di
         sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(b + "mlp.gate_proj.weight"), take(b + "mlp.up_proj.weight")])
         sd[o + "mlp.w_down.weight"] = take(b + "mlp.down_proj.weight")
     return sd
+
+
+def load_mxfp4_dir(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """An MXFP4 checkpoint (quant.checkpoint) -> (config, state with dense stand-ins plus the packed linears)."""
+    cfg = hf_config(path)
+    state = read_mxfp4_state(path, progress)
+    if cfg.tie_embeddings:
+        state.setdefault("lm_head.weight", state["embed.weight"])
+    return cfg, state
 
 
 # --- building the module ------------------------------------------------------------------------------------
@@ -330,10 +311,8 @@ def load_checkpoint(
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or directory")
     if path.is_dir():
-        from specchat.quant.checkpoint import is_mxfp4_checkpoint, load_mxfp4_checkpoint
-
         if is_mxfp4_checkpoint(path):  # written by `specchat quantize`: the state also holds packed linears
-            return load_mxfp4_checkpoint(path, progress)
+            return load_mxfp4_dir(path, progress)
         return load_hf_dir(path, progress)
     if path.suffix.lower() == ".gguf":
         return load_gguf(path, progress, cache)

@@ -13,9 +13,10 @@ A checkpoint is a directory:
     tokenizer files        copied from the source model
 
 Loading is bit-exact: the stored codes and scales become the Fp4Linear buffers unchanged (laid out for the
-device). `load_mxfp4_checkpoint` returns a state dict that `engine.loader.build_model` accepts (each MXFP4
+device). `read_mxfp4_state` returns a state dict that `engine.loader.build_model` accepts (each MXFP4
 weight dequantized under its dense name) plus the packed entries, which `take_packed` removes for
-`quant.handler` to install; the dense copies live only until the Fp4Linear modules replace them.
+`quant.handler` to install; the dense copies live only until the Fp4Linear modules replace them. The engine
+reads config.json itself (engine.loader.load_mxfp4_dir): this package does not import the engine.
 
 The live toggle's MXFP4 weights for a model come from `cache_dir(model_path)` when `specchat quantize` has
 written a checkpoint there (its default output), else from round-to-nearest.
@@ -28,13 +29,17 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from specchat.engine.model import ModelConfig
 from specchat.errors import ModelFormatError
 from specchat.kernels.mxfp4 import dequantize_mxfp4
 from specchat.quant.fp4_linear import rotate_blocks
+from specchat.safetensors_io import read_safetensors
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package, never the other way round
+    from specchat.engine.model import ModelConfig
 
 METADATA_FILE = "specchat_mxfp4.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -132,27 +137,18 @@ def read_metadata(path: Path) -> dict:
 
 
 def _read_tensors(path: Path, names: Callable[[str], bool] = lambda _: True) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    from specchat.engine.loader import _check_safetensors_size
-
     file = path / WEIGHTS_FILE
     if not file.is_file():
         raise ModelFormatError(f"{path}: missing {WEIGHTS_FILE}")
-    _check_safetensors_size(file)
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys() if names(name)}  # noqa: SIM118
-    except Exception as exc:  # SafetensorError and friends on damaged files
-        raise ModelFormatError(f"{file}: cannot read safetensors ({exc})") from None
+    return read_safetensors(file, names)
 
 
-def load_mxfp4_checkpoint(path: Path, progress: Progress | None = None) -> tuple[ModelConfig, dict]:
-    """An MXFP4 checkpoint -> (config, state dict with dense stand-ins plus the packed `.codes`/`.scales`)."""
-    from specchat.engine.loader import hf_config
+def read_mxfp4_state(path: Path, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """An MXFP4 checkpoint's tensors: a state dict with dense stand-ins plus the packed `.codes`/`.scales`.
 
+    A tied output head is left out (config.json says whether the head is tied; the engine's loader reads it).
+    """
     meta = read_metadata(path)
-    cfg = hf_config(path)
     state = _read_tensors(path)
     for name in meta["quantized"]:
         codes, scales = state.get(name + CODES), state.get(name + SCALES)
@@ -161,11 +157,9 @@ def load_mxfp4_checkpoint(path: Path, progress: Progress | None = None) -> tuple
         _, in_features = meta["quantized"][name]
         values = dequantize_mxfp4(codes, scales, torch.float32, k=in_features)  # of W R if rotated
         state[name + ".weight"] = rotate_blocks(values) if meta["rotation"] else values
-    if cfg.tie_embeddings:
-        state.setdefault("lm_head.weight", state["embed.weight"])
     if progress:
         progress("loading weights", 1, 1)
-    return cfg, state
+    return state
 
 
 def checkpoint_metadata(path: Path) -> dict | None:

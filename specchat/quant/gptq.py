@@ -33,12 +33,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.engine.model import Block, Transformer
 from specchat.kernels.mxfp4 import (
     BLOCK_SIZE,
     E2M1_MAGNITUDES,
@@ -51,6 +51,9 @@ from specchat.kernels.mxfp4 import (
     scales_to_float,
 )
 from specchat.quant.fp4_linear import rotate_blocks
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package, never the other way round
+    from specchat.engine.model import Block, Transformer
 
 CALIBRATION_TEXT = "calibration_heapq.txt"  # specchat/data/text; a different text from the held-out one
 CALIBRATION_TOKENS = 8192  # all 6,569 tokens of the shipped text: better than 2,048 on the dev text (benchmarks.md)
