@@ -31,7 +31,7 @@ def main() -> None:
     if args.weights == "mxfp4":
         quantize_all(model)
     if args.fused:
-        from specchat.kernels.fused import fuse
+        from specchat.engine.fusion import fuse
 
         fuse(model)
     pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, 16, torch.bfloat16, "cuda")

@@ -68,7 +68,7 @@ def make_runner(model: Transformer, pool: KVPool, eager: bool) -> ModelRunner:
     if eager or pool.device.type != "cuda":
         return ModelRunner(model, pool)
     from specchat.engine.cuda_graph import CudaGraphRunner
-    from specchat.kernels.fused import fuse
+    from specchat.engine.fusion import fuse
 
     fuse(model)
     return CudaGraphRunner(model, pool)

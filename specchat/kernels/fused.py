@@ -5,11 +5,11 @@ around them (RMSNorm alone is six: cast, square, mean, rsqrt, two multiplies). I
 are free, but each kernel still costs a few microseconds of GPU time: on the H200 they took ~2.6 ms of a
 6.6 ms bf16 step (docs/benchmarks.md). These kernels do each job in one pass over its data.
 
-They are a transform applied from outside (STYLE.md #3): `fuse(model)` swaps the model's `RMSNorm`, `Rotary`
-and `SiluAndMul` modules for the subclasses below, whose forward runs the kernel on CUDA (or under
-TRITON_INTERPRET=1) and the plain module's forward otherwise; `unfuse(model)` swaps them back. The plain
-modules in engine/model.py are the references; tests/kernels/test_fused.py holds each kernel to its reference
-(same fp32 arithmetic, results rounded to the activation dtype once, as PyTorch does).
+Each kernel sits beside its wrapper (which asserts its inputs) and a `*_supported` check (where it runs: CUDA,
+or the CPU under TRITON_INTERPRET=1, and the dtypes and shapes it takes). The engine applies them from outside
+(STYLE.md #3): engine/fusion.py swaps the model's plain modules for ones that call these. The plain modules in
+engine/model.py are the references; tests/kernels/test_fused.py holds each kernel to its reference (same fp32
+arithmetic, results rounded to the activation dtype once, as PyTorch does).
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch import nn
-
-from specchat.engine.model import RMSNorm, Rotary, SiluAndMul
 
 SILU_BLOCK = 1024
 
@@ -29,7 +26,8 @@ SILU_BLOCK = 1024
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton itself does
 
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def _runs_on(x: torch.Tensor) -> bool:
+    """Whether Triton can run a kernel on x's device: CUDA, or the CPU under the interpreter."""
     return x.is_cuda or (INTERPRET and x.device.type == "cpu")
 
 
@@ -72,11 +70,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(x.shape)
 
 
-class FusedRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _use_kernel(x) or self.weight.dtype != x.dtype:
-            return super().forward(x)
-        return rms_norm(x, self.weight, self.eps)
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes these: a Triton device and the weight in x's dtype."""
+    return _runs_on(x) and weight.dtype == x.dtype
 
 
 # --- rotary embedding of q and k ------------------------------------------------------------------------------
@@ -133,12 +129,10 @@ def rope_qk(
     return q_out, k_out
 
 
-class FusedRotary(Rotary):
-    def forward(self, q, k, cos, sin):
-        head_dim = q.shape[-1]
-        if not _use_kernel(q) or head_dim & (head_dim - 1) or q.dtype == torch.float64:
-            return super().forward(q, k, cos, sin)
-        return rope_qk(q, k, cos, sin)
+def rope_qk_supported(q: torch.Tensor) -> bool:
+    """Whether `rope_qk` takes q: a Triton device, a power-of-two head_dim (tl.arange), not float64."""
+    head_dim = q.shape[-1]
+    return _runs_on(q) and (head_dim & (head_dim - 1)) == 0 and q.dtype != torch.float64
 
 
 # --- SiLU-and-mul ---------------------------------------------------------------------------------------------
@@ -171,35 +165,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
-class FusedSiluAndMul(SiluAndMul):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _use_kernel(x) or x.dtype == torch.float64:
-            return super().forward(x)
-        return silu_mul(x)
-
-
-# --- the transform ----------------------------------------------------------------------------------------------
-
-FUSED = {RMSNorm: FusedRMSNorm, Rotary: FusedRotary, SiluAndMul: FusedSiluAndMul}
-PLAIN = {fused: plain for plain, fused in FUSED.items()}
-
-
-def _swap_classes(model: nn.Module, mapping: dict[type, type]) -> int:
-    """Re-class matching modules in place (same parameters, same state): returns how many were swapped."""
-    swapped = 0
-    for module in model.modules():
-        new = mapping.get(type(module))
-        if new is not None:
-            module.__class__ = new
-            swapped += 1
-    return swapped
-
-
-def fuse(model: nn.Module) -> int:
-    """Use the fused kernels in `model` (where its tensors are on CUDA); returns the number of modules swapped."""
-    return _swap_classes(model, FUSED)
-
-
-def unfuse(model: nn.Module) -> int:
-    """Back to the plain PyTorch modules."""
-    return _swap_classes(model, PLAIN)
+def silu_mul_supported(x: torch.Tensor) -> bool:
+    """Whether `silu_mul` takes x: a Triton device, not float64."""
+    return _runs_on(x) and x.dtype != torch.float64

@@ -22,7 +22,7 @@ def make_pool(cfg, kv: str) -> KVPool:
 def test_graph_replay_equals_eager(kv, fused):
     """The fast path (CUDA graphs, with or without the fused elementwise kernels) against the plain runner."""
     from specchat.engine.cuda_graph import CudaGraphRunner
-    from specchat.kernels.fused import fuse
+    from specchat.engine.fusion import fuse
 
     torch.manual_seed(0)
     cfg = SHAPES["smollm2-135m"]

@@ -1,7 +1,7 @@
 """The fused elementwise kernels against the plain modules of engine/model.py (their references).
 
 Kernel tests run on CUDA, or on CPU under TRITON_INTERPRET=1 (`test_kernels_under_interpreter` reruns this file
-in a subprocess with it set).
+in a subprocess with it set). The modules that swap them into a model: tests/engine/test_fusion.py.
 """
 
 from __future__ import annotations
@@ -9,9 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specchat.engine.kv_cache import KVPool
-from specchat.engine.model import ModelConfig, RMSNorm, Rotary, RotaryEmbedding, SiluAndMul, Transformer
-from specchat.kernels.fused import FusedRMSNorm, FusedRotary, FusedSiluAndMul, fuse, unfuse
+from specchat.engine.model import ModelConfig, RMSNorm, Rotary, RotaryEmbedding, SiluAndMul
+from specchat.kernels.fused import (
+    rms_norm,
+    rms_norm_supported,
+    rope_qk,
+    rope_qk_supported,
+    silu_mul,
+    silu_mul_supported,
+)
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -37,9 +43,8 @@ def test_rms_norm_kernel(dtype, rows, dim):
         plain.weight.copy_(torch.rand(dim, generator=gen(1)) + 0.5)
     plain = plain.to(DEVICE, dtype)
     x = (torch.randn(rows, dim, generator=gen(2)) * 3).to(DEVICE, dtype)
-    want = plain(x)
-    plain.__class__ = FusedRMSNorm
-    assert_equal_within_rounding(plain(x), want)
+    assert rms_norm_supported(x, plain.weight)
+    assert_equal_within_rounding(rms_norm(x, plain.weight, plain.eps), plain(x))
 
 
 @kernel_test
@@ -54,8 +59,9 @@ def test_rope_kernel_reads_strided_q_and_k(dtype):
     assert not q.is_contiguous()
     positions = torch.tensor([0, 1, 2, 100, 101, 3000, 4095], device=DEVICE)
     cos, sin = RotaryEmbedding(cfg).to(DEVICE)(positions)
+    assert rope_qk_supported(q)
     want_q, want_k = Rotary()(q, k, cos, sin)
-    got_q, got_k = FusedRotary()(q, k, cos, sin)
+    got_q, got_k = rope_qk(q, k, cos, sin)
     assert_equal_within_rounding(got_q, want_q)
     assert_equal_within_rounding(got_k, want_k)
 
@@ -65,30 +71,16 @@ def test_rope_kernel_reads_strided_q_and_k(dtype):
 @pytest.mark.parametrize("rows, inner", [(1, 48), (4, 1500)])  # 1500: more than one block per row
 def test_silu_mul_kernel(dtype, rows, inner):
     x = (torch.randn(rows, 2 * inner, generator=gen(4)) * 4).to(DEVICE, dtype)
-    assert_equal_within_rounding(FusedSiluAndMul()(x), SiluAndMul()(x))
+    assert silu_mul_supported(x)
+    assert_equal_within_rounding(silu_mul(x), SiluAndMul()(x))
 
 
-@kernel_test
-def test_fuse_keeps_the_model_output_and_unfuse_restores_it():
-    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=256)  # fmt: skip
-    torch.manual_seed(0)
-    model = Transformer(cfg).to(DEVICE).eval()
-    ids = torch.randint(0, 64, (9,), generator=gen(5)).to(DEVICE)
-
-    def logits():
-        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16, torch.float32, DEVICE)
-        pool.add(0, ids.tolist())
-        kv = pool.prepare([0], [9], cfg.head_dim**-0.5)
-        with torch.no_grad():
-            return model(ids, torch.arange(9, device=DEVICE), kv)[0]
-
-    want = logits()
-    assert fuse(model) == 2 * 2 + 1 + 2 * 2  # two norms, rotary, act per layer + the final norm
-    assert isinstance(model.norm, FusedRMSNorm) and isinstance(model.layers[1].mlp.act, FusedSiluAndMul)
-    torch.testing.assert_close(logits(), want, atol=1e-5, rtol=1e-5)
-    assert unfuse(model) == 9 and type(model.layers[0].attn.rotary) is Rotary
-    assert torch.equal(logits(), want)
+def test_kernels_are_not_supported_where_they_cannot_run():
+    """float64 everywhere, a head_dim that is not a power of two, a weight in another dtype."""
+    x = torch.randn(3, 64, dtype=torch.float64, device=DEVICE)
+    assert not silu_mul_supported(x) and not rope_qk_supported(x.view(3, 4, 16))
+    assert not rope_qk_supported(torch.randn(3, 4, 24, device=DEVICE))
+    assert not rms_norm_supported(x.float(), torch.ones(64, dtype=torch.float16, device=DEVICE))
 
 
 @subprocess_test
