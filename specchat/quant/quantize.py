@@ -1,0 +1,123 @@
+"""`specchat quantize` as one call: a loaded model's linears -> MXFP4 (GPTQ or round to nearest) -> a checkpoint.
+
+The command line (cli/quantize.py) loads the model through the engine, fills a `QuantizeSettings` from its
+flags and calls `quantize_to_checkpoint`; the names its flags offer (methods, rounding rules) and their defaults
+are the ones here. The checkpoint format is quant.checkpoint's; GPTQ is quant.gptq's, round to nearest
+quant.handler's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from torch import nn
+
+from specchat.errors import ConfigError
+from specchat.kernels.mxfp4 import RULES, Rule
+from specchat.quant.checkpoint import cache_dir, describe, is_mxfp4_checkpoint, save_mxfp4_checkpoint
+from specchat.quant.gptq import (
+    CALIBRATION_TEXT,
+    CALIBRATION_TOKENS,
+    DEFAULT_DAMP,
+    GptqSettings,
+    calibrate,
+    calibration_sequences,
+    calibration_text,
+)
+from specchat.quant.handler import DEFAULT_LAYERS, ROTATION, round_to_nearest, select_linears
+
+METHODS = ("gptq", "rtn")
+DEFAULT_METHOD = "gptq"
+DEFAULT_RULE: Rule = "mse"
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+@dataclass(slots=True)
+class QuantizeSettings:
+    """How `specchat quantize` makes a model's MXFP4 weights (one field per flag; see docs/quantization.md)."""
+
+    method: str = DEFAULT_METHOD
+    rule: Rule = DEFAULT_RULE  # block scale rule (kernels.mxfp4)
+    layers: str = DEFAULT_LAYERS  # layer selection (quant.handler)
+    rotate: bool | None = None  # 32-point block Hadamard rotation; None: on for GPTQ, off for RTN
+    act_order: bool = True  # GPTQ: largest H diagonal first
+    damp: float = DEFAULT_DAMP  # GPTQ: dampening, x mean(diag H)
+    calibration: Path | None = None  # GPTQ calibration text; None: the one shipped in specchat/data/text
+    calibration_tokens: int = CALIBRATION_TOKENS  # GPTQ: at most this many calibration tokens
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.rule not in RULES:
+            raise ConfigError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if self.calibration_tokens <= 0:
+            raise ConfigError(f"--calibration-tokens must be > 0, got {self.calibration_tokens}")
+        if self.damp <= 0:
+            raise ConfigError(f"--damp must be > 0, got {self.damp}")
+        if self.rotate is None:  # rotation helps GPTQ, hurts round to nearest (docs/benchmarks.md)
+            self.rotate = self.method == "gptq"
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeResult:
+    """What `quantize_to_checkpoint` wrote."""
+
+    path: Path
+    linears: int  # how many linears are stored as MXFP4
+    method: str  # how, in one word (quant.checkpoint.describe): "gptq-rot", "rtn-mse", ...
+    seconds: float  # quantization time, saving excluded
+
+
+def quantize_to_checkpoint(
+    model: nn.Module,
+    encode: Callable[[str], Sequence[int]],
+    settings: QuantizeSettings,
+    source: Path,
+    source_name: str,
+    tokenizer_dir: Path,
+    out: Path | None = None,
+    progress: Progress | None = None,
+) -> QuantizeResult:
+    """Quantize the linears of `model` (loaded from `source`) and write an MXFP4 checkpoint.
+
+    encode: the model's tokenizer, for the GPTQ calibration text. out: the checkpoint directory; None writes to
+    the cache that the live MXFP4 toggle reads for this source (quant.checkpoint.cache_dir). A user's mistake
+    (the source is MXFP4 already, a layer selection that matches nothing) is a ConfigError.
+    """
+    if is_mxfp4_checkpoint(source):
+        raise ConfigError(f"{source} is already an MXFP4 checkpoint")
+    try:
+        names = select_linears(model, settings.layers)
+    except ValueError as exc:
+        raise ConfigError(f"--layers: {exc}") from None
+    started = time.perf_counter()
+    meta = {
+        "method": settings.method,
+        "rule": settings.rule,
+        "rotation": ROTATION if settings.rotate else None,
+        "layers": settings.layers,
+        "source": source_name,
+        "source_path": str(source),
+    }
+    if settings.method == "rtn":
+        packed = round_to_nearest(model, names, settings.rule, settings.rotate)
+    else:
+        text = settings.calibration.read_text() if settings.calibration else calibration_text()
+        sequences = calibration_sequences(encode(text), settings.calibration_tokens)
+        gptq = GptqSettings(
+            rule=settings.rule, damp=settings.damp, act_order=settings.act_order, rotate=settings.rotate
+        )
+        packed = calibrate(model, sequences, names, gptq, progress=progress)
+        tokens = sum(len(s) for s in sequences)
+        meta["gptq"] = {"damp": settings.damp, "act_order": settings.act_order, "calibration_tokens": tokens}
+        meta["calibration"] = str(settings.calibration or f"specchat/data/text/{CALIBRATION_TEXT}")
+    meta["seconds"] = round(time.perf_counter() - started, 1)
+    meta["created"] = datetime.now(UTC).isoformat(timespec="seconds")
+    target = out or cache_dir(source)
+    save_mxfp4_checkpoint(target, model, packed, tokenizer_dir, meta)
+    return QuantizeResult(target, len(packed), describe(meta), meta["seconds"])

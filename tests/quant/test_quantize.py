@@ -1,0 +1,47 @@
+"""quantize_to_checkpoint, the call behind `specchat quantize`: its settings, what it writes, what it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specchat.errors import ConfigError
+from specchat.quant.checkpoint import METADATA_FILE
+from specchat.quant.quantize import QuantizeSettings, quantize_to_checkpoint
+
+
+def test_settings_rotate_by_default_for_gptq_only() -> None:
+    assert QuantizeSettings().rotate is True
+    assert QuantizeSettings(method="rtn").rotate is False
+    assert QuantizeSettings(method="rtn", rotate=True).rotate is True
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [("method", "awq", "method"), ("rule", "nearest", "rule"), ("calibration_tokens", 0, "calibration-tokens"),
+     ("damp", 0.0, "damp")],
+)  # fmt: skip
+def test_bad_settings_are_config_errors(field: str, value, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        QuantizeSettings(**{field: value})
+
+
+def test_writes_a_checkpoint_and_refuses_to_requantize_it(engine, tiny_model_dir, tmp_path) -> None:
+    settings = QuantizeSettings(method="rtn", rule="roundup", layers="blocks,-layers.0.*")
+    out = tmp_path / "q"
+    args = (engine.model, engine.tokenizer.encode, settings)
+    result = quantize_to_checkpoint(*args, tiny_model_dir, "tiny", tiny_model_dir, out)
+    assert result.path == out and result.linears == 4 and result.method == "rtn-roundup"
+    meta = json.loads((out / METADATA_FILE).read_text())
+    assert meta["source"] == "tiny" and meta["layers"] == "blocks,-layers.0.*" and len(meta["quantized"]) == 4
+    with pytest.raises(ConfigError, match="already an MXFP4 checkpoint"):
+        quantize_to_checkpoint(*args, out, "q", tiny_model_dir, tmp_path / "again")
+
+
+def test_a_selection_that_matches_nothing_is_a_config_error(engine, tiny_model_dir, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="matches no linear module"):
+        quantize_to_checkpoint(
+            engine.model, engine.tokenizer.encode, QuantizeSettings(layers="nope"), tiny_model_dir, "tiny",
+            tiny_model_dir, tmp_path / "q",
+        )  # fmt: skip
