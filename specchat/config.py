@@ -6,10 +6,26 @@ from dataclasses import dataclass, field
 
 from specchat.errors import ConfigError
 
+# The one list of each name; the CLI, the UI, agent scripts, the engine and its error messages all read these.
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-KV_FORMATS = ("auto", "bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats; auto = the model dtype
-WEIGHT_FORMATS = ("auto", "bf16", "mxfp4")  # bf16 = unquantized, in the model dtype; auto = as the checkpoint stores
+KV_FORMATS = ("bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats (engine.kv_pages)
+KV_CHOICES = ("auto", *KV_FORMATS)  # auto = the model dtype's dense format
+WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = unquantized, in the model dtype (quant.handler)
+WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto = as the checkpoint stores them
+# Drafters by kind (engine.drafters.make_drafter builds them); `default` names the model's models.toml drafter.
+DRAFTERS = ("none", "ngram", "heads", "ngram+heads", "draft-model")
+DRAFTER_ARGS = {"heads": "FILE", "ngram+heads": "FILE", "draft-model": "NAME"}  # kinds that take `kind:ARG`
+DRAFTER_CHOICES = (*DRAFTERS, "default")
+DRAFTER_SYNTAX = " | ".join(f"{d}[:{DRAFTER_ARGS[d]}]" if d in DRAFTER_ARGS else d for d in DRAFTER_CHOICES)
+
+
+def check_drafter_name(name: str) -> str:
+    """`name` if it is a drafter kind, or `kind:ARG` for a kind that takes one; ConfigError otherwise."""
+    kind, sep, arg = name.partition(":")
+    if kind not in DRAFTER_CHOICES or (sep and (kind not in DRAFTER_ARGS or not arg)):
+        raise ConfigError(f"unknown drafter {name!r} (available: {DRAFTER_SYNTAX})")
+    return name
 
 
 @dataclass(slots=True)
@@ -80,9 +96,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page size must be a power of two, got {self.page_size}")
-        if self.kv_format not in KV_FORMATS:
-            raise ConfigError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}")
+        if self.kv_format not in KV_CHOICES:
+            raise ConfigError(f"kv format must be one of {', '.join(KV_CHOICES)}, got {self.kv_format!r}")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ConfigError(f"kv memory must be > 0 bytes, got {self.kv_memory}")
-        if self.weights not in WEIGHT_FORMATS:
-            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.weights not in WEIGHT_CHOICES:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")

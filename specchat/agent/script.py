@@ -24,11 +24,10 @@ from specchat.agent.tools import (
     ToolsConfig,
 )
 from specchat.agent.usertools import load_user_tools
-from specchat.config import SamplingParams, SpecParams
+from specchat.config import SamplingParams, SpecParams, check_drafter_name
 from specchat.errors import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m"
-DRAFTERS = ("none", "ngram", "heads", "draft-model")
 STOP_KINDS = ("tool", "tag", "regex")
 TAG_NAME = re.compile(r"^[A-Za-z][\w.-]*$")
 TOP_KEYS = (
@@ -320,15 +319,15 @@ def _sampling(table: _Table) -> SamplingParams:
 
 
 def _speculation(table: _Table, base: Path) -> SpecParams:
-    """The [speculation] table: drafter none | ngram | heads[:FILE] | draft-model[:NAME], k an integer or "auto"."""
+    """The [speculation] table: drafter (config.DRAFTER_SYNTAX), k an integer or "auto"."""
     drafter = table.get("drafter", str, "none")
+    try:
+        check_drafter_name(drafter)
+    except ConfigError as exc:
+        raise ConfigError(f"speculation.drafter: {exc}") from None
     family, _, argument = drafter.partition(":")
-    if family not in DRAFTERS or (":" in drafter and (family not in ("heads", "draft-model") or not argument)):
-        raise ConfigError(
-            f"speculation.drafter must be none, ngram, heads[:FILE] or draft-model[:NAME], got {drafter!r}"
-        )
-    if family == "heads" and argument:  # a heads file, relative to the script's folder
-        drafter = f"heads:{(base / Path(argument).expanduser()).resolve()}"
+    if family in ("heads", "ngram+heads") and argument:  # a heads file, relative to the script's folder
+        drafter = f"{family}:{(base / Path(argument).expanduser()).resolve()}"
     k = table.data.get("k", 4)
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
         raise ConfigError(f'speculation.k must be an integer or "auto", got {_describe(k)}')

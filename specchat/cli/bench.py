@@ -88,7 +88,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     import torch
 
     from specchat.bench.synthetic import SHAPES, SyntheticCase, quantize_all, random_model, run_case
-    from specchat.engine.engine import make_runner, pick_device
+    from specchat.engine.loading import make_runner, pick_device
 
     if shape not in SHAPES:
         raise ConfigError(f"unknown synthetic shape {shape!r} (available: {', '.join(SHAPES)})")

@@ -7,7 +7,17 @@ import sys
 
 import click
 
-from specchat.config import DEVICES, DTYPES, KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
+from specchat.config import (
+    DEVICES,
+    DRAFTER_SYNTAX,
+    DTYPES,
+    KV_CHOICES,
+    WEIGHT_CHOICES,
+    EngineConfig,
+    SamplingParams,
+    SpecParams,
+    check_drafter_name,
+)
 from specchat.errors import ConfigError
 
 
@@ -19,7 +29,7 @@ def model_options(func):
     @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     @click.option(
         "--weights",
-        type=click.Choice(WEIGHT_FORMATS),
+        type=click.Choice(WEIGHT_CHOICES),
         default="auto",
         show_default=True,
         help="linear weights: bf16 = unquantized (model dtype), mxfp4, auto = as the checkpoint stores them",
@@ -27,7 +37,7 @@ def model_options(func):
     @click.option(
         "--kv",
         "kv_format",
-        type=click.Choice(KV_FORMATS),
+        type=click.Choice(KV_CHOICES),
         default="auto",
         show_default=True,
         help="KV cache pages: auto = model dtype, mxfp4 (-73% vs bf16), k8v4 = fp8 keys + mxfp4 values (-61%)",
@@ -79,7 +89,7 @@ def sampling_options(func):
 
 
 def spec_options(func):
-    @click.option("--drafter", default="none", show_default=True, help="none | ngram | heads | draft-model[:NAME]")
+    @click.option("--drafter", default="none", show_default=True, help=DRAFTER_SYNTAX)
     @click.option("--k", "k", default="4", show_default=True, help="draft tokens per step, or 'auto'")
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -99,6 +109,7 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: in
 
 
 def spec_params(drafter: str, k: str) -> SpecParams:
+    check_drafter_name(drafter)  # a typo fails before the model loads
     if k == "auto":
         return SpecParams(drafter=drafter, k=None)
     try:

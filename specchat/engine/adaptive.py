@@ -29,6 +29,7 @@ from specchat.errors import ConfigError
 PRIOR_ACCEPTANCE = 0.6  # a_i before any evidence: optimistic enough to start drafting
 EMA_WEIGHT = 0.3  # weight of the newest observation (acceptance of a position, time of a step)
 COST_PER_DRAFT = 0.1  # relative step cost of one more draft token where nothing was measured
+MIN_COST_PER_DRAFT = 0.02  # a draft token is never free: the floor under noisy measurements (a busy machine)
 PROBE_EVERY = 16  # idle steps between probes with k = 1
 REMEASURE_PLAIN_EVERY = 64  # drafting steps between plain steps that refresh the reference time
 
@@ -65,7 +66,14 @@ class AdaptiveK:
         return total
 
     def step_cost(self, k: int) -> float:
-        """C(k): time of a step drafting k tokens over that of a plain step, from measured times where known."""
+        """C(k): time of a step drafting k tokens over that of a plain step, from measured times where known.
+
+        Never below 1 + MIN_COST_PER_DRAFT * k: a step that drafts does strictly more work than a plain one, and
+        a plain step that happened to be slow (another process on the cores) must not make drafting look free.
+        """
+        return max(self._measured_cost(k), 1.0 + MIN_COST_PER_DRAFT * k)
+
+    def _measured_cost(self, k: int) -> float:
         plain = self.step_ms[0]
         known = [j for j in range(1, self.k_max + 1) if self.step_ms[j] is not None]
         if k == 0:

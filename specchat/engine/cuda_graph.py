@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.engine.kv_cache import KVBatch, KVPool
+from specchat.engine.kv_batch import KVBatch
+from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner, StepBatch, StepOutput
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
@@ -124,7 +125,7 @@ class CudaGraphRunner(ModelRunner):
             g.meta.ctx_lens[n:].copy_(pad_ctx[n:])
         g.graph.replay()
         logits = g.logits[:rows]
-        return StepOutput(list(logits.split([q] * n)), [{} for _ in range(n)])
+        return StepOutput(logits, list(logits.split([q] * n)), [{} for _ in range(n)])
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int) -> _Graph:

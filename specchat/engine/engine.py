@@ -18,72 +18,43 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from pathlib import Path
 
-import torch
-
-from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.engine.adaptive import AdaptiveK
-from specchat.engine.drafters import Drafter, make_drafter
+from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
 from specchat.engine.kv_cache import KVPool
-from specchat.engine.kv_pages import PAGE_FORMATS, bytes_per_token
-from specchat.engine.loader import Progress, build_model, load_checkpoint
+from specchat.engine.loader import Progress
+from specchat.engine.loading import load_parts, make_runner
 from specchat.engine.model import Transformer
-from specchat.engine.runner import ModelRunner
 from specchat.engine.sampling import make_generator
 from specchat.engine.scheduler import Scheduler
 from specchat.engine.sequence import Event, Finished, Sequence
+from specchat.engine.spec_step import SpecStep
 from specchat.engine.telemetry import EngineMetrics, Snapshot
-from specchat.engine.tokenizer import StreamDecoder, Tokenizer, export_gguf_tokenizer
+from specchat.engine.tokenizer import StreamDecoder, Tokenizer
 from specchat.errors import ConfigError, PromptError
-from specchat.quant.checkpoint import checkpoint_metadata, take_packed
-from specchat.quant.fp4_linear import Fp4Linear
-from specchat.quant.handler import WEIGHT_FORMATS, WeightSwitch, weight_bytes, weight_switch
-from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
+from specchat.quant.handler import WeightSwitch, weight_switch
+from specchat.registry import ModelSpec
 
 Prompt = str | list[dict] | list[int]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_BUDGET = 1 << 30  # bytes; pages are allocated lazily by the OS, so unused capacity costs nothing
-GPU_KV_FRACTION = 0.5  # of the memory free after loading the weights
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-    return torch.device(name)
-
-
-def default_kv_budget(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * GPU_KV_FRACTION)
-    return CPU_KV_BUDGET
-
-
-def make_runner(model: Transformer, pool: KVPool, eager: bool) -> ModelRunner:
-    """The step runner: on CUDA, unless `eager`, fused elementwise kernels and CUDA graphs for decode and
-    verification steps (docs/benchmarks.md); the plain ModelRunner otherwise (and always on the CPU)."""
-    if eager or pool.device.type != "cuda":
-        return ModelRunner(model, pool)
-    from specchat.engine.cuda_graph import CudaGraphRunner
-    from specchat.engine.fusion import fuse
-
-    fuse(model)
-    return CudaGraphRunner(model, pool)
 
 
 class RequestHandle:
-    """A submitted request: iterate its events, or cancel it."""
+    """A submitted request: iterate its events, or cancel it.
 
-    def __init__(self, engine: Engine, request_id: int) -> None:
+    Its events reach it through its own queue, unless it was submitted with `listen_only=True`: then they
+    reach only the engine's listeners (the TUI reads every request's events there, one batch per step).
+    """
+
+    def __init__(self, engine: Engine, request_id: int, listen_only: bool = False) -> None:
         self.engine = engine
         self.request_id = request_id
-        self.queue: queue.Queue[Event] = queue.Queue()
+        self.queue: queue.Queue[Event] | None = None if listen_only else queue.Queue()
         self.finished: Finished | None = None
 
     def events(self) -> Iterator[Event]:
+        if self.queue is None:
+            raise RuntimeError("this request was submitted with listen_only=True: its events go to the listeners")
         while self.finished is None:
             if self.queue.empty() and not self.engine.running_in_background:
                 self.engine.step()
@@ -104,6 +75,8 @@ class RequestHandle:
 
 
 class Engine:
+    """The model, its KV pool, drafters and scheduler, and the step loop that drives them (see the module doc)."""
+
     def __init__(
         self,
         model: Transformer,
@@ -121,8 +94,9 @@ class Engine:
         self.model_spec = model_spec
         self.device = pool.device
         self.runner = make_runner(model, pool, eager=config.eager)
-        self.drafters: dict[str, Drafter] = {}
-        self.scheduler = Scheduler(self.runner, self.drafter, config.max_running, config.max_batch_tokens)
+        self.drafters = DrafterCache(lambda name: make_drafter(name, self))
+        self.scheduler = Scheduler(pool, self.drafters, config.max_running, config.max_batch_tokens)
+        self.spec_step = SpecStep(self.runner, self.drafters)
         self.handles: dict[int, RequestHandle] = {}
         self.listeners: list[Callable[[list[Event]], None]] = []
         self.metrics = EngineMetrics()
@@ -133,32 +107,16 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
 
-    # --- construction ---------------------------------------------------------------------------------------
     @classmethod
     def load(cls, config: EngineConfig | None = None, progress: Progress | None = None) -> Engine:
-        """Resolve, fetch (if needed) and load a model by alias or path."""
+        """Resolve, fetch (if needed) and load a model by alias or path (engine.loading)."""
         config = config or EngineConfig()
-        spec = resolve(config.model)
-        path = fetch(spec, progress=progress)
-        device = pick_device(config.device)
-        dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-        cache = derived_dir(path) / "weights.safetensors" if path.is_file() else None
-        model_cfg, state = load_checkpoint(path, progress=progress, cache=cache)
-        tokenizer = load_tokenizer(spec, path)
-        packed, meta = take_packed(state), checkpoint_metadata(path)
-        model = build_model(model_cfg, state, dtype, device)
-        del state
-        weights = weight_switch(model, packed, meta, path, config.weights)
-        budget = config.kv_memory or default_kv_budget(device)
-        c = model_cfg
-        shape = (c.num_layers, c.num_kv_heads, c.head_dim, config.page_size)
-        pool = KVPool.from_budget(budget, *shape, dtype, device, config.kv_format, rotate=config.kv_rotation)
-        return cls(model, tokenizer, pool, config, spec, weights)
+        parts = load_parts(config, progress)
+        return cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
 
     def drafter(self, name: str) -> Drafter:
-        if name not in self.drafters:
-            self.drafters[name] = make_drafter(name, self)
-        return self.drafters[name]
+        """The drafter called `name` (built on first use; an unknown name raises ConfigError)."""
+        return self.drafters.get(name)
 
     # --- requests -------------------------------------------------------------------------------------------
     def encode_prompt(
@@ -194,8 +152,12 @@ class Engine:
         system: str | None = None,
         raw: bool = False,
         tools: list | None = None,
+        listen_only: bool = False,
     ) -> RequestHandle:
-        """Queue a request; errors in its parameters raise here and touch no other request."""
+        """Queue a request; errors in its parameters raise here and touch no other request.
+
+        `listen_only`: deliver its events only to the listeners, not to the handle (see RequestHandle).
+        """
         sampling = sampling or SamplingParams()
         spec = spec or SpecParams(drafter="none")
         ids = self.encode_prompt(prompt, system=system, raw=raw, tools=tools)
@@ -212,9 +174,10 @@ class Engine:
             k=spec.k if spec.k is not None else min(4, spec.k_max),
             adaptive=AdaptiveK(spec.k_max) if spec.k is None else None,
         )
-        handle = RequestHandle(self, seq.seq_id)
+        handle = RequestHandle(self, seq.seq_id, listen_only)
         with self._lock:
-            self.handles[seq.seq_id] = handle
+            if not listen_only:
+                self.handles[seq.seq_id] = handle
             self.metrics.observe_submit(seq.seq_id)
             self.scheduler.add(seq)
         self._wake.set()
@@ -228,7 +191,7 @@ class Engine:
         self.apply(lambda: self.scheduler.cancel(request_id))
 
     def _running_seqs(self, request_id: int | None) -> list[Sequence]:
-        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        seqs = self.scheduler.live()
         return seqs if request_id is None else [s for s in seqs if s.seq_id == request_id]
 
     def set_k(self, k: int | None, request_id: int | None = None) -> None:
@@ -248,7 +211,7 @@ class Engine:
 
         def change() -> None:
             for seq in self._running_seqs(request_id):
-                self.drafter(seq.spec.drafter).release(seq)
+                self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
 
         self.apply(change)
@@ -259,8 +222,8 @@ class Engine:
         Runs between steps, like `apply`, but in the caller, so that a switch the memory budget cannot hold
         (live requests need more pages than the new format fits) raises KVCacheFullError here and changes nothing.
         """
-        if fmt not in PAGE_FORMATS:
-            raise ConfigError(f"kv format must be one of {', '.join(PAGE_FORMATS)}, got {fmt!r}")
+        if fmt not in KV_FORMATS:
+            raise ConfigError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
         with self._lock:
             self._drain_commands()
             self.pool.convert(fmt)
@@ -311,10 +274,13 @@ class Engine:
 
     # --- the step loop ----------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Run one scheduler step and deliver its events."""
+        """One step: schedule -> speculation step (draft, forward, verify) -> postprocess; deliver the events."""
         with self._lock:
             self._drain_commands()
-            events = self.scheduler.step()
+            plan, events = self.scheduler.schedule()
+            if plan.items:
+                result = self.spec_step.run(plan)
+                events += self.scheduler.postprocess(plan, result)
             self.metrics.observe_events(events)
             for event in events:
                 handle = self.handles.get(event.request_id)
@@ -376,47 +342,5 @@ class Engine:
             )
 
     def memory(self) -> dict:
-        """Bytes of weights and KV cache, and what they would be in bf16."""
-        linear, linear_bf16 = 0, 0
-        for module in self.model.modules():
-            if isinstance(module, torch.nn.Linear):
-                linear += module.weight.numel() * module.weight.element_size()
-                linear_bf16 += module.weight.numel() * 2
-            elif isinstance(module, Fp4Linear):  # packed codes + scales are its only copy of the weight
-                linear += module.nbytes
-                linear_bf16 += module.in_features * module.out_features * 2
-        return {
-            "weights_bytes": weight_bytes(self.model),
-            "linear_weight_bytes": linear,
-            "linear_weight_bytes_bf16": linear_bf16,
-            "weights_format": self.weights.current,  # "bf16" = unquantized, in the model dtype
-            "weights_method": self.weights.method,  # how the MXFP4 weights were made: gptq (cached), rtn-mse, ...
-            "weights_restore_bytes": self.weights.stash_bytes,  # host memory kept to switch back exactly
-            **self.kv_memory(),
-        }
-
-    def kv_memory(self) -> dict:
-        """KV cache accounting: format, bytes per token, used / cached / capacity, max context and sessions."""
-        pool, c = self.pool, self.model.cfg
-        max_context = min(c.max_position, pool.capacity_tokens)
-        return {
-            "kv_format": pool.store.name,
-            "kv_bytes_per_token": pool.bytes_per_token,
-            "kv_bytes_per_token_bf16": bytes_per_token("bf16", c.num_layers, c.num_kv_heads, c.head_dim),
-            "kv_capacity_tokens": pool.capacity_tokens,
-            "kv_capacity_bytes": pool.capacity_tokens * pool.bytes_per_token,
-            "kv_used_tokens": pool.used_pages * pool.page_size,
-            "kv_used_bytes": pool.used_pages * pool.page_size * pool.bytes_per_token,
-            "kv_cached_tokens": pool.cached_pages * pool.page_size,  # evictable prefix cache, counted as free
-            "kv_prefix_hit_tokens": pool.prefix_hit_tokens,
-            "max_context": max_context,
-            "max_sessions": pool.num_pages // pool.pages_for(max_context),  # concurrent, each at max_context
-        }
-
-
-def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
-    """The tokenizer of an HF directory, or the one converted (once, then cached) from a GGUF file."""
-    folder = tokenizer_dir(spec, model_path)
-    if model_path.is_file() and not (folder / "tokenizer.json").is_file():
-        export_gguf_tokenizer(model_path, folder)
-    return Tokenizer.from_dir(folder)
+        """Bytes of weights and KV cache, and what they would be in bf16 (quant.handler, engine.kv_cache)."""
+        return {**self.weights.memory(), **self.pool.memory(self.model.cfg.max_position)}

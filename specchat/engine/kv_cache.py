@@ -1,4 +1,4 @@
-"""Paged KV cache: a fixed pool of pages, per-request block tables, prefix sharing, and the per-step `KVBatch`.
+"""Paged KV cache: a fixed pool of pages, per-request block tables and prefix sharing (a step's view: kv_batch).
 
 Terms: a *page* holds the keys and values of `page_size` consecutive tokens of one request, for every layer.
 A request's *block table* lists its pages in order; token position p lives in page table[p // page_size] at
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat.engine.kv_batch import KVBatch
 from specchat.engine.kv_pages import PageStore, bytes_per_token, format_for_dtype
 from specchat.errors import KVCacheFullError
-from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
 
 ROOT_KEY = 0  # parent key of a request's first page
 
@@ -36,80 +36,6 @@ class CachedPage:
     key: int
     parent: int
     tokens: tuple[int, ...]
-
-
-class KVBatch:
-    """The KV cache as seen by one forward pass over a ragged batch; implements model.KVAttention.
-
-    Everything that depends only on where the requests' tokens are (slots, block tables) is built once per
-    step, not once per layer.
-    """
-
-    def __init__(
-        self,
-        pool: KVPool,
-        q_lens: list[int],
-        ctx_lens: list[int],
-        tables: list[list[int]],
-        new_slots: torch.Tensor,
-        scale: float,
-    ) -> None:
-        self.pool, self.store = pool, pool.store
-        self.q_lens, self.ctx_lens, self.tables = q_lens, ctx_lens, tables
-        self.new_slots = new_slots  # [T] where this step's tokens go
-        self.scale = scale
-        # Fresh prefill: every request's whole context is this step's tokens, so attend to them directly.
-        self.all_fresh = q_lens == ctx_lens
-        self._metadata: AttentionMetadata | None = None
-        self._ctx_index: list[torch.Tensor | slice] | None = None
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation."""
-        store = self.store
-        q, k, v = store.rotate(q), store.rotate(k), store.rotate(v)
-        store.write(layer, self.new_slots, k, v)
-        if self.all_fresh:
-            out = self._attend_fresh(q, k, v)
-        elif self.pool.device.type == "cuda" and paged_attention_supported(
-            q.shape[-1], q.shape[1] // k.shape[1], max(self.q_lens)
-        ):
-            out = paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
-        else:
-            out = self._attend_gathered(layer, q)
-        return store.rotate(out)
-
-    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
-        if len(self.q_lens) == 1:
-            return causal_attention(q, kh, vh, self.scale)
-        outs, start = [], 0
-        for n in self.q_lens:
-            rows = slice(start, start + n)
-            outs.append(causal_attention(q[rows], kh[:, rows], vh[:, rows], self.scale))
-            start += n
-        return torch.cat(outs)
-
-    def _attend_gathered(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """The reference path: read each request's context back from its pages."""
-        outs, start = [], 0
-        for n, index in zip(self.q_lens, self.ctx_index(), strict=True):
-            k, v = self.store.read(layer, index, q.dtype)  # [KVH, ctx_len, D]
-            outs.append(causal_attention(q[start : start + n], k, v, self.scale))
-            start += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def metadata(self) -> AttentionMetadata:
-        if self._metadata is None:
-            self._metadata = AttentionMetadata.build(
-                self.tables, self.q_lens, self.ctx_lens, self.pool.page_size, self.pool.device
-            )
-        return self._metadata
-
-    def ctx_index(self) -> list[torch.Tensor | slice]:
-        """Per request, the slots of its whole context: a slice when its pages are consecutive (no copy)."""
-        if self._ctx_index is None:
-            self._ctx_index = [self.pool.slots(t, 0, n) for t, n in zip(self.tables, self.ctx_lens, strict=True)]
-        return self._ctx_index
 
 
 class KVPool:
@@ -193,6 +119,24 @@ class KVPool:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def memory(self, max_position: int) -> dict:
+        """Accounting for the UI, `--json` and benchmarks: format, bytes per token, used / cached / capacity, and
+        the longest context and the most concurrent sessions of that length (for a model of `max_position`)."""
+        max_context = min(max_position, self.capacity_tokens)
+        return {
+            "kv_format": self.store.name,
+            "kv_bytes_per_token": self.bytes_per_token,
+            "kv_bytes_per_token_bf16": bytes_per_token("bf16", self.num_layers, self.num_kv_heads, self.head_dim),
+            "kv_capacity_tokens": self.capacity_tokens,
+            "kv_capacity_bytes": self.capacity_tokens * self.bytes_per_token,
+            "kv_used_tokens": self.used_pages * self.page_size,
+            "kv_used_bytes": self.used_pages * self.page_size * self.bytes_per_token,
+            "kv_cached_tokens": self.cached_pages * self.page_size,  # evictable prefix cache, counted as free
+            "kv_prefix_hit_tokens": self.prefix_hit_tokens,
+            "max_context": max_context,
+            "max_sessions": self.num_pages // self.pages_for(max_context),  # concurrent, each at max_context
+        }
 
     # --- pages ----------------------------------------------------------------------------------------------
     def _take_page(self) -> int:

@@ -5,7 +5,7 @@ transformers), grouped-query attention (Ainslie et al. 2023) and a SwiGLU MLP (S
 
 The forward pass works on a ragged batch: the new tokens of every request are concatenated into one flat
 sequence of T tokens, each with its own position. Attention reads and writes the KV cache only through the
-`kv` object (a `KVBatch` from engine.kv_cache), which knows which request each token belongs to and where its
+`kv` object (a `KVBatch` from engine.kv_batch), which knows which request each token belongs to and where its
 keys and values live. Speed is applied from outside (torch.compile, CUDA graphs, quantized Linear modules);
 this file stays the readable reference.
 """
@@ -226,7 +226,3 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = x[logits_at]
         return self.lm_head(self.norm(x)).float(), hidden
-
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + shared lm_head on a hidden state (what draft heads use)."""
-        return self.lm_head(self.norm(hidden)).float()

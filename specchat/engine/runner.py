@@ -20,17 +20,6 @@ class StepBatch:
     start_positions: list[int]  # position of each request's first fed token (= tokens already cached)
     logit_rows: list[int]  # how many trailing rows of each feed need logits (0 for a mid-prompt chunk)
 
-    @classmethod
-    def dummy(cls, feed_lens: Seq[int], logit_rows: Seq[int] | None = None) -> StepBatch:
-        """A batch of fresh requests feeding token 0, for tests."""
-        n = len(feed_lens)
-        return cls(
-            seq_ids=list(range(n)),
-            feeds=[[0] * m for m in feed_lens],
-            start_positions=[0] * n,
-            logit_rows=list(logit_rows) if logit_rows is not None else [1] * n,
-        )
-
     @property
     def num_tokens(self) -> int:
         return sum(len(f) for f in self.feeds)
@@ -38,7 +27,8 @@ class StepBatch:
 
 @dataclass(slots=True)
 class StepOutput:
-    logits: list[torch.Tensor]  # per request: [logit_rows, vocab] fp32
+    flat_logits: torch.Tensor  # [sum(logit_rows), vocab] fp32, the requests' rows one after another
+    logits: list[torch.Tensor]  # per request: [logit_rows, vocab], views of flat_logits
     hidden: list[dict[int, torch.Tensor]]  # per request: {layer: [len(feed), hidden]}
 
 
@@ -70,4 +60,4 @@ class ModelRunner:
         lens = [len(f) for f in batch.feeds]
         split_hidden = {layer: h.split(lens) for layer, h in hidden.items()}
         per_seq_hidden = [{layer: parts[i] for layer, parts in split_hidden.items()} for i in range(len(lens))]
-        return StepOutput(per_seq_logits, per_seq_hidden)
+        return StepOutput(logits, per_seq_logits, per_seq_hidden)

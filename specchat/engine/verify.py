@@ -72,3 +72,72 @@ def verify(
     # guard against round-off anyway by falling back to p_a.
     residual = residual / total if total > 0 else p[a]
     return a, [*draft_tokens[:a], int(sample_from_probs(residual, generator))]
+
+
+def verify_batch(
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    draft_probs: list[torch.Tensor | None],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[tuple[int, list[int]]]:
+    """`verify` for every request of a step at once, with a single device-to-host copy.
+
+    logits [sum(k_i + 1), V]: the requests' rows one after another (request i's k_i + 1 rows at its drafts).
+    Greedy requests share one argmax over all rows; a sampling request keeps its own generator and draws the
+    recovered token for every position at once (`_sample_on_device`). Everything stays on the device until
+    the one `.tolist()` at the end. Returns (accepted, emitted) per request, as `verify` does.
+    """
+    argmax = logits.argmax(-1)  # [rows]; the greedy requests' targets
+    sampled, start = [], 0
+    for tokens, probs, sp, gen in zip(drafts, draft_probs, params, generators, strict=True):
+        rows = logits[start : start + len(tokens) + 1]
+        start += len(tokens) + 1
+        if not sp.greedy:
+            sampled.append(_sample_on_device(rows, tokens, probs, sp, gen))
+    if start != logits.shape[0]:
+        raise ValueError(f"need {start} rows of target logits, got {logits.shape[0]}")
+    host = torch.cat([argmax, *sampled]).tolist() if sampled else argmax.tolist()
+    results, start, s = [], 0, len(argmax)
+    for tokens, sp in zip(drafts, params, strict=True):
+        k = len(tokens)
+        if sp.greedy:
+            target = host[start : start + k + 1]
+            a = 0
+            while a < k and tokens[a] == target[a]:
+                a += 1
+            results.append((a, [*tokens[:a], target[a]]))
+        else:
+            a, last = host[s], host[s + 1]
+            s += 2
+            results.append((a, [*tokens[:a], last]))
+        start += k + 1
+    return results
+
+
+def _sample_on_device(
+    target_logits: torch.Tensor, tokens: list[int], draft_probs: torch.Tensor | None, params: SamplingParams, generator
+) -> torch.Tensor:
+    """Rejection sampling (the algorithm of `verify`) without leaving the device -> [accepted, last token].
+
+    The recovered token is drawn for every position, from normalize(max(0, p_i - q_i)), and the bonus from
+    p_{k+1}, one draw per row; the row at the first rejection is kept. Each row's draw is independent of the
+    acceptance draws, so the kept token has exactly the distribution `verify` draws it from.
+    """
+    k = len(tokens)
+    p = probs_from_logits(target_logits, params)  # [k+1, V]
+    if k == 0:
+        return torch.stack([torch.zeros((), dtype=torch.long, device=p.device), sample_from_probs(p[0], generator)])
+    drafts = torch.tensor(tokens, device=p.device)
+    p_draft = p[:k].gather(-1, drafts[:, None]).squeeze(-1)  # [k] p_i(d_i)
+    # q: the drafter's distributions, or point masses on the drafts for a deterministic drafter
+    q = torch.zeros_like(p[:k]).scatter_(-1, drafts[:, None], 1.0) if draft_probs is None else draft_probs.to(p.dtype)
+    q_draft = q.gather(-1, drafts[:, None]).squeeze(-1)  # [k] q_i(d_i)
+    u = torch.rand(k, generator=generator, device=p.device)
+    accepted = (u * q_draft < p_draft).long().cumprod(0).sum()  # leading accepts
+    residual = (p[:k] - q).clamp_min(0.0)  # [k, V]
+    total = residual.sum(-1, keepdim=True)
+    # Empty only where p_i <= q_i everywhere (p_i == q_i: rejection has probability 0); fall back to p_i.
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[:k])
+    choices = sample_from_probs(torch.cat([residual, p[k:]]), generator)  # [k+1]
+    return torch.stack([accepted, choices[accepted]])

@@ -174,6 +174,26 @@ class WeightSwitch:
         """Bytes held outside the running model so that switching back is exact."""
         return module_bytes(self.stash, exclude=list(self.model.parameters()))
 
+    def memory(self) -> dict:
+        """Weight accounting for the UI, `--json` and benchmarks: all weights, the linear ones, and the same
+        linears in bf16; the running form, how its MXFP4 weights were made and what is kept to switch back."""
+        linear, linear_bf16 = 0, 0
+        for module in self.model.modules():
+            if isinstance(module, nn.Linear):
+                linear += module.weight.numel() * module.weight.element_size()
+                linear_bf16 += module.weight.numel() * 2
+            elif isinstance(module, Fp4Linear):  # packed codes + scales are its only copy of the weight
+                linear += module.nbytes
+                linear_bf16 += module.in_features * module.out_features * 2
+        return {
+            "weights_bytes": weight_bytes(self.model),
+            "linear_weight_bytes": linear,
+            "linear_weight_bytes_bf16": linear_bf16,
+            "weights_format": self.current,  # "bf16" = unquantized, in the model dtype
+            "weights_method": self.method,  # how the MXFP4 weights were made: gptq (cached), rtn-mse, ...
+            "weights_restore_bytes": self.stash_bytes,  # host memory kept to switch back exactly
+        }
+
 
 def _offload(module: nn.Module, resident: set[int]) -> nn.Module:
     """Move a stashed module to host memory, unless it shares storage with the running model (a tied head)."""

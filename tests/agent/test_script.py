@@ -200,9 +200,9 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks = ["x"]\n[sampling]\nmax_tokens = 0', "sampling: max-tokens must be > 0"),
         (
             'tasks = ["x"]\n[speculation]\ndrafter = "eagle"',
-            "speculation.drafter must be none, ngram, heads[:FILE] or draft-model[:NAME]",
+            "speculation.drafter: unknown drafter 'eagle' (available: none | ngram | heads[:FILE] |",
         ),
-        ('tasks = ["x"]\n[speculation]\ndrafter = "ngram:3"', "speculation.drafter must be"),
+        ('tasks = ["x"]\n[speculation]\ndrafter = "ngram:3"', "speculation.drafter: unknown drafter 'ngram:3'"),
         ('tasks = ["x"]\n[speculation]\nk = "many"', 'speculation.k must be an integer or "auto"'),
         ('tasks = ["x"]\n[speculation]\nk = 20', "speculation: k must be in [0, 8]"),
         ('tasks = ["x"]\nsampling = 3', "sampling must be a table, got an integer 3"),

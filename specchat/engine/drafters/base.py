@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specchat.config import check_drafter_name
 from specchat.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ class NoDrafter(Drafter):
 
 
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
-DRAFTERS = "none | ngram | heads[:FILE] | ngram+heads[:FILE] | draft-model[:NAME] | default"
 
 
 def make_drafter(name: str, context) -> Drafter:
@@ -56,13 +56,13 @@ def make_drafter(name: str, context) -> Drafter:
     heads:FILE. ngram+heads: prompt lookup where it matches, heads elsewhere. draft-model: the registry's
     default model (or draft-model:NAME) drafting with its own KV. default: the model's models.toml `drafter`.
     """
-    kind, _, arg = name.partition(":")
-    if kind == "none" and not arg:
+    kind, _, arg = check_drafter_name(name).partition(":")
+    if kind == "none":
         return NoDrafter()
-    if kind == "default" and not arg:
+    if kind == "default":
         spec = context.model_spec
         return make_drafter(spec.drafter if spec is not None and spec.drafter else "none", context)
-    if kind == "ngram" and not arg:
+    if kind == "ngram":
         from specchat.engine.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
@@ -75,11 +75,9 @@ def make_drafter(name: str, context) -> Drafter:
         from specchat.engine.drafters.hybrid import NgramThenHeads
 
         return NgramThenHeads(HeadsDrafter.from_file(_heads_file(arg, context), context.model))
-    if kind == "draft-model":
-        from specchat.engine.drafters.draft_model import load_draft_model_drafter
+    from specchat.engine.drafters.draft_model import load_draft_model_drafter
 
-        return load_draft_model_drafter(arg or None, context)
-    raise ConfigError(f"unknown drafter {name!r} (available: {DRAFTERS})")
+    return load_draft_model_drafter(arg or None, context)
 
 
 def _heads_file(arg: str, engine) -> Path:

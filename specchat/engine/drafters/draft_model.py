@@ -122,8 +122,8 @@ def load_draft_model_drafter(name: str | None, engine) -> DraftModelDrafter:
     useful as a check); otherwise the model is loaded in the engine's dtype on its device and must use the
     same tokenizer as the target.
     """
-    from specchat.engine.engine import default_kv_budget, load_tokenizer
     from specchat.engine.loader import build_model, load_checkpoint
+    from specchat.engine.loading import default_kv_budget, load_tokenizer
     from specchat.errors import ConfigError
     from specchat.registry import fetch, resolve
 

@@ -1,0 +1,92 @@
+"""The KV cache as one forward pass sees it: where this step's tokens go and what each request attends to.
+
+Built by `KVPool.prepare` once per step (slots, block tables, attention metadata are computed once, not once per
+layer) and handed to the model as its `KVAttention`: each layer writes its new keys/values into the pages and
+attends over the request's whole context, with the Triton paged-attention kernel on CUDA and the gathered
+reference (`_attend_gathered`) elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
+
+if TYPE_CHECKING:
+    from specchat.engine.kv_cache import KVPool
+
+
+class KVBatch:
+    """The KV cache as seen by one forward pass over a ragged batch; implements model.KVAttention.
+
+    Everything that depends only on where the requests' tokens are (slots, block tables) is built once per
+    step, not once per layer.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        q_lens: list[int],
+        ctx_lens: list[int],
+        tables: list[list[int]],
+        new_slots: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.pool, self.store = pool, pool.store
+        self.q_lens, self.ctx_lens, self.tables = q_lens, ctx_lens, tables
+        self.new_slots = new_slots  # [T] where this step's tokens go
+        self.scale = scale
+        # Fresh prefill: every request's whole context is this step's tokens, so attend to them directly.
+        self.all_fresh = q_lens == ctx_lens
+        self._metadata: AttentionMetadata | None = None
+        self._ctx_index: list[torch.Tensor | slice] | None = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation."""
+        store = self.store
+        q, k, v = store.rotate(q), store.rotate(k), store.rotate(v)
+        store.write(layer, self.new_slots, k, v)
+        if self.all_fresh:
+            out = self._attend_fresh(q, k, v)
+        elif self.pool.device.type == "cuda" and paged_attention_supported(
+            q.shape[-1], q.shape[1] // k.shape[1], max(self.q_lens)
+        ):
+            out = paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
+        else:
+            out = self._attend_gathered(layer, q)
+        return store.rotate(out)
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
+        if len(self.q_lens) == 1:
+            return causal_attention(q, kh, vh, self.scale)
+        outs, start = [], 0
+        for n in self.q_lens:
+            rows = slice(start, start + n)
+            outs.append(causal_attention(q[rows], kh[:, rows], vh[:, rows], self.scale))
+            start += n
+        return torch.cat(outs)
+
+    def _attend_gathered(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The reference path: read each request's context back from its pages."""
+        outs, start = [], 0
+        for n, index in zip(self.q_lens, self.ctx_index(), strict=True):
+            k, v = self.store.read(layer, index, q.dtype)  # [KVH, ctx_len, D]
+            outs.append(causal_attention(q[start : start + n], k, v, self.scale))
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def metadata(self) -> AttentionMetadata:
+        if self._metadata is None:
+            self._metadata = AttentionMetadata.build(
+                self.tables, self.q_lens, self.ctx_lens, self.pool.page_size, self.pool.device
+            )
+        return self._metadata
+
+    def ctx_index(self) -> list[torch.Tensor | slice]:
+        """Per request, the slots of its whole context: a slice when its pages are consecutive (no copy)."""
+        if self._ctx_index is None:
+            self._ctx_index = [self.pool.slots(t, 0, n) for t, n in zip(self.tables, self.ctx_lens, strict=True)]
+        return self._ctx_index

@@ -1,0 +1,113 @@
+"""Everything between a model name and a ready engine: device and dtype, weights, tokenizer, KV budget, runner.
+
+`load_parts(config)` resolves the model (models.toml alias, HF directory or hub id, GGUF file), fetches it if
+needed, loads the checkpoint onto the device, applies the weight format and sizes the KV pool from the memory
+budget. Engine.load and the draft-model drafter both build from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specchat.config import EngineConfig
+from specchat.engine.kv_cache import KVPool
+from specchat.engine.loader import Progress, build_model, load_checkpoint
+from specchat.engine.model import Transformer
+from specchat.engine.runner import ModelRunner
+from specchat.engine.tokenizer import Tokenizer, export_gguf_tokenizer
+from specchat.errors import ConfigError
+from specchat.quant.checkpoint import checkpoint_metadata, take_packed
+from specchat.quant.handler import WeightSwitch, weight_switch
+from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET = 1 << 30  # bytes; pages are allocated lazily by the OS, so unused capacity costs nothing
+GPU_KV_FRACTION = 0.5  # of the memory free after loading the weights
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    return torch.device(name)
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The model dtype: as asked, else bfloat16 on CUDA and float32 on the CPU."""
+    return TORCH_DTYPES[name or ("bfloat16" if device.type == "cuda" else "float32")]
+
+
+def default_kv_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_FRACTION)
+    return CPU_KV_BUDGET
+
+
+def make_runner(model: Transformer, pool: KVPool, eager: bool) -> ModelRunner:
+    """The step runner: on CUDA, unless `eager`, fused elementwise kernels and CUDA graphs for decode and
+    verification steps (docs/gpu.md); the plain ModelRunner otherwise (and always on the CPU)."""
+    if eager or pool.device.type != "cuda":
+        return ModelRunner(model, pool)
+    from specchat.engine.cuda_graph import CudaGraphRunner
+    from specchat.engine.fusion import fuse
+
+    fuse(model)
+    return CudaGraphRunner(model, pool)
+
+
+def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
+    """The tokenizer of an HF directory, or the one converted (once, then cached) from a GGUF file."""
+    folder = tokenizer_dir(spec, model_path)
+    if model_path.is_file() and not (folder / "tokenizer.json").is_file():
+        export_gguf_tokenizer(model_path, folder)
+    return Tokenizer.from_dir(folder)
+
+
+def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, progress: Progress | None = None):
+    """(model path, model on the device, packed MXFP4 weights and checkpoint metadata for the weight switch)."""
+    path = fetch(spec, progress=progress)
+    cache = derived_dir(path) / "weights.safetensors" if path.is_file() else None
+    model_cfg, state = load_checkpoint(path, progress=progress, cache=cache)
+    packed, meta = take_packed(state), checkpoint_metadata(path)
+    model = build_model(model_cfg, state, dtype, device)
+    return path, model, packed, meta
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What an Engine is built from."""
+
+    spec: ModelSpec
+    model: Transformer
+    tokenizer: Tokenizer
+    pool: KVPool
+    weights: WeightSwitch
+
+
+def load_parts(config: EngineConfig, progress: Progress | None = None) -> LoadedModel:
+    """Resolve, fetch (if needed) and load a model by alias or path, with its tokenizer and KV pool."""
+    spec = resolve(config.model)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    path, model, packed, meta = load_model(spec, dtype, device, progress)
+    tokenizer = load_tokenizer(spec, path)
+    weights = weight_switch(model, packed, meta, path, config.weights)
+    budget = config.kv_memory or default_kv_budget(device)
+    c = model.cfg
+    pool = KVPool.from_budget(
+        budget,
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        config.page_size,
+        dtype,
+        device,
+        config.kv_format,
+        rotate=config.kv_rotation,
+    )
+    return LoadedModel(spec, model, tokenizer, pool, weights)

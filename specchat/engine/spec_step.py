@@ -1,0 +1,113 @@
+"""One speculation step over the whole batch: draft -> one target forward -> verify, with one device sync.
+
+Input is the scheduler's StepPlan: for each request the tokens it feeds (a prompt chunk, or its newest token)
+and how many drafts it may propose (k). Each drafter proposes for all of its requests at once; the target then
+runs once over every request's [fed tokens + drafts] (verification and plain decoding are the same forward,
+k = 0 being plain), and `verify_batch` decides all requests' accepted drafts and recovered / bonus tokens with a
+single copy to the host. Nothing here touches a request's state: `Scheduler.postprocess` applies the result.
+
+Timing (what StepRecord carries): every request of the step waited for the whole step, so each one is charged
+the step's drafting time (draft_ms) and its forward + verification time (verify_ms): the wall time between its
+tokens. Both are measured once per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specchat.engine.drafters import Draft, DrafterCache
+from specchat.engine.runner import ModelRunner, StepBatch
+from specchat.engine.sequence import Sequence
+from specchat.engine.verify import verify_batch
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """One request's part in a step: the uncached tokens it feeds and the most drafts it may propose."""
+
+    seq: Sequence
+    feed: list[int]
+    k: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step ends at the request's newest token (a mid-prompt chunk only fills the cache)."""
+        return self.seq.num_cached + len(self.feed) == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the scheduler decided for one step."""
+
+    items: list[Scheduled] = field(default_factory=list)
+    taps: tuple[int, ...] = ()  # target layers whose hidden states some running request's drafter reads
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the step gave one request that samples (terms as in engine.verify)."""
+
+    drafted: int  # draft tokens proposed (may be fewer than the plan's k)
+    accepted: int
+    emitted: list[int]  # accepted drafts + the recovered or bonus token
+    hidden: dict[int, torch.Tensor]  # tapped hidden state at the position that produced the newest token
+
+
+@dataclass(slots=True)
+class StepResult:
+    outcomes: list[Outcome | None]  # per plan item; None for a prompt chunk that samples nothing
+    draft_ms: float
+    verify_ms: float
+
+
+class SpecStep:
+    """Drafts, runs the target and verifies, for every request of a plan at once."""
+
+    def __init__(self, runner: ModelRunner, drafters: DrafterCache) -> None:
+        self.runner = runner
+        self.drafters = drafters
+
+    def run(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        drafts = self.draft(plan)
+        t1 = time.perf_counter()
+        feeds = [item.feed + drafts[i].tokens for i, item in enumerate(plan.items)]
+        rows = [1 + len(drafts[i].tokens) if item.samples else 0 for i, item in enumerate(plan.items)]
+        batch = StepBatch(
+            [item.seq.seq_id for item in plan.items], feeds, [item.seq.num_cached for item in plan.items], rows
+        )
+        out = self.runner.forward(batch, taps=plan.taps)
+        sampling = [i for i, item in enumerate(plan.items) if item.samples]
+        verdicts = verify_batch(
+            out.flat_logits,
+            [drafts[i].tokens for i in sampling],
+            [drafts[i].probs for i in sampling],
+            [plan.items[i].seq.sampling for i in sampling],
+            [plan.items[i].seq.generator for i in sampling],
+        )
+        outcomes: list[Outcome | None] = [None] * len(plan.items)
+        for i, (accepted, emitted) in zip(sampling, verdicts, strict=True):
+            row = len(plan.items[i].feed) - 1 + accepted  # the position whose output is the newest token
+            hidden = {layer: h[row] for layer, h in out.hidden[i].items()}
+            outcomes[i] = Outcome(len(drafts[i].tokens), accepted, emitted, hidden)
+        t2 = time.perf_counter()
+        return StepResult(outcomes, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+
+    def draft(self, plan: StepPlan) -> list[Draft]:
+        """Each drafter proposes once, for all of its requests that may draft this step."""
+        drafts = [Draft([]) for _ in plan.items]
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(plan.items):
+            if item.k > 0:
+                groups.setdefault(item.seq.spec.drafter, []).append(i)
+        for name, members in groups.items():
+            proposed = self.drafters.get(name).propose(
+                [plan.items[i].seq for i in members], [plan.items[i].k for i in members]
+            )
+            for i, draft in zip(members, proposed, strict=True):
+                k = plan.items[i].k
+                drafts[i] = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+        return drafts
