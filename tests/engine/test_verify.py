@@ -1,4 +1,8 @@
-"""Verification: exact greedy cases, and the rejection sampler's output distribution (Leviathan et al. 2023)."""
+"""Verification: exact greedy cases, and the rejection sampler's output distribution (Leviathan et al. 2023).
+
+`verify` (one request, the reference) and `verify_batch` (every request of a step, one device sync) are held to
+the same cases: equal outputs in greedy decoding, the same output distribution when sampling.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import torch
 
 from specchat.config import SamplingParams
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
-from specchat.engine.verify import verify
+from specchat.engine.verify import verify, verify_batch
 
 GREEDY = SamplingParams()
 V = 6  # vocabulary of the statistical tests
@@ -86,11 +90,17 @@ def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
+def batched(target_logits, draft_tokens, draft_probs, params, generator):
+    """verify_batch on a batch of one: the `verify` signature, for the statistical tests."""
+    return verify_batch(target_logits, [draft_tokens], [draft_probs], [params], [generator])[0]
+
+
+@pytest.mark.parametrize("sampler", [verify, batched], ids=["verify", "verify_batch"])
 @pytest.mark.parametrize("point_mass", [False, True], ids=["sampled-draft", "point-mass-draft"])
-def test_rejection_sampling_converges_to_target_distribution(point_mass):
+def test_rejection_sampling_converges_to_target_distribution(point_mass, sampler):
     distances = []
     for n in (400, 6000):
-        first, second, p = emitted_distributions(verify, n, seed=3, point_mass=point_mass)
+        first, second, p = emitted_distributions(sampler, n, seed=3, point_mass=point_mass)
         distances.append((total_variation(first, p[0]), total_variation(second, p[1])))
     (small_1, small_2), (large_1, large_2) = distances
     assert large_1 < small_1 and large_1 + large_2 < small_1 + small_2
@@ -102,9 +112,41 @@ def test_wrong_sampler_fails_the_same_test():
     assert total_variation(first, p[0]) > 0.1
 
 
-def test_seeded_sampling_is_deterministic():
+@pytest.mark.parametrize("sampler", [verify, batched], ids=["verify", "verify_batch"])
+def test_seeded_sampling_is_deterministic(sampler):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     q = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
     params = SamplingParams(temperature=0.9, top_p=0.95)
-    runs = [verify(logits, [1, 2, 3], q, params, torch.Generator().manual_seed(7)) for _ in range(2)]
+    runs = [sampler(logits, [1, 2, 3], q, params, torch.Generator().manual_seed(7)) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_batch_equals_one_request_at_a_time_in_greedy_decoding():
+    """Random targets and drafts that agree for a random while: verify_batch gives verify's answer per request."""
+    gen = torch.Generator().manual_seed(5)
+    logits, drafts = [], []
+    for _ in range(40):
+        k = int(torch.randint(0, 6, (), generator=gen))
+        rows = torch.randn(k + 1, 30, generator=gen)
+        target = rows.argmax(-1).tolist()
+        agree = int(torch.randint(0, k + 1, (), generator=gen))
+        drafts.append(target[:agree] + [(t + 1) % 30 for t in target[agree:k]])
+        logits.append(rows)
+    batch = verify_batch(torch.cat(logits), drafts, [None] * 40, [GREEDY] * 40, [None] * 40)
+    assert batch == [verify(rows, d, None, GREEDY, None) for rows, d in zip(logits, drafts, strict=True)]
+    assert {a for a, _ in batch} == set(range(6)), "the cases should cover every accepted length"
+
+
+def test_batch_mixes_greedy_and_sampled_requests():
+    """Greedy rows beside a sampling request: each keeps its own rule; a sure target accepts a point mass."""
+    sure = torch.full((3, 8), -1e4)
+    sure[0, 2] = sure[1, 5] = sure[2, 1] = 0.0
+    params = [GREEDY, SamplingParams(temperature=1.0), GREEDY]
+    logits = torch.cat([one_hot_logits([3, 4]), sure, one_hot_logits([7])])
+    got = verify_batch(logits, [[3], [2, 5], []], [None] * 3, params, [None, torch.Generator().manual_seed(0), None])
+    assert got == [(1, [3, 4]), (2, [2, 5, 1]), (0, [7])]
+
+
+def test_batch_rows_must_match_draft_lengths():
+    with pytest.raises(ValueError, match="rows of target logits"):
+        verify_batch(one_hot_logits([1, 2, 3]), [[1]], [None], [GREEDY], [None])

@@ -1,0 +1,76 @@
+"""The step in three parts: schedule -> speculation step -> postprocess, on the tiny model.
+
+A request the KV pool cannot hold fails alone; the streamed text is the final text; every request of a step
+is charged that step's measured draft and verify times.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.sequence import Finished, StepEvent, TextDelta
+
+PAGE_BYTES_FP32 = 2 * 2 * 16 * 2 * 4 * 16  # tiny model: layers * kv heads * head_dim * (k, v) * fp32 * page
+
+
+@pytest.fixture()
+def small_pool_engine(tiny_model_dir):
+    from specchat.engine.engine import Engine
+
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_memory=6 * PAGE_BYTES_FP32)
+    return Engine.load(config)
+
+
+def run_all(engine, handles) -> dict[int, list]:
+    events: dict[int, list] = {h.request_id: [] for h in handles}
+    while engine.scheduler.has_work():
+        for event in engine.step():
+            events[event.request_id].append(event)
+    return events
+
+
+def test_a_request_the_pool_cannot_hold_fails_alone(small_pool_engine):
+    engine = small_pool_engine
+    assert engine.pool.capacity_tokens == 96
+    greedy = SamplingParams(max_tokens=200, ignore_eos=True)
+    too_long = engine.submit("a b c", greedy)
+    short = [engine.submit(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in ("hello", "one two")]
+    events = run_all(engine, [too_long, *short])
+    failed = events[too_long.request_id][-1]
+    assert isinstance(failed, Finished) and failed.reason == "error"
+    assert "KV cache full" in failed.error and len(failed.token_ids) > 60  # it ran until the pool was full
+    for handle in short:
+        done = events[handle.request_id][-1]
+        assert isinstance(done, Finished) and done.reason == "length" and len(done.token_ids) == 8
+    assert engine.pool.used_pages == 0
+
+
+def test_streamed_text_is_the_final_text(tiny_engine):
+    """Text deltas add up to Finished.text, also when a stop string cuts the answer (held-back text included)."""
+    first = tiny_engine.generate("hello", SamplingParams(max_tokens=40, ignore_eos=True))
+    text = "".join(e.text for e in first if isinstance(e, TextDelta))
+    assert text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    for sampling in (
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]),
+    ):
+        events = list(tiny_engine.generate("hello", sampling, spec=SpecParams("ngram", k=3)))
+        finished = events[-1]
+        assert isinstance(finished, Finished)
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == finished.text
+    assert stop not in finished.text and finished.reason == "stop"
+
+
+def test_requests_of_one_step_are_charged_that_steps_times(tiny_engine):
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    for prompt in ("a b a b a b", "x y x y"):
+        tiny_engine.submit(prompt, sampling, spec=SpecParams("ngram", k=2), listen_only=True)
+    shared = 0
+    while tiny_engine.scheduler.has_work():
+        records = [e.record for e in tiny_engine.step() if isinstance(e, StepEvent)]
+        assert all(r.verify_ms > 0 and r.draft_ms >= 0 for r in records)
+        assert len({(r.draft_ms, r.verify_ms) for r in records}) <= 1, records
+        shared += len(records) > 1
+    assert shared > 0, "the two requests never decoded in the same step"
