@@ -1,0 +1,66 @@
+"""The CPU side of the MXFP4 matmul: a plain-layout weight dequantized into a shared scratch buffer.
+
+`mxfp4_linear` (kernels/mxfp4_matmul.py) borrows the buffer for one F.linear, so the packed weight stays the only
+resident copy. The values are `dequantize_mxfp4`'s (kernels/mxfp4.py, the reference), computed through a
+byte -> (two E2M1 values) table, a chunk of rows at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from specchat.kernels.mxfp4 import BLOCK_SIZE, e2m1_to_float, scales_to_float, unpack_nibbles
+from specchat.kernels.mxfp4_layout import Mxfp4Weight
+
+
+class DequantScratch:
+    """One growable buffer per (device, dtype) that a dequantized weight borrows for one matmul.
+
+    A whole model shares one instance (layers run one after another), so the resident weights stay packed and
+    the extra memory is the largest single layer. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get((device, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+DEFAULT_SCRATCH = DequantScratch()
+
+
+DEQUANT_CHUNK_ELEMS = 1 << 20  # rows are dequantized in chunks of about this many elements (bounded temporaries)
+
+
+@functools.cache
+def _byte_pair_table(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: the (low, high) nibble E2M1 values of every code byte."""
+    byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    return e2m1_to_float(unpack_nibbles(byte[:, None]))
+
+
+def dequantize_weight_into(weight: Mxfp4Weight, out: torch.Tensor) -> torch.Tensor:
+    """Plain-layout weight -> out [N, K] (out's dtype): `dequantize_mxfp4`'s values, in row chunks."""
+    assert not weight.prepared and out.shape == (weight.n, weight.k), (out.shape, weight.n, weight.k)
+    table = _byte_pair_table(out.device)
+    kp = weight.codes.shape[1] * 2
+    rows = max(1, DEQUANT_CHUNK_ELEMS // kp)
+    for r0 in range(0, weight.n, rows):
+        codes = weight.codes[r0 : r0 + rows]  # [r, Kp/2]
+        values = torch.index_select(table, 0, codes.flatten().to(torch.int32))  # [r * Kp/2, 2]
+        values = values.view(-1, weight.scales.shape[1], BLOCK_SIZE)  # [r, Kp/32, 32]
+        values *= scales_to_float(weight.scales[r0 : r0 + rows])[..., None]
+        out[r0 : r0 + rows] = values.view(-1, kp)[:, : weight.k]
+    return out

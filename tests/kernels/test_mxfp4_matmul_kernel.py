@@ -1,0 +1,90 @@
+"""The Triton MXFP4 matmul against the torch reference, and the launches it chooses.
+
+The kernel tests run on CUDA (the fast bf16 path included), or on CPU under TRITON_INTERPRET=1 (the portable
+path: the interpreter has no inline assembly and its bf16 tl.dot is wrong). Triton reads that variable when a
+kernel is defined, so on a CPU-only machine `test_kernels_under_interpreter` reruns this file in a subprocess
+with it set.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specchat.kernels.mxfp4 import quantize_mxfp4
+from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight
+from specchat.kernels.mxfp4_matmul_kernel import MAX_M, MatmulConfig, choose_config, mxfp4_matmul_triton
+from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
+from tests.kernels.mxfp4_weights import random_weight, reference, relative_error
+
+
+@subprocess_test
+def test_kernels_under_interpreter() -> None:
+    run_under_interpreter([__file__], "not under_interpreter")
+
+
+def test_choose_config_keeps_splits_busy() -> None:
+    for n, k in [(4096, 4096), (4096, 14336), (128256, 4096), (576, 576)]:
+        k_tiles = -(-k // 128)
+        words = torch.empty(1, k_tiles, 64, 16, dtype=torch.int32).expand(-(-n // 128) * 2, -1, -1, -1)
+        weight = Mxfp4Weight(n, k, words, torch.empty(0, dtype=torch.uint8), prepared=True)
+        for m in (1, 16, 64):
+            config = choose_config(m, weight)
+            assert k_tiles % config.tiles == 0 and k_tiles // (config.tiles * config.split_k) >= 1, (n, k, m)
+            assert config.block_n == (128 if n >= 16384 else 64)
+
+
+@kernel_test
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 67, 256), (5, 131, 96), (17, 67, 384)])
+def test_matmul_matches_reference(m: int, n: int, k: int) -> None:
+    _, codes, scales = random_weight(n, k, seed=m)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), k, layout="kernel")
+    x = torch.randn(m, k)
+    ref = reference(x, codes, scales, k)
+    y = mxfp4_matmul_triton(x.to(DEVICE), weight)  # float32: the portable path, float32 sums
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert relative_error(y, ref) < 1e-5
+    xb = x.to(torch.bfloat16)
+    yb = mxfp4_matmul_triton(xb.to(DEVICE), weight)  # CUDA: the fast path; interpreter: portable
+    assert yb.dtype == torch.bfloat16 and relative_error(yb, reference(xb.float(), codes, scales, k)) < 8e-3
+
+
+@kernel_test
+def test_split_k_and_row_chunks() -> None:
+    _, codes, scales = random_weight(67, 1024)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
+    x = torch.randn(MAX_M + 6, 1024)  # two launches: 64 rows, then 6
+    ref = reference(x, codes, scales, 1024)
+    for config in (
+        MatmulConfig(tiles=2, split_k=1),
+        MatmulConfig(tiles=2, split_k=4),
+        MatmulConfig(tiles=1, split_k=3),
+    ):
+        for _ in range(2):  # the arrival counters reset for the next launch
+            assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight, config), ref) < 1e-5, config
+
+
+@kernel_test
+def test_matmul_nan_blocks_and_exponent_offset() -> None:
+    w = torch.randn(67, 256)
+    w[3, 40] = float("nan")  # row 3, block 1
+    w[5, 64:96] *= 2.0**60  # scale 2^58: offset c > 0
+    w[6, :32] *= 2.0**-60  # far below, still within 2^125 of the largest block
+    codes, scales = quantize_mxfp4(w)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
+    assert weight.has_nan and weight.exp_offset > 0
+    x = torch.randn(2, 256)
+    y, ref = mxfp4_matmul_triton(x.to(DEVICE), weight).cpu(), reference(x, codes, scales, 256)
+    assert torch.equal(y.isnan(), ref.isnan()) and y[:, 3].isnan().all()
+    finite = ~ref.isnan()
+    assert relative_error(y[finite], ref[finite]) < 1e-5
+    assert relative_error(y[:, 6], ref[:, 6]) < 1e-5  # the small row, next to the huge one
+
+
+@kernel_test
+def test_float16_activations() -> None:
+    _, codes, scales = random_weight(64, 128)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
+    x = torch.randn(3, 128, dtype=torch.float16)
+    y = mxfp4_matmul_triton(x.to(DEVICE), weight)
+    assert y.dtype == torch.float16 and relative_error(y, reference(x.float(), codes, scales, 128)) < 2e-3
