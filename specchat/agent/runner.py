@@ -29,13 +29,14 @@ from specchat.agent.toolcalls import template_renders_tools, tools_system_prompt
 from specchat.agent.tools import ConfirmFn, build_toolbox
 from specchat.agent.trace import Event, SessionEnd
 from specchat.config import SpecParams
+from specchat.engine.api import AgentEngine
 from specchat.engine.stats import SpecStats
 from specchat.errors import ConfigError, SpecchatError
 
 __all__ = ["AgentSession", "RunOutcome", "session_end", "usable_spec"]
 
 
-def usable_spec(engine, spec: SpecParams) -> tuple[SpecParams, str | None]:
+def usable_spec(engine: AgentEngine, spec: SpecParams) -> tuple[SpecParams, str | None]:
     """The script's speculation, or plain decoding plus a one-line warning when the engine lacks its drafter."""
     try:
         engine.drafter(spec.drafter)
@@ -45,7 +46,7 @@ def usable_spec(engine, spec: SpecParams) -> tuple[SpecParams, str | None]:
     return spec, None
 
 
-def prefix_hit_tokens(engine) -> int | None:
+def prefix_hit_tokens(engine: AgentEngine) -> int | None:
     """Prompt tokens the engine has taken from its prefix cache so far; None when it does not say."""
     return engine.memory().get("kv_prefix_hit_tokens")
 
@@ -74,7 +75,7 @@ class AgentSession:
 
     def __init__(
         self,
-        engine,
+        engine: AgentEngine,
         script: AgentScript,
         concurrency: int | None = None,
         confirm: ConfirmFn | None = None,

@@ -1,4 +1,4 @@
-"""N concurrent chat sessions through the engine: aggregate throughput, per-token latency, acceptance, memory."""
+"""N concurrent chat sessions through the engine: aggregate throughput, inter-token latency, acceptance, memory."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ class SessionsResult:
     completion_tokens: int
     wall_s: float
     tok_per_s: float  # aggregate: completion tokens of all sessions / wall time
-    latency_p50_ms: float
-    latency_p99_ms: float
+    itl_p50_ms: float | None  # inter-token latency (engine.telemetry)
+    itl_p99_ms: float | None
+    ttft_p50_ms: float | None
     acceptance_rate: float
     tokens_per_step: float
     kv_used_tokens_peak: int
@@ -68,8 +69,9 @@ def run_sessions(
         completion_tokens=tokens,
         wall_s=wall,
         tok_per_s=tokens / wall,
-        latency_p50_ms=snap.latency_p50_ms,
-        latency_p99_ms=snap.latency_p99_ms,
+        itl_p50_ms=snap.itl_p50_ms,
+        itl_p99_ms=snap.itl_p99_ms,
+        ttft_p50_ms=snap.ttft_p50_ms,
         acceptance_rate=snap.spec.acceptance_rate,
         tokens_per_step=snap.spec.tokens_per_step,
         kv_used_tokens_peak=peak,

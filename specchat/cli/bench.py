@@ -28,7 +28,7 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     click.echo("| " + " | ".join(headers) + " |")
     click.echo("|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|")
     for row in rows:
-        click.echo("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
+        click.echo("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else "-" if v is None else str(v) for v in row) + " |")
 
 
 def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json) -> None:
@@ -63,8 +63,9 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
             r.k if r.drafter != "none" else "-",
             r.tok_per_s,
             f"{r.tok_per_s / base[r.drafter]:.2f}x",
-            r.latency_p50_ms,
-            r.latency_p99_ms,
+            r.itl_p50_ms,
+            r.itl_p99_ms,
+            r.ttft_p50_ms,
             r.acceptance_rate,
             r.tokens_per_step,
             r.kv_used_tokens_peak,
@@ -78,8 +79,9 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
         "k",
         "tok/s",
         f"vs {results[0].sessions}",
-        "P50 ms/token",
-        "P99 ms/token",
+        "ITL P50 ms",
+        "ITL P99 ms",
+        "TTFT P50 ms",
     ]
     print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
 

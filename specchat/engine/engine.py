@@ -12,7 +12,6 @@ and applied between steps, so they take effect on the next step.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import queue
 import threading
@@ -21,6 +20,7 @@ from concurrent.futures import Future
 
 from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.engine.adaptive import AdaptiveK
+from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.loader import Progress
@@ -35,8 +35,6 @@ from specchat.engine.tokenizer import StreamDecoder, Tokenizer
 from specchat.errors import ConfigError, PromptError
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.registry import ModelSpec
-
-Prompt = str | list[dict] | list[int]
 
 
 class RequestHandle:
@@ -326,20 +324,9 @@ class Engine:
             self.metrics = EngineMetrics()
 
     def snapshot(self) -> Snapshot:
-        """Aggregate speculation, throughput, latency, queue depth and memory, now."""
+        """Speculation, throughput, latency, queue depth and memory, now (engine.telemetry's definitions)."""
         with self._lock:
-            p50, p99 = self.metrics.latency_percentiles()
-            return Snapshot(
-                spec=copy.deepcopy(self.metrics.spec),
-                tok_per_s=self.metrics.tok_per_s(),
-                latency_p50_ms=p50,
-                latency_p99_ms=p99,
-                running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting),
-                tokens_total=self.metrics.tokens_total,
-                finished_total=self.metrics.finished_total,
-                memory=self.memory(),
-            )
+            return self.metrics.snapshot(len(self.scheduler.running), len(self.scheduler.waiting), self.memory())
 
     def memory(self) -> dict:
         """Bytes of weights and KV cache, and what they would be in bf16 (quant.handler, engine.kv_cache)."""

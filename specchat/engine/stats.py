@@ -108,6 +108,18 @@ class SpecStats:
     def recent_tokens_per_step(self) -> float:
         return sum(r.emitted for r in self.recent) / len(self.recent) if self.recent else 0.0
 
+    def recent_stats(self) -> SpecStats:
+        """The same statistics over the last `window` steps only (per-position acceptance, histogram, ms, ...)."""
+        recent = SpecStats(window=self.window)
+        for rec in self.recent:
+            recent.observe_step(rec)
+        return recent
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """[i] = accepted / drafted at draft position i + 1."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)]
+
     def to_json(self) -> dict:
         return {
             "steps": self.steps,

@@ -1,8 +1,9 @@
 """specchat's Textual app: chats in tabs beside live Speculation, Throughput, Memory and Controls panels.
 
 The engine runs its step loop in its own thread and posts one EngineStep message per step (all requests'
-events together); the app routes text to the chats, folds the figures into LiveMetrics and repaints the panels
-on a timer, so the UI's work does not grow with the token rate.
+events together); the app routes their text to the chats. Every figure comes from the engine's own telemetry
+(a Snapshot read between steps on a timer), and the panels repaint on that timer, so the UI's work does not
+grow with the token rate.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
-from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.config import DRAFTERS, KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
+from specchat.engine.api import ChatEngine
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.errors import SpecchatError
 from specchat.registry import cache_dir
 from specchat.ui.agent_runs import AgentRuns
-from specchat.ui.bridge import EngineBridge, ProgressPoster, drafter_names, load_engine
+from specchat.ui.bridge import EngineBridge, ProgressPoster, load_engine
 from specchat.ui.chat import ChatPane, PromptInput
-from specchat.ui.controls import KV_FORMATS, WEIGHT_FORMATS, ControlsPanel
+from specchat.ui.controls import ControlsPanel
 from specchat.ui.memory import MemoryPanel
 from specchat.ui.messages import EngineReading, EngineReady, EngineStep, LoadFailed, LoadProgress
-from specchat.ui.metrics import LiveMetrics
+from specchat.ui.metrics import PanelFigures
 from specchat.ui.screens import HistoryScreen, LoadScreen
 from specchat.ui.settings import ChatSettings, LiveSettings
 from specchat.ui.speculation import SpeculationPanel
@@ -43,8 +45,7 @@ from specchat.ui.throughput import ThroughputPanel
 from specchat.ui.transcript import to_json, to_markdown, transcript_path
 
 W = TypeVar("W", bound=Widget)
-PANEL_REFRESH_S = 0.25
-READING_REFRESH_S = 1.0  # memory and engine snapshot
+PANEL_REFRESH_S = 0.25  # the engine's snapshot is read, and the panels repainted, this often
 
 
 class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
@@ -71,7 +72,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
 
     def __init__(
         self,
-        engine=None,
+        engine: ChatEngine | None = None,
         config: EngineConfig | None = None,
         sampling: SamplingParams | None = None,
         spec: SpecParams | None = None,
@@ -96,10 +97,9 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         self.store = store or ChatStore()
         self.transcript_dir = transcript_dir or Path.cwd()
         self.history = self.store.recent_prompts()
-        self.metrics = LiveMetrics()
+        self.metrics = PanelFigures()
         self.bridge: EngineBridge | None = None
         self.requests: dict[int, ChatPane] = {}
-        self.engine_figures: dict | None = None  # from engine.snapshot(), when the engine has it
         self.step_delays_ms: deque[float] = deque(maxlen=4096)  # engine post -> handled, for the benchmark
         self.chats_opened = 0
 
@@ -117,7 +117,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
 
     @property
     def model_name(self) -> str:
-        spec = getattr(self.engine, "model_spec", None)
+        spec = self.engine.model_spec if self.engine is not None else None
         return spec.alias if spec is not None else self.config.model
 
     def compose(self):
@@ -129,7 +129,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
                 yield ThroughputPanel(id="throughput")
                 yield MemoryPanel(id="memory")
                 yield ControlsPanel(
-                    self.settings.k, self.settings.drafter, drafter_names(), self.settings.temperature, id="controls"
+                    self.settings.k, self.settings.drafter, DRAFTERS, self.settings.temperature, id="controls"
                 )
         yield Footer()
 
@@ -140,7 +140,6 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
             controls.show(name, getattr(self.settings, name) or "")
         await self.action_new_chat()
         self.set_interval(PANEL_REFRESH_S, self.refresh_panels)
-        self.set_interval(READING_REFRESH_S, self.request_reading)
         if self.engine is not None:
             self.attach_engine(self.engine)
         else:
@@ -188,7 +187,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
     def on_load_failed(self, message: LoadFailed) -> None:
         self.exit(message.error, return_code=1)
 
-    def attach_engine(self, engine) -> None:
+    def attach_engine(self, engine: ChatEngine) -> None:
         """Start listening to the engine and put the model's name in the header."""
         self.engine = engine
         self.bridge = EngineBridge(engine, self)
@@ -203,16 +202,13 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
             self.bridge.request_reading()
 
     def on_engine_reading(self, message: EngineReading) -> None:
-        """Memory to its panel; the engine's own throughput figures replace the UI's estimates."""
+        """The engine's figures: memory to its panel, the rest to the metrics the panels show."""
         if (panel := self.widget(MemoryPanel)) is not None:
             panel.memory = message.memory
-        if message.figures is not None and message.figures != self.engine_figures:
-            self.engine_figures = message.figures
-            self.metrics.dirty = True
+        self.metrics.observe(message.snapshot)
 
     async def on_engine_step(self, message: EngineStep) -> None:
-        """Route one step's events: text to its chat, figures to the metrics."""
-        self.metrics.observe(message.events, message.time)
+        """Route one step's text to the chats."""
         texts: dict[int, list[str]] = {}
         finished: list[Finished] = []
         for event in message.events:
@@ -231,14 +227,15 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         self.step_delays_ms.append((time.perf_counter() - message.time) * 1e3)
 
     async def refresh_panels(self) -> None:
-        """Repaint the live panels (on a timer: the cost does not grow with the token rate)."""
+        """Ask for the next reading and repaint the live panels (on a timer: the cost does not grow with the token
+        rate)."""
+        self.request_reading()
         for pane in list(self.requests.values()):  # text held back by the stream interval if steps paused
             await pane.show_pending()
         if not self.metrics.dirty or not self.screen_stack:
             return
-        self.metrics.sample()
-        figures = {"active_requests": len(self.requests), **(self.engine_figures or {})}
-        view = replace(self.metrics.view(), **figures)
+        self.metrics.dirty = False
+        view = self.metrics.view()
         try:
             for kind in (SpeculationPanel, ThroughputPanel):
                 if (panel := self.widget(kind)) is not None:
@@ -265,7 +262,8 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         try:
             sampling = replace(self.sampling, temperature=self.settings.temperature)
             spec = SpecParams(drafter=self.settings.drafter, k=self.settings.k, k_max=self.k_max)
-            handle = self.engine.submit([*pane.messages, {"role": "user", "content": message.text}], sampling, spec)
+            messages = [*pane.messages, {"role": "user", "content": message.text}]
+            handle = self.engine.submit(messages, sampling, spec, listen_only=True)  # events come as EngineStep
         except SpecchatError as exc:
             self.notify(str(exc), severity="error")
             return
@@ -386,7 +384,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         yield SystemCommand("K +1", "One more draft token per step", self.action_k_up)
         yield SystemCommand("K -1", "One draft token fewer per step", self.action_k_down)
         yield SystemCommand("K auto", "Adaptive draft length", self.action_k_auto)
-        for name in drafter_names():
+        for name in DRAFTERS:
             yield SystemCommand(f"Drafter: {name}", f"Draft with {name}", partial(self.change_setting, "drafter", name))
         for fmt in WEIGHT_FORMATS:
             yield SystemCommand(f"Weights: {fmt}", f"Weights in {fmt}", partial(self.change_setting, "weights", fmt))

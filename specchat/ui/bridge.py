@@ -1,7 +1,7 @@
 """The app's side of the engine: loading with progress, one message per step, setters that never crash the UI.
 
-The UI reads the engine only through its events, `memory()`, `snapshot()` (when the engine has it) and its
-setters. Features that a given engine build lacks are detected here and reported as a line for the user.
+The UI reads the engine only through engine.api.ChatEngine: its step events (for the text), `snapshot()` (for
+every figure) and its setters.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ from collections.abc import Callable
 from textual.app import App
 
 from specchat.config import EngineConfig
+from specchat.engine.api import ChatEngine
 from specchat.errors import SpecchatError
 from specchat.ui.messages import EngineReading, EngineStep, LoadProgress, SettingApplied
 
-SETTERS = {"drafter": "set_drafter", "weights": "set_weights", "kv": "set_kv"}
-KNOWN_DRAFTERS = ("none", "ngram", "heads", "draft-model")
 
-
-def load_engine(config: EngineConfig, progress: Callable[[str, int, int], None]):
+def load_engine(config: EngineConfig, progress: Callable[[str, int, int], None]) -> ChatEngine:
     """Fetch the model if needed (pip runs quietly: the terminal belongs to the UI), then load it."""
     from specchat.engine.engine import Engine
     from specchat.registry import fetch, resolve
@@ -55,42 +53,19 @@ def rss_bytes() -> int | None:
         return peak if os.uname().sysname == "Darwin" else peak * 1024
 
 
-def gpu_bytes(engine) -> int | None:
+def gpu_bytes(engine: ChatEngine) -> int | None:
     """Memory torch holds on the engine's GPU, or None on CPU."""
-    device = getattr(engine, "device", None)
-    if device is None or getattr(device, "type", "cpu") != "cuda":
+    if engine.device.type != "cuda":
         return None
     import torch
 
-    return int(torch.cuda.memory_reserved(device))
-
-
-def drafter_names() -> tuple[str, ...]:
-    """The drafter names the engine knows (its own list when it publishes one)."""
-    from specchat.engine import drafters
-
-    published = getattr(drafters, "DRAFTERS", None) or getattr(drafters.base, "DRAFTERS", None)
-    if isinstance(published, str):  # "none | ngram | heads[:FILE] | ..."
-        published = [name.split("[")[0].strip() for name in published.split("|")]
-    return tuple(published) if published else KNOWN_DRAFTERS
-
-
-def snapshot_figures(snap) -> dict:
-    """engine.snapshot() -> the MetricsView fields it provides (None where nothing was measured yet)."""
-    measured = snap.tokens_total > 0
-    return {
-        "tok_per_s": snap.tok_per_s if measured else None,
-        "itl_p50_ms": snap.latency_p50_ms if measured else None,
-        "itl_p99_ms": snap.latency_p99_ms if measured else None,
-        "active_requests": snap.running,
-        "queue_depth": snap.waiting,
-    }
+    return int(torch.cuda.memory_reserved(engine.device))
 
 
 class EngineBridge:
     """Connects one engine to one app: step events in, settings out."""
 
-    def __init__(self, engine, app: App) -> None:
+    def __init__(self, engine: ChatEngine, app: App) -> None:
         self.engine = engine
         self.app = app
         self.started_thread = False
@@ -115,44 +90,24 @@ class EngineBridge:
         self.app.post_message(EngineStep(events, time.perf_counter()))
 
     def request_reading(self) -> None:
-        """Ask for memory (and snapshot) figures; they come back as an EngineReading, read between two steps
-        on the engine's thread (snapshot() takes the engine lock, which the UI thread must never wait on)."""
-        apply = getattr(self.engine, "apply", None)
-        if apply is None:
-            self.post_reading()
-        else:
-            apply(self.post_reading)
+        """Ask for the engine's figures; they come back as an EngineReading, read between two steps on the
+        engine's thread (snapshot() takes the engine lock, which the UI thread must never wait on)."""
+        self.engine.apply(self.post_reading)
 
     def post_reading(self) -> None:
-        memory, figures = {}, None
-        try:
-            snapshot = getattr(self.engine, "snapshot", None)
-            if snapshot is None:
-                memory = dict(self.engine.memory())
-            else:
-                snap = snapshot()
-                memory, figures = dict(snap.memory), snapshot_figures(snap)
-        except Exception as exc:  # shown in the panel; the engine keeps running
-            memory = {"error": f"{type(exc).__name__}: {exc}"}
-        memory.setdefault("rss_bytes", rss_bytes())
-        memory.setdefault("gpu_bytes", gpu_bytes(self.engine))
-        self.app.post_message(EngineReading(memory, figures))
-
-    def has_setter(self, name: str) -> bool:
-        return hasattr(self.engine, SETTERS[name])
+        snapshot = self.engine.snapshot()
+        memory = {**snapshot.memory, "rss_bytes": rss_bytes(), "gpu_bytes": gpu_bytes(self.engine)}
+        self.app.post_message(EngineReading(snapshot, memory))
 
     def apply_setting(self, name: str, value: str) -> None:
         """Worker thread: call the engine's setter (it may take long: quantizing, loading a drafter)."""
-        setter = getattr(self.engine, SETTERS[name], None)
-        if setter is None:
-            error = f"this engine has no {SETTERS[name]}() yet"
-        else:
-            try:
-                setter(value)
-                error = None
-            except SpecchatError as exc:
-                error = str(exc)
-            except Exception as exc:  # our bug, but the chat must go on: log it, show one line
-                self.app.log.error(traceback.format_exc())
-                error = f"{type(exc).__name__}: {exc}"
+        setter = {"drafter": self.engine.set_drafter, "weights": self.engine.set_weights, "kv": self.engine.set_kv}
+        try:
+            setter[name](value)
+            error = None
+        except SpecchatError as exc:
+            error = str(exc)
+        except Exception as exc:  # our bug, but the chat must go on: log it, show one line
+            self.app.log.error(traceback.format_exc())
+            error = f"{type(exc).__name__}: {exc}"
         self.app.post_message(SettingApplied(name, value, error))

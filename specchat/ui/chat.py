@@ -227,17 +227,15 @@ class ChatPane(Vertical):
             await self.reply_stream.write(text)
 
     async def finish(self, event: Finished) -> None:
-        """The reply ended: final text, figures under it, stored."""
+        """The reply ended: the streamed text (which the engine makes equal to the final one), figures, stored."""
         await self.show_pending()
         async with self.stream_lock:
             if self.reply_stream is not None:
                 await self.reply_stream.stop()
                 self.reply_stream = None
         footer = finish_line(event)
-        text = event.text
+        text = self.reply_text
         if self.reply is not None:
-            if text != self.reply_text:  # the final text wins (a byte split across steps, a cut stop string)
-                await self.reply.query_one(Markdown).update(text)
             self.reply.content = text
             self.reply.remove_class("streaming")
             self.reply.set_footer(footer)

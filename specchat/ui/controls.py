@@ -7,8 +7,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Input, Label, ProgressBar, Select
 
-WEIGHT_FORMATS = ("bf16", "mxfp4")
-KV_FORMATS = ("bf16", "mxfp4", "k8v4")
+from specchat.config import KV_FORMATS, WEIGHT_FORMATS
 
 
 def k_text(k: int | None) -> str:

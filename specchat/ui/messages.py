@@ -5,6 +5,7 @@ from __future__ import annotations
 from textual.message import Message
 
 from specchat.engine.sequence import Event
+from specchat.engine.telemetry import Snapshot
 
 
 class EngineStep(Message):
@@ -43,12 +44,12 @@ class LoadFailed(Message):
 
 
 class EngineReading(Message):
-    """Memory figures, and engine-wide throughput figures when the engine has snapshot(); read between steps."""
+    """The engine's figures (engine.telemetry.Snapshot) and memory with the process's own; read between steps."""
 
-    def __init__(self, memory: dict, figures: dict | None) -> None:
+    def __init__(self, snapshot: Snapshot, memory: dict) -> None:
         super().__init__()
+        self.snapshot = snapshot
         self.memory = memory
-        self.figures = figures  # MetricsView fields: tok_per_s, itl_p50_ms, itl_p99_ms, active_requests, queue_depth
 
 
 class SettingApplied(Message):

@@ -2,7 +2,7 @@
 
 K and temperature apply at once (K through `engine.set_k`, from the next step; temperature from the next
 message). Drafter, weights and KV call the engine's setter in a worker thread, since loading a drafter or
-quantizing takes a while; a missing setter or a refusal becomes a notification and the control snaps back.
+quantizing takes a while; a refusal becomes a notification and the control snaps back.
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from specchat.config import SpecParams
+from specchat.config import DRAFTERS, SpecParams
 from specchat.errors import ConfigError
-from specchat.ui.bridge import SETTERS, drafter_names
 from specchat.ui.controls import ControlsPanel, k_text
 from specchat.ui.messages import SettingApplied
 
@@ -65,10 +64,6 @@ class LiveSettings:
                 self.notify("the model is still loading", severity="warning")
                 controls.show(name, getattr(self.settings, name) or "")
                 return
-            if not self.bridge.has_setter(name):
-                self.notify(f"{name}: this engine has no {SETTERS[name]}() yet", severity="warning")
-                controls.show(name, getattr(self.settings, name) or "")
-                return
             controls.set_busy(True)
             self.notify(f"{name} → {value}…", timeout=3)
             self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
@@ -103,7 +98,7 @@ class LiveSettings:
 
     def action_next_drafter(self) -> None:
         """Switch to the next drafter."""
-        names = drafter_names()
+        names = DRAFTERS
         current = names.index(self.settings.drafter) if self.settings.drafter in names else -1
         self.change_setting("drafter", names[(current + 1) % len(names)])
 

@@ -41,6 +41,11 @@ class ScriptedHandle:
         tokens = list(range(len(text.split())))
         return Finished(self.request_id, reason, text, tokens, self.prompt_tokens, stats, 0.1, 0.1)
 
+    def result(self) -> Finished:
+        for _ in self.events():
+            pass
+        return self.finished
+
     def cancel(self) -> None:
         self.cancelled.set()
 

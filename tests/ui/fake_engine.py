@@ -1,7 +1,8 @@
-"""A synthetic event source with the engine's UI-facing surface, for the responsiveness benchmark only.
+"""A synthetic engine for the UI (engine.api.ChatEngine), for UI tests and the responsiveness benchmark.
 
 It streams TextDelta / StepEvent / Finished events from a thread at a fixed rate, through `listeners` exactly
-as the engine does (one call per step), so the app's whole path is measured without a model's compute.
+as the engine does (one call per step), and folds them into the engine's own EngineMetrics for `snapshot()`,
+so the app's whole path is exercised without a model's compute.
 """
 
 from __future__ import annotations
@@ -9,9 +10,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from concurrent.futures import Future
+
+import torch
 
 from specchat.engine.sequence import Finished, StepEvent, TextDelta
 from specchat.engine.stats import SpecStats, StepRecord
+from specchat.engine.telemetry import EngineMetrics, Snapshot
 
 WORDS = [
     "the",
@@ -34,15 +39,27 @@ WORDS = [
 
 
 class FakeHandle:
-    def __init__(self, request_id: int) -> None:
+    """Events reach the listeners only (as a TUI chat's do)."""
+
+    def __init__(self, engine: FakeEngine, request_id: int) -> None:
+        self.engine = engine
         self.request_id = request_id
+
+    def events(self):
+        raise RuntimeError("the fake engine's events go to its listeners")
+
+    def result(self) -> Finished:
+        raise RuntimeError("the fake engine's events go to its listeners")
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
 
 
 class FakeEngine:
     """Emits `tokens_per_step` tokens per step at `steps_per_s`, `total_tokens` per request."""
 
     model_spec = None
-    device = None
+    device = torch.device("cpu")
 
     def __init__(self, steps_per_s: float = 200.0, tokens_per_step: int = 1, total_tokens: int = 2000) -> None:
         self.steps_per_s = steps_per_s
@@ -55,6 +72,9 @@ class FakeEngine:
         self.threads: list[threading.Thread] = []
         self.k = 3
         self.last_post: float | None = None
+        self.metrics = EngineMetrics()
+        self.lock = threading.Lock()
+        self.settings: dict[str, str] = {}
 
     def start(self) -> None:
         self.running_in_background = True
@@ -65,12 +85,14 @@ class FakeEngine:
             thread.join()
         self.running_in_background = False
 
-    def submit(self, messages, sampling=None, spec=None) -> FakeHandle:
+    def submit(self, messages, sampling=None, spec=None, *, listen_only: bool = False) -> FakeHandle:
         request_id = next(self.ids)
+        with self.lock:
+            self.metrics.observe_submit(request_id)
         thread = threading.Thread(target=self.stream, args=(request_id,), daemon=True)
         self.threads.append(thread)
         thread.start()
-        return FakeHandle(request_id)
+        return FakeHandle(self, request_id)
 
     def stream(self, request_id: int) -> None:
         """Post one list of events per step, paced by wall clock (like a real engine's steps)."""
@@ -97,6 +119,8 @@ class FakeEngine:
 
     def post(self, events: list) -> None:
         self.last_post = time.perf_counter()
+        with self.lock:
+            self.metrics.observe_events(events, self.last_post)
         for listener in self.listeners:
             listener(events)
 
@@ -105,6 +129,28 @@ class FakeEngine:
 
     def set_k(self, k: int | None, request_id: int | None = None) -> None:
         self.k = k or 0
+
+    def set_drafter(self, name: str, request_id: int | None = None) -> None:
+        self.settings["drafter"] = name
+
+    def set_weights(self, fmt: str) -> Future:
+        self.settings["weights"] = fmt
+        return self.apply(lambda: None)
+
+    def set_kv(self, fmt: str) -> None:
+        self.settings["kv"] = fmt
+
+    def apply(self, command) -> Future:
+        """Runs the command at once (there is no step to wait for)."""
+        done: Future = Future()
+        command()
+        done.set_result(None)
+        return done
+
+    def snapshot(self) -> Snapshot:
+        with self.lock:
+            running = sum(thread.is_alive() for thread in self.threads)
+            return self.metrics.snapshot(running, 0, self.memory())
 
     def memory(self) -> dict:
         return {

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+import torch
 from textual.app import App
 from textual.widgets import Input
 
@@ -20,6 +21,7 @@ import specchat.ui
 from specchat.agent.script import load_script
 from specchat.agent.trace import Error, Final, RunEnd, RunStart, Step, ToolCallEvent, ToolResultEvent
 from specchat.config import EngineConfig
+from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.ui.agent import AgentApp
 from specchat.ui.agent_runs import AgentTabs
 from specchat.ui.agent_view import (
@@ -51,15 +53,17 @@ def call(name: str, **arguments: str) -> str:
 
 
 class ScriptedUIEngine(ScriptedEngine):
-    """Canned replies, plus the surface the app reads (no step events: the panels stay n/a)."""
+    """Canned replies, plus what the app needs of an engine (engine.api.ChatEngine; no step events: the panels
+    stay n/a)."""
 
     model_spec = None
-    device = None
+    device = torch.device("cpu")
 
     def __init__(self, replies: list) -> None:
         super().__init__(replies)
         self.listeners: list = []
         self.running_in_background = False
+        self.metrics = EngineMetrics()
 
     def start(self) -> None:
         self.running_in_background = True
@@ -72,6 +76,24 @@ class ScriptedUIEngine(ScriptedEngine):
 
     def set_k(self, k: int | None, request_id: int | None = None) -> None:
         """K does not matter to canned replies."""
+
+    def set_drafter(self, name: str, request_id: int | None = None) -> None:
+        """Nor does the drafter."""
+
+    def set_weights(self, fmt: str) -> Future:
+        return self.apply(lambda: None)
+
+    def set_kv(self, fmt: str) -> None:
+        """Nor the KV format."""
+
+    def apply(self, command) -> Future:
+        done: Future = Future()
+        command()
+        done.set_result(None)
+        return done
+
+    def snapshot(self) -> Snapshot:
+        return self.metrics.snapshot(0, 0, self.memory())
 
 
 def write_script(tmp_path: Path, tasks: list[str], tools: str = '["python", "final_answer"]', extra: str = "") -> Path:
@@ -221,12 +243,9 @@ async def test_the_palette_runs_a_script_in_new_tabs(tmp_path, store):
 
 
 @pytest.fixture
-def agent_model_dir(tmp_path: Path, default_tokenizer_dir: Path) -> Path:
+def agent_model_dir(tmp_path: Path) -> Path:
     """A tiny random model with room for an agent's prompt (the tools are listed in it: ~300 tokens)."""
-    path = save_tiny_hf(tmp_path / "tiny-agent", {"max_position_embeddings": 1024})
-    for f in default_tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    return path
+    return save_tiny_hf(tmp_path / "tiny-agent", {"max_position_embeddings": 1024})
 
 
 async def test_loads_behind_the_progress_screen_and_feeds_the_panels(agent_model_dir, tmp_path, store):

@@ -1,0 +1,108 @@
+"""What the UI and the agent runner need of an engine, stated once.
+
+engine.engine.Engine implements both protocols; so do the tests' stand-ins (tests/ui/fake_engine.py for the
+UI, tests/agent/scripted_engine.py for agent loops), which is how the UI and the agent loop are tested without
+a model. Nothing outside the engine reaches past these: the UI reads events, snapshots and memory, and
+changes the engine only through the setters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specchat.config import SamplingParams, SpecParams
+from specchat.engine.sequence import Event, Finished
+from specchat.engine.telemetry import Snapshot
+from specchat.registry import ModelSpec
+
+Prompt = str | list[dict] | list[int]
+Listener = Callable[[list[Event]], None]  # called on the engine's thread with each step's events
+
+
+@runtime_checkable
+class Request(Protocol):
+    """A submitted request."""
+
+    request_id: int
+
+    def events(self) -> Iterator[Event]:
+        """The request's events, ending with one Finished."""
+        ...
+
+    def result(self) -> Finished: ...
+
+    def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class ChatEngine(Protocol):
+    """The engine as the TUI sees it: requests, a stream of step events, live settings, figures."""
+
+    model_spec: ModelSpec | None  # None: a model loaded from a path outside models.toml
+    device: torch.device
+    listeners: list[Listener]
+
+    @property
+    def running_in_background(self) -> bool: ...
+
+    def start(self) -> None:
+        """Run the step loop on the engine's own thread."""
+        ...
+
+    def close(self) -> None: ...
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        spec: SpecParams | None = None,
+        *,
+        listen_only: bool = False,
+    ) -> Request:
+        """Queue a request (bad parameters raise SpecchatError here); listen_only: events go to listeners only."""
+        ...
+
+    def cancel(self, request_id: int) -> None: ...
+
+    def set_k(self, k: int | None, request_id: int | None = None) -> None: ...
+
+    def set_drafter(self, name: str, request_id: int | None = None) -> None: ...
+
+    def set_weights(self, fmt: str) -> Future: ...
+
+    def set_kv(self, fmt: str) -> None: ...
+
+    def apply(self, command: Callable[[], None]) -> Future:
+        """Run `command` between two steps, on the engine's thread."""
+        ...
+
+    def snapshot(self) -> Snapshot:
+        """Every live figure (engine.telemetry), read between steps."""
+        ...
+
+    def memory(self) -> dict: ...
+
+
+@runtime_checkable
+class AgentEngine(Protocol):
+    """The engine as an agent loop sees it: prompts encoded with tools, requests, drafters, memory."""
+
+    tokenizer: object  # engine.tokenizer.Tokenizer: encode(), chat_template_source
+
+    def encode_prompt(self, prompt: Prompt, *, tools: list | None = None) -> list[int]:
+        """Chat messages (with the tools' schemas, when given) -> prompt token ids, checked against the context."""
+        ...
+
+    def submit(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecParams | None = None
+    ) -> Request: ...
+
+    def drafter(self, name: str) -> object:
+        """Build (or fetch) a drafter now, so that a bad name fails before any request."""
+        ...
+
+    def memory(self) -> dict: ...
