@@ -29,11 +29,9 @@ import torch
 from specchat.agent.runner import AgentSession, RunOutcome
 from specchat.agent.script import AgentScript, load_script
 from specchat.agent.trace import SessionEnd
-from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.config import DRAFTERS, EngineConfig, SamplingParams, SpecParams
 from specchat.engine.engine import Engine
 from specchat.errors import SpecchatError
-
-DRAFTERS = ("none", "ngram", "heads", "draft-model")
 
 
 def run_session(engine: Engine, script: AgentScript, concurrency: int) -> tuple[SessionEnd, list[RunOutcome]]:

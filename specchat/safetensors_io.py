@@ -1,7 +1,7 @@
 """Reading safetensors files with errors a user can act on: the engine's HF loader and quant's MXFP4 checkpoints.
 
 A damaged weight file (a truncated download, a copy cut short) should end in one line naming the file
-(STYLE.md #12), not in safetensors' own message. The format: an 8-byte little-endian header length, a JSON
+(docs/style.md #12), not in safetensors' own message. The format: an 8-byte little-endian header length, a JSON
 header mapping each tensor name to its dtype, shape and byte range (`data_offsets`, relative to the end of the
 header), then the data.
 """

@@ -28,7 +28,9 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     click.echo("| " + " | ".join(headers) + " |")
     click.echo("|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|")
     for row in rows:
-        click.echo("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else "-" if v is None else str(v) for v in row) + " |")
+        click.echo(
+            "| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else "-" if v is None else str(v) for v in row) + " |"
+        )
 
 
 def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json) -> None:

@@ -1,4 +1,4 @@
-"""The fused elementwise kernels as a transform of the model (STYLE.md #3): swap modules in, swap them out.
+"""The fused elementwise kernels as a transform of the model (docs/style.md #3): swap modules in, swap them out.
 
 `fuse(model)` re-classes the model's `RMSNorm`, `Rotary` and `SiluAndMul` modules (engine/model.py) as the
 subclasses below, whose forward runs the Triton kernel of kernels/fused.py where it is supported (CUDA, or the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from specchat.config import KV_FORMATS
 from specchat.errors import ConfigError
 from specchat.kernels.kv_quant import DEFAULT_RULE, DENSE, MXFP4, MXFP8, PageTensor, row_bytes
 from specchat.kernels.mxfp4 import BLOCK_SIZE
@@ -26,6 +27,7 @@ from specchat.kernels.mxfp4 import BLOCK_SIZE
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZED_FORMATS = {"mxfp4": (MXFP4, MXFP4), "k8v4": (MXFP8, MXFP4)}  # (key, value) element formats
 PAGE_FORMATS = (*DENSE_FORMATS, *QUANTIZED_FORMATS)
+assert set(PAGE_FORMATS) == set(KV_FORMATS), "config.KV_FORMATS names every page format, and only those"
 CONVERT_CHUNK_SLOTS = 4096  # rows converted at once by a format switch (bounds its scratch memory)
 
 

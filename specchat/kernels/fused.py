@@ -7,7 +7,7 @@ are free, but each kernel still costs a few microseconds of GPU time: on the H20
 
 Each kernel sits beside its wrapper (which asserts its inputs) and a `*_supported` check (where it runs: CUDA,
 or the CPU under TRITON_INTERPRET=1, and the dtypes and shapes it takes). The engine applies them from outside
-(STYLE.md #3): engine/fusion.py swaps the model's plain modules for ones that call these. The plain modules in
+(docs/style.md #3): engine/fusion.py swaps the model's plain modules for ones that call these. The plain modules in
 engine/model.py are the references; tests/kernels/test_fused.py holds each kernel to its reference (same fp32
 arithmetic, results rounded to the activation dtype once, as PyTorch does).
 """

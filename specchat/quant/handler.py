@@ -1,6 +1,6 @@
 """Quantization as a transform: swap a model's nn.Linear modules for Fp4Linear ones and back.
 
-The model's code never asks whether it is quantized (STYLE.md #6, after gpt-fast's quantize.py): which
+The model's code never asks whether it is quantized (docs/style.md #6, after gpt-fast's quantize.py): which
 modules sit in `model.layers[i].attn.wqkv` and friends decides it. This file picks the modules (a layer
 selection), builds their MXFP4 form (round to nearest, or packed weights from a GPTQ checkpoint) and swaps them.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specchat.config import WEIGHT_FORMATS
 from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
 from specchat.quant.checkpoint import cache_dir, describe, is_mxfp4_checkpoint, read_packed
 from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, rotate_blocks
@@ -33,7 +34,6 @@ DEFAULT_LAYERS = "blocks"
 DEFAULT_RULE: Rule = "mse"  # the toggle's round-to-nearest fallback (docs/benchmarks.md: mse < roundup < ocp)
 DEFAULT_ROTATE = False  # the block rotation helps GPTQ a lot but hurts round to nearest (docs/benchmarks.md)
 ROTATION = "hadamard32"
-WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = the unquantized weights, in the model dtype
 LINEAR_TYPES = (nn.Linear, Fp4Linear)
 BLOCK_LINEARS = "layers.*"
 HOST = torch.device("cpu")

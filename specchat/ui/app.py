@@ -332,7 +332,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
 
     def action_history(self) -> None:
         """Browse saved conversations."""
-        self.push_screen(HistoryScreen(self.store.conversations()), self.open_conversation)
+        self.push_screen(HistoryScreen(self.store), self.open_conversation)
 
     async def open_conversation(self, conversation_id: int | None) -> None:
         """Show a saved conversation in a tab (the one it is in, if open)."""

@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList, ProgressBar
 from textual.widgets.option_list import Option
 
-from specchat.ui.store import Conversation
+from specchat.ui.store import ChatStore
 
 
 class LoadScreen(ModalScreen[None]):
@@ -35,17 +35,21 @@ class LoadScreen(ModalScreen[None]):
 
 
 class HistoryScreen(ModalScreen[int | None]):
-    """Saved conversations, newest first: Enter opens one in a new tab."""
+    """Saved conversations, newest first: Enter opens one in a new tab, Delete removes one from the store."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Close", id="history_close")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "close", "Close", id="history_close"),
+        Binding("delete", "delete_conversation", "Delete", id="history_delete"),
+    ]
 
-    def __init__(self, conversations: list[Conversation]) -> None:
+    def __init__(self, store: ChatStore) -> None:
         super().__init__()
-        self.conversations = conversations
+        self.store = store
+        self.conversations = store.conversations()
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Label("Conversations (Enter opens, Esc closes)", classes="title")
+            yield Label("Conversations (Enter opens, Delete removes, Esc closes)", classes="title")
             options = [
                 Option(
                     f"{c.title}  [dim]{time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}"
@@ -63,3 +67,14 @@ class HistoryScreen(ModalScreen[int | None]):
     def action_close(self) -> None:
         """Back to the chat."""
         self.dismiss(None)
+
+    def action_delete_conversation(self) -> None:
+        """Delete the highlighted conversation and its messages from the store."""
+        options = self.query(OptionList)
+        if not options or options.first().highlighted is None:
+            return
+        option_list = options.first()
+        option = option_list.get_option_at_index(option_list.highlighted)
+        self.store.delete_conversation(int(option.id))
+        option_list.remove_option(option.id)
+        self.notify("conversation deleted", timeout=2)

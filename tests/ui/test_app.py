@@ -131,6 +131,22 @@ async def test_history_reloads_and_prompts_recall(tiny_engine, make_app, store, 
     assert len(store.messages(conversation_id)) == 4
 
 
+async def test_history_deletes_a_conversation(tiny_engine, make_app, store):
+    app = make_app(tiny_engine, max_tokens=4, ignore_eos=True)
+    async with app.run_test(size=SIZE) as pilot:
+        for prompt in ("first conversation", "second conversation"):
+            await type_prompt(pilot, prompt)
+            pane = app.chat
+            await wait_for(pilot, lambda pane=pane: len(pane.messages) == 2, what="the answer")
+            await pilot.press("ctrl+t")
+        newest, older = [c.id for c in store.conversations()[:2]]
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        await pilot.press("delete")  # the highlighted one: the newest
+        await wait_for(pilot, lambda: store.conversation(newest) is None, what="the deletion")
+        assert store.conversation(older) is not None and store.messages(newest) == []
+
+
 async def test_save_transcript(tiny_engine, make_app, tmp_path):
     app = make_app(tiny_engine, max_tokens=8, ignore_eos=True)
     async with app.run_test(size=SIZE) as pilot:
