@@ -1,0 +1,115 @@
+"""Decode speed and tokens per step of two commits, side by side in one run (a refactor must not slow us down).
+
+    python benchmarks/compare_commits.py BASE [--head WORKTREE] [--runs 5] [--drafters none ngram default]
+
+BASE is checked out into a temporary git worktree; HEAD is this checkout (or --head). Each measurement runs in
+its own process with that tree first on sys.path: load the default model (CPU, --dtype), one warm-up request,
+then every prompt of benchmarks/session_prompts.txt (first --prompts) one at a time, greedy, --new-tokens each,
+ignoring EOS. Decode tok/s = completion tokens after the first / time after the first token, summed over the
+prompts; tokens per step from the engine's stats. Runs alternate between the trees; the table shows medians
+and the spread (min-max) so that "within noise" can be read off it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+MEASURE = r"""
+import json, sys, time
+import torch
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.engine import Engine
+args = json.loads(sys.argv[1])
+torch.set_num_threads(args["threads"])
+engine = Engine.load(EngineConfig(device="cpu", dtype=args["dtype"]))
+sampling = SamplingParams(max_tokens=args["new_tokens"], ignore_eos=True)
+engine.submit(args["prompts"][0], SamplingParams(max_tokens=8)).result()  # warm-up
+out = {}
+for drafter in args["drafters"]:
+    tokens, seconds, emitted, steps = 0, 0.0, 0, 0
+    for prompt in args["prompts"]:
+        fin = engine.submit(prompt, sampling, spec=SpecParams(drafter=drafter, k=args["k"])).result()
+        tokens += len(fin.token_ids) - 1
+        seconds += fin.decode_s
+        emitted += fin.stats.emitted
+        steps += fin.stats.steps
+    out[drafter] = {"tok_per_s": tokens / seconds, "tokens_per_step": emitted / steps}
+print(json.dumps(out))
+"""
+
+
+def measure(tree: Path, settings: dict) -> dict:
+    env_path = f"{tree}"
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE, json.dumps(settings)],
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"measurement in {tree} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("base", help="a commit, e.g. 7d0c0e1")
+    ap.add_argument("--head", type=Path, default=REPO, help="the tree to compare (default: this checkout)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "heads"])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    lines = (REPO / "benchmarks" / "session_prompts.txt").read_text().splitlines()
+    prompts = [line for line in lines if line.strip()][: args.prompts]
+    settings = {
+        "prompts": prompts,
+        "new_tokens": args.new_tokens,
+        "drafters": args.drafters,
+        "k": args.k,
+        "dtype": args.dtype,
+        "threads": args.threads,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = Path(tmp) / "base"
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(base_tree), args.base], check=True
+        )
+        try:
+            trees = {f"base {args.base}": base_tree, "head": args.head}
+            runs: dict[str, list[dict]] = {name: [] for name in trees}
+            for i in range(args.runs):
+                for name, tree in trees.items():
+                    runs[name].append(measure(tree, settings))
+                    print(f"run {i + 1}/{args.runs} {name}: {runs[name][-1]}", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base_tree)], check=True)
+    print("| drafter | tree | decode tok/s median (min-max) | tokens/step | vs base |")
+    print("|---|---|---:|---:|---:|")
+    base_name = next(iter(trees))
+    for drafter in args.drafters:
+        base_rate = statistics.median(r[drafter]["tok_per_s"] for r in runs[base_name])
+        for name in trees:
+            rates = [r[drafter]["tok_per_s"] for r in runs[name]]
+            per_step = statistics.median(r[drafter]["tokens_per_step"] for r in runs[name])
+            median = statistics.median(rates)
+            print(
+                f"| {drafter} | {name} | {median:.1f} ({min(rates):.1f}-{max(rates):.1f}) | {per_step:.2f} "
+                f"| {median / base_rate:.2f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()
