@@ -20,7 +20,9 @@ class DequantScratch:
     """One growable buffer per (device, dtype) that a dequantized weight borrows for one matmul.
 
     A whole model shares one instance (layers run one after another), so the resident weights stay packed and
-    the extra memory is the largest single layer. Not thread-safe.
+    the extra memory is the largest single layer. The buffers are normal tensors even when made under
+    torch.inference_mode (an inference tensor could not be written outside it, e.g. under torch.no_grad).
+    Not thread-safe.
     """
 
     def __init__(self) -> None:
@@ -30,7 +32,8 @@ class DequantScratch:
         numel = math.prod(shape)
         buffer = self._buffers.get((device, dtype))
         if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+            with torch.inference_mode(False):
+                buffer = self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
         return buffer[:numel].view(shape)
 
     @property

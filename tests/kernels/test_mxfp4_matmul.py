@@ -30,3 +30,14 @@ def test_layers_share_one_scratch_buffer() -> None:
     mxfp4_linear(x64, small, scratch=scratch)
     assert scratch.nbytes == 96 * 128 * 4  # the largest layer, once
     assert torch.equal(mxfp4_linear(x128, large, scratch=scratch), first)
+
+
+def test_scratch_made_under_inference_mode_serves_later_calls_outside_it() -> None:
+    scratch = DequantScratch()
+    weight = prepare_weight(*random_weight(32, 64)[1:])
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        want = mxfp4_linear(x, weight, scratch=scratch)
+    with torch.no_grad():
+        assert torch.equal(mxfp4_linear(x, weight, scratch=scratch), want)
+    assert torch.equal(mxfp4_linear(x, weight, scratch=scratch), want)
