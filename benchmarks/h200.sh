@@ -22,7 +22,6 @@ for part in "${parts[@]}"; do
         pip install -q --no-index --find-links .devcarry-gpu/whl pytest pytest-timeout 2>&1 | tail -2 | tee -a "$log"
       fi ;;
     tests)
-      [ -d .devcarry-gpu/tokenizer ] && export SPECCHAT_TEST_TOKENIZER=$PWD/.devcarry-gpu/tokenizer
       timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/engine/test_kv_cuda.py \
         tests/engine/test_engine_cuda.py \
         tests/kernels/${TESTS_KERNELS:-} 2>&1 | tail -30 | tee -a "$log" ;;

@@ -1,15 +1,19 @@
-"""Shared fixtures: the real default model (fetched once into the cache) and tiny random HF models."""
+"""Shared fixtures: the real default model (fetched once into the cache) and tiny random HF models.
+
+Tests that load the real model are marked `slow`; `python -m pytest -m "not slow"` runs the fast suite, which
+downloads nothing (the tiny models' tokenizer is built here: tests/tiny_tokenizer.py).
+"""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from specchat.config import EngineConfig
+from tests.tiny_tokenizer import save_tiny_tokenizer
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -30,7 +34,7 @@ TINY_LLAMA = {
 
 
 def save_tiny_hf(path: Path, overrides: dict | None = None, seed: int = 0) -> Path:
-    """A random HF model (Llama or Qwen2 per model_type) saved as safetensors in `path`."""
+    """A random HF model (Llama or Qwen2 per model_type) saved as safetensors in `path`, with the test tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = {**TINY_LLAMA, **(overrides or {})}
@@ -45,6 +49,7 @@ def save_tiny_hf(path: Path, overrides: dict | None = None, seed: int = 0) -> Pa
                 p.normal_(1.0 if "norm" in name else 0.0, 0.2)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
+    save_tiny_tokenizer(path, config.vocab_size)
     return path
 
 
@@ -56,16 +61,6 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer_dir(default_model_path: Path) -> Path:
-    from specchat.engine.engine import load_tokenizer
-    from specchat.registry import resolve, tokenizer_dir
-
-    spec = resolve("smollm2-135m")
-    load_tokenizer(spec, default_model_path)
-    return tokenizer_dir(spec, default_model_path)
-
-
-@pytest.fixture(scope="session")
 def default_engine():
     """The real default model on CPU in float32 (shared: tests must not leave requests running)."""
     from specchat.engine.engine import Engine
@@ -74,19 +69,21 @@ def default_engine():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_tokenizer_dir: Path) -> Path:
-    """A 2-layer random Llama with the default model's tokenizer: loads in a blink, runs anywhere."""
-    path = save_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
-    for f in default_tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    return path
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with the test tokenizer: loads in a blink, runs anywhere, downloads nothing."""
+    return save_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_model_dir: Path):
+def tiny_engine(tiny_model_dir: Path, tmp_path_factory):
+    """The tiny model on CPU. Its plain "draft-model" drafter is a second tiny model (another seed): the
+    registry's default draft model is the real one, which has another tokenizer."""
     from specchat.engine.engine import Engine
 
-    return Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    draft_dir = save_tiny_hf(tmp_path_factory.mktemp("tiny-draft"), seed=1)
+    engine.drafters["draft-model"] = engine.drafter(f"draft-model:{draft_dir}")
+    return engine
 
 
 def write_json(path: Path, data: dict) -> None:

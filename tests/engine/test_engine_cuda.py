@@ -1,13 +1,10 @@
 """The engine's CUDA fast path (fused kernels + CUDA graphs) gives the eager path's greedy outputs.
 
-Runs where a CUDA device is (skipped on the CPU). The tiny random model needs the default model's tokenizer:
-from the default model's cache, or from $SPECCHAT_TEST_TOKENIZER (a directory), for GPU machines without network.
+Runs where a CUDA device is (skipped on the CPU), on a tiny random model with the test tokenizer: no network needed.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,14 +17,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast 
 
 
 @pytest.fixture(scope="module")
-def cuda_tiny_model_dir(request, tmp_path_factory) -> Path:
-    tokenizer = os.environ.get("SPECCHAT_TEST_TOKENIZER")
-    source = Path(tokenizer) if tokenizer else request.getfixturevalue("default_tokenizer_dir")
+def cuda_tiny_model_dir(tmp_path_factory) -> Path:
     # head_dim 32: the smallest the paged-attention kernel (and so the graphs) take
-    path = save_tiny_hf(tmp_path_factory.mktemp("tiny-llama-cuda"), {"hidden_size": 128, "intermediate_size": 256})
-    for f in source.iterdir():
-        shutil.copy(f, path / f.name)
-    return path
+    return save_tiny_hf(tmp_path_factory.mktemp("tiny-llama-cuda"), {"hidden_size": 128, "intermediate_size": 256})
 
 
 def test_fast_path_equals_eager_on_concurrent_requests(cuda_tiny_model_dir):

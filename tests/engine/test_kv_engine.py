@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -118,12 +117,10 @@ def test_kv_format_is_validated():
     assert issubclass(KVCacheFullError, Exception)
 
 
-def test_cli_kv_options(tmp_path, default_tokenizer_dir, tiny_model_dir):
+def test_cli_kv_options(tmp_path, tiny_model_dir):
     from specchat.cli import main
 
     model = save_tiny_hf(tmp_path / "hd32", {"num_attention_heads": 2, "num_key_value_heads": 1})  # head_dim 32
-    for f in default_tokenizer_dir.iterdir():
-        shutil.copy(f, model / f.name)
     args = ["generate", "--prompt", "hello", "--max-tokens", "3", "--device", "cpu", "--json"]
     result = CliRunner().invoke(main, [*args, str(model), "--kv", "mxfp4", "--kv-memory", "8M"])
     assert result.exit_code == 0, result.output

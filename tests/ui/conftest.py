@@ -83,15 +83,11 @@ def make_app(store: ChatStore, tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
-def roomy_engine(tmp_path_factory, default_tokenizer_dir: Path):
+def roomy_engine(tmp_path_factory):
     """The tiny random model with an 8k context, so a stream lasts long enough for a key to land mid-answer."""
-    import shutil
-
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
     from tests.conftest import save_tiny_hf
 
     path = save_tiny_hf(tmp_path_factory.mktemp("roomy-tiny"), {"max_position_embeddings": 8192})
-    for f in default_tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
     return Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32"))

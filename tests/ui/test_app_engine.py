@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from specchat.config import EngineConfig
@@ -73,14 +71,12 @@ async def test_panels_show_nonzero_acceptance(default_engine, make_app):
 
 
 @pytest.fixture
-def own_tiny_engine(tmp_path, default_tokenizer_dir):
+def own_tiny_engine(tmp_path):
     """A tiny engine of this test's own (format toggles must not leak into the shared one), head_dim 64 so
     that MXFP4 blocks of 32 fit."""
     from specchat.engine.engine import Engine
 
     path = save_tiny_hf(tmp_path / "tiny", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
-    for f in default_tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
     engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32"))
     yield engine
     engine.close()
