@@ -5,9 +5,13 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from specchat.agent.runner import AgentSession
 from specchat.agent.script import load_script
 from specchat.agent.trace import JsonlWriter
+
+pytestmark = pytest.mark.slow
 
 EVENT_TYPES = {"run_start", "step", "tool_call", "tool_result", "final", "error", "run_end", "session_end"}
 TASKS = ["What is 17 * 23?", "What is 1234 + 5678?", "What is 2 to the power of 10?", "What is 144 divided by 12?"]

@@ -47,7 +47,7 @@ def run_concurrently(engine, specs: list[SpecParams], max_tokens: list[int]) -> 
     return [h.result() for h in handles]
 
 
-@pytest.mark.parametrize("engine_name", ["tiny_engine", "default_engine"])
+@pytest.mark.parametrize("engine_name", ["tiny_engine", pytest.param("default_engine", marks=pytest.mark.slow)])
 def test_eight_concurrent_requests_equal_single_runs(request, engine_name):
     engine = request.getfixturevalue(engine_name)
     drafters = available_drafters(engine)

@@ -7,6 +7,8 @@ import torch
 
 from specchat.config import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",

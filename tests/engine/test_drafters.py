@@ -88,6 +88,7 @@ def test_heads_file_round_trip(tiny_engine, tmp_path):
         torch.testing.assert_close(a, b.to(torch.bfloat16).float())  # stored in bf16
 
 
+@pytest.mark.slow
 def test_heads_file_for_another_model_is_refused(tiny_engine, default_engine, tmp_path):
     path = tmp_path / "h.safetensors"
     random_heads(tiny_engine.model).save(path, {})
