@@ -8,6 +8,7 @@ from specchat.errors import ConfigError
 
 # The one list of each name; the CLI, the UI, agent scripts, the engine and its error messages all read these.
 DTYPES = ("float32", "bfloat16", "float16")
+HF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # config.json model_type values the model code implements
 DEVICES = ("auto", "cpu", "cuda")
 KV_FORMATS = ("bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats (engine.kv_pages)
 KV_CHOICES = ("auto", *KV_FORMATS)  # auto = the model dtype's dense format

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specchat.config import HF_ARCHITECTURES
 from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer
 from specchat.errors import ModelFormatError
 from specchat.quant.checkpoint import is_mxfp4_checkpoint, read_mxfp4_state
@@ -22,7 +23,6 @@ from specchat.safetensors_io import read_safetensors
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
-SUPPORTED_HF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 SUPPORTED_GGUF = ("llama", "qwen2")
 GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models up to this size in float32
 
@@ -185,9 +185,9 @@ def hf_config(path: Path) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise ModelFormatError(f"{cfg_file}: invalid JSON ({exc})") from None
     model_type = c.get("model_type")
-    if model_type not in SUPPORTED_HF:
+    if model_type not in HF_ARCHITECTURES:
         raise ModelFormatError(
-            f"{path}: unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_HF)})"
+            f"{path}: unsupported architecture {model_type!r} (supported: {', '.join(HF_ARCHITECTURES)})"
         )
     try:
         heads = int(c["num_attention_heads"])
@@ -203,7 +203,7 @@ def hf_config(path: Path) -> ModelConfig:
             g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos_ids += tuple(g_eos) if isinstance(g_eos, list) else ((g_eos,) if g_eos is not None else ())
         return ModelConfig(
-            arch=SUPPORTED_HF[model_type],
+            arch=model_type,
             vocab_size=int(c["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(c["intermediate_size"]),

@@ -54,7 +54,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 ROTATIONS = (None, "hadamard32")  # None: codes encode W; "hadamard32": W R (quant.fp4_linear.RotatedFp4Linear)
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
 Packed = dict[str, tuple[torch.Tensor, torch.Tensor]]
 Progress = Callable[[str, int, int], None]
@@ -76,7 +75,7 @@ def cache_dir(model_path: Path) -> Path:
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """ModelConfig -> the config.json keys engine.loader.hf_config reads back into the same ModelConfig."""
     config = {
-        "model_type": HF_MODEL_TYPES[cfg.arch],
+        "model_type": cfg.arch,  # one of config.HF_ARCHITECTURES
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
