@@ -32,13 +32,20 @@ def test_json_writes_one_typed_event_per_line(tiny_model_dir, tmp_path):
 
 def test_headless_prints_a_trace_and_overrides_apply(tiny_model_dir, tmp_path):
     script = write_script(tmp_path, tiny_model_dir)
-    args = ["agent", str(script), "--headless", "--device", "cpu", "--concurrency", "1", "--drafter", "nosuch"]
+    args = ["agent", str(script), "--headless", "--device", "cpu", "--concurrency", "1", "--drafter", "heads"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "drafter 'nosuch' is not available here" in result.stderr
+    assert "drafter 'heads' is not available here" in result.stderr  # the tiny model has no trained heads
     assert "[run 0] task: What is 2 + 2?" in result.stdout and "drafter none k=4" in result.stdout
     assert "[run 1] end: max_steps after 2 steps" in result.stdout
     assert "[all] 2 runs (2 max_steps)" in result.stdout
+
+
+def test_a_misspelt_drafter_is_one_line_and_a_nonzero_exit(tiny_model_dir, tmp_path):
+    script = write_script(tmp_path, tiny_model_dir)
+    result = CliRunner().invoke(main, ["agent", str(script), "--headless", "--device", "cpu", "--drafter", "nosuch"])
+    assert result.exit_code != 0
+    assert "unknown drafter 'nosuch' (available: none | ngram |" in result.stderr and "Traceback" not in result.output
 
 
 def test_a_conversation_that_outgrows_the_context_ends_its_run_with_an_error(tiny_model_dir, tmp_path):
