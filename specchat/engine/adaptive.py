@@ -32,6 +32,7 @@ COST_PER_DRAFT = 0.1  # relative step cost of one more draft token where nothing
 MIN_COST_PER_DRAFT = 0.02  # a draft token is never free: the floor under noisy measurements (a busy machine)
 PROBE_EVERY = 16  # idle steps between probes with k = 1
 REMEASURE_PLAIN_EVERY = 64  # drafting steps between plain steps that refresh the reference time
+SPIKE = 1.5  # a step time above SPIKE x its running estimate counts as SPIKE x: the rest is the machine, not k
 
 
 @dataclass(slots=True)
@@ -102,7 +103,9 @@ class AdaptiveK:
             self.rates[i] += self.ema * (seen - self.rates[i])
         if step_ms is not None and k <= self.k_max:
             old = self.step_ms[k]
-            self.step_ms[k] = step_ms if old is None else old + self.ema * (step_ms - old)
+            # Another process on the cores stalls a step now and then; such spikes would make one k look cheap
+            # against a stalled reference, so a time is taken at most SPIKE x the estimate (slower drifts still show).
+            self.step_ms[k] = step_ms if old is None else old + self.ema * (min(step_ms, SPIKE * old) - old)
             self.since_plain = 0 if k == 0 else self.since_plain + 1
             if k > 0 and (self.step_ms[0] is None or self.since_plain >= REMEASURE_PLAIN_EVERY):
                 return 0  # one plain step to (re)measure the reference time
