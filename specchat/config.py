@@ -15,8 +15,8 @@ KV_CHOICES = ("auto", *KV_FORMATS)  # auto = the model dtype's dense format
 WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = unquantized, in the model dtype (quant.handler)
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto = as the checkpoint stores them
 # Drafters by kind (engine.drafters.make_drafter builds them); `default` names the model's models.toml drafter.
-DRAFTERS = ("none", "ngram", "heads", "ngram+heads", "draft-model")
-DRAFTER_ARGS = {"heads": "FILE", "ngram+heads": "FILE", "draft-model": "NAME"}  # kinds that take `kind:ARG`
+DRAFTERS = ("none", "ngram", "heads", "ngram+heads", "eagle", "draft-model")
+DRAFTER_ARGS = {"heads": "FILE", "ngram+heads": "FILE", "eagle": "DIR", "draft-model": "NAME"}  # take `kind:ARG`
 DRAFTER_CHOICES = (*DRAFTERS, "default")
 DRAFTER_SYNTAX = " | ".join(f"{d}[:{DRAFTER_ARGS[d]}]" if d in DRAFTER_ARGS else d for d in DRAFTER_CHOICES)
 

@@ -42,6 +42,7 @@ class ModelSpec:
     repo: str | None = None  # hf
     size: int | None = None  # bytes, where known
     heads: str | None = None  # trained draft heads shipped for this model (file in specchat/data)
+    eagle: str | None = None  # a trained EAGLE-3 head shipped for this model (directory in specchat/data)
     drafter: str | None = None  # default drafter for this model
 
     def __post_init__(self) -> None:

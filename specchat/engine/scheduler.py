@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from specchat.engine.drafters import DrafterCache
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
@@ -138,18 +140,29 @@ class Scheduler:
         return []
 
     # --- postprocess ------------------------------------------------------------------------------------
+    def _keep_hidden(self, seq: Sequence, hidden: dict) -> None:
+        """Add the step's tapped rows to those the request's drafter has not read yet (only the newest row for a
+        drafter without `tap_history`)."""
+        if not self.drafters.get(seq.spec.drafter).tap_history:
+            seq.hidden = {layer: h[-1:] for layer, h in hidden.items()}
+        elif seq.hidden.keys() == hidden.keys():
+            seq.hidden = {layer: torch.cat([seq.hidden[layer], h]) for layer, h in hidden.items()}
+        else:
+            seq.hidden = dict(hidden)
+
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[Event]:
         """Apply a step's outcome to each request: KV kept, tokens, stats, next k, events, finished requests."""
         events: list[Event] = []
-        for item, outcome in zip(plan.items, result.outcomes, strict=True):
+        for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
+            if hidden:
+                self._keep_hidden(seq, hidden)
             if outcome is None:  # a chunk of a long prompt: cached, nothing to sample yet
                 seq.num_cached += len(item.feed)
                 continue
             was_decode = len(item.feed) == 1 and seq.output_ids
             seq.num_cached = seq.num_tokens + outcome.accepted  # rejected drafts' keys/values are dropped
             self.pool.truncate(seq.seq_id, seq.num_cached)
-            seq.hidden = outcome.hidden
             kept = seq.append_tokens(outcome.emitted)
             if was_decode:
                 # a stop token ends the output but was produced by this step all the same

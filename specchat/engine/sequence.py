@@ -81,7 +81,9 @@ class Sequence:
     adaptive: AdaptiveK | None = None  # set when the request's k is "auto"
     text: str = ""  # output text so far (stop strings cut off)
     emitted_chars: int = 0  # how much of `text` has gone out in TextDelta events
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # tapped hidden state of the newest token
+    # tapped hidden states {layer: [m, d]} of the cached positions num_cached - m .. num_cached - 1 that the
+    # request's drafter has not read yet (m = 1 for drafters that read only the newest: engine.drafters.base)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: SpecStats = field(default_factory=SpecStats)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None

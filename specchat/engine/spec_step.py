@@ -53,12 +53,14 @@ class Outcome:
     drafted: int  # draft tokens proposed (may be fewer than the plan's k)
     accepted: int
     emitted: list[int]  # accepted drafts + the recovered or bonus token
-    hidden: dict[int, torch.Tensor]  # tapped hidden state at the position that produced the newest token
 
 
 @dataclass(slots=True)
 class StepResult:
     outcomes: list[Outcome | None]  # per plan item; None for a prompt chunk that samples nothing
+    # per plan item: {tap layer: [rows, d]} for the positions the step processed and kept (a chunk's every
+    # token; the fed tokens up to the last accepted draft otherwise); empty when no drafter taps
+    hidden: list[dict[int, torch.Tensor]]
     draft_ms: float
     verify_ms: float
 
@@ -89,12 +91,13 @@ class SpecStep:
             [plan.items[i].seq.generator for i in sampling],
         )
         outcomes: list[Outcome | None] = [None] * len(plan.items)
+        kept = [len(item.feed) for item in plan.items]  # rows of positions the cache keeps
         for i, (accepted, emitted) in zip(sampling, verdicts, strict=True):
-            row = len(plan.items[i].feed) - 1 + accepted  # the position whose output is the newest token
-            hidden = {layer: h[row] for layer, h in out.hidden[i].items()}
-            outcomes[i] = Outcome(len(drafts[i].tokens), accepted, emitted, hidden)
+            outcomes[i] = Outcome(len(drafts[i].tokens), accepted, emitted)
+            kept[i] += accepted
+        hidden = [{layer: h[:n] for layer, h in taps.items()} for taps, n in zip(out.hidden, kept, strict=True)]
         t2 = time.perf_counter()
-        return StepResult(outcomes, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
 
     def draft(self, plan: StepPlan) -> list[Draft]:
         """Each drafter proposes once, for all of its requests that may draft this step."""

@@ -122,37 +122,7 @@ class HeadTrainer:
 
     # --- 1. answers -------------------------------------------------------------------------------------
     def answers(self) -> list[dict]:
-        path = self.work / "answers.jsonl"
-        if path.is_file():
-            return [json.loads(line) for line in path.read_text().splitlines()]
-        prompts = load_prompt_set("train")[: self.cfg.max_prompts or None]
-        jobs = []
-        for n, prompt in enumerate(prompts):
-            jobs.append((prompt, prompt["messages"], SamplingParams(max_tokens=self.cfg.max_tokens)))
-            for s in range(self.cfg.samples_per_prompt):
-                seed = self.cfg.seed * 100_003 + n * 101 + s
-                sampling = SamplingParams(temperature=self.cfg.temperature, seed=seed, max_tokens=self.cfg.max_tokens)
-                jobs.append(
-                    (prompt, with_system(prompt["messages"], SYSTEM_VARIANTS[s % len(SYSTEM_VARIANTS)]), sampling)
-                )
-        handles = {}
-        for prompt, messages, sampling in jobs:
-            handle = self.engine.submit(messages, sampling, SpecParams(drafter="none", k=0))
-            handles[handle.request_id] = (prompt, messages, sampling.greedy)
-        records, done = [], 0
-        while self.engine.scheduler.has_work():
-            for event in self.engine.step():
-                if isinstance(event, Finished):
-                    prompt, messages, greedy = handles[event.request_id]
-                    prompt_ids = self.engine.encode_prompt(messages)
-                    records.append(
-                        {"id": prompt["id"], "greedy": greedy, "prompt_ids": prompt_ids, "output_ids": event.token_ids}
-                    )
-                    done += 1
-                    self.progress("answers", done, len(jobs))
-        records.sort(key=lambda r: (r["id"], len(r["output_ids"])))
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
-        return records
+        return generate_answers(self.engine, self.cfg, self.work / "answers.jsonl", self.progress)
 
     # --- 2. features ------------------------------------------------------------------------------------
     def features(self, records: list[dict]) -> dict[str, torch.Tensor]:
@@ -202,19 +172,10 @@ class HeadTrainer:
         return feats
 
     def _draft_vocab(self, records: list[dict]) -> torch.Tensor:
-        counts = Counter(t for r in records for t in r["output_ids"])
-        size = self.cfg.draft_vocab
-        if size == 0 or size >= self.model.cfg.vocab_size:
-            return torch.arange(self.model.cfg.vocab_size)
-        # Most frequent answer tokens first, then the end-of-turn tokens (answers end there), then by id.
-        ranked = [t for t, _ in counts.most_common()] + sorted(self.engine.tokenizer.stop_token_ids)
-        ranked += [t for t in range(self.model.cfg.vocab_size) if t not in counts]
-        return torch.tensor(list(dict.fromkeys(ranked))[:size])
+        return draft_vocab_by_frequency(records, self.cfg.draft_vocab, self.engine)
 
     def _held_out_ids(self, records: list[dict]) -> set[str]:
-        ids = sorted({r["id"] for r in records})
-        random.Random(self.cfg.seed).shuffle(ids)
-        return set(ids[: max(1, round(len(ids) * self.cfg.eval_fraction))])
+        return held_out_ids(records, self.cfg.eval_fraction, self.cfg.seed)
 
     # --- 3. train ---------------------------------------------------------------------------------------
     def train(self, records: list[dict], feats: dict[str, torch.Tensor]) -> DraftHeads:
@@ -304,6 +265,59 @@ class HeadTrainer:
         chain_rate = (chain / valid[0].clamp_min(1)).tolist()
         tokens_per_step = [1 + sum(chain_rate[:k]) for k in range(1, K + 1)]
         return {"top1": accuracy, "tokens_per_step": tokens_per_step, "eval_positions": int(valid[0])}
+
+
+def generate_answers(engine, cfg, path: Path, progress: Progress) -> list[dict]:
+    """The target's answers to the `train` prompts (cached in `path`): one greedy answer per prompt plus
+    `cfg.samples_per_prompt` sampled ones, all submitted at once so that the scheduler batches them. `cfg` is a
+    TrainConfig or EagleTrainConfig (max_prompts, max_tokens, samples_per_prompt, temperature, seed)."""
+    if path.is_file():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    prompts = load_prompt_set("train")[: cfg.max_prompts or None]
+    jobs = []
+    for n, prompt in enumerate(prompts):
+        jobs.append((prompt, prompt["messages"], SamplingParams(max_tokens=cfg.max_tokens)))
+        for s in range(cfg.samples_per_prompt):
+            seed = cfg.seed * 100_003 + n * 101 + s
+            sampling = SamplingParams(temperature=cfg.temperature, seed=seed, max_tokens=cfg.max_tokens)
+            jobs.append((prompt, with_system(prompt["messages"], SYSTEM_VARIANTS[s % len(SYSTEM_VARIANTS)]), sampling))
+    handles = {}
+    for prompt, messages, sampling in jobs:
+        handle = engine.submit(messages, sampling, SpecParams(drafter="none", k=0), listen_only=True)
+        handles[handle.request_id] = (prompt, messages, sampling.greedy)
+    records, done = [], 0
+    while engine.scheduler.has_work():
+        for event in engine.step():
+            if isinstance(event, Finished):
+                prompt, messages, greedy = handles[event.request_id]
+                prompt_ids = engine.encode_prompt(messages)
+                records.append(
+                    {"id": prompt["id"], "greedy": greedy, "prompt_ids": prompt_ids, "output_ids": event.token_ids}
+                )
+                done += 1
+                progress("answers", done, len(jobs))
+    records.sort(key=lambda r: (r["id"], len(r["output_ids"])))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def held_out_ids(records: list[dict], fraction: float, seed: int) -> set[str]:
+    """Prompt ids whose answers are held out for the report (a seeded share of the prompts)."""
+    ids = sorted({r["id"] for r in records})
+    random.Random(seed).shuffle(ids)
+    return set(ids[: max(1, round(len(ids) * fraction))])
+
+
+def draft_vocab_by_frequency(records: list[dict], size: int, engine) -> torch.Tensor:
+    """The `size` most frequent answer tokens, then the end-of-turn tokens, then the rest by id (0: all)."""
+    vocab_size = engine.model.cfg.vocab_size
+    if size == 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = Counter(t for r in records for t in r["output_ids"])
+    # Most frequent answer tokens first, then the end-of-turn tokens (answers end there), then by id.
+    ranked = [t for t, _ in counts.most_common()] + sorted(engine.tokenizer.stop_token_ids)
+    ranked += [t for t in range(vocab_size) if t not in counts]
+    return torch.tensor(list(dict.fromkeys(ranked))[:size])
 
 
 def with_system(messages: list[dict], text: str) -> list[dict]:

@@ -199,8 +199,8 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks = ["x"]\n[sampling]\ntop_p = 1.5', "sampling: top-p must be in (0, 1], got 1.5"),
         ('tasks = ["x"]\n[sampling]\nmax_tokens = 0', "sampling: max-tokens must be > 0"),
         (
-            'tasks = ["x"]\n[speculation]\ndrafter = "eagle"',
-            "speculation.drafter: unknown drafter 'eagle' (available: none | ngram | heads[:FILE] |",
+            'tasks = ["x"]\n[speculation]\ndrafter = "medusa"',
+            "speculation.drafter: unknown drafter 'medusa' (available: none | ngram | heads[:FILE] |",
         ),
         ('tasks = ["x"]\n[speculation]\ndrafter = "ngram:3"', "speculation.drafter: unknown drafter 'ngram:3'"),
         ('tasks = ["x"]\n[speculation]\nk = "many"', 'speculation.k must be an integer or "auto"'),

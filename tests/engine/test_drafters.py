@@ -114,7 +114,7 @@ class FakeSeq:
 def test_heads_propose_from_tapped_hidden_state(tiny_engine, sequential):
     heads = random_heads(tiny_engine.model, sequential=sequential, draft_vocab=500)
     drafter = HeadsDrafter(heads, tiny_engine.model)
-    hidden = {heads.cfg.tap: torch.randn(tiny_engine.model.cfg.hidden_size)}
+    hidden = {heads.cfg.tap: torch.randn(1, tiny_engine.model.cfg.hidden_size)}
     greedy = FakeSeq(1, [5, 6, 7], SamplingParams(), hidden)
     sampled = FakeSeq(2, [5, 6, 7], SamplingParams(temperature=1.0), hidden, torch.Generator().manual_seed(0))
     untapped = FakeSeq(3, [5, 6, 7], SamplingParams())  # just switched to heads: no hidden state yet

@@ -4,7 +4,8 @@ A drafter proposes up to k tokens per request for the positions after the reques
 touches the target's KV cache. A deterministic drafter returns probs=None (a point mass on each token);
 a sampling drafter returns the distribution q it drew each token from, which verification needs to stay
 lossless. Drafters that read the target's hidden states list the layers in `taps`; the engine then keeps,
-for each request, the tapped hidden state of the position that produced its newest token (`seq.hidden`).
+for each request, the tapped hidden state of the position that produced its newest token (`seq.hidden`, one
+row), or with `tap_history` every cached position's that the drafter has not read yet (it clears them).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Drafter:
 
     name = "none"
     taps: tuple[int, ...] = ()
+    tap_history = False  # True: seq.hidden keeps every row since the drafter last read (and cleared) it
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Up to ks[i] draft tokens for seqs[i]."""
@@ -53,7 +55,8 @@ def make_drafter(name: str, context) -> Drafter:
     """A drafter by its CLI name; `context` is the engine (model, tokenizer, config) it may need.
 
     none: plain decoding. ngram: prompt lookup. heads: the trained heads models.toml lists for the model, or
-    heads:FILE. ngram+heads: prompt lookup where it matches, heads elsewhere. draft-model: the registry's
+    heads:FILE. eagle: the EAGLE-3 head models.toml lists for the model, or eagle:DIR (a head directory in the
+    layout vLLM and SGLang load). ngram+heads: prompt lookup where it matches, heads elsewhere. draft-model: the registry's
     default model (or draft-model:NAME) drafting with its own KV. default: the model's models.toml `drafter`.
     """
     kind, _, arg = check_drafter_name(name).partition(":")
@@ -69,30 +72,36 @@ def make_drafter(name: str, context) -> Drafter:
     if kind == "heads":
         from specchat.engine.drafters.heads import HeadsDrafter
 
-        return HeadsDrafter.from_file(_heads_file(arg, context), context.model)
+        return HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model)
+    if kind == "eagle":
+        from specchat.engine.drafters.eagle import EagleDrafter
+
+        return EagleDrafter.from_dir(_shipped_file(arg, context, "eagle"), context.model, context.pool.capacity_tokens)
     if kind == "ngram+heads":
         from specchat.engine.drafters.heads import HeadsDrafter
         from specchat.engine.drafters.hybrid import NgramThenHeads
 
-        return NgramThenHeads(HeadsDrafter.from_file(_heads_file(arg, context), context.model))
+        return NgramThenHeads(HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model))
     from specchat.engine.drafters.draft_model import load_draft_model_drafter
 
     return load_draft_model_drafter(arg or None, context)
 
 
-def _heads_file(arg: str, engine) -> Path:
-    """heads:FILE, else the heads file the model's registry entry names (relative to specchat/data)."""
+def _shipped_file(arg: str, engine, kind: str) -> Path:
+    """heads:FILE / eagle:DIR, else what the model's registry entry names for `kind` (relative to specchat/data)."""
     if arg:
         path = Path(arg).expanduser()
     else:
         spec = engine.model_spec
-        if spec is None or not spec.heads:
+        shipped = getattr(spec, kind) if spec is not None else None
+        if not shipped:
             alias = spec.alias if spec else "this model"
+            arch = " --arch eagle" if kind == "eagle" else ""
             raise ConfigError(
-                f"no trained draft heads for {alias}: train them with `specchat train-heads {alias} --out FILE` "
-                "and pass --drafter heads:FILE"
+                f"no trained {'EAGLE-3 head' if kind == 'eagle' else 'draft heads'} for {alias}: train them with "
+                f"`specchat train-heads {alias}{arch} --out PATH` and pass --drafter {kind}:PATH"
             )
-        path = DATA_DIR / spec.heads
-    if not path.is_file():
-        raise ConfigError(f"draft heads file not found: {path}")
+        path = DATA_DIR / shipped
+    if not (path.is_dir() if kind == "eagle" else path.is_file()):
+        raise ConfigError(f"{'EAGLE-3 head directory' if kind == 'eagle' else 'draft heads file'} not found: {path}")
     return path

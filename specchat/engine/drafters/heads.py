@@ -157,6 +157,24 @@ class DraftVocabOutput:
         return F.linear(self.norm(state), self.weight).float()
 
 
+def choose_tokens(
+    seqs: list[Sequence], logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Draft logits [B, Vd] over `draft_vocab` (target ids) -> a token per request, and the distribution q it was
+    drawn from over the full vocabulary (None for a greedy request: a point mass on the argmax)."""
+    best = draft_vocab[logits.argmax(-1)].tolist()
+    tokens, probs = [], []
+    for b, seq in enumerate(seqs):
+        if seq.sampling.greedy:
+            tokens.append(best[b])
+            probs.append(None)
+            continue
+        q_draft = probs_from_logits(logits[b], seq.sampling)  # [Vd]
+        tokens.append(int(draft_vocab[sample_from_probs(q_draft, seq.generator)]))
+        probs.append(torch.zeros(vocab_size, device=q_draft.device).index_copy_(0, draft_vocab, q_draft))
+    return tokens, probs
+
+
 def check_compatible(cfg: HeadsConfig, model: Transformer, where: str) -> None:
     c = model.cfg
     if (cfg.hidden_size, cfg.vocab_size, cfg.num_layers) != (c.hidden_size, c.vocab_size, c.num_layers):
@@ -187,20 +205,6 @@ class HeadsDrafter(Drafter):
         check_compatible(heads.cfg, model, str(path))
         return cls(heads, model)
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
-        """logits [B, Vd] -> a token per request (argmax, or a draw from q) and q over the full vocab."""
-        best = self.draft_vocab[logits.argmax(-1)].tolist()
-        tokens, probs = [], []
-        for b, seq in enumerate(seqs):
-            if seq.sampling.greedy:
-                tokens.append(best[b])
-                probs.append(None)
-                continue
-            q_draft = probs_from_logits(logits[b], seq.sampling)  # [Vd]
-            tokens.append(int(self.draft_vocab[sample_from_probs(q_draft, seq.generator)]))
-            probs.append(torch.zeros(self.vocab_size, device=q_draft.device).index_copy_(0, self.draft_vocab, q_draft))
-        return tokens, probs
-
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         # A request whose hidden state was not tapped yet (it just switched drafters) skips one step.
@@ -210,19 +214,19 @@ class HeadsDrafter(Drafter):
             return drafts
         group = [seqs[i] for i in ready]
         depth = min(max(ks[i] for i in ready), self.cfg.num_heads)
-        hidden = torch.stack([seq.hidden[self.cfg.tap] for seq in group]).to(self.output.weight.dtype)  # [B, d]
+        hidden = torch.stack([seq.hidden[self.cfg.tap][-1] for seq in group]).to(self.output.weight.dtype)  # [B, d]
         if self.cfg.sequential:
             prev = torch.tensor([seq.all_ids[-1] for seq in group], device=hidden.device)  # [B] newest tokens
             state, steps = hidden, []
             for block in self.heads.blocks[:depth]:
                 state = block(state, self.embed(prev))  # [B, d]
-                tokens, probs = self._choose(group, self.output(state))
+                tokens, probs = choose_tokens(group, self.output(state), self.draft_vocab, self.vocab_size)
                 steps.append((tokens, probs))
                 prev = torch.tensor(tokens, device=hidden.device)
         else:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
             logits = self.output(states)  # [depth, B, Vd]
-            steps = [self._choose(group, logits[i]) for i in range(depth)]
+            steps = [choose_tokens(group, logits[i], self.draft_vocab, self.vocab_size) for i in range(depth)]
         for b, i in enumerate(ready):
             k = min(ks[i], depth)
             tokens = [steps[j][0][b] for j in range(k)]
