@@ -15,6 +15,7 @@ from specchat.engine.kv_cache import KVPool
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.sequence import StepEvent
 from tests.engine.test_drafters import random_heads
+from tests.engine.test_eagle import random_eagle
 
 KS = (1, 3, 5)
 # A code edit: the answer repeats the prompt, so n-gram drafts get accepted as well as rejected.
@@ -50,7 +51,8 @@ def tiny_heads(tiny_engine, tmp_path_factory):
         name = f"heads:{'seq' if sequential else 'par'}"
         tiny_engine.drafters[name] = HeadsDrafter.from_file(path, tiny_engine.model)
     tiny_engine.drafters["ngram+heads:seq"] = NgramThenHeads(tiny_engine.drafters["heads:seq"])
-    return ["heads:seq", "heads:par", "ngram+heads:seq"]
+    tiny_engine.drafters["eagle:rand"] = random_eagle(tiny_engine)
+    return ["heads:seq", "heads:par", "ngram+heads:seq", "eagle:rand"]
 
 
 def test_greedy_is_lossless_on_tiny_model(tiny_engine, tiny_heads):
@@ -89,7 +91,7 @@ def test_target_as_its_own_draft_accepts_everything(engine_name, temperature, re
         assert all(r.accepted == r.k and r.emitted == r.k + 1 for r in steps)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "heads:seq", "draft-model"])
+@pytest.mark.parametrize("drafter", ["ngram", "heads:seq", "eagle:rand", "draft-model"])
 def test_seeded_sampling_is_deterministic(tiny_engine, tiny_heads, drafter):
     def run(seed):
         sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)

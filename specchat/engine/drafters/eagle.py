@@ -93,7 +93,7 @@ class EagleConfig:
             vocab_size=cfg.vocab_size,
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=cfg.hidden_size,
-            aux_layer_ids=(min(2, n - 1), max(1, n // 2), max(1, n - 3)),
+            aux_layer_ids=default_aux_layers(n),
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling,
@@ -143,8 +143,8 @@ class EagleConfig:
     def from_json(cls, data: dict, target: ModelConfig, where: str) -> EagleConfig:
         try:
             hidden, heads = int(data["hidden_size"]), int(data["num_attention_heads"])
-            n = target.num_layers
-            aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]
+            aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            aux = aux or default_aux_layers(target.num_layers)
             return cls(
                 hidden_size=hidden,
                 intermediate_size=int(data["intermediate_size"]),
@@ -162,6 +162,12 @@ class EagleConfig:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelFormatError(f"{where}: not an EAGLE-3 head config ({type(exc).__name__}: {exc})") from None
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Layers 2, N/2 and N-3 (the inputs vLLM and SpecForge tap by default), kept inside a shallow model."""
+    n = num_layers
+    return (min(2, n - 1), max(1, n // 2), max(1, n - 3))
 
 
 class EagleHead(nn.Module):

@@ -1,0 +1,179 @@
+"""EAGLE-3 heads: the file layout vLLM and SGLang load, drafting equal to what training computes, and learning.
+
+Lossless decoding with an EAGLE head (greedy equality with plain decoding, seeded sampling) is in
+test_spec_decode.py, beside the other drafters.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specchat.config import SamplingParams, SpecParams
+from specchat.engine.drafters import Drafter
+from specchat.engine.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, default_aux_layers, is_eagle_dir
+from specchat.engine.runner import StepBatch
+from specchat.engine.train_eagle import EagleTrainConfig, EagleTrainer, train_eagle
+from specchat.errors import ConfigError, ModelFormatError
+
+
+def random_head(model, draft_vocab: int = 2000, seed: int = 0) -> EagleHead:
+    """A random head whose logits are spread enough that its argmax is clear."""
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(model.cfg, draft_vocab))
+    with torch.no_grad():
+        head.lm_head.weight.mul_(8.0)
+        head.draft_vocab.copy_(torch.randperm(model.cfg.vocab_size)[:draft_vocab].sort().values)
+    return head
+
+
+def random_eagle(engine, draft_vocab: int = 2000) -> EagleDrafter:
+    return EagleDrafter(random_head(engine.model, draft_vocab), engine.model, engine.pool.capacity_tokens)
+
+
+def test_files_use_the_eagle3_layout_and_load_back(tiny_engine, tmp_path):
+    head = random_head(tiny_engine.model)
+    head.save(tmp_path / "eagle", {"model": "tiny"})
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 2000
+    assert is_eagle_dir(tmp_path / "eagle") and not is_eagle_dir(tmp_path)
+    loaded = EagleHead.load(tmp_path / "eagle", tiny_engine.model.cfg)
+    assert torch.equal(loaded.draft_vocab, head.draft_vocab)
+    for name, tensor in head.state_dict().items():  # bf16 in the file
+        torch.testing.assert_close(loaded.state_dict()[name].float(), tensor.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_a_head_in_the_published_layout_loads(tiny_engine, tmp_path):
+    """A checkpoint written the way EAGLE-3 heads are published: unfused q/k/v, a d2t offset map, a `model.`
+    prefix on some names, and no eagle_config (the default aux layers 2, N/2, N-3)."""
+    cfg = tiny_engine.model.cfg
+    h, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    draft = torch.tensor([0, 1, 2, 7, 100, 4000])
+    tensors = {
+        "fc.weight": torch.randn(h, 3 * h),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": torch.randn(q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": torch.randn(kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": torch.randn(kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": torch.randn(h, q),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.mlp.gate_proj.weight": torch.randn(inter, h),
+        "midlayer.mlp.up_proj.weight": torch.randn(inter, h),
+        "midlayer.mlp.down_proj.weight": torch.randn(h, inter),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": torch.randn(len(draft), h),
+        "d2t": draft - torch.arange(len(draft)),
+    }
+    folder = tmp_path / "published"
+    folder.mkdir()
+    save_file(
+        {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()},
+        str(folder / "model.safetensors"),
+    )
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "num_hidden_layers": 1,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": len(draft),
+        "rms_norm_eps": 1e-5,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    drafter = EagleDrafter.from_dir(folder, tiny_engine.model, 256)
+    assert drafter.head.draft_vocab.tolist() == draft.tolist()
+    assert drafter.taps == tuple(i - 1 for i in default_aux_layers(cfg.num_layers))
+
+    del tensors["midlayer.mlp.up_proj.weight"]
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match=r"lacks tensor 'midlayer\.mlp\.up_proj\.weight'"):
+        EagleHead.load(folder, cfg)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelFormatError, match="not an EAGLE-3 head config"):
+        EagleHead.load(folder, cfg)
+
+
+def test_a_head_for_another_target_is_refused(tiny_engine, tmp_path):
+    other = EagleConfig.for_target(tiny_engine.model.cfg, 100)
+    other.target_hidden_size *= 2
+    head = EagleHead(other)
+    head.save(tmp_path / "wide", {})
+    with pytest.raises(ConfigError, match=r"EAGLE-3 head .* reads hidden"):
+        EagleDrafter.from_dir(tmp_path / "wide", tiny_engine.model, 256)
+
+
+class Recording(Drafter):
+    """Wraps a drafter and keeps, for each call, every request's tokens and the drafts proposed for it."""
+
+    def __init__(self, inner: EagleDrafter) -> None:
+        self.inner, self.taps, self.tap_history = inner, inner.taps, inner.tap_history
+        self.calls: list[list[tuple[list[int], list[int]]]] = []
+
+    def propose(self, seqs, ks):
+        drafts = self.inner.propose(seqs, ks)
+        self.calls.append([(list(s.all_ids), d.tokens) for s, d in zip(seqs, drafts, strict=True)])
+        return drafts
+
+    def release(self, seq) -> None:
+        self.inner.release(seq)
+
+
+def test_drafting_feeds_the_head_what_training_time_test_trains(tiny_engine, tmp_path):
+    """The drafts of a chain equal the argmax that training computes at the same rows: ChainAttention's masks
+    and shifts see exactly the keys, features and positions that drafting uses."""
+    drafter = random_eagle(tiny_engine)
+    tiny_engine.drafters["eagle:recorded"] = recorder = Recording(drafter)
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    # prompts no other test sends: a prefix-cache hit would leave the head without the cached positions' rows
+    prompts = ["Eagle chain check: the quick brown fox", "# eagle chain check\ndef add(a, b):\n    return"]
+    handles = [tiny_engine.submit(p, sampling, SpecParams("eagle:recorded", k=3)) for p in prompts]
+    for handle in handles:
+        handle.result()
+    trainer = EagleTrainer(tiny_engine, EagleTrainConfig(ttt_steps=3), tmp_path / "work", lambda *a: None, print)
+    index = trainer._vocab_index(drafter.head.draft_vocab)
+    checked = 0
+    for call in recorder.calls:
+        for tokens, drafts in call:
+            if len(drafts) < 3:
+                continue
+            seq = tokens + drafts  # the chain's tokens: the drafts are the labels of steps 1..3
+            tiny_engine.pool.add(-1, [])  # no prefix reuse: every position is fed
+            out = tiny_engine.runner.forward(StepBatch([-1], [seq], [0], [0]), taps=sorted(set(drafter.taps)))
+            tiny_engine.pool.free(-1)
+            hidden = torch.cat([out.hidden[0][t] for t in drafter.taps], dim=-1)
+            feats = {"ids": torch.tensor(seq), "prompt": 0, "hidden": hidden, "eval": False}
+            _, right, _ = trainer.chain(drafter.head, [feats], index)
+            anchor = len(tokens) - 2  # the newest token's predecessor: its row predicts the first draft
+            assert [bool(right[j][0, anchor + j]) for j in range(3)] == [True, True, True], (tokens, drafts)
+            checked += 1
+    assert checked >= 4
+
+
+def test_training_learns_the_tiny_models_answers(tiny_engine, tmp_path):
+    cfg = EagleTrainConfig(
+        max_prompts=24,
+        max_tokens=40,
+        samples_per_prompt=1,
+        epochs=30,
+        draft_vocab=2000,
+        ttt_steps=3,
+        batch_tokens=2048,
+        eval_fraction=0.25,
+    )
+    stages = []
+    out = tmp_path / "eagle"
+    report = train_eagle(tiny_engine, cfg, out, lambda stage, *_: stages.append(stage.split()[0]), lambda line: None)
+    assert {"answers", "features", "train"} <= set(stages)
+    # chance is 1 in 2,000 draft tokens (0.0005); the random tiny model's answers are close to noise, yet the
+    # trained head predicts its held-out answers 20x better than chance, at every step of the chain
+    assert report["eval_positions"] > 100 and min(report["top1"]) > 0.01, report
+    assert report["tokens_per_step"][2] > report["tokens_per_step"][0] > 1.0, report
+    tiny_engine.drafters["eagle:trained"] = EagleDrafter.from_dir(out, tiny_engine.model, 4096)
+    fin = tiny_engine.submit("def f(x):", SamplingParams(max_tokens=12), SpecParams("eagle:trained", k=3)).result()
+    assert len(fin.token_ids) >= 1 and fin.stats.drafted > 0
