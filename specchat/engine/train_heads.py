@@ -145,7 +145,7 @@ class HeadTrainer:
                 continue
             seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
             ids = [-(i + 1) for i in range(len(batch))]  # ids no live request uses
-            for seq_id, seq in zip(ids, seqs, strict=True):
+            for seq_id in ids:
                 pool.add(seq_id, [])  # no prefix reuse: every position is fed and tapped
             out = runner.forward(StepBatch(ids, seqs, [0] * len(seqs), [0] * len(seqs)), taps=[self.tap])
             for seq_id, r, seq, h in zip(ids, batch, seqs, out.hidden, strict=True):
