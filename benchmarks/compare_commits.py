@@ -29,6 +29,8 @@ from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.engine import Engine
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
+import specchat
+assert specchat.__file__.startswith(args["tree"]), (specchat.__file__, args["tree"])
 engine = Engine.load(EngineConfig(device="cpu", dtype=args["dtype"]))
 sampling = SamplingParams(max_tokens=args["new_tokens"], ignore_eos=True)
 engine.submit(args["prompts"][0], SamplingParams(max_tokens=8)).result()  # warm-up
@@ -47,10 +49,10 @@ print(json.dumps(out))
 
 
 def measure(tree: Path, settings: dict) -> dict:
-    env_path = f"{tree}"
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE, json.dumps(settings)],
-        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    result = subprocess.run(  # run in the tree: `python -c` puts the working directory first on sys.path
+        [sys.executable, "-c", MEASURE, json.dumps({**settings, "tree": str(tree)})],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
         capture_output=True,
         text=True,
         check=False,
