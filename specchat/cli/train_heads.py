@@ -32,19 +32,30 @@ class LineProgress:
 
 @click.command("train-heads")
 @model_options
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="heads file to write")
+@click.option(
+    "--arch",
+    type=click.Choice(["heads", "eagle"]),
+    default="heads",
+    show_default=True,
+    help="heads: MLP draft heads (a .safetensors file); eagle: an EAGLE-3 head (a directory vLLM and SGLang load too)",
+)
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="heads file (eagle: directory) to write")
 @click.option(
     "--work", type=click.Path(file_okay=False, path_type=Path), help="answers, features, checkpoints (default OUT.work)"
 )
 @click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="draft heads (most drafts a step)")
 @click.option("--tap", type=int, default=None, help="target layer the heads read (default: the last)")
 @click.option("--parallel", is_flag=True, help="Medusa-style independent heads instead of sequential ones")
-@click.option("--draft-vocab", type=int, default=16384, show_default=True, help="tokens heads draft from; 0 = all")
+@click.option(
+    "--draft-vocab", type=int, default=None, help="tokens drafted from; 0 = all (default: 16384 heads, 8192 eagle)"
+)
 @click.option("--max-tokens", type=int, default=384, show_default=True, help="per generated answer")
 @click.option("--samples", type=int, default=2, show_default=True, help="sampled answers per prompt besides greedy")
-@click.option("--epochs", type=int, default=4, show_default=True)
-@click.option("--batch-size", type=int, default=512, show_default=True)
-@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--epochs", type=int, default=None, help="default: 4 (heads), 6 (eagle)")
+@click.option("--batch-size", type=int, default=512, show_default=True, help="heads: positions per step")
+@click.option("--batch-tokens", type=int, default=8192, show_default=True, help="eagle: padded tokens per step")
+@click.option("--ttt-steps", type=int, default=5, show_default=True, help="eagle: chain depth trained")
+@click.option("--lr", type=float, default=None, help="default: 2e-3 (heads), 1e-3 (eagle)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-prompts", type=int, default=0, help="train on the first N prompts only (quick runs)")
 @click.option("--max-running", type=int, default=64, show_default=True, help="answers generated concurrently")
@@ -52,6 +63,7 @@ def train_heads(
     model,
     device,
     dtype,
+    arch,
     out,
     work,
     num_heads,
@@ -62,6 +74,8 @@ def train_heads(
     samples,
     epochs,
     batch_size,
+    batch_tokens,
+    ttt_steps,
     lr,
     seed,
     max_prompts,
@@ -70,28 +84,35 @@ def train_heads(
 ) -> None:
     """Train draft heads for MODEL (default: smollm2-135m) on its own answers; resumes an interrupted run."""
     from specchat.engine.engine import Engine
+    from specchat.engine.train_eagle import EagleTrainConfig, train_eagle
     from specchat.engine.train_heads import TrainConfig
     from specchat.engine.train_heads import train_heads as run_training
 
-    cfg = TrainConfig(
-        num_heads=num_heads,
-        tap=tap,
-        sequential=not parallel,
-        draft_vocab=draft_vocab,
-        max_tokens=max_tokens,
-        samples_per_prompt=samples,
-        epochs=epochs,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        max_prompts=max_prompts,
-    )
+    vocab = draft_vocab if draft_vocab is not None else (8192 if arch == "eagle" else 16384)
+    data = {"draft_vocab": vocab, "max_tokens": max_tokens, "samples_per_prompt": samples, "seed": seed}
+    data["max_prompts"] = max_prompts
+    if arch == "eagle":
+        cfg = EagleTrainConfig(
+            **data, ttt_steps=ttt_steps, epochs=epochs or 6, batch_tokens=batch_tokens, lr=lr or 1e-3
+        )
+    else:
+        cfg = TrainConfig(
+            **data,
+            num_heads=num_heads,
+            tap=tap,
+            sequential=not parallel,
+            epochs=epochs or 4,
+            batch_size=batch_size,
+            lr=lr or 2e-3,
+        )
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)  # model_extra: --weights
     engine = Engine.load(config, progress=StderrProgress())
     log = lambda line: click.echo(line, err=True)
-    report = run_training(engine, cfg, out, LineProgress(), log, work)
+    train = train_eagle if arch == "eagle" else run_training
+    report = train(engine, cfg, out, LineProgress(), log, work)
+    label = "step" if arch == "eagle" else "head"
     for i, (acc, tps) in enumerate(zip(report["top1"], report["tokens_per_step"], strict=True)):
-        click.echo(f"head {i + 1}: top-1 {acc:.3f}   chain estimate at k={i + 1}: {tps:.2f} tokens/step")
+        click.echo(f"{label} {i + 1}: top-1 {acc:.3f}   chain estimate at k={i + 1}: {tps:.2f} tokens/step")
     click.echo(f"wrote {out} ({report['eval_positions']} held-out positions)")
 
 
