@@ -6,8 +6,12 @@ a graph serves steps in which every request feeds the same number q of tokens (1
 verification), with the batch padded up to a bucket size and the attention's context split for a bucket of
 maximum context length. Padding requests attend to q tokens of a scratch page of their own and are ignored.
 
-Everything else (prefill, ragged q, hidden-state taps, the CPU) runs eagerly through ModelRunner, which stays
-the reference: tests/engine/test_cuda_graph.py holds the two equal.
+A verification step whose requests draft different k is made uniform before it gets here: SpecStep pads every
+request to the widest one (`padded_width`) with rows that are never verified. Hidden-state taps that drafters
+read are static outputs of the captured graph (one graph per tap set), copied out at each replay.
+
+Everything else (prefill and steps that mix prompt chunks with decoding, the CPU) runs eagerly through
+ModelRunner, which stays the reference: tests/engine/test_cuda_graph.py holds the two equal.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class _Graph:
     new_slots: torch.Tensor  # [B*q]
     meta: AttentionMetadata
     logits: torch.Tensor  # [B*q, vocab] output
+    hidden: dict[int, torch.Tensor]  # {tap layer: [B*q, hidden]} outputs
     padding: tuple[torch.Tensor, ...]  # positions, new_slots, block_tables, ctx_lens of padding requests
 
 
@@ -73,9 +78,13 @@ class CudaGraphRunner(ModelRunner):
         layer = self.model.layers[0]
         return (id(self.pool.store), id(layer.attn.wqkv), id(layer.mlp.w_down), id(self.model.lm_head))
 
+    def padded_width(self, widths: Seq[int]) -> int | None:
+        q = max(widths)
+        return q if q <= MAX_GRAPH_Q and _bucket(len(widths), BATCH_BUCKETS) is not None else None
+
     def _graph_key(self, batch: StepBatch, taps: Seq[int]) -> tuple | None:
         q = len(batch.feeds[0])
-        if taps or not 1 <= q <= MAX_GRAPH_Q:
+        if not 1 <= q <= MAX_GRAPH_Q:
             return None
         if any(len(f) != q for f in batch.feeds) or any(r != q for r in batch.logit_rows):
             return None
@@ -86,7 +95,7 @@ class CudaGraphRunner(ModelRunner):
             return None
         b = _bucket(len(batch.feeds), BATCH_BUCKETS)
         ctx = _bucket(max(s + q for s in batch.start_positions), CTX_BUCKETS)
-        return None if b is None or ctx is None else (b, q, ctx)
+        return None if b is None or ctx is None else (b, q, ctx, tuple(sorted(set(taps))))
 
     def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
         key = self._graph_key(batch, taps)
@@ -125,10 +134,13 @@ class CudaGraphRunner(ModelRunner):
             g.meta.ctx_lens[n:].copy_(pad_ctx[n:])
         g.graph.replay()
         logits = g.logits[:rows]
-        return StepOutput(logits, list(logits.split([q] * n)), [{} for _ in range(n)])
+        # Tapped states are copied out: the next replay overwrites the static buffers, and drafters read them later.
+        hidden = {layer: h[:rows].clone().split([q] * n) for layer, h in g.hidden.items()}
+        per_request = [{layer: parts[i] for layer, parts in hidden.items()} for i in range(n)]
+        return StepOutput(logits, list(logits.split([q] * n)), per_request)
 
     @torch.inference_mode()
-    def _capture(self, b: int, q: int, ctx: int) -> _Graph:
+    def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:
         dev, ps = self.device, self.pool.page_size
         rows = b * q
         # Padding requests (and the warm-up) see q tokens of the scratch page, at positions 0..q-1.
@@ -149,10 +161,10 @@ class CudaGraphRunner(ModelRunner):
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model(ids, positions, kv)
+                self.model(ids, positions, kv, taps=taps)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits, _ = self.model(ids, positions, kv)
+            logits, hidden = self.model(ids, positions, kv, taps=taps)
         padding = (positions.clone(), new_slots.clone(), meta.block_tables.clone(), meta.ctx_lens.clone())
-        return _Graph(graph, ids, positions, new_slots, meta, logits, padding)
+        return _Graph(graph, ids, positions, new_slots, meta, logits, hidden, padding)

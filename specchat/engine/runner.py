@@ -41,6 +41,12 @@ class ModelRunner:
         self.device = pool.device
         self.scale = model.cfg.head_dim**-0.5
 
+    def padded_width(self, widths: Seq[int]) -> int | None:
+        """For a step in which every request feeds its newest token and its drafts (`widths` = 1 + k each): the
+        one width this runner wants them padded to, or None to run them ragged. The eager runner takes any
+        batch as it is; a CUDA-graph runner replays one graph for a uniform width (cuda_graph.py)."""
+        return None
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
         ids = torch.tensor([t for f in batch.feeds for t in f], dtype=torch.long, device=self.device)

@@ -23,6 +23,8 @@ from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import verify_batch
 
+PAD_TOKEN = 0  # fills a padded request's rows past its drafts; their logits are never read
+
 
 @dataclass(slots=True)
 class Scheduled:
@@ -78,13 +80,23 @@ class SpecStep:
         t1 = time.perf_counter()
         feeds = [item.feed + drafts[i].tokens for i, item in enumerate(plan.items)]
         rows = [1 + len(drafts[i].tokens) if item.samples else 0 for i, item in enumerate(plan.items)]
+        width = self._padded_width(plan, feeds, rows)
+        if width is not None:  # pad every request's drafts to one width; the extra rows are never verified
+            feeds = [feed + [PAD_TOKEN] * (width - len(feed)) for feed in feeds]
         batch = StepBatch(
-            [item.seq.seq_id for item in plan.items], feeds, [item.seq.num_cached for item in plan.items], rows
+            [item.seq.seq_id for item in plan.items],
+            feeds,
+            [item.seq.num_cached for item in plan.items],
+            [width] * len(feeds) if width is not None else rows,
         )
         out = self.runner.forward(batch, taps=plan.taps)
+        logits = out.flat_logits
+        if width is not None:  # the rows verification reads: each request's first 1 + k of its `width`
+            keep = [i * width + r for i, n in enumerate(rows) for r in range(n)]
+            logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
         sampling = [i for i, item in enumerate(plan.items) if item.samples]
         verdicts = verify_batch(
-            out.flat_logits,
+            logits,
             [drafts[i].tokens for i in sampling],
             [drafts[i].probs for i in sampling],
             [plan.items[i].seq.sampling for i in sampling],
@@ -98,6 +110,17 @@ class SpecStep:
         hidden = [{layer: h[:n] for layer, h in taps.items()} for taps, n in zip(out.hidden, kept, strict=True)]
         t2 = time.perf_counter()
         return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+
+    def _padded_width(self, plan: StepPlan, feeds: list[list[int]], rows: list[int]) -> int | None:
+        """The width the runner wants this step padded to, if it is a decode / verify step whose padding fits the
+        KV pool (a step with a prompt chunk runs ragged)."""
+        if not all(item.samples and len(item.feed) == 1 for item in plan.items):
+            return None
+        width = self.runner.padded_width(rows)
+        if width is None or width == min(rows):  # nothing to pad (the runner wants no padding, or all are full)
+            return None
+        needs = {item.seq.seq_id: width for item in plan.items}
+        return width if self.runner.pool.can_append(needs) else None
 
     def draft(self, plan: StepPlan) -> list[Draft]:
         """Each drafter proposes once, for all of its requests that may draft this step."""

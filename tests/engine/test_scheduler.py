@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.runner import ModelRunner
 from specchat.engine.sequence import Finished, StepEvent, TextDelta
+from tests.engine.test_eagle import random_eagle
 
 PAGE_BYTES_FP32 = 2 * 2 * 16 * 2 * 4 * 16  # tiny model: layers * kv heads * head_dim * (k, v) * fp32 * page
 
@@ -74,3 +76,34 @@ def test_requests_of_one_step_are_charged_that_steps_times(tiny_engine):
         assert len({(r.draft_ms, r.verify_ms) for r in records}) <= 1, records
         shared += len(records) > 1
     assert shared > 0, "the two requests never decoded in the same step"
+
+
+class PaddingRunner(ModelRunner):
+    """The eager runner asking for what the CUDA-graph runner asks: decode steps padded to one width."""
+
+    def __init__(self, model, pool) -> None:
+        super().__init__(model, pool)
+        self.padded_steps = 0
+
+    def padded_width(self, widths):
+        self.padded_steps += max(widths) != min(widths)
+        return max(widths)
+
+
+def test_mixed_k_steps_padded_to_one_width_decode_the_same(tiny_model_dir):
+    """The CPU run of the padding the CUDA-graph path relies on: requests drafting different k in one step,
+    padded with rows that are never verified, give plain greedy decoding's tokens."""
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    engine.spec_step.runner = runner = PaddingRunner(engine.model, engine.pool)
+    engine.drafters["eagle:random"] = random_eagle(engine)  # drafts k tokens every step (mostly rejected)
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = "one two three one two three one two"
+    specs = [SpecParams("none", k=0), SpecParams("eagle:random", k=1), SpecParams("eagle:random", k=3)]
+    specs += [SpecParams("ngram", k=5), SpecParams("eagle:random", k=5)]
+    handles = [engine.submit(prompt, sampling, spec) for spec in specs]
+    results = [h.result() for h in handles]
+    assert runner.padded_steps > 0
+    assert all(r.token_ids == results[0].token_ids for r in results[1:])
+    assert engine.pool.used_pages == 0
