@@ -118,3 +118,55 @@ class AdaptiveK:
             self.idle_steps = 0
             return min(1, self.k_max)
         return 0
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """What a decode step costs on this device, learnt from the steps the engine runs: the time of the target's
+    forward + verification as a function of the rows it verifies (batch x (1 + k), padding included), and the
+    drafting time per draft position. Shared by every request of an engine.
+
+    A request alone cannot see what its k costs once it shares the step with others: its own k adds only a few
+    rows to a big batch, while every request drafting the same adds k rows each. So each request's controller is
+    fed the time of the *symmetric* step, `symmetric_ms(batch, k)`: every decode request of the batch drafting k.
+    At batch 1 that is its own step time; at high batch, where the target is compute-bound and verifying
+    batch x (1 + k) rows costs about 1 + k plain steps, it shows that drafting does not pay there, and k goes to 0.
+    """
+
+    ema: float = EMA_WEIGHT
+    verify_ms: dict[int, float] = field(default_factory=dict)  # rows -> EMA of the forward + verify time
+    draft_ms_per_position: float | None = None  # EMA of a step's drafting time over its deepest draft
+
+    def observe(self, rows: int, verify_ms: float, depth: int, draft_ms: float) -> None:
+        """A decode step (no prompt chunk in it) verified `rows` rows in verify_ms and drafted `depth` deep."""
+        old = self.verify_ms.get(rows)
+        self.verify_ms[rows] = verify_ms if old is None else old + self.ema * (min(verify_ms, SPIKE * old) - old)
+        if depth > 0:
+            per = draft_ms / depth
+            old = self.draft_ms_per_position
+            self.draft_ms_per_position = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)
+
+    def forward_ms(self, rows: int) -> float | None:
+        """Interpolated between measured row counts; past the largest, proportional to the rows (compute-bound);
+        below the smallest, the smallest's time (memory-bound). None before any measurement."""
+        if not self.verify_ms:
+            return None
+        known = sorted(self.verify_ms)
+        if rows in self.verify_ms:
+            return self.verify_ms[rows]
+        below = [r for r in known if r < rows]
+        above = [r for r in known if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = self.verify_ms[lo], self.verify_ms[hi]
+            return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        if above:
+            return self.verify_ms[above[0]]
+        return self.verify_ms[below[-1]] * rows / below[-1]
+
+    def symmetric_ms(self, batch: int, k: int) -> float | None:
+        """Step time if each of `batch` decode requests drafted k tokens (None while nothing was measured)."""
+        forward = self.forward_ms(batch * (1 + k))
+        if forward is None:
+            return None
+        return forward + k * (self.draft_ms_per_position or 0.0)

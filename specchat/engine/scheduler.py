@@ -13,6 +13,7 @@ from collections import deque
 
 import torch
 
+from specchat.engine.adaptive import StepCosts
 from specchat.engine.drafters import DrafterCache
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
@@ -30,6 +31,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
 
     # --- queue ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -153,6 +155,10 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[Event]:
         """Apply a step's outcome to each request: KV kept, tokens, stats, next k, events, finished requests."""
         events: list[Event] = []
+        decoding = sum(1 for o in result.outcomes if o is not None)
+        if result.decode_rows is not None:
+            depth = max((o.drafted for o in result.outcomes if o is not None), default=0)
+            self.costs.observe(result.decode_rows, result.verify_ms, depth, result.draft_ms)
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:
@@ -170,7 +176,9 @@ class Scheduler:
                 rec = StepRecord(outcome.drafted, outcome.accepted, produced, result.draft_ms, result.verify_ms)
                 seq.stats.observe_step(rec)
                 if seq.adaptive:
-                    seq.k = seq.adaptive.update(rec.k, rec.accepted, rec.draft_ms + rec.verify_ms)
+                    # the time of this step had every decode request drafted this request's k (StepCosts)
+                    step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
+                    seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms)
                 else:
                     seq.k = seq.spec.k or 0
                 events.append(StepEvent(seq.seq_id, rec, seq.k))

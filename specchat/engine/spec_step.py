@@ -65,6 +65,7 @@ class StepResult:
     hidden: list[dict[int, torch.Tensor]]
     draft_ms: float
     verify_ms: float
+    decode_rows: int | None = None  # rows the target verified in a step of decoding only (padding included)
 
 
 class SpecStep:
@@ -109,7 +110,9 @@ class SpecStep:
             kept[i] += accepted
         hidden = [{layer: h[:n] for layer, h in taps.items()} for taps, n in zip(out.hidden, kept, strict=True)]
         t2 = time.perf_counter()
-        return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        decoding = all(item.samples and len(item.feed) == 1 for item in plan.items)
+        decode_rows = sum(batch.logit_rows) if decoding else None
+        return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decode_rows)
 
     def _padded_width(self, plan: StepPlan, feeds: list[list[int]], rows: list[int]) -> int | None:
         """The width the runner wants this step padded to, if it is a decode / verify step whose padding fits the

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from specchat.config import SamplingParams, SpecParams
-from specchat.engine.adaptive import AdaptiveK
+from specchat.engine.adaptive import AdaptiveK, StepCosts
 from specchat.engine.drafters import Draft, Drafter
 from specchat.engine.sequence import StepEvent
 from specchat.errors import ConfigError
@@ -145,3 +145,37 @@ def test_auto_k_stops_drafting_a_drafter_that_never_pays(tiny_engine):
     assert ks[0] > 0
     late = ks[20:]  # after a few steps mostly idle steps remain, with probes (and the odd step a stall misleads)
     assert late.count(0) > 0.8 * len(late), ks
+
+
+def test_step_costs_interpolate_and_extrapolate_by_rows():
+    costs = StepCosts()
+    assert costs.symmetric_ms(4, 2) is None  # nothing measured yet
+    costs.observe(rows=4, verify_ms=10.0, depth=0, draft_ms=0.0)
+    costs.observe(rows=12, verify_ms=14.0, depth=2, draft_ms=1.0)
+    assert costs.forward_ms(8) == pytest.approx(12.0)  # between measured row counts
+    assert costs.forward_ms(2) == pytest.approx(10.0)  # below: memory-bound, no cheaper
+    assert costs.forward_ms(24) == pytest.approx(28.0)  # above: proportional to the rows
+    assert costs.symmetric_ms(4, 2) == pytest.approx(14.0 + 2 * 0.5)  # 4 requests x 3 rows, 0.5 ms per draft
+
+
+def drive_batch(batch: int, forward_ms, steps: int = 300) -> list[int]:
+    """One request's controller in a batch of `batch` alike requests, fed symmetric step times; the first draft
+    is accepted every other step (a_1 = 0.5)."""
+    ctl, costs = AdaptiveK(k_max=4), StepCosts()
+    k, ks = ctl.best_k(), []
+    for n in range(steps):
+        costs.observe(batch * (1 + k), forward_ms(batch * (1 + k)), k, 0.1 * k)
+        accepted = 1 if k > 0 and n % 2 == 0 else 0
+        k = ctl.update(k, accepted, costs.symmetric_ms(batch, k))
+        ks.append(k)
+    return ks
+
+
+def test_drafting_stops_where_the_batch_makes_verification_compute_bound():
+    # Memory-bound up to 25 rows (a flat 5 ms), compute-bound beyond: 0.2 ms a row. With a_1 = 0.5 a drafting
+    # step emits 1.5 tokens: worth it alone (5 rows cost 5 ms), not at batch 32 (64 rows cost twice 32).
+    forward = lambda rows: max(5.0, 0.2 * rows)
+    alone = drive_batch(1, forward)
+    crowded = drive_batch(32, forward)
+    assert alone[50:].count(0) < 0.1 * len(alone[50:])  # 1 + k rows cost nothing extra: draft
+    assert crowded[50:].count(0) > 0.8 * len(crowded[50:])  # 32 x (1 + k) rows cost ~(1 + k) steps: do not

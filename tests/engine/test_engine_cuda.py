@@ -40,3 +40,30 @@ def test_fast_path_equals_eager_on_concurrent_requests(cuda_tiny_model_dir):
             assert engine.runner.graphs, "no decode step was replayed from a CUDA graph"
         assert engine.pool.used_pages == (0 if eager else 1)  # every request freed; the graphs' scratch page stays
     assert outputs[False] == outputs[True]
+
+
+def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
+    """Steps whose drafters tap hidden states (MLP heads, EAGLE-3) and steps whose requests draft different k
+    (padded to one width) replay captured graphs and give the eager path's greedy outputs."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.engine import Engine
+    from tests.engine.test_drafters import random_heads
+    from tests.engine.test_eagle import random_eagle
+
+    prompts = ["Hi", "Tell me about the sea and the ships on it.", "1 2 3 4 5 6 7 8 9 10 11 12", "Why?"] * 2
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs, keys = {}, set()
+    for eager in (True, False):
+        cfg = EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=eager)
+        engine = Engine.load(cfg)
+        torch.manual_seed(0)
+        engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=5), engine.model)
+        engine.drafters["eagle:random"] = random_eagle(engine)
+        specs = [SpecParams("heads:random", k=2), SpecParams("eagle:random", k=4), SpecParams("eagle:random", k=1)]
+        handles = [engine.submit(p, sampling, specs[i % len(specs)]) for i, p in enumerate(prompts)]
+        outputs[eager] = [h.result().token_ids for h in handles]
+        if not eager:
+            keys = set(engine.runner.graphs)
+    assert outputs[False] == outputs[True]
+    assert any(key[3] for key in keys), "no step with taps was replayed from a graph"
+    assert any(key[1] == 5 for key in keys), "no step padded to k = 4 was replayed from a graph"
