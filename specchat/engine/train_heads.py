@@ -254,7 +254,9 @@ class HeadTrainer:
         for start in range(0, len(rows), self.cfg.batch_size):
             r = rows[start : start + self.cfg.batch_size]
             win = feats["windows"][r, : K + 1].to(self.device)
-            logits = self._forward(heads, output, feats["hidden"][r].to(self.device).float(), win)
+            model_dtype = self.model.lm_head.weight.dtype
+            with torch.autocast(self.device.type, dtype=model_dtype, enabled=model_dtype != torch.float32):
+                logits = self._forward(heads, output, feats["hidden"][r].to(self.device).float(), win)
             guess = heads.draft_vocab.to(self.device)[logits.argmax(-1)].T  # [B, K] token ids
             right = guess == win[:, 1:]
             present = win[:, 1:] >= 0

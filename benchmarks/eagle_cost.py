@@ -1,0 +1,102 @@
+"""What one EAGLE-3 draft position costs against one target step, at a real model's width (random weights).
+
+    python benchmarks/eagle_cost.py [--shape llama-3.1-8b] [--context 512] [--batch 1,8] [--draft-vocab 32000]
+
+Target: a plain decode step of the synthetic model (bench/synthetic.py), through the engine's runner (CUDA
+graphs on CUDA unless --eager). Head: one draft position of an EAGLE-3 head at the target's width (fc + one
+decoder layer + the draft-vocabulary lm_head + argmax), through EagleHead with its own paged KV cache of the same
+context, eagerly as the drafter runs it. Medians over --steps; the ratio is the issue-13 yardstick (<= 8%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specchat.bench.synthetic import SHAPES, random_model
+from specchat.engine.drafters.eagle import EagleConfig, EagleHead
+from specchat.engine.kv_cache import KVPool
+from specchat.engine.loading import make_runner
+from specchat.engine.runner import StepBatch
+
+
+def timed(fn, steps: int, device: torch.device) -> float:
+    """Median milliseconds of fn() over `steps` calls (after 3 warm-up calls)."""
+    times = []
+    for i in range(steps + 3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(model, head: EagleHead, batch: int, context: int, steps: int, eager: bool) -> tuple[float, float]:
+    """(target step ms, draft position ms) for `batch` requests of `context` tokens."""
+    cfg, device = model.cfg, next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    pages = batch * (context // 16 + 8)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, 16, dtype, device)
+    runner = make_runner(model, pool, eager=eager)
+    head_pool = KVPool(1, cfg.num_kv_heads, cfg.head_dim, pages, 16, dtype, device, rotate=False)
+    scale = head.cfg.head_dim**-0.5
+    ids = list(range(batch))
+    for b in ids:
+        prompt = torch.randint(0, cfg.vocab_size, (context,)).tolist()
+        pool.add(b, [])
+        runner.forward(StepBatch([b], [prompt], [0], [1]))
+        head_pool.add(b, [])
+        kv = head_pool.prepare([b], [context], scale)
+        u = head.fc(torch.randn(context, 3 * cfg.hidden_size, device=device, dtype=dtype))
+        head(model.embed(torch.tensor(prompt, device=device)), u, torch.arange(context, device=device), kv)
+
+    def target_step() -> None:
+        for b in ids:
+            pool.truncate(b, context)
+        runner.forward(StepBatch(ids, [[1]] * batch, [context] * batch, [1] * batch))
+
+    token = torch.ones(batch, dtype=torch.long, device=device)
+    state = torch.randn(batch, cfg.hidden_size, device=device, dtype=dtype)
+    position = torch.full((batch,), context, device=device)
+
+    def draft_position() -> None:
+        for b in ids:
+            head_pool.truncate(b, context)
+        kv = head_pool.prepare(ids, [1] * batch, scale)
+        logits, _ = head(model.embed(token), state, position, kv)
+        head.draft_vocab[logits.argmax(-1)].tolist()  # the drafter reads its choice back at each position
+
+    return timed(target_step, steps, device), timed(draft_position, steps, device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(SHAPES[args.shape], dtype, device)
+    vocab = min(args.draft_vocab, model.cfg.vocab_size)
+    head = EagleHead(EagleConfig.for_target(model.cfg, vocab)).to(device=device, dtype=dtype).eval()
+    print("| shape | batch | target step ms | draft position ms | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for batch in [int(b) for b in args.batch.split(",")]:
+        t_target, t_draft = measure(model, head, batch, args.context, args.steps, args.eager)
+        print(f"| {args.shape} | {batch} | {t_target:.3f} | {t_draft:.3f} | {t_draft / t_target:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
