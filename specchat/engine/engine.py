@@ -13,6 +13,7 @@ and applied between steps, so they take effect on the next step.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -35,6 +36,8 @@ from specchat.engine.tokenizer import StreamDecoder, Tokenizer
 from specchat.errors import ConfigError, PromptError
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.registry import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 class RequestHandle:
@@ -277,8 +280,18 @@ class Engine:
             self._drain_commands()
             plan, events = self.scheduler.schedule()
             if plan.items:
-                result = self.spec_step.run(plan)
-                events += self.scheduler.postprocess(plan, result)
+                try:
+                    result = self.spec_step.run(plan)
+                    events += self.scheduler.postprocess(plan, result)
+                except Exception as exc:  # a bug or a device error: the step's requests fail, the engine goes on
+                    log.exception("engine step failed; its requests end with an error")
+                    events += self.scheduler.fail(plan, f"the engine step failed: {type(exc).__name__}: {exc}")
+        self._deliver(events)
+        return events
+
+    def _deliver(self, events: list[Event]) -> None:
+        """Events to the metrics, to their requests' handles, then to the listeners."""
+        with self._lock:
             self.metrics.observe_events(events)
             for event in events:
                 handle = self.handles.get(event.request_id)
@@ -289,7 +302,6 @@ class Engine:
         if events:
             for listener in self.listeners:
                 listener(events)
-        return events
 
     @property
     def running_in_background(self) -> bool:
@@ -308,7 +320,11 @@ class Engine:
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # outside any one request's step (a bug): end what is live, keep the loop
+                log.exception("engine loop error; live requests end with an error")
+                self._deliver(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
         if self._thread is not None:

@@ -141,6 +141,21 @@ class Scheduler:
                 self._preempt(self.running[-1])
         return []
 
+    def fail(self, plan: StepPlan, error: str) -> list[Event]:
+        """End every request of a step that could not run (its pages freed); the others are untouched."""
+        return self._fail_all([item.seq for item in plan.items], error)
+
+    def fail_all(self, error: str) -> list[Event]:
+        """End every live request with `error` (the engine could not go on with them)."""
+        return self._fail_all(self.live(), error)
+
+    def _fail_all(self, seqs: list[Sequence], error: str) -> list[Event]:
+        events: list[Event] = []
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                self._fail(seq, error, events)
+        return events
+
     # --- postprocess ------------------------------------------------------------------------------------
     def _keep_hidden(self, seq: Sequence, hidden: dict) -> None:
         """Add the step's tapped rows to those the request's drafter has not read yet (only the newest row for a

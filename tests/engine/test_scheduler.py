@@ -107,3 +107,22 @@ def test_mixed_k_steps_padded_to_one_width_decode_the_same(tiny_model_dir):
     assert runner.padded_steps > 0
     assert all(r.token_ids == results[0].token_ids for r in results[1:])
     assert engine.pool.used_pages == 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir):
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    real_run = engine.spec_step.run
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    engine.spec_step.run = broken
+    failed = engine.submit("this one meets the failure", sampling).result()
+    assert failed.reason == "error" and "the engine step failed: RuntimeError: device lost" in failed.error
+    engine.spec_step.run = real_run
+    done = engine.submit("this one comes after it", sampling).result()
+    assert done.reason == "length" and len(done.token_ids) == 8
+    assert engine.pool.used_pages == 0
