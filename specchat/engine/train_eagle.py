@@ -148,7 +148,7 @@ class EagleTrainer:
         """Per kept answer: {"ids": [T], "prompt": P, "hidden": [T, 3h] bf16, "eval": bool}."""
         path = self.work / "eagle_features.pt"
         if path.is_file():
-            return torch.load(path)
+            return torch.load(path, weights_only=True)
         held_out = held_out_ids(records, self.cfg.eval_fraction, self.cfg.seed)
         # Held-out prompts keep only their greedy answer: the report measures agreement with greedy decoding.
         kept = [r for r in records if r["greedy"] or r["id"] not in held_out]
@@ -235,7 +235,7 @@ class EagleTrainer:
     def _resume(self, head: EagleHead, opt: torch.optim.Optimizer) -> int:
         if not self.checkpoint.is_file():
             return 0
-        state = torch.load(self.checkpoint, map_location=self.device)
+        state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         self.log(f"resuming from {self.checkpoint} at step {state['step']}")

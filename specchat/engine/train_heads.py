@@ -223,7 +223,7 @@ class HeadTrainer:
     def _resume(self, heads: DraftHeads, opt: torch.optim.Optimizer) -> int:
         if not self.checkpoint.is_file():
             return 0
-        state = torch.load(self.checkpoint, map_location=self.device)
+        state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
         heads.load_state_dict(state["heads"])
         opt.load_state_dict(state["opt"])
         self.log(f"resuming from {self.checkpoint} at step {state['step']}")
