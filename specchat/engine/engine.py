@@ -214,6 +214,8 @@ class Engine:
             for seq in self._running_seqs(request_id):
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
+            if request_id is None:
+                self.metrics.observe_drafter_switch()
 
         self.apply(change)
 

@@ -3,7 +3,8 @@
 
 Definitions:
 - speculation: engine.stats.SpecStats over every step of every request since start (or reset); `recent` is the
-  same over the last `spec_window` steps of all requests together (what the panels show as "now").
+  same over the last `spec_window` steps of all requests together (what the panels show as "now"), since the
+  last drafter switch of every live request.
 - tok/s: completion tokens emitted in the `rate_window_s` seconds up to the newest emission, over the time from
   the first to the last emission in that window (the first one's tokens open the interval). Idle time after an
   answer does not count: between answers it reads the rate at which the last one ended.
@@ -60,6 +61,10 @@ class EngineMetrics:
 
     def __post_init__(self) -> None:
         self.spec.window = self.spec_window
+
+    def observe_drafter_switch(self) -> None:
+        """Every live request changed drafter: `recent` starts afresh, so "now" never mixes two drafters' steps."""
+        self.spec.recent.clear()
 
     def observe_submit(self, request_id: int, now: float | None = None) -> None:
         self.submitted[request_id] = time.perf_counter() if now is None else now
