@@ -8,16 +8,31 @@ import click
 
 from specchat.errors import SpecchatError
 
+USAGE_EXIT = 2  # click's status for a bad flag or argument
+
+
+def one_line(message: str) -> str:
+    """A message folded onto one line (a library's error text may span several)."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
+
 
 class Group(click.Group):
-    """Turns every user-caused error into one line on stderr and a nonzero exit; our bugs keep tracebacks."""
+    """Turns every user-caused error into one line on stderr and a nonzero exit; our bugs keep tracebacks.
+
+    Click's own usage errors (an unknown flag, a value of the wrong type, a missing file) get the same one line,
+    naming the flag, instead of the usage text plus a hint plus the error.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except SpecchatError as exc:
-            click.echo(f"specchat: error: {exc}", err=True)
+            click.echo(f"specchat: error: {one_line(str(exc))}", err=True)
             sys.exit(1)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            click.echo(f"specchat: error: {one_line(exc.format_message())} (see `{command} -h`)", err=True)
+            sys.exit(USAGE_EXIT)
         except KeyboardInterrupt:
             click.echo("", err=True)
             sys.exit(130)
