@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from specchat.errors import ConfigError
@@ -19,6 +20,7 @@ DRAFTERS = ("none", "ngram", "heads", "ngram+heads", "eagle", "draft-model")
 DRAFTER_ARGS = {"heads": "FILE", "ngram+heads": "FILE", "eagle": "DIR", "draft-model": "NAME"}  # take `kind:ARG`
 DRAFTER_CHOICES = (*DRAFTERS, "default")
 DRAFTER_SYNTAX = " | ".join(f"{d}[:{DRAFTER_ARGS[d]}]" if d in DRAFTER_ARGS else d for d in DRAFTER_CHOICES)
+SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed takes a 64-bit seed
 
 
 def check_drafter_name(name: str) -> str:
@@ -42,14 +44,16 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.max_tokens <= 0:
             raise ConfigError(f"max-tokens must be > 0, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            raise ConfigError(f"seed must be in [0, 2^64 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +103,10 @@ class EngineConfig:
             raise ConfigError(f"page size must be a power of two, got {self.page_size}")
         if self.kv_format not in KV_CHOICES:
             raise ConfigError(f"kv format must be one of {', '.join(KV_CHOICES)}, got {self.kv_format!r}")
+        if self.max_running <= 0:
+            raise ConfigError(f"max-running must be > 0, got {self.max_running}")
+        if self.max_batch_tokens <= 0:
+            raise ConfigError(f"max batch tokens must be > 0, got {self.max_batch_tokens}")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ConfigError(f"kv memory must be > 0 bytes, got {self.kv_memory}")
         if self.weights not in WEIGHT_CHOICES:
