@@ -1,9 +1,10 @@
-"""Reading safetensors files with errors a user can act on: the engine's HF loader and quant's MXFP4 checkpoints.
+"""Reading safetensors files, and the JSON files beside them, with errors a user can act on: the engine's HF
+loader and quant's MXFP4 checkpoints.
 
-A damaged weight file (a truncated download, a copy cut short) should end in one line naming the file
-(docs/style.md #12), not in safetensors' own message. The format: an 8-byte little-endian header length, a JSON
-header mapping each tensor name to its dtype, shape and byte range (`data_offsets`, relative to the end of the
-header), then the data.
+A damaged weight file (a truncated download, a copy cut short, a header that is not what the format says) should
+end in one line naming the file (docs/style.md #12), not in safetensors' own message or a KeyError. The format:
+an 8-byte little-endian header length, a JSON object mapping each tensor name to its dtype, shape and byte range
+(`data_offsets`, relative to the end of the header; "__metadata__" maps strings to strings), then the data.
 """
 
 from __future__ import annotations
@@ -20,6 +21,46 @@ from specchat.errors import ModelFormatError
 HEADER_LEN_BYTES = 8  # the little-endian uint64 that opens every safetensors file
 
 
+def read_json_object(file: Path) -> dict:
+    """A JSON object from a model's side file (config.json, an index, a tokenizer config); ModelFormatError naming
+    the file if it cannot be read, is not UTF-8 or JSON, or holds something other than an object."""
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ModelFormatError(f"{file}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ModelFormatError(f"{file}: not valid UTF-8 (at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{file}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _is_offsets(value: object) -> bool:
+    """A [begin, end] byte range of non-negative integers."""
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        and value[0] <= value[1]
+    )
+
+
+def tensor_data_end(header: object, file: Path) -> int:
+    """Where the last tensor's data ends (bytes after the header), checking the header's structure on the way."""
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{file}: corrupt safetensors header (a {type(header).__name__}, not an object)")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or not _is_offsets(entry.get("data_offsets")):
+            raise ModelFormatError(f"{file}: corrupt safetensors header (tensor {name!r} has no valid data_offsets)")
+        end = max(end, entry["data_offsets"][1])
+    return end
+
+
 def check_safetensors_size(file: Path) -> None:
     """A clear ModelFormatError for a truncated file or a corrupt header, before safetensors' own error."""
     size = file.stat().st_size
@@ -34,7 +75,7 @@ def check_safetensors_size(file: Path) -> None:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ModelFormatError(f"{file}: corrupt safetensors header") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    end = tensor_data_end(header, file)
     if HEADER_LEN_BYTES + header_len + end > size:
         needed = HEADER_LEN_BYTES + header_len + end
         raise ModelFormatError(f"{file}: truncated safetensors file ({size} bytes, needs {needed})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,12 +20,46 @@ from specchat.config import HF_ARCHITECTURES
 from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer
 from specchat.errors import ModelFormatError
 from specchat.quant.checkpoint import is_mxfp4_checkpoint, read_mxfp4_state
-from specchat.safetensors_io import read_safetensors
+from specchat.safetensors_io import read_json_object, read_safetensors
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 SUPPORTED_GGUF = ("llama", "qwen2")
 GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models up to this size in float32
+
+
+# --- checking a model's shape -------------------------------------------------------------------------------
+def positive_int(value, key: str, where: Path) -> int:
+    """A shape entry of a config: a positive integer (not a bool, a string or a float), else ModelFormatError."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ModelFormatError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def positive_float(value, key: str, where: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not 0 < value < math.inf:
+        raise ModelFormatError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def token_ids(value, key: str, where: Path) -> tuple[int, ...]:
+    """A token id or a list of them (None: none)."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
+            raise ModelFormatError(f"{where}: {key} must be a token id or a list of them, got {value!r}")
+    return tuple(int(v) for v in values)
+
+
+def check_shape(cfg: ModelConfig, where: Path) -> ModelConfig:
+    """Relations between the shape entries that the model code relies on."""
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ModelFormatError(
+            f"{where}: {cfg.num_heads} attention heads cannot be shared by {cfg.num_kv_heads} key/value heads"
+        )
+    if cfg.head_dim % 2:
+        raise ModelFormatError(f"{where}: the head dimension must be even for rotary embeddings, got {cfg.head_dim}")
+    return cfg
 
 
 # --- GGUF -----------------------------------------------------------------------------------------------
@@ -40,34 +75,37 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     if arch not in SUPPORTED_GGUF:
         raise ModelFormatError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF)})")
 
-    def need(key: str):
-        value = _gguf_field(reader, f"{arch}.{key}")
+    def number(key: str, default=None, check=positive_int):
+        value = _gguf_field(reader, f"{arch}.{key}", default)
         if value is None:
             raise ModelFormatError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
+        return check(value, f"{arch}.{key}", path)
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    if tokens is None:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens (the vocabulary)")
+    hidden, heads = number("embedding_length"), number("attention.head_count")
     names = {t.name for t in reader.tensors}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    special = lambda kind: token_ids(_gguf_field(reader, f"tokenizer.ggml.{kind}_token_id"), f"{kind} token id", path)
+    bos = special("bos")
+    cfg = ModelConfig(
         arch=arch,
-        vocab_size=int(vocab),
+        vocab_size=number("vocab_size", len(tokens.data)),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=number("feed_forward_length"),
+        num_layers=number("block_count"),
         num_heads=heads,
-        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=int(_gguf_field(reader, f"{arch}.context_length", 4096)),
+        num_kv_heads=number("attention.head_count_kv", heads),
+        head_dim=number("attention.key_length", hidden // heads),
+        rope_theta=number("rope.freq_base", 10000.0, positive_float),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5, positive_float),
+        max_position=number("context_length", 4096),
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=special("eos"),
     )
+    return check_shape(cfg, path)
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -141,14 +179,25 @@ def _load_gguf(path: Path, progress: Progress | None) -> tuple[ModelConfig, dict
 
 
 def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
-    """raw[name], or a ModelFormatError naming the missing tensor and the file."""
+    """raw[name] (with `rows` rows if given), or a ModelFormatError naming the tensor and the file."""
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, rows: int | None = None) -> torch.Tensor:
         if name not in raw:
             raise ModelFormatError(f"{path}: missing tensor {name}")
+        if rows is not None and (raw[name].dim() == 0 or raw[name].shape[0] != rows):
+            shape = tuple(raw[name].shape)
+            raise ModelFormatError(f"{path}: tensor {name} has shape {shape}, the config implies {rows} rows")
         return raw[name]
 
     return take
+
+
+def _cat_rows(parts: list[torch.Tensor], what: str, path: Path) -> torch.Tensor:
+    """Tensors fused along rows (q/k/v, gate/up), which must agree in every other dimension."""
+    if len({tuple(t.shape[1:]) for t in parts}) > 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in parts)
+        raise ModelFormatError(f"{path}: the {what} tensors do not fit together (shapes {shapes})")
+    return torch.cat(parts)
 
 
 def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
@@ -158,77 +207,84 @@ def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> 
     sd["lm_head.weight"] = raw.get("output.weight", sd["embed.weight"])
     for i in range(cfg.num_layers):
         b, o = f"blk.{i}.", f"layers.{i}."
-        q, k = take(b + "attn_q.weight"), take(b + "attn_k.weight")
+        q, k = take(b + "attn_q.weight", cfg.q_size), take(b + "attn_k.weight", cfg.kv_size)
         if permuted:
             q, k = _unpermute_rope(q, cfg.num_heads), _unpermute_rope(k, cfg.num_kv_heads)
-        sd[o + "attn.wqkv.weight"] = torch.cat([q, k, take(b + "attn_v.weight")])
+        sd[o + "attn.wqkv.weight"] = _cat_rows([q, k, take(b + "attn_v.weight")], b + "attn q/k/v", path)
         if cfg.qkv_bias:
-            qb, kb = take(b + "attn_q.bias"), take(b + "attn_k.bias")
+            qb, kb = take(b + "attn_q.bias", cfg.q_size), take(b + "attn_k.bias", cfg.kv_size)
             if permuted:
                 qb, kb = _unpermute_rope(qb, cfg.num_heads), _unpermute_rope(kb, cfg.num_kv_heads)
-            sd[o + "attn.wqkv.bias"] = torch.cat([qb, kb, take(b + "attn_v.bias")])
+            sd[o + "attn.wqkv.bias"] = _cat_rows([qb, kb, take(b + "attn_v.bias")], b + "attn bias", path)
         sd[o + "attn.wo.weight"] = take(b + "attn_output.weight")
         sd[o + "attn_norm.weight"] = take(b + "attn_norm.weight")
         sd[o + "mlp_norm.weight"] = take(b + "ffn_norm.weight")
-        sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(b + "ffn_gate.weight"), take(b + "ffn_up.weight")])
+        gate_up = [take(b + "ffn_gate.weight"), take(b + "ffn_up.weight")]
+        sd[o + "mlp.w_gate_up.weight"] = _cat_rows(gate_up, b + "ffn gate/up", path)
         sd[o + "mlp.w_down.weight"] = take(b + "ffn_down.weight")
     return sd
 
 
 # --- HF safetensors directories ----------------------------------------------------------------------------
 def hf_config(path: Path) -> ModelConfig:
+    """config.json (and generation_config.json's stop tokens) of an HF-style directory -> ModelConfig."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelFormatError(f"{path}: no config.json (not an HF-style model directory)")
-    try:
-        c = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelFormatError(f"{cfg_file}: invalid JSON ({exc})") from None
+    c = read_json_object(cfg_file)
     model_type = c.get("model_type")
     if model_type not in HF_ARCHITECTURES:
         raise ModelFormatError(
             f"{path}: unsupported architecture {model_type!r} (supported: {', '.join(HF_ARCHITECTURES)})"
         )
-    try:
-        heads = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-        eos = c.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        # transformers >= 5 writes rope settings (theta included) as "rope_parameters"; older files as rope_scaling
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        rope_theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        gen_cfg = path / "generation_config.json"
-        if gen_cfg.is_file():
-            g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            eos_ids += tuple(g_eos) if isinstance(g_eos, list) else ((g_eos,) if g_eos is not None else ())
-        return ModelConfig(
-            arch=model_type,
-            vocab_size=int(c["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(c["intermediate_size"]),
-            num_layers=int(c["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or hidden // heads),
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            max_position=int(c.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
-            rope_scaling=scaling,
-            bos_token_id=c.get("bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
-        )
-    except KeyError as exc:
-        raise ModelFormatError(f"{cfg_file}: missing key {exc}") from None
+
+    def number(key: str, default=None, check=positive_int):
+        value = c.get(key)
+        if value is None and default is None:
+            raise ModelFormatError(f"{cfg_file}: missing key {key!r}")
+        return check(default if value is None else value, key, cfg_file)
+
+    heads, hidden = number("num_attention_heads"), number("hidden_size")
+    # transformers >= 5 writes rope settings (theta included) as "rope_parameters"; older files as rope_scaling
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelFormatError(f"{cfg_file}: rope_scaling must be an object, got {rope!r}")
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    eos_ids = token_ids(c.get("eos_token_id"), "eos_token_id", cfg_file)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        eos_ids += token_ids(read_json_object(gen_cfg).get("eos_token_id"), "eos_token_id", gen_cfg)
+    bos = token_ids(c.get("bos_token_id"), "bos_token_id", cfg_file)
+    cfg = ModelConfig(
+        arch=model_type,
+        vocab_size=number("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=number("intermediate_size"),
+        num_layers=number("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=number("num_key_value_heads", heads),
+        head_dim=number("head_dim", hidden // heads),
+        rope_theta=positive_float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0, "rope_theta", cfg_file),
+        rms_norm_eps=number("rms_norm_eps", 1e-6, positive_float),
+        max_position=number("max_position_embeddings", 4096),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+        rope_scaling=scaling,
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+    return check_shape(cfg, cfg_file)
 
 
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
+        weight_map = read_json_object(index).get("weight_map")
+        valid = isinstance(weight_map, dict) and weight_map
+        valid = valid and all(isinstance(n, str) and n and Path(n).name == n for n in weight_map.values())
+        if not valid:
+            raise ModelFormatError(f"{index}: weight_map must map tensor names to file names in {path}")
+        files = [path / n for n in sorted(set(weight_map.values()))]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -257,13 +313,14 @@ def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> di
     for i in range(cfg.num_layers):
         b, o = f"model.layers.{i}.", f"layers.{i}."
         a = b + "self_attn."
-        sd[o + "attn.wqkv.weight"] = torch.cat([take(a + f"{p}_proj.weight") for p in "qkv"])
+        sd[o + "attn.wqkv.weight"] = _cat_rows([take(a + f"{p}_proj.weight") for p in "qkv"], a + "q/k/v", path)
         if cfg.qkv_bias:
-            sd[o + "attn.wqkv.bias"] = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"])
+            sd[o + "attn.wqkv.bias"] = _cat_rows([take(a + f"{p}_proj.bias") for p in "qkv"], a + "bias", path)
         sd[o + "attn.wo.weight"] = take(a + "o_proj.weight")
         sd[o + "attn_norm.weight"] = take(b + "input_layernorm.weight")
         sd[o + "mlp_norm.weight"] = take(b + "post_attention_layernorm.weight")
-        sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(b + "mlp.gate_proj.weight"), take(b + "mlp.up_proj.weight")])
+        gate_up = [take(b + "mlp.gate_proj.weight"), take(b + "mlp.up_proj.weight")]
+        sd[o + "mlp.w_gate_up.weight"] = _cat_rows(gate_up, b + "mlp gate/up", path)
         sd[o + "mlp.w_down.weight"] = take(b + "mlp.down_proj.weight")
     return sd
 

@@ -17,6 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from specchat.errors import ModelFormatError, PromptError
+from specchat.safetensors_io import read_json_object
 
 # End-of-turn markers of common chat templates; those present in a vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "</s>")
@@ -36,6 +37,13 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def _read_template(file: Path) -> str:
+    try:
+        return file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelFormatError(f"{file}: not valid UTF-8 (at byte {exc.start})") from None
 
 
 def _token_text(value) -> str | None:
@@ -77,21 +85,24 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the tokenizers library raises plain Exceptions on bad files
             raise ModelFormatError(f"{tok_file}: cannot read tokenizer ({exc})") from None
-        config = {}
-        if (path / "tokenizer_config.json").is_file():
-            config = json.loads((path / "tokenizer_config.json").read_text())
-        template = config.get("chat_template")
+        config_file, template_file = path / "tokenizer_config.json", path / "chat_template.jinja"
+        config = read_json_object(config_file) if config_file.is_file() else {}
+        template, origin = config.get("chat_template"), config_file
         if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-        return cls(
-            backend,
-            template,
-            _token_text(config.get("bos_token")),
-            _token_text(config.get("eos_token")),
-            extra_eos_ids,
-        )
+            named = (t for t in template if isinstance(t, dict) and t.get("name") == "default")
+            template = next((t.get("template") for t in named), None)
+        if template_file.is_file():
+            template, origin = _read_template(template_file), template_file
+        if template is not None and not isinstance(template, str):
+            raise ModelFormatError(f"{origin}: chat_template must be a string, got {type(template).__name__}")
+        specials = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token")}
+        for key, text in specials.items():
+            if text is not None and not isinstance(text, str):
+                raise ModelFormatError(f"{config_file}: {key} must be a string, got {text!r}")
+        try:
+            return cls(backend, template, specials["bos_token"], specials["eos_token"], extra_eos_ids)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise ModelFormatError(f"{origin}: invalid chat template (line {exc.lineno}: {exc.message})") from None
 
     @property
     def vocab_size(self) -> int:
@@ -117,6 +128,8 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise PromptError(f"the chat template rejected these messages: {exc}") from None
+        except Exception as exc:  # the template is the model's code: whatever it raises is the model file's fault
+            raise ModelFormatError(f"the chat template failed ({type(exc).__name__}: {exc})") from None
 
     def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
         # The rendered template already holds the BOS token where the model wants one.
