@@ -1,12 +1,20 @@
-"""`specchat generate`: complete prompts, streaming text or printing one JSON object per prompt."""
+"""`specchat generate`: complete prompts, streaming text or printing one JSON object per prompt.
+
+A prompt comes from --prompt, from stdin, or from --prompts-file (one prompt per line, or a .jsonl file of
+{"prompt": ...} / {"messages": [...]} objects). A file's prompts run concurrently and fail one by one: a line
+that cannot be read, does not fit the context or cannot get KV pages gets its own record with
+`finish_reason: "error"` and the line in its message, the others complete, and the exit status is 1 if any failed.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
+from specchat.cli.inputs import PromptItem, read_prompts
 from specchat.cli.options import (
     StderrProgress,
     engine_config,
@@ -17,7 +25,10 @@ from specchat.cli.options import (
     spec_params,
 )
 from specchat.engine.sequence import Finished, TextDelta
-from specchat.errors import PromptError
+from specchat.engine.stats import SpecStats
+from specchat.errors import PromptError, SpecchatError
+
+FAILED_LINES_SHOWN = 10  # the summary of failed prompts names at most this many lines
 
 
 def result_json(engine, model_name: str, fin: Finished) -> dict:
@@ -36,22 +47,84 @@ def result_json(engine, model_name: str, fin: Finished) -> dict:
     return out
 
 
-def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
-    if (prompt is None) == (prompts_file is None):
-        raise click.UsageError("give exactly one of --prompt or --prompts-file")
-    if prompt is not None:
-        return [prompt]
-    prompts = [line for line in prompts_file.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise PromptError(f"{prompts_file}: no prompts (one per line)")
-    return prompts
+def failed(error: str) -> Finished:
+    """The Finished record of a prompt that never reached the engine."""
+    return Finished(
+        request_id=-1,
+        reason="error",
+        text="",
+        token_ids=[],
+        prompt_tokens=0,
+        stats=SpecStats(),
+        elapsed_s=0.0,
+        decode_s=0.0,
+        error=error,
+    )
+
+
+def with_system(prompt: str | list[dict], system: str | None) -> str | list[dict]:
+    """Chat messages get --system in front unless they open with a system message of their own."""
+    if system is None or isinstance(prompt, str) or prompt[0]["role"] == "system":
+        return prompt
+    return [{"role": "system", "content": system}, *prompt]
+
+
+def submit_all(engine, items: list[PromptItem], sampling, spec, system, raw, from_file: bool) -> list:
+    """A RequestHandle per prompt, or the Finished error of a prompt the engine refused (the others still run)."""
+    submitted = []
+    for item in items:
+        if item.prompt is not None and raw and not isinstance(item.prompt, str):
+            item.error = "--raw takes text prompts, this line has messages"
+        if item.error is not None:
+            submitted.append(failed(item.error))
+            continue
+        try:
+            submitted.append(engine.submit(with_system(item.prompt, system), sampling, spec, system=system, raw=raw))
+        except PromptError as exc:
+            if not from_file:  # a single prompt's problem is the command's one error line
+                raise PromptError(f"{item.where}: {exc}") from None
+            submitted.append(failed(str(exc)))
+    return submitted
+
+
+def wait(request, as_json: bool) -> Finished:
+    """A request's Finished event, its text streamed to stdout on the way unless the output is JSON."""
+    if isinstance(request, Finished):
+        return request
+    return request.result() if as_json else stream(request)
+
+
+def stream(handle) -> Finished:
+    """Print a request's text as it comes."""
+    for event in handle.events():
+        if isinstance(event, TextDelta) and event.text:
+            click.echo(event.text, nl=False)
+        elif isinstance(event, Finished):
+            click.echo()
+            return event
+    raise AssertionError("a request's events end with Finished")
+
+
+def check_all_succeeded(items: list[PromptItem], results: list[Finished], prompts_file: Path | None) -> None:
+    """One error line (so exit status 1) if any prompt failed: its reason, or which lines of the file."""
+    bad = [item for item, fin in zip(items, results, strict=True) if fin.reason == "error"]
+    if not bad:
+        return
+    if len(items) == 1:
+        raise SpecchatError(results[0].error or "the request failed")
+    lines = ", ".join(item.where.removeprefix("line ") for item in bad[:FAILED_LINES_SHOWN])
+    more = f" and {len(bad) - FAILED_LINES_SHOWN} more" if len(bad) > FAILED_LINES_SHOWN else ""
+    label = "line" if len(bad) == 1 else "lines"
+    raise SpecchatError(f"{len(bad)} of {len(items)} prompts in {prompts_file} failed ({label} {lines}{more})")
 
 
 @click.command()
 @model_options
-@click.option("--prompt", "-p", help="the prompt text")
+@click.option("--prompt", "-p", help="the prompt text (default: read from stdin)")
 @click.option(
-    "--prompts-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="one prompt per line"
+    "--prompts-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='one prompt per line; a .jsonl file: one {"prompt": "..."} or {"messages": [...]} per line',
 )
 @click.option("--system", help="system message (chat template only)")
 @click.option("--raw", is_flag=True, help="tokenize the prompt as is, without the chat template")
@@ -79,25 +152,27 @@ def generate(
     """Complete a prompt (or a file of prompts, run concurrently) with MODEL (default: smollm2-135m)."""
     from specchat.engine.engine import Engine
 
-    prompts = read_prompts(prompt, prompts_file)
+    items = read_prompts(prompt, prompts_file)
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, weights=weights)
     engine = Engine.load(config, progress=StderrProgress())
-    handles = [engine.submit(p, sampling, spec, system=system, raw=raw) for p in prompts]
-    for i, handle in enumerate(handles):
-        if as_json:
-            click.echo(json.dumps(result_json(engine, config.model, handle.result())))
-            continue
-        if len(handles) > 1:
+    engine.drafter(spec.drafter)  # a drafter that cannot load fails once, not once per prompt
+    from_file = prompts_file is not None
+    submitted = submit_all(engine, items, sampling, spec, system, raw, from_file)
+    results = []
+    for i, (item, request) in enumerate(zip(items, submitted, strict=True)):
+        if not as_json and len(items) > 1:
             click.echo(f"--- prompt {i + 1} ---")
-        for event in handle.events():
-            if isinstance(event, TextDelta) and event.text:
-                click.echo(event.text, nl=False)
-            elif isinstance(event, Finished):
-                click.echo()
-                if event.error:
-                    click.echo(f"specchat: request failed: {event.error}", err=True)
+        fin = wait(request, as_json)
+        if fin.error and from_file:
+            fin = dataclasses.replace(fin, error=f"{item.where}: {fin.error}")
+        if as_json:
+            click.echo(json.dumps(result_json(engine, config.model, fin)))
+        elif fin.error and len(items) > 1:
+            click.echo(f"specchat: prompt {i + 1} failed: {fin.error}", err=True)
+        results.append(fin)
+    check_all_succeeded(items, results, prompts_file)
 
 
 def register(group: click.Group) -> None:
