@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import functools
+import math
+import os
 import sys
+from pathlib import Path
 
 import click
 
 from specchat.config import (
     DEVICES,
+    DRAFTER_ARGS,
     DRAFTER_SYNTAX,
     DTYPES,
     KV_CHOICES,
@@ -48,10 +52,13 @@ def model_options(func):
     @click.option("--eager", is_flag=True, help="CUDA: plain PyTorch modules, no fused kernels or CUDA graphs")
     @functools.wraps(func)
     def wrapper(*args, kv_format, kv_memory, eager, **kwargs):
+        kv_bytes = parse_bytes(kv_memory)
+        if kv_bytes is not None:
+            check_memory_ask(kv_bytes, kwargs["device"], f"--kv-memory {kv_memory}")
         # Kept on the click context for `engine_config`, so commands need not thread them through.
         click.get_current_context().meta[ENGINE_SETTINGS] = {
             "kv_format": kv_format,
-            "kv_memory": parse_bytes(kv_memory),
+            "kv_memory": kv_bytes,
             "eager": eager,
         }
         return func(*args, **kwargs)
@@ -64,15 +71,56 @@ BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_bytes(text: str | None) -> int | None:
-    """'512M', '8G', '1.5G', '1000000' -> bytes (binary units; a trailing B or iB is allowed)."""
+    """'512M', '8G', '1.5G', '1000000' -> bytes (binary units; a trailing B or iB is allowed), at least one."""
     if text is None:
         return None
     value = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = value[-1:] if value[-1:] in BYTE_UNITS else ""
     try:
-        return int(float(value[: len(value) - len(unit)]) * BYTE_UNITS[unit])
+        number = float(value[: len(value) - len(unit)])
     except ValueError:
-        raise ConfigError(f"--kv-memory must be a size like 512M or 8G, got {text!r}") from None
+        number = math.nan
+    if not (math.isfinite(number) and number * BYTE_UNITS[unit] >= 1):
+        raise ConfigError(f"--kv-memory must be a size of at least 1 byte like 512M or 8G, got {text!r}")
+    return int(number * BYTE_UNITS[unit])
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def available_memory(device) -> int:
+    """Bytes a new allocation can get: free memory of a CUDA device; on the CPU, MemAvailable within the cgroup's
+    limit (Linux), else the physical memory."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = next(
+            int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")
+        )
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, int(limit) - used)
+    except (OSError, StopIteration, ValueError):
+        pass  # not Linux, or no cgroup v2 limit: what we have is the best estimate
+    return available
+
+
+def check_memory_ask(nbytes: int, device_name: str, what: str) -> None:
+    """ConfigError if `nbytes` is more than the device (resolved from --device) has free."""
+    from specchat.engine.loading import pick_device
+
+    device = pick_device(device_name)
+    free = available_memory(device)
+    if nbytes > free:
+        where = "the GPU" if device.type == "cuda" else "this machine"
+        raise ConfigError(f"{what} needs {gib(nbytes)} but {where} has {gib(free)} free")
 
 
 def sampling_options(func):
@@ -108,8 +156,23 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: in
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
 
 
+def check_drafter_arg(drafter: str) -> None:
+    """The file, directory or model a `kind:ARG` drafter names exists (checked before the target loads)."""
+    kind, _, arg = check_drafter_name(drafter).partition(":")
+    if not arg:
+        return
+    if DRAFTER_ARGS[kind] == "FILE" and not Path(arg).expanduser().is_file():
+        raise ConfigError(f"--drafter {drafter}: no such file {arg}")
+    if DRAFTER_ARGS[kind] == "DIR" and not Path(arg).expanduser().is_dir():
+        raise ConfigError(f"--drafter {drafter}: no such directory {arg}")
+    if DRAFTER_ARGS[kind] == "NAME":
+        from specchat.registry import resolve
+
+        resolve(arg)
+
+
 def spec_params(drafter: str, k: str) -> SpecParams:
-    check_drafter_name(drafter)  # a typo fails before the model loads
+    check_drafter_arg(drafter)  # a typo or a missing file fails before the model loads
     if k == "auto":
         return SpecParams(drafter=drafter, k=None)
     try:
