@@ -19,10 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specchat.config import KV_FORMATS
 from specchat.engine.kv_cache import KVPool
+from specchat.engine.kv_pages import bytes_per_token
 from specchat.engine.model import ModelConfig, Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.stats import percentile
+from specchat.errors import ConfigError
 from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules, weight_bytes
 
 SHAPES = {
@@ -65,15 +68,27 @@ SHAPES = {
     ),
 }
 INIT_STD = 0.02
+WARMUP_STEPS = 4
+PAGE_SIZE = 16
 
 
 @dataclass(slots=True)
 class SyntheticCase:
     batch: int
-    weights: str = "bf16"  # "bf16" | "mxfp4"
+    weights: str = "bf16"  # "mxfp4", or the dtype of unquantized weights ("float32" on the CPU, "bfloat16")
     kv: str = "bf16"
     k: int = 0  # drafts per step (0 = plain decode)
     acceptance: float = 0.0  # per-token acceptance of the benchmark-only drafter
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ConfigError(f"--batch sizes must be >= 1, got {self.batch}")
+        if self.kv not in KV_FORMATS:
+            raise ConfigError(f"--kv takes KV formats among {', '.join(KV_FORMATS)}, got {self.kv!r}")
+        if self.k < 0:
+            raise ConfigError(f"--k must list draft counts >= 0, got {self.k}")
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise ConfigError(f"--acceptance must be in [0, 1], got {self.acceptance}")
 
 
 @dataclass(slots=True)
@@ -86,6 +101,30 @@ class SyntheticResult:
     latency_p99_ms: float
     weights_bytes: int
     kv_bytes_per_token: int
+
+
+def pool_pages(case: SyntheticCase, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
+    """KV pages for a case: every request's context, its steps' tokens and a spare page."""
+    tokens_per_seq = context + (warmup + steps) * (case.k + 1) + PAGE_SIZE
+    return case.batch * (-(-tokens_per_seq // PAGE_SIZE) + 1)
+
+
+def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, cases: list[SyntheticCase], context: int, steps: int) -> int:
+    """Peak memory of a run, roughly: the dense weights (counted on the meta device; MXFP4 packs them while
+    they are still there, so dense + packed at the peak), the largest case's KV pool, and the prefill's
+    activations (fp32 logits and the MLP's hidden rows of one request's context)."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Transformer(cfg).parameters())
+    element = torch.finfo(dtype).bits // 8
+    weights = params * element * (2 if any(c.weights == "mxfp4" for c in cases) else 1)
+    kv = max(
+        pool_pages(c, context, steps)
+        * PAGE_SIZE
+        * bytes_per_token(c.kv, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        for c in cases
+    )
+    prefill = context * (cfg.vocab_size * 4 + 3 * cfg.intermediate_size * element)
+    return weights + kv + prefill
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
@@ -121,20 +160,19 @@ def run_case(
     case: SyntheticCase,
     context: int,
     steps: int,
-    warmup: int = 4,
+    warmup: int = WARMUP_STEPS,
     seed: int = 0,
     runner_factory=ModelRunner,
 ) -> SyntheticResult:
     """Time `steps` decode / verify steps of `case.batch` requests that each start with `context` tokens."""
     cfg = model.cfg
     device = next(model.parameters()).device
-    tokens_per_seq = context + (warmup + steps) * (case.k + 1) + 16
     pool = KVPool(
         cfg.num_layers,
         cfg.num_kv_heads,
         cfg.head_dim,
-        num_pages=case.batch * (-(-tokens_per_seq // 16) + 1),
-        page_size=16,
+        num_pages=pool_pages(case, context, steps, warmup),
+        page_size=PAGE_SIZE,
         dtype=next(model.parameters()).dtype,
         device=device,
         kv_format=case.kv,

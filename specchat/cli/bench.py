@@ -6,12 +6,17 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from specchat.cli.options import StderrProgress, spec_params
-from specchat.config import DEVICES, DTYPES, EngineConfig
+from specchat.cli.inputs import read_prompt_lines
+from specchat.cli.options import StderrProgress, check_memory_ask, spec_params
+from specchat.config import DEVICES, DTYPES, WEIGHT_FORMATS, EngineConfig
 from specchat.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specchat.bench.synthetic import SyntheticCase
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -38,20 +43,15 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
     from specchat.config import SamplingParams
     from specchat.engine.engine import Engine
 
-    prompts = [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ConfigError(f"{prompts_file}: no prompts (one per line)")
-    engine = Engine.load(config, progress=StderrProgress())
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompts = read_prompt_lines(Path(prompts_file), "--prompts")
     counts = int_list(sessions, "--sessions")
     if min(counts) < 1:
         raise ConfigError(f"--sessions must list counts >= 1, got {sessions!r}")
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
+    engine = Engine.load(config, progress=StderrProgress())
     requests = max(counts)  # every count runs the same requests, so their throughputs compare
-    results = []
-    for n in counts:
-        for name in drafter.split(","):
-            spec = spec_params(name.strip(), k)
-            results.append(run_sessions(engine, prompts, n, sampling, spec, requests=requests))
+    results = [run_sessions(engine, prompts, n, sampling, spec, requests=requests) for n in counts for spec in specs]
     if as_json:
         for r in results:
             click.echo(json.dumps(dataclasses.asdict(r)))
@@ -88,32 +88,49 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
     print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
 
 
+def synthetic_cases(weights: str, kv: str, batch: str, k: str, acceptance: float, label: str) -> list[SyntheticCase]:
+    """Every combination of the comma lists, in run order (weight format outermost: one model per format)."""
+    from specchat.bench.synthetic import SyntheticCase
+
+    formats = [w.strip() for w in weights.split(",")]
+    for fmt in formats:
+        if fmt not in WEIGHT_FORMATS:
+            raise ConfigError(f"--weights takes {' and/or '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    return [
+        SyntheticCase(b, fmt if fmt == "mxfp4" else label, kv_fmt.strip(), kk, acceptance if kk else 0.0)
+        for fmt in formats
+        for kv_fmt in kv.split(",")
+        for b in int_list(batch, "--batch")
+        for kk in int_list(k, "--k")
+    ]
+
+
 def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, eager, as_json) -> None:
     import torch
 
-    from specchat.bench.synthetic import SHAPES, SyntheticCase, quantize_all, random_model, run_case
+    from specchat.bench.synthetic import SHAPES, estimate_bytes, quantize_all, random_model, run_case
     from specchat.engine.loading import make_runner, pick_device
 
     if shape not in SHAPES:
         raise ConfigError(f"unknown synthetic shape {shape!r} (available: {', '.join(SHAPES)})")
+    if context < 1 or steps < 1:
+        raise ConfigError(f"--context and --steps must be >= 1, got {context} and {steps}")
+    if not 0.0 <= acceptance <= 1.0:
+        raise ConfigError(f"--acceptance must be in [0, 1], got {acceptance}")
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cases = synthetic_cases(weights, kv, batch, k, acceptance, str(dtype).removeprefix("torch."))
+    check_memory_ask(estimate_bytes(SHAPES[shape], dtype, cases, context, steps), device, f"--synthetic {shape}")
 
     runner_factory = functools.partial(make_runner, eager=eager)
     results = []
-    for weight_fmt in weights.split(","):
+    for fmt in dict.fromkeys(c.weights for c in cases):
         model = random_model(SHAPES[shape], dtype, dev)
-        if weight_fmt == "mxfp4":
+        if fmt == "mxfp4":
             quantize_all(model)
-        elif weight_fmt != "bf16":
-            raise ConfigError(f"--weights takes bf16 and/or mxfp4, got {weight_fmt!r}")
-        for kv_fmt in kv.split(","):
-            for b in int_list(batch, "--batch"):
-                for kk in int_list(k, "--k"):
-                    label = weight_fmt if weight_fmt == "mxfp4" else str(dtype).removeprefix("torch.")
-                    case = SyntheticCase(b, label, kv_fmt, kk, acceptance if kk else 0.0)
-                    results.append(run_case(model, case, context, steps, runner_factory=runner_factory))
-                    click.echo(f"done: {case}", err=True)
+        for case in (c for c in cases if c.weights == fmt):
+            results.append(run_case(model, case, context, steps, runner_factory=runner_factory))
+            click.echo(f"done: {case}", err=True)
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -172,6 +189,8 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
+    if shape is not None and model is not None:
+        raise click.UsageError(f"--synthetic {shape} builds its own model; leave out MODEL ({model})")
     if shape is not None:
         bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
         return
