@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 import torch
 
+from specchat.cli.inputs import read_nonempty_text
 from specchat.cli.options import StderrProgress, engine_config, model_options
 from specchat.errors import ConfigError, PromptError
 
@@ -111,7 +112,9 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
 
     if context <= 1:
         raise ConfigError(f"--context must be > 1, got {context}")
-    text = text_file.read_text() if text_file else held_out_text()
+    if not 0 < stride <= context:
+        raise ConfigError(f"--stride must be in [1, --context = {context}], got {stride}")
+    text = read_nonempty_text(text_file, "--file") if text_file else held_out_text()
     config = engine_config(model, device, dtype, weights=weights)  # --kv and --kv-memory: model_options
     engine = Engine.load(config, progress=StderrProgress())
     ids = engine.tokenizer.encode(text)

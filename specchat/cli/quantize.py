@@ -10,12 +10,15 @@ switch) reads for this model, so the calibration runs once.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
 
+from specchat.cli.inputs import read_nonempty_text
 from specchat.cli.options import StderrProgress
 from specchat.config import DEVICES, DTYPES
+from specchat.errors import ConfigError
 from specchat.quant.quantize import (
     CALIBRATION_TOKENS,
     DEFAULT_DAMP,
@@ -50,6 +53,10 @@ def quantize(
     from specchat.quant.quantize import QuantizeSettings, quantize_to_checkpoint
     from specchat.registry import fetch, resolve, tokenizer_dir
 
+    if not math.isfinite(damp):
+        raise ConfigError(f"--damp must be a finite number > 0, got {damp}")
+    if calibration is not None:
+        read_nonempty_text(calibration, "--calibration")  # an empty or unreadable text fails before the model loads
     settings = QuantizeSettings(
         method=method,
         rule=rule,

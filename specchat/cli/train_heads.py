@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import click
 
 from specchat.cli.options import StderrProgress, engine_config, model_options
+from specchat.errors import ConfigError
 
 PLAIN_PROGRESS_EVERY_S = 10.0  # without a terminal: one progress line this often
 
@@ -57,7 +59,9 @@ class LineProgress:
 @click.option("--ttt-steps", type=int, default=5, show_default=True, help="eagle: chain depth trained")
 @click.option("--lr", type=float, default=None, help="default: 2e-3 (heads), 1e-3 (eagle)")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-prompts", type=int, default=0, help="train on the first N prompts only (quick runs)")
+@click.option(
+    "--max-prompts", type=click.IntRange(min=1), default=None, help="train on the first N prompts only [default: all]"
+)
 @click.option("--max-running", type=int, default=64, show_default=True, help="answers generated concurrently")
 def train_heads(
     model,
@@ -88,9 +92,17 @@ def train_heads(
     from specchat.engine.train_heads import TrainConfig
     from specchat.engine.train_heads import train_heads as run_training
 
+    if max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be > 0, got {max_tokens}")
+    if epochs is not None and epochs < 1:
+        raise ConfigError(f"--epochs must be >= 1, got {epochs}")
+    if lr is not None and not (lr > 0 and math.isfinite(lr)):
+        raise ConfigError(f"--lr must be a finite number > 0, got {lr}")
+    if tap is not None and arch == "eagle":
+        raise click.UsageError("--tap is for --arch heads (an EAGLE-3 head reads three layers of its own choice)")
     vocab = draft_vocab if draft_vocab is not None else (8192 if arch == "eagle" else 16384)
     data = {"draft_vocab": vocab, "max_tokens": max_tokens, "samples_per_prompt": samples, "seed": seed}
-    data["max_prompts"] = max_prompts
+    data["max_prompts"] = max_prompts or 0  # 0: every prompt of the train split
     if arch == "eagle":
         cfg = EagleTrainConfig(
             **data, ttt_steps=ttt_steps, epochs=epochs or 6, batch_tokens=batch_tokens, lr=lr or 1e-3
@@ -107,6 +119,9 @@ def train_heads(
         )
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)  # model_extra: --weights
     engine = Engine.load(config, progress=StderrProgress())
+    layers = engine.model.cfg.num_layers
+    if tap is not None and not 0 <= tap < layers:  # before any answer is generated
+        raise ConfigError(f"--tap must be a layer of this model, in [0, {layers - 1}], got {tap}")
     log = lambda line: click.echo(line, err=True)
     train = train_eagle if arch == "eagle" else run_training
     report = train(engine, cfg, out, LineProgress(), log, work)
