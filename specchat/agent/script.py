@@ -227,7 +227,12 @@ def _tasks(top: _Table, base: Path) -> list[str]:
         raise ConfigError(f"tasks_file: no such file {path}")
     if path.suffix == ".toml":
         return _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"tasks_file {path}: not valid UTF-8 (at byte {error.start})") from None
+    except OSError as error:
+        raise ConfigError(f"tasks_file {path}: cannot read ({error.strerror or error})") from None
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 
 import click
 
+from specchat.cli.inputs import is_non_utf8
 from specchat.cli.options import (
     StderrProgress,
     engine_config,
@@ -16,18 +18,26 @@ from specchat.cli.options import (
     spec_options,
     spec_params,
 )
+from specchat.errors import PromptError
 
 REPL_HELP = "Type a message and press Enter (end a line with \\ to continue it). /reset clears the chat, /exit quits."
 
 
 def read_message() -> str | None:
-    """One user message from stdin (None at end of input); a trailing backslash continues the line."""
+    """One user message from stdin (None at end of input); a trailing backslash continues the line.
+
+    Bytes that are not UTF-8 end the chat in one error line (PromptError), whatever the locale's decoding does.
+    """
+    if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.errors != "surrogateescape":
+        sys.stdin.reconfigure(errors="surrogateescape")  # undecodable bytes arrive as lone surrogates, refused below
     lines = []
     while True:
         try:
             line = input("> " if not lines else ". ")
         except EOFError:
             return "\n".join(lines) if lines else None
+        if is_non_utf8(line):
+            raise PromptError("stdin: the message is not valid UTF-8")
         if line.endswith("\\"):
             lines.append(line[:-1])
             continue
