@@ -18,6 +18,7 @@ ALLOWED = {
     "quant": {"specchat.kernels"},
     "engine": {"specchat.kernels", "specchat.quant"},
     "agent": {"specchat.engine.api", "specchat.engine.sequence", "specchat.engine.stats"},
+    "server": {"specchat.agent", "specchat.engine.api", "specchat.engine.sequence", "specchat.engine.telemetry"},
     "ui": {
         "specchat.agent",
         "specchat.engine.api",

@@ -45,9 +45,9 @@ def main() -> None:
 
 
 def _register() -> None:
-    from specchat.cli import agent, bench, generate, models, perplexity, quantize, run, train_heads
+    from specchat.cli import agent, bench, generate, models, perplexity, quantize, run, serve, train_heads
 
-    for module in (agent, bench, generate, models, perplexity, quantize, run, train_heads):
+    for module in (agent, bench, generate, models, perplexity, quantize, run, serve, train_heads):
         module.register(main)
 
 

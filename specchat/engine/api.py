@@ -106,3 +106,18 @@ class AgentEngine(Protocol):
         ...
 
     def memory(self) -> dict: ...
+
+
+@runtime_checkable
+class ServedEngine(ChatEngine, Protocol):
+    """The engine as `specchat serve` sees it: a chat engine that also encodes prompts and knows its context."""
+
+    tokenizer: object  # engine.tokenizer.Tokenizer: chat_template_source
+
+    @property
+    def max_position(self) -> int:
+        """Tokens the model's context holds (prompt + completion)."""
+        ...
+
+    def encode_prompt(self, prompt: Prompt, system: str | None = None, raw: bool = False, tools=None) -> list[int]:
+        ...

@@ -115,6 +115,11 @@ class Engine:
         parts = load_parts(config, progress)
         return cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
 
+    @property
+    def max_position(self) -> int:
+        """Tokens the model's context holds (prompt + completion)."""
+        return self.model.cfg.max_position
+
     def drafter(self, name: str) -> Drafter:
         """The drafter called `name` (built on first use; an unknown name raises ConfigError)."""
         return self.drafters.get(name)

@@ -1,0 +1,43 @@
+"""`specchat serve`: one engine behind an OpenAI-compatible endpoint (docs/serve.md)."""
+
+from __future__ import annotations
+
+import click
+
+from specchat.cli.options import StderrProgress, engine_config, model_options, spec_options, spec_params
+from specchat.errors import ConfigError
+
+PORT_RANGE = (1, 65535)
+
+
+@click.command("serve")
+@model_options
+@spec_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-running", type=int, default=64, show_default=True, help="requests decoded together")
+def serve(model, device, dtype, drafter, k, host, port, max_running, **model_extra) -> None:
+    """Serve MODEL (default: smollm2-135m) at http://HOST:PORT/v1 (chat/completions, completions, models)."""
+    import uvicorn
+
+    from specchat.engine.engine import Engine
+    from specchat.server.app import create_app
+
+    if not PORT_RANGE[0] <= port <= PORT_RANGE[1]:
+        raise ConfigError(f"--port must be in [{PORT_RANGE[0]}, {PORT_RANGE[1]}], got {port}")
+    spec = spec_params(drafter, k)
+    config = engine_config(model, device, dtype, max_running=max_running, **model_extra)
+    engine = Engine.load(config, progress=StderrProgress())
+    engine.drafter(spec.drafter)  # a drafter that cannot load fails now, not at the first request
+    name = engine.model_spec.alias if engine.model_spec else config.model
+    engine.start()
+    app = create_app(engine, name, spec)
+    click.echo(f"specchat: serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    finally:
+        engine.close()
+
+
+def register(group: click.Group) -> None:
+    group.add_command(serve)

@@ -1,0 +1,5 @@
+"""`specchat serve`: the engine behind an OpenAI-compatible HTTP endpoint (docs/serve.md).
+
+protocol.py turns request bodies into the engine's settings and its results into OpenAI's JSON; app.py holds the
+routes and hands each request's events from the engine's thread to its handler; metrics.py writes /metrics.
+"""

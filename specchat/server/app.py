@@ -1,0 +1,191 @@
+"""The HTTP app: OpenAI-compatible routes over one engine whose step loop runs on its own thread.
+
+Every request is submitted `listen_only`: its events reach the server through one engine listener
+(`EventRouter`), which hands each step's events to the asyncio queue of the request they belong to. A request is
+submitted and its queue registered between two steps (`Engine.apply`), so no event can come before its queue.
+A streaming client that goes away cancels its request in the engine, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from specchat.config import SpecParams
+from specchat.engine.api import ServedEngine
+from specchat.engine.sequence import Event, Finished, TextDelta
+from specchat.errors import SpecchatError
+from specchat.server import metrics
+from specchat.server.protocol import (
+    ApiError,
+    GenerationRequest,
+    chunk,
+    completion,
+    finish_reason,
+    new_id,
+    parse_request,
+    tool_calls,
+    usage_chunk,
+    with_tools,
+)
+
+
+class EventRouter:
+    """Engine listener: each step's events, per request, onto that request's asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queues: dict[int, asyncio.Queue[list[Event]]] = {}
+
+    def __call__(self, events: list[Event]) -> None:  # on the engine's thread
+        by_request: dict[int, list[Event]] = {}
+        for event in events:
+            if event.request_id in self.queues:
+                by_request.setdefault(event.request_id, []).append(event)
+        for request_id, batch in by_request.items():
+            self.loop.call_soon_threadsafe(self.queues[request_id].put_nowait, batch)
+
+
+def create_app(engine: ServedEngine, model: str, default_spec: SpecParams | None = None) -> FastAPI:
+    """The app for `engine`, answering as model `model`; the engine's step loop must be running."""
+    app = FastAPI(title="specchat", docs_url=None, redoc_url=None)
+    spec = default_spec or SpecParams(drafter="none", k=0)
+    state: dict[str, EventRouter] = {}
+
+    def router() -> EventRouter:
+        if "router" not in state:  # made on the server's loop, at the first request
+            state["router"] = EventRouter(asyncio.get_running_loop())
+            engine.listeners.append(state["router"])
+        return state["router"]
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specchat"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        snap = await asyncio.to_thread(engine.snapshot)
+        return PlainTextResponse(metrics.render(snap, model), media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        if body.get("model") not in (None, model):
+            raise ApiError(
+                404,
+                f"the model {body.get('model')!r} does not exist; this server runs {model!r}",
+                "model",
+                "model_not_found",
+            )
+        req = parse_request(body, chat, spec)
+        queue, handle = await submit(req)
+        rid = new_id(chat)
+        if req.stream:
+            return StreamingResponse(stream(req, rid, queue, handle), media_type="text/event-stream")
+        try:
+            fin = await finished(queue)
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        finally:
+            router().queues.pop(handle.request_id, None)
+        if fin.reason == "error":
+            raise ApiError(400, fin.error or "the request failed")
+        return completion(req, rid, model, fin)
+
+    async def submit(req: GenerationRequest):
+        """Encode, then submit and register the request's queue between two engine steps."""
+        messages, tools = (
+            with_tools(req.prompt, req.tools, engine.tokenizer.chat_template_source or "")
+            if req.chat
+            else (req.prompt, None)
+        )
+        try:
+            ids = await asyncio.to_thread(engine.encode_prompt, messages, raw=not req.chat, tools=tools)
+        except SpecchatError as exc:
+            raise ApiError(400, str(exc), "messages" if req.chat else "prompt") from None
+        room = engine.max_position - len(ids)
+        req.sampling.max_tokens = min(req.max_tokens or room, room)
+        queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        events = router()
+        placed = {}
+
+        def place() -> None:
+            handle = engine.submit(ids, req.sampling, req.spec, listen_only=True)
+            events.queues[handle.request_id] = queue
+            placed["handle"] = handle
+
+        try:
+            await asyncio.wrap_future(engine.apply(place))
+        except SpecchatError as exc:  # an unknown drafter, a bad k
+            raise ApiError(400, str(exc), "drafter") from None
+        return queue, placed["handle"]
+
+    async def finished(queue: asyncio.Queue[list[Event]]) -> Finished:
+        while True:
+            for event in await queue.get():
+                if isinstance(event, Finished):
+                    return event
+
+    async def stream(req: GenerationRequest, rid: str, queue, handle) -> AsyncIterator[str]:
+        done = False
+        try:
+            if req.chat:
+                yield sse(chunk(req, rid, model, {"role": "assistant", "content": ""}))
+            while not done:
+                for event in await queue.get():
+                    if isinstance(event, TextDelta) and event.text and not req.tools:
+                        yield sse(chunk(req, rid, model, {"content": event.text} if req.chat else event.text))
+                    elif isinstance(event, Finished):
+                        done = True
+                        async for line in stream_end(req, rid, event):
+                            yield line
+        finally:
+            router().queues.pop(handle.request_id, None)
+            if not done:  # the client went away: stop generating, free the KV pages
+                handle.cancel()
+
+    async def stream_end(req: GenerationRequest, rid: str, fin: Finished) -> AsyncIterator[str]:
+        if fin.reason == "error":
+            yield sse(ApiError(400, fin.error or "the request failed").body())
+        calls: list[dict] = []
+        if req.tools:  # with tools the reply is held back: calls are known only at its end
+            content, calls = tool_calls(fin.text)
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            yield sse(chunk(req, rid, model, delta))
+        yield sse(chunk(req, rid, model, None, finish_reason(fin, bool(calls))))
+        if req.include_usage:
+            yield sse(usage_chunk(req, rid, model, fin))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    return app
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,286 @@
+"""The OpenAI chat-completions and completions protocol: request bodies in, response and chunk JSON out.
+
+Only what the engine does is accepted: n = 1, no logprobs. OpenAI's defaults apply where a field is absent
+(temperature 1, top_p 1, max_tokens up to the context). Speculation can be set per request with two fields
+beside the standard ones (the `extra_body` of the openai client): `drafter` and `k` (an integer or "auto").
+Errors a client causes are ApiError, which the app answers with OpenAI's error body and a 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from specchat.agent.toolcalls import parse_tool_calls, template_renders_tools, tools_system_prompt
+from specchat.config import SamplingParams, SpecParams
+from specchat.engine.sequence import Finished
+from specchat.errors import ConfigError
+
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+
+
+class ApiError(Exception):
+    """A request the server refuses: status, OpenAI error type, the offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A validated request: what to encode, how to sample and draft, how to answer."""
+
+    chat: bool
+    prompt: list[dict] | str  # chat messages, or a raw prompt (completions)
+    sampling: SamplingParams
+    spec: SpecParams
+    stream: bool = False
+    include_usage: bool = False
+    tools: list[dict] = field(default_factory=list)
+    max_tokens: int | None = None  # None: up to the context (filled in once the prompt is encoded)
+
+
+def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ApiError(400, f"{name} must be a number, got a boolean", name)
+    if not isinstance(value, kind):
+        raise ApiError(400, f"{name} has the wrong type: {type(value).__name__}", name)
+    return value
+
+
+def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> GenerationRequest:
+    """A JSON body of /v1/chat/completions (chat) or /v1/completions -> GenerationRequest, or ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if chat:
+        prompt = _messages(body.get("messages"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "prompt must be a non-empty string", "prompt")
+    if _field(body, "n", int, 1) != 1:
+        raise ApiError(400, "only n = 1 is supported", "n")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise ApiError(400, "logprobs are not supported", "logprobs")
+    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
+    if max_tokens is not None and max_tokens <= 0:
+        raise ApiError(400, f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty strings", "stop")
+    try:
+        sampling = SamplingParams(
+            temperature=float(_field(body, "temperature", (int, float), 1.0)),
+            top_p=float(_field(body, "top_p", (int, float), 1.0)),
+            top_k=_field(body, "top_k", int, 0),
+            seed=_field(body, "seed", int),
+            max_tokens=max_tokens or 1,  # the real cap is set once the prompt's length is known
+            stop=stop,
+        )
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), "temperature") from None
+    stream_options = _field(body, "stream_options", dict, {})
+    return GenerationRequest(
+        chat=chat,
+        prompt=prompt,
+        sampling=sampling,
+        spec=_spec(body, default_spec),
+        stream=bool(_field(body, "stream", bool, False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        tools=_tools(body) if chat else [],
+        max_tokens=max_tokens,
+    )
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
+            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or text parts", "messages")
+        role = "system" if message["role"] == "developer" else message["role"]
+        entry = {"role": role, "content": content or ""}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = [_call_for_template(call) for call in message["tool_calls"]]
+        if role == "tool":
+            entry["tool_call_id"] = str(message.get("tool_call_id", ""))
+            entry["name"] = str(message.get("name", ""))
+        out.append(entry)
+    return out
+
+
+def _call_for_template(call: Any) -> dict:
+    """An OpenAI tool call (arguments as a JSON string) -> the HF chat-template form (arguments as a dict)."""
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except json.JSONDecodeError:
+            raise ApiError(400, "a tool call's arguments must be a JSON object", "messages") from None
+    return {
+        "id": call.get("id", ""),
+        "type": "function",
+        "function": {"name": function.get("name", ""), "arguments": arguments},
+    }
+
+
+def _tools(body: dict) -> list[dict]:
+    tools = body.get("tools") or []
+    if body.get("tool_choice") == "none":
+        return []
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and t["function"].get("name")
+        for t in tools
+    ):
+        raise ApiError(400, "tools must be a list of {type: function, function: {name, ...}}", "tools")
+    return tools
+
+
+def _spec(body: dict, default: SpecParams) -> SpecParams:
+    drafter = body.get("drafter", default.drafter)
+    k = body.get("k", "auto" if default.k is None else default.k)
+    if not isinstance(drafter, str):
+        raise ApiError(400, "drafter must be a string", "drafter")
+    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
+        raise ApiError(400, 'k must be an integer or "auto"', "k")
+    try:
+        return SpecParams(drafter=drafter, k=None if k == "auto" else k, k_max=default.k_max)
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), "k") from None
+
+
+def with_tools(messages: list[dict], tools: list[dict], chat_template: str) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools for the template): templates that render tools get them as they are; others (SmolLM2's
+    ChatML) get them spelled out in the system message, and tool turns as <tool_call> / <tool_response> text."""
+    if not tools or template_renders_tools(chat_template):
+        return messages, tools or None
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]
+            ]
+            text = f"{message['content']}<tool_call>{json.dumps(calls)}</tool_call>"
+            out.append({"role": "assistant", "content": text})
+        elif message["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        else:
+            out.append({"role": message["role"], "content": message["content"]})
+    if out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": tools_system_prompt(out[0]["content"], tools)}
+    else:
+        out.insert(0, {"role": "system", "content": tools_system_prompt("You are a helpful assistant.", tools)})
+    return out, None
+
+
+# --- responses ------------------------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(fin: Finished) -> dict:
+    """OpenAI's usage, with the speculation that produced the tokens (engine.stats definitions)."""
+    stats = fin.stats
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": len(fin.token_ids),
+        "total_tokens": fin.prompt_tokens + len(fin.token_ids),
+        "speculation": {
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "tokens_per_step": round(stats.tokens_per_step, 4),
+        },
+    }
+
+
+def finish_reason(fin: Finished, has_calls: bool) -> str:
+    if has_calls:
+        return "tool_calls"
+    return "length" if fin.reason == "length" else "stop"
+
+
+def tool_calls(text: str) -> tuple[str, list[dict]]:
+    """(content without the call markup, OpenAI tool_calls) from a reply to a request with tools."""
+    parsed = parse_tool_calls(text)
+    calls = [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        for call in parsed.calls
+    ]
+    return (parsed.content if calls else text), calls
+
+
+def completion(req: GenerationRequest, rid: str, model: str, fin: Finished) -> dict:
+    """The whole response of a request that did not stream."""
+    created = int(time.time())
+    if not req.chat:
+        choice = {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": finish_reason(fin, False)}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(fin),
+        }
+    content, calls = tool_calls(fin.text) if req.tools else (fin.text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(fin, bool(calls))}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(fin),
+    }
+
+
+def chunk(req: GenerationRequest, rid: str, model: str, delta: dict | str | None, reason: str | None = None) -> dict:
+    """One streamed chunk: a chat delta ({"content": ...}) or completion text, and the finish reason at the end."""
+    created = int(time.time())
+    if not req.chat:
+        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": reason}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(req: GenerationRequest, rid: str, model: str, fin: Finished) -> dict:
+    """The last chunk of a stream whose client asked for stream_options.include_usage."""
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage(fin)}

@@ -1,0 +1,181 @@
+"""`specchat serve` on a free port, driven by the real `openai` client: chat, streaming, completions, tools, errors,
+a client that disconnects, /metrics. The tiny random model keeps it fast; greedy output is compared with the
+engine's own."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import uvicorn
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.sequence import Finished
+from specchat.engine.stats import SpecStats
+from specchat.server.app import create_app
+from specchat.server.protocol import GenerationRequest, completion
+
+MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """(base url, engine): a server of its own engine on a free port, for this module."""
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    server.should_exit = True
+    thread.join(10)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def post_raw(url: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def engine_greedy(engine, messages, max_tokens: int) -> str:
+    handle = engine.submit(messages, SamplingParams(max_tokens=max_tokens), SpecParams("none", k=0))
+    return handle.result().text
+
+
+def test_chat_greedy_equals_the_engine_and_stream_equals_whole(client, served):
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == engine_greedy(served[1], MESSAGES, 24)
+    assert reply.usage.completion_tokens == 24 and reply.usage.total_tokens == reply.usage.prompt_tokens + 24
+    assert reply.choices[0].finish_reason == "length"
+
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 24 and usage.model_extra["speculation"]["tokens_per_step"] >= 1.0
+
+
+def test_speculation_per_request_and_in_usage(client, served):
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, extra_body={"drafter": "ngram", "k": 3}
+    )
+    assert reply.choices[0].message.content == engine_greedy(served[1], MESSAGES, 24)  # lossless
+    assert set(reply.usage.model_extra["speculation"]) == {"drafted", "accepted", "acceptance_rate", "tokens_per_step"}
+
+
+def test_completions_models_health_and_metrics(client, served):
+    text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert text.object == "text_completion" and text.usage.completion_tokens == 8
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert json.loads(get(served[0] + "/health"))["status"] == "ok"
+    page = get(served[0] + "/metrics")
+    assert 'specchat:spec_decode_num_draft_tokens_total{model="tiny"}' in page
+    assert "specchat:kv_cache_usage_perc" in page and "specchat:tokens_per_second" in page
+
+
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES)
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be > 0"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="context holds"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 400}])
+    with pytest.raises(openai.BadRequestError, match="unknown drafter"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "nope"})
+    with pytest.raises(openai.BadRequestError, match="only n = 1"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
+    status, body = post_raw(served[0] + "/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices  # still up
+
+
+def test_a_client_that_disconnects_cancels_its_request(served):
+    url, engine = served
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True}
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.readline().startswith(b"data: ")  # the role chunk: the request is running
+    connection.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 20
+    while engine.scheduler.has_work() or engine.pool.used_pages:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+
+
+def test_tools_are_offered_and_calls_come_back_as_tool_calls(client):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
+    reply = client.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=8)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # A reply that calls a tool (the tiny model will not write one): the call comes back as tool_calls.
+    fin = Finished(
+        1,
+        "stop",
+        'On it.<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>',
+        [5, 6],
+        10,
+        SpecStats(),
+        0.1,
+        0.1,
+    )
+    req = GenerationRequest(chat=True, prompt=MESSAGES, sampling=SamplingParams(), spec=SpecParams(), tools=tools)
+    choice = completion(req, "id", "tiny", fin)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it."
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
