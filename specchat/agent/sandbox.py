@@ -1,5 +1,10 @@
 """What agent tools may touch: workspace paths, and subprocesses with a timeout, an output cap and no network.
 
+File tools read or write only regular files with one link inside the workspace: a hard link can name a file
+outside it (the link count is all a process can see of that), and opening a FIFO, socket or device can block
+forever or never end. Files are opened non-blocking and without following a symlink, and checked again after
+opening.
+
 "No network" has two layers. Every Python tool process starts behind a prelude that replaces socket creation
 and name lookup with a PermissionError; that stops ordinary Python code (urllib, requests, asyncio, ssl), but
 not a child process it spawns or code that reaches the OS through ctypes. Where the kernel lets an
@@ -15,6 +20,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,6 +35,13 @@ MAX_FILE_BYTES = 64 * 1024 * 1024  # largest file a python tool process may writ
 MAX_READ_BYTES = 8 * 1024 * 1024
 MAX_WRITE_CHARS = 1_000_000
 SHELL_OPERATORS = frozenset({"|", "||", "&", "&&", ";", ">", ">>", "<", "<<", "2>", "2>&1", "&>"})
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+SPECIAL_KINDS = (
+    (stat.S_ISFIFO, "named pipe (FIFO)"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+)
 READ_CHUNK = 65536
 READER_GRACE_S = 1.0  # how long to wait for the pipe to drain after the process group is gone
 
@@ -106,29 +119,40 @@ class Workspace:
         return path.relative_to(self.root).as_posix() or "."
 
     def read_text(self, path: str) -> str:
-        """The text of a workspace file; refuses folders, binary files and files over MAX_READ_BYTES."""
+        """The text of a workspace file; refuses folders, special and linked files, binary files and files over
+        MAX_READ_BYTES."""
         target = self.resolve(path)
-        if target.is_dir():
-            raise SandboxError(f"{path!r} is a directory; use list_dir")
-        if not target.is_file():
+        info = _stat(target)
+        if info is None:
             raise SandboxError(f"no such file {path!r}")
-        size = target.stat().st_size
-        if size > MAX_READ_BYTES:
-            raise SandboxError(f"{path!r} has {size} bytes; files over {MAX_READ_BYTES} bytes are not read")
-        data = target.read_bytes()
+        if stat.S_ISDIR(info.st_mode):
+            raise SandboxError(f"{path!r} is a directory; use list_dir")
+        check_plain_file(path, info)
+        if info.st_size > MAX_READ_BYTES:
+            raise SandboxError(f"{path!r} has {info.st_size} bytes; files over {MAX_READ_BYTES} bytes are not read")
+        with _open_plain(path, target, os.O_RDONLY, info) as file:
+            data = file.read(MAX_READ_BYTES + 1)
+        if len(data) > MAX_READ_BYTES:
+            raise SandboxError(f"{path!r} has over {MAX_READ_BYTES} bytes; it is not read")
         if b"\x00" in data[:8192]:
             raise SandboxError(f"{path!r} is not a text file")
         return data.decode(errors="replace")
 
     def write_text(self, path: str, content: str) -> str:
-        """Write a workspace file, creating parent folders; returns its path relative to the root."""
+        """Write a workspace file, creating parent folders; returns its path relative to the root. Refuses
+        folders, special and linked files."""
         if len(content) > MAX_WRITE_CHARS:
             raise SandboxError(f"content has {len(content)} characters; at most {MAX_WRITE_CHARS} are written")
         target = self.resolve(path)
-        if target.is_dir():
+        info = _stat(target)
+        if info is not None and stat.S_ISDIR(info.st_mode):
             raise SandboxError(f"{path!r} is a directory")
+        if info is not None:
+            check_plain_file(path, info)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content, encoding="utf-8")
+        with _open_plain(path, target, os.O_WRONLY | os.O_CREAT, info) as file:
+            file.truncate(0)  # only now: truncating on open would empty a linked file before the check
+            file.write(content.encode("utf-8"))
         return self.relative(target)
 
     def list_dir(self, path: str) -> list[str]:
@@ -137,6 +161,43 @@ class Workspace:
         if not target.is_dir():
             raise SandboxError(f"{path!r} is not a directory")
         return [entry.name + ("/" if entry.is_dir() else "") for entry in sorted(target.iterdir())]
+
+
+def check_plain_file(path: str, info: os.stat_result) -> None:
+    """Refuse a FIFO, socket or device, and a regular file with more than one hard link."""
+    for is_kind, kind in SPECIAL_KINDS:
+        if is_kind(info.st_mode):
+            raise SandboxError(f"{path!r} is a {kind}, not a regular file; only regular files are read or written")
+    if info.st_nlink > 1:
+        raise SandboxError(
+            f"{path!r} has {info.st_nlink} hard links; a hard link can be a file outside the workspace, so "
+            "files with more than one link are not read or written"
+        )
+
+
+def _stat(target: Path) -> os.stat_result | None:
+    try:
+        return os.stat(target)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise SandboxError(f"cannot access {target.name!r}: {error.strerror}") from None
+
+
+@contextmanager
+def _open_plain(path: str, target: Path, flags: int, expected: os.stat_result | None) -> Iterator:
+    """`target` opened without blocking or following a symlink, checked again: still the file `expected`
+    (when given) and still a plain file. A binary file object."""
+    try:
+        fd = os.open(target, flags | OPEN_FLAGS, 0o666)
+    except OSError as error:
+        raise SandboxError(f"cannot open {path!r}: {error.strerror}") from None
+    with os.fdopen(fd, "rb" if flags == os.O_RDONLY else "wb") as file:
+        info = os.fstat(fd)
+        if expected is not None and (info.st_dev, info.st_ino) != (expected.st_dev, expected.st_ino):
+            raise SandboxError(f"{path!r} was replaced while it was opened")
+        check_plain_file(path, info)
+        yield file
 
 
 @contextmanager
@@ -148,10 +209,16 @@ def run_workspace(source: Path | None, copy: bool) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(prefix="specchat-agent-"))
     try:
         if source is not None:
-            shutil.copytree(source, scratch, symlinks=True, dirs_exist_ok=True)
+            shutil.copytree(source, scratch, symlinks=True, ignore=_special_files, dirs_exist_ok=True)
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _special_files(directory: str, names: list[str]) -> list[str]:
+    """The names a workspace copy skips: FIFOs, sockets and devices (copying one can block or never end)."""
+    modes = {name: os.lstat(os.path.join(directory, name)).st_mode for name in names}
+    return [name for name, mode in modes.items() if any(is_kind(mode) for is_kind, _ in SPECIAL_KINDS)]
 
 
 def cap_text(text: str, cap: int) -> str:

@@ -1,6 +1,11 @@
 """The sandbox refuses what it promises to refuse: escapes, runaway processes, network, unlisted commands."""
 
 import os
+import re
+import socket
+import stat
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,7 @@ from specchat.agent.sandbox import (
     run_workspace,
     shell_argv,
 )
+from specchat.agent.tools import ToolOptions, ToolsConfig, build_toolbox
 
 
 @pytest.fixture
@@ -76,6 +82,61 @@ def test_file_operations(room: Workspace):
         room.read_text("missing.txt")
     with pytest.raises(SandboxError, match="directory"):
         room.read_text("out")
+
+
+def test_hard_links_are_refused(room: Workspace):
+    outside = room.root.parent / "secret.txt"
+    os.link(outside, room.root / "linked.txt")
+    with pytest.raises(SandboxError, match=r"'linked\.txt' has 2 hard links"):
+        room.read_text("linked.txt")
+    with pytest.raises(SandboxError, match="hard links"):
+        room.write_text("linked.txt", "overwritten")
+    assert outside.read_text() == "outside\n"
+    os.link(room.root / "notes.txt", room.root / "twin.txt")  # both inside: refused all the same
+    with pytest.raises(SandboxError, match="hard links"):
+        room.read_text("notes.txt")
+
+
+def test_fifos_sockets_and_devices_are_refused_without_blocking(room: Workspace):
+    os.mkfifo(room.root / "pipe")
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(room.root / "sock"))
+    kinds = {"pipe": "named pipe (FIFO)", "sock": "socket"}
+    try:  # only real root may make a device node
+        os.mknod(room.root / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        kinds["null"] = "character device"
+    except PermissionError:
+        pass
+    try:
+        for name, kind in kinds.items():
+            with pytest.raises(SandboxError, match=re.escape(f"'{name}' is a {kind}")):
+                room.read_text(name)
+            with pytest.raises(SandboxError, match=re.escape(f"'{name}' is a {kind}")):
+                room.write_text(name, "x")
+    finally:
+        listening.close()
+    assert room.list_dir(".") == sorted(["notes.txt", *kinds])
+
+
+def test_file_tools_on_a_fifo_return_at_once_and_leave_no_thread(tmp_path: Path):
+    os.mkfifo(tmp_path / "pipe")
+    box = build_toolbox(ToolsConfig({"read_file": ToolOptions(), "write_file": ToolOptions()}), tmp_path)
+    threads, started = threading.active_count(), time.monotonic()
+    read = box.call("read_file", {"path": "pipe"})
+    written = box.call("write_file", {"path": "pipe", "content": "x"})
+    assert time.monotonic() - started < 5  # a blocked open would have waited the 10 s timeout
+    assert not read.ok and not written.ok and "FIFO" in read.error and "FIFO" in written.error
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == threads
+
+
+def test_workspace_copy_skips_fifos(tmp_path: Path):
+    (tmp_path / "a.txt").write_text("a")
+    os.mkfifo(tmp_path / "pipe")
+    with run_workspace(tmp_path, copy=True) as copy:
+        assert sorted(path.name for path in copy.iterdir()) == ["a.txt"]
 
 
 def test_python_prints_output_and_the_last_expression(tmp_path: Path):

@@ -1,5 +1,6 @@
 """Built-in and user tools through the Toolbox: schemas, bounded calls, failures as results."""
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -61,6 +62,19 @@ def test_file_tools_round_trip_and_refuse_escapes(tmp_path: Path):
     escaped = box.call("read_file", {"path": "../../etc/passwd"})
     assert not escaped.ok and "leave the workspace" in escaped.error
     assert not box.call("write_file", {"path": "/etc/x", "content": ""}).ok
+
+
+def test_file_tools_refuse_hard_links_and_fifos(tmp_path: Path):
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "outside.txt").write_text("outside")
+    os.link(tmp_path / "outside.txt", tmp_path / "ws" / "linked.txt")
+    os.mkfifo(tmp_path / "ws" / "pipe")
+    box = toolbox(tmp_path / "ws", *FILE_TOOLS)
+    for call in ({"path": "linked.txt"}, {"path": "linked.txt", "content": "x"}):
+        result = box.call("read_file" if len(call) == 1 else "write_file", call)
+        assert not result.ok and "'linked.txt' has 2 hard links" in result.error
+    assert not box.call("read_file", {"path": "pipe"}).ok
+    assert (tmp_path / "outside.txt").read_text() == "outside"
 
 
 def test_final_answer_returns_the_answer_and_takes_numbers(tmp_path: Path):
