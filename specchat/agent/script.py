@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from specchat.agent.demos import Demo, DemoCall
+from specchat.agent.processes import ProcessLimits
 from specchat.agent.tools import (
     BUILTIN_TOOLS,
     DEFAULT_OUTPUT_CAP,
@@ -50,7 +51,11 @@ TOP_KEYS = (
 TOOL_CHOICES = ("auto", "first", "required")
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "max_tokens": int}
 TOOL_OPTION_KEYS = ("timeout_s", "output_cap")
-SHELL_OPTION_KEYS = (*TOOL_OPTION_KEYS, "allow", "confirm")
+LIMIT_KEYS = ("max_processes", "memory_mb", "cpu_s", "file_mb")  # ProcessLimits, for python and shell
+PROCESS_TOOL_KEYS = {
+    "python": (*TOOL_OPTION_KEYS, *LIMIT_KEYS),
+    "shell": (*TOOL_OPTION_KEYS, *LIMIT_KEYS, "allow", "confirm"),
+}
 TOML_TYPES = {
     bool: "a boolean",
     int: "an integer",
@@ -293,8 +298,11 @@ def _tools(table: _Table, base: Path, stop: StopCondition) -> ToolsConfig:
 
 def _tool_options(table: _Table, name: str, defaults: dict[str, Any]) -> ToolOptions:
     """The options of one enabled built-in, from [tools.NAME] over the [tools] defaults."""
-    options_table = table.table(name, SHELL_OPTION_KEYS if name == "shell" else TOOL_OPTION_KEYS)
+    options_table = table.table(name, PROCESS_TOOL_KEYS.get(name, TOOL_OPTION_KEYS))
     options = _options(options_table, defaults)
+    if name in PROCESS_TOOL_KEYS:
+        limits = {key: options_table.get(key, int, None) for key in LIMIT_KEYS if key in options_table.data}
+        options["limits"] = _wrap(f"tools.{name}", lambda: ProcessLimits(**limits))
     if name == "shell":
         options["allow"] = tuple(options_table.strings("allow", []))
         options["confirm"] = options_table.get("confirm", bool, True)

@@ -5,21 +5,16 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specchat.agent.sandbox import (
-    ProcessResult,
-    SandboxError,
-    Workspace,
-    cap_text,
-    run_confined,
-    run_python,
-    shell_argv,
-)
+from specchat.agent.isolation import Isolation, detect_isolation
+from specchat.agent.processes import ProcessLimits, ProcessResult, run_confined, run_python
+from specchat.agent.sandbox import SandboxError, Workspace, cap_text, shell_argv
 from specchat.errors import ConfigError
 
 BUILTIN_TOOLS = ("python", "read_file", "write_file", "list_dir", "shell", "final_answer")
@@ -58,6 +53,7 @@ class ToolOptions:
     output_cap: int = DEFAULT_OUTPUT_CAP
     allow: tuple[str, ...] = ()  # shell only: the command names it may run
     confirm: bool = True  # shell only: ask the user before each command
+    limits: ProcessLimits = field(default_factory=ProcessLimits)  # python and shell: per call
 
     def __post_init__(self) -> None:
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
@@ -142,18 +138,22 @@ class Toolbox:
         return result
 
 
-def build_toolbox(config: ToolsConfig, workspace: Path, confirm: ConfirmFn | None = None) -> Toolbox:
-    """The tools of one run, bound to its workspace; `confirm` asks the user before shell commands (TUI)."""
+def build_toolbox(
+    config: ToolsConfig, workspace: Path, confirm: ConfirmFn | None = None, isolation: Isolation | None = None
+) -> Toolbox:
+    """The tools of one run, bound to its workspace; `confirm` asks the user before shell commands (TUI);
+    `isolation` is what confines python and shell processes (default: what this machine allows)."""
     shell = config.builtin.get("shell")
     if shell is not None and shell.confirm and confirm is None:
         raise ConfigError("tools.shell asks before each command, which needs the TUI; set confirm = false")
     room = Workspace(workspace)
+    isolation = isolation or detect_isolation()
     factories = {
-        "python": _python_tool,
+        "python": lambda room, options: _python_tool(room, options, isolation),
         "read_file": _read_file_tool,
         "write_file": _write_file_tool,
         "list_dir": _list_dir_tool,
-        "shell": lambda room, options: _shell_tool(room, options, confirm),
+        "shell": lambda room, options: _shell_tool(room, options, confirm, isolation),
         "final_answer": _final_answer_tool,
     }
     builtins = [factories[name](room, options) for name, options in config.builtin.items()]
@@ -214,13 +214,31 @@ def _invoke_with_timeout(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
 
 
 def _process_result(result: ProcessResult, options: ToolOptions) -> ToolResult:
-    """A subprocess outcome as a tool result: the output, plus an error for a timeout or a nonzero exit."""
+    """A subprocess outcome as a tool result: the output, plus an error for a timeout, a limit or a failure."""
     output = result.output or "(no output; print() what you want to see)"
+    limits = options.limits
     if result.timed_out:
         return ToolResult(False, result.output, f"timed out after {options.timeout_s:g} s; the process was killed")
+    if result.returncode is not None and result.returncode < 0:
+        return ToolResult(False, result.output, _signal_error(-result.returncode, limits))
     if result.returncode != 0:
-        return ToolResult(False, result.output, f"exited with status {result.returncode}")
+        error = f"exited with status {result.returncode}"
+        if "MemoryError" in result.output[-2000:]:
+            error += f" (out of memory: the limit is {limits.memory_mb} MiB per process)"
+        elif "File too large" in result.output[-2000:]:
+            error += f" (the file size limit is {limits.file_mb} MiB)"
+        return ToolResult(False, result.output, error)
     return ToolResult(True, output)
+
+
+def _signal_error(number: int, limits: ProcessLimits) -> str:
+    """'killed by SIGXCPU: ...' for a process that a signal ended, naming the limit that sent it."""
+    name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
+    reason = {
+        signal.SIGXCPU: f": it used up its CPU time limit of {limits.cpu_s} s",
+        signal.SIGXFSZ: f": it wrote past the file size limit of {limits.file_mb} MiB",
+    }.get(number, "")
+    return f"killed by {name}{reason}"
 
 
 def _object_schema(required: dict[str, str], optional: dict[str, str] | None = None) -> dict[str, Any]:
@@ -230,9 +248,10 @@ def _object_schema(required: dict[str, str], optional: dict[str, str] | None = N
     return {"type": "object", "properties": properties, "required": list(required)}
 
 
-def _python_tool(room: Workspace, options: ToolOptions) -> Tool:
+def _python_tool(room: Workspace, options: ToolOptions, isolation: Isolation) -> Tool:
     def python(code: str) -> ToolResult:
-        return _process_result(run_python(code, room.root, options.timeout_s, options.output_cap), options)
+        result = run_python(code, room.root, options.timeout_s, options.output_cap, options.limits, isolation)
+        return _process_result(result, options)
 
     description = (
         "Run Python 3 code in a new process in the workspace directory and return what it prints "
@@ -242,12 +261,13 @@ def _python_tool(room: Workspace, options: ToolOptions) -> Tool:
     return Tool("python", description, parameters, python, options, self_limited=True)
 
 
-def _shell_tool(room: Workspace, options: ToolOptions, confirm: ConfirmFn | None) -> Tool:
+def _shell_tool(room: Workspace, options: ToolOptions, confirm: ConfirmFn | None, isolation: Isolation) -> Tool:
     def shell(command: str) -> ToolResult:
         argv = shell_argv(command, options.allow)
         if options.confirm and (confirm is None or not confirm(command)):
             return ToolResult(False, "", "the user did not allow this command")
-        return _process_result(run_confined(argv, room.root, options.timeout_s, options.output_cap), options)
+        result = run_confined(argv, room.root, options.timeout_s, options.output_cap, options.limits, isolation)
+        return _process_result(result, options)
 
     description = (
         f"Run one command ({', '.join(options.allow)}) in the workspace directory and return its output. "

@@ -1,26 +1,74 @@
-"""The sandbox refuses what it promises to refuse: escapes, runaway processes, network, unlisted commands."""
+"""The sandbox refuses what it promises to refuse: path escapes, linked and special files, runaway processes,
+processes that outlive their call, the network, and the parent's environment.
 
+Process tests run under every isolation this machine has (namespaces, a pids cgroup, the /proc scan alone),
+each in a fresh workspace that must hold no running process afterwards.
+"""
+
+import json
 import os
 import re
+import signal
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from specchat.agent.sandbox import (
-    SandboxError,
-    Workspace,
-    cap_text,
-    network_namespace_available,
-    run_confined,
-    run_python,
-    run_workspace,
-    shell_argv,
-)
+from specchat.agent.isolation import Isolation, detect_isolation
+from specchat.agent.processes import ProcessLimits, ProcessResult, run_confined, run_python
+from specchat.agent.sandbox import SandboxError, Workspace, cap_text, run_workspace, shell_argv
 from specchat.agent.tools import ToolOptions, ToolsConfig, build_toolbox
+from specchat.errors import ConfigError
+
+DETECTED = detect_isolation()
+ISOLATIONS = {
+    "namespaces": DETECTED if DETECTED.namespaces else None,
+    "cgroup": Isolation(namespaces=False, pids_cgroup=DETECTED.pids_cgroup) if DETECTED.pids_cgroup else None,
+    "proc-scan": Isolation(namespaces=False),
+}
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture(params=list(ISOLATIONS))
+def isolation(request) -> Isolation:
+    found = ISOLATIONS[request.param]
+    if found is None:
+        pytest.skip(f"{request.param}: not available on this machine")
+    return found
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Iterator[Path]:
+    """An empty workspace; a process still running in it afterwards is killed and fails the test."""
+    folder = (tmp_path / "work").resolve()
+    folder.mkdir()
+    yield folder
+    left = processes_in(folder)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes left running in the workspace: {left}"
+
+
+def processes_in(folder: Path) -> list[int]:
+    """The live processes whose working directory is in `folder` (zombies have none)."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and Path(os.readlink(f"/proc/{name}/cwd")).is_relative_to(folder):
+                found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def python(code: str, workspace: Path, isolation: Isolation, timeout_s: float = 60, **limits) -> ProcessResult:
+    return run_python(code, workspace, timeout_s, 4000, ProcessLimits(**limits), isolation)
 
 
 @pytest.fixture
@@ -139,67 +187,233 @@ def test_workspace_copy_skips_fifos(tmp_path: Path):
         assert sorted(path.name for path in copy.iterdir()) == ["a.txt"]
 
 
-def test_python_prints_output_and_the_last_expression(tmp_path: Path):
-    result = run_python("x = 17 * 23\nprint('x is', x)\nx + 1", tmp_path, timeout_s=20, output_cap=1000)
+def test_python_prints_output_and_the_last_expression(workspace: Path):
+    result = run_python("x = 17 * 23\nprint('x is', x)\nx + 1", workspace, timeout_s=20, output_cap=1000)
     assert result.returncode == 0 and not result.timed_out
     assert result.output == "x is 391\n392\n"
 
 
-def test_python_runs_in_the_workspace_with_a_clean_environment(tmp_path: Path, monkeypatch):
+def test_python_runs_in_the_workspace_with_a_clean_environment(workspace: Path, monkeypatch):
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
     monkeypatch.setenv("SPECCHAT_TEST_SECRET", "s3cret")
-    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    (workspace / "helper.py").write_text("VALUE = 42\n")
     code = "import os, helper\nprint(os.getcwd())\nprint(helper.VALUE)\nprint(sorted(os.environ))"
-    result = run_python(code, tmp_path, timeout_s=20, output_cap=4000)
+    result = run_python(code, workspace, timeout_s=20, output_cap=4000)
     cwd, value, names = result.output.splitlines()
-    assert Path(cwd).resolve() == tmp_path.resolve()
+    assert Path(cwd).resolve() == workspace
     assert value == "42"
     assert "HTTPS_PROXY" not in names and "SPECCHAT_TEST_SECRET" not in names
 
 
-def test_python_error_shows_the_traceback_of_the_code(tmp_path: Path):
-    result = run_python("a = 1\n1 / 0", tmp_path, timeout_s=20, output_cap=1000)
+def test_python_error_shows_the_traceback_of_the_code(workspace: Path):
+    result = run_python("a = 1\n1 / 0", workspace, timeout_s=20, output_cap=1000)
     assert result.returncode == 1
     assert 'File "<agent>", line 2' in result.output and "ZeroDivisionError" in result.output
 
 
-def test_python_timeout_kills_the_process(tmp_path: Path):
-    result = run_python("while True:\n    pass", tmp_path, timeout_s=0.5, output_cap=1000)
+def test_python_timeout_kills_the_process(workspace: Path):
+    result = run_python("while True:\n    pass", workspace, timeout_s=0.5, output_cap=1000)
     assert result.timed_out and result.returncode is None
 
 
-def test_python_network_is_refused(tmp_path: Path):
-    code = (
-        "import socket\n"
-        "try:\n"
-        "    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
-        "except OSError as e:\n"
-        "    print(type(e).__name__, e)"
+def test_the_limits_reach_the_command(workspace: Path, isolation: Isolation):
+    code = "import resource as r\n[r.getrlimit(getattr(r, 'RLIMIT_' + n))[0] for n in ('AS', 'CPU', 'FSIZE')]"
+    result = python(code, workspace, isolation, memory_mb=512, cpu_s=7, file_mb=3)
+    assert result.output == f"[{512 * 2**20}, 7, {3 * 2**20}]\n"
+
+
+FORK_BOMB = """
+import os, time
+forked = 0
+try:
+    for _ in range(200):
+        if os.fork() == 0:
+            time.sleep(300)
+            os._exit(0)
+        forked += 1
+except OSError as error:
+    print("fork refused:", error.strerror)
+print("forked", forked)
+"""
+
+
+def test_a_fork_bomb_is_contained(workspace: Path, isolation: Isolation):
+    if not isolation.limits_processes:
+        pytest.skip("root without a pids cgroup: nothing here limits the process count")
+    result = python(FORK_BOMB, workspace, isolation, max_processes=16)
+    assert "fork refused: Resource temporarily unavailable" in result.output
+    assert int(result.output.split("forked")[1]) < 40  # 16 tasks, give or take the user's other processes
+    assert processes_in(workspace) == []
+
+
+def test_a_memory_hog_fails_at_its_limit(workspace: Path):
+    result = python("hog = bytearray(2 * 1024**3)\nprint('allocated')", workspace, DETECTED, memory_mb=256)
+    assert result.returncode == 1 and "MemoryError" in result.output and "allocated" not in result.output
+
+
+def test_a_cpu_spinner_is_killed_at_its_cpu_limit(workspace: Path):
+    started = time.monotonic()
+    result = python("while True:\n    pass", workspace, DETECTED, timeout_s=120, cpu_s=1)
+    assert result.returncode == -signal.SIGXCPU and not result.timed_out
+    assert time.monotonic() - started < 60
+
+
+def test_a_big_file_write_stops_at_the_file_size_limit(workspace: Path):
+    code = "with open('big.bin', 'wb') as file:\n    file.write(b'x' * 5 * 1024**2)"
+    result = python(code, workspace, DETECTED, file_mb=1)
+    assert result.returncode == 1 and "File too large" in result.output
+    assert (workspace / "big.bin").stat().st_size == 1024**2
+    shell = run_confined(
+        ["dd", "if=/dev/zero", "of=dd.bin", "bs=1M", "count=5"], workspace, 60, 1000, ProcessLimits(file_mb=1)
     )
-    result = run_python(code, tmp_path, timeout_s=20, output_cap=1000)
-    assert result.output.startswith("PermissionError network access is disabled")
-    result = run_python("import urllib.request\nurllib.request.urlopen('http://example.com')", tmp_path, 20, 2000)
+    assert shell.returncode == -signal.SIGXFSZ and (workspace / "dd.bin").stat().st_size == 1024**2
+
+
+SETSID_CHILDREN = """
+import os, subprocess, time
+subprocess.Popen(["sleep", "300"], start_new_session=True)
+if os.fork() == 0:  # a daemon: fork, setsid, fork again and let the middle one exit
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(300)
+    os._exit(0)
+time.sleep(0.5)
+print("started")
+"""
+
+
+def test_setsid_children_are_killed_when_the_tool_returns(workspace: Path, isolation: Isolation):
+    result = python(SETSID_CHILDREN, workspace, isolation)
+    assert result.returncode == 0 and result.output == "started\n"
+    assert processes_in(workspace) == []
+
+
+def test_setsid_children_are_killed_at_the_timeout(workspace: Path, isolation: Isolation):
+    result = python(SETSID_CHILDREN + "time.sleep(300)\n", workspace, isolation, timeout_s=3)
+    assert result.timed_out
+    assert processes_in(workspace) == []
+
+
+KILL_THE_LAUNCHER = """
+import os, signal, subprocess, time
+subprocess.Popen(["sleep", "300"], start_new_session=True)
+time.sleep(1)  # several /proc scans see the sleeper
+os.kill(os.getppid(), signal.SIGKILL)  # the launcher (as PID 1 of a namespace, it ignores this)
+time.sleep(300)
+"""
+
+
+def test_a_killed_launcher_lets_nothing_escape(workspace: Path, isolation: Isolation):
+    result = python(KILL_THE_LAUNCHER, workspace, isolation, timeout_s=4)
+    assert result.timed_out or result.returncode == -signal.SIGKILL
+    assert processes_in(workspace) == []
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A TCP server on this machine's loopback; nothing in the sandbox may reach it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setblocking(False)
+    yield server
+    with pytest.raises(BlockingIOError):
+        server.accept()
+    server.close()
+
+
+PLAIN_PYTHON_CONNECT = """
+import _socket, socket
+for make in (socket.socket, _socket.socket):
+    try:
+        make().connect(("127.0.0.1", {port}))
+        print("connected")
+    except OSError as error:
+        print(type(error).__name__, error)
+"""
+
+
+def test_plain_python_cannot_open_a_socket(workspace: Path, isolation: Isolation, listener: socket.socket):
+    result = python(PLAIN_PYTHON_CONNECT.format(port=listener.getsockname()[1]), workspace, isolation)
+    assert result.output.splitlines() == ["PermissionError network access is disabled in the specchat python tool"] * 2
+    result = python("import urllib.request\nurllib.request.urlopen('http://example.com')", workspace, isolation)
     assert result.returncode == 1 and "network access is disabled" in result.output
 
 
-@pytest.mark.skipif(not network_namespace_available(), reason="no unprivileged network namespaces here")
-def test_network_namespace_covers_child_processes(tmp_path: Path):
-    child = "import socket; socket.socket().connect(('1.1.1.1', 80))"
+@pytest.mark.skipif(not DETECTED.namespaces, reason="no unprivileged user namespaces here")
+def test_the_network_namespace_stops_child_processes(workspace: Path, listener: socket.socket):
+    child = f"import socket; socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=5)"
     code = (
         "import subprocess, sys\n"
         f"r = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True)\n"
-        "print(r.stderr.strip().splitlines()[-1])"
+        "print(r.returncode, r.stderr.strip().splitlines()[-1])"
     )
-    result = run_python(code, tmp_path, timeout_s=20, output_cap=2000)
-    assert "Network is unreachable" in result.output
+    result = python(code, workspace, DETECTED)
+    assert result.output.startswith("1 OSError: [Errno 101] Network is unreachable")
 
 
-def test_oversized_output_is_truncated_with_a_marker(tmp_path: Path):
-    result = run_python("print('a' * 50_000 + 'END')", tmp_path, timeout_s=20, output_cap=1000)
+ENVIRONMENT_PROBE = """
+import os, subprocess
+def count(read):
+    found = 0
+    for pid in [name for name in os.listdir("/proc") if name.isdigit()] + [str(os.getppid())]:
+        try:
+            found += {token!r}.encode() in read(f"/proc/{{pid}}/environ")
+        except OSError:
+            pass
+    return found
+def with_open(path):
+    with open(path, "rb") as file:
+        return file.read()
+def with_cat(path):
+    return subprocess.run(["cat", path], capture_output=True).stdout
+print("own", "PATH=" in with_open("/proc/self/environ").decode())
+print("open", count(with_open))
+if {thorough}:  # processes the audit hook does not bind, and the machine's own /proc
+    print("cat", count(with_cat))
+    import ctypes
+    print("umount", ctypes.CDLL(None).umount2(b"/proc", 2))
+    print("cat", count(with_cat))
+"""
+
+
+def test_the_parents_environment_is_not_readable(workspace: Path, isolation: Isolation):
+    token = f"specchat-test-{os.getpid()}-{time.monotonic_ns()}"
+    code = ENVIRONMENT_PROBE.format(token=token, thorough=isolation.namespaces)
+    driver = (
+        "import json, sys\nfrom pathlib import Path\n"
+        "from specchat.agent.isolation import Isolation\nfrom specchat.agent.processes import run_python\n"
+        "namespaces, cgroup = json.loads(sys.argv[1])\n"
+        "isolation = Isolation(namespaces, Path(cgroup) if cgroup else None)\n"
+        "print(run_python(sys.stdin.read(), Path(sys.argv[2]), 60, 4000, isolation=isolation).output, end='')"
+    )
+    argv = [
+        sys.executable,
+        "-c",
+        driver,
+        json.dumps([isolation.namespaces, isolation.pids_cgroup and str(isolation.pids_cgroup)]),
+    ]
+    env = {**os.environ, "SPECCHAT_PARENT_SECRET": token}  # the parent holds it; the tool must not see it
+    completed = subprocess.run(
+        [*argv, str(workspace)], input=code, env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    lines = completed.stdout.splitlines()
+    assert lines[:2] == ["own True", "open 0"], completed.stderr
+    if isolation.namespaces:
+        assert lines[2:] == ["cat 0", "umount 0", "cat 0"]
+
+
+def test_oversized_output_is_truncated_with_a_marker(workspace: Path):
+    result = run_python("print('a' * 50_000 + 'END')", workspace, timeout_s=20, output_cap=1000)
     assert result.truncated
     assert "[... output truncated:" in result.output
     assert len(result.output) < 1200
     assert result.output.startswith("aaa") and result.output.rstrip().endswith("END")
+
+
+def test_limits_are_validated():
+    with pytest.raises(ConfigError, match="memory_mb must be >= 64"):
+        ProcessLimits(memory_mb=10)
+    with pytest.raises(ConfigError, match="max_processes must be a positive integer"):
+        ProcessLimits(max_processes=0)
 
 
 def test_cap_text_keeps_head_and_tail():
@@ -224,12 +438,12 @@ def test_shell_argv_allows_listed_commands_only():
         shell_argv("ls 'unclosed", ("ls",))
 
 
-def test_run_confined_runs_a_command_in_the_workspace(tmp_path: Path):
-    (tmp_path / "a.txt").write_text("hello\n")
-    result = run_confined(["cat", "a.txt"], tmp_path, timeout_s=20, output_cap=1000)
+def test_run_confined_runs_a_command_in_the_workspace(workspace: Path):
+    (workspace / "a.txt").write_text("hello\n")
+    result = run_confined(["cat", "a.txt"], workspace, timeout_s=20, output_cap=1000)
     assert (result.returncode, result.output) == (0, "hello\n")
     with pytest.raises(SandboxError, match="command not found"):
-        run_confined(["no-such-command-xyz"], tmp_path, timeout_s=20, output_cap=1000)
+        run_confined(["no-such-command-xyz"], workspace, timeout_s=20, output_cap=1000)
 
 
 def test_run_workspace_copy_and_scratch(tmp_path: Path):

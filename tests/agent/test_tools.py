@@ -1,11 +1,14 @@
 """Built-in and user tools through the Toolbox: schemas, bounded calls, failures as results."""
 
 import os
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from specchat.agent.processes import ProcessLimits
+from specchat.agent.script import load_script
 from specchat.agent.tools import (
     Tool,
     Toolbox,
@@ -51,6 +54,23 @@ def test_python_tool_timeout_is_an_error_result(tmp_path: Path):
     box = build_toolbox(ToolsConfig({"python": ToolOptions(timeout_s=0.5)}), tmp_path)
     result = box.call("python", {"code": "import time\ntime.sleep(30)"})
     assert not result.ok and "timed out after 0.5 s" in result.error
+
+
+def test_python_tool_errors_name_the_limit_that_stopped_it(tmp_path: Path):
+    limits = ProcessLimits(memory_mb=256, file_mb=1)
+    box = build_toolbox(ToolsConfig({"python": ToolOptions(limits=limits)}), tmp_path)
+    hog = box.call("python", {"code": "hog = bytearray(2 * 1024**3)"})
+    assert not hog.ok and hog.error == "exited with status 1 (out of memory: the limit is 256 MiB per process)"
+    big = box.call("python", {"code": "open('big.bin', 'wb').write(b'x' * 2 * 1024**2)"})
+    assert not big.ok and big.error == "exited with status 1 (the file size limit is 1 MiB)"
+
+
+def test_shell_tool_is_limited_too(tmp_path: Path):
+    options = ToolOptions(allow=("dd",), confirm=False, limits=ProcessLimits(file_mb=1))
+    box = build_toolbox(ToolsConfig({"shell": options}), tmp_path)
+    result = box.call("shell", {"command": "dd if=/dev/zero of=big.bin bs=1M count=3"})
+    assert not result.ok and result.error == "killed by SIGXFSZ: it wrote past the file size limit of 1 MiB"
+    assert (tmp_path / "big.bin").stat().st_size == 1024**2
 
 
 def test_file_tools_round_trip_and_refuse_escapes(tmp_path: Path):
@@ -273,3 +293,31 @@ def test_tool_decorator_marks_without_wrapping():
         return "f"
 
     assert tool(f) is f and f() == "f"
+
+
+def test_script_sets_process_limits(tmp_path: Path):
+    script = tmp_path / "agent.toml"
+    script.write_text(
+        'tasks = ["x"]\n[tools]\nenabled = ["python", "shell"]\n'
+        "[tools.python]\nmemory_mb = 512\ncpu_s = 5\n"
+        '[tools.shell]\nallow = ["ls"]\nconfirm = false\nmax_processes = 8\nfile_mb = 2\n'
+    )
+    tools = load_script(script).tools.builtin
+    assert tools["python"].limits == ProcessLimits(memory_mb=512, cpu_s=5)
+    assert tools["shell"].limits == ProcessLimits(max_processes=8, file_mb=2)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("[tools.python]\nmemory_mb = 10", "tools.python: memory_mb must be >= 64, got 10"),
+        ("[tools.python]\ncpu_s = 0", "tools.python: cpu_s must be a positive integer, got 0"),
+        ("[tools.python]\nfile_mb = 1.5", "tools.python.file_mb must be an integer, got a number 1.5"),
+        ("[tools.read_file]\nmemory_mb = 512", "unknown key 'tools.read_file.memory_mb'"),
+    ],
+)
+def test_bad_process_options_name_the_key(tmp_path: Path, table: str, message: str):
+    script = tmp_path / "agent.toml"
+    script.write_text(f'tasks = ["x"]\n[tools]\nenabled = ["python", "shell", "read_file"]\n{table}\n')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_script(script)
