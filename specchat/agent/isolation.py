@@ -49,6 +49,18 @@ class Isolation:
         """The command prefix that runs a program in new namespaces, or [] without them."""
         return [shutil.which("unshare") or "unshare", *UNSHARE_FLAGS] if self.namespaces else []
 
+    def describe(self) -> str:
+        """One line for the trace header: what confines python and shell here, and what does not."""
+        cgroup = ", a pids cgroup" if self.pids_cgroup is not None else ""
+        count = "" if self.limits_processes else "; the process count is not limited (root without a pids cgroup)"
+        if self.namespaces:
+            return f"user, network and PID namespaces{cgroup}, rlimits{count}"
+        tracking = "a pids cgroup" if self.pids_cgroup is not None else "a /proc scan"
+        return (
+            f"no user namespaces here: rlimits and {tracking} only, the network and your other processes are "
+            f"reachable; the python tool is refused unless [tools.python] allow_unsandboxed = true{count}"
+        )
+
 
 @functools.cache
 def detect_isolation() -> Isolation:

@@ -53,7 +53,7 @@ SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int
 TOOL_OPTION_KEYS = ("timeout_s", "output_cap")
 LIMIT_KEYS = ("max_processes", "memory_mb", "cpu_s", "file_mb")  # ProcessLimits, for python and shell
 PROCESS_TOOL_KEYS = {
-    "python": (*TOOL_OPTION_KEYS, *LIMIT_KEYS),
+    "python": (*TOOL_OPTION_KEYS, *LIMIT_KEYS, "allow_unsandboxed"),
     "shell": (*TOOL_OPTION_KEYS, *LIMIT_KEYS, "allow", "confirm"),
 }
 TOML_TYPES = {
@@ -303,6 +303,8 @@ def _tool_options(table: _Table, name: str, defaults: dict[str, Any]) -> ToolOpt
     if name in PROCESS_TOOL_KEYS:
         limits = {key: options_table.get(key, int, None) for key in LIMIT_KEYS if key in options_table.data}
         options["limits"] = _wrap(f"tools.{name}", lambda: ProcessLimits(**limits))
+    if name == "python":
+        options["allow_unsandboxed"] = options_table.get("allow_unsandboxed", bool, False)
     if name == "shell":
         options["allow"] = tuple(options_table.strings("allow", []))
         options["confirm"] = options_table.get("confirm", bool, True)

@@ -33,6 +33,12 @@ JSON_TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,),
 }
 
+UNSANDBOXED_REFUSAL = (
+    "the python tool is off: this machine has no unprivileged user namespaces, so its code would reach the "
+    "network and read other processes of the user; the script can allow it with [tools.python] "
+    "allow_unsandboxed = true"
+)
+
 ConfirmFn = Callable[[str], bool]  # gets the command line, returns whether the user allows it
 
 
@@ -54,6 +60,7 @@ class ToolOptions:
     allow: tuple[str, ...] = ()  # shell only: the command names it may run
     confirm: bool = True  # shell only: ask the user before each command
     limits: ProcessLimits = field(default_factory=ProcessLimits)  # python and shell: per call
+    allow_unsandboxed: bool = False  # python only: run it even without user namespaces
 
     def __post_init__(self) -> None:
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
@@ -250,6 +257,8 @@ def _object_schema(required: dict[str, str], optional: dict[str, str] | None = N
 
 def _python_tool(room: Workspace, options: ToolOptions, isolation: Isolation) -> Tool:
     def python(code: str) -> ToolResult:
+        if not isolation.namespaces and not options.allow_unsandboxed:
+            raise SandboxError(UNSANDBOXED_REFUSAL)
         result = run_python(code, room.root, options.timeout_s, options.output_cap, options.limits, isolation)
         return _process_result(result, options)
 

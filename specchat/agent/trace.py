@@ -12,6 +12,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from specchat.agent.isolation import detect_isolation
+
+PROCESS_TOOLS = ("python", "shell")
+
 
 @dataclass(slots=True)
 class RunStart:
@@ -25,6 +29,7 @@ class RunStart:
     k: int | None  # None: adaptive
     tools: list[str]
     max_steps: int
+    sandbox: str = field(default_factory=lambda: detect_isolation().describe())  # what confines python, shell
 
 
 @dataclass(slots=True)
@@ -182,10 +187,10 @@ class TracePrinter:
                 k = "auto" if event.k is None else event.k
                 tools = ", ".join(event.tools) or "none"
                 settings = f"model {event.model}, drafter {event.drafter} k={k}, tools {tools}"
-                return [
-                    self._clip(f"{tag} task: {event.task}"),
-                    f"{tag}   {settings}, max {event.max_steps} steps",
-                ]
+                header = [self._clip(f"{tag} task: {event.task}"), f"{tag}   {settings}, max {event.max_steps} steps"]
+                if any(name in PROCESS_TOOLS for name in event.tools):
+                    header.append(f"{tag}   sandbox: {event.sandbox}")
+                return header
             case Step():
                 head = f"{tag} step {event.step}: {event.tokens} tokens{_stats_text(event.stats)}"
                 return [head, *self._block(event.text)]

@@ -5,6 +5,7 @@ Process tests run under every isolation this machine has (namespaces, a pids cgr
 each in a fresh workspace that must hold no running process afterwards.
 """
 
+import io
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from specchat.agent.isolation import Isolation, detect_isolation
 from specchat.agent.processes import ProcessLimits, ProcessResult, run_confined, run_python
 from specchat.agent.sandbox import SandboxError, Workspace, cap_text, run_workspace, shell_argv
 from specchat.agent.tools import ToolOptions, ToolsConfig, build_toolbox
+from specchat.agent.trace import RunStart, TracePrinter
 from specchat.errors import ConfigError
 
 DETECTED = detect_isolation()
@@ -350,6 +352,21 @@ def test_the_network_namespace_stops_child_processes(workspace: Path, listener: 
     assert result.output.startswith("1 OSError: [Errno 101] Network is unreachable")
 
 
+def test_without_namespaces_python_is_refused_unless_the_script_allows_it(workspace: Path, listener: socket.socket):
+    bare = Isolation(namespaces=False)
+    refused = build_toolbox(ToolsConfig({"python": ToolOptions()}), workspace, isolation=bare)
+    result = refused.call("python", {"code": "print(1)"})
+    assert (
+        not result.ok
+        and "allow_unsandboxed = true" in result.error
+        and "no unprivileged user namespaces" in result.error
+    )
+    allowed = build_toolbox(ToolsConfig({"python": ToolOptions(allow_unsandboxed=True)}), workspace, isolation=bare)
+    assert allowed.call("python", {"code": "print(1)"}).content == "1\n"
+    connect = allowed.call("python", {"code": PLAIN_PYTHON_CONNECT.format(port=listener.getsockname()[1])})
+    assert "connected" not in connect.content and "PermissionError" in connect.content
+
+
 ENVIRONMENT_PROBE = """
 import os, subprocess
 def count(read):
@@ -414,6 +431,18 @@ def test_limits_are_validated():
         ProcessLimits(memory_mb=10)
     with pytest.raises(ConfigError, match="max_processes must be a positive integer"):
         ProcessLimits(max_processes=0)
+
+
+def test_the_trace_header_says_what_confines_the_tools():
+    def header(isolation: Isolation, tools: list[str]) -> str:
+        start = RunStart(0, "t", "m", "none", 0, tools, 4, sandbox=isolation.describe())
+        return "\n".join(TracePrinter(io.StringIO()).format(start))
+
+    assert "sandbox: user, network and PID namespaces" in header(Isolation(namespaces=True), ["python"])
+    bare = header(Isolation(namespaces=False), ["shell"])
+    assert "sandbox: no user namespaces here" in bare and "allow_unsandboxed = true" in bare
+    assert "sandbox" not in header(Isolation(namespaces=False), ["read_file"])
+    assert RunStart(0, "t", "m", "none", 0, [], 4).sandbox == DETECTED.describe()
 
 
 def test_cap_text_keeps_head_and_tail():

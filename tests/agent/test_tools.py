@@ -24,7 +24,11 @@ FILE_TOOLS = ("read_file", "write_file", "list_dir", "final_answer")
 
 
 def toolbox(tmp_path: Path, *names: str, ask=None, **shell) -> Toolbox:
+    """Built-ins with a 20 s timeout; python runs on machines without user namespaces too (test_sandbox.py tests
+    the refusal)."""
     options = {name: ToolOptions(timeout_s=20) for name in names}
+    if "python" in names:
+        options["python"] = ToolOptions(timeout_s=20, allow_unsandboxed=True)
     if "shell" in names:
         options["shell"] = ToolOptions(timeout_s=20, **shell)
     return build_toolbox(ToolsConfig(options), tmp_path, ask)
@@ -51,14 +55,14 @@ def test_python_tool(tmp_path: Path):
 
 
 def test_python_tool_timeout_is_an_error_result(tmp_path: Path):
-    box = build_toolbox(ToolsConfig({"python": ToolOptions(timeout_s=0.5)}), tmp_path)
+    box = build_toolbox(ToolsConfig({"python": ToolOptions(timeout_s=0.5, allow_unsandboxed=True)}), tmp_path)
     result = box.call("python", {"code": "import time\ntime.sleep(30)"})
     assert not result.ok and "timed out after 0.5 s" in result.error
 
 
 def test_python_tool_errors_name_the_limit_that_stopped_it(tmp_path: Path):
     limits = ProcessLimits(memory_mb=256, file_mb=1)
-    box = build_toolbox(ToolsConfig({"python": ToolOptions(limits=limits)}), tmp_path)
+    box = build_toolbox(ToolsConfig({"python": ToolOptions(limits=limits, allow_unsandboxed=True)}), tmp_path)
     hog = box.call("python", {"code": "hog = bytearray(2 * 1024**3)"})
     assert not hog.ok and hog.error == "exited with status 1 (out of memory: the limit is 256 MiB per process)"
     big = box.call("python", {"code": "open('big.bin', 'wb').write(b'x' * 2 * 1024**2)"})
@@ -295,16 +299,17 @@ def test_tool_decorator_marks_without_wrapping():
     assert tool(f) is f and f() == "f"
 
 
-def test_script_sets_process_limits(tmp_path: Path):
+def test_script_sets_process_limits_and_the_unsandboxed_opt_in(tmp_path: Path):
     script = tmp_path / "agent.toml"
     script.write_text(
         'tasks = ["x"]\n[tools]\nenabled = ["python", "shell"]\n'
-        "[tools.python]\nmemory_mb = 512\ncpu_s = 5\n"
+        "[tools.python]\nmemory_mb = 512\ncpu_s = 5\nallow_unsandboxed = true\n"
         '[tools.shell]\nallow = ["ls"]\nconfirm = false\nmax_processes = 8\nfile_mb = 2\n'
     )
     tools = load_script(script).tools.builtin
-    assert tools["python"].limits == ProcessLimits(memory_mb=512, cpu_s=5)
+    assert tools["python"].limits == ProcessLimits(memory_mb=512, cpu_s=5) and tools["python"].allow_unsandboxed
     assert tools["shell"].limits == ProcessLimits(max_processes=8, file_mb=2)
+    assert not tools["final_answer"].allow_unsandboxed
 
 
 @pytest.mark.parametrize(
@@ -313,6 +318,8 @@ def test_script_sets_process_limits(tmp_path: Path):
         ("[tools.python]\nmemory_mb = 10", "tools.python: memory_mb must be >= 64, got 10"),
         ("[tools.python]\ncpu_s = 0", "tools.python: cpu_s must be a positive integer, got 0"),
         ("[tools.python]\nfile_mb = 1.5", "tools.python.file_mb must be an integer, got a number 1.5"),
+        ('[tools.python]\nallow_unsandboxed = "yes"', "tools.python.allow_unsandboxed must be a boolean"),
+        ('[tools.shell]\nallow = ["ls"]\nallow_unsandboxed = true', "unknown key 'tools.shell.allow_unsandboxed'"),
         ("[tools.read_file]\nmemory_mb = 512", "unknown key 'tools.read_file.memory_mb'"),
     ],
 )
