@@ -19,6 +19,8 @@ def write_script(tmp_path: Path, body: str = "") -> Path:
         'tasks = ["What is 17 * 23?"]\nsystem_prompt = "Use tools."\nmax_steps = 3\n'
         + body
         + '\n[tools]\nenabled = ["python", "final_answer"]\n'
+        # the loop's logic is under test, not the sandbox: run python where user namespaces are missing too
+        + "[tools.python]\nallow_unsandboxed = true\n"
     )
     return path
 
