@@ -1,5 +1,5 @@
-"""`specchat agent SCRIPT` in the TUI: the model loads behind the progress screen, then each task of the script
-runs in a tab of its own with its live trace, beside the Speculation, Throughput, Memory and Controls panels."""
+"""`specchat agent SCRIPT` in the TUI: the model loads (its progress in a notice above the tabs), then each task of
+the script runs in a tab of its own with its live trace, beside the Speculation, Throughput, Memory and Controls panels."""
 
 from __future__ import annotations
 

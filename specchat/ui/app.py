@@ -3,7 +3,8 @@
 The engine runs its step loop in its own thread and posts one EngineStep message per step (all requests'
 events together); the app routes their text to the chats. Every figure comes from the engine's own telemetry
 (a Snapshot read between steps on a timer), and the panels repaint on that timer, so the UI's work does not
-grow with the token rate.
+grow with the token rate. The model loads behind a notice, not a dialog (ui/loading.py): the prompt takes what
+is typed from the first frame.
 """
 
 from __future__ import annotations
@@ -16,39 +17,39 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
-from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
 from specchat.config import DRAFTERS, KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
-from specchat.engine.api import ChatEngine
+from specchat.engine.api import ChatEngine, Request
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.errors import SpecchatError
 from specchat.registry import cache_dir
 from specchat.ui.agent_runs import AgentRuns
-from specchat.ui.bridge import EngineBridge, ProgressPoster, load_engine
+from specchat.ui.bridge import EngineBridge, load_engine
 from specchat.ui.chat import ChatPane, PromptInput
 from specchat.ui.controls import ControlsPanel
+from specchat.ui.loading import EngineLoader, ModelLoading
 from specchat.ui.memory import MemoryPanel
-from specchat.ui.messages import EngineReading, EngineReady, EngineStep, LoadFailed, LoadProgress
+from specchat.ui.messages import EngineReading, EngineStep
 from specchat.ui.metrics import PanelFigures
-from specchat.ui.screens import HistoryScreen, LoadScreen
-from specchat.ui.settings import ChatSettings, LiveSettings
+from specchat.ui.saved import SavedConversations
+from specchat.ui.settings import ChatSettings, LiveSettings, model_drafter
 from specchat.ui.speculation import SpeculationPanel
 from specchat.ui.store import ChatStore
 from specchat.ui.throughput import ThroughputPanel
-from specchat.ui.transcript import to_json, to_markdown, transcript_path
+from specchat.ui.welcome import WELCOME_KEYS, welcome_text
 
 W = TypeVar("W", bound=Widget)
 PANEL_REFRESH_S = 0.25  # the engine's snapshot is read, and the panels repainted, this often
 
 
-class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
+class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App[Exception | None]):
     """Chat with a local model and watch speculative decoding work."""
 
     CSS_PATH = "specchat.tcss"
@@ -59,13 +60,13 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         Binding("f8", "close_chat", "Close chat", id="close_chat", show=False),
         Binding("ctrl+r", "history", "History", id="history"),
         Binding("ctrl+s", "save_markdown", "Save", id="save_markdown"),
-        Binding("f6", "copy_reply", "Copy reply", id="copy_reply"),
+        Binding("f6", "copy_reply", "Copy reply", id="copy_reply", priority=True),  # the prompt's F6 selects a line
+        Binding("f2", "next_drafter", "Drafter", id="next_drafter"),
         Binding("ctrl+up", "k_up", "K+1", id="k_up"),
         Binding("ctrl+down", "k_down", "K-1", id="k_down"),
-        Binding("f5", "k_auto", "K auto", id="k_auto", show=False),
-        Binding("f2", "next_drafter", "Drafter", id="next_drafter", show=False),
-        Binding("f3", "toggle_weights", "Weights", id="toggle_weights", show=False),
-        Binding("f4", "toggle_kv", "KV", id="toggle_kv", show=False),
+        Binding("f5", "k_auto", "K auto", id="k_auto"),
+        Binding("f3", "toggle_weights", "Weights", id="toggle_weights"),
+        Binding("f4", "toggle_kv", "KV", id="toggle_kv"),
         Binding("ctrl+pagedown", "next_tab", "Next chat", id="next_tab", show=False),
         Binding("ctrl+pageup", "previous_tab", "Previous chat", id="previous_tab", show=False),
     ]
@@ -79,15 +80,17 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         system: str | None = None,
         store: ChatStore | None = None,
         transcript_dir: Path | None = None,
+        loader: EngineLoader = load_engine,
     ) -> None:
         super().__init__()
         self.engine = engine
         self.config = config or EngineConfig()
+        self.loader = loader  # used when no engine is given: config -> engine, in a worker thread
         self.sampling = sampling or SamplingParams()
         spec = spec or SpecParams()
         self.settings = ChatSettings(
             k=spec.k,
-            drafter=spec.drafter,
+            drafter=model_drafter(spec.drafter, engine.model_spec if engine is not None else self.config.model),
             temperature=self.sampling.temperature,
             weights=None if self.config.weights == "auto" else self.config.weights,
             kv=None if self.config.kv_format == "auto" else self.config.kv_format,
@@ -102,6 +105,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         self.requests: dict[int, ChatPane] = {}
         self.step_delays_ms: deque[float] = deque(maxlen=4096)  # engine post -> handled, for the benchmark
         self.chats_opened = 0
+        self.keymap: dict[str, str] = {}  # binding id -> key, from $SPECCHAT_HOME/keymap.toml
 
     @property
     def main(self) -> Screen:
@@ -123,12 +127,14 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
     def compose(self):
         yield Header()
         with Horizontal(id="main"):
-            yield TabbedContent(id="chats")
-            with VerticalScroll(id="side", classes="panels"):
-                yield SpeculationPanel(id="speculation")
-                yield ThroughputPanel(id="throughput")
-                yield MemoryPanel(id="memory")
-                yield ControlsPanel(
+            with Vertical(id="chat-column"):
+                yield TabbedContent(id="chats")
+            with Vertical(id="side"):
+                with VerticalScroll(classes="panels"):
+                    yield SpeculationPanel(id="speculation")
+                    yield ThroughputPanel(id="throughput")
+                    yield MemoryPanel(id="memory")
+                yield ControlsPanel(  # below the scrolling panels, so a growing one never hides it
                     self.settings.k, self.settings.drafter, DRAFTERS, self.settings.temperature, id="controls"
                 )
         yield Footer()
@@ -138,13 +144,13 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         controls = self.main.query_one(ControlsPanel)
         for name in ("weights", "kv"):
             controls.show(name, getattr(self.settings, name) or "")
+        self.show_drafter()
         await self.action_new_chat()
         self.set_interval(PANEL_REFRESH_S, self.refresh_panels)
         if self.engine is not None:
             self.attach_engine(self.engine)
         else:
-            self.push_screen(LoadScreen(self.config.model))
-            self.load_model()
+            await self.start_loading()
 
     def on_unmount(self) -> None:
         if self.engine is not None:
@@ -159,34 +165,27 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         if not path.is_file():
             return
         try:
-            self.set_keymap({str(k): str(v) for k, v in tomllib.loads(path.read_text()).items()})
+            self.keymap = {str(k): str(v) for k, v in tomllib.loads(path.read_text()).items()}
         except (OSError, tomllib.TOMLDecodeError) as exc:
             self.notify(f"{path}: {exc}", severity="error")
+            return
+        self.set_keymap(self.keymap)
+
+    def get_key_display(self, binding: Binding) -> str:
+        """Function keys as F2 rather than f2 (the footer and the welcome line)."""
+        display = super().get_key_display(binding)
+        return display.upper() if display[:1] == "f" and display[1:].isdigit() else display
+
+    def key_display(self, binding_id: str) -> str:
+        """The key a binding is on now (the keymap's, else the default), as the footer shows it."""
+        if binding_id == "command_palette":
+            key = self.COMMAND_PALETTE_BINDING
+        else:
+            default = next(b.key for b in self.BINDINGS if isinstance(b, Binding) and b.id == binding_id)
+            key = self.keymap.get(binding_id, default)
+        return self.get_key_display(Binding(key.split(",")[0], ""))
 
     # --- the engine ---------------------------------------------------------------------------------------------
-    @work(thread=True, exclusive=True, group="load")
-    def load_model(self) -> None:
-        """Fetch and load the model off the UI thread; progress comes back as messages."""
-        try:
-            engine = load_engine(self.config, ProgressPoster(self))
-        except SpecchatError as exc:
-            self.post_message(LoadFailed(exc))
-            return
-        self.post_message(EngineReady(engine))
-
-    def on_load_progress(self, message: LoadProgress) -> None:
-        if isinstance(self.screen, LoadScreen):
-            self.screen.show_progress(message.what, message.done, message.total)
-
-    def on_engine_ready(self, message: EngineReady) -> None:
-        if isinstance(self.screen, LoadScreen):
-            self.pop_screen()
-        self.attach_engine(message.engine)
-        self.notify(f"{self.model_name} loaded", timeout=3)
-
-    def on_load_failed(self, message: LoadFailed) -> None:
-        self.exit(message.error, return_code=1)
-
     def attach_engine(self, engine: ChatEngine) -> None:
         """Start listening to the engine and put the model's name in the header."""
         self.engine = engine
@@ -195,6 +194,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         self.sub_title = self.model_name
         for pane in self.main.query(ChatPane):
             pane.model = self.model_name
+        self.show_drafter()
         self.request_reading()
 
     def request_reading(self) -> None:
@@ -206,6 +206,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         if (panel := self.widget(MemoryPanel)) is not None:
             panel.memory = message.memory
         self.metrics.observe(message.snapshot)
+        self.show_welcome()
 
     async def on_engine_step(self, message: EngineStep) -> None:
         """Route one step's text to the chats."""
@@ -251,19 +252,19 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         return next(iter(pane.query(ChatPane)), None) if pane is not None else None
 
     async def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
-        """Send the prompt of a chat to the engine and stream the answer into that chat."""
+        """Send the prompt of a chat to the engine and stream the answer into that chat; while the model loads,
+        the chat keeps it, marked as waiting, until the engine is ready."""
         pane = next(a for a in message.prompt_input.ancestors if isinstance(a, ChatPane))
-        if self.engine is None:
-            self.notify("the model is still loading", severity="warning")
-            return
         if pane.busy:
             self.notify("this chat is still answering: Esc stops it, Ctrl+T opens another chat", severity="warning")
             return
+        if self.engine is None:
+            message.prompt_input.remember(message.text)
+            await pane.add_waiting(message.text)
+            self.show_title(pane)
+            return
         try:
-            sampling = replace(self.sampling, temperature=self.settings.temperature)
-            spec = SpecParams(drafter=self.settings.drafter, k=self.settings.k, k_max=self.k_max)
-            messages = [*pane.messages, {"role": "user", "content": message.text}]
-            handle = self.engine.submit(messages, sampling, spec, listen_only=True)  # events come as EngineStep
+            handle = self.submit_chat([*pane.messages, {"role": "user", "content": message.text}])
         except SpecchatError as exc:
             self.notify(str(exc), severity="error")
             return
@@ -272,7 +273,54 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         message.prompt_input.remember(message.text)
         await pane.add_user(message.text)
         await pane.begin_reply(handle.request_id)
+        self.show_title(pane)
+
+    def submit_chat(self, messages: list[dict]) -> Request:
+        """Submit a conversation with the chats' settings; its events come as EngineStep messages."""
+        sampling = replace(self.sampling, temperature=self.settings.temperature)
+        spec = SpecParams(drafter=self.settings.drafter, k=self.settings.k, k_max=self.k_max)
+        return self.engine.submit(messages, sampling, spec, listen_only=True)
+
+    async def send_waiting(self) -> None:
+        """The engine is ready: send each chat's message typed while it loaded."""
+        for pane in list(self.main.query(ChatPane)):
+            if pane.waiting is None:
+                continue
+            try:
+                handle = self.submit_chat(pane.messages)
+            except SpecchatError as exc:
+                text = pane.waiting.content
+                pane.waiting_sent(str(exc))
+                self.notify(str(exc), severity="error")
+                if not pane.prompt_input.text:  # back in the box, to shorten or fix
+                    pane.prompt_input.load_text(text)
+                continue
+            self.requests[handle.request_id] = pane
+            pane.request_id = handle.request_id
+            pane.waiting_sent()
+            await pane.begin_reply(handle.request_id)
+
+    def show_title(self, pane: ChatPane) -> None:
+        """The chat's tab shows its title (its first message)."""
         self.main.query_one(TabbedContent).get_tab(pane.parent.id).label = pane.title
+
+    def show_welcome(self) -> None:
+        """Empty chats name the model, its settings and the keys that change them (fresh after every change)."""
+        panel = self.widget(MemoryPanel)
+        if panel is None:  # the app is closing
+            return
+        memory = panel.memory
+        device = self.engine.device.type if self.engine is not None else None
+        keys = {binding_id: self.key_display(binding_id) for binding_id, _ in WELCOME_KEYS}
+        text = welcome_text(self.model_name, device, self.settings, memory, keys)
+        for pane in self.main.query(ChatPane):
+            if pane.welcome != text:
+                pane.show_welcome(text)
+
+    def focus_prompt(self) -> None:
+        """Give the keyboard back to the shown chat's prompt (after a click on a control, say)."""
+        if self.chat is not None:
+            self.main.set_focus(self.chat.prompt_input)
 
     async def action_new_chat(self) -> ChatPane:
         """Open a new chat in its own tab."""
@@ -281,6 +329,7 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
         pane = ChatPane(self.store, self.history, self.model_name, self.system)
         tabs = self.main.query_one(TabbedContent)
         await tabs.add_pane(TabPane("new chat", pane, id=pane_id))
+        self.show_welcome()
         tabs.active = pane_id
         pane.prompt_input.focus()
         return pane
@@ -329,46 +378,6 @@ class SpecchatApp(AgentRuns, LiveSettings, App[Exception | None]):
             return
         self.copy_to_clipboard(reply)
         self.notify("answer copied")
-
-    def action_history(self) -> None:
-        """Browse saved conversations."""
-        self.push_screen(HistoryScreen(self.store), self.open_conversation)
-
-    async def open_conversation(self, conversation_id: int | None) -> None:
-        """Show a saved conversation in a tab (the one it is in, if open)."""
-        if conversation_id is None:
-            return
-        tabs = self.main.query_one(TabbedContent)
-        for pane in self.main.query(ChatPane):
-            if pane.conversation_id == conversation_id:
-                tabs.active = pane.parent.id
-                return
-        pane = self.chat if self.chat is not None and not self.chat.messages else await self.action_new_chat()
-        await pane.load(conversation_id)
-        tabs.get_tab(pane.parent.id).label = pane.title
-
-    def action_save_markdown(self) -> None:
-        """Save the active chat as Markdown."""
-        self.save_transcript(".md")
-
-    def action_save_json(self) -> None:
-        """Save the active chat as JSON."""
-        self.save_transcript(".json")
-
-    def save_transcript(self, suffix: str) -> Path | None:
-        pane = self.chat
-        if pane is None or not any(m["role"] != "system" for m in pane.messages):
-            self.notify("nothing to save yet", severity="warning")
-            return None
-        path = transcript_path(self.transcript_dir, pane.title, suffix)
-        text = (
-            to_markdown(pane.title, pane.messages)
-            if suffix == ".md"
-            else to_json(pane.title, pane.model, pane.messages)
-        )
-        path.write_text(text)
-        self.notify(f"saved {path}")
-        return path
 
     def get_system_commands(self, screen: Screen):
         """The command palette: every action, plus each drafter and format by name."""

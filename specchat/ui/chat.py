@@ -1,4 +1,5 @@
-"""One chat: the transcript (Markdown, streamed) and the prompt input, saved to the store as it happens."""
+"""One chat: the transcript (the user's messages as typed, answers as streamed Markdown) and the prompt input, saved
+to the store as it happens."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import time
 from typing import ClassVar
 
+from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
@@ -18,6 +20,8 @@ from specchat.ui.store import FLUSH_S, ChatStore
 
 STREAM_INTERVAL_S = 0.05  # the reply's Markdown grows at most 20 times a second, whatever the token rate
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
+PLACEHOLDER = "Message (Enter sends, Ctrl+J new line)"
+WAITING = "waiting for the model…"
 
 
 class PromptInput(TextArea):
@@ -36,7 +40,9 @@ class PromptInput(TextArea):
             return self.prompt_input
 
     def __init__(self, prompts: list[str], **kwargs) -> None:
-        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+        super().__init__(
+            soft_wrap=True, show_line_numbers=False, tab_behavior="focus", placeholder=PLACEHOLDER, **kwargs
+        )
         self.prompts = prompts  # sent prompts, shared by all chats, oldest first
         self.prompt_index: int | None = None  # position while walking the prompts; None = editing a new one
         self.draft = ""
@@ -96,19 +102,26 @@ class PromptInput(TextArea):
 
 
 class MessageView(Vertical, can_focus=True):
-    """One message of the transcript; focus it and press c to copy it."""
+    """One message of the transcript; focus it and press c to copy it. The user's own text is shown as typed (its
+    line breaks kept), the model's as Markdown."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("c", "copy", "Copy message", id="copy_message")]
 
-    def __init__(self, role: str, content: str = "") -> None:
+    def __init__(self, role: str, content: str = "", db_id: int | None = None) -> None:
         super().__init__(classes=f"message {role}")
         self.role = role
         self.content = content
+        self.db_id = db_id  # its row in the store
 
     def compose(self):
         yield Label(ROLE_LABELS.get(self.role, self.role), classes="role")
-        yield Markdown(self.content)
+        yield Markdown(self.content) if self.role == "assistant" else Static(Text(self.content), classes="text")
         yield Static("", classes="footer")
+
+    def show_text(self, text: str) -> None:
+        """Replace a user message's text (a message waiting for the model takes in the next one typed)."""
+        self.content = text
+        self.query_one(".text", Static).update(Text(text))
 
     def action_copy(self) -> None:
         """Copy the message's text to the clipboard."""
@@ -132,8 +145,11 @@ def finish_line(event: Finished) -> str:
 class ChatPane(Vertical):
     """A conversation: its messages, its one running request, its row in the store."""
 
-    def __init__(self, store: ChatStore, prompts: list[str], model: str, system: str | None = None, **kwargs) -> None:
+    def __init__(
+        self, store: ChatStore, prompts: list[str], model: str, system: str | None = None, welcome: str = "", **kwargs
+    ) -> None:
         super().__init__(classes="chat", **kwargs)
+        self.welcome = welcome
         self.store = store
         self.prompts = prompts
         self.model = model
@@ -141,6 +157,7 @@ class ChatPane(Vertical):
         self.title = "new chat"
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.request_id: int | None = None
+        self.waiting: MessageView | None = None  # the user's message typed before the engine was ready
         self.reply: MessageView | None = None
         self.reply_stream: MarkdownStream | None = None
         self.reply_text = ""
@@ -151,7 +168,8 @@ class ChatPane(Vertical):
         self.flushed_at = 0.0
 
     def compose(self):
-        yield VerticalScroll(classes="transcript")
+        with VerticalScroll(classes="transcript"):
+            yield Static(self.welcome, classes="welcome")
         yield PromptInput(self.prompts, classes="prompt")
 
     def on_mount(self) -> None:
@@ -165,42 +183,75 @@ class ChatPane(Vertical):
     def prompt_input(self) -> PromptInput:
         return self.query_one(PromptInput)
 
+    def show_welcome(self, text: str) -> None:
+        """What the empty chat says: model, settings and the keys that matter (gone with the first message)."""
+        self.welcome = text
+        for line in self.query(".welcome"):
+            line.update(text)
+
     async def load(self, conversation_id: int) -> None:
         """Show a stored conversation; new messages continue it."""
         self.conversation_id = conversation_id
         found = self.store.conversation(conversation_id)
         self.title = found.title if found else self.title
         stored = self.store.messages(conversation_id)
+        await self.query(".welcome").remove()
         views = []
         for m in stored:
             if m.role != "system":
-                views.append(MessageView(m.role, m.content))
+                views.append(MessageView(m.role, m.content, m.id))
             self.messages.append({"role": m.role, "content": m.content})
         await self.query_one(".transcript", VerticalScroll).mount_all(views)
         for view, m in zip(views, [m for m in stored if m.role != "system"], strict=True):
             if m.meta and m.meta.get("footer"):
                 view.set_footer(m.meta["footer"])
 
-    async def add_user(self, text: str) -> None:
+    async def add_user(self, text: str) -> MessageView:
         """Show and store the user's message (a new conversation starts with its first one)."""
         if self.conversation_id is None:
             self.title = " ".join(text.split())[:48]
             self.conversation_id = self.store.new_conversation(self.title, self.model)
             for m in self.messages:  # the system message
                 self.store.add_message(self.conversation_id, m["role"], m["content"])
-        self.store.add_message(self.conversation_id, "user", text)
+        view = MessageView("user", text, self.store.add_message(self.conversation_id, "user", text))
         self.messages.append({"role": "user", "content": text})
-        await self.query_one(".transcript", VerticalScroll).mount(MessageView("user", text))
+        await self.query(".welcome").remove()
+        await self.query_one(".transcript", VerticalScroll).mount(view)
+        return view
+
+    async def add_waiting(self, text: str) -> None:
+        """A message sent before the engine is ready: shown and stored at once, marked as waiting; a second one
+        joins it (one turn, so that nothing typed is lost and the conversation still alternates)."""
+        if self.waiting is None:
+            self.waiting = await self.add_user(text)
+            self.waiting.add_class("waiting")
+            self.waiting.set_footer(WAITING)
+            return
+        joined = f"{self.waiting.content}\n\n{text}"
+        self.waiting.show_text(joined)
+        self.messages[-1]["content"] = joined
+        self.store.update_message(self.waiting.db_id, joined)
+
+    def waiting_sent(self, error: str | None = None) -> None:
+        """The waiting message went to the engine, or could not (it stays on screen and in the store, marked, and
+        leaves the conversation sent to the model)."""
+        if self.waiting is None:
+            return
+        self.waiting.remove_class("waiting")
+        self.waiting.set_footer("" if error is None else f"not sent: {error}")
+        if error is not None:
+            self.messages.pop()
+        self.waiting = None
 
     async def begin_reply(self, request_id: int) -> None:
         """Open an empty assistant message that the request's text will stream into."""
         self.request_id = request_id
         self.reply_text = ""
-        self.reply = MessageView("assistant")
+        self.reply_db_id = self.store.add_message(self.conversation_id, "assistant", "")
+        self.reply = MessageView("assistant", db_id=self.reply_db_id)
         await self.query_one(".transcript", VerticalScroll).mount(self.reply)
         self.reply.add_class("streaming")
         self.reply_stream = Markdown.get_stream(self.reply.query_one(Markdown))
-        self.reply_db_id = self.store.add_message(self.conversation_id, "assistant", "")
         self.flushed_at = time.monotonic()
 
     async def append(self, text: str) -> None:

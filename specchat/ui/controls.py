@@ -33,7 +33,7 @@ class ControlsPanel(Vertical):
         self.temperature = temperature
 
     def compose(self):
-        with Horizontal(classes="row"):
+        with Horizontal(classes="row", id="k-row"):
             yield Label("K", classes="name")
             yield Input(k_text(self.k), id="k-input", compact=True, classes="k-field")
             yield Button("-", id="k-down", compact=True)
@@ -44,6 +44,7 @@ class ControlsPanel(Vertical):
             yield Select(
                 [(d, d) for d in self.drafters], value=self.drafter, allow_blank=False, id="drafter", compact=True
             )
+        yield Label("K idle: no drafter (F2 picks one)", id="k-hint")
         with Horizontal(classes="row"):
             yield Label("weights", classes="name")
             yield Select([(f, f) for f in WEIGHT_FORMATS], prompt="as loaded", id="weights", compact=True)
@@ -56,6 +57,12 @@ class ControlsPanel(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = "Controls"
+        self.show_k_state()
+
+    def show_k_state(self) -> None:
+        """K's row is disabled, with a hint, while no drafter drafts."""
+        self.query_one("#k-row").disabled = self.drafter == "none"
+        self.query_one("#k-hint").display = self.drafter == "none"
 
     @on(Button.Pressed, "#k-down")
     def on_k_down(self) -> None:
@@ -84,9 +91,10 @@ class ControlsPanel(Vertical):
 
     @on(Select.Changed)
     def on_select_changed(self, event: Select.Changed) -> None:
-        """Drafter, weights or KV picked."""
-        if event.value is not Select.BLANK:
-            self.post_message(self.Changed(event.select.id, str(event.value)))
+        """Drafter, weights or KV picked (the drafter Select also reports its first value as it mounts: not a pick)."""
+        if event.value is Select.BLANK or (event.select.id == "drafter" and event.value == self.drafter):
+            return
+        self.post_message(self.Changed(event.select.id, str(event.value)))
 
     def show(self, name: str, value: str) -> None:
         """Reflect a setting that took effect (without posting it again); "" = as loaded."""
@@ -106,6 +114,7 @@ class ControlsPanel(Vertical):
                     select.clear()
             if name == "drafter":
                 self.drafter = value
+                self.show_k_state()
 
     def set_busy(self, busy: bool) -> None:
         """Show an indeterminate bar while a long change (quantizing, loading a drafter) runs."""

@@ -1,4 +1,4 @@
-"""Screens over the chat: model loading with progress, and the saved-conversation browser."""
+"""The saved-conversation browser, a screen over the chat."""
 
 from __future__ import annotations
 
@@ -8,30 +8,10 @@ from typing import ClassVar
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Label, OptionList, ProgressBar
+from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
 from specchat.ui.store import ChatStore
-
-
-class LoadScreen(ModalScreen[None]):
-    """Fetching and loading the model: what is happening and how far it got."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__()
-        self.model = model
-
-    def compose(self):
-        with Vertical(classes="dialog"):
-            yield Label(f"Loading [b]{self.model}[/b]", classes="title")
-            yield Label("starting…", classes="what")
-            yield ProgressBar(total=None, show_eta=False, classes="progress")
-
-    def show_progress(self, what: str, done: int, total: int) -> None:
-        """Update the label and the bar (indeterminate when total is 0)."""
-        self.query_one(".what", Label).update(what)
-        progress = self.query_one(".progress", ProgressBar)
-        progress.update(total=total or None, progress=done)
 
 
 class HistoryScreen(ModalScreen[int | None]):

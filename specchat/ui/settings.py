@@ -2,7 +2,9 @@
 
 K and temperature apply at once (K through `engine.set_k`, from the next step; temperature from the next
 message). Drafter, weights and KV call the engine's setter in a worker thread, since loading a drafter or
-quantizing takes a while; a refusal becomes a notification and the control snaps back.
+quantizing takes a while; a refusal becomes a notification and the control snaps back. While the model loads,
+a drafter picked is what the first requests get; weights and KV wait for the model. Every change gives the
+keyboard back to the chat's prompt.
 """
 
 from __future__ import annotations
@@ -10,10 +12,42 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from specchat.config import DRAFTERS, SpecParams
-from specchat.errors import ConfigError
+from specchat.config import DRAFTERS, SpecParams, check_drafter_name
+from specchat.errors import ConfigError, SpecchatError
+from specchat.registry import ModelSpec, resolve
 from specchat.ui.controls import ControlsPanel, k_text
 from specchat.ui.messages import SettingApplied
+from specchat.ui.speculation import SpeculationPanel
+
+K_ACTIONS = ("k_up", "k_down", "k_auto")  # nothing to do without a drafter: shown disabled then
+
+
+def model_drafter(name: str, model: ModelSpec | str | None) -> str:
+    """`default` -> the drafter models.toml names for the model: a loaded model's entry (None: not in models.toml),
+    or a model name to look up before loading (a bad one gives `none`, and the load says why). Other names as
+    they are."""
+    if name != "default":
+        return name
+    if isinstance(model, str):
+        try:
+            model = resolve(model)
+        except SpecchatError:
+            return "none"
+    return model.drafter if model is not None and model.drafter else "none"
+
+
+def drafter_description(name: str, model_spec: ModelSpec | None) -> str:
+    """The drafter as the Speculation panel names it; for draft-model, which model drafts."""
+    kind, _, arg = name.partition(":")
+    if kind != "draft-model":
+        return name
+    try:
+        draft = resolve(arg or None)
+    except SpecchatError:
+        return name
+    if model_spec is not None and draft.where == model_spec.where:
+        return f"{name}: {draft.alias}, the model itself (a check: no speed-up)"
+    return f"{name}: {draft.alias} drafts"
 
 
 @dataclass(slots=True)
@@ -31,7 +65,26 @@ class LiveSettings:
     """The settings half of SpecchatApp (a mixin: it uses the app's engine, bridge, metrics and widgets)."""
 
     def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
+        """A control was used: apply it, and give the keyboard back to the chat (Enter must not press the button
+        again, and the next message typed must land in the prompt)."""
         self.change_setting(message.name, message.value)
+        self.focus_prompt()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """K's keys are shown disabled while no drafter drafts."""
+        if action in K_ACTIONS and self.settings.drafter == "none":
+            return None
+        return True
+
+    def show_drafter(self) -> None:
+        """Name the drafter in the Speculation panel (which model drafts, for draft-model) and the K control's state."""
+        spec = self.engine.model_spec if self.engine is not None else None
+        if (panel := self.widget(SpeculationPanel)) is not None:
+            panel.drafter = drafter_description(self.settings.drafter, spec)
+        if (controls := self.widget(ControlsPanel)) is not None:
+            controls.show("drafter", self.settings.drafter)
+        self.refresh_bindings()
+        self.show_welcome()
 
     def change_setting(self, name: str, value: str) -> None:
         """Apply a setting: K and temperature at once, drafter / weights / KV in a worker thread."""
@@ -49,6 +102,7 @@ class LiveSettings:
             if self.engine is not None:
                 self.engine.set_k(k)
             controls.show("k", k_text(k))
+            self.show_welcome()
         elif name == "temperature":
             try:
                 temperature = replace(self.sampling, temperature=float(value)).temperature
@@ -59,9 +113,15 @@ class LiveSettings:
             self.settings.temperature = temperature
             controls.show("temperature", str(temperature))
             self.notify(f"temperature {temperature}: from the next message on", timeout=3)
+        elif self.bridge is None and name == "drafter":
+            try:
+                self.settings.drafter = check_drafter_name(value)
+            except ConfigError as exc:
+                self.notify(str(exc), severity="error")
+            self.show_drafter()
         else:
             if self.bridge is None:
-                self.notify("the model is still loading", severity="warning")
+                self.notify(f"{name}: the model is still loading; change it once it is ready", severity="warning")
                 controls.show(name, getattr(self.settings, name) or "")
                 return
             controls.set_busy(True)
@@ -79,6 +139,9 @@ class LiveSettings:
             return
         setattr(self.settings, message.name, message.value)
         controls.show(message.name, message.value)
+        if message.name == "drafter":
+            self.show_drafter()
+        self.show_welcome()
         self.notify(f"{message.name} = {message.value}", timeout=3)
         self.request_reading()
 

@@ -1,15 +1,21 @@
-"""The Speculation panel: acceptance now and over time, tokens per step, per-position acceptance, step time."""
+"""The Speculation panel: which drafter, acceptance now and over time, tokens per step, per-position acceptance,
+step time."""
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.containers import Vertical
 from textual.reactive import reactive
-from textual.widgets import Sparkline
+from textual.widgets import Sparkline, Static
 
 from specchat.ui.figures import NA, FigureText, bar, num, pct
 from specchat.ui.metrics import MetricsView
 
 BAR = 12  # cells of a histogram bar
+
+
+def drafter_line(drafter: str) -> Text:
+    return Text.assemble("drafter      ", (drafter or NA, "bold"))
 
 
 def headline(view: MetricsView) -> str:
@@ -61,8 +67,10 @@ class SpeculationPanel(Vertical):
     """How much drafting pays off, live."""
 
     view: reactive[MetricsView] = reactive(MetricsView, init=False)
+    drafter: reactive[str] = reactive("", init=False)  # as settings.drafter_description names it
 
     def compose(self):
+        yield Static(drafter_line(self.drafter), classes="drafter")
         yield FigureText(headline(MetricsView()), classes="headline")
         yield Sparkline([], classes="acceptance-history")
         yield FigureText(histogram(MetricsView()), classes="histogram")
@@ -79,3 +87,7 @@ class SpeculationPanel(Vertical):
         self.query_one(".histogram", FigureText).show(histogram(view))
         self.query_one(".positions", FigureText).show(positions(view))
         self.query_one(".step-time", FigureText).show(step_time(view))
+
+    def watch_drafter(self, drafter: str) -> None:
+        """Name the drafter whose steps the figures count (they start afresh at a switch: engine.telemetry)."""
+        self.query_one(".drafter", Static).update(drafter_line(drafter))

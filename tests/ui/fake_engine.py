@@ -132,6 +132,8 @@ class FakeEngine:
 
     def set_drafter(self, name: str, request_id: int | None = None) -> None:
         self.settings["drafter"] = name
+        with self.lock:
+            self.metrics.observe_drafter_switch()
 
     def set_weights(self, fmt: str) -> Future:
         self.settings["weights"] = fmt

@@ -1,7 +1,7 @@
 """The agent view: runs in tabs with their live traces, Esc stops them, shell commands ask through a dialog.
 
 Most tests drive the app with canned replies (tests/agent/scripted_engine.py: the loop's logic is tested there,
-the view here); the last ones run the real engine, loaded behind the progress screen, so that the panels read
+the view here); the last ones run the real engine, loaded behind the loading notice, so that the panels read
 its steps.
 """
 
@@ -35,8 +35,8 @@ from specchat.ui.agent_view import (
     ToolResultView,
 )
 from specchat.ui.app import SpecchatApp
+from specchat.ui.loading import LoadingNotice
 from specchat.ui.messages import LoadProgress
-from specchat.ui.screens import LoadScreen
 from specchat.ui.speculation import SpeculationPanel
 from tests.agent.scripted_engine import HANG, ScriptedEngine
 from tests.conftest import save_tiny_hf
@@ -248,7 +248,7 @@ def agent_model_dir(tmp_path: Path) -> Path:
     return save_tiny_hf(tmp_path / "tiny-agent", {"max_position_embeddings": 1024})
 
 
-async def test_loads_behind_the_progress_screen_and_feeds_the_panels(agent_model_dir, tmp_path, store):
+async def test_loads_behind_the_notice_and_feeds_the_panels(agent_model_dir, tmp_path, store):
     """A random model cannot answer, but a guided first turn makes it call a tool: the trace shows the call and
     its result, and the Speculation panel shows the engine's steps."""
     script = write_script(
@@ -260,11 +260,11 @@ async def test_loads_behind_the_progress_screen_and_feeds_the_panels(agent_model
     script.write_text('tool_choice = "first"\n' + script.read_text().replace("max_steps = 3", "max_steps = 1"))
     config = EngineConfig(model=str(agent_model_dir), device="cpu", dtype="float32")
     app = AgentApp(load_script(script), config, store=store, transcript_dir=tmp_path)
-    shown_on: list[type] = []  # the screen on top when each loading progress message arrived
-    hook = lambda message: isinstance(message, LoadProgress) and shown_on.append(type(app.screen))
+    notices: list[int] = []  # loading notices on screen when each progress message arrived
+    hook = lambda message: isinstance(message, LoadProgress) and notices.append(len(app.main.query(LoadingNotice)))
     async with app.run_test(size=SIZE, message_hook=hook) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None and not isinstance(app.screen, LoadScreen), what="load")
-        assert shown_on and set(shown_on) == {LoadScreen}
+        await wait_for(pilot, lambda: app.engine is not None and not app.main.query(LoadingNotice), what="load")
+        assert notices and set(notices) == {1}
         await wait_for(pilot, lambda: app.agent_sessions and app.agent_sessions[0].summary, timeout=120)
         pane = run_panes(app)[0]
         assert pane.state == "max_steps"

@@ -48,7 +48,7 @@ async def test_escape_cancels_and_keeps_the_text(roomy_engine, make_app, store):
 
 
 async def test_raising_k_changes_the_next_step(roomy_engine, make_app):
-    app = make_app(roomy_engine, max_tokens=6000, ignore_eos=True, k=2)
+    app = make_app(roomy_engine, max_tokens=6000, ignore_eos=True, drafter="ngram", k=2)
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "count with me")
         pane = app.chat

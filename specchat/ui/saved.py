@@ -1,0 +1,55 @@
+"""Saved conversations in the app: reopening one from the history, saving a chat as Markdown or JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.widgets import TabbedContent
+
+from specchat.ui.chat import ChatPane
+from specchat.ui.screens import HistoryScreen
+from specchat.ui.transcript import to_json, to_markdown, transcript_path
+
+
+class SavedConversations:
+    """The saved-conversation half of SpecchatApp (a mixin: it uses the app's store, chats and transcript folder)."""
+
+    def action_history(self) -> None:
+        """Browse saved conversations."""
+        self.push_screen(HistoryScreen(self.store), self.open_conversation)
+
+    async def open_conversation(self, conversation_id: int | None) -> None:
+        """Show a saved conversation in a tab (the one it is in, if open)."""
+        if conversation_id is None:
+            return
+        tabs = self.main.query_one(TabbedContent)
+        for pane in self.main.query(ChatPane):
+            if pane.conversation_id == conversation_id:
+                tabs.active = pane.parent.id
+                return
+        pane = self.chat if self.chat is not None and not self.chat.messages else await self.action_new_chat()
+        await pane.load(conversation_id)
+        self.show_title(pane)
+
+    def action_save_markdown(self) -> None:
+        """Save the active chat as Markdown."""
+        self.save_transcript(".md")
+
+    def action_save_json(self) -> None:
+        """Save the active chat as JSON."""
+        self.save_transcript(".json")
+
+    def save_transcript(self, suffix: str) -> Path | None:
+        pane = self.chat
+        if pane is None or not any(m["role"] != "system" for m in pane.messages):
+            self.notify("nothing to save yet", severity="warning")
+            return None
+        path = transcript_path(self.transcript_dir, pane.title, suffix)
+        text = (
+            to_markdown(pane.title, pane.messages)
+            if suffix == ".md"
+            else to_json(pane.title, pane.model, pane.messages)
+        )
+        path.write_text(text)
+        self.notify(f"saved {path}")
+        return path

@@ -1,0 +1,110 @@
+"""Loading behind a notice (issue 21): what is typed while the model loads lands in the prompt, a message sent then
+waits in the chat and is answered once the engine is ready; nothing is lost, no dialog takes the keyboard."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.errors import ModelNotFoundError
+from specchat.ui.app import SpecchatApp
+from specchat.ui.chat import WAITING, MessageView
+from specchat.ui.loading import LoadingNotice
+from tests.ui.conftest import SIZE, type_prompt, wait_for
+
+
+class SlowLoader:
+    """Loads `engine` only once released (a test's stand-in for a slow fetch and load), reporting progress."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self, config: EngineConfig, progress) -> object:
+        self.started.set()
+        progress("reading weights", 1, 2)
+        if not self.release.wait(timeout=120):
+            raise ModelNotFoundError("the test never released the loader")
+        progress("reading weights", 2, 2)
+        return self.engine
+
+
+def slow_app(loader, store, tmp_path: Path, max_tokens: int = 12) -> SpecchatApp:
+    return SpecchatApp(
+        config=EngineConfig(model="tiny", device="cpu"),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        spec=SpecParams(drafter="ngram", k=3),
+        store=store,
+        transcript_dir=tmp_path,
+        loader=loader,
+    )
+
+
+def footer(view: MessageView) -> str:
+    return str(view.query_one(".footer").render())
+
+
+async def test_typed_and_sent_during_a_slow_load_is_answered_after_it(tiny_engine, store, tmp_path):
+    loader = SlowLoader(tiny_engine)
+    app = slow_app(loader, store, tmp_path)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, loader.started.is_set, what="the loader to start")
+            await wait_for(pilot, lambda: app.main.query(LoadingNotice), what="the loading notice")
+            pane = app.chat
+            assert pane.prompt_input.has_focus  # from the first frame: no dialog holds the keyboard
+            assert "Type your message now" in str(pane.query_one(".welcome").render())
+            await pilot.press(*"hello")
+            assert pane.prompt_input.text == "hello"
+            await pilot.press("enter")
+            await type_prompt(pilot, "and more")  # a second message joins the waiting one: one turn
+            (waiting,) = pane.query(MessageView)
+            assert waiting.content == "hello\n\nand more" and WAITING in footer(waiting)
+            assert pane.prompt_input.text == "" and app.engine is None and not app.requests
+            assert not [n.message for n in app._notifications if n.severity != "information"]
+
+            loader.release.set()
+            await wait_for(pilot, lambda: not app.main.query(LoadingNotice), what="the notice to go")
+            await wait_for(pilot, lambda: pane.busy or len(pane.messages) == 2, what="the waiting message sent")
+            assert WAITING not in footer(waiting)
+            await wait_for(pilot, lambda: len(pane.messages) == 2, what="the answer")
+            reply = pane.query(MessageView).last()
+            assert reply.role == "assistant" and reply.content == pane.messages[1]["content"] != ""
+            assert len(app.step_delays_ms) >= 11  # streamed, one message per step (12 tokens: prefill + 11)
+            assert "12 tokens" in footer(reply)
+    finally:
+        loader.release.set()
+    stored = store.messages(pane.conversation_id)
+    assert [(m.role, m.content) for m in stored] == [("user", "hello\n\nand more"), ("assistant", reply.content)]
+
+
+async def test_a_waiting_message_the_model_cannot_take_goes_back_to_the_prompt(tiny_engine, store, tmp_path):
+    loader = SlowLoader(tiny_engine)
+    app = slow_app(loader, store, tmp_path)
+    too_long = " ".join(["word"] * 2000)  # the tiny model's context holds 256 tokens
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            pane = app.chat
+            pane.prompt_input.load_text(too_long)
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: pane.waiting is not None, what="the message to wait")
+            loader.release.set()
+            await wait_for(pilot, lambda: app.engine is not None and pane.waiting is None, what="the attempt")
+            (view,) = pane.query(MessageView)
+            assert footer(view).startswith("not sent: ") and pane.messages == []
+            assert pane.prompt_input.text == too_long and not pane.busy
+            assert any(n.severity == "error" for n in app._notifications)
+    finally:
+        loader.release.set()
+
+
+async def test_a_failed_load_ends_the_app_with_its_error(store, tmp_path):
+    def failing(config, progress):
+        raise ModelNotFoundError("unknown model 'nope'")
+
+    app = slow_app(failing, store, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.return_value is not None, what="the app to end")
+    assert isinstance(app.return_value, ModelNotFoundError)
