@@ -240,7 +240,7 @@ class AgentRuns:
         if self.engine is None:
             self.notify("the model is still loading", severity="warning")
             return
-        examples = sorted(str(path) for path in Path.cwd().glob(EXAMPLES))
+        examples = sorted(str(path) for path in Path().glob(EXAMPLES))  # relative, as the user types them
         self.push_screen(AgentScriptScreen(examples), self.run_agent_script)
 
     async def run_agent_script(self, path: Path | None) -> None:

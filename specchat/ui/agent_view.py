@@ -13,7 +13,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.screen import ModalScreen
-from textual.suggester import SuggestFromList
+from textual.suggester import Suggester
 from textual.widget import Widget
 from textual.widgets import Button, Input, Label, Static
 
@@ -242,6 +242,36 @@ class ShellConfirmScreen(ModalScreen[bool]):
         self.dismiss(allowed)
 
 
+class ScriptPaths(Suggester):
+    """Completes the path typed: to a whole example script where one starts so, else as a shell does, one level
+    at a time (folders and .toml files under the folder typed so far, relative to the working directory unless
+    the path is absolute or starts with ~)."""
+
+    def __init__(self, examples: list[str]) -> None:
+        super().__init__(use_cache=False, case_sensitive=True)
+        self.examples = examples
+
+    async def get_suggestion(self, value: str) -> str | None:
+        example = next((path for path in self.examples if path.startswith(value)), None)
+        if example is not None:
+            return example
+        folder_text = value[: value.rfind("/") + 1]  # "examples/ag" -> "examples/"
+        stem = value[len(folder_text) :]
+        folder = Path(folder_text or ".").expanduser()
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:
+            return None
+        for entry in entries:
+            if not entry.name.startswith(stem) or (entry.name.startswith(".") and not stem.startswith(".")):
+                continue
+            if entry.is_dir():
+                return f"{folder_text}{entry.name}/"
+            if entry.suffix == ".toml":
+                return f"{folder_text}{entry.name}"
+        return None
+
+
 class AgentScriptScreen(ModalScreen[Path | None]):
     """Which agent script to run: a path, with the example scripts as suggestions."""
 
@@ -255,7 +285,7 @@ class AgentScriptScreen(ModalScreen[Path | None]):
         with Vertical(classes="dialog"):
             yield Label("Run an agent script (Enter runs it, → completes, Esc closes)", classes="title")
             placeholder = self.suggestions[0] if self.suggestions else "path/to/script.toml"
-            yield Input(placeholder=placeholder, suggester=SuggestFromList(self.suggestions, case_sensitive=True))
+            yield Input(placeholder=placeholder, suggester=ScriptPaths(self.suggestions))
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         """Run the script at the path typed."""

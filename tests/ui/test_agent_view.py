@@ -29,6 +29,7 @@ from specchat.ui.agent_view import (
     AgentRunPane,
     AgentScriptScreen,
     AnswerView,
+    ScriptPaths,
     ShellConfirmScreen,
     StepView,
     ToolCallView,
@@ -240,6 +241,38 @@ async def test_the_palette_runs_a_script_in_new_tabs(tmp_path, store):
         assert len(app.main.query("TabPane")) == 2
         press_now(app, "ctrl+pageup")
         await wait_for(pilot, lambda: app.chat is not None, what="back to the chat")
+
+
+@pytest.fixture
+def script_tree(tmp_path: Path, monkeypatch) -> Path:
+    """A working directory with example agent scripts and one of the user's own."""
+    for name in ("examples/agents/arithmetic.toml", "examples/agents/find_fact.toml", "mine/task.toml"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "mine" / "notes.txt").write_text("")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+async def test_script_paths_complete_relative_and_absolute(script_tree):
+    paths = ScriptPaths(["examples/agents/arithmetic.toml", "examples/agents/find_fact.toml"])
+    assert await paths.get_suggestion("e") == "examples/agents/arithmetic.toml"
+    assert await paths.get_suggestion("examples/agents/f") == "examples/agents/find_fact.toml"
+    assert await paths.get_suggestion("mi") == "mine/"
+    assert await paths.get_suggestion("mine/") == "mine/task.toml"  # not notes.txt
+    assert await paths.get_suggestion(f"{script_tree}/mine/t") == f"{script_tree}/mine/task.toml"
+    assert await paths.get_suggestion("nowhere/x") is None
+
+
+async def test_the_script_dialog_completes_a_relative_path(script_tree):
+    app = SpecchatApp(engine=ScriptedUIEngine([]))
+    async with app.run_test(size=SIZE) as pilot:
+        field = await script_dialog(pilot, app)
+        await pilot.press(*"mine/t")
+        await wait_for(pilot, lambda: field._suggestion == "mine/task.toml", what="the suggestion")
+        await pilot.press("right")
+        assert field.value == "mine/task.toml"
+        assert field.placeholder == "examples/agents/arithmetic.toml"
 
 
 @pytest.fixture
