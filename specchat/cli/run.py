@@ -1,10 +1,18 @@
-"""`specchat run`: chat with a model. `--plain` is a streaming REPL on stdin/stdout (no TUI)."""
+"""`specchat run`: chat with a model. `--plain` is a streaming REPL on stdin/stdout (no TUI).
+
+Both take input at once and load the model meanwhile: the TUI behind a notice, the REPL in a thread while it
+reads the first message (which waits for the model if it comes first, so nothing typed is lost). Speculation
+follows the model's models.toml `drafter` unless --drafter says otherwise.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
 import click
 
@@ -18,9 +26,17 @@ from specchat.cli.options import (
     spec_options,
     spec_params,
 )
-from specchat.errors import PromptError
+from specchat.config import DRAFTER_SYNTAX, EngineConfig, SamplingParams, SpecParams, check_drafter_name
+from specchat.errors import ConfigError, PromptError, SpecchatError
 
-REPL_HELP = "Type a message and press Enter (end a line with \\ to continue it). /reset clears the chat, /exit quits."
+REPL_HELP = f"""\
+Type a message and press Enter (end a line with \\ to continue it); Ctrl-C stops an answer.
+  /help          this help
+  /k N|auto      draft tokens per step
+  /drafter NAME  {DRAFTER_SYNTAX}
+  /clear         start the conversation afresh
+  /quit          leave (so does Ctrl-D)
+A line that starts with / is a command; start it with // to send it as a message."""
 
 
 def read_message() -> str | None:
@@ -45,26 +61,96 @@ def read_message() -> str | None:
         return "\n".join(lines)
 
 
-def plain_repl(engine, sampling, spec, system: str | None) -> None:
-    """Read, stream, repeat. Ctrl-C stops the current answer and keeps the conversation."""
-    from specchat.engine.sequence import Finished, TextDelta
+class LoadProgress:
+    """The loader's progress on stderr, silent until someone waits for the model (it would garble typing)."""
 
-    with contextlib.suppress(ImportError):
-        import readline  # noqa: F401  (line editing and history for input())
-    messages: list[dict] = [{"role": "system", "content": system}] if system else []
-    click.echo(REPL_HELP, err=True)
-    while True:
-        text = read_message()
-        if text is None or text.strip() in ("/exit", "/quit"):
+    def __init__(self) -> None:
+        self.bar = StderrProgress()
+        self.shown = threading.Event()
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if self.shown.is_set():
+            self.bar(what, done, total)
+
+
+def load_in_background(config: EngineConfig, progress: LoadProgress) -> Future:
+    """Load the engine in a daemon thread (leaving before it is ready does not wait for it)."""
+    from specchat.engine.engine import Engine
+
+    loading: Future = Future()
+
+    def load() -> None:
+        try:
+            loading.set_result(Engine.load(config, progress=progress))
+        except BaseException as exc:  # handed to the thread that waits: user errors become one line there
+            loading.set_exception(exc)
+
+    threading.Thread(target=load, name="specchat-load", daemon=True).start()
+    return loading
+
+
+@dataclass(slots=True)
+class PlainChat:
+    """The REPL's state: the engine (loading until it is ready), the conversation and its settings."""
+
+    loading: Future
+    progress: LoadProgress
+    sampling: SamplingParams
+    spec: SpecParams
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def engine(self):
+        """The engine, waiting for it (with the progress bar) if it is still loading."""
+        if not self.loading.done():
+            click.echo("(waiting for the model…)", err=True)
+            self.progress.shown.set()
+        return self.loading.result()
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False to quit. A user's mistake is one line, and the REPL goes on."""
+        name, _, arg = line[1:].strip().partition(" ")
+        arg = arg.strip()
+        if name in ("quit", "exit"):
+            return False
+        try:
+            if name == "help":
+                click.echo(REPL_HELP, err=True)
+            elif name in ("clear", "reset"):
+                self.clear()
+                click.echo("(conversation cleared)", err=True)
+            elif name == "k":
+                if arg:
+                    self.spec = replace(self.spec, k=None if arg == "auto" else parse_k(arg))
+                click.echo(f"(k {'auto' if self.spec.k is None else self.spec.k})", err=True)
+            elif name == "drafter":
+                if arg:
+                    self.engine().drafter(check_drafter_name(arg))  # built now: a missing file fails here
+                    self.spec = replace(self.spec, drafter=arg)
+                click.echo(f"(drafter {self.spec.drafter})", err=True)
+            else:
+                click.echo(f"unknown command /{name}: /help lists them", err=True)
+        except ConfigError as exc:
+            click.echo(f"error: {exc}", err=True)
+        return True
+
+    def send(self, text: str) -> None:
+        """Stream the answer to one message; Ctrl-C stops it and keeps the conversation."""
+        from specchat.engine.sequence import Finished, TextDelta
+
+        engine = self.engine()
+        try:
+            handle = engine.submit([*self.messages, {"role": "user", "content": text}], self.sampling, self.spec)
+        except SpecchatError as exc:  # a prompt too long for the context, say: the conversation is unchanged
+            click.echo(f"error: {exc}", err=True)
             return
-        if text.strip() == "/reset":
-            messages = messages[:1] if system else []
-            click.echo("(conversation cleared)", err=True)
-            continue
-        if not text.strip():
-            continue
-        messages.append({"role": "user", "content": text})
-        handle = engine.submit(messages, sampling, spec)
+        self.messages.append({"role": "user", "content": text})
         reply = ""
         try:
             for event in handle.events():
@@ -83,7 +169,32 @@ def plain_repl(engine, sampling, spec, system: str | None) -> None:
             handle.cancel()
             handle.result()
             click.echo("\n[stopped]", err=True)
-        messages.append({"role": "assistant", "content": reply})
+        self.messages.append({"role": "assistant", "content": reply})
+
+
+def parse_k(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"k must be an integer or 'auto', got {text!r}") from None
+
+
+def plain_repl(chat: PlainChat) -> None:
+    """Read, stream, repeat, from the first moment: a message typed before the model is ready waits for it."""
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    click.echo("Type a message and press Enter; /help lists the commands.", err=True)
+    while True:
+        text = read_message()
+        if text is None:
+            return
+        if text.startswith("/") and not text.startswith("//"):
+            if not chat.command(text):
+                return
+            continue
+        text = text.removeprefix("/")  # "//..." sends "/..."
+        if text.strip():
+            chat.send(text)
 
 
 @click.command()
@@ -94,18 +205,27 @@ def plain_repl(engine, sampling, spec, system: str | None) -> None:
 @spec_options
 def run(model, device, dtype, weights, system, plain, max_tokens, temperature, top_p, top_k, seed, drafter, k) -> None:
     """Chat with MODEL (default: smollm2-135m)."""
-    from specchat.engine.engine import Engine
+    from specchat.registry import resolve
 
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, weights=weights)
+    entry = resolve(config.model)  # a bad name ends here, in one line, before any window or load
+    if spec.drafter == "default":
+        spec = replace(spec, drafter=entry.drafter or "none")
     if not plain and sys.stdin.isatty() and sys.stdout.isatty():
         from specchat.ui.app import run_tui
 
-        run_tui(config, sampling, spec, system)  # loads the model itself, behind a progress screen
+        run_tui(config, sampling, spec, system)  # loads the model itself, behind a notice
         return
-    engine = Engine.load(config, progress=StderrProgress())
-    plain_repl(engine, sampling, spec, system)
+    progress = LoadProgress()
+    click.echo(f"loading {entry.alias} (drafter {spec.drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
+    plain_repl(PlainChat(load_in_background(config, progress), progress, sampling, spec, system))
+
+
+for _param in run.params:  # run follows the model's models.toml drafter; spec_options' default is "none"
+    if _param.name == "drafter":
+        _param.default = "default"
 
 
 def register(group: click.Group) -> None:
