@@ -318,9 +318,11 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
                 pane.show_welcome(text)
 
     def focus_prompt(self) -> None:
-        """Give the keyboard back to the shown chat's prompt (after a click on a control, say)."""
-        if self.chat is not None:
-            self.main.set_focus(self.chat.prompt_input)
+        """Give the keyboard back to the shown tab: a chat's prompt, a run's trace (after a click on a control)."""
+        pane = self.main.query_one(TabbedContent).active_pane
+        target = next(iter(pane.query("PromptInput, .trace")), None) if pane is not None else None
+        if target is not None:
+            self.main.set_focus(target)
 
     async def action_new_chat(self) -> ChatPane:
         """Open a new chat in its own tab."""
