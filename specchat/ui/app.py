@@ -106,6 +106,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         self.step_delays_ms: deque[float] = deque(maxlen=4096)  # engine post -> handled, for the benchmark
         self.chats_opened = 0
         self.keymap: dict[str, str] = {}  # binding id -> key, from $SPECCHAT_HOME/keymap.toml
+        self.previous_config: EngineConfig | None = None  # while a switch loads another model: the one before
 
     @property
     def main(self) -> Screen:
@@ -387,6 +388,9 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         yield SystemCommand("New chat", "Open a chat in a new tab", self.action_new_chat)
         yield SystemCommand("Close chat", "Close this tab (the conversation stays saved)", self.action_close_chat)
         yield SystemCommand("History", "Open a saved conversation", self.action_history)
+        yield SystemCommand(
+            "Switch model", "Load another model of models.toml; the chats stay", self.action_switch_model
+        )
         yield SystemCommand("Save transcript as Markdown", "Write this chat to a .md file", self.action_save_markdown)
         yield SystemCommand("Save transcript as JSON", "Write this chat to a .json file", self.action_save_json)
         yield SystemCommand("Copy last answer", "Copy this chat's last answer", self.action_copy_reply)

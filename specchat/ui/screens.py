@@ -1,4 +1,4 @@
-"""The saved-conversation browser, a screen over the chat."""
+"""Screens over the chat: the saved-conversation browser and the model picker."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
+from specchat.registry import ModelSpec
 from specchat.ui.store import ChatStore
 
 
@@ -58,3 +59,35 @@ class HistoryScreen(ModalScreen[int | None]):
         self.store.delete_conversation(int(option.id))
         option_list.remove_option(option.id)
         self.notify("conversation deleted", timeout=2)
+
+
+class ModelScreen(ModalScreen[str | None]):
+    """The models of models.toml: Enter loads the highlighted one in place of this one, Esc closes."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Close", id="model_close")]
+
+    def __init__(self, models: list[ModelSpec], current: str) -> None:
+        super().__init__()
+        self.models = models
+        self.current = current
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label("Switch model (Enter loads it, the chats stay; Esc closes)", classes="title")
+            yield OptionList(
+                *(
+                    Option(
+                        f"{m.alias}{'  (loaded)' if m.alias == self.current else ''}  [dim]{m.description}[/dim]",
+                        id=m.alias,
+                    )
+                    for m in self.models
+                )
+            )
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        """Load the chosen model."""
+        self.dismiss(event.option.id)
+
+    def action_close(self) -> None:
+        """Back to the chat."""
+        self.dismiss(None)

@@ -11,7 +11,9 @@ from specchat.errors import ModelNotFoundError
 from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import WAITING, MessageView
 from specchat.ui.loading import LoadingNotice
+from specchat.ui.screens import ModelScreen
 from tests.ui.conftest import SIZE, type_prompt, wait_for
+from tests.ui.fake_engine import FakeEngine
 
 
 class SlowLoader:
@@ -108,3 +110,53 @@ async def test_a_failed_load_ends_the_app_with_its_error(store, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.return_value is not None, what="the app to end")
     assert isinstance(app.return_value, ModelNotFoundError)
+
+
+async def test_a_model_switch_keeps_the_chats_and_a_message_sent_meanwhile(tiny_engine, store, tmp_path):
+    """The palette's Switch model: the chat stays, a message sent while the new model loads waits for it and is
+    answered by it; a switch that fails to load brings the previous model back."""
+    loader = SlowLoader(FakeEngine(total_tokens=5))
+    app = SpecchatApp(
+        engine=tiny_engine,
+        config=EngineConfig(model="smollm2-135m", device="cpu"),
+        sampling=SamplingParams(max_tokens=4, ignore_eos=True),
+        store=store,
+        transcript_dir=tmp_path,
+        loader=loader,
+    )
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            pane = app.chat
+            await type_prompt(pilot, "first, on the tiny model")
+            await wait_for(pilot, lambda: len(pane.messages) == 2 and not pane.busy, what="the first answer")
+            app.action_switch_model()
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelScreen), what="the model list")
+            await app.screen.dismiss("smollm2-360m")
+            await wait_for(pilot, loader.started.is_set, what="the new model to load")
+            assert app.engine is None and app.main.query(LoadingNotice) and pane.prompt_input.has_focus
+            assert app.settings.drafter == "none"  # the new model's models.toml names no drafter
+            await type_prompt(pilot, "second, on the new model")
+            assert WAITING in footer(pane.query(MessageView).last())
+            loader.release.set()
+            await wait_for(pilot, lambda: len(pane.messages) == 4 and not pane.busy, what="the second answer")
+            assert app.engine is loader.engine and pane.messages[3]["content"].startswith("the quick brown")
+            assert [m["role"] for m in pane.messages] == ["user", "assistant", "user", "assistant"]
+    finally:
+        loader.release.set()
+
+
+async def test_a_switch_that_fails_loads_the_previous_model_again(tiny_engine, store, tmp_path):
+    loaded: list[str] = []
+
+    def loader(config: EngineConfig, progress) -> object:
+        loaded.append(config.model)
+        if config.model == "broken":
+            raise ModelNotFoundError("model 'broken': no weights")
+        return tiny_engine
+
+    app = SpecchatApp(engine=tiny_engine, config=EngineConfig(model="tiny"), store=store, loader=loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.switch_model("broken")
+        await wait_for(pilot, lambda: app.engine is not None, what="the previous model back")
+        assert loaded == ["broken", "tiny"] and app.is_running
+        assert any("no weights; loading tiny again" in n.message for n in app._notifications)
