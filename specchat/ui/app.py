@@ -334,7 +334,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         await tabs.add_pane(TabPane("new chat", pane, id=pane_id))
         self.show_welcome()
         tabs.active = pane_id
-        pane.prompt_input.focus()
+        self.main.set_focus(pane.prompt_input)  # now: keys typed before the first frame must land here
         return pane
 
     async def action_close_chat(self) -> None:
