@@ -233,8 +233,8 @@ class ChatPane(Vertical):
         self.store.update_message(self.waiting.db_id, joined)
 
     def waiting_sent(self, error: str | None = None) -> None:
-        """The waiting message went to the engine, or could not (it stays on screen and in the store, marked, and
-        leaves the conversation sent to the model)."""
+        """The waiting message went to the engine, or could not: then it stays on screen and in the store, marked
+        "not sent", and leaves the messages the model is given."""
         if self.waiting is None:
             return
         self.waiting.remove_class("waiting")
