@@ -170,7 +170,7 @@ def generate(
         if as_json:
             click.echo(json.dumps(result_json(engine, config.model, fin)))
         elif fin.error and len(items) > 1:
-            click.echo(f"specchat: prompt {i + 1} failed: {fin.error}", err=True)
+            click.echo(f"specchat: {fin.error}", err=True)  # the error names the line
         results.append(fin)
     check_all_succeeded(items, results, prompts_file)
 

@@ -79,7 +79,7 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[PromptIt
     if sys.stdin is not None and sys.stdin.isatty():
         raise click.UsageError("give --prompt, --prompts-file, or the prompt on stdin (echo hi | specchat generate)")
     try:
-        text = click.get_binary_stream("stdin").read().decode("utf-8")
+        text = sys.stdin.buffer.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PromptError(f"stdin: {utf8_error(exc)}") from None
     return [PromptItem("stdin", text.removesuffix("\n"))]

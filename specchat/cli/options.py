@@ -22,7 +22,7 @@ from specchat.config import (
     SpecParams,
     check_drafter_name,
 )
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, ModelNotFoundError
 
 
 def model_options(func):
@@ -168,7 +168,10 @@ def check_drafter_arg(drafter: str) -> None:
     if DRAFTER_ARGS[kind] == "NAME":
         from specchat.registry import resolve
 
-        resolve(arg)
+        try:
+            resolve(arg)
+        except ModelNotFoundError as exc:
+            raise ModelNotFoundError(f"--drafter {drafter}: {exc}") from None
 
 
 def spec_params(drafter: str, k: str) -> SpecParams:
