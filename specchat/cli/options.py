@@ -137,7 +137,12 @@ def sampling_options(func):
 
 
 def spec_options(func):
-    @click.option("--drafter", default="none", show_default=True, help=DRAFTER_SYNTAX)
+    @click.option(
+        "--drafter",
+        default="default",
+        show_default=True,
+        help=f"{DRAFTER_SYNTAX}; default: the model's models.toml drafter",
+    )
     @click.option("--k", "k", default="4", show_default=True, help="draft tokens per step, or 'auto'")
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

@@ -223,10 +223,5 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     plain_repl(PlainChat(load_in_background(config, progress), progress, sampling, spec, system))
 
 
-for _param in run.params:  # run follows the model's models.toml drafter; spec_options' default is "none"
-    if _param.name == "drafter":
-        _param.default = "default"
-
-
 def register(group: click.Group) -> None:
     group.add_command(run)

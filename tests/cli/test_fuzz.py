@@ -338,9 +338,6 @@ def test_user_models_toml(fx: Fixtures, name, models_toml, needles):
         pytest.param("partial_config.safetensors", id="heads file with an incomplete config"),
     ],
 )
-@pytest.mark.xfail(
-    reason="engine/drafters/heads.py reads the metadata unchecked (KeyError, TypeError): not this file's"
-)
 def test_heads_file_with_partial_metadata(fx: Fixtures, file):
     assert_one_error_line(invoke([*(expand(a, fx) for a in GEN), "--drafter", f"heads:{fx.root / 'heads' / file}"]), [])
 

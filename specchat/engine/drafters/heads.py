@@ -138,9 +138,15 @@ class DraftHeads(nn.Module):
             raise ModelFormatError(f"{path}: cannot read draft heads ({exc})") from None
         if meta.get("format") != HEADS_FORMAT:
             raise ModelFormatError(f"{path}: not a draft heads file (format {meta.get('format')!r})")
-        heads = cls(HeadsConfig(**json.loads(meta["config"])), tensors["draft_vocab"])
-        heads.load_state_dict({name: t.float() for name, t in tensors.items()})
-        return heads, json.loads(meta.get("target", "{}"))
+        try:
+            heads = cls(HeadsConfig(**json.loads(meta["config"])), tensors["draft_vocab"])
+            heads.load_state_dict({name: t.float() for name, t in tensors.items()})
+            target = json.loads(meta.get("target", "{}"))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # metadata or tensors missing or misshapen
+            raise ModelFormatError(
+                f"{path}: draft heads file without a usable config ({type(exc).__name__}: {exc})"
+            ) from None
+        return heads, target
 
 
 class DraftVocabOutput:
