@@ -7,8 +7,8 @@ unsupported architecture, shapes that do not match the config) ends in a ModelFo
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import contextlib
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +18,7 @@ import torch
 
 from specchat.config import HF_ARCHITECTURES
 from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer
+from specchat.engine.weights_cache import read_converted, write_converted
 from specchat.errors import ModelFormatError
 from specchat.quant.checkpoint import is_mxfp4_checkpoint, read_mxfp4_state
 from specchat.safetensors_io import read_json_object, read_safetensors
@@ -26,6 +27,8 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 SUPPORTED_GGUF = ("llama", "qwen2")
 GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models up to this size in float32
+
+log = logging.getLogger(__name__)
 
 
 # --- checking a model's shape -------------------------------------------------------------------------------
@@ -120,38 +123,30 @@ def load_gguf(
     """Read and dequantize every tensor of a GGUF file (float32), renamed to our parameter names.
 
     Parsing and dequantizing take seconds; with `cache` (a safetensors path) the result is saved once, for
-    models of up to GGUF_CACHE_MAX_BYTES in float32, and later loads read it back in a fraction of that.
+    models of up to GGUF_CACHE_MAX_BYTES in float32, and later loads read it back in a fraction of that. The
+    cache heals itself: a cached file that does not load (truncated, not safetensors, tensors that do not fit
+    its config) is deleted and rebuilt from the GGUF file, with a note on stderr and in the progress label; a
+    cache that cannot be written (a full disk, a read-only folder) is skipped with a note.
     """
-    if cache is not None and cache.is_file():
-        return _read_converted(cache)
+    if cache is not None and cache.exists():
+        try:
+            return read_converted(cache)
+        except (ModelFormatError, OSError) as exc:
+            log.warning("specchat: note: %s; rebuilding it from %s", exc, path.name)
+            with contextlib.suppress(OSError):  # a file we may not remove is replaced by the rebuilt one, or skipped
+                cache.unlink()
+            progress = _relabelled(progress, "rebuilding the unreadable cache")
     cfg, sd = _load_gguf(path, progress)
     if cache is not None and sum(t.numel() for t in sd.values()) * 4 <= GGUF_CACHE_MAX_BYTES:
-        _write_converted(cache, cfg, sd)
+        write_converted(cache, cfg, sd)
     return cfg, sd
 
 
-def _write_converted(cache: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {k: v for k, v in sd.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_suffix(".part")
-    save_file(tensors, str(partial), metadata={"config": json.dumps(dataclasses.asdict(cfg))})
-    partial.replace(cache)
-
-
-def _read_converted(cache: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(cache), framework="pt") as f:
-        fields = json.loads(f.metadata()["config"])
-    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-    cfg = ModelConfig(**fields)
-    sd = load_file(str(cache))
-    if cfg.tie_embeddings:
-        sd["lm_head.weight"] = sd["embed.weight"]
-    return cfg, sd
+def _relabelled(progress: Progress | None, why: str) -> Progress | None:
+    """The same progress callback, each label followed by `why`."""
+    if progress is None:
+        return None
+    return lambda what, done, total: progress(f"{what} ({why})", done, total)
 
 
 def _load_gguf(path: Path, progress: Progress | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from specchat.engine.kv_cache import KVPool
 from specchat.engine.loader import Progress, build_model, load_checkpoint
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
-from specchat.engine.tokenizer import Tokenizer, export_gguf_tokenizer
+from specchat.engine.tokenizer import Tokenizer, gguf_tokenizer
 from specchat.errors import ConfigError
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
 from specchat.quant.handler import WeightSwitch, weight_switch
@@ -63,8 +63,8 @@ def make_runner(model: Transformer, pool: KVPool, eager: bool) -> ModelRunner:
 def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
     """The tokenizer of an HF directory, or the one converted (once, then cached) from a GGUF file."""
     folder = tokenizer_dir(spec, model_path)
-    if model_path.is_file() and not (folder / "tokenizer.json").is_file():
-        export_gguf_tokenizer(model_path, folder)
+    if model_path.is_file():
+        return gguf_tokenizer(model_path, folder)
     return Tokenizer.from_dir(folder)
 
 

@@ -3,12 +3,18 @@
 At run time we use the `tokenizers` library on a `tokenizer.json` plus the model's Jinja chat template,
 rendered the way HF transformers renders it (sandboxed Jinja, trim_blocks / lstrip_blocks, `tojson`,
 `raise_exception`, `strftime_now`). A GGUF file carries its vocabulary, merges and template in metadata;
-`export_gguf_tokenizer` converts them once (through transformers' GGUF converter) into such a directory.
+`gguf_tokenizer` converts them once (through transformers' GGUF converter) into such a directory, and again
+if that copy is damaged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import shutil
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -21,6 +27,9 @@ from specchat.safetensors_io import read_json_object
 
 # End-of-turn markers of common chat templates; those present in a vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "</s>")
+CONVERTED_FILES = ("tokenizer.json", "tokenizer_config.json")  # a whole conversion has both (save_pretrained)
+
+log = logging.getLogger(__name__)
 
 
 def _raise_exception(message: str) -> None:
@@ -169,10 +178,31 @@ class StreamDecoder:
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
-def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    """Convert a GGUF file's tokenizer metadata into tokenizer.json + config + chat template in out_dir."""
-    import logging
+def gguf_tokenizer(gguf_path: Path, folder: Path) -> Tokenizer:
+    """The tokenizer of a GGUF file: converted once into `folder` (its derived cache), read from there after. A
+    cached conversion that is incomplete or does not load is converted again, with a note on stderr."""
+    if folder.exists():
+        try:
+            return _read_conversion(folder)
+        except (ModelFormatError, OSError) as exc:
+            log.warning("specchat: note: %s; converting the tokenizer again from %s", exc, gguf_path.name)
+    export_gguf_tokenizer(gguf_path, folder)
+    return Tokenizer.from_dir(folder)
 
+
+def _read_conversion(folder: Path) -> Tokenizer:
+    for name in CONVERTED_FILES:
+        if not (folder / name).is_file():
+            raise ModelFormatError(f"{folder}: the converted tokenizer lacks {name}")
+    return Tokenizer.from_dir(folder)
+
+
+def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """Convert a GGUF file's tokenizer metadata into tokenizer.json + config + chat template in out_dir.
+
+    The files are written into a fresh folder beside out_dir, which then takes out_dir's place: out_dir is a whole
+    conversion or absent, whatever happens to the process meanwhile.
+    """
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -181,5 +211,21 @@ def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # transformers raises many kinds of errors for unsupported GGUF tokenizers
         raise ModelFormatError(f"{gguf_path}: cannot convert the GGUF tokenizer ({exc})") from None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(out_dir))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".part"))
+    try:
+        tok.save_pretrained(str(staging))
+        _replace_folder(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Put folder `new` where `target` is. If another process puts its own conversion there first, theirs stays:
+    both are conversions of the same file."""
+    old = target.with_name(f".{target.name}.{os.getpid()}.old")
+    with contextlib.suppress(FileNotFoundError):  # no old folder, or another process moved it already
+        target.rename(old)
+    with contextlib.suppress(OSError):  # ENOTEMPTY / EEXIST: another process won
+        new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
