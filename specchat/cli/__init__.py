@@ -16,12 +16,32 @@ def one_line(message: str) -> str:
     return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
+NO_BREAK_HYPHEN = "\u2011"  # stands in for "-" while help text wraps, so draft-model never splits at its hyphen
+
+
+class HelpFormatter(click.HelpFormatter):
+    """Click's help layout, but wrapped at spaces only: names such as `draft-model` or `--max-tokens` stay whole."""
+
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = [(term, text.replace("-", NO_BREAK_HYPHEN)) for term, text in rows]
+        super().write_dl(rows, col_max, col_spacing)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(NO_BREAK_HYPHEN, "-")
+
+
+class Context(click.Context):
+    formatter_class = HelpFormatter
+
+
 class Group(click.Group):
     """Turns every user-caused error into one line on stderr and a nonzero exit; our bugs keep tracebacks.
 
     Click's own usage errors (an unknown flag, a value of the wrong type, a missing file) get the same one line,
     naming the flag, instead of the usage text plus a hint plus the error.
     """
+
+    context_class = Context
 
     def invoke(self, ctx: click.Context):
         try:
@@ -37,8 +57,23 @@ class Group(click.Group):
             click.echo("", err=True)
             sys.exit(130)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command with the whole first sentence of its help (click cuts it to the terminal's width with
+        "...", which hid what most commands do); a long one wraps under itself."""
+        rows = [
+            (name, command.get_short_help_str(limit=sys.maxsize))
+            for name in self.list_commands(ctx)
+            if (command := self.get_command(ctx, name)) is not None and not command.hidden
+        ]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+
+HELP_WIDTH = 120  # help text uses the terminal's width up to this many columns (click's default stops at 80)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": HELP_WIDTH})
 @click.version_option(package_name="specchat")
 def main() -> None:
     """Chat with and run agents on open-weight models: speculative decoding + MXFP4, shown live."""
@@ -49,6 +84,8 @@ def _register() -> None:
 
     for module in (agent, bench, generate, models, perplexity, quantize, run, serve, train_heads):
         module.register(main)
+    for command in main.commands.values():
+        command.context_class = Context
 
 
 _register()

@@ -1,0 +1,39 @@
+"""`specchat --help` shows each command's whole first sentence; `run --help` lists every drafter, unbroken."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from specchat.cli import main
+from specchat.config import DRAFTER_SYNTAX
+
+
+def help_text(*args: str, width: int = 80) -> str:
+    result = CliRunner().invoke(main, [*args, "--help"], terminal_width=width)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def commands_section(text: str) -> str:
+    return text[text.index("Commands:") :]
+
+
+def test_the_command_list_shows_whole_descriptions():
+    text = help_text()
+    section = " ".join(commands_section(text).split())
+    assert "..." not in section
+    for name, command in main.commands.items():
+        first_sentence = command.get_short_help_str(limit=10**6)
+        assert f"{name} {first_sentence}" in section, (name, first_sentence)
+
+
+def test_a_wide_terminal_gets_one_line_per_command():
+    lines = commands_section(help_text(width=200)).splitlines()[1:]
+    assert len([line for line in lines if line.strip()]) == len(main.commands)
+
+
+def test_run_help_lists_every_drafter():
+    for width in (80, 120):
+        text = help_text("run", width=width)
+        assert DRAFTER_SYNTAX in " ".join(text.split()), text  # draft-model never split at its hyphen
+        assert "draft-\n" not in text and "ngram+heads[:FILE]" in text
