@@ -142,6 +142,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
 
     async def on_mount(self) -> None:
         self.load_keymap()
+        self.main.query_one(MemoryPanel).dtype = self.config.dtype
         controls = self.main.query_one(ControlsPanel)
         for name in ("weights", "kv"):
             controls.show(name, getattr(self.settings, name) or "")
@@ -313,7 +314,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         memory = panel.memory
         device = self.engine.device.type if self.engine is not None else None
         keys = {binding_id: self.key_display(binding_id) for binding_id, _ in WELCOME_KEYS}
-        text = welcome_text(self.model_name, device, self.settings, memory, keys)
+        text = welcome_text(self.model_name, device, self.settings, memory, keys, self.config.dtype)
         for pane in self.main.query(ChatPane):
             if pane.welcome != text:
                 pane.show_welcome(text)

@@ -128,6 +128,7 @@ class ModelLoading:
         self.sub_title = ""
         if (panel := self.widget(MemoryPanel)) is not None:
             panel.memory = {}
+            panel.dtype = config.dtype
         if (controls := self.widget(ControlsPanel)) is not None:
             for name in ("weights", "kv"):
                 controls.show(name, getattr(self.settings, name) or "")

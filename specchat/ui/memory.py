@@ -7,21 +7,25 @@ from textual.reactive import reactive
 from specchat.ui.figures import NA, FigureText, count, size
 
 
-def weights_format(memory: dict) -> str:
-    """The quantized format (and how it was made), else the unquantized dtype read off the bytes per weight."""
+def weights_format(memory: dict, dtype: str | None = None) -> str:
+    """The quantized format (and how it was made), else the model dtype: `dtype` as asked (--dtype), or read off
+    the bytes per weight (the default dtypes differ in width: float32 on the CPU, bfloat16 on CUDA). The engine
+    says "bf16" for any unquantized weights (quant.handler), which is wrong for float32 ones."""
     fmt = memory.get("weights_format")
-    if fmt and fmt != "bf16":  # the engine says "bf16" for "unquantized, in the model dtype"
+    if fmt and fmt != "bf16":
         method = memory.get("weights_method")
         return f"{fmt} ({method})" if method else str(fmt)
+    if dtype is not None:
+        return dtype
     linear, bf16 = memory.get("linear_weight_bytes"), memory.get("linear_weight_bytes_bf16")
     if not linear or not bf16:
         return str(fmt or NA)
     bits = 16 * linear / bf16
-    return {32.0: "fp32", 16.0: "bf16"}.get(round(bits, 2), f"{bits:.2f}-bit")
+    return {32.0: "float32", 16.0: "bfloat16"}.get(round(bits, 2), f"{bits:.2f}-bit")
 
 
-def memory_text(memory: dict) -> str:
-    """Two columns: what, and how many bytes."""
+def memory_text(memory: dict, dtype: str | None = None) -> str:
+    """Two columns: what, and how many bytes (`dtype`: the model dtype asked for, if any)."""
     if not memory:
         return "reading…"
     if "error" in memory:
@@ -30,7 +34,7 @@ def memory_text(memory: dict) -> str:
     ratio = f"  (×{linear / bf16:.2f})" if linear and bf16 else ""
     used, capacity = memory.get("kv_used_tokens"), memory.get("kv_capacity_tokens")
     lines = [
-        f"weights [b]{weights_format(memory)}[/b]",
+        f"weights [b]{weights_format(memory, dtype)}[/b]",
         f"  total        {size(memory.get('weights_bytes'))}",
         f"  linear       {size(linear)}",
         f"  as bf16      {size(bf16)}{ratio}",
@@ -61,6 +65,7 @@ class MemoryPanel(FigureText):
     """Where the bytes are."""
 
     memory: reactive[dict] = reactive(dict, init=False)
+    dtype: reactive[str | None] = reactive(None, init=False)  # the model dtype asked for (--dtype); None: default
 
     def on_mount(self) -> None:
         self.border_title = "Memory"
@@ -68,4 +73,8 @@ class MemoryPanel(FigureText):
 
     def watch_memory(self, memory: dict) -> None:
         """Show the new figures."""
-        self.show(memory_text(memory))
+        self.show(memory_text(memory, self.dtype))
+
+    def watch_dtype(self, dtype: str | None) -> None:
+        """Name unquantized weights by the model dtype."""
+        self.show(memory_text(self.memory, dtype))

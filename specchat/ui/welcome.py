@@ -21,15 +21,18 @@ WELCOME_KEYS = (
 )
 
 
-def welcome_text(model: str, device: str | None, settings: ChatSettings, memory: dict, keys: dict[str, str]) -> str:
-    """Model and device (None: still loading), drafter, K, weights and KV, then the keys (binding id -> key)."""
+def welcome_text(
+    model: str, device: str | None, settings: ChatSettings, memory: dict, keys: dict[str, str], dtype: str | None
+) -> str:
+    """Model and device (None: still loading), drafter, K, weights (`dtype`: the model dtype asked for, if any) and
+    KV, then the keys (binding id -> key)."""
     if device is None:
         head = (
             f"Loading [b]{model}[/b]… Type your message now: it is sent as soon as the model is ready.\n"
             f"drafter {settings.drafter}, K {k_text(settings.k)}"
         )
     else:
-        weights = weights_format(memory) if memory else NA
+        weights = weights_format(memory, dtype) if memory else NA
         head = (
             f"[b]{model}[/b] on {device} · drafter [b]{settings.drafter}[/b], K {k_text(settings.k)} · "
             f"weights {weights} · KV {memory.get('kv_format', NA)}\n"

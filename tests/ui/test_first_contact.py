@@ -32,7 +32,7 @@ async def test_the_empty_chat_names_the_model_settings_and_keys(tiny_engine, mak
     async with app.run_test(size=SIZE) as pilot:
         pane = app.chat
         welcome = pane.query_one(".welcome")
-        await wait_for(pilot, lambda: "weights fp32" in text_of(welcome), what="the formats from the engine")
+        await wait_for(pilot, lambda: "weights float32" in text_of(welcome), what="the formats from the engine")
         text = text_of(welcome)
         for part in ("on cpu", "drafter ngram, K 4", "KV fp32", "F2 drafter", "^↑ K+1", "F3 weights", "^p every"):
             assert part in text, (part, text)
