@@ -4,12 +4,18 @@ A prompt comes from --prompt, from stdin, or from --prompts-file (one prompt per
 {"prompt": ...} / {"messages": [...]} objects). A file's prompts run concurrently and fail one by one: a line
 that cannot be read, does not fit the context or cannot get KV pages gets its own record with
 `finish_reason: "error"` and the line in its message, the others complete, and the exit status is 1 if any failed.
+
+Streamed text ends with a timing line on stderr (when stderr is a terminal, or with --stats), as llama-cli and
+`ollama run --verbose` print: prompt tokens, time to first token, decode tok/s and, when something drafts,
+tokens per step and acceptance. Time to first token is the request's time less its decoding time (first token to
+last; `Finished.decode_s`), so the prefill and any wait for a slot never dilute the decode rate.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -31,14 +37,31 @@ from specchat.errors import PromptError, SpecchatError
 FAILED_LINES_SHOWN = 10  # the summary of failed prompts names at most this many lines
 
 
-def result_json(engine, model_name: str, fin: Finished) -> dict:
+def time_to_first_token(fin: Finished) -> float:
+    """Seconds from submission to the request's first token (engine.telemetry's TTFT): its time less its decoding
+    time, since the Finished event comes in the step of the last token."""
+    return max(fin.elapsed_s - fin.decode_s, 0.0)
+
+
+def memory_json(engine, dtype: str) -> dict:
+    """engine.memory(), with unquantized weights named by the model dtype ("float32"): quant.handler says "bf16"
+    for every unquantized form."""
+    memory = engine.memory()
+    if memory.get("weights_format") == "bf16":
+        memory["weights_format"] = dtype
+    return memory
+
+
+def result_json(memory: dict, model_name: str, fin: Finished) -> dict:
     """The --json record of one finished request (field names are an interface: add, never rename)."""
     stats = {
         "prompt_tokens": fin.prompt_tokens,
         "completion_tokens": len(fin.token_ids),
         "tok_per_s": round(fin.tok_per_s, 3),
+        "ttft_s": round(time_to_first_token(fin), 4),
+        "decode_s": round(fin.decode_s, 4),
         **fin.stats.to_json(),
-        "memory": engine.memory(),
+        "memory": memory,
     }
     out = {"model": model_name, "text": fin.text, "token_ids": fin.token_ids, "finish_reason": fin.reason}
     if fin.error:
@@ -105,6 +128,20 @@ def stream(handle) -> Finished:
     raise AssertionError("a request's events end with Finished")
 
 
+def timing_line(fin: Finished, drafter: str) -> str:
+    """What one answer took, in one line: prompt, time to first token, decode rate, and the speculation."""
+    s = fin.stats
+    parts = [
+        f"prompt {fin.prompt_tokens} tokens",
+        f"first token {time_to_first_token(fin) * 1e3:.0f} ms",
+        f"{len(fin.token_ids)} tokens in {fin.decode_s:.2f} s, {fin.tok_per_s:.1f} tok/s",
+    ]
+    if s.drafted:
+        parts.append(f"{s.tokens_per_step:.2f} tokens/step, {s.acceptance_rate:.0%} of {s.drafted} drafts accepted")
+    parts.append(f"drafter {drafter}")
+    return f"[{' · '.join(parts)}]"
+
+
 def check_all_succeeded(items: list[PromptItem], results: list[Finished], prompts_file: Path | None) -> None:
     """One error line (so exit status 1) if any prompt failed: its reason, or which lines of the file."""
     bad = [item for item, fin in zip(items, results, strict=True) if fin.reason == "error"]
@@ -131,6 +168,11 @@ def check_all_succeeded(items: list[PromptItem], results: list[Finished], prompt
 @sampling_options
 @spec_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object per prompt instead of streaming text")
+@click.option(
+    "--stats/--no-stats",
+    default=None,
+    help="a timing line on stderr after each streamed answer (default: when stderr is a terminal)",
+)
 def generate(
     model,
     device,
@@ -148,16 +190,23 @@ def generate(
     drafter,
     k,
     as_json,
+    stats,
 ) -> None:
     """Complete a prompt (or a file of prompts, run concurrently) with MODEL (default: smollm2-135m)."""
     from specchat.engine.engine import Engine
+    from specchat.engine.loading import pick_dtype
+    from specchat.registry import resolve
 
     items = read_prompts(prompt, prompts_file)
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, weights=weights)
+    if spec.drafter == "default":  # named, for the timing line
+        spec = dataclasses.replace(spec, drafter=resolve(config.model).drafter or "none")
     engine = Engine.load(config, progress=StderrProgress())
     engine.drafter(spec.drafter)  # a drafter that cannot load fails once, not once per prompt
+    model_dtype = str(pick_dtype(config.dtype, engine.device)).removeprefix("torch.")
+    show_timing = not as_json and (stats if stats is not None else sys.stderr.isatty())
     from_file = prompts_file is not None
     submitted = submit_all(engine, items, sampling, spec, system, raw, from_file)
     results = []
@@ -168,9 +217,11 @@ def generate(
         if fin.error and from_file:
             fin = dataclasses.replace(fin, error=f"{item.where}: {fin.error}")
         if as_json:
-            click.echo(json.dumps(result_json(engine, config.model, fin)))
+            click.echo(json.dumps(result_json(memory_json(engine, model_dtype), config.model, fin)))
         elif fin.error and len(items) > 1:
             click.echo(f"specchat: {fin.error}", err=True)  # the error names the line
+        elif show_timing and not fin.error:
+            click.echo(timing_line(fin, spec.drafter), err=True)
         results.append(fin)
     check_all_succeeded(items, results, prompts_file)
 

@@ -1,0 +1,67 @@
+"""`specchat generate`: the timing line after a streamed answer (prompt, time to first token, decode rate,
+speculation), the time to first token and decode time in --json, and unquantized weights named by their dtype."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specchat.cli import main
+from specchat.cli.generate import time_to_first_token, timing_line
+from specchat.engine.sequence import Finished
+from specchat.engine.stats import SpecStats, StepRecord
+
+
+def generate(*args: str):
+    result = CliRunner().invoke(main, ["generate", *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def finished(steps: list[tuple[int, int]], elapsed_s: float, decode_s: float) -> Finished:
+    """A Finished whose steps drafted k and accepted a tokens each: (k, a) per step."""
+    stats = SpecStats()
+    for k, accepted in steps:
+        stats.observe_step(StepRecord(k=k, accepted=accepted, emitted=accepted + 1, draft_ms=0.1, verify_ms=2.0))
+    tokens = sum(a + 1 for _, a in steps)
+    return Finished(1, "stop", "x", list(range(tokens)), 12, stats, elapsed_s=elapsed_s, decode_s=decode_s)
+
+
+def test_the_timing_line_splits_first_token_from_decoding():
+    fin = finished([(4, 3), (4, 1), (4, 4)], elapsed_s=1.5, decode_s=1.25)
+    assert time_to_first_token(fin) == pytest.approx(0.25)
+    line = timing_line(fin, "ngram")
+    assert line == (
+        "[prompt 12 tokens · first token 250 ms · 11 tokens in 1.25 s, 8.0 tok/s · "
+        "3.67 tokens/step, 67% of 12 drafts accepted · drafter ngram]"
+    )
+
+
+def test_without_drafts_the_line_leaves_speculation_out():
+    line = timing_line(finished([(0, 0)] * 5, elapsed_s=0.5, decode_s=0.4), "none")
+    assert "tokens/step" not in line and "accepted" not in line
+    assert line.startswith("[prompt 12 tokens · first token 100 ms · 5 tokens in 0.40 s, 10.0 tok/s")
+
+
+def test_a_streamed_answer_ends_with_the_timing_line(tiny_model_dir: Path):
+    result = generate(str(tiny_model_dir), "-p", "hi", "--max-tokens", "6", "--drafter", "ngram", "--stats")
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[prompt ") and lines[0].endswith("drafter ngram]"), lines
+    assert " first token " in lines[0] and " tok/s" in lines[0]
+    assert "[prompt" not in result.stdout
+
+
+def test_no_timing_line_with_no_stats_or_json(tiny_model_dir: Path):
+    assert generate(str(tiny_model_dir), "-p", "hi", "--max-tokens", "3", "--no-stats").stderr == ""
+    assert generate(str(tiny_model_dir), "-p", "hi", "--max-tokens", "3", "--json", "--stats").stderr == ""
+
+
+@pytest.mark.parametrize(("flags", "label"), [((), "float32"), (("--dtype", "bfloat16"), "bfloat16")])
+def test_json_names_unquantized_weights_by_their_dtype(tiny_model_dir: Path, flags, label):
+    result = generate(str(tiny_model_dir), "-p", "hi", "--max-tokens", "3", "--json", "--device", "cpu", *flags)
+    stats = json.loads(result.stdout.splitlines()[0])["stats"]
+    assert stats["memory"]["weights_format"] == label
+    assert stats["ttft_s"] > 0 and stats["decode_s"] >= 0
