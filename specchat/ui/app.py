@@ -39,6 +39,7 @@ from specchat.ui.memory import MemoryPanel
 from specchat.ui.messages import EngineReading, EngineStep
 from specchat.ui.metrics import PanelFigures
 from specchat.ui.saved import SavedConversations
+from specchat.ui.screens import SystemPromptScreen
 from specchat.ui.settings import ChatSettings, LiveSettings, model_drafter
 from specchat.ui.speculation import SpeculationPanel
 from specchat.ui.store import ChatStore
@@ -94,9 +95,9 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
             temperature=self.sampling.temperature,
             weights=None if self.config.weights == "auto" else self.config.weights,
             kv=None if self.config.kv_format == "auto" else self.config.kv_format,
+            system=system,
         )
         self.k_max = spec.k_max
-        self.system = system
         self.store = store or ChatStore()
         self.transcript_dir = transcript_dir or Path.cwd()
         self.history = self.store.recent_prompts()
@@ -330,7 +331,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         """Open a new chat in its own tab."""
         self.chats_opened += 1
         pane_id = f"chat-{self.chats_opened}"
-        pane = ChatPane(self.store, self.history, self.model_name, self.system)
+        pane = ChatPane(self.store, self.history, self.model_name, self.settings.system)
         tabs = self.main.query_one(TabbedContent)
         await tabs.add_pane(TabPane("new chat", pane, id=pane_id))
         self.show_welcome()
@@ -374,6 +375,20 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         elif pane.busy and self.engine is not None:
             self.engine.cancel(pane.request_id)
 
+    def action_system_prompt(self) -> None:
+        """Edit the system prompt that new chats start with."""
+        self.push_screen(SystemPromptScreen(self.settings.system), self.set_system_prompt)
+
+    def set_system_prompt(self, system: str | None) -> None:
+        """New chats, and open chats not begun yet, start with `system` ("" = none; None = unchanged)."""
+        if system is None:
+            return
+        self.settings.system = system or None
+        for pane in self.main.query(ChatPane):
+            pane.set_system(self.settings.system)
+        self.show_welcome()
+        self.notify("system prompt set for new chats" if system else "new chats start without a system prompt")
+
     def action_copy_reply(self) -> None:
         """Copy the active chat's last answer to the clipboard."""
         reply = self.chat.last_reply() if self.chat else None
@@ -395,6 +410,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         yield SystemCommand("Save transcript as Markdown", "Write this chat to a .md file", self.action_save_markdown)
         yield SystemCommand("Save transcript as JSON", "Write this chat to a .json file", self.action_save_json)
         yield SystemCommand("Copy last answer", "Copy this chat's last answer", self.action_copy_reply)
+        yield SystemCommand("System prompt", "Set the system prompt of new chats", self.action_system_prompt)
         yield SystemCommand("Stop generation", "Cancel this chat's running answer", self.action_cancel)
         yield from self.agent_commands()
         yield SystemCommand("K +1", "One more draft token per step", self.action_k_up)

@@ -183,6 +183,11 @@ class ChatPane(Vertical):
     def prompt_input(self) -> PromptInput:
         return self.query_one(PromptInput)
 
+    def set_system(self, system: str | None) -> None:
+        """A chat not begun yet starts with this system prompt instead; one begun keeps its own."""
+        if self.conversation_id is None:
+            self.messages = [{"role": "system", "content": system}] if system else []
+
     def show_welcome(self, text: str) -> None:
         """What the empty chat says: model, settings and the keys that matter (gone with the first message)."""
         self.welcome = text

@@ -1,4 +1,5 @@
-"""Saved conversations in the app: reopening one from the history, saving a chat as Markdown or JSON."""
+"""Saved conversations in the app: reopening, searching and renaming them in the history, saving a chat as Markdown
+or JSON."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ class SavedConversations:
     def action_history(self) -> None:
         """Browse saved conversations."""
         self.push_screen(HistoryScreen(self.store), self.open_conversation)
+
+    def on_history_screen_renamed(self, message: HistoryScreen.Renamed) -> None:
+        """Open chats of a renamed conversation show its new title."""
+        for pane in self.main.query(ChatPane):
+            if pane.conversation_id == message.conversation_id:
+                pane.title = message.title
+                self.show_title(pane)
 
     async def open_conversation(self, conversation_id: int | None) -> None:
         """Show a saved conversation in a tab (the one it is in, if open)."""

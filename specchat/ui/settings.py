@@ -59,6 +59,7 @@ class ChatSettings:
     temperature: float
     weights: str | None = None  # None = as loaded
     kv: str | None = None
+    system: str | None = None  # the system prompt new chats start with
 
 
 class LiveSettings:

@@ -125,3 +125,17 @@ class ChatStore:
 
     def delete_conversation(self, conversation_id: int) -> None:
         self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    def search(self, text: str, limit: int = 200) -> list[Conversation]:
+        """Conversations whose title or any message contains `text` (case-insensitive for ASCII), newest first."""
+        pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        query = (
+            f"{SELECT_CONVERSATIONS} WHERE c.title LIKE ?1 ESCAPE '\\' OR c.id IN "
+            "(SELECT conversation_id FROM messages WHERE content LIKE ?1 ESCAPE '\\') "
+            "GROUP BY c.id ORDER BY c.updated DESC, c.id DESC LIMIT ?2"
+        )
+        return [Conversation(*row) for row in self.db.execute(query, (pattern, limit)).fetchall()]
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        """Give a conversation a new title (its place in the list, by last update, stays)."""
+        self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from textwrap import shorten
+
+from rich.markup import escape
+
 from specchat.ui.controls import k_text
 from specchat.ui.figures import NA
 from specchat.ui.memory import weights_format
 from specchat.ui.settings import ChatSettings
+
+SYSTEM_SHOWN = 100  # characters of the system prompt the welcome line quotes
 
 # The bindings the welcome line names, by id (the app shows each one's key, remapped or not), and what they do.
 WELCOME_KEYS = (
@@ -39,5 +45,7 @@ def welcome_text(
             "Type a message and press Enter (Ctrl+J: new line). The panels on the right show speculative decoding "
             "live: the drafter proposes K tokens, the model checks them all in one step and keeps those it agrees with."
         )
+    if settings.system:
+        head += f"\nSystem prompt: {escape(shorten(' '.join(settings.system.split()), SYSTEM_SHOWN))}"
     shortcuts = " · ".join(f"[b]{keys[id_]}[/b] {what}" for id_, what in WELCOME_KEYS if id_ in keys)
     return f"{head}\n{shortcuts}"
