@@ -1,5 +1,7 @@
 """`specchat run`: chat with a model. `--plain` is a streaming REPL on stdin/stdout (no TUI).
 
+Settings come from the flags, then $SPECCHAT_HOME/config.toml (cli/defaults.py), then the built-in defaults.
+
 Both take input at once and load the model meanwhile: the TUI behind a notice, the REPL in a thread while it
 reads the first message (which waits for the model if it comes first, so nothing typed is lost). Speculation
 follows the model's models.toml `drafter` unless --drafter says otherwise.
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import click
 
+from specchat.cli.defaults import apply_defaults, load_defaults
 from specchat.cli.inputs import is_non_utf8
 from specchat.cli.options import (
     StderrProgress,
@@ -199,28 +202,37 @@ def plain_repl(chat: PlainChat) -> None:
 
 @click.command()
 @model_options
-@click.option("--system", help="system message")
+@click.option("--system", help="system message (default: config.toml's system, else none)")
 @click.option("--plain", is_flag=True, help="a plain streaming REPL instead of the TUI")
 @sampling_options
 @spec_options
 def run(model, device, dtype, weights, system, plain, max_tokens, temperature, top_p, top_k, seed, drafter, k) -> None:
-    """Chat with MODEL (default: smollm2-135m)."""
+    """Chat with MODEL (default: smollm2-135m) in the TUI, speculation shown live; --plain for a plain REPL.
+
+    Model, drafter, k, weights, KV, temperature, theme and system prompt default to what
+    $SPECCHAT_HOME/config.toml sets (see docs/tui.md); a flag given here wins over the file.
+    """
     from specchat.registry import resolve
 
-    sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
-    spec = spec_params(drafter, k)
-    config = engine_config(model, device, dtype, weights=weights)
+    defaults = load_defaults()  # a mistake in the file ends here, in one line naming the key
+    given = {"model": model, "drafter": drafter, "k": k, "weights": weights, "temperature": temperature}
+    given = apply_defaults(click.get_current_context(), defaults, {**given, "system": system})
+    sampling = sampling_params(max_tokens, given["temperature"], top_p, top_k, seed)
+    spec = spec_params(given["drafter"], given["k"])
+    kv = {"kv_format": given["kv_format"]} if "kv_format" in given else {}
+    config = engine_config(given["model"], device, dtype, weights=given["weights"], **kv)
     entry = resolve(config.model)  # a bad name ends here, in one line, before any window or load
     if spec.drafter == "default":
         spec = replace(spec, drafter=entry.drafter or "none")
     if not plain and sys.stdin.isatty() and sys.stdout.isatty():
         from specchat.ui.app import run_tui
 
-        run_tui(config, sampling, spec, system)  # loads the model itself, behind a notice
+        run_tui(config, sampling, spec, given["system"], defaults.theme)  # loads the model itself, behind a notice
         return
     progress = LoadProgress()
     click.echo(f"loading {entry.alias} (drafter {spec.drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
-    plain_repl(PlainChat(load_in_background(config, progress), progress, sampling, spec, system))
+    chat = PlainChat(load_in_background(config, progress), progress, sampling, spec, given["system"])
+    plain_repl(chat)
 
 
 def register(group: click.Group) -> None:

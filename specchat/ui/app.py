@@ -82,8 +82,11 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         store: ChatStore | None = None,
         transcript_dir: Path | None = None,
         loader: EngineLoader = load_engine,
+        theme: str | None = None,
     ) -> None:
         super().__init__()
+        if theme is not None:
+            self.theme = theme  # config.toml's, a name cli/defaults.py has checked
         self.engine = engine
         self.config = config or EngineConfig()
         self.loader = loader  # used when no engine is given: config -> engine, in a worker thread
@@ -424,8 +427,10 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
             yield SystemCommand(f"KV cache: {fmt}", f"KV cache in {fmt}", partial(self.change_setting, "kv", fmt))
 
 
-def run_tui(config: EngineConfig, sampling: SamplingParams, spec: SpecParams, system: str | None) -> None:
+def run_tui(
+    config: EngineConfig, sampling: SamplingParams, spec: SpecParams, system: str | None, theme: str | None = None
+) -> None:
     """Run the app; a load error ends it and is raised here, for the CLI to print as one line."""
-    error = SpecchatApp(config=config, sampling=sampling, spec=spec, system=system).run()
+    error = SpecchatApp(config=config, sampling=sampling, spec=spec, system=system, theme=theme).run()
     if isinstance(error, Exception):
         raise error
