@@ -153,6 +153,8 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         self.show_drafter()
         await self.action_new_chat()
         self.set_interval(PANEL_REFRESH_S, self.refresh_panels)
+        self.show_store_notes()
+        self.set_interval(PANEL_REFRESH_S, self.show_store_notes)
         if self.engine is not None:
             self.attach_engine(self.engine)
         else:
@@ -164,6 +166,11 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
                 self.engine.cancel(request_id)
         if self.bridge is not None:
             self.bridge.detach()
+
+    def show_store_notes(self) -> None:
+        """What the chat store has to tell about its file: a broken one moved aside, another process's lock."""
+        for note in self.store.take_notes():
+            self.notify(note, severity="warning", timeout=10)
 
     def load_keymap(self) -> None:
         """Remap bindings by id from $SPECCHAT_HOME/keymap.toml (e.g. `new_chat = "ctrl+n"`)."""

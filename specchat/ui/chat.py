@@ -16,12 +16,13 @@ from textual.widgets import Label, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
 
 from specchat.engine.sequence import Finished
-from specchat.ui.store import FLUSH_S, ChatStore
+from specchat.ui.store import ChatStore
 
 STREAM_INTERVAL_S = 0.05  # the reply's Markdown grows at most 20 times a second, whatever the token rate
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 PLACEHOLDER = "Message (Enter sends, Ctrl+J new line)"
 WAITING = "waiting for the model…"
+INTERRUPTED = "interrupted: the chat closed before the answer ended"
 
 
 class PromptInput(TextArea):
@@ -165,7 +166,6 @@ class ChatPane(Vertical):
         self.unshown = ""  # reply text not handed to the Markdown stream yet
         self.stream_lock = asyncio.Lock()
         self.shown_at = 0.0
-        self.flushed_at = 0.0
 
     def compose(self):
         with VerticalScroll(classes="transcript"):
@@ -174,6 +174,12 @@ class ChatPane(Vertical):
 
     def on_mount(self) -> None:
         self.query_one(".transcript", VerticalScroll).anchor()
+
+    def on_unmount(self) -> None:
+        """Closed mid-answer (the tab, or the app, even by a crash): the reply keeps all its text, marked so."""
+        if self.reply_db_id is not None:
+            meta = {"footer": INTERRUPTED, "reason": "interrupted"}
+            self.store.update_message(self.reply_db_id, self.reply_text, meta)
 
     @property
     def busy(self) -> bool:
@@ -257,7 +263,6 @@ class ChatPane(Vertical):
         await self.query_one(".transcript", VerticalScroll).mount(self.reply)
         self.reply.add_class("streaming")
         self.reply_stream = Markdown.get_stream(self.reply.query_one(Markdown))
-        self.flushed_at = time.monotonic()
 
     async def append(self, text: str) -> None:
         """New text of the running reply (all of one step at once); shown at most every STREAM_INTERVAL_S."""
@@ -266,20 +271,18 @@ class ChatPane(Vertical):
         self.reply_text += text
         self.reply.content = self.reply_text
         self.unshown += text
-        now = time.monotonic()
-        if now - self.shown_at >= STREAM_INTERVAL_S:
+        if time.monotonic() - self.shown_at >= STREAM_INTERVAL_S:
             await self.show_pending()
-        if now - self.flushed_at >= FLUSH_S:
-            self.store.update_message(self.reply_db_id, self.reply_text)
-            self.flushed_at = now
 
     async def show_pending(self) -> None:
-        """Hand the text received since the last call to the Markdown stream."""
+        """Hand the text received since the last call to the Markdown stream, and to the store: what the chat
+        shows is saved (the store's writes do not wait for the disk), so a crash loses none of it."""
         async with self.stream_lock:  # the panel timer and the step handler both call this
             if self.reply_stream is None or not self.unshown:
                 return
             text, self.unshown = self.unshown, ""
             self.shown_at = time.monotonic()
+            self.store.update_message(self.reply_db_id, self.reply_text)
             await self.reply_stream.write(text)
 
     async def finish(self, event: Finished) -> None:

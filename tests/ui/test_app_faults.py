@@ -1,0 +1,110 @@
+"""The app under faults (issue 19): a chat database that is not one, another process's lock on it, a crash in the
+middle of an answer, an engine step that fails. Nothing typed or streamed is lost and the chat goes on."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specchat.config import SamplingParams, SpecParams
+from specchat.ui import store_writer
+from specchat.ui.app import SpecchatApp
+from specchat.ui.chat import INTERRUPTED, MessageView
+from tests.ui.conftest import SIZE, send, type_prompt, wait_for
+from tests.ui.test_store import hold_lock
+
+
+def footer(view: MessageView) -> str:
+    return str(view.query_one(".footer").render())
+
+
+def notified(app: SpecchatApp, text: str) -> bool:
+    return any(text in n.message for n in app._notifications)
+
+
+async def test_a_junk_chat_database_is_moved_aside_and_the_app_says_so(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    (tmp_path / "chats.sqlite3").write_bytes(os.urandom(50_000))
+    app = SpecchatApp(  # its own store, at the default path, as `specchat run` makes it
+        engine=tiny_engine,
+        sampling=SamplingParams(max_tokens=8, ignore_eos=True),
+        spec=SpecParams(drafter="none", k=4),
+        transcript_dir=tmp_path,
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: notified(app, "moved to chats.sqlite3.broken-"), what="the note")
+        await type_prompt(pilot, "hello after the move")
+        pane = app.chat
+        await wait_for(pilot, lambda: len(pane.messages) == 2, what="the answer")
+    stored = app.store.messages(pane.conversation_id)
+    assert [(m.role, m.content) for m in stored] == [(m["role"], m["content"]) for m in pane.messages]
+    app.store.close()
+    assert len(list(tmp_path.glob("chats.sqlite3.broken-*"))) == 1
+
+
+async def test_the_chat_streams_while_another_process_locks_the_database(tiny_engine, make_app, store, monkeypatch):
+    monkeypatch.setattr(store_writer, "NOTE_AFTER_S", 0.3)
+    app = make_app(tiny_engine, max_tokens=24, ignore_eos=True)
+    async with app.run_test(size=SIZE) as pilot:
+        holder = hold_lock(store.path, 6.0)
+        await send(pilot, app, "answer while the file is locked")
+        pane = app.chat
+        await wait_for(pilot, lambda: len(pane.messages) == 2, what="the answer")
+        assert holder.poll() is None  # answered while the lock was still held: the UI never waited for it
+        await wait_for(pilot, lambda: notified(app, "is locked by another process"), what="the lock note")
+        holder.wait()
+        await wait_for(pilot, lambda: notified(app, "the changes that waited are saved"), what="the saved note")
+    stored = store.messages(pane.conversation_id)
+    assert [(m.role, m.content) for m in stored] == [(m["role"], m["content"]) for m in pane.messages]
+    assert stored[1].meta["reason"] == "length"
+
+
+async def test_a_crash_mid_answer_keeps_everything_streamed(roomy_engine, make_app, store):
+    app = make_app(roomy_engine, max_tokens=6000, ignore_eos=True)
+
+    def crash() -> None:
+        raise RuntimeError("a bug in the app")
+
+    with pytest.raises(RuntimeError, match="a bug in the app"):  # Pilot hands the app's crash on
+        async with app.run_test(size=SIZE) as pilot:
+            await type_prompt(pilot, "tell me a long story")
+            pane = app.chat
+            await wait_for(pilot, lambda: len(pane.reply_text) > 200, what="a good part of the answer")
+            app.call_later(crash)
+            await wait_for(pilot, lambda: not app.is_running, what="the crash")
+    streamed = pane.reply_text
+    reply = store.messages(pane.conversation_id)[-1]
+    assert reply.role == "assistant" and reply.content == streamed  # all of it, not the last flush
+    assert reply.meta == {"footer": INTERRUPTED, "reason": "interrupted"}
+
+
+async def test_a_failing_engine_step_is_an_error_in_the_chat_and_the_next_message_is_answered(
+    tiny_engine, make_app, store, monkeypatch
+):
+    real_run = tiny_engine.spec_step.run
+    calls = 0
+
+    def run_failing_once(plan):
+        nonlocal calls
+        calls += 1
+        if calls == 4:  # after the prefill and two decode steps: some text is on screen
+            raise RuntimeError("injected device error")
+        return real_run(plan)
+
+    monkeypatch.setattr(tiny_engine.spec_step, "run", run_failing_once)
+    app = make_app(tiny_engine, max_tokens=24, ignore_eos=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "this answer breaks")
+        pane = app.chat
+        await wait_for(pilot, lambda: len(pane.messages) == 2, what="the failed answer")
+        failed = pane.query(MessageView).last()
+        assert "error: the engine step failed: RuntimeError: injected device error" in footer(failed)
+        assert failed.content == pane.messages[1]["content"] != ""  # the text streamed before the failure stays
+        await type_prompt(pilot, "and this one works")
+        await wait_for(pilot, lambda: len(pane.messages) == 4, what="the next answer")
+        answered = pane.query(MessageView).last()
+        assert "24 tokens" in footer(answered) and "length" in footer(answered)
+    stored = store.messages(pane.conversation_id)
+    assert [m.content for m in stored] == [m["content"] for m in pane.messages]
+    assert [m.meta["reason"] for m in stored if m.role == "assistant"] == ["error", "length"]
