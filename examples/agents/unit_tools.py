@@ -14,8 +14,8 @@ def convert_length(value: float, from_unit: Unit, to_unit: Unit) -> str:
 
     Args:
         value: The length to convert.
-        from_unit: The unit of value.
-        to_unit: The unit to convert to.
+        from_unit: The unit of value: m (metres), km (kilometres), mi (miles) or ft (feet).
+        to_unit: The unit to convert to: m, km, mi or ft.
     """
     return f"{value * METRES[from_unit] / METRES[to_unit]:.4g} {to_unit}"
 
@@ -26,7 +26,7 @@ def convert_temperature(value: float, to_unit: Literal["C", "F"]) -> str:
 
     Args:
         value: The temperature, in the other unit than to_unit.
-        to_unit: The unit to convert to: C or F.
+        to_unit: The unit to convert to: C (Celsius) or F (Fahrenheit).
     """
     converted = (value - 32) * 5 / 9 if to_unit == "C" else value * 9 / 5 + 32
     return f"{converted:.1f} {to_unit}"
