@@ -25,7 +25,7 @@ from specchat.config import EngineConfig
 from specchat.engine.engine import Engine
 from specchat.kernels.mxfp4 import dequantize_mxfp4, mxfp4_nbytes, quantize_mxfp4
 from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences, calibration_text
-from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules
+from specchat.quant.modules import fp4_modules, round_to_nearest, select_linears, swap_modules
 
 TEXTS = {"heldout": HELD_OUT_TEXT, "dev": "dev_queue.txt"}
 FIRST_LAST_DOWN = "blocks,-layers.0.mlp.w_down,-layers.29.mlp.w_down"

@@ -26,7 +26,7 @@ from specchat.engine.model import ModelConfig, Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.stats import percentile
 from specchat.errors import ConfigError
-from specchat.quant.handler import fp4_modules, round_to_nearest, select_linears, swap_modules, weight_bytes
+from specchat.quant.modules import fp4_modules, round_to_nearest, select_linears, swap_modules, weight_bytes
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(

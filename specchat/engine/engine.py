@@ -236,21 +236,22 @@ class Engine:
             self._drain_commands()
             self.pool.convert(fmt)
 
-    def set_weights(self, fmt: str) -> Future:
-        """Switch the linear weights between "bf16" (unquantized, the model dtype) and "mxfp4" between steps.
+    def set_weights(self, fmt: str, progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Switch the weights between "bf16" (unquantized, the model dtype) and "mxfp4" between steps.
 
+        The first switch of a model to MXFP4 computes its GPTQ checkpoint (quant.handler, minutes on a CPU;
+        `progress` hears ("GPTQ", linears done, linears)) on the calling thread while the engine goes on serving;
+        the swap then runs between two steps, in the caller like `set_kv`, so that its error is raised here.
         Running requests continue: their KV cache is kept, only the next steps use the new weights; cached
-        prefixes of finished requests are dropped. What the switch back needs is kept
-        (quant.handler.WeightSwitch): memory() reports it as weights_restore_bytes.
+        prefixes of finished requests are dropped.
         """
         if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-
-        def change() -> None:
+        self.weights.prepare(fmt, progress)
+        with self._lock:
+            self._drain_commands()
             self.weights.set(fmt)
             self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
-
-        return self.apply(change)
 
     def apply(self, command: Callable[[], None]) -> Future:
         """Run a change to engine state between steps (on the engine's thread).

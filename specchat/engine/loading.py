@@ -69,13 +69,14 @@ def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
 
 
 def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, progress: Progress | None = None):
-    """(model path, model on the device, packed MXFP4 weights and checkpoint metadata for the weight switch)."""
+    """(model path, model on the device, packed MXFP4 weights, checkpoint metadata and the converted weights
+    file, if any: what the weight switch needs)."""
     path = fetch(spec, progress=progress)
     cache = derived_dir(path) / "weights.safetensors" if path.is_file() else None
     model_cfg, state = load_checkpoint(path, progress=progress, cache=cache)
     packed, meta = take_packed(state), checkpoint_metadata(path)
     model = build_model(model_cfg, state, dtype, device)
-    return path, model, packed, meta
+    return path, model, packed, meta, cache
 
 
 @dataclass(slots=True)
@@ -94,9 +95,19 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     spec = resolve(config.model)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    path, model, packed, meta = load_model(spec, dtype, device, progress)
+    path, model, packed, meta, converted = load_model(spec, dtype, device, progress)
     tokenizer = load_tokenizer(spec, path)
-    weights = weight_switch(model, packed, meta, path, config.weights)
+    weights = weight_switch(
+        model,
+        packed,
+        meta,
+        path,
+        config.weights,
+        dense_file=converted,
+        encode=tokenizer.encode,
+        tokenizer_dir=tokenizer_dir(spec, path),
+        progress=progress,
+    )
     budget = config.kv_memory or default_kv_budget(device)
     c = model.cfg
     pool = KVPool.from_budget(

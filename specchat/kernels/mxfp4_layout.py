@@ -137,20 +137,39 @@ def _row_major(tiles: torch.Tensor) -> torch.Tensor:
 
 def unprepare_weight(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """Mxfp4Weight -> interchange (codes [N, Kp/2], scales [N, Kp/32]), e.g. for saving a checkpoint."""
-    codes_shape, scales_shape = mxfp4_storage_shapes((weight.n, weight.k))
     if not weight.prepared:
         return weight.codes, weight.scales
-    words = _row_major(weight.codes)  # [Np, Kt/8] int32
-    np_, kt = words.shape[0], words.shape[1] * WORD_ELEMS
-    words = words.reshape(np_, kt // K_TILE, 4, 4)  # [Np, tile, t, q]
+    return _interchange_rows(_row_major(weight.codes), _row_major(weight.scales), weight)
+
+
+def gather_rows(weight: Mxfp4Weight, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interchange (codes [R, Kp/2], scales [R, Kp/32]) of the weight's rows `rows` [R] (int64), from either
+    layout: what an embedding tied to an MXFP4 output head looks up. Fixed shapes, no host sync."""
+    if not weight.prepared:
+        return weight.codes[rows], weight.scales[rows]
+    group, member = rows // ROW_GROUP, rows % ROW_GROUP
+    words = weight.codes[group, :, member]  # [R, tiles, 16]: the row's words, k-tile by k-tile
+    scales = weight.scales[group, :, member]  # [R, tiles, 4]
+    return _interchange_rows(words.flatten(1), scales.flatten(1), weight, len(rows))
+
+
+def _interchange_rows(
+    words: torch.Tensor, kernel_scales: torch.Tensor, weight: Mxfp4Weight, n: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel-layout rows (words int32 [R, Kt/8], scales [R, Kt/32], row-major) -> interchange codes and scales
+    of the first `n` rows (default: the weight's N)."""
+    codes_shape, scales_shape = mxfp4_storage_shapes((weight.n, weight.k))
+    n = weight.n if n is None else n
+    rows, kt = words.shape[0], words.shape[1] * WORD_ELEMS
+    words = words.reshape(rows, kt // K_TILE, 4, 4)  # [R, tile, t, q]
     el = torch.zeros((*words.shape, WORD_ELEMS), dtype=torch.int32, device=words.device)
     for e, bits in enumerate(ELEMENT_BITS):
         for field, position in enumerate(bits):
             el[..., e] |= ((words >> position) & 1) << field
-    el = el.reshape(np_, kt // K_TILE, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(np_, kt)
-    el = el[: weight.n, : codes_shape[1] * 2].to(torch.uint8)
+    el = el.reshape(rows, kt // K_TILE, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(rows, kt)
+    el = el[:n, : codes_shape[1] * 2].to(torch.uint8)
     codes = el[:, 0::2] | (el[:, 1::2] << 4)
-    kernel_scales = _row_major(weight.scales)[: weight.n, : scales_shape[1]].int()  # flushed blocks: zero codes
+    kernel_scales = kernel_scales[:n, : scales_shape[1]].int()  # flushed blocks: zero codes
     scales = kernel_scales - (KERNEL_SCALE_BIAS - weight.exp_offset)
     scales = torch.where(kernel_scales == E8M0_NAN, E8M0_NAN, scales).to(torch.uint8)
     return codes.contiguous(), scales.contiguous()

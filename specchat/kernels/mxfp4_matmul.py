@@ -7,7 +7,9 @@ for the device it sits on; `mxfp4_linear` is F.linear with that weight:
 - CUDA: the Triton kernel (kernels/mxfp4_matmul_kernel.py) reads a re-laid-out copy (kernels/mxfp4_layout.py,
   same bytes per weight, K padded to 128, N to 128).
 - CPU: the plain codes and scales are dequantized into a scratch buffer that all layers share
-  (kernels/mxfp4_dequant.py), then F.linear, so no dequantized copy outlives the call.
+  (kernels/mxfp4_dequant.py), then F.linear, so no dequantized copy outlives the call. A weight larger than
+  SCRATCH_MAX_WEIGHTS (an output head: 49152 x 576 on the default model) goes through in slices of output
+  rows, so the scratch stays the size of a block's largest linear.
 
 `unprepare_weight` gives the interchange form back, bit for bit (e.g. to save a checkpoint).
 """
@@ -23,6 +25,8 @@ from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul
 
 __all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
+SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
+
 
 def mxfp4_linear(
     x: torch.Tensor, weight: Mxfp4Weight, bias: torch.Tensor | None = None, scratch: DequantScratch | None = None
@@ -35,5 +39,15 @@ def mxfp4_linear(
             x2 = x2.contiguous()
         y = mxfp4_matmul_triton(x2, weight).reshape(*x.shape[:-1], weight.n)
         return y if bias is None else y + bias
-    dense = (scratch or DEFAULT_SCRATCH).get((weight.n, weight.k), x.dtype, x.device)
-    return F.linear(x, dequantize_weight_into(weight, dense), bias)
+    scratch = scratch or DEFAULT_SCRATCH
+    if weight.n * weight.k <= SCRATCH_MAX_WEIGHTS:
+        dense = scratch.get((weight.n, weight.k), x.dtype, x.device)
+        return F.linear(x, dequantize_weight_into(weight, dense), bias)
+    rows = max(1, SCRATCH_MAX_WEIGHTS // weight.k)
+    y = x.new_empty(*x.shape[:-1], weight.n)
+    for r0 in range(0, weight.n, rows):
+        r1 = min(r0 + rows, weight.n)
+        part = Mxfp4Weight(r1 - r0, weight.k, weight.codes[r0:r1], weight.scales[r0:r1], prepared=False)
+        dense = dequantize_weight_into(part, scratch.get((r1 - r0, weight.k), x.dtype, x.device))
+        y[..., r0:r1] = F.linear(x, dense, None if bias is None else bias[r0:r1])
+    return y

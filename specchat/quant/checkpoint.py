@@ -18,13 +18,13 @@ weight dequantized under its dense name) plus the packed entries, which `take_pa
 `quant.handler` to install; the dense copies live only until the Fp4Linear modules replace them. The engine
 reads config.json itself (engine.loader.load_mxfp4_dir): this package does not import the engine.
 
-The live toggle's MXFP4 weights for a model come from `cache_dir(model_path)` when `specchat quantize` has
-written a checkpoint there (its default output), else from round-to-nearest.
+The live toggle's MXFP4 weights for a model come from `cache_dir(model_path)`, a checkpoint under the model's
+derived folder ($SPECCHAT_HOME/derived/, registry.derived_dir) that `specchat quantize` writes by default and the
+toggle writes itself the first time it needs it (quant.handler).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -36,6 +36,7 @@ import torch
 from specchat.errors import ModelFormatError
 from specchat.kernels.mxfp4 import dequantize_mxfp4
 from specchat.quant.fp4_linear import rotate_blocks
+from specchat.registry import derived_dir
 from specchat.safetensors_io import read_safetensors
 
 if TYPE_CHECKING:  # annotations only: the engine imports this package, never the other way round
@@ -53,6 +54,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+CACHE_NAME = "mxfp4"  # the toggle's checkpoint, in the model's derived folder
 ROTATIONS = (None, "hadamard32")  # None: codes encode W; "hadamard32": W R (quant.fp4_linear.RotatedFp4Linear)
 
 Packed = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -64,12 +66,8 @@ def is_mxfp4_checkpoint(path: Path) -> bool:
 
 
 def cache_dir(model_path: Path) -> Path:
-    """Where `specchat quantize MODEL` keeps MODEL's MXFP4 checkpoint for the live toggle (keyed by the file)."""
-    from specchat.registry import cache_dir as home
-
-    stat = model_path.stat()
-    key = hashlib.sha1(f"{model_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return home() / "mxfp4" / f"{model_path.stem}-{key}"
+    """Where MODEL's MXFP4 checkpoint for the live toggle lives: its derived folder, keyed by the model file."""
+    return derived_dir(model_path) / CACHE_NAME
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:

@@ -11,6 +11,9 @@ Hadamard transform of each block of 32 inputs, and computes (x R)(W R)^T = x W^T
 outliers over all 32 elements before they share one power-of-two scale, which MXFP4 rounds far better (the
 micro-rotation of MR-GPTQ, Egiazarian et al. 2025, "Bridging the Gap Between Promise and Performance for
 Microscaling FP4 Quantization"). The cost is one [T, K/32, 32] x [32, 32] matmul on the input per layer.
+
+`Fp4Embedding` is the token embedding of a model whose tied output head is an Fp4Linear: it looks rows up in
+the head's codes and dequantizes only those, so the tied matrix is held once, as MXFP4.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 
 from specchat.kernels.mxfp4 import BLOCK_SIZE, Rule, dequantize_mxfp4, quantize_mxfp4
+from specchat.kernels.mxfp4_layout import gather_rows
 from specchat.kernels.mxfp4_matmul import Mxfp4Weight, mxfp4_linear, prepare_weight, unprepare_weight
 
 
@@ -43,9 +47,12 @@ def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
 class Fp4Linear(nn.Module):
     """y = x @ dequant(W)^T + b with W [out_features, in_features] held as MXFP4 only."""
 
-    def __init__(self, weight: Mxfp4Weight, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: Mxfp4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.k, weight.n
+        self.dtype = dtype  # of the model around it: what `weight` dequantizes to
         self.register_buffer("codes", weight.codes)  # CPU: uint8 [N, Kp/2]; CUDA: the kernel's int32 words
         self.register_buffer("scales", weight.scales)  # CPU: uint8 [N, Kp/32]; CUDA: the kernel's layout
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -53,17 +60,22 @@ class Fp4Linear(nn.Module):
 
     @classmethod
     def from_packed(
-        cls, codes: torch.Tensor, scales: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> Fp4Linear:
         """From interchange codes uint8 [N, Kp/2] and scales uint8 [N, Kp/32], laid out for their device."""
-        return cls(prepare_weight(codes, scales, k=in_features), bias)
+        return cls(prepare_weight(codes, scales, k=in_features), bias, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rule: Rule = "mse") -> Fp4Linear:
         """Round-to-nearest quantization of a dense Linear (on its device)."""
         codes, scales = quantize_mxfp4(linear.weight.detach(), rule=rule)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls.from_packed(codes, scales, linear.in_features, bias)
+        return cls.from_packed(codes, scales, linear.in_features, bias, linear.weight.dtype)
 
     @property
     def weight_mxfp4(self) -> Mxfp4Weight:
@@ -79,6 +91,17 @@ class Fp4Linear(nn.Module):
         """The weight's values [N, K] in `dtype` (exact in float32: every MXFP4 value is a float32)."""
         codes, scales = self.packed()
         return dequantize_mxfp4(codes, scales, dtype, k=self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [N, K] in the model dtype, made anew on each access: for code that reads a
+        linear's weight (drafters that share the output head), never for running the layer."""
+        return self.dequantized(self.dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` [R] of the weight, dequantized: [R, K] in `dtype` (an embedding lookup)."""
+        codes, scales = gather_rows(self.weight_mxfp4, index)
+        return dequantize_mxfp4(codes, scales, torch.float32, k=self.in_features).to(dtype)
 
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:
         """A dense nn.Linear holding the dequantized weight."""
@@ -109,11 +132,41 @@ class RotatedFp4Linear(Fp4Linear):
         """Round-to-nearest quantization of W R for a dense Linear (on its device)."""
         codes, scales = quantize_mxfp4(rotate_blocks(linear.weight.detach()), rule=rule)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls.from_packed(codes, scales, linear.in_features, bias)
+        return cls.from_packed(codes, scales, linear.in_features, bias, linear.weight.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The effective weight W = (W R) R [N, K] in `dtype`."""
         return rotate_blocks(super().dequantized(torch.float32)).to(dtype)
 
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` [R] of the effective weight: the stored rows of W R, times R."""
+        return rotate_blocks(super().rows(index, torch.float32)).to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp4_linear(rotate_blocks(x), self.weight_mxfp4, self.bias)
+
+
+class Fp4Embedding(nn.Module):
+    """Token embedding tied to an MXFP4 output head: row i is the head's row i, dequantized on lookup.
+
+    The head stays the model's `lm_head` module; this one only refers to it (it is not a submodule, so the model
+    lists the head once, under its own name, and counts its bytes once).
+    """
+
+    def __init__(self, head: Fp4Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+        object.__setattr__(self, "head", head)  # a plain reference: nn.Module would register it as a child
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table [V, hidden] in the model dtype, made anew on each access (see Fp4Linear.weight)."""
+        return self.head.dequantized(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., hidden] in the model dtype."""
+        return self.head.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the MXFP4 output head"

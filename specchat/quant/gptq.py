@@ -25,11 +25,14 @@ Options beyond the paper's defaults, each measured in docs/benchmarks.md:
   runs the result as (x R)(W R)^T); the layer's function is unchanged, its blocks lose their outliers.
 
 `calibrate` runs the model block by block over the calibration tokens, as the GPTQ code does: each block's
-Hessians are measured on inputs that already flow through the quantized blocks before it.
+Hessians are measured on inputs that already flow through the quantized blocks before it. It works on a twin of
+each block (new modules sharing the block's tensors), so the model itself is never touched: an engine may keep
+running it on another thread while the calibration runs.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -197,13 +200,19 @@ class _DenseCausalKV:
         return out.transpose(0, 1)
 
 
-def _run_block(block: Block, model: Transformer, hidden: list[torch.Tensor], positions: torch.Tensor) -> list:
+def _run_block(block: nn.Module, model: Transformer, hidden: list[torch.Tensor], positions: torch.Tensor) -> list:
     kv = _DenseCausalKV(model.cfg.head_dim**-0.5)
     outputs = []
     for x in hidden:
         cos, sin = model.rope(positions[: x.shape[0]])
         outputs.append(block(x, cos, sin, kv))
     return outputs
+
+
+def _twin(block: Block) -> nn.Module:
+    """New modules over the same tensors: weights can be rebound and hooks added without touching `block`."""
+    shared = {id(t): t for t in (*block.parameters(), *block.buffers())}
+    return copy.deepcopy(block, shared)
 
 
 @torch.inference_mode()
@@ -218,8 +227,8 @@ def calibrate(
 
     Block by block: one pass measures the Hessians of the block's chosen linears on inputs that already flow
     through the quantized blocks before it; a second pass, with this block's weights quantized, makes the next
-    block's inputs. Returns {name: (codes, scales)} in the interchange layout, on the CPU. The model is left as
-    it was: quantized values replace the weights only during the call.
+    block's inputs. Returns {name: (codes, scales)} in the interchange layout, on the CPU. The model is not
+    modified (see the module docstring); `progress` hears ("GPTQ", linears done, linears chosen).
     """
     settings = settings or GptqSettings()
     wanted = set(names)
@@ -228,42 +237,36 @@ def calibrate(
     positions = torch.arange(max(len(s) for s in sequences), device=device)
     hidden = [model.embed(s.to(device)) for s in sequences]  # per sequence [L, hidden]
     result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    originals: dict[str, torch.Tensor] = {}
 
-    def quantize(name: str, module: nn.Linear, hessian: torch.Tensor) -> None:
-        weight = module.weight.float()
+    def quantize(name: str, weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+        """GPTQ of one weight [N, K]; returns the values it now stands for, in the model dtype."""
+        weight = weight.float()
         if settings.rotate:  # x W^T = (x R)(W R)^T: quantize W R against the Hessian of x R, R^T H R
             weight, hessian = rotate_blocks(weight), rotate_blocks(rotate_blocks(hessian).T).T
         codes, scales = gptq_quantize(weight, hessian, settings)
         result[name] = (codes.cpu(), scales.cpu())
-        originals[name] = module.weight
-        fake = dequantize_mxfp4(codes, scales, torch.float32, k=module.in_features)
-        module.weight = nn.Parameter((rotate_blocks(fake) if settings.rotate else fake).to(dtype))
         if progress:
             progress("GPTQ", len(result), len(wanted))
+        fake = dequantize_mxfp4(codes, scales, torch.float32, k=weight.shape[1])
+        return (rotate_blocks(fake) if settings.rotate else fake).to(dtype)
 
-    try:
-        for i, block in enumerate(model.layers):
-            targets = {n: m for n, m in block.named_modules() if f"layers.{i}.{n}" in wanted}
-            accumulators = {n: HessianAccumulator(m.in_features) for n, m in targets.items()}
-            hooks = [
-                m.register_forward_hook(lambda _m, args, _out, acc=accumulators[n]: acc.add(args[0]))
-                for n, m in targets.items()
-            ]
-            try:
-                _run_block(block, model, hidden, positions)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            for n, module in targets.items():
-                quantize(f"layers.{i}.{n}", module, accumulators[n].result())
-            hidden = _run_block(block, model, hidden, positions)
-        if "lm_head" in wanted:
-            acc = HessianAccumulator(model.cfg.hidden_size)
-            for x in hidden:
-                acc.add(model.norm(x))
-            quantize("lm_head", model.lm_head, acc.result())
-    finally:
-        for name, weight in originals.items():
-            model.get_submodule(name).weight = weight
+    for i, block in enumerate(model.layers):
+        twin = _twin(block)
+        targets = {n: m for n, m in twin.named_modules() if f"layers.{i}.{n}" in wanted}
+        accumulators = {n: HessianAccumulator(m.in_features) for n, m in targets.items()}
+        hooks = [
+            m.register_forward_hook(lambda _m, args, _out, acc=accumulators[n]: acc.add(args[0]))
+            for n, m in targets.items()
+        ]
+        _run_block(twin, model, hidden, positions)
+        for hook in hooks:
+            hook.remove()
+        for n, module in targets.items():
+            module.weight = nn.Parameter(quantize(f"layers.{i}.{n}", module.weight, accumulators[n].result()))
+        hidden = _run_block(twin, model, hidden, positions)
+    if "lm_head" in wanted:
+        acc = HessianAccumulator(model.cfg.hidden_size)
+        for x in hidden:
+            acc.add(model.norm(x))
+        quantize("lm_head", model.lm_head.weight, acc.result())
     return result

@@ -1,23 +1,28 @@
-"""Quantization as a transform: swap a model's nn.Linear modules for Fp4Linear ones and back.
+"""The live bf16 <-> MXFP4 toggle of a model's weights: `WeightSwitch`, built at load by `weight_switch`.
 
-The model's code never asks whether it is quantized (docs/style.md #6, after gpt-fast's quantize.py): which
-modules sit in `model.layers[i].attn.wqkv` and friends decides it. This file picks the modules (a layer
-selection), builds their MXFP4 form (round to nearest, or packed weights from a GPTQ checkpoint) and swaps them.
+The two forms are quant.modules': dense (nn.Linear in the model dtype) and MXFP4 (Fp4Linear, and for a tied
+output head an Fp4Embedding reading the head's rows). Neither is kept in memory while the other runs; each comes
+back from a file when the switch needs it.
 
-Layer selection: a comma-separated list of terms applied in order. A term is `blocks` (every linear inside the
-transformer blocks: attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down), `lm_head`, `all` (both), or an fnmatch
-pattern over module names (`layers.*.mlp.w_down`); a leading `-` removes what the term matches. The default,
-`blocks`, keeps the output head in the model dtype: with tied embeddings (the default model) the head shares
-its matrix with the token embedding, which must stay dense for lookups, so quantizing the head adds an MXFP4
-copy instead of replacing one, and it costs the most quality per byte (docs/benchmarks.md).
+Where the MXFP4 form comes from, in order (reported as `weights_method`):
+1. the MXFP4 checkpoint the model was loaded from: its method ("gptq-rot", "rtn-roundup", ...);
+2. the model's cached checkpoint (quant.checkpoint.cache_dir): `<method> (cached)`. GPTQ with the 32-point
+   block rotation over every linear, the output head included (quant.quantize's defaults), made once per model
+   file by `specchat quantize` or by the first switch (`prepare`, with progress: minutes on a CPU), then read
+   back in about a second;
+3. round to nearest with the least-squares scale rule over the block linears ("rtn-mse"), the fallback when
+   GPTQ cannot run: a model with no file to key a cache by, or no tokenizer for the calibration text. The head
+   stays dense there: rounded to nearest it costs more quality than all the blocks (docs/benchmarks.md).
 
-`WeightSwitch` is the live toggle's state: which form the linears are in, and the form the model was loaded in,
-kept (in host memory on a GPU) while the other form runs, so that switching back restores it exactly.
+Where the dense form comes from: the model file's tensors in our names (quant.dense_file: the GGUF's converted
+weights, or a file the switch writes once); for a model loaded from an MXFP4 checkpoint, which has no dense
+weights, the dequantized MXFP4 values. Only a model built in memory, with no file, keeps the dense form in host
+memory while MXFP4 runs (`weights_restore_bytes`).
 """
 
 from __future__ import annotations
 
-import fnmatch
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,157 +31,185 @@ import torch
 from torch import nn
 
 from specchat.config import WEIGHT_FORMATS
-from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
 from specchat.quant.checkpoint import cache_dir, describe, is_mxfp4_checkpoint, read_packed
-from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, rotate_blocks
+from specchat.quant.dense_file import dense_cache_file, holds, read_dense, write_dense
+from specchat.quant.fp4_linear import Fp4Linear
+from specchat.quant.modules import (
+    EMBED,
+    HEAD,
+    Packed,
+    dense_from,
+    dense_modules,
+    fp4_items,
+    model_dtype,
+    module_bytes,
+    mxfp4_modules,
+    round_to_nearest,
+    select_linears,
+    swap_modules,
+    tied,
+    weight_bytes,
+)
+from specchat.quant.quantize import QuantizeSettings, quantize_to_checkpoint
 
-DEFAULT_LAYERS = "blocks"
-DEFAULT_RULE: Rule = "mse"  # the toggle's round-to-nearest fallback (docs/benchmarks.md: mse < roundup < ocp)
-DEFAULT_ROTATE = False  # the block rotation helps GPTQ a lot but hurts round to nearest (docs/benchmarks.md)
-ROTATION = "hadamard32"
-LINEAR_TYPES = (nn.Linear, Fp4Linear)
-BLOCK_LINEARS = "layers.*"
+FALLBACK_RULE = "mse"  # round to nearest's best scale rule (docs/benchmarks.md: mse < roundup < ocp)
+FALLBACK_LAYERS = "blocks"
 HOST = torch.device("cpu")
 
-Packed = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> interchange (codes, scales)
+Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    """Names of every linear module (dense or MXFP4), in module order."""
-    return [name for name, m in model.named_modules() if isinstance(m, LINEAR_TYPES)]
+@dataclass(slots=True)
+class WeightSources:
+    """What a model's weight switch reads its forms from (see the module docstring)."""
 
+    model_path: Path | None = None  # the file or folder the model was loaded from: keys the caches
+    checkpoint: bool = False  # model_path is an MXFP4 checkpoint: the home of the MXFP4 form
+    dense_file: Path | None = None  # safetensors in our names with the dense tensors (a GGUF's converted weights)
+    encode: Callable[[str], Sequence[int]] | None = None  # the tokenizer, for GPTQ's calibration text
+    tokenizer_dir: Path | None = None  # its files, copied beside the cached checkpoint
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of a model's parameters and buffers (packed MXFP4 weights are buffers), shared storage once."""
-    seen, total = set(), 0
-    for t in (*model.parameters(), *model.buffers()):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    @property
+    def cache(self) -> Path | None:
+        """The model's cached MXFP4 checkpoint, if the model has a file."""
+        return cache_dir(self.model_path) if self.model_path is not None and not self.checkpoint else None
 
-
-def select_linears(model: nn.Module, layers: str = DEFAULT_LAYERS) -> list[str]:
-    """Module names chosen by a layer selection (see the module docstring), in module order."""
-    names = linear_names(model)
-    chosen: set[str] = set()
-    for raw in layers.split(","):
-        term = raw.strip()
-        if not term:
-            continue
-        remove = term.startswith("-")
-        term = term.removeprefix("-")
-        patterns = {"blocks": [BLOCK_LINEARS], "all": [BLOCK_LINEARS, "lm_head"]}.get(term, [term])
-        matched = {n for n in names for p in patterns if fnmatch.fnmatchcase(n, p)}
-        if not matched:
-            raise ValueError(f"layer selection term {raw.strip()!r} matches no linear module")
-        chosen = chosen - matched if remove else chosen | matched
-    return [n for n in names if n in chosen]
-
-
-def swap_modules(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """Put each module at its name in `model`; returns the modules that were there."""
-    replaced = {}
-    for name, module in modules.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        replaced[name] = getattr(parent, child)
-        setattr(parent, child, module)
-    return replaced
-
-
-def round_to_nearest(model: nn.Module, names: Sequence[str], rule: Rule = DEFAULT_RULE, rotate: bool = False) -> Packed:
-    """MXFP4 codes and scales of the named dense linears (of W R if `rotate`), block scales by `rule`, RNE."""
-    packed = {}
-    for name in names:
-        weight = model.get_submodule(name).weight.detach()
-        packed[name] = quantize_mxfp4(rotate_blocks(weight) if rotate else weight, rule=rule)
-    return packed
-
-
-def fp4_modules(model: nn.Module, packed: Packed, rotated: bool = False) -> dict[str, Fp4Linear]:
-    """Fp4Linear modules (RotatedFp4Linear if the packed weights are W R) for the named linears of `model`, on
-    its device, biases copied from the dense ones."""
-    device = next(model.parameters()).device
-    cls = RotatedFp4Linear if rotated else Fp4Linear
-    modules = {}
-    for name, (codes, scales) in packed.items():
-        dense = model.get_submodule(name)
-        bias = None if dense.bias is None else dense.bias.detach().clone()
-        modules[name] = cls.from_packed(codes.to(device), scales.to(device), dense.in_features, bias)
-    return modules
-
-
-def dense_modules(model: nn.Module, dtype: torch.dtype) -> dict[str, nn.Linear]:
-    """Dense nn.Linear modules (dequantized weights in `dtype`) for every Fp4Linear of `model`."""
-    return {name: m.to_linear(dtype) for name, m in model.named_modules() if isinstance(m, Fp4Linear)}
-
-
-def packed_state(model: nn.Module) -> Packed:
-    """The interchange (codes, scales) of every Fp4Linear of `model`."""
-    return {name: m.packed() for name, m in model.named_modules() if isinstance(m, Fp4Linear)}
-
-
-def module_bytes(modules: dict[str, nn.Module], exclude: Sequence[torch.Tensor] = ()) -> int:
-    """Bytes of the modules' parameters and buffers, each storage once, minus storages shared with `exclude`."""
-    seen = {t.untyped_storage().data_ptr() for t in exclude}
-    total = 0
-    for module in modules.values():
-        for t in (*module.parameters(), *module.buffers()):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-    return total
+    @property
+    def can_calibrate(self) -> bool:
+        return self.cache is not None and self.encode is not None
 
 
 @dataclass
 class WeightSwitch:
-    """Live bf16 <-> MXFP4 toggle of a model's linear weights.
+    """Live bf16 <-> MXFP4 toggle of a model's linear weights (and of a tied embedding, with its head).
 
-    Switching away from `home` builds the other form with `build_other` and keeps the home modules in `stash`:
-    in host memory when the model is on a GPU (moved back on the way home), in place on the CPU. Switching back
-    restores the stash exactly and drops the built form. The memory cost of being switched away is the home
-    form's linears once more, in host memory (`stash_bytes`); at home it is nothing.
+    `set` runs between engine steps and swaps modules; `prepare` does the slow part of a first switch (GPTQ into
+    the cache) without touching the model, on any thread, so that `set` is quick. A lock keeps the two apart.
     """
 
     model: nn.Module
-    home: str  # "bf16" | "mxfp4": the form the model was loaded in, kept while the other one runs
-    home_method: str | None  # how the home MXFP4 weights were made (None for bf16)
-    build_other: Callable[[], tuple[dict[str, nn.Module], str | None]]  # -> (modules, method)
-    current: str = ""  # the form running now; "" = home
-    method: str | None = None
-    stash: dict[str, nn.Module] = field(default_factory=dict)
+    sources: WeightSources
+    current: str = "bf16"  # the form running now: "bf16" (unquantized, the model dtype) | "mxfp4"
+    method: str | None = None  # how the running MXFP4 weights were made
+    progress: Progress | None = None  # hears a GPTQ calibration that `set` has to run itself
+    stash: dict[str, nn.Module] = field(default_factory=dict)  # the dense form, only when no file holds it
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def __post_init__(self) -> None:
-        if not self.current:
-            self.current, self.method = self.home, self.home_method
+    def prepare(self, fmt: str, progress: Progress | None = None) -> None:
+        """Make what switching to `fmt` needs that takes long, without changing the model: the GPTQ checkpoint
+        of a dense model, if nothing is cached yet (`progress` hears ("GPTQ", linears done, linears))."""
+        _check(fmt)
+        with self.lock:
+            if fmt == "mxfp4" and self.current == "bf16":
+                self._calibrate(progress or self.progress)
 
     def set(self, fmt: str) -> None:
-        """Switch the model's linears to `fmt` ("bf16" | "mxfp4"); a no-op if they are in it already."""
-        if fmt not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-        if fmt == self.current:
+        """Switch the model to `fmt` ("bf16" | "mxfp4"); a no-op if it is in it already."""
+        _check(fmt)
+        with self.lock:
+            if fmt == self.current:
+                return
+            if fmt == "mxfp4":
+                self._to_mxfp4()
+            else:
+                self._to_dense()
+            self.current = fmt
+
+    # --- the MXFP4 form ---------------------------------------------------------------------------------------
+    def _calibrate(self, progress: Progress | None) -> None:
+        """GPTQ the dense model into its cache, unless a checkpoint is there (of any settings: `specchat
+        quantize` may have put one there on purpose) or GPTQ cannot run."""
+        cache = self.sources.cache
+        if not self.sources.can_calibrate or is_mxfp4_checkpoint(cache):
             return
-        device = next(self.model.parameters()).device
-        if fmt == self.home:
+        path = self.sources.model_path
+        quantize_to_checkpoint(
+            self.model,
+            self.sources.encode,
+            QuantizeSettings(),
+            path,
+            path.name,
+            self.sources.tokenizer_dir or path,
+            out=None,
+            progress=progress,
+        )
+
+    def _mxfp4_weights(self) -> tuple[Packed, bool, str]:
+        """(packed weights, rotated, method) from the first source that has them (see the module docstring)."""
+        if self.sources.checkpoint:
+            packed, meta = read_packed(self.sources.model_path)
+            return packed, meta["rotation"] is not None, describe(meta)
+        self._calibrate(self.progress)
+        cache = self.sources.cache
+        if cache is not None and is_mxfp4_checkpoint(cache):
+            packed, meta = read_packed(cache)
+            return packed, meta["rotation"] is not None, f"{describe(meta)} (cached)"
+        names = select_linears(self.model, FALLBACK_LAYERS)
+        packed = round_to_nearest(self.model, names, FALLBACK_RULE)
+        return packed, False, describe({"method": "rtn", "rule": FALLBACK_RULE})
+
+    def _to_mxfp4(self) -> None:
+        packed, rotated, method = self._mxfp4_weights()
+        modules = mxfp4_modules(self.model, packed, rotated)
+        if not self.sources.checkpoint and not self._dense_on_disk(list(packed)):
+            self.stash = {name: self.model.get_submodule(name) for name in modules}
+        swap_modules(self.model, modules)
+        resident = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+        self.stash = {name: _offload(m, resident) for name, m in self.stash.items()}
+        self.method = method
+
+    # --- the dense form ---------------------------------------------------------------------------------------
+    def _tensor_name(self, linear: str) -> str:
+        """The dense file's name for a linear's weight (a tied head's is the embedding's)."""
+        return f"{EMBED}.weight" if linear == HEAD and tied(self.model) else f"{linear}.weight"
+
+    def _dense_file(self, linears: list[str]) -> Path | None:
+        """A dense file holding these linears' weights, if there is one."""
+        names = [self._tensor_name(n) for n in linears]
+        own = dense_cache_file(self.sources.model_path, model_dtype(self.model)) if self.sources.model_path else None
+        return next((f for f in (self.sources.dense_file, own) if holds(f, names)), None)
+
+    def _dense_on_disk(self, linears: list[str]) -> bool:
+        """Make sure a file holds the dense weights of `linears` before they are dropped; False if none can."""
+        if self._dense_file(linears) is not None:
+            return True
+        if self.sources.model_path is None:
+            return False
+        tensors = {self._tensor_name(n): self.model.get_submodule(n).weight for n in linears}
+        write_dense(dense_cache_file(self.sources.model_path, model_dtype(self.model)), tensors)
+        return True
+
+    def _to_dense(self) -> None:
+        device, dtype = self.device, model_dtype(self.model)
+        if self.stash:
             swap_modules(self.model, {name: m.to(device) for name, m in self.stash.items()})
-            self.stash, self.method = {}, self.home_method
+            self.stash = {}
+        elif self.sources.checkpoint:  # no dense weights exist: their dequantized values
+            swap_modules(self.model, dense_modules(self.model, dtype))
         else:
-            modules, self.method = self.build_other()
-            old = swap_modules(self.model, modules)
-            resident = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
-            self.stash = {name: _offload(m, resident) for name, m in old.items()}
-        self.current = fmt
+            linears = [name for name, _ in fp4_items(self.model)]
+            path = self._dense_file(linears)
+            if path is None:
+                raise RuntimeError(f"no file holds the dense weights of {linears[0]} and {len(linears) - 1} more")
+            names = {n: self._tensor_name(n) for n in linears}
+            tensors = read_dense(path, sorted(set(names.values())), dtype, device)
+            swap_modules(self.model, dense_from(self.model, {n: tensors[t] for n, t in names.items()}))
+        self.method = None
 
     @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # --- accounting -------------------------------------------------------------------------------------------
+    @property
     def stash_bytes(self) -> int:
-        """Bytes held outside the running model so that switching back is exact."""
+        """Bytes held outside the running model so that switching back is possible."""
         return module_bytes(self.stash, exclude=list(self.model.parameters()))
 
     def memory(self) -> dict:
-        """Weight accounting for the UI, `--json` and benchmarks: all weights, the linear ones, and the same
-        linears in bf16; the running form, how its MXFP4 weights were made and what is kept to switch back."""
+        """Weight accounting for the UI, `--json` and benchmarks: all weights, the linear ones (the output head
+        included), and the same linears in bf16; the running form, how its MXFP4 weights were made, and what
+        is kept in memory to switch back (nothing, unless the model has no file)."""
         linear, linear_bf16 = 0, 0
         for module in self.model.modules():
             if isinstance(module, nn.Linear):
@@ -190,51 +223,49 @@ class WeightSwitch:
             "linear_weight_bytes": linear,
             "linear_weight_bytes_bf16": linear_bf16,
             "weights_format": self.current,  # "bf16" = unquantized, in the model dtype
-            "weights_method": self.method,  # how the MXFP4 weights were made: gptq (cached), rtn-mse, ...
-            "weights_restore_bytes": self.stash_bytes,  # host memory kept to switch back exactly
+            "weights_method": self.method,  # how the MXFP4 weights were made: gptq-rot (cached), rtn-mse, ...
+            "weights_restore_bytes": self.stash_bytes,  # memory kept to switch back
         }
 
 
+def _check(fmt: str) -> None:
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+
+
 def _offload(module: nn.Module, resident: set[int]) -> nn.Module:
-    """Move a stashed module to host memory, unless it shares storage with the running model (a tied head)."""
+    """Move a stashed module to host memory, unless it shares storage with the running model."""
     if any(t.untyped_storage().data_ptr() in resident for t in (*module.parameters(), *module.buffers())):
         return module
     return module.to(HOST)
 
 
-def default_mxfp4(model: nn.Module, model_path: Path | None) -> tuple[dict[str, Fp4Linear], str]:
-    """The MXFP4 form of a dense model for the toggle: the cached `specchat quantize` result, else RTN."""
-    cached = cache_dir(model_path) if model_path is not None else None
-    if cached is not None and is_mxfp4_checkpoint(cached):
-        packed, meta = read_packed(cached)
-        return fp4_modules(model, packed, meta["rotation"] is not None), f"{describe(meta)} (cached)"
-    packed = round_to_nearest(model, select_linears(model), DEFAULT_RULE, DEFAULT_ROTATE)
-    return fp4_modules(model, packed, DEFAULT_ROTATE), describe(
-        {"method": "rtn", "rule": DEFAULT_RULE, "rotation": ROTATION if DEFAULT_ROTATE else None}
-    )
-
-
 def weight_switch(
-    model: nn.Module, packed: Packed, meta: dict | None, model_path: Path | None, requested: str = "auto"
+    model: nn.Module,
+    packed: Packed,
+    meta: dict | None,
+    model_path: Path | None,
+    requested: str = "auto",
+    *,
+    dense_file: Path | None = None,
+    encode: Callable[[str], Sequence[int]] | None = None,
+    tokenizer_dir: Path | None = None,
+    progress: Progress | None = None,
 ) -> WeightSwitch:
-    """Install a checkpoint's MXFP4 linears (`packed`, described by its metadata `meta`), apply `requested`,
-    and return the model's toggle.
+    """Install a checkpoint's MXFP4 modules (`packed`, described by its metadata `meta`), apply `requested`
+    ("auto" keeps what the checkpoint stores) and return the model's switch.
 
-    Home form: MXFP4 for a checkpoint with MXFP4 linears (bf16 then means their dequantized values), and for a
-    dense model loaded with requested="mxfp4", whose dense linears are dropped so that the memory saving holds;
-    otherwise bf16, and `default_mxfp4` makes the MXFP4 form on demand.
+    model_path: the model's file or folder (None for a model built in memory); dense_file: a safetensors file in
+    our names holding its dense weights, if the loader made one; encode, tokenizer_dir: its tokenizer, which
+    GPTQ needs; progress: hears a GPTQ calibration the switch has to run.
     """
-    dtype = model.embed.weight.dtype
-    to_dense = lambda: (dense_modules(model, dtype), None)
-    if not packed and requested == "mxfp4":
-        modules, method = default_mxfp4(model, model_path)
-        swap_modules(model, modules)
-        return WeightSwitch(model, "mxfp4", method, to_dense)
     if packed:
-        swap_modules(model, fp4_modules(model, packed, meta["rotation"] is not None))
-        switch = WeightSwitch(model, "mxfp4", describe(meta), to_dense)
+        swap_modules(model, mxfp4_modules(model, packed, meta["rotation"] is not None))
+        sources = WeightSources(model_path, checkpoint=True)
+        switch = WeightSwitch(model, sources, "mxfp4", describe(meta), progress)
     else:
-        switch = WeightSwitch(model, "bf16", None, lambda: default_mxfp4(model, model_path))
+        sources = WeightSources(model_path, False, dense_file, encode, tokenizer_dir)
+        switch = WeightSwitch(model, sources, progress=progress)
     if requested != "auto":
         switch.set(requested)
     return switch

@@ -2,15 +2,19 @@
 
 The command line (cli/quantize.py) loads the model through the engine, fills a `QuantizeSettings` from its
 flags and calls `quantize_to_checkpoint`; the names its flags offer (methods, rounding rules) and their defaults
-are the ones here. The checkpoint format is quant.checkpoint's; GPTQ is quant.gptq's, round to nearest
-quant.handler's.
+are the ones here. The live toggle (quant.handler) calls it with the defaults to fill its cache. The checkpoint
+format is quant.checkpoint's; GPTQ is quant.gptq's, round to nearest quant.modules'.
+
+The cache (`out=None`) holds one checkpoint per model file: written whole under a temporary name and renamed, so
+a run cut short leaves nothing half-written there, and reused as it is when it was made with the same settings.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,7 +22,13 @@ from torch import nn
 
 from specchat.errors import ConfigError
 from specchat.kernels.mxfp4 import RULES, Rule
-from specchat.quant.checkpoint import cache_dir, describe, is_mxfp4_checkpoint, save_mxfp4_checkpoint
+from specchat.quant.checkpoint import (
+    cache_dir,
+    describe,
+    is_mxfp4_checkpoint,
+    read_metadata,
+    save_mxfp4_checkpoint,
+)
 from specchat.quant.gptq import (
     CALIBRATION_TEXT,
     CALIBRATION_TOKENS,
@@ -28,7 +38,7 @@ from specchat.quant.gptq import (
     calibration_sequences,
     calibration_text,
 )
-from specchat.quant.handler import DEFAULT_LAYERS, ROTATION, round_to_nearest, select_linears
+from specchat.quant.modules import DEFAULT_LAYERS, ROTATION, round_to_nearest, select_linears
 
 METHODS = ("gptq", "rtn")
 DEFAULT_METHOD = "gptq"
@@ -43,7 +53,7 @@ class QuantizeSettings:
 
     method: str = DEFAULT_METHOD
     rule: Rule = DEFAULT_RULE  # block scale rule (kernels.mxfp4)
-    layers: str = DEFAULT_LAYERS  # layer selection (quant.handler)
+    layers: str = DEFAULT_LAYERS  # layer selection (quant.modules)
     rotate: bool | None = None  # 32-point block Hadamard rotation; None: on for GPTQ, off for RTN
     act_order: bool = True  # GPTQ: largest H diagonal first
     damp: float = DEFAULT_DAMP  # GPTQ: dampening, x mean(diag H)
@@ -62,15 +72,31 @@ class QuantizeSettings:
         if self.rotate is None:  # rotation helps GPTQ, hurts round to nearest (docs/benchmarks.md)
             self.rotate = self.method == "gptq"
 
+    def record(self) -> dict:
+        """The settings as the checkpoint's metadata stores them (to tell whether a cached one fits)."""
+        return {**asdict(self), "calibration": str(self.calibration) if self.calibration else None}
+
 
 @dataclass(frozen=True, slots=True)
 class QuantizeResult:
-    """What `quantize_to_checkpoint` wrote."""
+    """What `quantize_to_checkpoint` wrote (or found in the cache, made with the same settings)."""
 
     path: Path
     linears: int  # how many linears are stored as MXFP4
     method: str  # how, in one word (quant.checkpoint.describe): "gptq-rot", "rtn-mse", ...
-    seconds: float  # quantization time, saving excluded
+    seconds: float  # quantization time, saving excluded (of the run that made it, for a cached one)
+    reused: bool = False  # the cache already held it
+
+
+def cached_result(source: Path, settings: QuantizeSettings) -> QuantizeResult | None:
+    """The toggle's cached checkpoint of `source`, if one was made with `settings`."""
+    path = cache_dir(source)
+    if not is_mxfp4_checkpoint(path):
+        return None
+    meta = read_metadata(path)
+    if meta.get("settings") != settings.record():
+        return None
+    return QuantizeResult(path, len(meta["quantized"]), describe(meta), meta["seconds"], reused=True)
 
 
 def quantize_to_checkpoint(
@@ -85,12 +111,15 @@ def quantize_to_checkpoint(
 ) -> QuantizeResult:
     """Quantize the linears of `model` (loaded from `source`) and write an MXFP4 checkpoint.
 
-    encode: the model's tokenizer, for the GPTQ calibration text. out: the checkpoint directory; None writes to
-    the cache that the live MXFP4 toggle reads for this source (quant.checkpoint.cache_dir). A user's mistake
-    (the source is MXFP4 already, a layer selection that matches nothing) is a ConfigError.
+    encode: the model's tokenizer, for the GPTQ calibration text. out: the checkpoint directory; None means the
+    cache that the live MXFP4 toggle reads for this source (quant.checkpoint.cache_dir), where a checkpoint made
+    with the same settings is reused. A user's mistake (the source is MXFP4 already, a layer selection that
+    matches nothing) is a ConfigError.
     """
     if is_mxfp4_checkpoint(source):
         raise ConfigError(f"{source} is already an MXFP4 checkpoint")
+    if out is None and (cached := cached_result(source, settings)) is not None:
+        return cached
     try:
         names = select_linears(model, settings.layers)
     except ValueError as exc:
@@ -103,6 +132,7 @@ def quantize_to_checkpoint(
         "layers": settings.layers,
         "source": source_name,
         "source_path": str(source),
+        "settings": settings.record(),
     }
     if settings.method == "rtn":
         packed = round_to_nearest(model, names, settings.rule, settings.rotate)
@@ -118,6 +148,13 @@ def quantize_to_checkpoint(
         meta["calibration"] = str(settings.calibration or f"specchat/data/text/{CALIBRATION_TEXT}")
     meta["seconds"] = round(time.perf_counter() - started, 1)
     meta["created"] = datetime.now(UTC).isoformat(timespec="seconds")
-    target = out or cache_dir(source)
-    save_mxfp4_checkpoint(target, model, packed, tokenizer_dir, meta)
+    if out is not None:
+        save_mxfp4_checkpoint(out, model, packed, tokenizer_dir, meta)
+        return QuantizeResult(out, len(packed), describe(meta), meta["seconds"])
+    target = cache_dir(source)
+    partial = target.with_name(target.name + ".part")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_mxfp4_checkpoint(partial, model, packed, tokenizer_dir, meta)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
     return QuantizeResult(target, len(packed), describe(meta), meta["seconds"])

@@ -11,13 +11,14 @@ import resource
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 
 from textual.app import App
 
 from specchat.config import EngineConfig
 from specchat.engine.api import ChatEngine
 from specchat.errors import SpecchatError
-from specchat.ui.messages import EngineReading, EngineStep, LoadProgress, SettingApplied
+from specchat.ui.messages import EngineReading, EngineStep, LoadProgress, SettingApplied, SettingProgress
 
 
 def load_engine(config: EngineConfig, progress: Callable[[str, int, int], None]) -> ChatEngine:
@@ -101,7 +102,12 @@ class EngineBridge:
 
     def apply_setting(self, name: str, value: str) -> None:
         """Worker thread: call the engine's setter (it may take long: quantizing, loading a drafter)."""
-        setter = {"drafter": self.engine.set_drafter, "weights": self.engine.set_weights, "kv": self.engine.set_kv}
+        progress = lambda what, done, total: self.app.post_message(SettingProgress(what, done, total))
+        setter = {
+            "drafter": self.engine.set_drafter,
+            "weights": partial(self.engine.set_weights, progress=progress),
+            "kv": self.engine.set_kv,
+        }
         try:
             setter[name](value)
             error = None

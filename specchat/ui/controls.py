@@ -123,3 +123,8 @@ class ControlsPanel(Vertical):
             self.mount(ProgressBar(total=None, show_eta=False, show_percentage=False))
         elif not busy:
             bars.remove()
+
+    def show_progress(self, done: int, total: int) -> None:
+        """Turn the busy bar into a measured one: `done` of `total` (GPTQ's linears on a first MXFP4 switch)."""
+        for bar in self.query(ProgressBar):
+            bar.update(total=total, progress=done)

@@ -52,6 +52,16 @@ class EngineReading(Message):
         self.memory = memory
 
 
+class SettingProgress(Message):
+    """A long setting change reports how far it is: `done` of `total` steps of `what` (GPTQ: linears)."""
+
+    def __init__(self, what: str, done: int, total: int) -> None:
+        super().__init__()
+        self.what = what
+        self.done = done
+        self.total = total
+
+
 class SettingApplied(Message):
     """A live setting (drafter, weights, KV) finished changing, or failed with `error`."""
 

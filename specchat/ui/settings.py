@@ -16,7 +16,7 @@ from specchat.config import DRAFTERS, SpecParams, check_drafter_name
 from specchat.errors import ConfigError, SpecchatError
 from specchat.registry import ModelSpec, resolve
 from specchat.ui.controls import ControlsPanel, k_text
-from specchat.ui.messages import SettingApplied
+from specchat.ui.messages import SettingApplied, SettingProgress
 from specchat.ui.speculation import SpeculationPanel
 
 K_ACTIONS = ("k_up", "k_down", "k_auto")  # nothing to do without a drafter: shown disabled then
@@ -128,6 +128,12 @@ class LiveSettings:
             controls.set_busy(True)
             self.notify(f"{name} → {value}…", timeout=3)
             self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
+
+    def on_setting_progress(self, message: SettingProgress) -> None:
+        if (controls := self.widget(ControlsPanel)) is not None:
+            controls.show_progress(message.done, message.total)
+        if message.done == 1:
+            self.notify(f"weights → mxfp4: {message.what} over {message.total} linears, once for this model", timeout=6)
 
     def on_setting_applied(self, message: SettingApplied) -> None:
         controls = self.widget(ControlsPanel)

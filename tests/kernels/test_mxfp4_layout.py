@@ -1,4 +1,5 @@
-"""The MXFP4 weight layouts: the kernel layout round-trips bit for bit and records NaN blocks and large scales."""
+"""The MXFP4 weight layouts: the kernel layout round-trips bit for bit and records NaN blocks and large scales;
+rows gathered from either layout are the interchange rows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from specchat.kernels.mxfp4 import quantize_mxfp4
-from specchat.kernels.mxfp4_layout import prepare_weight, unprepare_weight
+from specchat.kernels.mxfp4_layout import gather_rows, prepare_weight, unprepare_weight
 from tests.kernels.mxfp4_weights import random_weight
 
 
@@ -36,3 +37,15 @@ def test_plain_layout_is_the_interchange_form() -> None:
     assert not weight.prepared and weight.nbytes == codes.numel() + scales.numel()
     back_codes, back_scales = unprepare_weight(weight)
     assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+
+
+@pytest.mark.parametrize("layout", ["plain", "kernel"])
+def test_gathered_rows_are_the_interchange_rows(layout: str) -> None:
+    w = torch.randn(200, 200)
+    w[3, 40] = float("nan")
+    w[150, :32] *= 2.0**40  # a large scale: the kernel layout stores it with an exponent offset
+    codes, scales = quantize_mxfp4(w, rule="mse")
+    weight = prepare_weight(codes, scales, 200, layout=layout)
+    rows = torch.tensor([150, 0, 3, 199, 3, 64, 127, 128])  # repeats, both sides of a row group, the padded tail
+    got_codes, got_scales = gather_rows(weight, rows)
+    assert torch.equal(got_codes, codes[rows]) and torch.equal(got_scales, scales[rows])

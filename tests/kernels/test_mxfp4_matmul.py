@@ -41,3 +41,17 @@ def test_scratch_made_under_inference_mode_serves_later_calls_outside_it() -> No
     with torch.no_grad():
         assert torch.equal(mxfp4_linear(x, weight, scratch=scratch), want)
     assert torch.equal(mxfp4_linear(x, weight, scratch=scratch), want)
+
+
+def test_a_weight_over_the_scratch_limit_goes_by_rows(monkeypatch) -> None:
+    """An output head is larger than any block linear: it runs in slices of rows through a bounded scratch."""
+    import specchat.kernels.mxfp4_matmul as matmul
+
+    monkeypatch.setattr(matmul, "SCRATCH_MAX_WEIGHTS", 40 * 64)
+    scratch = DequantScratch()
+    _, codes, scales = random_weight(130, 64)
+    weight = prepare_weight(codes, scales, 64)
+    x, bias = torch.randn(3, 64), torch.randn(130)
+    expected = F.linear(x, dequantize_mxfp4(codes, scales, k=64), bias)
+    torch.testing.assert_close(mxfp4_linear(x, weight, bias, scratch=scratch), expected, rtol=1e-6, atol=1e-6)
+    assert scratch.nbytes == 40 * 64 * 4  # one slice of 40 rows, not the whole weight

@@ -14,7 +14,7 @@ from specchat.engine.engine import Engine
 from specchat.quant.checkpoint import METADATA_FILE, save_mxfp4_checkpoint
 from specchat.quant.fp4_linear import RotatedFp4Linear
 from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences
-from specchat.quant.handler import packed_state, round_to_nearest, select_linears
+from specchat.quant.modules import packed_state, round_to_nearest, select_linears
 
 
 @pytest.mark.parametrize(("method", "rotation"), [("rtn", None), ("gptq", None), ("gptq", "hadamard32")])
@@ -56,7 +56,7 @@ def test_quantize_cli_writes_a_checkpoint_generate_loads(tiny_model_dir, tmp_pat
     assert result.exit_code == 0, result.output
     meta = json.loads((out / METADATA_FILE).read_text())
     assert meta["method"] == "rtn" and meta["rule"] == "mse" and meta["rotation"] is None
-    assert len(meta["quantized"]) == 8
+    assert len(meta["quantized"]) == 9 and "lm_head" in meta["quantized"]  # the head too, by default
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
 
     result = runner.invoke(

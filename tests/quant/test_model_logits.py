@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specchat.engine.runner import StepBatch
-from specchat.quant.handler import dense_modules, fp4_modules, round_to_nearest, select_linears, swap_modules
+from specchat.quant.modules import dense_modules, fp4_modules, round_to_nearest, select_linears, swap_modules
 
 
 def _logits(engine, ids: list[int]) -> torch.Tensor:

@@ -65,35 +65,123 @@ def test_conversation_after_toggling_back_equals_the_bf16_one(engine) -> None:
     assert fresh.submit(messages, GREEDY).result().token_ids == third
 
 
-def test_memory_counts_the_running_form_and_the_kept_one(engine) -> None:
+def test_memory_counts_the_head_and_keeps_nothing_to_switch_back(engine) -> None:
     dense = engine.memory()
     assert dense["weights_format"] == "bf16" and dense["weights_method"] is None
     assert dense["weights_restore_bytes"] == 0
     engine.set_weights("mxfp4")
     packed = engine.memory()
-    assert packed["weights_format"] == "mxfp4" and packed["weights_method"] == "rtn-mse"
+    assert packed["weights_format"] == "mxfp4" and packed["weights_method"] == "gptq-rot (cached)"
     fp4 = [m for m in engine.model.modules() if isinstance(m, Fp4Linear)]
-    block_linears = sum(m.in_features * m.out_features for m in fp4)
+    assert isinstance(engine.model.lm_head, Fp4Linear) and len(fp4) == 9  # 8 block linears and the head
+    linears = sum(m.in_features * m.out_features for m in fp4)
     # 4.25 bits per weight: codes (K/2 bytes a row) + scales (K/32 bytes a row)
-    assert sum(m.nbytes for m in fp4) == block_linears * 17 // 32
-    assert dense["weights_bytes"] - packed["weights_bytes"] == block_linears * 4 - block_linears * 17 // 32
-    assert packed["linear_weight_bytes_bf16"] == dense["linear_weight_bytes_bf16"]
-    assert packed["weights_restore_bytes"] == block_linears * 4  # the float32 originals, kept to switch back
+    assert packed["linear_weight_bytes"] == sum(m.nbytes for m in fp4) == linears * 17 // 32
+    assert packed["linear_weight_bytes_bf16"] == dense["linear_weight_bytes_bf16"] == linears * 2
+    assert packed["linear_weight_bytes"] <= 0.28 * packed["linear_weight_bytes_bf16"]
+    assert dense["weights_bytes"] - packed["weights_bytes"] == linears * 4 - linears * 17 // 32
+    assert packed["weights_restore_bytes"] == 0  # switching back reads the dense weights from a file
     engine.set_weights("bf16")
     assert engine.memory() == dense
+
+
+def test_switching_back_reloads_the_dense_weights_exactly(engine) -> None:
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.set_weights("mxfp4")
+    engine.set_weights("bf16")
+    after = engine.model.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_the_toggled_weights_are_the_cached_gptq_weights(engine, tiny_model_dir) -> None:
+    from specchat.quant.checkpoint import cache_dir, read_packed
+    from specchat.quant.modules import packed_state
+
+    engine.set_weights("mxfp4")
+    cached, meta = read_packed(cache_dir(tiny_model_dir))
+    assert meta["method"] == "gptq" and meta["rotation"] == "hadamard32" and "lm_head" in cached
+    running = packed_state(engine.model)
+    assert sorted(running) == sorted(cached)
+    assert all(torch.equal(running[n][0], cached[n][0]) and torch.equal(running[n][1], cached[n][1]) for n in cached)
+
+
+def test_a_tied_head_is_mxfp4_and_the_embedding_reads_its_rows(tied_model_dir) -> None:
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+    from specchat.quant.fp4_linear import Fp4Embedding
+
+    engine = Engine.load(EngineConfig(model=str(tied_model_dir), device="cpu", dtype="float32"))
+    model = engine.model
+    table = model.embed.weight.clone()
+    dense = engine.memory()
+    engine.set_weights("mxfp4")
+    assert isinstance(model.lm_head, Fp4Linear) and isinstance(model.embed, Fp4Embedding)
+    ids = torch.tensor([[0, 5], [49151, 5]])
+    assert torch.equal(model.embed(ids), model.lm_head.dequantized(torch.float32)[ids])  # [2, 2, hidden]
+    packed = engine.memory()
+    # the tied matrix is held once, as MXFP4: no dense embedding is left
+    vocab, hidden = table.shape
+    assert dense["weights_bytes"] - packed["weights_bytes"] > vocab * hidden * (4 - 17 / 32) - 1
+    assert packed["linear_weight_bytes"] <= 0.28 * packed["linear_weight_bytes_bf16"]
+    assert engine.submit(PROMPT, GREEDY).result().token_ids
+    engine.set_weights("bf16")
+    assert isinstance(model.embed, torch.nn.Embedding) and model.lm_head.weight is model.embed.weight
+    assert torch.equal(model.embed.weight, table) and engine.memory() == dense
 
 
 def test_loading_with_mxfp4_keeps_no_dense_copy(tiny_model_dir) -> None:
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
 
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32")
+    original = Engine.load(config).model.state_dict()
     engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", weights="mxfp4"))
     memory = engine.memory()
     assert memory["weights_format"] == "mxfp4" and memory["weights_restore_bytes"] == 0
-    engine.set_weights("bf16")  # the dequantized MXFP4 values, run dense
+    assert memory["weights_method"] == "gptq-rot (cached)"
+    engine.set_weights("bf16")  # the model file's weights, read back
     assert engine.memory()["weights_format"] == "bf16"
     assert not any(isinstance(m, Fp4Linear) for m in engine.model.modules())
-    assert torch.is_tensor(engine.model.layers[0].attn.wqkv.weight)
+    assert torch.equal(engine.model.layers[0].attn.wqkv.weight, original["layers.0.attn.wqkv.weight"])
+
+
+def test_the_first_toggle_calibrates_once_with_progress(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """No cache yet: `prepare` runs GPTQ with the default settings (the whole calibration text), reporting each
+    linear; it leaves the model as it was; the switch and every later engine then read the cache."""
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+    from specchat.quant.checkpoint import cache_dir, read_metadata
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    heard: list[tuple[str, int, int]] = []
+    engine.weights.prepare("mxfp4", progress=lambda *event: heard.append(event))
+    assert heard == [("GPTQ", i, 9) for i in range(1, 10)]
+    after = engine.model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    meta = read_metadata(cache_dir(tiny_model_dir))
+    assert meta["layers"] == "all" and meta["gptq"]["calibration_tokens"] > 6000
+    made = cache_dir(tiny_model_dir).stat().st_mtime_ns
+    engine.set_weights("mxfp4")
+    assert engine.memory()["weights_method"] == "gptq-rot (cached)"
+    again = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    again.weights.progress = lambda *event: heard.append(event)
+    again.set_weights("mxfp4")
+    assert len(heard) == 9 and cache_dir(tiny_model_dir).stat().st_mtime_ns == made
+
+
+def test_without_a_model_file_the_toggle_falls_back_to_round_to_nearest(engine) -> None:
+    from specchat.quant.handler import weight_switch
+
+    switch = weight_switch(engine.model, {}, None, None)
+    switch.set("mxfp4")
+    assert switch.memory()["weights_method"] == "rtn-mse"
+    assert not isinstance(engine.model.lm_head, Fp4Linear)  # rounded to nearest, the head costs too much
+    assert switch.memory()["weights_restore_bytes"] > 0  # nothing to reload from: kept in memory
+    switch.set("bf16")
+    assert switch.memory()["weights_restore_bytes"] == 0
 
 
 def test_toggle_uses_the_cached_gptq_result(tiny_model_dir, tmp_path, monkeypatch) -> None:
@@ -104,7 +192,7 @@ def test_toggle_uses_the_cached_gptq_result(tiny_model_dir, tmp_path, monkeypatc
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
     from specchat.quant.checkpoint import cache_dir, read_packed
-    from specchat.quant.handler import packed_state
+    from specchat.quant.modules import packed_state
 
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
     args = ["quantize", str(tiny_model_dir), "--device", "cpu", "--calibration-tokens", "256"]
@@ -118,3 +206,6 @@ def test_toggle_uses_the_cached_gptq_result(tiny_model_dir, tmp_path, monkeypatc
     assert engine.memory()["weights_method"] == "gptq-rot (cached)"
     running = packed_state(engine.model)
     assert all(torch.equal(running[n][0], cached[n][0]) and torch.equal(running[n][1], cached[n][1]) for n in cached)
+    made = cache_dir(tiny_model_dir).stat().st_mtime_ns
+    assert CliRunner().invoke(main, args).exit_code == 0  # the same settings again: the cache is reused
+    assert cache_dir(tiny_model_dir).stat().st_mtime_ns == made
