@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
-#   bash benchmarks/h200.sh [PART ...]     PART: env tests attention batch1 sessions profile kv (default: all)
+#   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep attention batch1 sessions profile kv
+#                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
 # when present, since the GPU machine has no network).
@@ -25,6 +26,10 @@ for part in "${parts[@]}"; do
       timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/engine/test_kv_cuda.py \
         tests/engine/test_engine_cuda.py \
         tests/kernels/${TESTS_KERNELS:-} 2>&1 | tail -30 | tee -a "$log" ;;
+    matmul)  # MXFP4 matmul vs torch bf16 and int4 tinygemm, every 8B shape, M = 1..512 (docs/benchmarks.md)
+      timeout 300 python benchmarks/mxfp4_matmul.py 2>&1 | tee -a "$log" ;;
+    sweep)  # launch configs around choose_config (what chose it)
+      timeout 500 python benchmarks/mxfp4_matmul.py --sweep --ms ${SWEEP_MS:-1,16,64,256} 2>&1 | tee -a "$log" ;;
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
     batch1)

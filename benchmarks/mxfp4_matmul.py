@@ -1,13 +1,14 @@
-"""MXFP4 matmul on the GPU: time, bandwidth and speedup over torch bf16 on Llama-3.1-8B linear shapes.
+"""MXFP4 matmul on the GPU against torch bf16 and torch's int4 tinygemm on Llama-3.1-8B linear shapes.
 
     PYTHONPATH=. python benchmarks/mxfp4_matmul.py [--sweep] [--shapes 6144x4096,...] [--ms 1,2,4]
     ncu -k regex:_mxfp4_matmul ... python benchmarks/mxfp4_matmul.py --profile 128,2,1,4,3 --shapes 28672x4096 --ms 1
 
 Per shape and M: a correctness check of the Triton kernel against the torch reference (random weights
-quantized by the reference quantizer), then the median
-time per call of the MXFP4 kernel and of torch bf16 F.linear, both measured in CUDA graphs that cycle
-through enough weight copies to defeat the 50 MB L2. Bandwidth counts the interchange bytes (packed codes +
-scales). --sweep also times a grid of launch configs and reports the best (and the default `choose_config`).
+quantized by the reference quantizer), then the median time per call of the MXFP4 kernel, of torch bf16
+F.linear and of `torch.ops.aten._weight_int4pack_mm` (tinygemm, int4 group 32, inner_k_tiles 8: what gpt-fast's
+int4 model runs), all measured in CUDA graphs that cycle through enough weight copies to defeat the 50 MB L2.
+Bandwidth counts the interchange bytes (packed codes + scales). --sweep also times a grid of launch configs
+(GEMV ones for M <= 16, matmul ones above) and reports the best beside the default `choose_config`.
 The markdown table is printed last and written to $OUT/mxfp4_matmul.md when OUT is set.
 """
 
@@ -28,22 +29,38 @@ import torch
 import torch.nn.functional as F
 
 LLAMA_8B_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
-MS = (1, 2, 4, 8, 16, 32, 64)
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 COPY_CEILING_TBPS = 4.28  # H200 device-to-device copy, read + write (docs/GPU.md)
 L2_DEFEAT_BYTES = 256 * 2**20  # weight copies per timing so that the working set is 5x the L2
 CALLS_PER_GRAPH = 20
 GRAPH_REPLAYS = 15
-SWEEP = (  # (block_n, tiles, num_warps, num_stages) x split_k
-    (64, 1, 4, 4),
-    (64, 1, 4, 6),
-    (64, 2, 4, 3),
-    (64, 2, 4, 4),
-    (128, 1, 4, 4),
-    (128, 1, 4, 6),
-    (128, 2, 4, 3),
-    (128, 2, 8, 3),
+GEMV_SWEEP = (  # M <= 16: (block_n, tiles, num_warps, num_stages, block_m, prefetch) x split_k
+    (64, 1, 4, 4, 16, False),
+    (64, 2, 4, 3, 16, False),
+    (64, 2, 4, 4, 16, False),
+    (64, 2, 4, 3, 8, False),
+    (128, 2, 4, 3, 16, False),
+    (128, 2, 8, 3, 16, False),
+    (64, 1, 4, 1, 16, True),
+    (64, 2, 4, 1, 16, True),
+    (64, 2, 4, 1, 8, True),
+    (64, 4, 4, 1, 16, True),
+    (128, 2, 4, 1, 16, True),
+    (128, 2, 8, 1, 16, True),
+)
+MATMUL_SWEEP = (  # M > 16
+    (64, 2, 4, 3, 0, False),
+    (64, 1, 4, 3, 64, False),
+    (128, 1, 8, 3, 64, False),
+    (64, 1, 4, 3, 128, False),
+    (128, 1, 8, 3, 128, False),
+    (128, 1, 8, 2, 128, False),
+    (128, 2, 8, 2, 128, False),
+    (64, 1, 4, 1, 64, True),
 )
 SPLITS = (1, 2, 4, 8, 16)
+INT4_GROUP = 32  # gpt-fast int4 g32
+INT4_INNER_K_TILES = 8
 
 
 def _import_kernels():
@@ -133,9 +150,30 @@ def check_matmul(weight, codes, scales, k: int, m: int) -> float:
     return error
 
 
+def int4_copies(n: int, k: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random int4 tinygemm weights (packed, scales-and-zeros [K/32, N, 2] bf16), as gpt-fast int4 packs them."""
+    copies = []
+    for _ in range(count):
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        packed = torch.ops.aten._convert_weight_to_int4pack(packed, INT4_INNER_K_TILES)
+        scales_zeros = torch.randn(k // INT4_GROUP, n, 2, device="cuda", dtype=torch.bfloat16) * 0.01
+        copies.append((packed, scales_zeros))
+    return copies
+
+
+def sweep_configs(m: int, weight) -> set:
+    iterations = weight.codes.shape[1]  # k-tiles
+    configs = set()
+    for block_n, tiles, warps, stages, block_m, prefetch in GEMV_SWEEP if m <= 16 else MATMUL_SWEEP:
+        for split in SPLITS:
+            if split == 1 or iterations // (tiles * split) >= 2:
+                configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages, block_m, prefetch))
+    return configs
+
+
 def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[dict]) -> None:
     w, codes, scales, weight = random_weight(n, k)
-    for m in (1, 16, 64):
+    for m in (1, 16, 64, 300):
         error = check_matmul(weight, codes, scales, k, m)
         print(f"  check N={n} K={k} M={m}: rel err {error:.2e}", flush=True)
     mx_bytes = codes.numel() + scales.numel()
@@ -144,17 +182,15 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[
         for _ in range(max(0, -(-L2_DEFEAT_BYTES // mx_bytes) - 1))
     ]
     bf_copies = [w] + [torch.randn_like(w) for _ in range(max(0, -(-L2_DEFEAT_BYTES // w.nbytes) - 1))]
+    int4 = int4_copies(n, k, max(1, -(-L2_DEFEAT_BYTES // (n * k // 2 + n * k // INT4_GROUP * 4))))
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         bf16_us = graph_time_us([lambda x=x, wc=wc: F.linear(x, wc) for wc in bf_copies])
+        int4_us = graph_time_us(
+            [lambda x=x, p=p, sz=sz: torch.ops.aten._weight_int4pack_mm(x, p, INT4_GROUP, sz) for p, sz in int4]
+        )  # no fallback: a failing baseline stops the run
         default = mm.choose_config(m, weight)
-        configs = {default}
-        if sweep:
-            iterations = weight.codes.shape[1]  # k-tiles
-            for block_n, tiles, warps, stages in SWEEP:
-                for split in SPLITS:
-                    if split == 1 or iterations // (tiles * split) >= 2:
-                        configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages))
+        configs = {default} | (sweep_configs(m, weight) if sweep else set())
         timings = {}
         for config in configs:
             try:
@@ -165,32 +201,38 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[
                 print(f"  config {config} failed: {type(error).__name__}: {str(error)[:120]}")
         best = min(timings, key=timings.get)
         record = dict(
-            n=n, k=k, m=m, bf16_us=bf16_us, default_us=timings[default], best_us=timings[best],
-            default=str(default), best=str(best), mx_bytes=mx_bytes,
-            sweep={str(c): t for c, t in sorted(timings.items(), key=lambda item: item[1])},
+            n=n, k=k, m=m, bf16_us=bf16_us, int4_us=int4_us, default_us=timings[default], best_us=timings[best],
+            default=_short(default), best=_short(best), mx_bytes=mx_bytes,
+            sweep={str(c): t for c, t in sorted(timings.items(), key=lambda item: item[1])[:5]},
         )  # fmt: skip
         records.append(record)
         print(
-            f"  N={n} K={k} M={m}: bf16 {bf16_us:.1f} us, mxfp4 default {timings[default]:.1f} us, "
-            f"best {timings[best]:.1f} us {best}",
+            f"  N={n} K={k} M={m}: bf16 {bf16_us:.1f} us, int4 {int4_us:.1f} us, mxfp4 default "
+            f"{timings[default]:.1f} us {_short(default)}, best {timings[best]:.1f} us {_short(best)}",
             flush=True,
         )
+
+
+def _short(config) -> str:
+    """(block_n, tiles, split_k, warps, stages, block_m, prefetch) as integers."""
+    return "(" + ", ".join(str(int(v)) for v in dataclasses.astuple(config)) + ")"
 
 
 def table(records: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| N | K | M | bf16 us | MXFP4 us | GB/s | % of 4.28 TB/s | speedup | best config (block_n, tiles, split_k, warps, stages) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| N | K | M | bf16 us | int4 us | MXFP4 us | GB/s | % of 4.28 TB/s | vs bf16 | vs int4 | launch |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
-        us = r["best_us"]
+        us = r["default_us"]
         gbps = r["mx_bytes"] / us / 1e3
-        best = r["best"].replace("MatmulConfig", "")
+        best = f" (best {r['best_us']:.1f})" if r["best_us"] < 0.97 * us else ""
         lines.append(
-            f"| {r['n']} | {r['k']} | {r['m']} | {r['bf16_us']:.1f} | {us:.1f} | {gbps:.0f} | "
-            f"{100 * gbps / (COPY_CEILING_TBPS * 1e3):.0f}% | {r['bf16_us'] / us:.2f}x | {best} |"
+            f"| {r['n']} | {r['k']} | {r['m']} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | {us:.1f}{best} | "
+            f"{gbps:.0f} | {100 * gbps / (COPY_CEILING_TBPS * 1e3):.0f}% | {r['bf16_us'] / us:.2f}x | "
+            f"{r['int4_us'] / us:.2f}x | {r['default']} |"
         )
     return "\n".join(lines)
 
@@ -229,14 +271,15 @@ def main() -> None:
     for n, k in shapes:
         bench_shape(n, k, ms, args.sweep, records)
     header = (
-        f"MXFP4 matmul vs torch bf16 F.linear, {device}, {now}, commit {commit}; "
+        f"MXFP4 matmul vs torch bf16 F.linear and int4 tinygemm, {device}, {now}, commit {commit}; "
         f"median per call in CUDA graphs, weights cycled past L2; `{' '.join(sys.argv)}`"
     )
     text = table(records, header)
     print(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "mxfp4_matmul.md").write_text(text + "\n")
-        Path(os.environ["OUT"], "mxfp4_matmul.json").write_text(json.dumps(records, indent=1))
+        name = "mxfp4_matmul_sweep" if args.sweep else "mxfp4_matmul"
+        Path(os.environ["OUT"], f"{name}.md").write_text(text + "\n")
+        Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

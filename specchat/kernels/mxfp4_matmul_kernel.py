@@ -1,13 +1,20 @@
-"""The Triton MXFP4 matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T for M up to MAX_M (decode, verification).
+"""The Triton MXFP4 matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T for any M (decode, verification, prefill).
 
 W comes in the kernel layout of kernels/mxfp4_layout.py (read its docstring first). Hopper has no FP4 tensor
 cores, so the kernel computes y^T = W @ x^T on the bf16 tensor cores with W as the register operand: each
-thread decodes its own words straight into the operand fragment (`_decode_bf16_asm`, inline PTX, sm_90).
+thread decodes its own words straight into the operand fragment (`decode_bf16_asm`, kernels/mxfp4_decode.py).
+One kernel serves both regimes:
+
+- GEMV (M <= 16: decode steps, short verification): one 16-row tile of x; the weight read is all that costs.
+  For small N, split-K spreads K over several programs; the last one to finish a tile sums the partials (a
+  per-tile counter, reset by that program), so one launch does all the work. `prefetch` loads the next
+  iteration's words into registers before decoding the current ones (no shared-memory pipeline for W).
+- Matmul (M = 17..512 and beyond: many sessions' verification, prefill chunks): a grid over M tiles of up to
+  MAX_BLOCK_M rows, M tiles of one weight tile next to each other in launch order so W is read from DRAM once
+  and from the L2 for the others.
 
 A portable path (`fast=False`: integer decode to float32 and a float32 dot) serves float16/float32 activations
-and runs under TRITON_INTERPRET=1, where tl.dot on bf16 and inline assembly are unavailable. M > MAX_M runs in
-chunks of MAX_M rows. For small N, split-K spreads K over several programs; the last one to finish a tile sums
-the partials (a per-tile counter, reset by that program), so one launch does all the work. The reference is
+and runs under TRITON_INTERPRET=1, where tl.dot on bf16 and inline assembly are unavailable. The reference is
 x @ dequantize_mxfp4(W)^T (kernels/mxfp4.py); tests/kernels/test_mxfp4_matmul_kernel.py holds them equal.
 """
 
@@ -22,9 +29,12 @@ import triton
 import triton.language as tl
 
 from specchat.kernels.mxfp4 import BLOCK_SIZE
+from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
 
-MAX_M = 64  # activation rows per launch (decode and verification); more rows run in chunks
+BLOCK_MS = (8, 16, 32, 64, 128)  # activation rows per program (the MMA's n)
+MIN_BLOCK_M = 16  # the smallest that choose_config picks
+MAX_BLOCK_M = BLOCK_MS[-1]
 MAX_SPLIT_K = 16
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_GROUP = tl.constexpr(ROW_GROUP)
@@ -32,124 +42,26 @@ _TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per 
 _TILE_SCALES = tl.constexpr(ROW_GROUP * K_TILE // BLOCK_SIZE)  # scale bytes per (row group, k-tile)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Decode. Both paths read the same prepared words; mxfp4_layout.ELEMENT_BITS is the bit layout.
+@triton.jit
+def _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES: tl.constexpr):
+    """Iteration `it`'s raw words [BN, TILES, 16], scale bytes [BN, TILES, 4] and x^T tile [BK, BM]."""
+    words = tl.load(w_ptr + word_offs + it * TILES * _TILE_WORDS)
+    scales = tl.load(s_ptr + scale_offs + it * TILES * _TILE_SCALES)
+    xt = tl.load(x_ptr + x_offs + it * TILES * 128, mask=x_mask, other=0.0)
+    return words, scales, xt
 
 
 @triton.jit
-def _word_pairs(words):
-    """int32 words -> the raw bits of their four bf16x2 pairs (uint32): E2M1 value * 2^-126 as bf16."""
-    w = words.to(tl.uint32, bitcast=True)
-    p0 = w & 0x81C081C0
-    p1 = (w << 3) & 0x81C081C0
-    p2 = (w << 6) & 0x81C081C0
-    p3 = ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)
-    return p0, p1, p2, p3
-
-
-@triton.jit
-def _half_to_float(h, multiplier):
-    """16 pair bits (sign 15, exponent 8..7, mantissa 6) -> E2M1 value * multiplier in float32."""
-    magnitude = (h >> 6) & 7
-    exponent = magnitude >> 1
-    mantissa = magnitude & 1
-    quarters = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)  # 4 * |E2M1|
-    value = (quarters.to(tl.float32) * 0.25) * multiplier  # the reference's order: exact E2M1, then scale
-    return tl.where((h & 0x8000) != 0, -value, value)
-
-
-@triton.jit
-def _decode_float(words, scales, HAS_NAN: tl.constexpr):
-    """Portable decode: words and kernel scale bytes (int32) -> 8 float32 tensors (elements e0..e7)."""
-    # 2^(s - 127 - c) from its float32 bits: exponent field d = s - c = byte - 126 (subnormal below 1)
-    d = scales - 126
-    bits = tl.where(d >= 1, d << 23, tl.where(d >= -22, 1 << tl.maximum(22 + d, 0), 0))
-    multiplier = bits.to(tl.float32, bitcast=True)
-    if HAS_NAN:
-        multiplier = tl.where(scales == 0xFF, float("nan"), multiplier)
-    p0, p1, p2, p3 = _word_pairs(words)
-    return (
-        _half_to_float(p0 & 0xFFFF, multiplier),
-        _half_to_float(p0 >> 16, multiplier),
-        _half_to_float(p1 & 0xFFFF, multiplier),
-        _half_to_float(p1 >> 16, multiplier),
-        _half_to_float(p2 & 0xFFFF, multiplier),
-        _half_to_float(p2 >> 16, multiplier),
-        _half_to_float(p3 & 0xFFFF, multiplier),
-        _half_to_float(p3 >> 16, multiplier),
-    )
-
-
-_ASM_DECODE_TEMPLATE = """{
-.reg .pred nan;
-.reg .b32 m, p0, p1, p2, p3, a, b, c;
-mul.lo.u32 m, $9, 0x00800080;
-%s
-and.b32 p0, $8, 0x81C081C0;
-shl.b32 a, $8, 3;
-and.b32 p1, a, 0x81C081C0;
-shl.b32 a, $8, 6;
-and.b32 p2, a, 0x81C081C0;
-shr.b32 a, $8, 4;
-shr.b32 b, $8, 5;
-shl.b32 c, $8, 1;
-and.b32 a, a, 0x00C000C0;
-and.b32 b, b, 0x01000100;
-and.b32 c, c, 0x80008000;
-or.b32 a, a, b;
-or.b32 p3, a, c;
-mul.rn.bf16x2 p0, p0, m;
-mul.rn.bf16x2 p1, p1, m;
-mul.rn.bf16x2 p2, p2, m;
-mul.rn.bf16x2 p3, p3, m;
-mov.b32 {$0, $1}, p0;
-mov.b32 {$2, $3}, p1;
-mov.b32 {$4, $5}, p2;
-mov.b32 {$6, $7}, p3;
-}"""
-_ASM_DECODE = tl.constexpr(_ASM_DECODE_TEMPLATE % "")
-_ASM_DECODE_NAN = tl.constexpr(_ASM_DECODE_TEMPLATE % "setp.eq.u32 nan, $9, 0xFF;\nselp.b32 m, 0x7FC07FC0, m, nan;")
-
-
-@triton.jit
-def _decode_bf16_asm(words, scales, HAS_NAN: tl.constexpr):
-    """Fast decode (sm_90), the same math as _word_pairs: word, scale code -> 8 bf16 elements e0..e7.
-
-    The bf16x2 multiplier 2^(s - 1 - c) is the scale byte times 0x00800080. It is computed here because any
-    arithmetic on the broadcast scales in Triton (or a scalar operand) makes Triton lay the weight tile out
-    for the load and convert it to the MMA operand layout through shared memory (seen with triton 3.6).
-    """
-    if HAS_NAN:  # scale 0xFF -> a NaN multiplier
-        elements = tl.inline_asm_elementwise(
-            _ASM_DECODE_NAN, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], (tl.bfloat16,) * 8, True, 1
-        )
-    else:
-        elements = tl.inline_asm_elementwise(
-            _ASM_DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], (tl.bfloat16,) * 8, True, 1
-        )
-    return elements
-
-
-@triton.jit
-def _weight_tile(
-    w_ptr,
-    s_ptr,
-    word_offs,
-    scale_offs,
-    BLOCK_N: tl.constexpr,
-    Q: tl.constexpr,
-    FAST: tl.constexpr,
-    HAS_NAN: tl.constexpr,
-):
-    """One iteration's weights -> [BLOCK_N, 32 Q] operand (bf16 if FAST else float32), k in natural order."""
-    words = tl.load(w_ptr + word_offs).reshape(BLOCK_N, Q // 4, 4, 4)  # [BN, tile, lane t, q4]
+def _weight_tile(words, scales, BLOCK_N: tl.constexpr, Q: tl.constexpr, FAST: tl.constexpr, HAS_NAN: tl.constexpr):
+    """One iteration's words and scale bytes -> [BLOCK_N, 32 Q] operand (bf16 if FAST else float32)."""
+    words = words.reshape(BLOCK_N, Q // 4, 4, 4)  # [BN, tile, lane t, q4]
     words = tl.trans(words, (0, 1, 3, 2)).reshape(BLOCK_N, Q, 4)  # [BN, chunk q, lane t]
-    scales = tl.load(s_ptr + scale_offs).to(tl.int32).reshape(BLOCK_N, Q)  # [BN, Q]
+    scales = scales.to(tl.int32).reshape(BLOCK_N, Q)  # [BN, Q]
     scales = tl.broadcast_to(scales[:, :, None], (BLOCK_N, Q, 4))  # [BN, Q, T]
     if FAST:
-        e0, e1, e2, e3, e4, e5, e6, e7 = _decode_bf16_asm(words, scales, HAS_NAN)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_bf16_asm(words, scales, HAS_NAN)
     else:
-        e0, e1, e2, e3, e4, e5, e6, e7 = _decode_float(words, scales, HAS_NAN)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_float(words, scales, HAS_NAN)
     # element e = 4x + 2y + z of lane t in chunk q sits at k = 32 q + 8 r + 2 t + c, r = 2x + y, c = z
     w = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
     w = tl.reshape(w, (BLOCK_N, Q, 4, 4, 2))  # [BN, q, t, r, c]
@@ -162,11 +74,12 @@ def _mxfp4_matmul_kernel(
     w_ptr,  # [Np/64, Kt/128, 64, 16] int32 prepared words
     s_ptr,  # [Np/64, Kt/128, 64, 4] uint8 kernel scale bytes
     y_ptr,  # [M, N] output, x's dtype
-    partial_ptr,  # [split_k, Np, BLOCK_M] float32 split-K partials (unused when split_k == 1)
-    counter_ptr,  # [Np / BLOCK_N] int32 split-K arrivals, zero between launches
+    partial_ptr,  # [split_k, m_tiles, Np, BLOCK_M] float32 split-K partials (unused when split_k == 1)
+    counter_ptr,  # [m_tiles * Np / BLOCK_N] int32 split-K arrivals, zero between launches
     M,
     N,
     num_k_tiles,
+    m_tiles,
     stride_xm,
     stride_ym,
     out_scale,  # 2^c
@@ -174,15 +87,17 @@ def _mxfp4_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,  # K_TILEs per iteration
+    PREFETCH: tl.constexpr,  # load iteration it + 1 into registers before computing iteration it
     FAST: tl.constexpr,
     HAS_NAN: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    pid = tl.program_id(0)  # M tile fastest: the M tiles of one weight tile run together and share it in L2
     pid_k = tl.program_id(1)
+    pid_m, pid_n = pid % m_tiles, pid // m_tiles
     Q: tl.constexpr = 4 * TILES  # 32-element chunks per iteration
     BLOCK_K: tl.constexpr = 32 * Q
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     # one iteration reads TILES (row group, k-tile) blocks per 64 rows, each contiguous: [BN, tile, 16 words]
     # with lane t's 4 words at 4t (one 16-byte load), and [BN, tile, 4] scale bytes
@@ -192,28 +107,35 @@ def _mxfp4_matmul_kernel(
     word_offs += tl.arange(0, 16)[None, None, :]
     scale_offs = (group * num_k_tiles * _TILE_SCALES + row * 4)[:, None, None] + tile * _TILE_SCALES
     scale_offs += tl.arange(0, 4)[None, None, :]
+    x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: x^T
+    x_mask = offs_m[None, :] < M
 
     iterations = tl.cdiv(num_k_tiles, TILES)
     per_split = tl.cdiv(iterations, split_k)
     start = pid_k * per_split
     stop = tl.minimum(start + per_split, iterations)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
-    for it in range(start, stop):
-        w = _weight_tile(
-            w_ptr,
-            s_ptr,
-            word_offs + it * TILES * _TILE_WORDS,
-            scale_offs + it * TILES * _TILE_SCALES,
-            BLOCK_N,
-            Q,
-            FAST,
-            HAS_NAN,
-        )  # [BN, BK]
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (it * BLOCK_K + offs_k)[:, None]
-        xt = tl.load(x_ptrs, mask=offs_m[None, :] < M, other=0.0)  # [BK, BM]
-        if not FAST:
-            xt = xt.to(tl.float32)  # the portable path multiplies and sums in float32
-        acc = tl.dot(w, xt, acc, input_precision="ieee")
+    if PREFETCH:
+        last = tl.maximum(stop - 1, 0)  # an empty split loads a valid step and runs no iteration
+        words, scales, xt = _load_step(
+            w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, tl.minimum(start, last), TILES
+        )
+        for it in range(start, stop):
+            next_words, next_scales, next_xt = _load_step(
+                w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, tl.minimum(it + 1, last), TILES
+            )
+            w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
+            if not FAST:
+                xt = xt.to(tl.float32)  # the portable path multiplies and sums in float32
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+            words, scales, xt = next_words, next_scales, next_xt
+    else:
+        for it in range(start, stop):
+            words, scales, xt = _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES)
+            w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
+            if not FAST:
+                xt = xt.to(tl.float32)
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
@@ -221,17 +143,18 @@ def _mxfp4_matmul_kernel(
         tl.store(y_ptrs, (acc * out_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         # Publish this split's partial; the last split to arrive at the tile sums all of them.
-        rows = tl.num_programs(0) * BLOCK_N
-        partial_offs = offs_n[:, None] * BLOCK_M + offs_m[None, :]
-        tl.store(partial_ptr + pid_k * rows * BLOCK_M + partial_offs, acc)
+        rows = tl.num_programs(0) // m_tiles * BLOCK_N
+        partial_offs = (pid_m * rows + offs_n[:, None]) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        split_stride = m_tiles * rows * BLOCK_M
+        tl.store(partial_ptr + pid_k * split_stride + partial_offs, acc)
         tl.debug_barrier()  # every thread's partial is written before the (release) arrival below
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         if arrived == split_k - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for split in range(split_k):
-                total += tl.load(partial_ptr + split * rows * BLOCK_M + partial_offs, cache_modifier=".cg")
+                total += tl.load(partial_ptr + split * split_stride + partial_offs, cache_modifier=".cg")
             tl.store(y_ptrs, (total * out_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch
+            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -240,17 +163,20 @@ def _mxfp4_matmul_kernel(
 
 @dataclass(frozen=True, slots=True)
 class MatmulConfig:
-    """Launch parameters of `_mxfp4_matmul_kernel` (BLOCK_M follows M)."""
+    """Launch parameters of `_mxfp4_matmul_kernel`; block_m 0 follows M (`default_block_m`)."""
 
     block_n: int = 64
     tiles: int = 2  # K_TILEs per iteration
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int = 0
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         assert self.block_n in (64, 128) and N_TILE % self.block_n == 0, self
         assert self.tiles in (1, 2, 4) and 1 <= self.split_k <= MAX_SPLIT_K, self
+        assert self.block_m == 0 or self.block_m in BLOCK_MS, self
 
 
 WIDE_N = 16384  # from here on 128-row programs are faster (fewer, longer programs; 2 row groups each)
@@ -263,6 +189,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def default_block_m(m: int) -> int:
+    """The smallest BLOCK_MS entry from MIN_BLOCK_M on that holds M rows, at most MAX_BLOCK_M (more: M tiles)."""
+    return next((b for b in BLOCK_MS if b >= MIN_BLOCK_M and m <= b), MAX_BLOCK_M)
+
+
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """The launch for M rows of this weight, from the H200 sweep (benchmarks/mxfp4_matmul.py --sweep).
 
@@ -272,7 +203,8 @@ def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     k_tiles = weight.codes.shape[1]
     block_n = 128 if weight.n >= WIDE_N else 64
     tiles = 2 if k_tiles % 2 == 0 else 1
-    programs = weight.codes.shape[0] * ROW_GROUP // block_n
+    block_m = default_block_m(m)
+    programs = weight.codes.shape[0] * ROW_GROUP // block_n * -(-m // block_m)
     target = SPLIT_K_WAVES * (1 if m <= 32 else 0.5) * _sm_count(weight.codes.device)
     split_k = 1
     while split_k * 2 <= MAX_SPLIT_K and k_tiles // (tiles * split_k * 2) >= 2:
@@ -280,11 +212,7 @@ def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
         if not wide_enough:
             break
         split_k *= 2
-    return MatmulConfig(block_n=block_n, tiles=tiles, split_k=split_k)
-
-
-def _block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else MAX_M
+    return MatmulConfig(block_n=block_n, tiles=tiles, split_k=split_k, block_m=block_m)
 
 
 class _SplitKWorkspace:
@@ -312,8 +240,8 @@ def mxfp4_matmul_triton(
 ) -> torch.Tensor:
     """x [M, K] @ dequant(weight)^T -> [M, N] in x's dtype, by the Triton kernel (CUDA, or the interpreter).
 
-    fast: the inline-assembly bf16 path (default: on CUDA with bf16 x); otherwise the portable float32 path.
-    Not thread-safe with itself across streams: split-K shares one workspace per device.
+    One launch for any M. fast: the inline-assembly bf16 path (default: on CUDA with bf16 x); otherwise the
+    portable float32 path. Not thread-safe with itself across streams: split-K shares one workspace per device.
     """
     assert weight.prepared, "prepare_weight(..., layout='kernel') first"
     assert x.dim() == 2 and x.shape[1] == weight.k, (x.shape, weight.n, weight.k)
@@ -327,28 +255,28 @@ def mxfp4_matmul_triton(
     if padded_k != weight.k:  # K % K_TILE != 0: the kernel reads whole tiles of x
         x = F.pad(x, (0, padded_k - weight.k))
     y = torch.empty((m, weight.n), dtype=x.dtype, device=x.device)
-    for row in range(0, m, MAX_M):
-        rows = min(MAX_M, m - row)
-        _launch(x[row : row + rows], weight, y[row : row + rows], config or choose_config(rows, weight), fast)
+    if m:
+        _launch(x, weight, y, config or choose_config(m, weight), fast)
     return y
 
 
 def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool) -> None:
     m = x.shape[0]
-    block_m = _block_m(m)
+    block_m = config.block_m or default_block_m(m)
+    m_tiles = -(-m // block_m)
     groups, num_k_tiles = weight.codes.shape[:2]
     rows_padded = groups * ROW_GROUP
     tiles = config.tiles
     while num_k_tiles % tiles:  # an iteration never reads past its row
         tiles //= 2
-    grid = (rows_padded // config.block_n, config.split_k)
-    partial_numel = config.split_k * rows_padded * block_m if config.split_k > 1 else 1
+    grid = (m_tiles * rows_padded // config.block_n, config.split_k)
+    partial_numel = config.split_k * m_tiles * rows_padded * block_m if config.split_k > 1 else 1
     partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
     _mxfp4_matmul_kernel[grid](
         x, weight.codes, weight.scales, y, partials, counters,
-        m, weight.n, num_k_tiles,
+        m, weight.n, num_k_tiles, m_tiles,
         x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, TILES=tiles,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, TILES=tiles, PREFETCH=config.prefetch,
         FAST=fast, HAS_NAN=weight.has_nan, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

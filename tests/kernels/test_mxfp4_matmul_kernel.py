@@ -13,7 +13,13 @@ import torch
 
 from specchat.kernels.mxfp4 import quantize_mxfp4
 from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight
-from specchat.kernels.mxfp4_matmul_kernel import MAX_M, MatmulConfig, choose_config, mxfp4_matmul_triton
+from specchat.kernels.mxfp4_matmul_kernel import (
+    MAX_BLOCK_M,
+    MatmulConfig,
+    choose_config,
+    default_block_m,
+    mxfp4_matmul_triton,
+)
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 from tests.kernels.mxfp4_weights import random_weight, reference, relative_error
 
@@ -50,18 +56,24 @@ def test_matmul_matches_reference(m: int, n: int, k: int) -> None:
 
 
 @kernel_test
-def test_split_k_and_row_chunks() -> None:
+def test_split_k_m_tiles_and_prefetch() -> None:
     _, codes, scales = random_weight(67, 1024)
     weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
-    x = torch.randn(MAX_M + 6, 1024)  # two launches: 64 rows, then 6
+    x = torch.randn(MAX_BLOCK_M + 6, 1024)  # one launch, two M tiles of MAX_BLOCK_M rows
     ref = reference(x, codes, scales, 1024)
     for config in (
         MatmulConfig(tiles=2, split_k=1),
         MatmulConfig(tiles=2, split_k=4),
         MatmulConfig(tiles=1, split_k=3),
+        MatmulConfig(tiles=2, split_k=3, block_m=16, prefetch=True),  # 9 M tiles; split 3 of 4 steps is empty
+        MatmulConfig(tiles=1, split_k=1, block_m=64, prefetch=True),
     ):
         for _ in range(2):  # the arrival counters reset for the next launch
             assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight, config), ref) < 1e-5, config
+
+
+def test_block_m_follows_m() -> None:
+    assert [default_block_m(m) for m in (1, 16, 17, 33, 64, 65, 512)] == [16, 16, 32, 64, 64, 128, 128]
 
 
 @kernel_test

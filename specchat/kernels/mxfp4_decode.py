@@ -1,0 +1,109 @@
+"""Decoding the kernel layout's words (kernels/mxfp4_layout.py) inside a Triton kernel.
+
+Two decoders read the same prepared words; `mxfp4_layout.ELEMENT_BITS` is the bit layout and
+`mxfp4_layout.unprepare_weight` its plain-torch inverse, which the kernel tests compare against:
+
+- `decode_bf16_asm` (sm_90, bf16 activations): inline PTX, ~17 instructions per 8 weights, straight into the
+  bf16 tensor-core operand; the block scale is one bf16x2 multiply per word.
+- `decode_float` (float16/float32 activations, and TRITON_INTERPRET=1, which has no inline assembly): integer
+  ops to float32, exact E2M1 value times the block scale, in the reference's order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _word_pairs(words):
+    """int32 words -> the raw bits of their four bf16x2 pairs (uint32): E2M1 value * 2^-126 as bf16."""
+    w = words.to(tl.uint32, bitcast=True)
+    p0 = w & 0x81C081C0
+    p1 = (w << 3) & 0x81C081C0
+    p2 = (w << 6) & 0x81C081C0
+    p3 = ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _half_to_float(h, multiplier):
+    """16 pair bits (sign 15, exponent 8..7, mantissa 6) -> E2M1 value * multiplier in float32."""
+    magnitude = (h >> 6) & 7
+    exponent = magnitude >> 1
+    mantissa = magnitude & 1
+    quarters = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)  # 4 * |E2M1|
+    value = (quarters.to(tl.float32) * 0.25) * multiplier  # the reference's order: exact E2M1, then scale
+    return tl.where((h & 0x8000) != 0, -value, value)
+
+
+@triton.jit
+def decode_float(words, scales, HAS_NAN: tl.constexpr):
+    """Portable decode: words and kernel scale bytes (int32) -> 8 float32 tensors (elements e0..e7)."""
+    # 2^(s - 127 - c) from its float32 bits: exponent field d = s - c = byte - 126 (subnormal below 1)
+    d = scales - 126
+    bits = tl.where(d >= 1, d << 23, tl.where(d >= -22, 1 << tl.maximum(22 + d, 0), 0))
+    multiplier = bits.to(tl.float32, bitcast=True)
+    if HAS_NAN:
+        multiplier = tl.where(scales == 0xFF, float("nan"), multiplier)
+    p0, p1, p2, p3 = _word_pairs(words)
+    return (
+        _half_to_float(p0 & 0xFFFF, multiplier),
+        _half_to_float(p0 >> 16, multiplier),
+        _half_to_float(p1 & 0xFFFF, multiplier),
+        _half_to_float(p1 >> 16, multiplier),
+        _half_to_float(p2 & 0xFFFF, multiplier),
+        _half_to_float(p2 >> 16, multiplier),
+        _half_to_float(p3 & 0xFFFF, multiplier),
+        _half_to_float(p3 >> 16, multiplier),
+    )
+
+
+_ASM_DECODE_TEMPLATE = """{
+.reg .pred nan;
+.reg .b32 m, p0, p1, p2, p3, a, b, c;
+mul.lo.u32 m, $9, 0x00800080;
+%s
+and.b32 p0, $8, 0x81C081C0;
+shl.b32 a, $8, 3;
+and.b32 p1, a, 0x81C081C0;
+shl.b32 a, $8, 6;
+and.b32 p2, a, 0x81C081C0;
+shr.b32 a, $8, 4;
+shr.b32 b, $8, 5;
+shl.b32 c, $8, 1;
+and.b32 a, a, 0x00C000C0;
+and.b32 b, b, 0x01000100;
+and.b32 c, c, 0x80008000;
+or.b32 a, a, b;
+or.b32 p3, a, c;
+mul.rn.bf16x2 p0, p0, m;
+mul.rn.bf16x2 p1, p1, m;
+mul.rn.bf16x2 p2, p2, m;
+mul.rn.bf16x2 p3, p3, m;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+mov.b32 {$4, $5}, p2;
+mov.b32 {$6, $7}, p3;
+}"""
+_ASM_DECODE = tl.constexpr(_ASM_DECODE_TEMPLATE % "")
+_ASM_DECODE_NAN = tl.constexpr(_ASM_DECODE_TEMPLATE % "setp.eq.u32 nan, $9, 0xFF;\nselp.b32 m, 0x7FC07FC0, m, nan;")
+
+
+@triton.jit
+def decode_bf16_asm(words, scales, HAS_NAN: tl.constexpr):
+    """Fast decode (sm_90), the same math as `_word_pairs`: word, scale code -> 8 bf16 elements e0..e7.
+
+    The bf16x2 multiplier 2^(s - 1 - c) is the scale byte times 0x00800080. It is computed here because any
+    arithmetic on the broadcast scales in Triton (or a scalar operand) makes Triton lay the weight tile out
+    for the load and convert it to the MMA operand layout through shared memory (seen with triton 3.6).
+    """
+    if HAS_NAN:  # scale 0xFF -> a NaN multiplier
+        elements = tl.inline_asm_elementwise(
+            _ASM_DECODE_NAN, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], (tl.bfloat16,) * 8, True, 1
+        )
+    else:
+        elements = tl.inline_asm_elementwise(
+            _ASM_DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], (tl.bfloat16,) * 8, True, 1
+        )
+    return elements
