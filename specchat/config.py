@@ -93,6 +93,7 @@ class EngineConfig:
     max_running: int = 64
     eager: bool = False  # CUDA: plain PyTorch modules and no CUDA graphs (the reference path)
     weights: str = "auto"  # "auto" = as loaded
+    tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -111,3 +112,5 @@ class EngineConfig:
             raise ConfigError(f"kv memory must be > 0 bytes, got {self.kv_memory}")
         if self.weights not in WEIGHT_CHOICES:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
+        if self.tp < 1:
+            raise ConfigError(f"--tp must be >= 1, got {self.tp}")

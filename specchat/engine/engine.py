@@ -24,6 +24,7 @@ from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
 from specchat.engine.kv_cache import KVPool
+from specchat.engine.kv_pages import format_for_dtype
 from specchat.engine.loader import Progress
 from specchat.engine.loading import load_parts, make_runner
 from specchat.engine.model import Transformer
@@ -35,6 +36,7 @@ from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.engine.tokenizer import StreamDecoder, Tokenizer
 from specchat.errors import ConfigError, PromptError
 from specchat.quant.handler import WeightSwitch, weight_switch
+from specchat.quant.modules import model_dtype
 from specchat.registry import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,10 @@ class Engine:
     def load(cls, config: EngineConfig | None = None, progress: Progress | None = None) -> Engine:
         """Resolve, fetch (if needed) and load a model by alias or path (engine.loading)."""
         config = config or EngineConfig()
+        if config.tp > 1:  # the model split over config.tp ranks, this process being rank 0
+            from specchat.engine.tp.launch import TPEngine
+
+            return TPEngine.load_tp(config, progress)
         parts = load_parts(config, progress)
         return cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
 
@@ -235,6 +241,15 @@ class Engine:
         with self._lock:
             self._drain_commands()
             self.pool.convert(fmt)
+
+    def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
+        """The (weights, KV page format) that settings mean on this model: "auto" weights are the form its file
+        stores (mxfp4 for an MXFP4 checkpoint, else bf16), "auto" KV the model dtype's dense page format."""
+        if weights == "auto":
+            weights = "mxfp4" if self.weights.sources.checkpoint else "bf16"
+        if kv == "auto":
+            kv = format_for_dtype(model_dtype(self.model))
+        return weights, kv
 
     def set_weights(self, fmt: str, progress: Callable[[str, int, int], None] | None = None) -> None:
         """Switch the weights between "bf16" (unquantized, the model dtype) and "mxfp4" between steps.
