@@ -183,21 +183,26 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option("--context", type=int, default=512, show_default=True, help="synthetic: tokens per request")
 @click.option("--steps", type=int, default=64, show_default=True, help="synthetic: timed steps")
 @click.option("--eager", is_flag=True, help="plain PyTorch modules, no CUDA graphs (the reference path)")
+@click.option(
+    "--tp", type=int, default=1, show_default=True, help="sessions: split the model over N GPUs (docs/gpu.md)"
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
 def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
-          acceptance, context, steps, eager, as_json) -> None:  # fmt: skip
+          acceptance, context, steps, eager, tp, as_json) -> None:  # fmt: skip
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
     if shape is not None and model is not None:
         raise click.UsageError(f"--synthetic {shape} builds its own model; leave out MODEL ({model})")
+    if shape is not None and tp != 1:
+        raise click.UsageError("--tp works with --sessions; --synthetic builds one unsharded model")
     if shape is not None:
         bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
         return
     if prompts_file is None:
         raise click.UsageError("--sessions needs --prompts FILE")
     config = EngineConfig(
-        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv, eager=eager
+        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv, eager=eager, tp=tp
     )
     bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json)
 

@@ -29,6 +29,7 @@ from specchat.cli.options import (
     sampling_params,
     spec_options,
     spec_params,
+    tp_option,
 )
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.engine.stats import SpecStats
@@ -157,6 +158,7 @@ def check_all_succeeded(items: list[PromptItem], results: list[Finished], prompt
 
 @click.command()
 @model_options
+@tp_option
 @click.option("--prompt", "-p", help="the prompt text (default: read from stdin)")
 @click.option(
     "--prompts-file",

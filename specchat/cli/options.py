@@ -67,6 +67,27 @@ def model_options(func):
 
 
 ENGINE_SETTINGS = "specchat.engine"  # click context meta key of the KV and --eager options
+TP_SETTING = "specchat.tp"  # click context meta key of --tp
+
+
+def tp_option(func):
+    """--tp N: the model split over N GPUs (N processes on the CPU), rank 0 being this process (docs/gpu.md)."""
+
+    @click.option(
+        "--tp",
+        type=int,
+        default=1,
+        show_default=True,
+        help="tensor parallel: split the model over N GPUs (N processes with --device cpu)",
+    )
+    @functools.wraps(func)
+    def wrapper(*args, tp, **kwargs):
+        click.get_current_context().meta[TP_SETTING] = tp  # read by `engine_config`
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
 BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -154,6 +175,8 @@ def spec_options(func):
 def engine_config(model: str | None, device: str, dtype: str | None, **extra) -> EngineConfig:
     ctx = click.get_current_context(silent=True)
     settings = ctx.meta.get(ENGINE_SETTINGS, {}) if ctx is not None else {}
+    if ctx is not None and TP_SETTING in ctx.meta:
+        settings = {**settings, "tp": ctx.meta[TP_SETTING]}
     return EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, **{**settings, **extra})
 
 

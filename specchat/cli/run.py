@@ -28,6 +28,7 @@ from specchat.cli.options import (
     sampling_params,
     spec_options,
     spec_params,
+    tp_option,
 )
 from specchat.config import DRAFTER_SYNTAX, EngineConfig, SamplingParams, SpecParams, check_drafter_name
 from specchat.errors import ConfigError, PromptError, SpecchatError
@@ -202,6 +203,7 @@ def plain_repl(chat: PlainChat) -> None:
 
 @click.command()
 @model_options
+@tp_option
 @click.option("--system", help="system message (default: config.toml's system, else none)")
 @click.option("--plain", is_flag=True, help="a plain streaming REPL instead of the TUI")
 @sampling_options

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from specchat.cli.options import StderrProgress, engine_config, model_options, spec_options, spec_params
+from specchat.cli.options import (
+    StderrProgress,
+    engine_config,
+    model_options,
+    spec_options,
+    spec_params,
+    tp_option,
+)
 from specchat.errors import ConfigError
 
 PORT_RANGE = (1, 65535)
@@ -12,6 +19,7 @@ PORT_RANGE = (1, 65535)
 
 @click.command("serve")
 @model_options
+@tp_option
 @spec_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=int, default=8000, show_default=True)
