@@ -20,6 +20,7 @@ from specchat.agent.toolcalls import (
 from specchat.agent.tools import FINAL_ANSWER, Toolbox
 from specchat.agent.trace import Delta, Error, Event, Final, RunEnd, RunStart, Step, ToolCallEvent, ToolResultEvent
 from specchat.config import SamplingParams
+from specchat.engine.api import weights_label
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.engine.stats import SpecStats
 from specchat.errors import SpecchatError
@@ -107,7 +108,13 @@ class AgentRun:
         spec = self.session.spec
         tools = [schema["function"]["name"] for schema in self.session.schemas]
         task = self.script.tasks[self.index]
-        self.emit(RunStart(self.index, task, self.script.model, spec.drafter, spec.k, tools, self.script.max_steps))
+        memory = self.session.engine.memory()
+        weights, kv = weights_label(memory), memory.get("kv_format", "n/a")
+        self.emit(
+            RunStart(
+                self.index, task, self.script.model, spec.drafter, spec.k, tools, self.script.max_steps, weights, kv
+            )
+        )
         reason, answer = self._loop()
         stats = {**self.stats.to_json(), **self._throughput()}
         elapsed = round(time.perf_counter() - self.started, 3)

@@ -25,7 +25,7 @@ from specchat.agent.tools import (
     ToolsConfig,
 )
 from specchat.agent.usertools import load_user_tools
-from specchat.config import SamplingParams, SpecParams, check_drafter_name
+from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
 from specchat.errors import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -47,6 +47,8 @@ TOP_KEYS = (
     "stop",
     "tool_choice",
     "examples",
+    "weights",
+    "kv",
 )
 TOOL_CHOICES = ("auto", "first", "required")
 SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "max_tokens": int}
@@ -118,6 +120,8 @@ class AgentScript:
     copy_workspace: bool = False  # each run works on its own copy of the workspace
     tool_choice: str = "auto"  # "first" | "required": those turns are guided tool calls (agent/guided.py)
     examples: list[Demo] = field(default_factory=list)  # worked examples shown before each task
+    weights: str = "auto"  # the engine's weights: bf16 | mxfp4 | auto (as the model file stores them)
+    kv: str = "auto"  # the KV page format (config.KV_FORMATS) | auto (the model dtype's dense one)
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -137,6 +141,10 @@ class AgentScript:
             raise ConfigError(f"workspace: no such directory {self.workspace}")
         if self.stop.kind == "tool" and FINAL_ANSWER not in self.tools.builtin:
             raise ConfigError(f"stop.tool needs the {FINAL_ANSWER} tool enabled")
+        if self.weights not in WEIGHT_CHOICES:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
+        if self.kv not in KV_CHOICES:
+            raise ConfigError(f"kv must be one of {', '.join(KV_CHOICES)}, got {self.kv!r}")
         if self.tool_choice not in TOOL_CHOICES:
             raise ConfigError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {self.tool_choice!r}")
         if self.tool_choice != "auto" and not self.tools.names:
@@ -195,6 +203,8 @@ def _parse_script(path: Path) -> AgentScript:
         copy_workspace=top.get("copy_workspace", bool, False),
         tool_choice=top.get("tool_choice", str, "auto"),
         examples=_examples(top),
+        weights=top.get("weights", str, "auto"),
+        kv=top.get("kv", str, "auto"),
     )
 
 

@@ -29,6 +29,8 @@ class RunStart:
     k: int | None  # None: adaptive
     tools: list[str]
     max_steps: int
+    weights: str = "n/a"  # the engine's weights as the run starts: "float32", "mxfp4 (gptq-rot (cached))", ...
+    kv: str = "n/a"  # the engine's KV page format as the run starts
     sandbox: str = field(default_factory=lambda: detect_isolation().describe())  # what confines python, shell
 
 
@@ -186,8 +188,9 @@ class TracePrinter:
             case RunStart():
                 k = "auto" if event.k is None else event.k
                 tools = ", ".join(event.tools) or "none"
-                settings = f"model {event.model}, drafter {event.drafter} k={k}, tools {tools}"
-                header = [self._clip(f"{tag} task: {event.task}"), f"{tag}   {settings}, max {event.max_steps} steps"]
+                settings = f"model {event.model}, weights {event.weights}, KV {event.kv}, drafter {event.drafter} k={k}"
+                limits = f"tools {tools}, max {event.max_steps} steps"
+                header = [self._clip(f"{tag} task: {event.task}"), f"{tag}   {settings}", f"{tag}   {limits}"]
                 if any(name in PROCESS_TOOLS for name in event.tools):
                     header.append(f"{tag}   sandbox: {event.sandbox}")
                 return header

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from specchat.cli.options import StderrProgress, spec_params
-from specchat.config import DEVICES, DTYPES, EngineConfig
+from specchat.config import DEVICES, DTYPES, KV_CHOICES, WEIGHT_CHOICES, EngineConfig
 
 TUI_MODULE = "specchat.ui.agent"  # the TUI's agent view, when it has one
 TUI_ENTRY = "run_agent_app"  # run_agent_app(script, config, concurrency) -> None
@@ -52,6 +52,8 @@ def run_headless(script, config: EngineConfig, concurrency: int | None, as_json:
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
 @click.option("--drafter", default=None, help="override the script's drafter: none | ngram | heads | draft-model")
 @click.option("--k", "k", default=None, help="override the script's draft tokens per step, or 'auto'")
+@click.option("--weights", type=click.Choice(WEIGHT_CHOICES), default=None, help="override the script's weights")
+@click.option("--kv", "kv", type=click.Choice(KV_CHOICES), default=None, help="override the script's KV page format")
 def agent(
     script_path: Path,
     headless: bool,
@@ -61,6 +63,8 @@ def agent(
     dtype: str | None,
     drafter: str | None,
     k: str | None,
+    weights: str | None,
+    kv: str | None,
 ) -> None:
     """Run the tasks of an agent SCRIPT (TOML; see docs/agents.md), several at once, with tools."""
     from specchat.agent.script import load_script
@@ -70,7 +74,8 @@ def agent(
         current = script.speculation
         override = spec_params(drafter or current.drafter, k or ("auto" if current.k is None else str(current.k)))
         script = dataclasses.replace(script, speculation=override)
-    config = EngineConfig(model=script.model, device=device, dtype=dtype)
+    script = dataclasses.replace(script, weights=weights or script.weights, kv=kv or script.kv)
+    config = EngineConfig(model=script.model, device=device, dtype=dtype, weights=script.weights, kv_format=script.kv)
     if not headless and not as_json:
         launch = tui_launcher()
         if launch is not None:

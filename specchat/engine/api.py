@@ -20,6 +20,25 @@ from specchat.engine.telemetry import Snapshot
 from specchat.registry import ModelSpec
 
 Prompt = str | list[dict] | list[int]
+
+
+def weights_label(memory: dict, dtype: str | None = None) -> str:
+    """The running weights named from an engine's memory(): the quantized format and how it was made, else the
+    model dtype (`dtype` as asked with --dtype, else the engine's `weights_dtype`, else read off the bytes per
+    weight: float32 and bfloat16 differ in width). memory() says "bf16" for any unquantized weights."""
+    fmt = memory.get("weights_format")
+    if fmt and fmt != "bf16":
+        method = memory.get("weights_method")
+        return f"{fmt} ({method})" if method else str(fmt)
+    if dtype is not None or memory.get("weights_dtype"):
+        return dtype or memory["weights_dtype"]
+    linear, bf16 = memory.get("linear_weight_bytes"), memory.get("linear_weight_bytes_bf16")
+    if not linear or not bf16:
+        return str(fmt or "n/a")
+    bits = 16 * linear / bf16
+    return {32.0: "float32", 16.0: "bfloat16"}.get(round(bits, 2), f"{bits:.2f}-bit")
+
+
 Listener = Callable[[list[Event]], None]  # called on the engine's thread with each step's events
 
 
@@ -72,7 +91,11 @@ class ChatEngine(Protocol):
 
     def set_drafter(self, name: str, request_id: int | None = None) -> None: ...
 
-    def set_weights(self, fmt: str) -> Future: ...
+    def set_weights(self, fmt: str, progress: Callable[[str, int, int], None] | None = None) -> None: ...
+
+    def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
+        """(weights, KV page format) that "auto" settings mean on this model."""
+        ...
 
     def set_kv(self, fmt: str) -> None: ...
 

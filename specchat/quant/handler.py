@@ -223,6 +223,7 @@ class WeightSwitch:
             "linear_weight_bytes": linear,
             "linear_weight_bytes_bf16": linear_bf16,
             "weights_format": self.current,  # "bf16" = unquantized, in the model dtype
+            "weights_dtype": str(model_dtype(self.model)).removeprefix("torch."),
             "weights_method": self.method,  # how the MXFP4 weights were made: gptq-rot (cached), rtn-mse, ...
             "weights_restore_bytes": self.stash_bytes,  # memory kept to switch back
         }

@@ -15,6 +15,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError
+from functools import partial
 from pathlib import Path
 
 from textual import work
@@ -27,6 +28,7 @@ from specchat.agent.script import AgentScript, load_script
 from specchat.agent.trace import Event, RunStart, SessionEnd, session_summary
 from specchat.errors import SpecchatError
 from specchat.ui.agent_view import AgentRunPane, AgentScriptScreen, ShellConfirmScreen
+from specchat.ui.screens import AgentSettingsScreen
 
 EXAMPLES = "examples/agents/*.toml"  # offered in the script dialog, from the working directory
 
@@ -254,4 +256,29 @@ class AgentRuns:
             return
         if script.model != self.model_name:
             self.notify(f"{path.name} names {script.model}; it runs on the loaded {self.model_name}", timeout=5)
-        await self.start_agent(script)
+        wanted = self.engine.resolve_formats(script.weights, script.kv)
+        running = self.engine.resolve_formats(self.settings.weights or "auto", self.settings.kv or "auto")
+        if wanted == running:
+            await self.start_agent(script)
+            return
+        text = lambda formats: f"weights {formats[0]} and KV {formats[1]}"
+        screen = AgentSettingsScreen(path.name, text(wanted), text(running))
+        self.push_screen(screen, partial(self.agent_settings_chosen, script, wanted))
+
+    async def agent_settings_chosen(self, script: AgentScript, wanted: tuple[str, str], switch: bool | None) -> None:
+        """Start the script on the engine as it is (False), or after switching it to the script's settings."""
+        if switch is None:
+            return
+        if not switch:
+            await self.start_agent(script)
+            return
+        self.switch_then_start(script, wanted)
+
+    @work(thread=True, group="settings")
+    def switch_then_start(self, script: AgentScript, wanted: tuple[str, str]) -> None:
+        """Switch weights, then KV, as the Controls would (the panels follow), then start the script."""
+        running = self.engine.resolve_formats(self.settings.weights or "auto", self.settings.kv or "auto")
+        for name, value, now in zip(("weights", "kv"), wanted, running, strict=True):
+            if value != now:
+                self.bridge.apply_setting(name, value)
+        self.call_from_thread(self.start_agent, script)

@@ -178,7 +178,8 @@ class AgentRunPane(Vertical):
                     k = "auto" if event.k is None else event.k
                     tools = ", ".join(event.tools) or "none"
                     self.status = (
-                        f"running · drafter {event.drafter} k={k} · tools {tools} · max {event.max_steps} steps"
+                        f"running · weights {event.weights} · KV {event.kv} · drafter {event.drafter} k={k}"
+                        f" · tools {tools} · max {event.max_steps} steps"
                     )
                 case Delta():
                     view = self.current_step(event.step, new)

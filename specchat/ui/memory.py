@@ -4,24 +4,13 @@ from __future__ import annotations
 
 from textual.reactive import reactive
 
+from specchat.engine.api import weights_label
 from specchat.ui.figures import NA, FigureText, count, size
 
 
 def weights_format(memory: dict, dtype: str | None = None) -> str:
-    """The quantized format (and how it was made), else the model dtype: `dtype` as asked (--dtype), or read off
-    the bytes per weight (the default dtypes differ in width: float32 on the CPU, bfloat16 on CUDA). The engine
-    says "bf16" for any unquantized weights (quant.handler), which is wrong for float32 ones."""
-    fmt = memory.get("weights_format")
-    if fmt and fmt != "bf16":
-        method = memory.get("weights_method")
-        return f"{fmt} ({method})" if method else str(fmt)
-    if dtype is not None:
-        return dtype
-    linear, bf16 = memory.get("linear_weight_bytes"), memory.get("linear_weight_bytes_bf16")
-    if not linear or not bf16:
-        return str(fmt or NA)
-    bits = 16 * linear / bf16
-    return {32.0: "float32", 16.0: "bfloat16"}.get(round(bits, 2), f"{bits:.2f}-bit")
+    """The running weights' name for the panels (engine.api.weights_label)."""
+    return weights_label(memory, dtype)
 
 
 def memory_text(memory: dict, dtype: str | None = None) -> str:

@@ -229,3 +229,45 @@ class SystemPromptScreen(ModalScreen[str | None]):
     def action_close(self) -> None:
         """Back to the chat, the prompt unchanged."""
         self.dismiss(None)
+
+
+class AgentSettingsScreen(ModalScreen[bool | None]):
+    """An agent script wants other weights / KV than the engine runs: switch to the script's (Enter), keep the
+    chat's (K), or cancel (Esc). The engine is shared, so a switch applies to the chats too."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "close", "Cancel", id="agent_settings_close"),
+        Binding("k", "keep", "Keep", id="agent_settings_keep"),
+    ]
+
+    def __init__(self, script: str, wanted: str, running: str) -> None:
+        super().__init__()
+        self.text = (
+            f"{script} runs with {wanted}; the engine runs {running} now.\n"
+            "Switch the engine to the script's settings (the chats use them too), or keep the chat's?"
+        )
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label(self.text, classes="title")
+            with Horizontal(classes="buttons"):
+                yield Button("Use the script's", variant="primary", id="agent-settings-script")
+                yield Button("Keep the chat's (K)", id="agent-settings-keep")
+                yield Button("Cancel", id="agent-settings-cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#agent-settings-script", Button).focus()
+
+    @on(Button.Pressed, "#agent-settings-script")
+    def use_script(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#agent-settings-keep")
+    def action_keep(self) -> None:
+        """Run the script on the engine as it is."""
+        self.dismiss(False)
+
+    @on(Button.Pressed, "#agent-settings-cancel")
+    def action_close(self) -> None:
+        """Do not start the script."""
+        self.dismiss(None)

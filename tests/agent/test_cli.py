@@ -83,3 +83,23 @@ def test_a_bad_script_is_one_line_and_exit_1(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"specchat: error: {path}: unknown key 'max_step'; did you mean 'max_steps'?"
     ]
+
+
+def test_runs_say_their_weights_and_kv_and_the_script_chooses_them(tiny_model_dir, tmp_path):
+    """The script's `kv` reaches the engine and every run's header names weights and KV (issue 15); --kv wins."""
+    script = write_script(tmp_path, tiny_model_dir)
+    script.write_text('kv = "fp16"\n' + script.read_text())
+    result = CliRunner().invoke(main, ["agent", str(script), "--headless", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "[run 0]   model " in result.stdout and "weights float32, KV fp16, drafter none k=4" in result.stdout
+    result = CliRunner().invoke(main, ["agent", str(script), "--json", "--device", "cpu", "--kv", "bf16"])
+    starts = [r for r in map(json.loads, result.stdout.splitlines()) if r["type"] == "run_start"]
+    assert [(r["weights"], r["kv"]) for r in starts] == [("float32", "bf16")] * 2
+
+
+def test_a_bad_weights_or_kv_in_a_script_is_one_line(tiny_model_dir, tmp_path):
+    script = write_script(tmp_path, tiny_model_dir)
+    script.write_text('kv = "int3"\n' + script.read_text())
+    result = CliRunner().invoke(main, ["agent", str(script), "--headless", "--device", "cpu"])
+    assert result.exit_code != 0 and "kv must be one of auto, bf16" in result.output
+    assert "Traceback" not in result.output

@@ -135,9 +135,11 @@ class FakeEngine:
         with self.lock:
             self.metrics.observe_drafter_switch()
 
-    def set_weights(self, fmt: str) -> Future:
+    def set_weights(self, fmt: str, progress=None) -> None:
         self.settings["weights"] = fmt
-        return self.apply(lambda: None)
+
+    def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
+        return ("bf16" if weights == "auto" else weights), ("bf16" if kv == "auto" else kv)
 
     def set_kv(self, fmt: str) -> None:
         self.settings["kv"] = fmt

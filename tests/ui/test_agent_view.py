@@ -38,6 +38,7 @@ from specchat.ui.agent_view import (
 from specchat.ui.app import SpecchatApp
 from specchat.ui.loading import LoadingNotice
 from specchat.ui.messages import LoadProgress
+from specchat.ui.screens import AgentSettingsScreen
 from specchat.ui.speculation import SpeculationPanel
 from tests.agent.scripted_engine import HANG, ScriptedEngine
 from tests.conftest import save_tiny_hf
@@ -63,6 +64,7 @@ class ScriptedUIEngine(ScriptedEngine):
     def __init__(self, replies: list) -> None:
         super().__init__(replies)
         self.listeners: list = []
+        self.switched: list[tuple[str, str]] = []
         self.running_in_background = False
         self.metrics = EngineMetrics()
 
@@ -81,11 +83,16 @@ class ScriptedUIEngine(ScriptedEngine):
     def set_drafter(self, name: str, request_id: int | None = None) -> None:
         """Nor does the drafter."""
 
-    def set_weights(self, fmt: str) -> Future:
-        return self.apply(lambda: None)
+    def set_weights(self, fmt: str, progress=None) -> None:
+        """Nor the weights; the switches are recorded."""
+        self.switched.append(("weights", fmt))
 
     def set_kv(self, fmt: str) -> None:
         """Nor the KV format."""
+        self.switched.append(("kv", fmt))
+
+    def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
+        return ("bf16" if weights == "auto" else weights), ("bf16" if kv == "auto" else kv)
 
     def apply(self, command) -> Future:
         done: Future = Future()
@@ -241,6 +248,24 @@ async def test_the_palette_runs_a_script_in_new_tabs(tmp_path, store):
         assert len(app.main.query("TabPane")) == 2
         press_now(app, "ctrl+pageup")
         await wait_for(pilot, lambda: app.chat is not None, what="back to the chat")
+
+
+@pytest.mark.parametrize(("key", "switched"), [("enter", [("weights", "bf16")]), ("k", [])])
+async def test_a_script_asks_before_it_changes_the_chats_weights(tmp_path, store, key, switched):
+    """The chat runs MXFP4 weights, the script its own (auto: as loaded): Enter switches the engine to the
+    script's, K keeps the chat's; either way the runs start (issue 15)."""
+    engine = ScriptedUIEngine([call("final_answer", answer="4")])
+    script = write_script(tmp_path, ["What is 2 + 2?"])
+    app = SpecchatApp(engine=engine, store=store, transcript_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        app.settings.weights = "mxfp4"
+        (await script_dialog(pilot, app)).value = str(script)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, AgentSettingsScreen), what="the settings question")
+        assert "weights bf16 and KV bf16" in app.screen.text and "weights mxfp4 and KV bf16" in app.screen.text
+        await pilot.press(key)
+        await wait_for(pilot, lambda: app.agent_sessions and app.agent_sessions[0].summary, what="the run")
+        assert engine.switched == switched and run_panes(app)[0].answer == "4"
 
 
 @pytest.fixture
