@@ -34,29 +34,24 @@ COPY_CEILING_TBPS = 4.28  # H200 device-to-device copy, read + write (docs/GPU.m
 L2_DEFEAT_BYTES = 256 * 2**20  # weight copies per timing so that the working set is 5x the L2
 CALLS_PER_GRAPH = 20
 GRAPH_REPLAYS = 15
-GEMV_SWEEP = (  # M <= 16: (block_n, tiles, num_warps, num_stages, block_m, prefetch) x split_k
-    (64, 1, 4, 4, 16, False),
-    (64, 2, 4, 3, 16, False),
-    (64, 2, 4, 4, 16, False),
-    (64, 2, 4, 3, 8, False),
-    (128, 2, 4, 3, 16, False),
-    (128, 2, 8, 3, 16, False),
-    (64, 1, 4, 1, 16, True),
-    (64, 2, 4, 1, 16, True),
-    (64, 2, 4, 1, 8, True),
-    (64, 4, 4, 1, 16, True),
-    (128, 2, 4, 1, 16, True),
-    (128, 2, 8, 1, 16, True),
+GEMV_SWEEP = (  # M <= 16: (block_n, tiles, num_warps, num_stages, block_m) x split_k
+    (64, 1, 4, 4, 16),
+    (64, 2, 4, 3, 16),
+    (64, 2, 4, 4, 16),
+    (64, 2, 4, 3, 8),
+    (128, 2, 4, 3, 16),
+    (128, 2, 8, 3, 16),
 )
-MATMUL_SWEEP = (  # M > 16
-    (64, 2, 4, 3, 0, False),
-    (64, 1, 4, 3, 64, False),
-    (128, 1, 8, 3, 64, False),
-    (64, 1, 4, 3, 128, False),
-    (128, 1, 8, 3, 128, False),
-    (128, 1, 8, 2, 128, False),
-    (128, 2, 8, 2, 128, False),
-    (64, 1, 4, 1, 64, True),
+MATMUL_SWEEP = (  # M > 16 (block_m 0: choose_config's), split_k 1, 2, 4
+    (64, 2, 4, 3, 0),
+    (64, 2, 4, 3, 64),
+    (64, 1, 4, 3, 64),
+    (128, 1, 8, 3, 64),
+    (64, 1, 4, 3, 128),
+    (128, 2, 8, 2, 128),
+    (64, 1, 4, 2, 256),
+    (64, 1, 4, 3, 256),
+    (128, 1, 8, 2, 256),
 )
 SPLITS = (1, 2, 4, 8, 16)
 INT4_GROUP = 32  # gpt-fast int4 g32
@@ -164,14 +159,14 @@ def int4_copies(n: int, k: int, count: int) -> list[tuple[torch.Tensor, torch.Te
 def sweep_configs(m: int, weight) -> set:
     iterations = weight.codes.shape[1]  # k-tiles
     configs = set()
-    for block_n, tiles, warps, stages, block_m, prefetch in GEMV_SWEEP if m <= 16 else MATMUL_SWEEP:
-        for split in SPLITS:
+    for block_n, tiles, warps, stages, block_m in GEMV_SWEEP if m <= 16 else MATMUL_SWEEP:
+        for split in SPLITS if m <= 16 else SPLITS[:3]:
             if split == 1 or iterations // (tiles * split) >= 2:
-                configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages, block_m, prefetch))
+                configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages, block_m))
     return configs
 
 
-def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[dict]) -> None:
+def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: set[int], records: list[dict]) -> None:
     w, codes, scales, weight = random_weight(n, k)
     for m in (1, 16, 64, 300):
         error = check_matmul(weight, codes, scales, k, m)
@@ -190,7 +185,7 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[
             [lambda x=x, p=p, sz=sz: torch.ops.aten._weight_int4pack_mm(x, p, INT4_GROUP, sz) for p, sz in int4]
         )  # no fallback: a failing baseline stops the run
         default = mm.choose_config(m, weight)
-        configs = {default} | (sweep_configs(m, weight) if sweep else set())
+        configs = {default} | (sweep_configs(m, weight) if m in sweep else set())
         timings = {}
         for config in configs:
             try:
@@ -214,7 +209,7 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: bool, records: list[
 
 
 def _short(config) -> str:
-    """(block_n, tiles, split_k, warps, stages, block_m, prefetch) as integers."""
+    """(block_n, tiles, split_k, warps, stages, block_m)."""
     return "(" + ", ".join(str(int(v)) for v in dataclasses.astuple(config)) + ")"
 
 
@@ -242,10 +237,12 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LLAMA_8B_SHAPES))
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs, report the best")
+    parser.add_argument("--sweep-ms", default="", help="sweep at these M only (comma list)")
     parser.add_argument("--profile", metavar="CONFIG", help="block_n,tiles,split_k,warps,stages: run 5 plain calls")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = tuple(int(m) for m in args.ms.split(","))
+    sweep = set(ms) if args.sweep else {int(m) for m in args.sweep_ms.split(",") if m}
     if args.profile:  # for ncu: no graphs, no checks
         config = mm.MatmulConfig(*map(int, args.profile.split(",")))
         for n, k in shapes:
@@ -269,7 +266,7 @@ def main() -> None:
 
     records: list[dict] = []
     for n, k in shapes:
-        bench_shape(n, k, ms, args.sweep, records)
+        bench_shape(n, k, ms, sweep, records)
     header = (
         f"MXFP4 matmul vs torch bf16 F.linear and int4 tinygemm, {device}, {now}, commit {commit}; "
         f"median per call in CUDA graphs, weights cycled past L2; `{' '.join(sys.argv)}`"
@@ -277,7 +274,7 @@ def main() -> None:
     text = table(records, header)
     print(text)
     if os.environ.get("OUT"):
-        name = "mxfp4_matmul_sweep" if args.sweep else "mxfp4_matmul"
+        name = "mxfp4_matmul_sweep" if args.sweep else "mxfp4_matmul"  # --sweep-ms: the table, best beside
         Path(os.environ["OUT"], f"{name}.md").write_text(text + "\n")
         Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(records, indent=1))
 

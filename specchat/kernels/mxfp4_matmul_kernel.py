@@ -7,8 +7,7 @@ One kernel serves both regimes:
 
 - GEMV (M <= 16: decode steps, short verification): one 16-row tile of x; the weight read is all that costs.
   For small N, split-K spreads K over several programs; the last one to finish a tile sums the partials (a
-  per-tile counter, reset by that program), so one launch does all the work. `prefetch` loads the next
-  iteration's words into registers before decoding the current ones (no shared-memory pipeline for W).
+  per-tile counter, reset by that program), so one launch does all the work.
 - Matmul (M = 17..512 and beyond: many sessions' verification, prefill chunks): a grid over M tiles of up to
   MAX_BLOCK_M rows, M tiles of one weight tile next to each other in launch order so W is read from DRAM once
   and from the L2 for the others.
@@ -32,9 +31,9 @@ from specchat.kernels.mxfp4 import BLOCK_SIZE
 from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
 
-BLOCK_MS = (8, 16, 32, 64, 128)  # activation rows per program (the MMA's n)
-MIN_BLOCK_M = 16  # the smallest that choose_config picks
-MAX_BLOCK_M = BLOCK_MS[-1]
+BLOCK_MS = (8, 16, 32, 64, 128, 256)  # activation rows per program (the MMA's n)
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 128  # the range choose_config picks from (8 and 256 measured no better)
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipeline buffers per program (the H200 has 227 KB per SM)
 MAX_SPLIT_K = 16
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_GROUP = tl.constexpr(ROW_GROUP)
@@ -87,7 +86,6 @@ def _mxfp4_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,  # K_TILEs per iteration
-    PREFETCH: tl.constexpr,  # load iteration it + 1 into registers before computing iteration it
     FAST: tl.constexpr,
     HAS_NAN: tl.constexpr,
 ):
@@ -115,27 +113,12 @@ def _mxfp4_matmul_kernel(
     start = pid_k * per_split
     stop = tl.minimum(start + per_split, iterations)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
-    if PREFETCH:
-        last = tl.maximum(stop - 1, 0)  # an empty split loads a valid step and runs no iteration
-        words, scales, xt = _load_step(
-            w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, tl.minimum(start, last), TILES
-        )
-        for it in range(start, stop):
-            next_words, next_scales, next_xt = _load_step(
-                w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, tl.minimum(it + 1, last), TILES
-            )
-            w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
-            if not FAST:
-                xt = xt.to(tl.float32)  # the portable path multiplies and sums in float32
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
-            words, scales, xt = next_words, next_scales, next_xt
-    else:
-        for it in range(start, stop):
-            words, scales, xt = _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES)
-            w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
-            if not FAST:
-                xt = xt.to(tl.float32)
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
+    for it in range(start, stop):
+        words, scales, xt = _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES)
+        w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
+        if not FAST:
+            xt = xt.to(tl.float32)  # the portable path multiplies and sums in float32
+        acc = tl.dot(w, xt, acc, input_precision="ieee")
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
@@ -171,7 +154,6 @@ class MatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 0
-    prefetch: bool = False
 
     def __post_init__(self) -> None:
         assert self.block_n in (64, 128) and N_TILE % self.block_n == 0, self
@@ -191,17 +173,19 @@ def _sm_count(device: torch.device) -> int:
 
 def default_block_m(m: int) -> int:
     """The smallest BLOCK_MS entry from MIN_BLOCK_M on that holds M rows, at most MAX_BLOCK_M (more: M tiles)."""
-    return next((b for b in BLOCK_MS if b >= MIN_BLOCK_M and m <= b), MAX_BLOCK_M)
+    return next((b for b in BLOCK_MS if MIN_BLOCK_M <= b <= MAX_BLOCK_M and m <= b), MAX_BLOCK_M)
 
 
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """The launch for M rows of this weight, from the H200 sweep (benchmarks/mxfp4_matmul.py --sweep).
 
-    128-row programs for wide weights, 64 otherwise. Split-K doubles while the programs stay within
-    SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each split iterates twice.
+    128-row programs for wide weights up to M = 32, 64 otherwise (one warpgroup holding a 128 x 128 accumulator
+    spills: 28672 x 4096 at M = 256 took 265 us with 128 rows, 146 with 64). Split-K doubles while the programs
+    stay within SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each split
+    iterates twice.
     """
     k_tiles = weight.codes.shape[1]
-    block_n = 128 if weight.n >= WIDE_N else 64
+    block_n = 128 if weight.n >= WIDE_N and m <= 32 else 64
     tiles = 2 if k_tiles % 2 == 0 else 1
     block_m = default_block_m(m)
     programs = weight.codes.shape[0] * ROW_GROUP // block_n * -(-m // block_m)
@@ -266,9 +250,13 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
     m_tiles = -(-m // block_m)
     groups, num_k_tiles = weight.codes.shape[:2]
     rows_padded = groups * ROW_GROUP
-    tiles = config.tiles
+    tiles, stages = config.tiles, config.num_stages
     while num_k_tiles % tiles:  # an iteration never reads past its row
         tiles //= 2
+    while tiles > 1 and _pipeline_bytes(config.block_n, block_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
+        tiles //= 2
+    while stages > 2 and _pipeline_bytes(config.block_n, block_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
+        stages -= 1
     grid = (m_tiles * rows_padded // config.block_n, config.split_k)
     partial_numel = config.split_k * m_tiles * rows_padded * block_m if config.split_k > 1 else 1
     partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
@@ -277,6 +265,12 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
         m, weight.n, num_k_tiles, m_tiles,
         x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, TILES=tiles, PREFETCH=config.prefetch,
-        FAST=fast, HAS_NAN=weight.has_nan, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, TILES=tiles,
+        FAST=fast, HAS_NAN=weight.has_nan, num_warps=config.num_warps, num_stages=stages,
     )  # fmt: skip
+
+
+def _pipeline_bytes(block_n: int, block_m: int, tiles: int, stages: int, x: torch.Tensor) -> int:
+    """Shared memory of the software pipeline: per stage a weight tile, its scales and an x tile."""
+    block_k = tiles * K_TILE
+    return stages * (block_n * block_k // 2 + block_n * block_k // BLOCK_SIZE + block_k * block_m * x.element_size())

@@ -37,7 +37,7 @@ def test_choose_config_keeps_splits_busy() -> None:
         for m in (1, 16, 64):
             config = choose_config(m, weight)
             assert k_tiles % config.tiles == 0 and k_tiles // (config.tiles * config.split_k) >= 1, (n, k, m)
-            assert config.block_n == (128 if n >= 16384 else 64)
+            assert config.block_n == (128 if n >= 16384 and m <= 32 else 64)
 
 
 @kernel_test
@@ -56,7 +56,7 @@ def test_matmul_matches_reference(m: int, n: int, k: int) -> None:
 
 
 @kernel_test
-def test_split_k_m_tiles_and_prefetch() -> None:
+def test_split_k_and_m_tiles() -> None:
     _, codes, scales = random_weight(67, 1024)
     weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
     x = torch.randn(MAX_BLOCK_M + 6, 1024)  # one launch, two M tiles of MAX_BLOCK_M rows
@@ -65,8 +65,8 @@ def test_split_k_m_tiles_and_prefetch() -> None:
         MatmulConfig(tiles=2, split_k=1),
         MatmulConfig(tiles=2, split_k=4),
         MatmulConfig(tiles=1, split_k=3),
-        MatmulConfig(tiles=2, split_k=3, block_m=16, prefetch=True),  # 9 M tiles; split 3 of 4 steps is empty
-        MatmulConfig(tiles=1, split_k=1, block_m=64, prefetch=True),
+        MatmulConfig(tiles=2, split_k=3, block_m=16),  # 9 M tiles; split 3 of 4 steps is empty
+        MatmulConfig(tiles=1, split_k=1, block_m=256),  # one M tile, float32 x: fewer stages
     ):
         for _ in range(2):  # the arrival counters reset for the next launch
             assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight, config), ref) < 1e-5, config
@@ -74,6 +74,7 @@ def test_split_k_m_tiles_and_prefetch() -> None:
 
 def test_block_m_follows_m() -> None:
     assert [default_block_m(m) for m in (1, 16, 17, 33, 64, 65, 512)] == [16, 16, 32, 64, 64, 128, 128]
+    assert MatmulConfig(block_m=8).block_m == 8 and MatmulConfig(block_m=256).block_m == 256
 
 
 @kernel_test
