@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
-#   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep attention batch1 sessions profile kv
+#   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep goals attention batch1 sessions profile kv
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -26,10 +26,14 @@ for part in "${parts[@]}"; do
       timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/engine/test_kv_cuda.py \
         tests/engine/test_engine_cuda.py \
         tests/kernels/${TESTS_KERNELS:-} 2>&1 | tail -30 | tee -a "$log" ;;
-    matmul)  # MXFP4 matmul vs torch bf16 and int4 tinygemm, every 8B shape, M = 1..512 (docs/benchmarks.md)
-      timeout 300 python benchmarks/mxfp4_matmul.py 2>&1 | tee -a "$log" ;;
+    matmul)  # MXFP4 matmul vs torch bf16 and int4 tinygemm, every 8B shape, M = 1..512 (docs/benchmarks.md);
+      # SWEEP_MS=160,256 also times other launches at those M and prints the best beside choose_config's
+      timeout 250 python benchmarks/mxfp4_matmul.py --ms 1,2,4,8,16,32,64,128,160,256,512 --sweep-ms "${SWEEP_MS:-}" \
+        2>&1 | tee -a "$log" ;;
     sweep)  # launch configs around choose_config (what chose it)
       timeout 500 python benchmarks/mxfp4_matmul.py --sweep --ms ${SWEEP_MS:-1,16,64,256} 2>&1 | tee -a "$log" ;;
+    goals)  # issue 14's end-to-end goals: batch 1, and 32 sessions with k = 4, MXFP4 against bf16
+      timeout 240 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1,32 --k 0,4 2>&1 | tee -a "$log" ;;
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
     batch1)

@@ -255,7 +255,7 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
         tiles //= 2
     while tiles > 1 and _pipeline_bytes(config.block_n, block_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
         tiles //= 2
-    while stages > 2 and _pipeline_bytes(config.block_n, block_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
+    while stages > 1 and _pipeline_bytes(config.block_n, block_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
         stages -= 1
     grid = (m_tiles * rows_padded // config.block_n, config.split_k)
     partial_numel = config.split_k * m_tiles * rows_padded * block_m if config.split_k > 1 else 1
