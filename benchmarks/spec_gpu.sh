@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
-#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost (default: all)
+#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost profile (default: all but profile)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # EAGLE=DIR benchmarks another EAGLE-3 head directory beside the shipped one. Each part is bounded by `timeout` and
 # logs to $OUT/spec_<part>.log (OUT defaults to ./gpu-out).
@@ -26,6 +26,9 @@ for part in "${parts[@]}"; do
       timeout 150 "${bench[@]}" --drafter "ngram,heads,eagle${EAGLE:+,eagle:$EAGLE}" --k auto 2>&1 | tee -a "$log" ;;
     cost)
       timeout 120 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch 1,8 2>&1 | tee -a "$log" ;;
+    profile)
+      timeout 200 python benchmarks/profile_spec.py --sessions 1,8,32 --configs none,ngram:4,ngram:auto --cprofile \
+        2>&1 | tee -a "$log" ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done

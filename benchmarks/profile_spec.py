@@ -1,0 +1,146 @@
+"""Where a speculative step's time goes on the real default model: phases, graph vs eager forwards, host hot spots.
+
+    PYTHONPATH=. python benchmarks/profile_spec.py --device cuda --sessions 1,8 --configs none,ngram:4
+
+For each (sessions, config) the engine runs the shipped session prompts (benchmarks/session_prompts.txt) with
+at most `sessions` in flight, twice: once plain, for tok/s and ms per step; once with every phase of the step
+(schedule, draft, forward, verify, postprocess) wrapped in a device synchronize and timed, and the forwards
+counted as CUDA-graph replays or eager runs. The synchronized pass costs overlap, so its phases add up to more
+than the plain step; they say where the time goes, the plain pass says how much there is. --cprofile adds the
+host functions with the most own time over the plain pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+import specchat.engine.spec_step as spec_step_module
+from specchat.bench.sessions import run_sessions
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.engine import Engine
+
+PROMPTS = Path(__file__).with_name("session_prompts.txt")
+
+
+def spec_of(config: str) -> SpecParams:
+    """'none' | 'DRAFTER:K' | 'DRAFTER:auto'."""
+    if config == "none":
+        return SpecParams(drafter="none", k=0)
+    drafter, _, k = config.rpartition(":")
+    return SpecParams(drafter=drafter, k=None if k == "auto" else int(k))
+
+
+class Phases:
+    """Wraps the step's phases with synchronized timers (installed for one pass, removed after)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.ms: dict[str, float] = defaultdict(float)
+        self.forwards: Counter = Counter()
+        self.saved: list[tuple[object, str, object]] = []
+
+    def sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def timed(self, owner: object, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            self.sync()
+            t0 = time.perf_counter()
+            result = original(*args, **kwargs)
+            self.sync()
+            self.ms[label] += (time.perf_counter() - t0) * 1e3
+            return result
+
+        self.saved.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+    def __enter__(self) -> Phases:
+        runner = self.engine.runner
+        key = getattr(runner, "_graph_key", None)
+        original_forward = runner.forward
+
+        def counted(batch, taps=()):
+            self.forwards["graph" if key is not None and key(batch, taps) is not None else "eager"] += 1
+            return original_forward(batch, taps)
+
+        self.saved.append((runner, "forward", original_forward))
+        runner.forward = counted
+        self.timed(self.engine.scheduler, "schedule", "schedule")
+        self.timed(self.engine.spec_step, "draft", "draft")
+        self.timed(runner, "forward", "forward")
+        self.timed(spec_step_module, "verify_batch", "verify")
+        self.timed(self.engine.scheduler, "postprocess", "postprocess")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self.saved):
+            if isinstance(owner, type(spec_step_module)):
+                setattr(owner, name, original)
+            else:
+                owner.__dict__.pop(name, None)  # the instance attribute: the class's method shows again
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--sessions", default="1,8")
+    parser.add_argument("--configs", default="none,ngram:4")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
+    engine = Engine.load(EngineConfig(model=args.model, device=args.device))
+    prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
+    sampling = SamplingParams(max_tokens=args.max_tokens)
+    configs = args.configs.split(",")
+    for config in configs:  # warm-up: graphs captured, kernels compiled
+        run_sessions(engine, prompts, 8, SamplingParams(max_tokens=16), spec_of(config))
+    header = f"{'sessions':>8} {'config':>10} {'tok/s':>8} {'ms/step':>8} {'tok/step':>8}  phases (ms/step, synced)"
+    print(header)
+    for sessions in map(int, args.sessions.split(",")):
+        for config in configs:
+            profiler = cProfile.Profile() if args.cprofile else None
+            counted = Counter()
+            original_step = engine.step
+
+            def step(counted=counted, original_step=original_step):
+                counted["steps"] += 1
+                return original_step()
+
+            engine.step = step
+            if profiler:
+                profiler.enable()
+            plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config))
+            if profiler:
+                profiler.disable()
+            steps = counted["steps"]
+            with Phases(engine) as phases:
+                run_sessions(engine, prompts, sessions, sampling, spec_of(config))
+            del engine.step
+            synced_steps = max(1, sum(phases.forwards.values()))
+            parts = " ".join(f"{name} {ms / synced_steps:.2f}" for name, ms in phases.ms.items())
+            forwards = ", ".join(f"{kind} {n}" for kind, n in sorted(phases.forwards.items()))
+            print(
+                f"{sessions:>8} {config:>10} {plain.tok_per_s:>8.1f} {plain.wall_s * 1e3 / steps:>8.2f}"
+                f" {plain.tokens_per_step:>8.2f}  {parts} | forwards: {forwards}",
+                flush=True,
+            )
+            if profiler:
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+                print("\n".join(out.getvalue().splitlines()[6:]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
