@@ -23,6 +23,7 @@ from specchat.engine.model import Transformer
 from specchat.engine.tp.group import TPGroup
 from specchat.engine.tp.messages import CopySlots, ForwardPlan, Reencode
 from specchat.errors import ConfigError
+from specchat.kernels.kv_quant import DEFAULT_RULE
 from specchat.quant.handler import Progress, WeightSwitch
 from specchat.registry import ModelSpec, resolve
 
@@ -62,9 +63,14 @@ class MirroredStore:
         self.inner.copy_slots(src, dst)
 
     def reencode(
-        self, fmt: str, num_slots: int, src: torch.Tensor, dst: torch.Tensor, rotate: bool = True, rule: str = ""
+        self,
+        fmt: str,
+        num_slots: int,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        rotate: bool = True,
+        rule: str = DEFAULT_RULE,
     ) -> MirroredStore:
-        rule = rule or self.inner.rule
         self.group.send(Reencode(fmt, num_slots, src.cpu(), dst.cpu(), rotate, rule))
         return MirroredStore(self.inner.reencode(fmt, num_slots, src, dst, rotate, rule), self.group)
 
