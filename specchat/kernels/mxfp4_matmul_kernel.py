@@ -32,7 +32,7 @@ from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
 
 BLOCK_MS = (8, 16, 32, 64, 128, 256)  # activation rows per program (the MMA's n)
-MIN_BLOCK_M, MAX_BLOCK_M = 16, 128  # the range choose_config picks from (8 and 256 measured no better)
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # the range choose_config picks from (8, 128, 256 measured no better)
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipeline buffers per program (the H200 has 227 KB per SM)
 MAX_SPLIT_K = 16
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -177,16 +177,23 @@ def default_block_m(m: int) -> int:
 
 
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
-    """The launch for M rows of this weight, from the H200 sweep (benchmarks/mxfp4_matmul.py --sweep).
+    """The launch for M rows of this weight, from the H200 sweeps (benchmarks/mxfp4_matmul.py --sweep-ms).
 
-    128-row programs for wide weights up to M = 32, 64 otherwise (one warpgroup holding a 128 x 128 accumulator
-    spills: 28672 x 4096 at M = 256 took 265 us with 128 rows, 146 with 64). Split-K doubles while the programs
-    stay within SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each split
-    iterates twice.
+    M tiles of up to 64 rows (more rows per program lose: 128 pads 160 rows to 256, a 128 x 128 accumulator
+    spills). Wide weights take 128-row programs up to M = 32, and above M = 64 two warpgroups of 64 rows each
+    with one k-tile per step; everything else 64-row programs of one warpgroup. Split-K doubles while the
+    programs stay within SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each
+    split iterates twice.
     """
     k_tiles = weight.codes.shape[1]
-    block_n = 128 if weight.n >= WIDE_N and m <= 32 else 64
-    tiles = 2 if k_tiles % 2 == 0 else 1
+    wide = weight.n >= WIDE_N
+    if wide and m <= 32:
+        block_n, tiles, warps = 128, 2, 4
+    elif wide and m > MAX_BLOCK_M:
+        block_n, tiles, warps = 128, 1, 8
+    else:
+        block_n, tiles, warps = 64, 2, 4
+    tiles = tiles if k_tiles % tiles == 0 else 1
     block_m = default_block_m(m)
     programs = weight.codes.shape[0] * ROW_GROUP // block_n * -(-m // block_m)
     target = SPLIT_K_WAVES * (1 if m <= 32 else 0.5) * _sm_count(weight.codes.device)
@@ -196,7 +203,7 @@ def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
         if not wide_enough:
             break
         split_k *= 2
-    return MatmulConfig(block_n=block_n, tiles=tiles, split_k=split_k, block_m=block_m)
+    return MatmulConfig(block_n=block_n, tiles=tiles, split_k=split_k, num_warps=warps, block_m=block_m)
 
 
 class _SplitKWorkspace:
