@@ -92,6 +92,7 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     max_running: int = 64
     eager: bool = False  # CUDA: plain PyTorch modules and no CUDA graphs (the reference path)
+    warm_up: bool = True  # CUDA: compile kernels and capture the chat's graphs at load (Engine.warm_up)
     weights: str = "auto"  # "auto" = as loaded
     tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
 

@@ -110,6 +110,18 @@ class CudaGraphRunner(ModelRunner):
         self.graphs[key] = graph
         return self._replay(graph, batch, key[1])
 
+    def warm_up(self, widths: Seq[int], progress=None) -> None:
+        """Capture the batch-1 graphs of these step widths (1 for plain decode, k + 1 for verification) at the
+        smallest context bucket now, so that a chat's first answer neither compiles kernels nor captures graphs.
+        `progress` hears ("warming up the GPU", done, total)."""
+        widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
+        for done, q in enumerate(widths, 1):
+            key = (1, q, CTX_BUCKETS[0], ())
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if progress is not None:
+                progress("warming up the GPU", done, len(widths))
+
     @torch.inference_mode()
     def _replay(self, g: _Graph, batch: StepBatch, q: int) -> StepOutput:
         n = len(batch.feeds)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -37,7 +38,7 @@ from specchat.engine.tokenizer import StreamDecoder, Tokenizer
 from specchat.errors import ConfigError, PromptError
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.quant.modules import model_dtype
-from specchat.registry import ModelSpec
+from specchat.registry import ModelSpec, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,30 @@ class Engine:
             from specchat.engine.tp.launch import TPEngine
 
             return TPEngine.load_tp(config, progress)
+        # Triton's compiled kernels under $SPECCHAT_HOME (unless the user chose a place): the next start reuses them
+        os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
         parts = load_parts(config, progress)
-        return cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
+        engine = cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
+        if config.warm_up:
+            engine.warm_up(progress)
+        return engine
+
+    def warm_up(self, progress: Progress | None = None) -> None:
+        """On CUDA, before the first request: one short prompt through prefill and plain decode (the kernels
+        compile, into a Triton cache under $SPECCHAT_HOME that the next start reuses), then the batch-1 graphs of
+        every verification width up to k_max + 1. Leaves no cached prefix and fresh metrics. Nothing to do on the
+        CPU or with --eager."""
+        capture = getattr(self.runner, "warm_up", None)
+        if capture is None:
+            return
+        if progress is not None:
+            progress("warming up the GPU", 0, 1)
+        prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog.")
+        self.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0), SpecParams(drafter="none", k=0)).result()
+        capture(range(1, SpecParams().k_max + 2), progress)
+        with self._lock:
+            self.pool.clear_prefix_cache()
+        self.reset_metrics()
 
     @property
     def max_position(self) -> int:

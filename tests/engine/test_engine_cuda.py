@@ -67,3 +67,24 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
     assert outputs[False] == outputs[True]
     assert any(key[3] for key in keys), "no step with taps was replayed from a graph"
     assert any(key[1] == 5 for key in keys), "no step padded to k = 4 was replayed from a graph"
+
+
+def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
+    """Engine.load on CUDA captures the batch-1 graphs of widths 1..k_max+1 behind the progress bar (issue 18),
+    leaves no cached prefix and fresh metrics, and the first chat request then replays without capturing."""
+    from specchat.engine.cuda_graph import CTX_BUCKETS
+    from specchat.engine.engine import Engine
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    heard = []
+    cfg = EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32")
+    engine = Engine.load(cfg, progress=lambda what, done, total: heard.append((what, done, total)))
+    widths = range(1, SpecParams().k_max + 2)
+    assert {(1, q, CTX_BUCKETS[0], ()) for q in widths} <= set(engine.runner.graphs)
+    assert heard[-1] == ("warming up the GPU", len(widths), len(widths))
+    assert engine.snapshot().tokens_total == 0 and engine.pool.prefix_hit_tokens == 0
+    captured = set(engine.runner.graphs)
+    engine.submit("Hi there", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("ngram", k=4)).result()
+    assert set(engine.runner.graphs) == captured
+    cold = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", warm_up=False))
+    assert not cold.runner.graphs
