@@ -9,6 +9,7 @@ from specchat.errors import ConfigError
 
 # The one list of each name; the CLI, the UI, agent scripts, the engine and its error messages all read these.
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto = bfloat16 on CUDA and on CPUs with native bf16, else float32
 HF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # config.json model_type values the model code implements
 DEVICES = ("auto", "cpu", "cuda")
 KV_FORMATS = ("bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats (engine.kv_pages)
@@ -84,14 +85,14 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     device: str = "auto"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    dtype: str | None = None  # None or "auto": bfloat16 on CUDA and on CPUs with native bf16, else float32
     kv_format: str = "auto"  # "auto" = the model dtype
     kv_rotation: bool = True  # Hadamard-rotate keys/values before quantizing them (mxfp4, k8v4)
     kv_memory: int | None = None  # bytes for the KV pool; None = a default for the device
     page_size: int = 16
     max_batch_tokens: int = 2048
     max_running: int = 64
-    eager: bool = False  # CUDA: plain PyTorch modules and no CUDA graphs (the reference path)
+    eager: bool = False  # plain PyTorch modules: no CUDA graphs, no CPU block kernels (the reference path)
     warm_up: bool = True  # CUDA: compile kernels and capture the chat's graphs at load (Engine.warm_up)
     weights: str = "auto"  # "auto" = as loaded
     tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
@@ -99,8 +100,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page size must be a power of two, got {self.page_size}")
         if self.kv_format not in KV_CHOICES:

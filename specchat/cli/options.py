@@ -14,7 +14,7 @@ from specchat.config import (
     DEVICES,
     DRAFTER_ARGS,
     DRAFTER_SYNTAX,
-    DTYPES,
+    DTYPE_CHOICES,
     KV_CHOICES,
     WEIGHT_CHOICES,
     EngineConfig,
@@ -30,7 +30,12 @@ def model_options(func):
 
     @click.argument("model", required=False)
     @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-    @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    @click.option(
+        "--dtype",
+        type=click.Choice(DTYPE_CHOICES),
+        default=None,
+        help="default auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else float32",
+    )
     @click.option(
         "--weights",
         type=click.Choice(WEIGHT_CHOICES),
@@ -49,7 +54,7 @@ def model_options(func):
     @click.option(
         "--kv-memory", default=None, help="KV cache size, e.g. 512M or 8G (default: 1G on CPU, half the free GPU)"
     )
-    @click.option("--eager", is_flag=True, help="CUDA: plain PyTorch modules, no fused kernels or CUDA graphs")
+    @click.option("--eager", is_flag=True, help="plain PyTorch modules: no fused kernels, CUDA graphs or CPU block kernels")
     @functools.wraps(func)
     def wrapper(*args, kv_format, kv_memory, eager, **kwargs):
         kv_bytes = parse_bytes(kv_memory)

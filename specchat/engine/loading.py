@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specchat.config import EngineConfig
+from specchat.engine.cpu_weights import pack_blocks
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.loader import Progress, build_model, load_checkpoint
 from specchat.engine.model import Transformer
@@ -36,9 +37,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU computes in bfloat16 natively (the avx512_bf16 or AMX-BF16 flags of /proc/cpuinfo); without
+    them torch emulates bfloat16 arithmetic in float32 and gains nothing from the halved weights."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The model dtype: as asked, else bfloat16 on CUDA and float32 on the CPU."""
-    return TORCH_DTYPES[name or ("bfloat16" if device.type == "cuda" else "float32")]
+    """The model dtype: as asked; for `auto` (or None), bfloat16 on CUDA and on a CPU with native bfloat16,
+    float32 on other CPUs."""
+    if name in (None, "auto"):
+        native = device.type == "cuda" or cpu_has_native_bf16()
+        name = "bfloat16" if native else "float32"
+    return TORCH_DTYPES[name]
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -108,6 +124,8 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
         tokenizer_dir=tokenizer_dir(spec, path),
         progress=progress,
     )
+    if device.type == "cpu" and not config.eager and path.is_file():
+        pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
     budget = config.kv_memory or default_kv_budget(device)
     c = model.cfg
     pool = KVPool.from_budget(

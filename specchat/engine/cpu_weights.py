@@ -1,0 +1,191 @@
+"""A GGUF model's linears on the CPU read as the file stores them (Q4_1 / Q8_0 blocks), as a transform.
+
+The loader dequantizes every GGUF tensor to float32 (engine/loader.py); a decode step then reads 4 bytes per
+weight. `pack_blocks(model, gguf_path)` re-classes each `nn.Linear` whose every source tensor in the file is Q4_1
+or Q8_0 as a `BlockLinear`, which keeps the file's blocks beside the float weight and multiplies the few rows of
+a decode or verification step with kernels/cpu_gemv.py (0.625 / 1.06 bytes per weight). The weights are the
+same numbers either way (the kernels dequantize as gguf does), so this costs no accuracy; rows above
+cpu_gemv.MAX_ROWS (a prompt's prefill) keep the float GEMM. `unpack(model)` swaps the plain modules back
+(docs/style.md #3, #6: the model code is unchanged, `--eager` never packs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specchat.engine.model import Transformer
+from specchat.kernels import cpu_gemv
+
+Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
+
+log = logging.getLogger(__name__)
+
+
+class BlockLinear(nn.Linear):
+    """nn.Linear with the weight also held as GGUF blocks (buffers set by `pack_blocks`): small batches read
+    the blocks, large ones the float weight. Output and bias as nn.Linear's."""
+
+    kind: str  # "q4_1" | "q8_0"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > cpu_gemv.MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        xf = rows.float().contiguous()
+        threads = torch.get_num_threads()
+        if self.kind == "q4_1":
+            y = cpu_gemv.q4_linear(xf, self.codes, self.d, self.m, threads)
+        else:
+            y = cpu_gemv.q8_linear(xf, self.codes, self.d, threads)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
+def _q4_1(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
+    """GGUF Q4_1 bytes of a [rows, K] tensor -> codes [rows, K/2], d, m [rows, K/32] (float32)."""
+    blocks = raw.reshape(rows, -1, Q4_1_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = np.ascontiguousarray(blocks[..., 4:]).reshape(rows, -1)
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def _q8_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
+    """GGUF Q8_0 bytes of a [rows, K] tensor -> codes int8 [rows, K], d [rows, K/32] (float32)."""
+    blocks = raw.reshape(rows, -1, Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
+    return torch.from_numpy(codes), torch.from_numpy(d)
+
+
+def _unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """loader._unpermute_rope on rows of any trailing shape (a row's blocks move with it)."""
+    rows = t.shape[0]
+    return t.reshape(n_heads, rows // n_heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def _sources(model: Transformer) -> dict[str, list[tuple[str, int | None]]]:
+    """Our linear name -> its GGUF tensors in row order, each with the head count whose rope rows it permutes."""
+    cfg = model.cfg
+    permuted = cfg.arch == "llama"
+    heads = (cfg.num_heads, cfg.num_kv_heads) if permuted else (None, None)
+    out = {}
+    for i in range(cfg.num_layers):
+        b, o = f"blk.{i}.", f"layers.{i}."
+        out[o + "attn.wqkv"] = [
+            (b + "attn_q.weight", heads[0]),
+            (b + "attn_k.weight", heads[1]),
+            (b + "attn_v.weight", None),
+        ]
+        out[o + "attn.wo"] = [(b + "attn_output.weight", None)]
+        out[o + "mlp.w_gate_up"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
+        out[o + "mlp.w_down"] = [(b + "ffn_down.weight", None)]
+    return out
+
+
+def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """The blocks of the tensors `names` concatenated along rows, if all are Q4_1 or all Q8_0; else None."""
+    from gguf import GGMLQuantizationType as Q
+
+    parts = [tensors.get(name) for name, _ in names]
+    if any(t is None for t in parts):
+        return None
+    kinds = {t.tensor_type for t in parts}
+    if kinds not in ({Q.Q4_1}, {Q.Q8_0}):
+        return None
+    kind = "q4_1" if kinds == {Q.Q4_1} else "q8_0"
+    read = _q4_1 if kind == "q4_1" else _q8_0
+    pieces = []
+    for t, (_, heads) in zip(parts, names, strict=True):
+        arrays = read(np.asarray(t.data), int(t.shape[-1]))
+        pieces.append([_unpermute_rows(a, heads) if heads else a for a in arrays])
+    return kind, tuple(torch.cat(column).contiguous() for column in zip(*pieces, strict=True))
+
+
+def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+    """{linear name: (kind, (codes, d[, m]))} for the model's linears that the GGUF file stores as blocks."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    names = _sources(model)
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    names["lm_head"] = [(head, None)]
+    found = {name: _blocks(tensors, sources) for name, sources in names.items()}
+    return {name: blocks for name, blocks in found.items() if blocks is not None}
+
+
+def _save(cache: Path, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"{name}.{i}": t for name, (_, arrays) in blocks.items() for i, t in enumerate(arrays)}
+    partial = cache.with_suffix(f".partial-{os.getpid()}")
+    try:
+        save_file(tensors, str(partial), metadata={name: kind for name, (kind, _) in blocks.items()})
+        os.replace(partial, cache)
+    except OSError as exc:  # a full disk or a read-only folder: packed again at the next load
+        log.warning("specchat: note: cannot cache the CPU weight blocks (%s)", exc)
+        partial.unlink(missing_ok=True)
+
+
+def _load(cache: Path) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]] | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(cache), "pt") as f:
+            kinds, keys = f.metadata() or {}, set(f.keys())
+            out = {}
+            for name, kind in kinds.items():
+                count = 3 if kind == "q4_1" else 2
+                if any(f"{name}.{i}" not in keys for i in range(count)):
+                    return None
+                out[name] = (kind, tuple(f.get_tensor(f"{name}.{i}") for i in range(count)))
+            return out
+    except Exception:  # safetensors raises its own error types on damaged files; the cache is rebuilt
+        return None
+
+
+def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) -> int:
+    """Re-class the model's linears that the GGUF file stores as Q4_1 / Q8_0 blocks (float32 model only);
+    returns how many. The float weights stay: large batches and `unpack` use them. With `cache` (a safetensors
+    path) the blocks are read from the file once (parsing a GGUF takes seconds) and from the cache after."""
+    if not cpu_gemv.available() or next(model.parameters()).dtype != torch.float32:
+        return 0
+    blocks = _load(cache) if cache is not None and cache.exists() else None
+    if blocks is None:
+        blocks = read_blocks(model, gguf_path)
+        if cache is not None:
+            _save(cache, blocks)
+    packed = 0
+    modules = dict(model.named_modules())
+    for name, (kind, arrays) in blocks.items():
+        linear = modules.get(name)
+        if type(linear) is not nn.Linear or kind not in ("q4_1", "q8_0"):
+            continue
+        if arrays[0].shape[0] != linear.out_features or arrays[1].shape[1] * 32 != linear.in_features:
+            continue
+        linear.__class__ = BlockLinear
+        linear.kind = kind
+        for buffer, value in zip(("codes", "d", "m"), arrays, strict=False):
+            linear.register_buffer(buffer, value, persistent=False)
+        packed += 1
+    return packed
+
+
+def unpack(model: nn.Module) -> int:
+    """Back to plain nn.Linear modules (the float weights were kept); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is BlockLinear:
+            for buffer in ("codes", "d", "m"):
+                module._buffers.pop(buffer, None)
+            module.__class__ = nn.Linear
+            count += 1
+    return count

@@ -1,0 +1,288 @@
+"""Block-quantized matrix-vector products on the CPU: GGUF's Q4_1 and Q8_0 weights read as stored.
+
+A decode step multiplies a few activation rows by every weight matrix, so on a CPU it is bound by the bytes read
+and by the work to turn them into floats. Dequantized to float32, a Q4_1 weight costs 4 bytes; read as stored it
+costs 0.625 (16 bytes of 4-bit codes + two scales per block of 32). The kernels here read the blocks and
+dequantize in registers, exactly as gguf's reference does (`w = d * q + m` for Q4_1, `w = d * q` for Q8_0,
+float32, one rounding per product and per sum), then accumulate x * w in float32.
+
+Layouts (one row per output feature n, blocks of BLOCK = 32 along the input features k):
+- Q4_1: `codes` uint8 [N, K/2], block g's 16 bytes hold q[32g + j] in the low nibble of byte j and q[32g + j + 16]
+  in the high nibble (GGUF's layout); `d`, `m` float32 [N, K/32]; w = d * q + m, q in 0..15.
+- Q8_0: `codes` int8 [N, K]; `d` float32 [N, K/32]; w = d * q.
+
+Each output row is computed alone and in the same order whatever the other rows are, so the result for a token
+does not depend on the batch (a verification step gives the same logits as plain decoding: lossless
+speculation stays exact). The C source is compiled once with the system compiler (`cc`, or $CC) into
+$SPECCHAT_HOME/kernels/ and loaded through ctypes; where that fails, `available()` is False and callers keep the
+plain float path. `q4_linear_ref` / `q8_linear_ref` are the plain torch references the tests hold them to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+BLOCK = 32  # weights per quantization block (GGUF Q4_1 / Q8_0)
+MAX_ROWS = 64  # activation rows (tokens) per call above which callers dequantize and use a float GEMM
+CHUNK_ROWS = 8  # rows the kernel keeps in registers at once (MMAX in the C source)
+
+log = logging.getLogger(__name__)
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <stddef.h>
+#define MMAX 8
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* y[i, n] = sum_k x[i, k] * w[n, k] for rows i0 <= i < i0 + rows (rows <= MMAX), outputs n0 <= n < n1. */
+static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
+                     float* y, int n0, int n1) {
+  const int G = K / 32;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* qr = q + (size_t)n * (K / 2);
+    const float* dr = d + (size_t)n * G;
+    const float* mr = m + (size_t)n * G;
+#ifdef __AVX512F__
+    const __m128i low4 = _mm_set1_epi8(15);
+    __m512 acc[MMAX];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+      __m128i b = _mm_loadu_si128((const __m128i*)(qr + g * 16));
+      __m512 dg = _mm512_set1_ps(dr[g]), mg = _mm512_set1_ps(mr[g]);
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+      lo = _mm512_add_ps(_mm512_mul_ps(lo, dg), mg);
+      hi = _mm512_add_ps(_mm512_mul_ps(hi, dg), mg);
+      for (int i = 0; i < rows; i++) {
+        const float* xg = x + (size_t)i * K + g * 32;
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), lo, acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), hi, acc[i]);
+      }
+    }
+    for (int i = 0; i < rows; i++) y[(size_t)i * N + n] = _mm512_reduce_add_ps(acc[i]);
+#else
+    float acc[MMAX][16] = {{0}};
+    for (int g = 0; g < G; g++) {
+      const uint8_t* b = qr + g * 16;
+      float lo[16], hi[16];
+      for (int j = 0; j < 16; j++) {
+        lo[j] = dr[g] * (float)(b[j] & 15) + mr[g];
+        hi[j] = dr[g] * (float)(b[j] >> 4) + mr[g];
+      }
+      for (int i = 0; i < rows; i++) {
+        const float* xg = x + (size_t)i * K + g * 32;
+        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
+      }
+    }
+    for (int i = 0; i < rows; i++) {
+      float s = 0;
+      for (int j = 0; j < 16; j++) s += acc[i][j];
+      y[(size_t)i * N + n] = s;
+    }
+#endif
+  }
+}
+
+static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int n0,
+                     int n1) {
+  const int G = K / 32;
+  for (int n = n0; n < n1; n++) {
+    const int8_t* qr = q + (size_t)n * K;
+    const float* dr = d + (size_t)n * G;
+#ifdef __AVX512F__
+    __m512 acc[MMAX];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+      __m512 dg = _mm512_set1_ps(dr[g]);
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + g * 32))));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + g * 32 + 16))));
+      lo = _mm512_mul_ps(lo, dg);
+      hi = _mm512_mul_ps(hi, dg);
+      for (int i = 0; i < rows; i++) {
+        const float* xg = x + (size_t)i * K + g * 32;
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), lo, acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), hi, acc[i]);
+      }
+    }
+    for (int i = 0; i < rows; i++) y[(size_t)i * N + n] = _mm512_reduce_add_ps(acc[i]);
+#else
+    float acc[MMAX][16] = {{0}};
+    for (int g = 0; g < G; g++) {
+      float lo[16], hi[16];
+      for (int j = 0; j < 16; j++) {
+        lo[j] = (float)qr[g * 32 + j] * dr[g];
+        hi[j] = (float)qr[g * 32 + j + 16] * dr[g];
+      }
+      for (int i = 0; i < rows; i++) {
+        const float* xg = x + (size_t)i * K + g * 32;
+        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
+      }
+    }
+    for (int i = 0; i < rows; i++) {
+      float s = 0;
+      for (int j = 0; j < 16; j++) s += acc[i][j];
+      y[(size_t)i * N + n] = s;
+    }
+#endif
+  }
+}
+
+/* The whole product, MMAX rows at a time; `threads` > 1 splits the outputs n among OpenMP threads. */
+void q4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+             int threads) {
+  for (int i0 = 0; i0 < M; i0 += MMAX) {
+    int rows = M - i0 < MMAX ? M - i0 : MMAX;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int t = 0; t < threads; t++) {
+      int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
+      q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, a, b);
+    }
+#else
+    q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, 0, N);
+#endif
+  }
+}
+
+void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int threads) {
+  for (int i0 = 0; i0 < M; i0 += MMAX) {
+    int rows = M - i0 < MMAX ? M - i0 : MMAX;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int t = 0; t < threads; t++) {
+      int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
+      q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, a, b);
+    }
+#else
+    q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, 0, N);
+#endif
+  }
+}
+"""
+
+# -O3 and the host's vector units; no contraction of the dequantizing multiply-add into an FMA, so each weight
+# rounds exactly as gguf's reference dequantization does.
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+
+
+def _kernel_dir() -> Path:
+    """$SPECCHAT_HOME/kernels (the same home as registry.py's; kernels/ imports nothing else of specchat)."""
+    root = os.environ.get("SPECCHAT_HOME")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "specchat") / "kernels"
+
+
+def _torch_openmp() -> Path | None:
+    """The OpenMP runtime bundled with torch, so the kernel's threads are torch's threads (one pool, not two)."""
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(lib.glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _compile(target: Path, openmp: Path | None) -> None:
+    cc = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "cpu_gemv.c"
+        src.write_text(C_SOURCE)
+        out = Path(tmp) / target.name
+        cmd = [cc, *CFLAGS, str(src), "-o", str(out)]
+        if openmp is not None:
+            cmd[1:1] = ["-fopenmp"]
+            cmd += [str(openmp), f"-Wl,-rpath,{openmp.parent}"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out, target)  # atomic: a concurrent process sees the old file or the whole new one
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use, then cached by source, flags and runtime), or None."""
+    if sys.platform != "linux" or os.environ.get("SPECCHAT_CPU_KERNELS", "1") == "0":
+        return None
+    openmp = _torch_openmp()
+    key = hashlib.sha1(f"{C_SOURCE}{CFLAGS}{openmp}{torch.__version__}".encode()).hexdigest()[:12]
+    target = _kernel_dir() / f"cpu_gemv-{key}.so"
+    try:
+        if not target.exists():
+            _compile(target, openmp)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("specchat: CPU block-quantized kernels unavailable (%s); using float weights", exc)
+        return None
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.q4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.q8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32]
+    lib.q4_gemm.restype = lib.q8_gemm.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernels load on this machine."""
+    return _library() is not None
+
+
+def _check(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, k: int) -> None:
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == k, (x.dtype, x.shape)
+    assert k % BLOCK == 0 and codes.is_contiguous() and d.is_contiguous(), (k, codes.shape)
+    assert d.dtype == torch.float32 and d.shape == (codes.shape[0], k // BLOCK), d.shape
+    assert x.device.type == codes.device.type == "cpu"
+
+
+def q4_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, threads: int) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for a Q4_1 W (codes [N, K/2], d/m [N, K/32]) -> [M, N] float32."""
+    k = codes.shape[1] * 2
+    _check(x, codes, d, k)
+    assert codes.dtype == torch.uint8 and m.shape == d.shape and m.dtype == torch.float32 and m.is_contiguous()
+    lib = _library()
+    assert lib is not None, "cpu_gemv.available() is False"
+    y = torch.empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+    lib.q4_gemm(
+        x.shape[0], codes.shape[0], k, x.data_ptr(), codes.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), threads
+    )
+    return y
+
+
+def q8_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, threads: int) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for a Q8_0 W (codes int8 [N, K], d [N, K/32]) -> [M, N] float32."""
+    k = codes.shape[1]
+    _check(x, codes, d, k)
+    assert codes.dtype == torch.int8
+    lib = _library()
+    assert lib is not None, "cpu_gemv.available() is False"
+    y = torch.empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+    lib.q8_gemm(x.shape[0], codes.shape[0], k, x.data_ptr(), codes.data_ptr(), d.data_ptr(), y.data_ptr(), threads)
+    return y
+
+
+# --- the plain references ---------------------------------------------------------------------------------
+def q4_dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """codes [N, K/2], d/m [N, K/32] -> W [N, K] float32, as gguf's Q4_1 dequantization computes it."""
+    n, g = d.shape
+    blocks = codes.view(n, g, BLOCK // 2)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # [N, G, 32]: low nibbles, then high nibbles
+    return (d[..., None] * q + m[..., None]).view(n, g * BLOCK)
+
+
+def q8_dequantize(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """codes int8 [N, K], d [N, K/32] -> W [N, K] float32 (w = q * d)."""
+    n, g = d.shape
+    return (codes.view(n, g, BLOCK).float() * d[..., None]).view(n, g * BLOCK)
+
+
+def q4_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return x @ q4_dequantize(codes, d, m).T
+
+
+def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return x @ q8_dequantize(codes, d).T

@@ -1,0 +1,61 @@
+"""The default model with its GGUF blocks read by the CPU kernels (engine/cpu_weights.py) against the eager
+float32 model, and lossless speculation on that path against plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.cpu_weights import BlockLinear, unpack
+from specchat.kernels import cpu_gemv
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler")]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis in two sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def eager_engine():
+    from specchat.engine.engine import Engine
+
+    return Engine.load(EngineConfig(device="cpu", dtype="float32", eager=True))
+
+
+def greedy(engine, prompt: str, drafter: str = "none") -> list[int]:
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    return engine.submit(engine.encode_prompt(prompt), params, SpecParams(drafter=drafter)).result().token_ids
+
+
+def test_every_linear_is_packed(default_engine, eager_engine):
+    packed = [m for m in default_engine.model.modules() if isinstance(m, BlockLinear)]
+    assert len(packed) == 4 * default_engine.model.cfg.num_layers + 1  # + lm_head (Q8_0)
+    assert not any(isinstance(m, BlockLinear) for m in eager_engine.model.modules())
+
+
+def test_packed_weights_are_the_float_weights(default_engine):
+    for module in default_engine.model.modules():
+        if isinstance(module, BlockLinear):
+            if module.kind == "q4_1":
+                weight = cpu_gemv.q4_dequantize(module.codes, module.d, module.m)
+            else:
+                weight = cpu_gemv.q8_dequantize(module.codes, module.d)
+            assert torch.equal(weight, module.weight)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_eager(default_engine, eager_engine, prompt):
+    assert greedy(default_engine, prompt) == greedy(eager_engine, prompt)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculation_exact_on_packed_path(default_engine, prompt):
+    assert greedy(default_engine, prompt, "ngram") == greedy(default_engine, prompt)
+
+
+def test_unpack_restores_plain_linears(tiny_engine):
+    assert unpack(tiny_engine.model) == 0  # an HF model has no GGUF blocks: nothing was packed
