@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specchat.config import HF_ARCHITECTURES
-from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer
+from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer, skeleton
 from specchat.engine.weights_cache import read_converted, write_converted
 from specchat.errors import ModelFormatError
 from specchat.quant.checkpoint import is_mxfp4_checkpoint, read_mxfp4_state
@@ -334,8 +334,7 @@ def build_model(
     cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
     """Instantiate the Transformer and load the state dict, checking every shape against the config."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = skeleton(cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state_dict))
     if missing:

@@ -106,7 +106,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # computed on the CPU and moved: under torch.device("meta") the math would run through torch's python
+        # reference ops, whose first call imports torch._dynamo (seconds of every start)
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], fp32 as in HF transformers
@@ -226,3 +230,22 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = x[logits_at]
         return self.lm_head(self.norm(x)).float(), hidden
+
+
+INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_")
+
+
+def skeleton(cfg: ModelConfig) -> Transformer:
+    """The Transformer's modules over meta tensors: shapes only, no memory and no random init, what a checkpoint's
+    tensors are checked against and then assigned to (`load_state_dict(assign=True)`). The init functions are
+    skipped because on the meta device torch runs them through its python reference ops, which import
+    torch._dynamo on first use: 2 s of every start."""
+    saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
+    try:
+        for name in INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            return Transformer(cfg)
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.engine.model import ModelConfig, Transformer
+from specchat.engine.model import ModelConfig, skeleton
 from specchat.errors import ModelFormatError
 from specchat.safetensors_io import read_safetensors
 
@@ -76,8 +76,7 @@ def read_converted(cache: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             fields = json.loads((f.metadata() or {})["config"])
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
         cfg = ModelConfig(**fields)
-        with torch.device("meta"):
-            expected = Transformer(cfg).state_dict()
+        expected = skeleton(cfg).state_dict()
     except Exception as exc:  # a missing or edited config: KeyError, TypeError, ValueError, from json or torch
         raise ModelFormatError(f"{cache}: no usable model config ({type(exc).__name__}: {exc})") from None
     if cfg.tie_embeddings and "embed.weight" in sd:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from specchat.engine.loader import Progress, load_checkpoint
-from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer
+from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer, skeleton
 from specchat.engine.tp.shard import rank_config, shard_packed, shard_state, vocab_rows
 from specchat.errors import ModelFormatError
 from specchat.quant.checkpoint import (
@@ -54,8 +54,8 @@ def build_rank_model(
     cfg: ModelConfig, state: dict[str, torch.Tensor], head_rows: int, dtype: torch.dtype, device: torch.device
 ) -> Transformer:
     """The rank's Transformer (shape `cfg` = rank_config's) from its sliced state, the head `head_rows` rows."""
+    model = skeleton(cfg)
     with torch.device("meta"):
-        model = Transformer(cfg)
         model.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
     expected = model.state_dict()
     for name, ref in expected.items():
