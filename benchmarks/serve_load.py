@@ -3,8 +3,9 @@
     python benchmarks/serve_load.py [--clients 32] [--max-tokens 64] [--device cpu] [--model smollm2-135m]
 
 One engine, one run, its step loop on its own thread on both sides: in-process, the N prompts are submitted at once
-and waited for; over HTTP, the same engine is served on a free port and N threads of the official `openai` client
-stream the same prompts at once.
+and waited for; over HTTP, the same engine is served on a free port and N threads of the official `openai` client,
+spread over --client-procs processes (clients are other programs: they do not share the server's interpreter
+lock), stream the same prompts at once.
 Both sides decode greedily and stop at EOS or --max-tokens, so they do the same work, each from a cold prefix cache,
 in --rounds alternating rounds (best of each side shown). Aggregate tok/s = completion tokens of all requests /
 wall time. Prints a markdown row per side and the ratio.
@@ -13,9 +14,11 @@ wall time. Prints a markdown row per side and the ratio.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import socket
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import openai
@@ -44,8 +47,8 @@ def serve_in_thread(engine: Engine, name: str) -> tuple[uvicorn.Server, threadin
     return server, thread, f"http://127.0.0.1:{port}/v1"
 
 
-def client_run(url: str, name: str, prompts: list[str], max_tokens: int) -> tuple[int, float]:
-    """All prompts at once, one streaming client each -> (completion tokens, wall seconds)."""
+def client_batch(url: str, name: str, prompts: list[str], max_tokens: int) -> int:
+    """One client process: a streaming request per prompt, all at once, one thread each -> completion tokens."""
     tokens = [0] * len(prompts)
 
     def one(i: int) -> None:
@@ -63,12 +66,20 @@ def client_run(url: str, name: str, prompts: list[str], max_tokens: int) -> tupl
                 tokens[i] = chunk.usage.completion_tokens
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return sum(tokens), time.perf_counter() - start
+    return sum(tokens)
+
+
+def client_run(pool: ProcessPoolExecutor, procs: int, url: str, name: str, prompts: list[str], max_tokens: int):
+    """All prompts at once, spread over `procs` client processes (clients are other programs: they do not share
+    the server's interpreter lock) -> (completion tokens, wall seconds)."""
+    start = time.perf_counter()
+    parts = [pool.submit(client_batch, url, name, prompts[i::procs], max_tokens) for i in range(procs)]
+    tokens = sum(part.result() for part in parts)
+    return tokens, time.perf_counter() - start
 
 
 def inprocess_run(engine: Engine, prompts: list[str], sampling: SamplingParams) -> tuple[int, float]:
@@ -86,22 +97,27 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each side is shown")
+    ap.add_argument("--client-procs", type=int, default=4, help="client processes the streaming clients share")
     args = ap.parse_args()
     lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = [lines[i % len(lines)] for i in range(args.clients)]
     engine = Engine.load(EngineConfig(model=args.model, device=args.device, max_running=max(64, args.clients)))
     name = engine.model_spec.alias if engine.model_spec else args.model
     sampling = SamplingParams(max_tokens=args.max_tokens)
-    engine.submit(prompts[0], SamplingParams(max_tokens=4)).result()  # warm-up
+    engine.warm_up(sessions=args.clients)  # on a GPU: every graph the runs replay
+    engine.submit(prompts[0], SamplingParams(max_tokens=4)).result()
     inproc_runs, http_runs = [], []
     engine.start()
     server, thread, url = serve_in_thread(engine, name)
-    client_run(url, name, prompts[:2], 4)  # warm-up over HTTP
+    procs = max(1, min(args.client_procs, args.clients))
+    pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+    client_run(pool, procs, url, name, prompts[:procs], 4)  # warm-up: the client processes start and import
     for _ in range(args.rounds):  # in-process, then HTTP, each from a cold prefix cache
         engine.pool.clear_prefix_cache()
         inproc_runs.append(inprocess_run(engine, prompts, sampling))
         engine.pool.clear_prefix_cache()
-        http_runs.append(client_run(url, name, prompts, args.max_tokens))
+        http_runs.append(client_run(pool, procs, url, name, prompts, args.max_tokens))
+    pool.shutdown()
     server.should_exit = True
     thread.join(10)
     engine.close()

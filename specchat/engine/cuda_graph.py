@@ -110,17 +110,19 @@ class CudaGraphRunner(ModelRunner):
         self.graphs[key] = graph
         return self._replay(graph, batch, key[1])
 
-    def warm_up(self, widths: Seq[int], progress=None) -> None:
-        """Capture the batch-1 graphs of these step widths (1 for plain decode, k + 1 for verification) at the
-        smallest context bucket now, so that a chat's first answer neither compiles kernels nor captures graphs.
-        `progress` hears ("warming up the GPU", done, total)."""
+    def warm_up(self, widths: Seq[int], sessions: int = 1, progress=None) -> None:
+        """Capture the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
+        bucket up to `sessions`' at the smallest context bucket now, so that the first steps neither compile
+        kernels nor capture graphs (~50 ms a graph on the default model). `progress` hears
+        ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
-        for done, q in enumerate(widths, 1):
-            key = (1, q, CTX_BUCKETS[0], ())
+        top = _bucket(min(sessions, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
+        keys = [(b, q, CTX_BUCKETS[0], ()) for b in BATCH_BUCKETS if b <= top for q in widths]
+        for done, key in enumerate(keys, 1):
             if key not in self.graphs:
                 self.graphs[key] = self._capture(*key)
             if progress is not None:
-                progress("warming up the GPU", done, len(widths))
+                progress("warming up the GPU", done, len(keys))
 
     @torch.inference_mode()
     def _replay(self, g: _Graph, batch: StepBatch, q: int) -> StepOutput:
