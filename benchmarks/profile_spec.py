@@ -104,7 +104,8 @@ def main() -> None:
     prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     sampling = SamplingParams(max_tokens=args.max_tokens)
     configs = args.configs.split(",")
-    engine.warm_up(sessions=max(map(int, args.sessions.split(","))))  # every graph the runs replay
+    drafters = [spec_of(c).drafter for c in args.configs.split(",")]
+    engine.warm_up(sessions=max(map(int, args.sessions.split(","))), drafters=drafters)  # every graph replayed
     for config in configs:  # warm-up: drafters built, kernels compiled
         run_sessions(engine, prompts, 8, SamplingParams(max_tokens=16), spec_of(config))
     header = f"{'sessions':>8} {'config':>10} {'tok/s':>8} {'ms/step':>8} {'tok/step':>8}  phases (ms/step, synced)"

@@ -50,7 +50,8 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
     engine = Engine.load(config, progress=StderrProgress())
-    engine.warm_up(StderrProgress(), sessions=max(counts))  # graphs of every batch bucket: none captured mid-run
+    # the graphs of every batch bucket and drafter's taps: none captured mid-run
+    engine.warm_up(StderrProgress(), sessions=max(counts), drafters=[spec.drafter for spec in specs])
     requests = max(counts)  # every count runs the same requests, so their throughputs compare
     results = [run_sessions(engine, prompts, n, sampling, spec, requests=requests) for n in counts for spec in specs]
     if as_json:

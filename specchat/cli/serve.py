@@ -36,8 +36,9 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, **model_ext
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)
     engine = Engine.load(config, progress=StderrProgress())
-    engine.warm_up(StderrProgress(), sessions=config.max_running)  # graphs up to the batch the server admits
     engine.drafter(spec.drafter)  # a drafter that cannot load fails now, not at the first request
+    # graphs up to the batch the server admits, with the default drafter's taps
+    engine.warm_up(StderrProgress(), sessions=config.max_running, drafters=[spec.drafter])
     name = engine.model_spec.alias if engine.model_spec else config.model
     engine.start()
     app = create_app(engine, name, spec)

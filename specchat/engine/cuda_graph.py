@@ -110,14 +110,15 @@ class CudaGraphRunner(ModelRunner):
         self.graphs[key] = graph
         return self._replay(graph, batch, key[1])
 
-    def warm_up(self, widths: Seq[int], sessions: int = 1, progress=None) -> None:
+    def warm_up(self, widths: Seq[int], sessions: int = 1, taps: Seq[Seq[int]] = ((),), progress=None) -> None:
         """Capture the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
-        bucket up to `sessions`' at the smallest context bucket now, so that the first steps neither compile
-        kernels nor capture graphs (~50 ms a graph on the default model). `progress` hears
-        ("warming up the GPU", done, total)."""
+        bucket up to `sessions`' and each set of hidden-state taps, at the smallest context bucket, now: so that
+        the first steps neither compile kernels nor capture graphs (~50 ms a graph on the default model).
+        `progress` hears ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
         top = _bucket(min(sessions, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
-        keys = [(b, q, CTX_BUCKETS[0], ()) for b in BATCH_BUCKETS if b <= top for q in widths]
+        tap_keys = sorted({tuple(sorted(set(t))) for t in taps})
+        keys = [(b, q, CTX_BUCKETS[0], t) for t in tap_keys for b in BATCH_BUCKETS if b <= top for q in widths]
         for done, key in enumerate(keys, 1):
             if key not in self.graphs:
                 self.graphs[key] = self._capture(*key)

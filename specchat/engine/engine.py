@@ -17,7 +17,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
 from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
@@ -127,11 +127,11 @@ class Engine:
             engine.warm_up(progress)
         return engine
 
-    def warm_up(self, progress: Progress | None = None, sessions: int = 1) -> None:
+    def warm_up(self, progress: Progress | None = None, sessions: int = 1, drafters: Iterable[str] = ()) -> None:
         """On CUDA, before the first request: one short prompt through prefill and plain decode (the kernels
         compile, into a Triton cache under $SPECCHAT_HOME that the next start reuses), then the graphs of every
         verification width up to k_max + 1 for each batch bucket up to `sessions` (Engine.load: 1, a chat; serve
-        and bench ask for more). Leaves no cached prefix and fresh metrics. Nothing to do on the CPU or with
+        and bench ask for more), with the hidden-state taps of each of `drafters` too. Leaves no cached prefix and fresh metrics. Nothing to do on the CPU or with
         --eager."""
         capture = getattr(self.runner, "warm_up", None)
         if capture is None:
@@ -140,7 +140,8 @@ class Engine:
             progress("warming up the GPU", 0, 1)
         prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog.")
         self.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0), SpecParams(drafter="none", k=0)).result()
-        capture(range(1, SpecParams().k_max + 2), sessions, progress)
+        taps = [(), *(self.drafter(name).taps for name in drafters)]
+        capture(range(1, SpecParams().k_max + 2), sessions, taps, progress)
         with self._lock:
             self.pool.clear_prefix_cache()
         self.reset_metrics()
