@@ -7,6 +7,7 @@ budget. Engine.load and the draft-model drafter both build from here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,18 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
         native = device.type == "cuda" or cpu_has_native_bf16()
         name = "bfloat16" if native else "float32"
     return TORCH_DTYPES[name]
+
+
+def cpu_threads() -> int:
+    """Torch (and CPU kernel) threads: the cores this process may run on, less those other processes keep busy
+    (the 1-minute load average, rounded), at least 1; as set when OMP_NUM_THREADS is. OpenMP threads wait for
+    each other at the end of every op, so on an oversubscribed core one descheduled thread stalls the step
+    (2 cores at load 8: 1.5-5.7 tok/s with 2 threads, 21 with 1; docs/benchmarks.md)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(cores, cores - busy))
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -124,6 +137,8 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
         tokenizer_dir=tokenizer_dir(spec, path),
         progress=progress,
     )
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads())
     if device.type == "cpu" and not config.eager and path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
     budget = config.kv_memory or default_kv_budget(device)

@@ -55,16 +55,16 @@ static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, c
     const float* dr = d + (size_t)n * G;
     const float* mr = m + (size_t)n * G;
 #ifdef __AVX512F__
-    const __m128i low4 = _mm_set1_epi8(15);
+    /* The 16 values a block's codes can take, w(q) = d * q + m for q = 0..15, looked up per code with one
+       permute; vpermps reads only the low 4 bits of each index, so no masking of the nibbles. */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[MMAX];
     for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-      __m128i b = _mm_loadu_si128((const __m128i*)(qr + g * 16));
-      __m512 dg = _mm512_set1_ps(dr[g]), mg = _mm512_set1_ps(mr[g]);
-      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)));
-      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
-      lo = _mm512_add_ps(_mm512_mul_ps(lo, dg), mg);
-      hi = _mm512_add_ps(_mm512_mul_ps(hi, dg), mg);
+      __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qr + g * 16)));
+      __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(dr[g])), _mm512_set1_ps(mr[g]));
+      __m512 lo = _mm512_permutexvar_ps(idx, table);
+      __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
       for (int i = 0; i < rows; i++) {
         const float* xg = x + (size_t)i * K + g * 32;
         acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), lo, acc[i]);
