@@ -1,0 +1,165 @@
+"""The default model's GGUF on the CPU: specchat against HF transformers and llama.cpp, same prompts, one run.
+
+    python benchmarks/cpu_peers.py [--runs 3] [--new-tokens 128] [--threads N] [--skip-hf]
+
+Every engine decodes the same file (the default model's Q4_1 GGUF), greedy, --new-tokens tokens per prompt with
+EOS ignored, on the same cores (--threads, default: what specchat picks, engine/loading.cpu_threads). Decode rate
+= (new tokens - 1) / (generation time - time to the first token), so each prompt's prefill is left out; the
+figure per engine is the median over prompts x runs, the runs interleaved across engines so a change in the
+machine's load hits all of them. Rows: specchat per dtype, weights (the GGUF blocks read by the CPU kernels, or
+dequantized float32 with --eager) and drafter; HF transformers (dequantizes the GGUF to float32 / bf16); llama.cpp
+through llama-cpp-python, when it is installed. It is never a dependency of specchat; to include it:
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python   # builds llama.cpp from source (~10-20 min)
+
+Also measured: load to first token (engine load + the first prompt's first token) with the model cached.
+Prints a markdown table with the command, date, machine, load average and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import time
+from datetime import UTC, datetime
+
+import torch
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table works and when to use one.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+]
+
+
+def specchat_rates(config, drafter: str, prompts: list[list[int]], new_tokens: int, engine=None):
+    from specchat import Engine, SamplingParams
+    from specchat.config import SpecParams
+
+    if engine is None:
+        engine = Engine.load(config)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    spec = SpecParams(drafter=drafter)
+    return engine, [engine.submit(ids, params, spec).result().tok_per_s for ids in prompts]
+
+
+def hf_rates(model, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    rates = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, **kwargs)
+            t1 = time.perf_counter()
+            model.generate(x, max_new_tokens=new_tokens, **kwargs)
+            t2 = time.perf_counter()
+            rates.append((new_tokens - 1) / ((t2 - t1) - (t1 - t0)))
+    return rates
+
+
+def llama_rates(llm, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    rates = []
+    for ids in prompts:
+        llm.reset()
+        first = 0.0
+        for count, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), 1):  # greedy, past EOS
+            if count == 1:
+                first = time.perf_counter()
+            if count == new_tokens:
+                break
+        rates.append((new_tokens - 1) / (time.perf_counter() - first))
+    return rates
+
+
+def load_to_first_token(config, prompt: str) -> float:
+    from specchat import Engine, SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine.load(config)
+    handle = engine.submit(engine.encode_prompt(prompt), SamplingParams(max_tokens=1))
+    handle.result()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="default: specchat's choice (cpu_threads)")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    from specchat import EngineConfig
+    from specchat.engine.loading import cpu_threads
+    from specchat.registry import fetch, resolve
+
+    threads = args.threads or cpu_threads()
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # specchat's loader keeps this count
+    torch.set_num_threads(threads)
+    path = fetch(resolve("smollm2-135m"))
+    load_s = load_to_first_token(EngineConfig(device="cpu"), PROMPTS[0])
+
+    variants = {  # name -> (EngineConfig kwargs, drafter)
+        "specchat default (auto: float32 + GGUF blocks), plain": ({}, "none"),
+        "specchat default, ngram drafter": ({}, "ngram"),
+        "specchat float32 --eager (dequantized), plain": ({"dtype": "float32", "eager": True}, "none"),
+        "specchat float32 --eager, ngram drafter": ({"dtype": "float32", "eager": True}, "ngram"),
+        "specchat bfloat16 --eager, plain": ({"dtype": "bfloat16", "eager": True}, "none"),
+    }
+    engines: dict[tuple, object] = {}
+    runners = {}
+    for name, (kwargs, drafter) in variants.items():
+        key = tuple(sorted(kwargs.items()))
+        config = EngineConfig(device="cpu", **kwargs)
+        if key not in engines:
+            engines[key], _ = specchat_rates(config, drafter, [], args.new_tokens)
+        engine = engines[key]
+        ids = [engine.encode_prompt(p) for p in PROMPTS]
+        runners[name] = lambda c=config, d=drafter, e=engine, p=ids: specchat_rates(c, d, p, args.new_tokens, e)[1]
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        for dtype in (torch.float32, torch.bfloat16):
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=dtype)
+            hf.eval()
+            runners[f"HF transformers {str(dtype)[6:]} (GGUF dequantized)"] = lambda m=hf, p=ids: hf_rates(
+                m, p, args.new_tokens
+            )
+    try:
+        from llama_cpp import Llama
+
+        llm = Llama(str(path), n_threads=threads, n_ctx=1024, verbose=False)
+        runners["llama.cpp (llama-cpp-python, Q4_1 as stored)"] = lambda p=ids: llama_rates(llm, p, args.new_tokens)
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp row (see this script's docstring)")
+
+    for run in runners.values():  # warm-up
+        run()
+    results: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.runs):
+        for name, run in runners.items():
+            results[name].extend(run())
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    print(f"`python benchmarks/cpu_peers.py --runs {args.runs}` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {cpu} ")
+    print(f"({platform.machine()}, {os.cpu_count()} cores, {threads} threads), load average {os.getloadavg()[0]:.1f}")
+    print(f"at the end, torch {torch.__version__}, commit {commit}; {args.new_tokens} new tokens x {len(PROMPTS)} ")
+    print(f"prompts x {args.runs} runs; load to first token (default settings, cached): {load_s:.2f} s")
+    print()
+    base = statistics.median(results.get("HF transformers float32 (GGUF dequantized)", [float("nan")]))
+    llama = statistics.median(results.get("llama.cpp (llama-cpp-python, Q4_1 as stored)", [float("nan")]))
+    print("| engine | decode tok/s (median) | min | max | vs HF fp32 | vs llama.cpp |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, rates in results.items():
+        med = statistics.median(rates)
+        print(f"| {name} | {med:.1f} | {min(rates):.1f} | {max(rates):.1f} | {med / base:.2f}x | {med / llama:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
