@@ -42,6 +42,8 @@ class KVBatch:
         self.all_fresh = q_lens == ctx_lens
         self._metadata: AttentionMetadata | None = None
         self._ctx_index: list[torch.Tensor | slice] | None = None
+        self._split_parts: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None
+        self._fresh_lens: list[int] = []
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation."""
@@ -50,20 +52,63 @@ class KVBatch:
         store.write(layer, self.new_slots, k, v)
         if self.all_fresh:
             out = self._attend_fresh(q, k, v)
-        elif self.pool.device.type == "cuda" and paged_attention_supported(
-            q.shape[-1], q.shape[1] // k.shape[1], max(self.q_lens)
-        ):
+        elif self._paged(q, k, max(self.q_lens)):
             out = paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
+        elif self._paged(q, k, max(n for n, c in zip(self.q_lens, self.ctx_lens, strict=True) if n != c)):
+            out = self._attend_split(layer, q, k, v)
         else:
             out = self._attend_gathered(layer, q)
         return store.rotate(out)
 
+    def _paged(self, q: torch.Tensor, k: torch.Tensor, max_q: int) -> bool:
+        """The paged-attention kernel takes requests of up to `max_q` new tokens here."""
+        return self.pool.device.type == "cuda" and paged_attention_supported(
+            q.shape[-1], q.shape[1] // k.shape[1], max_q
+        )
+
+    def _attend_split(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A step that mixes fresh prompts with decoding / verifying requests (a new request admitted beside
+        running ones): the prompts attend to their own keys, the others go through the paged kernel together,
+        instead of every request reading its context back one at a time."""
+        fresh_rows, paged_rows, paged_meta = self._split()
+        out = torch.empty_like(q)
+        out[fresh_rows] = self._causal_each(q[fresh_rows], k[fresh_rows], v[fresh_rows], self._fresh_lens)
+        out[paged_rows] = paged_attention(
+            q[paged_rows], self.store.k[layer], self.store.v[layer], paged_meta, self.scale
+        )
+        return out
+
+    def _split(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Rows of the fresh prompts and of the cached requests, and the cached requests' metadata (once a step)."""
+        if self._split_parts is None:
+            fresh, cached, start = [], [], 0
+            self._fresh_lens = []
+            for n, c, table in zip(self.q_lens, self.ctx_lens, self.tables, strict=True):
+                if n == c:
+                    fresh.extend(range(start, start + n))
+                    self._fresh_lens.append(n)
+                else:
+                    cached.append((range(start, start + n), n, c, table))
+                start += n
+            device = self.new_slots.device
+            meta = AttentionMetadata.build(
+                [t for *_, t in cached], [n for _, n, _, _ in cached], [c for _, _, c, _ in cached],
+                self.pool.page_size, device,
+            )  # fmt: skip
+            rows = [r for part, *_ in cached for r in part]
+            self._split_parts = (torch.tensor(fresh, device=device), torch.tensor(rows, device=device), meta)
+        return self._split_parts
+
     def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._causal_each(q, k, v, self.q_lens)
+
+    def _causal_each(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """Causal attention of consecutive prompts of these lengths, each over its own keys (no page read)."""
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
-        if len(self.q_lens) == 1:
+        if len(lens) == 1:
             return causal_attention(q, kh, vh, self.scale)
         outs, start = [], 0
-        for n in self.q_lens:
+        for n in lens:
             rows = slice(start, start + n)
             outs.append(causal_attention(q[rows], kh[:, rows], vh[:, rows], self.scale))
             start += n

@@ -9,6 +9,7 @@ import torch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import bytes_per_token, hadamard, rotation_matrix
 from specchat.errors import KVCacheFullError
+from tests.conftest import save_tiny_hf
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 2, 2, 64, 4
 
@@ -216,3 +217,29 @@ def test_convert_moves_pages_past_the_end_of_a_smaller_pool():
     pool.convert("fp32")
     assert pool.num_pages == 2 and sorted(pool.tables[2]) == [0, 1]
     torch.testing.assert_close(context(pool, 2), before)
+
+
+def test_the_split_of_a_mixed_step_equals_reading_every_context_back(tmp_path, monkeypatch):
+    """A step that admits a prompt beside decoding / verifying requests splits on CUDA: the prompt attends to its
+    own keys, the others go through the paged kernel together (KVBatch._attend_split). The same split, with the
+    kernel's torch reference in its place, gives the gathered path's logits on the CPU; the CUDA run of the
+    kernel itself is tests/engine/test_kv_cuda.py's."""
+    import specchat.engine.kv_batch as kv_batch
+    from specchat.kernels.attention import paged_attention_reference
+    from tests.engine.test_kv_cuda import mixed_step_logits
+
+    path = save_tiny_hf(tmp_path, {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}, seed=3)
+    gathered = mixed_step_logits(path, "cpu")
+    monkeypatch.setattr(kv_batch, "paged_attention", paged_attention_reference)
+    monkeypatch.setattr(kv_batch.KVBatch, "_paged", lambda self, q, k, max_q: max_q <= 9)
+    split = []
+    original = kv_batch.KVBatch._attend_split
+
+    def counted(self, *args):
+        split.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(kv_batch.KVBatch, "_attend_split", counted)
+    for got, want in zip(mixed_step_logits(path, "cpu"), gathered, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert split  # the mixed step took the split

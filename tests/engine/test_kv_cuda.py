@@ -47,3 +47,26 @@ def test_cuda_kernel_path_matches_cpu_reference(tmp_path, kv_format):
     cpu, cuda = run_steps(path, "cpu", kv_format), run_steps(path, "cuda", kv_format)
     for a, b in zip(cpu, cuda, strict=True):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
+def mixed_step_logits(path, device: str) -> list[torch.Tensor]:
+    """Two requests decode / verify while a third is admitted: the admitting step mixes a fresh prompt with
+    cached requests (on CUDA the prompt attends to its own keys, the others through the paged kernel)."""
+    cfg, state = load_checkpoint(path)
+    model = build_model(cfg, state, torch.float32, device)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16, torch.float32, device)
+    runner = ModelRunner(model, pool)
+    ids = torch.randint(0, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b, c = ids[:30], ids[30:55], ids[55:]
+    for seq, prompt in enumerate((a, b)):
+        pool.add(seq, prompt)
+        runner.forward(StepBatch([seq], [prompt], [0], [1]))
+    pool.add(2, c)
+    mixed = StepBatch([0, 2, 1], [a[:1], c, b[:5]], [30, 0, 25], [1, 1, 5])
+    return [out.cpu() for out in runner.forward(mixed).logits]
+
+
+def test_a_step_admitting_a_prompt_beside_running_requests_matches_the_reference(tmp_path):
+    path = save_tiny_hf(tmp_path, {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}, seed=3)
+    for got, want in zip(mixed_step_logits(path, "cuda"), mixed_step_logits(path, "cpu"), strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
