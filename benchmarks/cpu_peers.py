@@ -7,7 +7,7 @@ EOS ignored, on the same cores (--threads, default: what specchat picks, engine/
 = (new tokens - 1) / (generation time - time to the first token), so each prompt's prefill is left out; the
 figure per engine is the median over prompts x runs, the runs interleaved across engines so a change in the
 machine's load hits all of them. Rows: specchat per dtype, weights (the GGUF blocks read by the CPU kernels, or
-dequantized float32 with --eager) and drafter; HF transformers (dequantizes the GGUF to float32 / bf16); llama.cpp
+dequantized float32 with --eager) and drafter; HF transformers (its own GGUF loader); llama.cpp
 through llama-cpp-python, when it is installed. It is never a dependency of specchat; to include it:
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python   # builds llama.cpp from source (~10-20 min)
@@ -126,7 +126,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=dtype)
             hf.eval()
-            runners[f"HF transformers {str(dtype)[6:]} (GGUF dequantized)"] = lambda m=hf, p=ids: hf_rates(
+            runners[f"HF transformers {str(dtype)[6:]} (its GGUF loader)"] = lambda m=hf, p=ids: hf_rates(
                 m, p, args.new_tokens
             )
     try:
@@ -152,7 +152,7 @@ def main() -> None:
     print(f"at the end, torch {torch.__version__}, commit {commit}; {args.new_tokens} new tokens x {len(PROMPTS)} ")
     print(f"prompts x {args.runs} runs; load to first token (default settings, cached): {load_s:.2f} s")
     print()
-    base = statistics.median(results.get("HF transformers float32 (GGUF dequantized)", [float("nan")]))
+    base = statistics.median(results.get("HF transformers float32 (its GGUF loader)", [float("nan")]))
     llama = statistics.median(results.get("llama.cpp (llama-cpp-python, Q4_1 as stored)", [float("nan")]))
     print("| engine | decode tok/s (median) | min | max | vs HF fp32 | vs llama.cpp |")
     print("|---|---:|---:|---:|---:|---:|")
