@@ -100,6 +100,23 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling {kind!r}")
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose random init is skipped on the meta device: a skeleton that a checkpoint fills. There, torch
+    runs the init through its python reference ops, whose first call imports torch._dynamo: 2 s of every start."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose random init is skipped on the meta device (as Linear's)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin of position x frequency, computed for the positions at hand (no table, no host sync: the
     same in eager mode and inside a CUDA graph)."""
@@ -154,8 +171,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         # q, k and v projections fused into one matrix: one weight read per step instead of three.
-        self.wqkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.wo = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = Rotary()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
@@ -174,8 +191,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w_gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,11 +216,11 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -232,20 +249,8 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)).float(), hidden
 
 
-INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_")
-
-
 def skeleton(cfg: ModelConfig) -> Transformer:
     """The Transformer's modules over meta tensors: shapes only, no memory and no random init, what a checkpoint's
-    tensors are checked against and then assigned to (`load_state_dict(assign=True)`). The init functions are
-    skipped because on the meta device torch runs them through its python reference ops, which import
-    torch._dynamo on first use: 2 s of every start."""
-    saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
-    try:
-        for name in INIT_FUNCTIONS:
-            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        with torch.device("meta"):
-            return Transformer(cfg)
-    finally:
-        for name, function in saved.items():
-            setattr(nn.init, name, function)
+    tensors are checked against and then assigned to (`load_state_dict(assign=True)`)."""
+    with torch.device("meta"):
+        return Transformer(cfg)

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from specchat.engine.loader import Progress, load_checkpoint
-from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer, skeleton
+from specchat.engine.model import Linear, ModelConfig, RotaryEmbedding, Transformer, skeleton
 from specchat.engine.tp.shard import rank_config, shard_packed, shard_state, vocab_rows
 from specchat.errors import ModelFormatError
 from specchat.quant.checkpoint import (
@@ -56,7 +55,7 @@ def build_rank_model(
     """The rank's Transformer (shape `cfg` = rank_config's) from its sliced state, the head `head_rows` rows."""
     model = skeleton(cfg)
     with torch.device("meta"):
-        model.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
+        model.lm_head = Linear(cfg.hidden_size, head_rows, bias=False)
     expected = model.state_dict()
     for name, ref in expected.items():
         got = state.get(name)
