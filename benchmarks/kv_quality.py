@@ -1,7 +1,7 @@
 """KV page formats on the default model: bytes per token, perplexity through the real paged cache, and how many
 greedy tokens agree with the bf16-KV run.
 
-    python benchmarks/kv_quality.py [--texts dev,heldout] [--tokens 64] [--device cpu]
+    python benchmarks/kv_quality.py [--texts dev,heldout,prose] [--tokens 64] [--device cpu]
 
 Perplexity is `specchat perplexity`'s sliding window (context 1024, stride 512): every scored token reads its
 whole context, itself included, back from the pages, so each variant's quantization applies as in a chat.
@@ -27,7 +27,7 @@ from specchat.cli.perplexity import perplexity
 from specchat.config import EngineConfig, SamplingParams
 from specchat.engine.engine import Engine
 
-TEXTS = {"dev": "dev_queue.txt", "heldout": "heldout_textwrap.txt"}
+TEXTS = {"dev": "dev_queue.txt", "heldout": "heldout_textwrap.txt", "prose": "heldout_langref.txt"}
 VARIANTS = {  # name -> (page format, rotate, MXFP4 scale rule)
     "bf16": ("bf16", False, "mse"),
     "fp32": ("fp32", False, "mse"),

@@ -27,7 +27,7 @@ from specchat.kernels.mxfp4 import dequantize_mxfp4, mxfp4_nbytes, quantize_mxfp
 from specchat.quant.gptq import GptqSettings, calibrate, calibration_sequences, calibration_text
 from specchat.quant.modules import fp4_modules, round_to_nearest, select_linears, swap_modules
 
-TEXTS = {"heldout": HELD_OUT_TEXT, "dev": "dev_queue.txt"}
+TEXTS = {"heldout": HELD_OUT_TEXT, "prose": "heldout_langref.txt", "dev": "dev_queue.txt"}
 FIRST_LAST_DOWN = "blocks,-layers.0.mlp.w_down,-layers.29.mlp.w_down"
 FIRST_LAST_BLOCK = "blocks,-layers.0.*,-layers.29.*"
 ALL_CALIBRATION_TOKENS = 1 << 20
@@ -112,7 +112,7 @@ def run_variant(engine: Engine, variant: Variant, texts: dict, calib_ids: list[i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--texts", default="heldout,dev", help="comma list of heldout | dev | file paths")
+    parser.add_argument("--texts", default="heldout,dev", help="comma list of heldout | prose | dev | file paths")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of: {', '.join(VARIANTS)}")
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
     parser.add_argument("--stride", type=int, default=DEFAULT_STRIDE)
