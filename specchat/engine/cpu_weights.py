@@ -167,7 +167,7 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
     modules = dict(model.named_modules())
     for name, (kind, arrays) in blocks.items():
         linear = modules.get(name)
-        if type(linear) is not nn.Linear or kind not in ("q4_1", "q8_0"):
+        if not isinstance(linear, nn.Linear) or isinstance(linear, BlockLinear) or kind not in ("q4_1", "q8_0"):
             continue
         if arrays[0].shape[0] != linear.out_features or arrays[1].shape[1] * 32 != linear.in_features:
             continue
