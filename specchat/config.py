@@ -88,6 +88,7 @@ class EngineConfig:
     dtype: str | None = None  # None or "auto": bfloat16 on CUDA and on CPUs with native bf16, else float32
     kv_format: str = "auto"  # "auto" = the model dtype
     kv_rotation: bool = True  # Hadamard-rotate keys/values before quantizing them (mxfp4, k8v4)
+    kv_key_transform: bool = True  # mxfp4 pages: the calibrated key transform before the rotation (kv_transform)
     kv_memory: int | None = None  # bytes for the KV pool; None = a default for the device
     page_size: int = 16
     max_batch_tokens: int = 2048

@@ -46,9 +46,9 @@ class KVBatch:
         self._fresh_lens: list[int] = []
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation."""
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation and the key transform."""
         store = self.store
-        q, k, v = store.rotate(q), store.rotate(k), store.rotate(v)
+        q, k, v = store.rotate_queries(layer, q), store.rotate_keys(layer, k), store.rotate(v)
         store.write(layer, self.new_slots, k, v)
         if self.all_fresh:
             out = self._attend_fresh(q, k, v)

@@ -18,12 +18,13 @@ past its length, and a page it must rewrite after `truncate` or `fork` is copied
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specchat.engine.kv_batch import KVBatch
-from specchat.engine.kv_pages import PageStore, bytes_per_token, format_for_dtype
+from specchat.engine.kv_pages import KEY_TRANSFORM_FORMATS, PageStore, bytes_per_token, format_for_dtype
 from specchat.errors import KVCacheFullError
 
 ROOT_KEY = 0  # parent key of a request's first page
@@ -52,6 +53,7 @@ class KVPool:
         device: torch.device | str,
         kv_format: str = "auto",
         rotate: bool = True,
+        key_transform: Callable[[], torch.Tensor] | None = None,
     ) -> None:
         if num_pages <= 0:
             raise KVCacheFullError("the KV memory budget is too small for a single page")
@@ -61,7 +63,12 @@ class KVPool:
         fmt = format_for_dtype(dtype) if kv_format == "auto" else kv_format
         self.rotate = rotate
         self.budget_bytes = num_pages * page_size * bytes_per_token(fmt, num_layers, num_kv_heads, head_dim)
-        self.store = PageStore(fmt, num_layers, num_kv_heads, head_dim, num_pages * page_size, self.device, rotate)
+        self._key_transform_source = key_transform  # makes A on first need (kv_transform.load_or_calibrate)
+        self._key_transform: torch.Tensor | None = None
+        self.store = PageStore(
+            fmt, num_layers, num_kv_heads, head_dim, num_pages * page_size, self.device, rotate,
+            **self._transform_args(fmt, rotate),
+        )  # fmt: skip
         self._reset_pages(num_pages)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
@@ -77,6 +84,14 @@ class KVPool:
         self.published: dict[int, CachedPage] = {}  # page -> what it holds
         self.index: dict[int, int] = {}  # prefix key -> page
 
+    def _transform_args(self, fmt: str, rotate: bool) -> dict:
+        """{"key_transform": A} for a page format that uses the calibrated key transform, else {}."""
+        if fmt not in KEY_TRANSFORM_FORMATS or not rotate or self._key_transform_source is None:
+            return {}
+        if self._key_transform is None:
+            self._key_transform = self._key_transform_source()
+        return {"key_transform": self._key_transform}
+
     @classmethod
     def from_budget(
         cls,
@@ -89,10 +104,11 @@ class KVPool:
         device: torch.device | str,
         kv_format: str = "auto",
         rotate: bool = True,
+        key_transform: Callable[[], torch.Tensor] | None = None,
     ) -> KVPool:
         fmt = format_for_dtype(dtype) if kv_format == "auto" else kv_format
         num_pages = budget_bytes // (bytes_per_token(fmt, num_layers, num_kv_heads, head_dim) * page_size)
-        return cls(num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device, fmt, rotate)
+        return cls(num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device, fmt, rotate, key_transform)
 
     # --- accounting -------------------------------------------------------------------------------------
     @property
@@ -362,6 +378,7 @@ class KVPool:
             self._page_slots([new_id[p] for p in order]),
             rotate,
             rule,
+            **self._transform_args(fmt, rotate),
         )
         self.rotate = rotate
 

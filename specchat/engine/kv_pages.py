@@ -13,6 +13,10 @@ dividing head_dim). It spreads outlier channels over the whole block, so the sha
 better. Queries are rotated alike, so scores are unchanged: (qR)(kR)^T = q k^T. Values come out rotated,
 sum_j p_j v_j R, and the output is rotated back by R^T = R (a symmetric Sylvester matrix). Dense formats are
 stored unrotated: there it would only cost time.
+
+Key transform (optional, `key_transform`): before the rotation, each KV head's keys are multiplied by a calibrated
+matrix A of its layer and the queries by A^-T, so scores are still unchanged: (q A^-T R)(k A R)^T = q k^T. Values
+are untouched by it. A comes from kv_transform (calibrated once per model); KVPool uses it for "mxfp4" pages.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from specchat.kernels.mxfp4 import BLOCK_SIZE
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZED_FORMATS = {"mxfp4": (MXFP4, MXFP4), "k8v4": (MXFP8, MXFP4)}  # (key, value) element formats
 PAGE_FORMATS = (*DENSE_FORMATS, *QUANTIZED_FORMATS)
+KEY_TRANSFORM_FORMATS = ("mxfp4",)  # formats whose keys KVPool transforms (calibrated; k8v4 gained nothing from it)
 assert set(PAGE_FORMATS) == set(KV_FORMATS), "config.KV_FORMATS names every page format, and only those"
 CONVERT_CHUNK_SLOTS = 4096  # rows converted at once by a format switch (bounds its scratch memory)
 
@@ -78,6 +83,7 @@ class PageStore:
         device: torch.device,
         rotate: bool = True,
         rule: str = DEFAULT_RULE,
+        key_transform: torch.Tensor | None = None,
     ) -> None:
         if fmt in QUANTIZED_FORMATS and head_dim % BLOCK_SIZE:
             raise ConfigError(
@@ -93,6 +99,13 @@ class PageStore:
         quantized = fmt in QUANTIZED_FORMATS
         self.rotation = rotation_matrix(head_dim).to(device) if quantized and rotate else None  # [D, D]
         self._rotation_in: dict[torch.dtype, torch.Tensor] = {}  # the rotation cast to each activation dtype
+        self.key_transform = key_transform  # A [layers, KVH, D, D] or None
+        self._kmat = self._qmat = self._kinv = None  # A R, A^-T R and R^T A^-1 (float32, on the device)
+        if key_transform is not None:
+            a = key_transform.double()
+            r = (torch.eye(head_dim) if self.rotation is None else self.rotation.cpu()).double()
+            inv = torch.linalg.inv(a)
+            self._kmat, self._qmat, self._kinv = (m.float().to(device) for m in (a @ r, inv.mT @ r, r.T @ inv))
 
     def _add_layer(self) -> None:
         k_fmt, v_fmt = element_formats(self.name)
@@ -113,6 +126,25 @@ class PageStore:
         if x.dtype not in self._rotation_in:
             self._rotation_in[x.dtype] = self.rotation.to(x.dtype)
         return x @ self._rotation_in[x.dtype]
+
+    def rotate_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """k [T, KVH, D] -> k A R (k R without a key transform): what the pages store."""
+        if self._kmat is None:
+            return self.rotate(k)
+        return torch.einsum("thd,hde->the", k.float(), self._kmat[layer]).to(k.dtype)
+
+    def rotate_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] -> q A^-T R, the A of each query head's KV head (q R without a key transform)."""
+        if self._qmat is None:
+            return self.rotate(q)
+        qg = q.float().unflatten(1, (self.num_kv_heads, -1))  # [T, KVH, G, D]
+        return torch.einsum("thgd,hde->thge", qg, self._qmat[layer]).flatten(1, 2).to(q.dtype)
+
+    def unrotate_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """The inverse of rotate_keys: stored keys [T, KVH, D] -> the model's keys."""
+        if self._kinv is None:
+            return self.rotate(k)
+        return torch.einsum("the,hed->thd", k.float(), self._kinv[layer]).to(k.dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [T, KVH, D] (already rotated) at slots [T]."""
@@ -135,18 +167,20 @@ class PageStore:
         dst: torch.Tensor,
         rotate: bool = True,
         rule: str = DEFAULT_RULE,
+        key_transform: torch.Tensor | None = None,
     ) -> PageStore:
         """A new store in format fmt holding rows src of this one at dst; this store is emptied layer by layer.
 
         Peak memory is about the larger of the two stores plus one layer, not both.
         """
-        other = PageStore(fmt, 0, self.num_kv_heads, self.head_dim, num_slots, self.device, rotate, rule)
+        other = PageStore(fmt, 0, self.num_kv_heads, self.head_dim, num_slots, self.device, rotate, rule, key_transform)
         for layer in range(len(self.k)):
             other._add_layer()
             for lo in range(0, src.numel(), CONVERT_CHUNK_SLOTS):
                 s, d = src[lo : lo + CONVERT_CHUNK_SLOTS], dst[lo : lo + CONVERT_CHUNK_SLOTS]
                 k, v = self.read(layer, s, torch.float32)  # [KVH, n, D], in this store's basis
-                k, v = other.rotate(self.rotate(k)), other.rotate(self.rotate(v))
-                other.write(layer, d, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+                k = other.rotate_keys(layer, self.unrotate_keys(layer, k.transpose(0, 1)))
+                v = other.rotate(self.rotate(v)).transpose(0, 1)
+                other.write(layer, d, k.contiguous(), v.contiguous())
             self.k[layer] = self.v[layer] = None
         return other

@@ -16,6 +16,7 @@ import torch
 from specchat.config import EngineConfig
 from specchat.engine.cpu_weights import pack_blocks
 from specchat.engine.kv_cache import KVPool
+from specchat.engine.kv_transform import load_or_calibrate
 from specchat.engine.loader import Progress, build_model, load_checkpoint
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
@@ -153,5 +154,10 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
         device,
         config.kv_format,
         rotate=config.kv_rotation,
+        key_transform=(
+            (lambda: load_or_calibrate(model, tokenizer.encode, path, weights.current))
+            if config.kv_key_transform
+            else None
+        ),
     )
     return LoadedModel(spec, model, tokenizer, pool, weights)
