@@ -13,6 +13,7 @@ benchmarks/kv_key_transforms.py and docs/benchmarks.md ("Key transforms before M
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -117,7 +118,7 @@ def load_or_calibrate(
             pass
     transform = calibrate(model, encode, text)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two processes calibrating at once each write whole
     save_file({"transform": transform.contiguous()}, tmp, metadata={"text": digest})
     tmp.replace(path)
     return transform
