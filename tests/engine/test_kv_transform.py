@@ -3,6 +3,8 @@ mean it claims, cached per model and reused, and consistent across a KV format s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -140,3 +142,29 @@ def test_a_format_switch_reencodes_transformed_keys(route):
     assert pool.store.key_transform is None
     torch.testing.assert_close(model_keys(pool, 1)[0], k, atol=0.5, rtol=0.5)  # MXFP4 twice: close, not equal
     assert len(calls) == 1  # made once, reused by the second switch to mxfp4
+
+
+def test_the_engine_makes_it_on_first_need_and_keeps_it_across_switches(tmp_path, monkeypatch):
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path / "home"))
+    path = save_tiny_hf(tmp_path / "model", TINY, seed=3)
+    calls = []
+    real = kv_transform.calibrate
+    monkeypatch.setattr(kv_transform, "calibrate", lambda *a: calls.append(1) or real(*a))
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32", kv_memory=8 << 20)
+    engine = Engine.load(config)
+    assert engine.pool.store.key_transform is None and not calls  # dense pages: not made
+    engine.set_kv("mxfp4")
+    made = engine.pool.store.key_transform
+    assert made is not None and calls == [1] and kv_transform.cache_path(path, "bf16").is_file()
+    engine.set_kv("k8v4")
+    assert engine.pool.store.key_transform is None
+    engine.set_kv("mxfp4")
+    assert engine.pool.store.key_transform is made and calls == [1]
+    again = Engine.load(dataclasses.replace(config, kv_format="mxfp4"))
+    torch.testing.assert_close(again.pool.store.key_transform, made, atol=0, rtol=0)
+    assert calls == [1]  # read from the cache
+    off = Engine.load(dataclasses.replace(config, kv_format="mxfp4", kv_key_transform=False))
+    assert off.pool.store.key_transform is None
