@@ -54,13 +54,14 @@ def test_store_transform_keeps_scores_and_inverts():
         torch.testing.assert_close(store.unrotate_keys(layer, tk), k, atol=1e-5, rtol=1e-5)
 
 
-def step_logits(path, pool_format: str, key_transform) -> list[torch.Tensor]:
-    """Prefill two prompts, then a step mixing decode, verify and a fresh prompt (the fresh and gathered paths)."""
+def step_logits(path, pool_format: str, key_transform, device: str = "cpu") -> list[torch.Tensor]:
+    """Prefill two prompts, then a step mixing decode, verify and a fresh prompt (on the CPU the fresh and gathered
+    paths; on CUDA the split with the paged kernel)."""
     cfg, state = load_checkpoint(path)
-    model = build_model(cfg, state, torch.float32, "cpu")
+    model = build_model(cfg, state, torch.float32, device)
     source = None if key_transform is None else (lambda: key_transform(model, cfg))
     pool = KVPool(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16, torch.float32, "cpu", pool_format, key_transform=source
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16, torch.float32, device, pool_format, key_transform=source
     )
     assert (pool.store.key_transform is not None) == (key_transform is not None)
     runner = ModelRunner(model, pool)
@@ -72,23 +73,36 @@ def step_logits(path, pool_format: str, key_transform) -> list[torch.Tensor]:
         outs += runner.forward(StepBatch([seq], [prompt], [0], [len(prompt)])).logits
     pool.add(2, c)
     outs += runner.forward(StepBatch([0, 2, 1], [a[:1], c, b[:5]], [30, 0, 25], [1, 1, 5])).logits
-    return outs
+    return [out.cpu() for out in outs]
 
 
-def test_transformed_attention_equals_plain_attention_without_quantization(tmp_path, monkeypatch):
+def calibrated(model, cfg):
+    a = kv_transform.calibrate(model, char_encode(cfg.vocab_size))
+    assert a.shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+    assert not torch.allclose(a, torch.eye(cfg.head_dim).expand_as(a), atol=1e-2)
+    return a
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize(("device", "tol"), [("cpu", 1e-5), pytest.param("cuda", 1e-4, marks=CUDA)])
+def test_transformed_attention_equals_plain_attention_without_quantization(tmp_path, monkeypatch, device, tol):
     """fp32 pages with the calibrated transform (allowed for fp32 here) give the untransformed logits."""
     path = save_tiny_hf(tmp_path, TINY, seed=3)
-    plain = step_logits(path, "fp32", None)
+    plain = step_logits(path, "fp32", None, device)
     monkeypatch.setattr(kv_cache, "KEY_TRANSFORM_FORMATS", ("fp32",))
+    for got, want in zip(step_logits(path, "fp32", calibrated, device), plain, strict=True):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
-    def calibrated(model, cfg):
-        a = kv_transform.calibrate(model, char_encode(cfg.vocab_size))
-        assert a.shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
-        assert not torch.allclose(a, torch.eye(cfg.head_dim).expand_as(a), atol=1e-2)
-        return a
 
-    for got, want in zip(step_logits(path, "fp32", calibrated), plain, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+@CUDA
+def test_transformed_mxfp4_pages_on_cuda_match_the_cpu_reference(tmp_path):
+    """The Triton quantize and paged-attention kernels over transformed keys and queries, against the CPU."""
+    path = save_tiny_hf(tmp_path, TINY, seed=3)
+    cpu = step_logits(path, "mxfp4", calibrated, "cpu")
+    for got, want in zip(step_logits(path, "mxfp4", calibrated, "cuda"), cpu, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 def test_the_transform_is_cached_per_model_and_reused(tmp_path, monkeypatch):
