@@ -54,7 +54,9 @@ def model_options(func):
     @click.option(
         "--kv-memory", default=None, help="KV cache size, e.g. 512M or 8G (default: 1G on CPU, half the free GPU)"
     )
-    @click.option("--eager", is_flag=True, help="plain PyTorch modules: no fused kernels, CUDA graphs or CPU block kernels")
+    @click.option(
+        "--eager", is_flag=True, help="plain PyTorch modules: no fused kernels, CUDA graphs or CPU block kernels"
+    )
     @functools.wraps(func)
     def wrapper(*args, kv_format, kv_memory, eager, **kwargs):
         kv_bytes = parse_bytes(kv_memory)
