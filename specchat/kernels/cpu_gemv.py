@@ -44,9 +44,106 @@ C_SOURCE = r"""
 #define MMAX 8
 #ifdef __AVX512F__
 #include <immintrin.h>
-#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* One tile: R activation rows (x, stride K) times NR output rows starting at n, both compile-time constants at
+   each call so the accumulators live in registers. Every (row, output) pair is summed the same way whatever the
+   tile: the low and high 16 weights of each block into two accumulators, over the blocks in order, added and
+   reduced once at the end. So a token's logits do not depend on its batch, its tile or its thread. The NR
+   outputs share each x load, and the 2 * R * NR independent accumulators hide the FMA latency. */
+INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, const uint8_t* q, const float* d,
+                    const float* m, float* y, int n) {
+  const int G = K / 32;
+  /* The 16 values a block's codes can take, w(q) = d * q + m for q = 0..15, looked up per code with one
+     permute; vpermps reads only the low 4 bits of each index, so no masking of the nibbles. */
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512 lo[4], hi[4];
+    for (int r = 0; r < NR; r++) {
+      const size_t row = (size_t)(n + r);
+      __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + row * (K / 2) + g * 16)));
+      __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[row * G + g])),
+                                   _mm512_set1_ps(m[row * G + g]));
+      lo[r] = _mm512_permutexvar_ps(idx, table);
+      hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+    }
+    for (int i = 0; i < R; i++) {
+      const __m512 xl = _mm512_loadu_ps(x + (size_t)i * K + g * 32);
+      const __m512 xh = _mm512_loadu_ps(x + (size_t)i * K + g * 32 + 16);
+      for (int r = 0; r < NR; r++) {
+        lo_acc[i][r] = _mm512_fmadd_ps(xl, lo[r], lo_acc[i][r]);
+        hi_acc[i][r] = _mm512_fmadd_ps(xh, hi[r], hi_acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++)
+      y[(size_t)i * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[i][r], hi_acc[i][r]));
+}
+
+INLINE void q8_tile(const int R, const int NR, int N, int K, const float* x, const int8_t* q, const float* d,
+                    float* y, int n) {
+  const int G = K / 32;
+  __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512 lo[4], hi[4];
+    for (int r = 0; r < NR; r++) {
+      const int8_t* b = q + (size_t)(n + r) * K + g * 32;
+      const __m512 dg = _mm512_set1_ps(d[(size_t)(n + r) * G + g]);
+      lo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b))), dg);
+      hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 16)))), dg);
+    }
+    for (int i = 0; i < R; i++) {
+      const __m512 xl = _mm512_loadu_ps(x + (size_t)i * K + g * 32);
+      const __m512 xh = _mm512_loadu_ps(x + (size_t)i * K + g * 32 + 16);
+      for (int r = 0; r < NR; r++) {
+        lo_acc[i][r] = _mm512_fmadd_ps(xl, lo[r], lo_acc[i][r]);
+        hi_acc[i][r] = _mm512_fmadd_ps(xh, hi[r], hi_acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++)
+      y[(size_t)i * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[i][r], hi_acc[i][r]));
+}
+
+/* Tiles sized to the 32 vector registers: 4 outputs at a time for 1 or 2 rows, 2 for 3-4, 1 for 5-8; the
+   outputs left over go one at a time. The tile shape changes the speed, never the values. */
+#define TILES(TILE, R, NR, ...)                                                    \
+  do {                                                                             \
+    int n = n0;                                                                    \
+    for (; n + NR <= n1; n += NR) TILE(R, NR, N, K, x, __VA_ARGS__, y, n);         \
+    for (; n < n1; n++) TILE(R, 1, N, K, x, __VA_ARGS__, y, n);                    \
+  } while (0)
+#define DISPATCH(TILE, ...)                                                        \
+  switch (rows) {                                                                  \
+    case 1: TILES(TILE, 1, 4, __VA_ARGS__); break;                                 \
+    case 2: TILES(TILE, 2, 4, __VA_ARGS__); break;                                 \
+    case 3: TILES(TILE, 3, 2, __VA_ARGS__); break;                                 \
+    case 4: TILES(TILE, 4, 2, __VA_ARGS__); break;                                 \
+    case 5: TILES(TILE, 5, 1, __VA_ARGS__); break;                                 \
+    case 6: TILES(TILE, 6, 1, __VA_ARGS__); break;                                 \
+    case 7: TILES(TILE, 7, 1, __VA_ARGS__); break;                                 \
+    default: TILES(TILE, 8, 1, __VA_ARGS__); break;                                \
+  }
 
 /* y[i, n] = sum_k x[i, k] * w[n, k] for rows i0 <= i < i0 + rows (rows <= MMAX), outputs n0 <= n < n1. */
+static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
+                     float* y, int n0, int n1) {
+  DISPATCH(q4_tile, q, d, m)
+}
+
+static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int n0,
+                     int n1) {
+  DISPATCH(q8_tile, q, d)
+}
+#else
+/* Without AVX-512: the plain loops, each output row alone (16 partial sums, then their sum). */
 static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
                      float* y, int n0, int n1) {
   const int G = K / 32;
@@ -54,25 +151,6 @@ static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, c
     const uint8_t* qr = q + (size_t)n * (K / 2);
     const float* dr = d + (size_t)n * G;
     const float* mr = m + (size_t)n * G;
-#ifdef __AVX512F__
-    /* The 16 values a block's codes can take, w(q) = d * q + m for q = 0..15, looked up per code with one
-       permute; vpermps reads only the low 4 bits of each index, so no masking of the nibbles. */
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 acc[MMAX];
-    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-      __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qr + g * 16)));
-      __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(dr[g])), _mm512_set1_ps(mr[g]));
-      __m512 lo = _mm512_permutexvar_ps(idx, table);
-      __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
-      for (int i = 0; i < rows; i++) {
-        const float* xg = x + (size_t)i * K + g * 32;
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), lo, acc[i]);
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), hi, acc[i]);
-      }
-    }
-    for (int i = 0; i < rows; i++) y[(size_t)i * N + n] = _mm512_reduce_add_ps(acc[i]);
-#else
     float acc[MMAX][16] = {{0}};
     for (int g = 0; g < G; g++) {
       const uint8_t* b = qr + g * 16;
@@ -91,7 +169,6 @@ static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, c
       for (int j = 0; j < 16; j++) s += acc[i][j];
       y[(size_t)i * N + n] = s;
     }
-#endif
   }
 }
 
@@ -101,23 +178,6 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
   for (int n = n0; n < n1; n++) {
     const int8_t* qr = q + (size_t)n * K;
     const float* dr = d + (size_t)n * G;
-#ifdef __AVX512F__
-    __m512 acc[MMAX];
-    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-      __m512 dg = _mm512_set1_ps(dr[g]);
-      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + g * 32))));
-      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + g * 32 + 16))));
-      lo = _mm512_mul_ps(lo, dg);
-      hi = _mm512_mul_ps(hi, dg);
-      for (int i = 0; i < rows; i++) {
-        const float* xg = x + (size_t)i * K + g * 32;
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), lo, acc[i]);
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), hi, acc[i]);
-      }
-    }
-    for (int i = 0; i < rows; i++) y[(size_t)i * N + n] = _mm512_reduce_add_ps(acc[i]);
-#else
     float acc[MMAX][16] = {{0}};
     for (int g = 0; g < G; g++) {
       float lo[16], hi[16];
@@ -135,10 +195,9 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
       for (int j = 0; j < 16; j++) s += acc[i][j];
       y[(size_t)i * N + n] = s;
     }
-#endif
   }
 }
-
+#endif
 /* The whole product, MMAX rows at a time; `threads` > 1 splits the outputs n among OpenMP threads. */
 void q4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
              int threads) {

@@ -1,0 +1,128 @@
+"""The CPU block kernels (kernels/cpu_gemv.py) on the default model's shapes: this tree against a git revision.
+
+    python benchmarks/cpu_gemv.py [--baseline REV] [--threads 1] [--rows 1 5] [--repeats 30]
+
+Both C sources (the baseline's read with `git show REV:specchat/kernels/cpu_gemv.py`) are compiled with the same
+flags and called through ctypes with the same random Q4_1 / Q8_0 blocks, calls interleaved; the two outputs are
+compared (max abs difference) on each shape. Shapes of SmolLM2-135M: fused wqkv 960x576, wo 576x576, fused
+gate_up 3072x576, down 576x1536 (Q4_1, 30 layers each), the tied head 49152x576 (Q8_0). Prints a markdown table
+of the median time per call and the per-token total (30 layers + head) with its weight bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import platform
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from specchat.kernels import cpu_gemv
+
+SHAPES = [  # name, N, K, kind, times per token
+    ("wqkv", 960, 576, "q4_1", 30),
+    ("wo", 576, 576, "q4_1", 30),
+    ("gate_up", 3072, 576, "q4_1", 30),
+    ("down", 576, 1536, "q4_1", 30),
+    ("head", 49152, 576, "q8_0", 1),
+]
+
+
+def load(source: str, out: Path) -> ctypes.CDLL:
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    openmp = cpu_gemv._torch_openmp()
+    cmd = ["cc", "-fopenmp", *cpu_gemv.CFLAGS, str(src), "-o", str(out)]
+    if openmp is not None:
+        cmd += [str(openmp), f"-Wl,-rpath,{openmp.parent}"]
+    subprocess.run(cmd, check=True)
+    return ctypes.CDLL(str(out))
+
+
+def weights(n: int, k: int, kind: str) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(n + k)
+    d = torch.rand(n, k // 32, generator=g) * 0.02
+    if kind == "q4_1":
+        return torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), d, -d * 8
+    return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), d
+
+
+def call(lib: ctypes.CDLL, x: torch.Tensor, w: tuple[torch.Tensor, ...], y: torch.Tensor, threads: int) -> None:
+    m, k = x.shape
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, *w, y)]
+    fn = lib.q4_gemm if len(w) == 3 else lib.q8_gemm
+    fn(m, y.shape[1], k, *ptrs, threads)
+
+
+def nbytes(w: tuple[torch.Tensor, ...]) -> int:
+    """Bytes as the GGUF stores them: codes + fp16 scales."""
+    return w[0].numel() + sum(t.numel() * 2 for t in w[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", default="HEAD")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    old = subprocess.run(
+        ["git", "show", f"{args.baseline}:specchat/kernels/cpu_gemv.py"], capture_output=True, text=True, check=True
+    ).stdout
+    base_src = re.search(r'C_SOURCE = r"""(.*?)"""', old, re.S).group(1)
+    commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {
+            "baseline": load(base_src, Path(tmp) / "base.so"),
+            "this tree": load(cpu_gemv.C_SOURCE, Path(tmp) / "new.so"),
+        }
+        with open("/proc/loadavg") as f:
+            loadavg = f.read().split()[:3]
+        print(
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+            f"threads {args.threads}, baseline {args.baseline} ({commit.strip()}), load average {' '.join(loadavg)}\n"
+        )
+        print("| shape | N x K | kind | rows | baseline (us) | this tree (us) | speedup | max abs diff |")
+        print("|---|---|---|---:|---:|---:|---:|---:|")
+        totals = {(r, name): 0.0 for r in args.rows for name in libs}
+        token_bytes = 0
+        for label, n, k, kind, count in SHAPES:
+            w = weights(n, k, kind)
+            token_bytes += nbytes(w) * count
+            for rows in args.rows:
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                ys = {name: torch.empty(rows, n) for name in libs}
+                times = {name: [] for name in libs}
+                for _ in range(args.repeats):
+                    for name, lib in libs.items():
+                        t0 = time.perf_counter()
+                        call(lib, x, w, ys[name], args.threads)
+                        times[name].append(time.perf_counter() - t0)
+                med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+                for name in libs:
+                    totals[(rows, name)] += med[name] * count
+                diff = (ys["baseline"] - ys["this tree"]).abs().max().item()
+                print(
+                    f"| {label} | {n} x {k} | {kind} | {rows} | {med['baseline']:.1f} | {med['this tree']:.1f} "
+                    f"| {med['baseline'] / med['this tree']:.2f}x | {diff:.1e} |"
+                )
+        print()
+        print("| rows | per token, baseline (ms) | this tree (ms) | speedup | weight GB/s, baseline | this tree |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for rows in args.rows:
+            b, t = totals[(rows, "baseline")] / 1e3, totals[(rows, "this tree")] / 1e3
+            print(
+                f"| {rows} | {b:.2f} | {t:.2f} | {b / t:.2f}x | {token_bytes / b / 1e6:.1f} | {token_bytes / t / 1e6:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
