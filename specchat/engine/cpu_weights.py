@@ -38,12 +38,12 @@ class BlockLinear(nn.Linear):
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > cpu_gemv.MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        xf = rows.float().contiguous()
-        threads = torch.get_num_threads()
-        if self.kind == "q4_1":
-            y = cpu_gemv.q4_linear(xf, self.codes, self.d, self.m, threads)
-        else:
-            y = cpu_gemv.q8_linear(xf, self.codes, self.d, threads)
+        bound = self.__dict__.get("_bound")
+        if bound is None or bound.tensors[0] is not self.codes:  # first call, or the buffers were replaced (.to())
+            bound = self.__dict__["_bound"] = cpu_gemv.Bound(
+                self.codes, self.d, self.m if self.kind == "q4_1" else None
+            )
+        y = bound(rows.float().contiguous(), torch.get_num_threads())
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
@@ -186,6 +186,7 @@ def unpack(model: nn.Module) -> int:
         if type(module) is BlockLinear:
             for buffer in ("codes", "d", "m"):
                 module._buffers.pop(buffer, None)
+            module.__dict__.pop("_bound", None)
             module.__class__ = nn.Linear
             count += 1
     return count

@@ -69,3 +69,14 @@ def test_dequantize_is_gguf_reference():
         raw = quantize(w, kind)
         expected = torch.from_numpy(np.asarray(dequantize(raw, kind), dtype=np.float32)).view(N, K)
         assert torch.equal(deq(*read(raw, N)), expected)
+
+
+def test_bound_weight_equals_the_plain_call():
+    """cpu_gemv.Bound (the weight checked and its pointers taken once) gives the plain calls' bits."""
+    codes, d, m = q4_weights(4)
+    q8, d8 = q8_weights(4)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(cpu_gemv.Bound(codes, d, m)(x, 1), cpu_gemv.q4_linear(x, codes, d, m, 1))
+    assert torch.equal(cpu_gemv.Bound(q8, d8)(x, 2), cpu_gemv.q8_linear(x, q8, d8, 2))
+    with pytest.raises(ValueError):
+        cpu_gemv.Bound(q8, d8)(x[:, :-32].contiguous(), 1)
