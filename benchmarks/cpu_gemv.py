@@ -48,7 +48,7 @@ def load(source: str, out: Path) -> ctypes.CDLL:
 
 def weights(n: int, k: int, kind: str) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(n + k)
-    d = torch.rand(n, k // 32, generator=g) * 0.02
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()  # GGUF's scales are float16
     if kind == "q4_1":
         return torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), d, -d * 8
     return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), d

@@ -10,6 +10,8 @@ Layouts (one row per output feature n, blocks of BLOCK = 32 along the input feat
 - Q4_1: `codes` uint8 [N, K/2], block g's 16 bytes hold q[32g + j] in the low nibble of byte j and q[32g + j + 16]
   in the high nibble (GGUF's layout); `d`, `m` float32 [N, K/32]; w = d * q + m, q in 0..15.
 - Q8_0: `codes` int8 [N, K]; `d` float32 [N, K/32]; w = d * q.
+The scales are GGUF's float16 values widened to float32 (the AVX-512 path relies on it: d * q is then exact,
+so its one fused rounding of d * q + m equals gguf's two).
 
 Each output row is computed alone and in the same order whatever the other rows are, so the result for a token
 does not depend on the batch (a verification step gives the same logits as plain decoding: lossless
@@ -55,7 +57,10 @@ INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, con
                     const float* m, float* y, int n) {
   const int G = K / 32;
   /* The 16 values a block's codes can take, w(q) = d * q + m for q = 0..15, looked up per code with one
-     permute; vpermps reads only the low 4 bits of each index, so no masking of the nibbles. */
+     permute; vpermps reads only the low 4 bits of each index, so no masking of the nibbles. One FMA builds the
+     table with gguf's values: d is a float16 (11 significant bits) and q < 16, so d * q is exact in float32
+     and the one rounding of fma(d, q, m) is the rounding of gguf's d * q + m. The next tile's codes are
+     prefetched (the rows NR ahead, same offset), which the hardware prefetcher does not do across rows. */
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
   for (int i = 0; i < R; i++)
@@ -64,9 +69,10 @@ INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, con
     __m512 lo[4], hi[4];
     for (int r = 0; r < NR; r++) {
       const size_t row = (size_t)(n + r);
-      __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + row * (K / 2) + g * 16)));
-      __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[row * G + g])),
-                                   _mm512_set1_ps(m[row * G + g]));
+      const uint8_t* b = q + row * (K / 2) + g * 16;
+      _mm_prefetch((const char*)(b + (size_t)NR * (K / 2)), _MM_HINT_T0);
+      __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+      __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[row * G + g]), _mm512_set1_ps(m[row * G + g]));
       lo[r] = _mm512_permutexvar_ps(idx, table);
       hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
     }
@@ -94,6 +100,7 @@ INLINE void q8_tile(const int R, const int NR, int N, int K, const float* x, con
     __m512 lo[4], hi[4];
     for (int r = 0; r < NR; r++) {
       const int8_t* b = q + (size_t)(n + r) * K + g * 32;
+      _mm_prefetch((const char*)(b + (size_t)NR * K), _MM_HINT_T0);
       const __m512 dg = _mm512_set1_ps(d[(size_t)(n + r) * G + g]);
       lo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b))), dg);
       hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 16)))), dg);
@@ -231,8 +238,8 @@ void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* 
 }
 """
 
-# -O3 and the host's vector units; no contraction of the dequantizing multiply-add into an FMA, so each weight
-# rounds exactly as gguf's reference dequantization does.
+# -O3 and the host's vector units; no contraction of multiply-adds into FMAs beyond the ones written (the
+# plain-C path's dequantization rounds twice, as gguf's reference does).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 
 

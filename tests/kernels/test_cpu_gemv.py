@@ -16,15 +16,15 @@ N, K = 96, 320  # 10 blocks of 32 per row
 def q4_weights(seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
-    d = torch.rand(N, K // 32, generator=g) * 0.02
-    m = -torch.rand(N, K // 32, generator=g) * 0.1
+    d = (torch.rand(N, K // 32, generator=g) * 0.02).half().float()  # GGUF's scales are float16
+    m = (-torch.rand(N, K // 32, generator=g) * 0.1).half().float()
     return codes, d, m
 
 
 def q8_weights(seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
-    return codes, torch.rand(N, K // 32, generator=g) * 0.01
+    return codes, (torch.rand(N, K // 32, generator=g) * 0.01).half().float()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
@@ -80,3 +80,15 @@ def test_bound_weight_equals_the_plain_call():
     assert torch.equal(cpu_gemv.Bound(q8, d8)(x, 2), cpu_gemv.q8_linear(x, q8, d8, 2))
     with pytest.raises(ValueError):
         cpu_gemv.Bound(q8, d8)(x[:, :-32].contiguous(), 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernels_dequantize_as_gguf(threads):
+    """One-hot activation rows read the kernels' in-register weights out exactly: x = I gives W^T, bit for bit
+    equal to the reference dequantization (1 * w + zeros is w), the rounding of gguf's d * q + m included."""
+    eye = torch.eye(K)
+    for seed in range(3):
+        codes, d, m = q4_weights(seed)
+        assert torch.equal(cpu_gemv.q4_linear(eye, codes, d, m, threads), cpu_gemv.q4_dequantize(codes, d, m).T)
+        q8, d8 = q8_weights(seed)
+        assert torch.equal(cpu_gemv.q8_linear(eye, q8, d8, threads), cpu_gemv.q8_dequantize(q8, d8).T)
