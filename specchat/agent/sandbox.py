@@ -1,37 +1,23 @@
-"""What agent tools may touch: workspace paths, and subprocesses with a timeout, an output cap and no network.
+"""What agent tools may touch: workspace paths and the command lines the shell tool may run.
 
 File tools read or write only regular files with one link inside the workspace: a hard link can name a file
 outside it (the link count is all a process can see of that), and opening a FIFO, socket or device can block
 forever or never end. Files are opened non-blocking and without following a symlink, and checked again after
-opening.
-
-"No network" has two layers. Every Python tool process starts behind a prelude that replaces socket creation
-and name lookup with a PermissionError; that stops ordinary Python code (urllib, requests, asyncio, ssl), but
-not a child process it spawns or code that reaches the OS through ctypes. Where the kernel lets an
-unprivileged user create namespaces (`unshare --user --net` works), every tool process also runs in a fresh
-network namespace with only a down loopback, which stops everything, children included. Neither is a
-security boundary against hostile code: the process keeps the user's file permissions outside the workspace.
+opening. Shell commands are split without a shell and checked against the script's allowlist. The python and
+shell tools' processes (limits, no network, killing what they leave behind) are agent/processes.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import shlex
 import shutil
-import signal
 import stat
-import subprocess
-import sys
 import tempfile
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
 
-MAX_FILE_BYTES = 64 * 1024 * 1024  # largest file a python tool process may write (RLIMIT_FSIZE)
 MAX_READ_BYTES = 8 * 1024 * 1024
 MAX_WRITE_CHARS = 1_000_000
 SHELL_OPERATORS = frozenset({"|", "||", "&", "&&", ";", ">", ">>", "<", "<<", "2>", "2>&1", "&>"})
@@ -42,55 +28,10 @@ SPECIAL_KINDS = (
     (stat.S_ISCHR, "character device"),
     (stat.S_ISBLK, "block device"),
 )
-READ_CHUNK = 65536
-READER_GRACE_S = 1.0  # how long to wait for the pipe to drain after the process group is gone
-
-PYTHON_PRELUDE = f"""
-import ast, linecache, os, resource, socket, sys, traceback, _socket
-def _no_network(*args, **kwargs):
-    raise PermissionError("network access is disabled in the specchat python tool")
-class _NoSocket(socket.socket):
-    def __init__(self, *args, **kwargs):
-        _no_network()
-socket.socket = socket.SocketType = _socket.socket = _NoSocket
-for _name in ("create_connection", "create_server", "getaddrinfo", "gethostbyname", "gethostbyname_ex"):
-    setattr(socket, _name, _no_network)
-_socket.getaddrinfo = _socket.gethostbyname = _no_network
-resource.setrlimit(resource.RLIMIT_FSIZE, ({MAX_FILE_BYTES}, {MAX_FILE_BYTES}))
-sys.path.insert(0, os.getcwd())
-_source = sys.stdin.read()
-sys.stdin = open(os.devnull)
-linecache.cache["<agent>"] = (len(_source), None, _source.splitlines(True), "<agent>")
-_globals = {{"__name__": "__main__"}}
-try:
-    _tree = ast.parse(_source, "<agent>")
-    _last = _tree.body.pop() if _tree.body and isinstance(_tree.body[-1], ast.Expr) else None
-    exec(compile(_tree, "<agent>", "exec"), _globals)
-    if _last is not None:
-        _value = eval(compile(ast.Expression(_last.value), "<agent>", "eval"), _globals)
-        if _value is not None:
-            print(repr(_value))
-except SystemExit:
-    raise
-except BaseException as _error:
-    _frames = None if isinstance(_error, SyntaxError) else _error.__traceback__.tb_next
-    traceback.print_exception(type(_error), _error, _frames)
-    sys.exit(1)
-"""
 
 
 class SandboxError(Exception):
     """A request the sandbox refuses; the message is written for the model."""
-
-
-@dataclass(slots=True)
-class ProcessResult:
-    """What a confined subprocess left behind: its exit status and its capped, interleaved stdout + stderr."""
-
-    returncode: int | None  # None when it was killed at the timeout
-    output: str
-    timed_out: bool
-    truncated: bool
 
 
 class Workspace:
@@ -235,35 +176,6 @@ def truncation_marker(omitted: int, unit: str) -> str:
     return f"\n[... output truncated: {omitted} {unit} omitted ...]\n"
 
 
-@functools.cache
-def network_namespace_available() -> bool:
-    """Whether `unshare --user --map-root-user --net` works here (unprivileged user namespaces allowed)."""
-    unshare = shutil.which("unshare")
-    if unshare is None or not sys.platform.startswith("linux"):
-        return False
-    probe = [unshare, "--user", "--map-root-user", "--net", "true"]
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=5, check=False).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def confined_env(workspace: Path) -> dict[str, str]:
-    """A minimal environment: PATH and a UTF-8 locale, HOME in the workspace, no proxies or credentials."""
-    return {
-        "PATH": os.environ.get("PATH", os.defpath),
-        "HOME": str(workspace),
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-    }
-
-
-def run_python(code: str, workspace: Path, timeout_s: float, output_cap: int) -> ProcessResult:
-    """Run `code` with `python -I` behind the no-network prelude, in the workspace."""
-    argv = [sys.executable, "-I", "-X", "utf8", "-c", PYTHON_PRELUDE]
-    return run_confined(argv, workspace, timeout_s, output_cap, stdin_text=code)
-
-
 def shell_argv(command: str, allow: tuple[str, ...]) -> list[str]:
     """Split `command` like a shell would, without running one; refuses operators and unlisted commands."""
     try:
@@ -282,96 +194,3 @@ def shell_argv(command: str, allow: tuple[str, ...]) -> list[str]:
     if "/" in name or name not in allow:
         raise SandboxError(f"command {name!r} is not allowed; allowed: {', '.join(allow)}")
     return argv
-
-
-def run_confined(
-    argv: list[str], workspace: Path, timeout_s: float, output_cap: int, stdin_text: str | None = None
-) -> ProcessResult:
-    """Run `argv` in the workspace in its own process group (and network namespace where possible).
-
-    The whole group is killed at the timeout and when the command exits, so background children do not
-    outlive the call. Output beyond `output_cap` bytes is dropped from the middle as it is read, so memory
-    stays bounded.
-    """
-    env = confined_env(workspace)
-    program = shutil.which(argv[0], path=env["PATH"])
-    if program is None:
-        raise SandboxError(f"command not found: {argv[0]!r}")
-    argv = [program, *argv[1:]]
-    if network_namespace_available():
-        argv = [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--net", *argv]
-    try:
-        process = subprocess.Popen(
-            argv,
-            cwd=workspace,
-            env=env,
-            stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    except OSError as error:
-        raise SandboxError(f"cannot start {argv[0]!r}: {error.strerror}") from None
-    reader = _CappedReader(process.stdout, output_cap)
-    reader.start()
-    if stdin_text is not None:
-        _feed(process, stdin_text)
-    timed_out = False
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    _kill_group(process)
-    process.wait()
-    reader.join(READER_GRACE_S)  # a grandchild that left the group with setsid may still hold the pipe
-    return ProcessResult(
-        returncode=None if timed_out else process.returncode,
-        output=reader.text(),
-        timed_out=timed_out,
-        truncated=reader.dropped > 0,
-    )
-
-
-def _feed(process: subprocess.Popen, text: str) -> None:
-    """Write the program text to the child's stdin and close it; a child that died early is no error here."""
-    with suppress(OSError):
-        process.stdin.write(text.encode())
-        process.stdin.close()
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the process group the command leads."""
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-class _CappedReader(threading.Thread):
-    """Drains a pipe, keeping the first 3/4 of the cap and a rolling last 1/4; counts what it dropped."""
-
-    def __init__(self, stream: BinaryIO, cap: int) -> None:
-        super().__init__(daemon=True)
-        self.stream = stream
-        self.tail_size = cap // 4
-        self.head_size = cap - self.tail_size
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def run(self) -> None:
-        with self.stream:
-            while chunk := self.stream.read1(READ_CHUNK):
-                room = self.head_size - len(self.head)
-                self.head += chunk[:room]
-                self.tail += chunk[room:]
-                excess = len(self.tail) - self.tail_size
-                if excess > 0:
-                    del self.tail[:excess]
-                    self.dropped += excess
-
-    def text(self) -> str:
-        """The kept output, decoded, with a marker where bytes were dropped."""
-        if not self.dropped:
-            return (self.head + self.tail).decode(errors="replace")
-        head = self.head.decode(errors="replace")
-        tail = self.tail.decode(errors="replace")
-        return head + truncation_marker(self.dropped, "bytes") + tail
