@@ -79,16 +79,22 @@ def cache_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "specchat"
 
 
-def _read_registry(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
-    """A models.toml: `default = "alias"` and a [models.ALIAS] table per model; ConfigError naming the file."""
+def read_toml(path: Path) -> dict:
+    """A user's TOML file (models.toml, config.toml); a ConfigError naming the file if it cannot be read, is not
+    UTF-8 or not TOML."""
     try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid UTF-8 (at byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+
+
+def _read_registry(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
+    """A models.toml: `default = "alias"` and a [models.ALIAS] table per model; ConfigError naming the file."""
+    data = read_toml(path)
     unknown = set(data) - {"default", "models"}
     if unknown:
         raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: default, models)")

@@ -15,7 +15,6 @@ unknown key, a value of the wrong type or out of range) ends `run` in one line n
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from click.core import ParameterSource
 
 from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
 from specchat.errors import ConfigError, ModelNotFoundError
-from specchat.registry import cache_dir, resolve
+from specchat.registry import cache_dir, read_toml, resolve
 
 # a key of the file -> the `run` parameter it stands in for (theme has no flag)
 PARAMETERS = {
@@ -111,14 +110,7 @@ def load_defaults(path: Path | None = None) -> RunDefaults:
     path = path or defaults_path()
     if not path.is_file():
         return RunDefaults()
-    try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid UTF-8 (at byte {exc.start})") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    data = read_toml(path)
     known = [f.name for f in fields(RunDefaults)]
     unknown = sorted(set(data) - set(known))
     if unknown:
