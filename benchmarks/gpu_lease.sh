@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One lease's GPU work for the open issues, in parts that each fit one device call (results in docs/benchmarks.md):
+#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_lease.sh PART ...
+#   PART: tests     the CUDA tests (graphs, KV pages incl. the split prefill+decode step, key transform, kernels)
+#         startup   two generate runs (benchmarks/startup_gpu.sh; issue 18)
+#         sessions  bench 1/8/32 sessions, DRAFTERS (default none,ngram,heads,eagle) at k = 4 (issue 13)
+#         auto      bench 1/8/32 sessions, ngram and heads with adaptive K (issue 13)
+#         serve     32 streaming openai clients in 4 processes against the in-process bench (issue 16)
+# Needs the default model's GGUF under $SPECCHAT_HOME and gguf (plus fastapi/uvicorn/openai for serve). The device's
+# .git may be stale, so COMMIT names the tree measured. Each part is bounded by `timeout` and logs to $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+bench=(python -m specchat bench smollm2-135m --device cuda --sessions 1,8,32 --prompts benchmarks/session_prompts.txt
+  --max-tokens 128 --rounds 2)
+for part in "$@"; do
+  log="$OUT/lease_$part.log"
+  echo "=== $part $(date -u +%FT%TZ) tree $commit" | tee "$log"
+  case $part in
+    tests)
+      timeout ${TESTS_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py \
+        tests/engine/test_kv_cuda.py tests/engine/test_engine_cuda.py tests/engine/test_kv_transform.py \
+        tests/engine/test_kv_cache.py tests/kernels/test_fused.py 2>&1 | tail -30 | tee -a "$log" ;;
+    startup)
+      OUT=$OUT bash benchmarks/startup_gpu.sh 2>&1 | tee -a "$log" ;;
+    sessions)
+      timeout 420 "${bench[@]}" --drafter "${DRAFTERS:-none,ngram,heads,eagle}" --k 4 2>&1 | tee -a "$log" ;;
+    auto)
+      timeout 300 "${bench[@]}" --drafter "${DRAFTERS:-ngram,heads}" --k auto 2>&1 | tee -a "$log" ;;
+    serve)
+      timeout 300 python benchmarks/serve_load.py --device cuda --clients 32 --max-tokens 64 2>&1 | tee -a "$log" ;;
+    *) echo "unknown part $part" | tee -a "$log" ;;
+  esac
+done
