@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.kernels import cpu_gemv
+from specchat.kernels import cpu_build, cpu_gemv
 
 SHAPES = [  # name, N, K, kind, times per token
     ("wqkv", 960, 576, "q4_1", 30),
@@ -38,7 +38,7 @@ SHAPES = [  # name, N, K, kind, times per token
 def load(source: str, out: Path) -> ctypes.CDLL:
     src = out.with_suffix(".c")
     src.write_text(source)
-    openmp = cpu_gemv._torch_openmp()
+    openmp = cpu_build.torch_openmp()
     cmd = ["cc", "-fopenmp", *cpu_gemv.CFLAGS, str(src), "-o", str(out)]
     if openmp is not None:
         cmd += [str(openmp), f"-Wl,-rpath,{openmp.parent}"]

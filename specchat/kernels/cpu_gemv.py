@@ -15,30 +15,23 @@ so its one fused rounding of d * q + m equals gguf's two).
 
 Each output row is computed alone and in the same order whatever the other rows are, so the result for a token
 does not depend on the batch (a verification step gives the same logits as plain decoding: lossless
-speculation stays exact). The C source is compiled once with the system compiler (`cc`, or $CC) into
-$SPECCHAT_HOME/kernels/ and loaded through ctypes; where that fails, `available()` is False and callers keep the
-plain float path. `q4_linear_ref` / `q8_linear_ref` are the plain torch references the tests hold them to.
+speculation stays exact). The C source is compiled once by kernels/cpu_build.py and loaded through ctypes; where
+that fails, `available()` is False and callers keep the plain float path. `q4_linear_ref` / `q8_linear_ref` are
+the plain torch references the tests hold them to.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import sys
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
+
+from specchat.kernels import cpu_build
 
 BLOCK = 32  # weights per quantization block (GGUF Q4_1 / Q8_0)
 MAX_ROWS = 64  # activation rows (tokens) per call above which callers dequantize and use a float GEMM
 CHUNK_ROWS = 8  # rows the kernel keeps in registers at once (MMAX in the C source)
-
-log = logging.getLogger(__name__)
 
 C_SOURCE = r"""
 #include <stdint.h>
@@ -243,48 +236,11 @@ void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* 
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
-def _kernel_dir() -> Path:
-    """$SPECCHAT_HOME/kernels (the same home as registry.py's; kernels/ imports nothing else of specchat)."""
-    root = os.environ.get("SPECCHAT_HOME")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "specchat") / "kernels"
-
-
-def _torch_openmp() -> Path | None:
-    """The OpenMP runtime bundled with torch, so the kernel's threads are torch's threads (one pool, not two)."""
-    lib = Path(torch.__file__).parent / "lib"
-    found = sorted(lib.glob("libgomp*.so*"))
-    return found[0] if found else None
-
-
-def _compile(target: Path, openmp: Path | None) -> None:
-    cc = os.environ.get("CC", "cc")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "cpu_gemv.c"
-        src.write_text(C_SOURCE)
-        out = Path(tmp) / target.name
-        cmd = [cc, *CFLAGS, str(src), "-o", str(out)]
-        if openmp is not None:
-            cmd[1:1] = ["-fopenmp"]
-            cmd += [str(openmp), f"-Wl,-rpath,{openmp.parent}"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(out, target)  # atomic: a concurrent process sees the old file or the whole new one
-
-
 @cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, then cached by source, flags and runtime), or None."""
-    if sys.platform != "linux" or os.environ.get("SPECCHAT_CPU_KERNELS", "1") == "0":
-        return None
-    openmp = _torch_openmp()
-    key = hashlib.sha1(f"{C_SOURCE}{CFLAGS}{openmp}{torch.__version__}".encode()).hexdigest()[:12]
-    target = _kernel_dir() / f"cpu_gemv-{key}.so"
-    try:
-        if not target.exists():
-            _compile(target, openmp)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("specchat: CPU block-quantized kernels unavailable (%s); using float weights", exc)
+    lib = cpu_build.load("cpu_gemv", C_SOURCE, tuple(CFLAGS))
+    if lib is None:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.q4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]

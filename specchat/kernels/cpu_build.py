@@ -1,0 +1,70 @@
+"""Compile-once C kernels for the CPU: a C source built by the system compiler, cached, and loaded through ctypes.
+
+Shared by kernels/cpu_gemv.py (block-quantized linears) and kernels/cpu_ops.py (norms, RoPE, SiLU, paged
+attention). A library is built the first time it is needed with `cc` (or $CC) into $SPECCHAT_HOME/kernels/,
+keyed by its source, flags, OpenMP runtime and torch version, then loaded from there. Where that fails (no
+compiler, not Linux, or SPECCHAT_CPU_KERNELS=0), `load` returns None and callers keep their plain torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def kernel_dir() -> Path:
+    """$SPECCHAT_HOME/kernels (the same home as registry.py's; kernels/ imports nothing else of specchat)."""
+    root = os.environ.get("SPECCHAT_HOME")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "specchat") / "kernels"
+
+
+def torch_openmp() -> Path | None:
+    """The OpenMP runtime bundled with torch, so the kernels' threads are torch's threads (one pool, not two)."""
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(lib.glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def compile_library(source: str, cflags: list[str], target: Path, openmp: Path | None) -> None:
+    """Build `source` into the shared library `target` (atomically: a concurrent process sees the old file or the
+    whole new one)."""
+    cc = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / f"{target.stem}.c"
+        src.write_text(source)
+        out = Path(tmp) / target.name
+        cmd = [cc, *cflags, str(src), "-o", str(out)]
+        if openmp is not None:
+            cmd[1:1] = ["-fopenmp"]
+            cmd += [str(openmp), f"-Wl,-rpath,{openmp.parent}"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out, target)
+
+
+@cache
+def load(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library `name` built from `source` (on first use, then cached on disk), or None where it cannot be."""
+    if sys.platform != "linux" or os.environ.get("SPECCHAT_CPU_KERNELS", "1") == "0":
+        return None
+    openmp = torch_openmp()
+    key = hashlib.sha1(f"{source}{list(cflags)}{openmp}{torch.__version__}".encode()).hexdigest()[:12]
+    target = kernel_dir() / f"{name}-{key}.so"
+    try:
+        if not target.exists():
+            compile_library(source, list(cflags), target, openmp)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("specchat: CPU kernels %s unavailable (%s); using the torch path", name, exc)
+        return None
