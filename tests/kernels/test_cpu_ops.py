@@ -1,0 +1,128 @@
+"""The CPU elementwise and attention kernels (kernels/cpu_ops.py) against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specchat.engine.model import apply_rope
+from specchat.kernels import cpu_ops
+from specchat.kernels.attention import AttentionMetadata, paged_attention_reference
+from specchat.kernels.kv_quant import PageTensor
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the CPU kernels")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 577), (2, 7), (5, 64)])
+def test_rms_norm_matches_reference(rows, n):
+    x = torch.randn(rows, n, generator=gen(n)) * 3
+    w = torch.rand(n, generator=gen(1)) + 0.5
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), cpu_ops.rms_norm_ref(x, w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (4, 333)])
+def test_add_rms_norm_matches_reference(rows, n):
+    x, delta = torch.randn(2, rows, n, generator=gen(n))
+    w = torch.rand(n, generator=gen(2)) + 0.5
+    total, normed = cpu_ops.add_rms_norm(x, delta, w, 1e-6)
+    ref_total, ref_normed = cpu_ops.add_rms_norm_ref(x, delta, w, 1e-6)
+    assert torch.equal(total, ref_total)  # one rounding each, as torch's add
+    torch.testing.assert_close(normed, ref_normed, rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_rows_are_independent():
+    x = torch.randn(6, 576, generator=gen(3))
+    w = torch.rand(576, generator=gen(4))
+    batch = cpu_ops.rms_norm(x, w, 1e-5)
+    for i in range(6):
+        assert torch.equal(cpu_ops.rms_norm(x[i : i + 1].clone(), w, 1e-5), batch[i : i + 1])
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (5, 4, 2, 16), (3, 2, 1, 6)])
+def test_rope_is_the_model_rope_bit_for_bit(tokens, heads, kv_heads, head_dim):
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen(heads))
+    q = qkv[:, :q_size].view(tokens, heads, head_dim)  # strided views, as the fused projection's split gives
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen(5)) * 50
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos(), emb.sin()
+    q_out, k_out = cpu_ops.rope_qk(q, k, cos, sin)
+    assert torch.equal(q_out, apply_rope(q, cos, sin)) and torch.equal(k_out, apply_rope(k, cos, sin))
+    assert torch.equal(q_out, cpu_ops.rope_ref(q, cos, sin))
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (3, 129)])
+def test_silu_mul_matches_reference(rows, n):
+    gate_up = torch.randn(rows, 2 * n, generator=gen(n)) * 6
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -87.5])  # exp's clamps and zero
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), cpu_ops.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-7)
+
+
+def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0):
+    """A ragged step over shuffled pages: (plan, q, k, v, k_pages, v_pages, metadata) with the context before
+    this step's tokens already stored."""
+    g = gen(seed)
+    tables, next_page = [], 0
+    num_pages = sum(-(-c // page_size) for c in ctx_lens) + 3
+    order = torch.randperm(num_pages, generator=g).tolist()
+    for c in ctx_lens:
+        count = -(-c // page_size)
+        tables.append(order[next_page : next_page + count])
+        next_page += count
+    num_slots = num_pages * page_size
+    k_pages, v_pages = torch.randn(2, kv_heads, num_slots, head_dim, generator=g)
+    slots = [
+        t[p // page_size] * page_size + p % page_size
+        for t, n, c in zip(tables, q_lens, ctx_lens, strict=True)
+        for p in range(c - n, c)
+    ]
+    tokens = sum(q_lens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k, v = qkv[:, heads * head_dim :].view(tokens, 2 * kv_heads, head_dim).split(kv_heads, dim=1)
+    meta = AttentionMetadata.build(tables, q_lens, ctx_lens, page_size, "cpu")
+    plan = cpu_ops.AttentionPlan(
+        meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, torch.tensor(slots), page_size,
+        heads, kv_heads, head_dim, num_slots, head_dim**-0.5,
+    )  # fmt: skip
+    return plan, q, k, v, k_pages, v_pages, meta
+
+
+CASES = [  # q_lens, ctx_lens, heads, kv_heads, head_dim, page_size
+    ([1], [1], 9, 3, 64, 16),
+    ([1], [37], 9, 3, 64, 16),
+    ([1, 5, 3], [9, 40, 3], 9, 3, 64, 4),
+    ([2, 1], [70, 130], 4, 2, 16, 16),
+    ([4], [11], 6, 2, 48, 8),  # head_dim 48: the plain C loops
+    ([1, 1], [300, 5], 8, 8, 128, 16),
+]
+
+
+@pytest.mark.parametrize(("q_lens", "ctx_lens", "heads", "kv_heads", "head_dim", "page_size"), CASES)
+def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size):
+    plan, q, k, v, k_pages, v_pages, meta = paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size)
+    ref_k, ref_v = k_pages.clone(), v_pages.clone()
+    want = cpu_ops.paged_attention_ref(plan, q, k, v, ref_k, ref_v)
+    got = cpu_ops.paged_attention(plan, q, k, v, k_pages, v_pages)
+    assert torch.equal(k_pages, ref_k) and torch.equal(v_pages, ref_v)  # this step's rows stored, nothing else
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    pages = [PageTensor("dense", t, None) for t in (k_pages, v_pages)]
+    torch.testing.assert_close(got, paged_attention_reference(q, *pages, meta, plan.struct.scale), rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_rows_do_not_depend_on_the_batch():
+    """A request's rows come out bit-equal alone and beside others (verification equals plain decoding)."""
+    plan, q, k, v, k_pages, v_pages, meta = paged_case([1, 5, 3], [9, 40, 12], 9, 3, 64, 4, seed=1)
+    batch = cpu_ops.paged_attention(plan, q, k, v, k_pages, v_pages)
+    rows = slice(1, 6)
+    alone = cpu_ops.AttentionPlan(
+        meta.block_tables[1:2], torch.zeros(1, dtype=torch.int32), meta.q_lens[1:2], meta.ctx_lens[1:2],
+        plan.tensors[4][rows], 4, 9, 3, 64, plan.num_slots, plan.struct.scale,
+    )  # fmt: skip
+    out = cpu_ops.paged_attention(alone, q[rows], k[rows], v[rows], k_pages, v_pages)
+    assert torch.equal(out, batch[rows])
