@@ -124,15 +124,22 @@ class Engine:
         parts = load_parts(config, progress)
         engine = cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
         if config.warm_up:
-            engine.warm_up(progress)
+            # a chat starts at the default k; wider steps (K raised live) capture their graph at first use, ~65 ms
+            engine.warm_up(progress, max_k=SpecParams().k)
         return engine
 
-    def warm_up(self, progress: Progress | None = None, sessions: int = 1, drafters: Iterable[str] = ()) -> None:
+    def warm_up(
+        self,
+        progress: Progress | None = None,
+        sessions: int = 1,
+        drafters: Iterable[str] = (),
+        max_k: int | None = None,
+    ) -> None:
         """On CUDA, before the first request: one short prompt through prefill and plain decode (the kernels
         compile, into a Triton cache under $SPECCHAT_HOME that the next start reuses), then the graphs of every
-        verification width up to k_max + 1 for each batch bucket up to `sessions` (Engine.load: 1, a chat; serve
-        and bench ask for more), with the hidden-state taps of each of `drafters` too. Leaves no cached prefix and fresh metrics. Nothing to do on the CPU or with
-        --eager."""
+        verification width up to max_k + 1 (default k_max + 1) for each batch bucket up to `sessions` (Engine.load:
+        1, a chat; serve and bench ask for more), with the hidden-state taps of each of `drafters` too. Leaves no
+        cached prefix and fresh metrics. Nothing to do on the CPU or with --eager."""
         capture = getattr(self.runner, "warm_up", None)
         if capture is None:
             return
@@ -141,7 +148,7 @@ class Engine:
         prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog.")
         self.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0), SpecParams(drafter="none", k=0)).result()
         taps = [(), *(self.drafter(name).taps for name in drafters)]
-        capture(range(1, SpecParams().k_max + 2), sessions, taps, progress)
+        capture(range(1, (SpecParams().k_max if max_k is None else max_k) + 2), sessions, taps, progress)
         with self._lock:
             self.pool.clear_prefix_cache()
         self.reset_metrics()

@@ -70,7 +70,7 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
 
 
 def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
-    """Engine.load on CUDA captures the batch-1 graphs of widths 1..k_max+1 behind the progress bar (issue 18),
+    """Engine.load on CUDA captures the batch-1 graphs of widths 1..k+1 (the default k) behind the progress bar (issue 18),
     leaves no cached prefix and fresh metrics, and the first chat request then replays without capturing."""
     from specchat.engine.cuda_graph import CTX_BUCKETS
     from specchat.engine.engine import Engine
@@ -79,7 +79,7 @@ def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir,
     heard = []
     cfg = EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32")
     engine = Engine.load(cfg, progress=lambda what, done, total: heard.append((what, done, total)))
-    widths = range(1, SpecParams().k_max + 2)
+    widths = range(1, SpecParams().k + 2)
     assert {(1, q, CTX_BUCKETS[0], ()) for q in widths} <= set(engine.runner.graphs)
     assert heard[-1] == ("warming up the GPU", len(widths), len(widths))
     assert engine.snapshot().tokens_total == 0 and engine.pool.prefix_hit_tokens == 0
