@@ -16,6 +16,7 @@ ModelRunner, which stays the reference: tests/engine/test_cuda_graph.py holds th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -183,3 +184,58 @@ class CudaGraphRunner(ModelRunner):
             logits, hidden = self.model(ids, positions, kv, taps=taps)
         padding = (positions.clone(), new_slots.clone(), meta.block_tables.clone(), meta.ctx_lens.clone())
         return _Graph(graph, ids, positions, new_slots, meta, logits, hidden, padding)
+
+
+class GraphedFunction:
+    """A function of batched tensors, replayed from one CUDA graph per (batch bucket, key) on a CUDA device and
+    called directly elsewhere: what a drafter's k-token chain uses, so that drafting costs one launch and one
+    read-back per step instead of a few dozen kernels and a host sync per draft position.
+
+    `fn(key, *inputs)` must take inputs whose first dimension is the batch, return one tensor whose first
+    dimension is the batch, read nothing from the host and keep every row independent of the others (padding rows,
+    zeros, are computed and dropped). The tensors it reads are baked into the graphs: `signature()` names them
+    (e.g. the data pointers of its weights), and the graphs are dropped when it changes.
+    """
+
+    def __init__(
+        self, fn: Callable[..., torch.Tensor], signature: Callable[[], Hashable] = lambda: None, enabled: bool = True
+    ) -> None:
+        self.fn = fn
+        self.enabled = enabled  # False (--eager): always call fn
+        self.signature = signature
+        self._baked = signature()
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+
+    def __call__(self, key: Hashable, *inputs: torch.Tensor) -> torch.Tensor:
+        n = inputs[0].shape[0]
+        bucket = _bucket(n, BATCH_BUCKETS)
+        if not self.enabled or inputs[0].device.type != "cuda" or bucket is None:
+            return self.fn(key, *inputs)
+        if (baked := self.signature()) != self._baked:  # weights swapped under the graphs
+            self.graphs.clear()
+            self._baked = baked
+        graph = self.graphs.get((bucket, key)) or self.capture(bucket, key, inputs)
+        graph_, static_in, static_out = graph
+        for buf, x in zip(static_in, inputs, strict=True):
+            buf[:n].copy_(x)
+            if n < bucket:
+                buf[n:].zero_()
+        graph_.replay()
+        return static_out[:n]
+
+    @torch.inference_mode()
+    def capture(self, bucket: int, key: Hashable, like: Seq[torch.Tensor]) -> tuple:
+        """The graph for `bucket` rows of inputs shaped and typed like `like` (captured now if new)."""
+        if (bucket, key) in self.graphs:
+            return self.graphs[(bucket, key)]
+        static_in = tuple(torch.zeros((bucket, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in like)
+        stream = torch.cuda.Stream(like[0].device)
+        stream.wait_stream(torch.cuda.current_stream(like[0].device))
+        with torch.cuda.stream(stream):
+            self.fn(key, *static_in)  # kernels compile and autotune outside the capture
+        torch.cuda.current_stream(like[0].device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = self.fn(key, *static_in)
+        self.graphs[(bucket, key)] = (graph, static_in, static_out)
+        return self.graphs[(bucket, key)]

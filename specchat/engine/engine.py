@@ -138,8 +138,8 @@ class Engine:
         """On CUDA, before the first request: one short prompt through prefill and plain decode (the kernels
         compile, into a Triton cache under $SPECCHAT_HOME that the next start reuses), then the graphs of every
         verification width up to max_k + 1 (default k_max + 1) for each batch bucket up to `sessions` (Engine.load:
-        1, a chat; serve and bench ask for more), with the hidden-state taps of each of `drafters` too. Leaves no
-        cached prefix and fresh metrics. Nothing to do on the CPU or with --eager."""
+        1, a chat; serve and bench ask for more), with the hidden-state taps of each of `drafters` too, and the
+        drafters' own graphs (Drafter.warm_up). Leaves no cached prefix and fresh metrics. Nothing to do on the CPU or with --eager."""
         capture = getattr(self.runner, "warm_up", None)
         if capture is None:
             return
@@ -149,6 +149,8 @@ class Engine:
         self.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0), SpecParams(drafter="none", k=0)).result()
         taps = [(), *(self.drafter(name).taps for name in drafters)]
         capture(range(1, (SpecParams().k_max if max_k is None else max_k) + 2), sessions, taps, progress)
+        for name in drafters:
+            self.drafter(name).warm_up(sessions)
         with self._lock:
             self.pool.clear_prefix_cache()
         self.reset_metrics()

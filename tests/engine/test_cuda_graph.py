@@ -52,3 +52,30 @@ def test_graph_replay_equals_eager(kv, fused):
             top = w.gather(-1, g.argmax(-1, keepdim=True)).squeeze(-1)  # the reference's logit of our choice
             assert torch.all(w.max(-1).values - top <= (0 if not fused else tol))  # argmax, up to rounding ties
     assert graphed.graphs, "no step was replayed from a graph"
+
+
+def test_graphed_function_equals_the_function_and_follows_its_weights():
+    """GraphedFunction (a drafter's chain): replays equal direct calls at any batch (padded to its bucket), a
+    capture per (bucket, key), and graphs dropped when the signature of the tensors they read changes."""
+    from specchat.engine.cuda_graph import GraphedFunction
+
+    torch.manual_seed(0)
+    weight = {"w": torch.randn(64, 64, device="cuda")}
+
+    def chain(depth, x, t):
+        for _ in range(depth):
+            x = torch.tanh(x @ weight["w"]) + t[:, None]
+        return x
+
+    graphed = GraphedFunction(chain, lambda: weight["w"].data_ptr())
+    for n in (1, 3, 8, 5):
+        x, t = torch.randn(n, 64, device="cuda"), torch.randn(n, device="cuda")
+        for depth in (1, 3):
+            torch.testing.assert_close(graphed(depth, x, t), chain(depth, x, t))  # the bucket's GEMM may round apart
+    assert set(graphed.graphs) == {(b, d) for b in (1, 4, 8) for d in (1, 3)}
+    weight["w"] = torch.randn(64, 64, device="cuda")  # a weight switch: the old graphs read freed memory
+    x, t = torch.randn(2, 64, device="cuda"), torch.randn(2, device="cuda")
+    torch.testing.assert_close(graphed(3, x, t), chain(3, x, t))
+    assert set(graphed.graphs) == {(2, 3)}
+    off = GraphedFunction(chain, enabled=False)
+    assert torch.equal(off(3, x, t), chain(3, x, t)) and not off.graphs

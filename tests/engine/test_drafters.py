@@ -131,6 +131,28 @@ def test_heads_propose_from_tapped_hidden_state(tiny_engine, sequential):
     assert drafts[2].tokens == []
 
 
+@pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "parallel"])
+def test_heads_greedy_chain_equals_step_by_step_drafting(tiny_engine, sequential):
+    """The device-only chain (what a CUDA graph captures) drafts what the position-by-position reference does."""
+    heads = random_heads(tiny_engine.model, sequential=sequential, num_heads=4, draft_vocab=500)
+    drafter = HeadsDrafter(heads, tiny_engine.model)
+    torch.manual_seed(2)
+    hidden = torch.randn(3, tiny_engine.model.cfg.hidden_size)
+    prev = torch.tensor([5, 17, 99])
+    group = [FakeSeq(i, [1, int(p)], SamplingParams()) for i, p in enumerate(prev)]
+    for depth in (1, 4):
+        chain = drafter.greedy_chain(depth, hidden, prev)
+        steps = drafter.draft_steps(group, hidden, prev, depth)
+        assert chain.shape == (3, depth)
+        assert chain.T.tolist() == [tokens for tokens, _ in steps]
+        assert all(q is None for _, probs in steps for q in probs)
+    # propose() takes the chain for an all-greedy group: the same drafts
+    seqs = [FakeSeq(i, [1, int(p)], SamplingParams(), {heads.cfg.tap: hidden[i : i + 1]}) for i, p in enumerate(prev)]
+    drafts = drafter.propose(seqs, [4, 2, 3])
+    full = drafter.greedy_chain(4, hidden, prev).tolist()
+    assert [d.tokens for d in drafts] == [full[0][:4], full[1][:2], full[2][:3]]
+
+
 def test_draft_model_cache_follows_the_request(tiny_engine):
     drafter = make_drafter(f"draft-model:{tiny_engine.model_spec.path}", tiny_engine)
     assert isinstance(drafter, DraftModelDrafter) and drafter.model is tiny_engine.model  # weights shared

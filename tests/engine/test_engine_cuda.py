@@ -57,13 +57,17 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
         cfg = EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=eager)
         engine = Engine.load(cfg)
         torch.manual_seed(0)
-        engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=5), engine.model)
+        heads = HeadsDrafter(random_heads(engine.model, num_heads=5), engine.model, graphs=not eager)
+        engine.drafters["heads:random"] = heads
         engine.drafters["eagle:random"] = random_eagle(engine)
         specs = [SpecParams("heads:random", k=2), SpecParams("eagle:random", k=4), SpecParams("eagle:random", k=1)]
         handles = [engine.submit(p, sampling, specs[i % len(specs)]) for i, p in enumerate(prompts)]
         outputs[eager] = [h.result().token_ids for h in handles]
         if not eager:
             keys = set(engine.runner.graphs)
+            assert heads.chain.graphs, "the heads' greedy chain was not replayed from a graph"
+        else:
+            assert not heads.chain.graphs
     assert outputs[False] == outputs[True]
     assert any(key[3] for key in keys), "no step with taps was replayed from a graph"
     assert any(key[1] == 5 for key in keys), "no step padded to k = 4 was replayed from a graph"

@@ -43,6 +43,9 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         """Forget any per-request state (the request finished)."""
 
+    def warm_up(self, sessions: int) -> None:
+        """Prepare for batches of up to `sessions` requests before the first step (capture CUDA graphs)."""
+
 
 class NoDrafter(Drafter):
     """Plain decoding."""
@@ -72,7 +75,7 @@ def make_drafter(name: str, context) -> Drafter:
     if kind == "heads":
         from specchat.engine.drafters.heads import HeadsDrafter
 
-        return HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model)
+        return HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model, not context.config.eager)
     if kind == "eagle":
         from specchat.engine.drafters.eagle import EagleDrafter
 
@@ -81,7 +84,8 @@ def make_drafter(name: str, context) -> Drafter:
         from specchat.engine.drafters.heads import HeadsDrafter
         from specchat.engine.drafters.hybrid import NgramThenHeads
 
-        return NgramThenHeads(HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model))
+        heads = HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model, not context.config.eager)
+        return NgramThenHeads(heads)
     from specchat.engine.drafters.draft_model import load_draft_model_drafter
 
     return load_draft_model_drafter(arg or None, context)

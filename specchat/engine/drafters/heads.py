@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat.engine.cuda_graph import BATCH_BUCKETS, GraphedFunction
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.model import RMSNorm, Transformer
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
@@ -195,7 +196,7 @@ class HeadsDrafter(Drafter):
 
     name = "heads"
 
-    def __init__(self, heads: DraftHeads, model: Transformer) -> None:
+    def __init__(self, heads: DraftHeads, model: Transformer, graphs: bool = True) -> None:
         weight = model.lm_head.weight
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         self.cfg = heads.cfg
@@ -204,12 +205,16 @@ class HeadsDrafter(Drafter):
         self.vocab_size = model.cfg.vocab_size
         self.draft_vocab = self.heads.draft_vocab  # [Vd]
         self.output = DraftVocabOutput(model, self.draft_vocab)
+        # greedy drafting: a CUDA graph per batch bucket and depth, over the embedding the model has now
+        self.chain = GraphedFunction(
+            self.greedy_chain, lambda: tuple(p.data_ptr() for p in self.embed.parameters()), enabled=graphs
+        )
 
     @classmethod
-    def from_file(cls, path: Path, model: Transformer) -> HeadsDrafter:
+    def from_file(cls, path: Path, model: Transformer, graphs: bool = True) -> HeadsDrafter:
         heads, _ = DraftHeads.load(path)
         check_compatible(heads.cfg, model, str(path))
-        return cls(heads, model)
+        return cls(heads, model, graphs)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -221,21 +226,57 @@ class HeadsDrafter(Drafter):
         group = [seqs[i] for i in ready]
         depth = min(max(ks[i] for i in ready), self.cfg.num_heads)
         hidden = torch.stack([seq.hidden[self.cfg.tap][-1] for seq in group]).to(self.output.weight.dtype)  # [B, d]
-        if self.cfg.sequential:
-            prev = torch.tensor([seq.all_ids[-1] for seq in group], device=hidden.device)  # [B] newest tokens
-            state, steps = hidden, []
-            for block in self.heads.blocks[:depth]:
-                state = block(state, self.embed(prev))  # [B, d]
-                tokens, probs = choose_tokens(group, self.output(state), self.draft_vocab, self.vocab_size)
-                steps.append((tokens, probs))
-                prev = torch.tensor(tokens, device=hidden.device)
+        prev = torch.tensor([seq.all_ids[-1] for seq in group], device=hidden.device)  # [B] newest tokens
+        if all(seq.sampling.greedy for seq in group):  # the whole chain in one launch, one read-back
+            chain = self.chain(depth, hidden, prev).tolist()  # [B, depth]
+            steps = [([row[j] for row in chain], [None] * len(group)) for j in range(depth)]
         else:
-            states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
-            logits = self.output(states)  # [depth, B, Vd]
-            steps = [choose_tokens(group, logits[i], self.draft_vocab, self.vocab_size) for i in range(depth)]
+            steps = self.draft_steps(group, hidden, prev, depth)
         for b, i in enumerate(ready):
             k = min(ks[i], depth)
             tokens = [steps[j][0][b] for j in range(k)]
             qs = [steps[j][1][b] for j in range(k)]
             drafts[i] = Draft(tokens, None if qs[0] is None else torch.stack(qs))
         return drafts
+
+    def draft_steps(
+        self, group: list[Sequence], hidden: torch.Tensor, prev: torch.Tensor, depth: int
+    ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
+        """Position by position, each request's token (greedy or sampled with its generator) and the distribution
+        it was drawn from: [(tokens [B], probs [B])] * depth. The reference `greedy_chain` is held to."""
+        if not self.cfg.sequential:
+            states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
+            logits = self.output(states)  # [depth, B, Vd]
+            return [choose_tokens(group, logits[i], self.draft_vocab, self.vocab_size) for i in range(depth)]
+        state, steps = hidden, []
+        for block in self.heads.blocks[:depth]:
+            state = block(state, self.embed(prev))  # [B, d]
+            tokens, probs = choose_tokens(group, self.output(state), self.draft_vocab, self.vocab_size)
+            steps.append((tokens, probs))
+            prev = torch.tensor(tokens, device=hidden.device)
+        return steps
+
+    def greedy_chain(self, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
+        `chain` captures; `draft_steps` is its reference)."""
+        if not self.cfg.sequential:
+            states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
+            return self.draft_vocab[self.output(states).argmax(-1)].T
+        state, tokens = hidden, []
+        for block in self.heads.blocks[:depth]:
+            state = block(state, self.embed(prev))
+            prev = self.draft_vocab[self.output(state).argmax(-1)]
+            tokens.append(prev)
+        return torch.stack(tokens, dim=1)
+
+    def warm_up(self, sessions: int) -> None:
+        """Capture the chain's graphs (every depth, every batch bucket up to `sessions`') before the first step."""
+        weight = self.output.weight
+        if weight.device.type != "cuda" or not self.chain.enabled:
+            return
+        top = next((b for b in BATCH_BUCKETS if b >= sessions), BATCH_BUCKETS[-1])
+        for b in (b for b in BATCH_BUCKETS if b <= top):
+            like = (torch.zeros(b, self.cfg.hidden_size, dtype=weight.dtype, device=weight.device),
+                    torch.zeros(b, dtype=torch.long, device=weight.device))  # fmt: skip
+            for depth in range(1, self.cfg.num_heads + 1):
+                self.chain.capture(b, depth, like)

@@ -42,3 +42,6 @@ class NgramThenHeads(Drafter):
     def release(self, seq: Sequence) -> None:
         self.ngram.release(seq)
         self.heads.release(seq)
+
+    def warm_up(self, sessions: int) -> None:
+        self.heads.warm_up(sessions)
