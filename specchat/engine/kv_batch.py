@@ -3,7 +3,9 @@
 Built by `KVPool.prepare` once per step (slots, block tables, attention metadata are computed once, not once per
 layer) and handed to the model as its `KVAttention`: each layer writes its new keys/values into the pages and
 attends over the request's whole context, with the Triton paged-attention kernel on CUDA and the gathered
-reference (`_attend_gathered`) elsewhere.
+reference (`_attend_gathered`) elsewhere; on the CPU, where the pool was built with `cpu_kernels`, decode and
+verification steps over dense float32 pages go through kernels/cpu_ops.py's C kernel, which stores the step's
+keys/values and attends over the pages in one call.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specchat.kernels import cpu_ops
 from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
 
 if TYPE_CHECKING:
@@ -44,10 +47,21 @@ class KVBatch:
         self._ctx_index: list[torch.Tensor | slice] | None = None
         self._split_parts: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None
         self._fresh_lens: list[int] = []
+        self._cpu_plan: cpu_ops.AttentionPlan | None = None
+        self._cpu_kernel = (
+            pool.cpu_kernels
+            and not self.all_fresh
+            and max(q_lens) <= cpu_ops.MAX_Q_LEN
+            and self.store.name == "fp32"  # dense float32 pages: no rotation, no key transform
+            and cpu_ops.available()
+        )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation and the key transform."""
         store = self.store
+        if self._cpu_kernel and q.dtype == torch.float32:
+            plan = self.cpu_plan(q.shape[1], k.shape[1], q.shape[2])
+            return cpu_ops.paged_attention(plan, q, k, v, store.k[layer].data, store.v[layer].data)
         q, k, v = store.rotate_queries(layer, q), store.rotate_keys(layer, k), store.rotate(v)
         store.write(layer, self.new_slots, k, v)
         if self.all_fresh:
@@ -129,6 +143,16 @@ class KVBatch:
                 self.tables, self.q_lens, self.ctx_lens, self.pool.page_size, self.pool.device
             )
         return self._metadata
+
+    def cpu_plan(self, heads: int, kv_heads: int, head_dim: int) -> cpu_ops.AttentionPlan:
+        """The step as the CPU attention kernel reads it (once a step)."""
+        if self._cpu_plan is None:
+            meta = self.metadata()
+            self._cpu_plan = cpu_ops.AttentionPlan(
+                meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, self.new_slots, self.pool.page_size,
+                heads, kv_heads, head_dim, self.store.num_slots, self.scale,
+            )  # fmt: skip
+        return self._cpu_plan
 
     def ctx_index(self) -> list[torch.Tensor | slice]:
         """Per request, the slots of its whole context: a slice when its pages are consecutive (no copy)."""

@@ -54,6 +54,7 @@ class KVPool:
         kv_format: str = "auto",
         rotate: bool = True,
         key_transform: Callable[[], torch.Tensor] | None = None,
+        cpu_kernels: bool = False,
     ) -> None:
         if num_pages <= 0:
             raise KVCacheFullError("the KV memory budget is too small for a single page")
@@ -62,6 +63,7 @@ class KVPool:
         self.device = torch.device(device)
         fmt = format_for_dtype(dtype) if kv_format == "auto" else kv_format
         self.rotate = rotate
+        self.cpu_kernels = cpu_kernels  # decode steps attend through kernels/cpu_ops.py (dense float32 pages)
         self.budget_bytes = num_pages * page_size * bytes_per_token(fmt, num_layers, num_kv_heads, head_dim)
         self._key_transform_source = key_transform  # makes A on first need (kv_transform.load_or_calibrate)
         self._key_transform: torch.Tensor | None = None
@@ -105,10 +107,14 @@ class KVPool:
         kv_format: str = "auto",
         rotate: bool = True,
         key_transform: Callable[[], torch.Tensor] | None = None,
+        cpu_kernels: bool = False,
     ) -> KVPool:
         fmt = format_for_dtype(dtype) if kv_format == "auto" else kv_format
         num_pages = budget_bytes // (bytes_per_token(fmt, num_layers, num_kv_heads, head_dim) * page_size)
-        return cls(num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device, fmt, rotate, key_transform)
+        return cls(
+            num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device, fmt, rotate, key_transform,
+            cpu_kernels,
+        )  # fmt: skip
 
     # --- accounting -------------------------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specchat.config import EngineConfig
+from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import pack_blocks
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_transform import load_or_calibrate
@@ -140,8 +141,11 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     )
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads())
-    if device.type == "cpu" and not config.eager and path.is_file():
+    cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
+    if cpu_kernels and path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
+    if cpu_kernels:
+        cpu_fusion.fuse(model)
     budget = config.kv_memory or default_kv_budget(device)
     c = model.cfg
     pool = KVPool.from_budget(
@@ -159,5 +163,6 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
             if config.kv_key_transform
             else None
         ),
+        cpu_kernels=cpu_kernels,
     )
     return LoadedModel(spec, model, tokenizer, pool, weights)

@@ -213,18 +213,18 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 #define attend_row attend_plain
 #endif
 
-/* Store this step's keys/values (k/v [T, KVH, D], row stride kv_stride) at their slots of the pages
+/* Store this step's keys/values (k/v [T, KVH, D], row strides k_stride / v_stride) at their slots of the pages
    [KVH, num_slots, D], then out [T, H, D] = causal attention of every new row (q [T, H, D], row stride
    q_stride) over its request's context. Returns 0, or -1 when the scratch row cannot be allocated. */
-int paged_attention(const Plan* p, const float* q, long q_stride, const float* k, const float* v, long kv_stride,
-                    float* k_pages, float* v_pages, float* out) {
+int paged_attention(const Plan* p, const float* q, long q_stride, const float* k, long k_stride, const float* v,
+                    long v_stride, float* k_pages, float* v_pages, float* out) {
   const int D = p->head_dim, H = p->heads, KVH = p->kv_heads, G = H / KVH;
   const size_t row_bytes = (size_t)D * sizeof(float);
   for (int t = 0; t < p->tokens; t++)
     for (int h = 0; h < KVH; h++) {
       const size_t dst = ((size_t)h * p->num_slots + (size_t)p->slots[t]) * D;
-      memcpy(k_pages + dst, k + (size_t)t * kv_stride + (size_t)h * D, row_bytes);
-      memcpy(v_pages + dst, v + (size_t)t * kv_stride + (size_t)h * D, row_bytes);
+      memcpy(k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, row_bytes);
+      memcpy(v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, row_bytes);
     }
   int longest = 1;
   for (int b = 0; b < p->batch; b++) longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
@@ -279,7 +279,7 @@ def _library() -> ctypes.CDLL | None:
     lib.add_rms_norm.argtypes = [i32, i32, ptr, ptr, ptr, f32, ptr, ptr]
     lib.rope_qk.argtypes = [i32, i32, i32, i32, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]
     lib.silu_mul.argtypes = [i32, i32, ptr, ptr]
-    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
+    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr]
     lib.paged_attention.restype = ctypes.c_int
     for fn in (lib.rms_norm, lib.add_rms_norm, lib.rope_qk, lib.silu_mul):
         fn.restype = None
@@ -292,8 +292,9 @@ def available() -> bool:
 
 
 def supported(x: torch.Tensor) -> bool:
-    """The kernels take float32 tensors on the CPU."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and available()
+    """The kernels take float32 tensors on the CPU, where no gradient is recorded (they have no backward: training
+    draft heads through the target's norm and head keeps the torch ops)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
 
 
 def _rows(x: torch.Tensor, n: int) -> int:
@@ -401,15 +402,15 @@ def paged_attention(
     """Write k/v [T, KVH, D] into the dense float32 pages [KVH, slots, D] at the plan's slots, then return
     [T, H, D]: each new row's causal attention over its request's context (q [T, H, D])."""
     t, heads, d = q.shape
-    q_stride, kv_stride = _heads_view(q), _heads_view(k)
-    assert _heads_view(v) == kv_stride and k.shape == v.shape == (t, plan.kv_heads, d), (k.shape, v.shape)
+    q_stride, k_stride, v_stride = _heads_view(q), _heads_view(k), _heads_view(v)
+    assert k.shape == v.shape == (t, plan.kv_heads, d), (k.shape, v.shape)
     assert t == plan.tokens and heads == plan.num_heads and d == plan.head_dim, (q.shape, plan.tokens)
     for pages in (k_pages, v_pages):
         assert pages.dtype == torch.float32 and pages.is_contiguous(), (pages.dtype, pages.stride())
         assert pages.shape == (plan.kv_heads, plan.num_slots, d), pages.shape
     out = torch.empty(t, heads, d)
     status = _library().paged_attention(
-        plan.ref, q.data_ptr(), q_stride, k.data_ptr(), v.data_ptr(), kv_stride,
+        plan.ref, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
         k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     if status != 0:

@@ -85,6 +85,7 @@ def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k, v = qkv[:, heads * head_dim :].view(tokens, 2 * kv_heads, head_dim).split(kv_heads, dim=1)
+    k = k.contiguous()  # as RoPE leaves it; v stays a strided view of the fused projection
     meta = AttentionMetadata.build(tables, q_lens, ctx_lens, page_size, "cpu")
     plan = cpu_ops.AttentionPlan(
         meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, torch.tensor(slots), page_size,
