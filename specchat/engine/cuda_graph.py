@@ -206,6 +206,7 @@ class GraphedFunction:
         self._baked = signature()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
+    @torch.inference_mode()  # the graphs' static buffers are inference tensors
     def __call__(self, key: Hashable, *inputs: torch.Tensor) -> torch.Tensor:
         n = inputs[0].shape[0]
         bucket = _bucket(n, BATCH_BUCKETS)
