@@ -52,14 +52,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q_len, num_heads, head_dim = q.shape
     kv_heads, ctx_len = k.shape[:2]
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if q_len > MAX_GROUPED_Q:  # prompts: SDPA's fused kernel (no [q_len, ctx_len] matrix)
-        mask = None
-        if q_len < ctx_len:
-            mask = _causal_mask(q_len, ctx_len, q.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k, v, attn_mask=mask, is_causal=q_len == ctx_len, scale=scale, enable_gqa=True
-        )
-        return out.transpose(0, 1)
+    if q_len > MAX_GROUPED_Q:  # prompts: SDPA's fused kernels (no [q_len, ctx_len] matrix)
+        qh = q.transpose(0, 1)[None]  # [1, H, q_len, D]: the fused kernels take 4-d inputs only (3-d runs the math one)
+        if q_len == ctx_len:  # a fresh prompt: flash attention, which reads the KV heads in place (GQA)
+            out = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
+        else:  # a prompt after cached context: the memory-efficient kernel with the mask, over repeated KV heads
+            group = num_heads // kv_heads
+            k, v = (t.repeat_interleave(group, dim=0)[None] for t in (k, v))
+            out = F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=_causal_mask(q_len, ctx_len, q.device), scale=scale
+            )
+        return out[0].transpose(0, 1)
     # Decode and verification: the group's H/KVH query heads x q_len tokens become the rows of one score matrix
     # per KV head, so keys and values are read in place instead of being repeated for every query head.
     group = num_heads // kv_heads

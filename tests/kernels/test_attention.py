@@ -45,12 +45,32 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out
 
 
-@pytest.mark.parametrize(("q_len", "ctx_len", "num_heads", "kv_heads"), [(1, 9, 4, 2), (5, 5, 6, 3), (4, 23, 8, 2)])
+@pytest.mark.parametrize(
+    ("q_len", "ctx_len", "num_heads", "kv_heads"),
+    [(1, 9, 4, 2), (5, 5, 6, 3), (4, 23, 8, 2), (40, 40, 9, 3), (40, 75, 9, 3)],  # the last two: prompts (SDPA)
+)
 def test_causal_attention_equals_naive(q_len, ctx_len, num_heads, kv_heads):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(q_len, num_heads, 16, generator=gen)
     k, v = torch.randn(2, kv_heads, ctx_len, 16, generator=gen)
     torch.testing.assert_close(causal_attention(q, k, v, 0.3), naive_attention(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's fused CUDA kernels")
+@pytest.mark.parametrize("ctx_len", [40, 75])
+def test_prompt_attention_runs_a_fused_kernel_on_cuda(ctx_len):
+    """A prompt's attention on CUDA in bf16 runs flash attention (fresh) or the memory-efficient kernel (after
+    cached context), not SDPA's math fallback (which a 3-d input or GQA with a mask would fall back to, at ~0.5 ms
+    of host time per layer), and equals the fp32 reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(40, 9, 64, generator=gen)
+    k, v = torch.randn(2, 3, ctx_len, 64, generator=gen)
+    backend = SDPBackend.FLASH_ATTENTION if ctx_len == 40 else SDPBackend.EFFICIENT_ATTENTION
+    with sdpa_kernel([backend]):  # raises if the inputs do not suit that kernel
+        out = causal_attention(*(t.cuda().bfloat16() for t in (q, k, v)), 0.125)
+    torch.testing.assert_close(out.float().cpu(), naive_attention(q, k, v, 0.125), atol=2e-2, rtol=2e-2)
 
 
 def random_paged_batch(
