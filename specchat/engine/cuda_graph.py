@@ -10,8 +10,12 @@ A verification step whose requests draft different k is made uniform before it g
 request to the widest one (`padded_width`) with rows that are never verified. Hidden-state taps that drafters
 read are static outputs of the captured graph (one graph per tap set), copied out at each replay.
 
-Everything else (prefill and steps that mix prompt chunks with decoding, the CPU) runs eagerly through
-ModelRunner, which stays the reference: tests/engine/test_cuda_graph.py holds the two equal.
+A fresh prompt (its first chunk: it attends only to its own keys) of up to PREFILL_BUCKETS[-1] tokens replays a
+prefill graph of the next bucket's length: padding tokens go at its end, where causal attention keeps them out of
+the real rows, and write their keys to the scratch page. A step that mixes prompts with decoding is split: the
+decoding requests (padded to one width by SpecStep) replay their graph, each fresh prompt its prefill graph, and
+what is left (a prompt after cached context, a long one) runs eagerly through ModelRunner, which stays the
+reference for all of it: tests/engine/test_cuda_graph.py and test_engine_cuda.py hold them equal.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from specchat.kernels.attention import AttentionMetadata, paged_attention_suppor
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_Q = 9  # tokens per request in a captured step: k + 1 for k <= 8
 CTX_BUCKETS = (1024, 4096, 16384, 65536, 131072)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256)  # fresh prompts up to 256 tokens replay a graph; longer ones are compute
 SCRATCH_SEQ = -1  # the pool entry holding the padding requests' page
 
 
@@ -39,15 +44,33 @@ def _bucket(value: int, buckets: Seq[int]) -> int | None:
 
 
 class StaticKVBatch(KVBatch):
-    """A KVBatch whose attention metadata lives in fixed device buffers (what a captured graph reads)."""
+    """A KVBatch whose attention metadata lives in fixed device buffers (what a captured graph reads); for a
+    prefill graph (`meta` None) one fresh prompt of q tokens that attends to its own keys."""
 
-    def __init__(self, pool: KVPool, meta: AttentionMetadata, new_slots: torch.Tensor, q: int, scale: float) -> None:
-        batch = meta.block_tables.shape[0]
-        super().__init__(pool, [q] * batch, [meta.max_ctx_len] * batch, [[0]] * batch, new_slots, scale)
+    def __init__(
+        self, pool: KVPool, meta: AttentionMetadata | None, new_slots: torch.Tensor, q: int, scale: float
+    ) -> None:
+        if meta is None:
+            super().__init__(pool, [q], [q], [[0]], new_slots, scale)
+        else:
+            batch = meta.block_tables.shape[0]
+            super().__init__(pool, [q] * batch, [meta.max_ctx_len] * batch, [[0]] * batch, new_slots, scale)
         self.static_meta = meta
 
     def metadata(self) -> AttentionMetadata:
+        assert self.static_meta is not None, "a prefill graph attends to its own keys"
         return self.static_meta
+
+
+@dataclass(slots=True)
+class _Prefill:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [P]
+    new_slots: torch.Tensor  # [P]
+    last: torch.Tensor  # [1] the row whose logits are wanted (the prompt's last token)
+    logits: torch.Tensor  # [1, vocab]
+    hidden: dict[int, torch.Tensor]  # {tap layer: [P, hidden]}
+    pad_slots: torch.Tensor  # [P] scratch-page slots for the padding rows
 
 
 @dataclass(slots=True)
@@ -68,6 +91,7 @@ class CudaGraphRunner(ModelRunner):
     def __init__(self, model: Transformer, pool: KVPool) -> None:
         super().__init__(model, pool)
         self.graphs: dict[tuple, _Graph] = {}
+        self.prefills: dict[tuple[int, tuple[int, ...]], _Prefill] = {}  # (bucket, taps) ->
         self.mempool = torch.cuda.graph_pool_handle()
         pool.add(SCRATCH_SEQ, [])
         pool.append(SCRATCH_SEQ, pool.page_size)
@@ -99,32 +123,115 @@ class CudaGraphRunner(ModelRunner):
         return None if b is None or ctx is None else (b, q, ctx, tuple(sorted(set(taps))))
 
     def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
+        self._check_signature()
         key = self._graph_key(batch, taps)
-        if key is None:
+        if key is not None:
+            graph = self.graphs.get(key) or self._capture(*key)
+            self.graphs[key] = graph
+            return self._replay(graph, batch, key[1])
+        if len(batch.feeds) == 1 and (bucket := self._prefill_bucket(batch, 0)) is not None:
+            return self._prefill(bucket, batch, tuple(sorted(set(taps))))
+        parts = self._parts(batch)
+        if len(parts) == 1:
             return super().forward(batch, taps)
+        return self._joined(batch, [(rows, self.forward(_sub_batch(batch, rows), taps)) for rows in parts])
+
+    def _check_signature(self) -> None:
         signature = self._state_signature()
         if signature != self._signature:  # weights or KV format switched: captured pointers are stale
             self.graphs.clear()
+            self.prefills.clear()
             self._signature = signature
             self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]  # a shrinking KV switch may renumber it
-        graph = self.graphs.get(key) or self._capture(*key)
-        self.graphs[key] = graph
-        return self._replay(graph, batch, key[1])
+
+    def _prefill_bucket(self, batch: StepBatch, i: int) -> int | None:
+        """The prefill graph's length for request i, if it feeds a fresh prompt that one can take."""
+        n = len(batch.feeds[i])
+        if batch.start_positions[i] != 0 or batch.logit_rows[i] > 1:
+            return None
+        return _bucket(n, PREFILL_BUCKETS)
+
+    def _parts(self, batch: StepBatch) -> list[list[int]]:
+        """A mixed step's requests in groups that each run one forward: every fresh prompt a prefill graph can
+        take alone, the decoding requests together (one graph when they are uniform), the rest together."""
+        fresh = [i for i in range(len(batch.feeds)) if self._prefill_bucket(batch, i) is not None]
+        decoding = [
+            i for i, s in enumerate(batch.start_positions) if s > 0 and batch.logit_rows[i] == len(batch.feeds[i])
+        ]
+        rest = [i for i in range(len(batch.feeds)) if i not in fresh and i not in decoding]
+        return [[i] for i in fresh] + [part for part in (decoding, rest) if part]
+
+    @staticmethod
+    def _joined(batch: StepBatch, outputs: list[tuple[list[int], StepOutput]]) -> StepOutput:
+        """The parts' outputs put back in the batch's order."""
+        n = len(batch.feeds)
+        logits: list[torch.Tensor | None] = [None] * n
+        hidden: list[dict[int, torch.Tensor]] = [{}] * n
+        for rows, out in outputs:
+            for j, i in enumerate(rows):
+                logits[i], hidden[i] = out.logits[j], out.hidden[j]
+        flat = torch.cat(logits)
+        return StepOutput(flat, list(flat.split(batch.logit_rows)), hidden)
 
     def warm_up(self, widths: Seq[int], sessions: int = 1, taps: Seq[Seq[int]] = ((),), progress=None) -> None:
-        """Capture the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
-        bucket up to `sessions`' and each set of hidden-state taps, at the smallest context bucket, now: so that
-        the first steps neither compile kernels nor capture graphs (~50 ms a graph on the default model).
-        `progress` hears ("warming up the GPU", done, total)."""
+        """Capture now the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
+        bucket up to `sessions`' at the smallest context bucket, and the prefill graph of every prompt bucket, for
+        each set of hidden-state taps: so that the first steps neither compile kernels nor capture graphs (~50 ms
+        a graph on the default model). `progress` hears ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
         top = _bucket(min(sessions, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
         tap_keys = sorted({tuple(sorted(set(t))) for t in taps})
         keys = [(b, q, CTX_BUCKETS[0], t) for t in tap_keys for b in BATCH_BUCKETS if b <= top for q in widths]
+        prefill_keys = [(p, t) for t in tap_keys for p in PREFILL_BUCKETS]
+        total = len(keys) + len(prefill_keys)
         for done, key in enumerate(keys, 1):
             if key not in self.graphs:
                 self.graphs[key] = self._capture(*key)
             if progress is not None:
-                progress("warming up the GPU", done, len(keys))
+                progress("warming up the GPU", done, total)
+        for done, key in enumerate(prefill_keys, len(keys) + 1):
+            if key not in self.prefills:
+                self.prefills[key] = self._capture_prefill(*key)
+            if progress is not None:
+                progress("warming up the GPU", done, total)
+
+    @torch.inference_mode()
+    def _prefill(self, bucket: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:
+        """One fresh prompt through the prefill graph of its length bucket."""
+        g = self.prefills.get((bucket, taps)) or self._capture_prefill(bucket, taps)
+        self.prefills[(bucket, taps)] = g
+        n = len(batch.feeds[0])
+        kv = self.pool.prepare(batch.seq_ids, [n], self.scale)
+        ids = torch.zeros(bucket, dtype=torch.long)
+        ids[:n] = torch.tensor(batch.feeds[0])
+        g.ids.copy_(ids, non_blocking=True)
+        g.new_slots[:n].copy_(kv.new_slots, non_blocking=True)
+        g.new_slots[n:].copy_(g.pad_slots[n:])
+        g.last.fill_(n - 1)
+        g.graph.replay()
+        logits = g.logits[: batch.logit_rows[0]].clone()  # the next replay overwrites the static output
+        hidden = {layer: h[:n].clone() for layer, h in g.hidden.items()}
+        return StepOutput(logits, [logits], [hidden])
+
+    @torch.inference_mode()
+    def _capture_prefill(self, bucket: int, taps: tuple[int, ...]) -> _Prefill:
+        dev, ps = self.device, self.pool.page_size
+        ids = torch.zeros(bucket, dtype=torch.long, device=dev)
+        positions = torch.arange(bucket, device=dev)  # a fresh prompt's positions; padding continues past it
+        pad_slots = self.scratch_page * ps + torch.arange(bucket, device=dev) % ps
+        new_slots = pad_slots.clone()
+        last = torch.zeros(1, dtype=torch.long, device=dev)
+        kv = StaticKVBatch(self.pool, None, new_slots, bucket, self.scale)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                self.model(ids, positions, kv, taps=taps, logits_at=last)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits, hidden = self.model(ids, positions, kv, taps=taps, logits_at=last)
+        return _Prefill(graph, ids, new_slots, last, logits, hidden, pad_slots)
 
     @torch.inference_mode()
     def _replay(self, g: _Graph, batch: StepBatch, q: int) -> StepOutput:
@@ -184,6 +291,16 @@ class CudaGraphRunner(ModelRunner):
             logits, hidden = self.model(ids, positions, kv, taps=taps)
         padding = (positions.clone(), new_slots.clone(), meta.block_tables.clone(), meta.ctx_lens.clone())
         return _Graph(graph, ids, positions, new_slots, meta, logits, hidden, padding)
+
+
+def _sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:
+    """The requests `rows` of a step, as a step of their own."""
+    return StepBatch(
+        [batch.seq_ids[i] for i in rows],
+        [batch.feeds[i] for i in rows],
+        [batch.start_positions[i] for i in rows],
+        [batch.logit_rows[i] for i in rows],
+    )
 
 
 class GraphedFunction:

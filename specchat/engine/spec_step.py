@@ -13,6 +13,7 @@ tokens. Both are measured once per step.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -81,19 +82,21 @@ class SpecStep:
         t1 = time.perf_counter()
         feeds = [item.feed + drafts[i].tokens for i, item in enumerate(plan.items)]
         rows = [1 + len(drafts[i].tokens) if item.samples else 0 for i, item in enumerate(plan.items)]
-        width = self._padded_width(plan, feeds, rows)
-        if width is not None:  # pad every request's drafts to one width; the extra rows are never verified
-            feeds = [feed + [PAD_TOKEN] * (width - len(feed)) for feed in feeds]
+        decoding = [item.samples and len(item.feed) == 1 for item in plan.items]
+        width = self._padded_width(plan, rows, decoding)
+        logit_rows = list(rows)
+        if width is not None:  # pad the decoding requests' drafts to one width; the extra rows are never verified
+            for i in (i for i, d in enumerate(decoding) if d):
+                feeds[i] = feeds[i] + [PAD_TOKEN] * (width - len(feeds[i]))
+                logit_rows[i] = width
         batch = StepBatch(
-            [item.seq.seq_id for item in plan.items],
-            feeds,
-            [item.seq.num_cached for item in plan.items],
-            [width] * len(feeds) if width is not None else rows,
+            [item.seq.seq_id for item in plan.items], feeds, [item.seq.num_cached for item in plan.items], logit_rows
         )
         out = self.runner.forward(batch, taps=plan.taps)
         logits = out.flat_logits
-        if width is not None:  # the rows verification reads: each request's first 1 + k of its `width`
-            keep = [i * width + r for i, n in enumerate(rows) for r in range(n)]
+        if width is not None:  # the rows verification reads: each request's first 1 + k of its logit rows
+            starts = list(itertools.accumulate(logit_rows, initial=0))[:-1]
+            keep = [start + r for start, n in zip(starts, rows, strict=True) for r in range(n)]
             logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
         sampling = [i for i, item in enumerate(plan.items) if item.samples]
         verdicts = verify_batch(
@@ -110,19 +113,17 @@ class SpecStep:
             kept[i] += accepted
         hidden = [{layer: h[:n] for layer, h in taps.items()} for taps, n in zip(out.hidden, kept, strict=True)]
         t2 = time.perf_counter()
-        decoding = all(item.samples and len(item.feed) == 1 for item in plan.items)
-        decode_rows = sum(batch.logit_rows) if decoding else None
+        decode_rows = sum(batch.logit_rows) if all(decoding) else None
         return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decode_rows)
 
-    def _padded_width(self, plan: StepPlan, feeds: list[list[int]], rows: list[int]) -> int | None:
-        """The width the runner wants this step padded to, if it is a decode / verify step whose padding fits the
-        KV pool (a step with a prompt chunk runs ragged)."""
-        if not all(item.samples and len(item.feed) == 1 for item in plan.items):
+    def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:
+        """The width the runner wants the decoding requests (newest token + drafts) padded to, if their padding
+        fits the KV pool; requests that feed a prompt chunk beside them keep their length."""
+        widths = [n for n, d in zip(rows, decoding, strict=True) if d]
+        width = self.runner.padded_width(widths) if widths else None
+        if width is None or width == min(widths):  # nothing to pad (the runner wants no padding, or all are full)
             return None
-        width = self.runner.padded_width(rows)
-        if width is None or width == min(rows):  # nothing to pad (the runner wants no padding, or all are full)
-            return None
-        needs = {item.seq.seq_id: width for item in plan.items}
+        needs = {item.seq.seq_id: width if d else len(item.feed) for item, d in zip(plan.items, decoding, strict=True)}
         return width if self.runner.pool.can_append(needs) else None
 
     def draft(self, plan: StepPlan) -> list[Draft]:

@@ -76,7 +76,7 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
 def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
     """Engine.load on CUDA captures the batch-1 graphs of widths 1..k+1 (the default k) behind the progress bar (issue 18),
     leaves no cached prefix and fresh metrics, and the first chat request then replays without capturing."""
-    from specchat.engine.cuda_graph import CTX_BUCKETS
+    from specchat.engine.cuda_graph import CTX_BUCKETS, PREFILL_BUCKETS
     from specchat.engine.engine import Engine
 
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
@@ -85,10 +85,37 @@ def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir,
     engine = Engine.load(cfg, progress=lambda what, done, total: heard.append((what, done, total)))
     widths = range(1, SpecParams().k + 2)
     assert {(1, q, CTX_BUCKETS[0], ()) for q in widths} <= set(engine.runner.graphs)
-    assert heard[-1] == ("warming up the GPU", len(widths), len(widths))
+    total = len(widths) + len(PREFILL_BUCKETS)
+    assert heard[-1] == ("warming up the GPU", total, total)
+    assert {(p, ()) for p in PREFILL_BUCKETS} <= set(engine.runner.prefills)
     assert engine.snapshot().tokens_total == 0 and engine.pool.prefix_hit_tokens == 0
-    captured = set(engine.runner.graphs)
+    captured, prefills = set(engine.runner.graphs), set(engine.runner.prefills)
     engine.submit("Hi there", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("ngram", k=4)).result()
-    assert set(engine.runner.graphs) == captured
+    assert set(engine.runner.graphs) == captured and set(engine.runner.prefills) == prefills
     cold = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", warm_up=False))
     assert not cold.runner.graphs
+
+
+def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
+    """Fresh prompts replay prefill graphs, and steps that admit prompts beside decoding requests are split
+    (decoding requests padded to one width replay their graph, each fresh prompt its prefill graph, the rest runs
+    eagerly): greedy outputs equal the eager runner's, with prompts of every kind: short, past the largest prefill
+    bucket, and one that repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
+    from specchat.engine.engine import Engine
+
+    long_prompt = " ".join(f"word{i}" for i in range(300))
+    prompts = ["Hi", "Tell me about the sea and the ships on it.", long_prompt, "1 2 3 4 5 6 7 8 9 10 11 12"] * 2
+    specs = [SpecParams(drafter="none"), SpecParams(drafter="ngram", k=3), SpecParams(drafter="ngram", k=1)]
+    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+    outputs, prefills = {}, set()
+    for eager in (True, False):
+        cfg = EngineConfig(  # no warm-up: the prefill graphs are captured by the requests themselves
+            model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=eager, max_running=3, warm_up=False
+        )
+        engine = Engine.load(cfg)
+        handles = [engine.submit(p, sampling, specs[i % len(specs)]) for i, p in enumerate(prompts)]
+        outputs[eager] = [h.result().token_ids for h in handles]
+        if not eager:
+            prefills = set(engine.runner.prefills)
+    assert outputs[False] == outputs[True]
+    assert prefills, "no fresh prompt was replayed from a prefill graph"
