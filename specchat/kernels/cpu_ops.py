@@ -157,19 +157,23 @@ INLINE float dot_plain(const float* a, const float* b, int D) {
   return acc[0];
 }
 
-/* One query row of one head over its n keys: K/V rows of KV head `kvh` found through the block table. */
+/* One query row of one head over its n keys: K/V rows of its KV head found through the block table, a page at a
+   time (positions j0 .. j0 + len - 1 lie in page table[j0 / ps], consecutive rows: no division per key). */
 static void attend_plain(const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
                          const float* vp, float* s, float* out) {
   const int D = p->head_dim, ps = p->page_size;
-  for (int j = 0; j < n; j++) {
-    const size_t slot = (size_t)table[j / ps] * ps + j % ps;
-    s[j] = dot_plain(q, kp + slot * D, D) * p->scale;
+  for (int j0 = 0; j0 < n; j0 += ps) {
+    const float* k = kp + (size_t)table[j0 / ps] * ps * D;
+    const int len = n - j0 < ps ? n - j0 : ps;
+    for (int j = 0; j < len; j++) s[j0 + j] = dot_plain(q, k + (size_t)j * D, D) * p->scale;
   }
   softmax(s, n);
   for (int d = 0; d < D; d++) out[d] = 0.0f;
-  for (int j = 0; j < n; j++) {
-    const float* v = vp + ((size_t)table[j / ps] * ps + j % ps) * D;
-    for (int d = 0; d < D; d++) out[d] += s[j] * v[d];
+  for (int j0 = 0; j0 < n; j0 += ps) {
+    const float* v = vp + (size_t)table[j0 / ps] * ps * D;
+    const int len = n - j0 < ps ? n - j0 : ps;
+    for (int j = 0; j < len; j++)
+      for (int d = 0; d < D; d++) out[d] += s[j0 + j] * v[(size_t)j * D + d];
   }
 }
 
@@ -182,18 +186,24 @@ INLINE void attend_avx(const int NC, const Plan* p, const int32_t* table, int n,
   const int D = p->head_dim, ps = p->page_size;
   __m512 qv[16], acc[16];
   for (int c = 0; c < NC; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int j = 0; j < n; j++) {
-    const float* k = kp + ((size_t)table[j / ps] * ps + j % ps) * D;
-    __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), d);
-    s[j] = _mm512_reduce_add_ps(d) * p->scale;
+  for (int j0 = 0; j0 < n; j0 += ps) {
+    const float* k = kp + (size_t)table[j0 / ps] * ps * D;
+    const int len = n - j0 < ps ? n - j0 : ps;
+    for (int j = 0; j < len; j++) {
+      __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + (size_t)j * D));
+      for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + (size_t)j * D + 16 * c), d);
+      s[j0 + j] = _mm512_reduce_add_ps(d) * p->scale;
+    }
   }
   softmax(s, n);
   for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
-  for (int j = 0; j < n; j++) {
-    const float* v = vp + ((size_t)table[j / ps] * ps + j % ps) * D;
-    const __m512 w = _mm512_set1_ps(s[j]);
-    for (int c = 0; c < NC; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
+  for (int j0 = 0; j0 < n; j0 += ps) {
+    const float* v = vp + (size_t)table[j0 / ps] * ps * D;
+    const int len = n - j0 < ps ? n - j0 : ps;
+    for (int j = 0; j < len; j++) {
+      const __m512 w = _mm512_set1_ps(s[j0 + j]);
+      for (int c = 0; c < NC; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + (size_t)j * D + 16 * c), acc[c]);
+    }
   }
   for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
@@ -294,7 +304,7 @@ def available() -> bool:
 def supported(x: torch.Tensor) -> bool:
     """The kernels take float32 tensors on the CPU, where no gradient is recorded (they have no backward: training
     draft heads through the target's norm and head keeps the torch ops)."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
+    return x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled() and _library() is not None
 
 
 def _rows(x: torch.Tensor, n: int) -> int:
@@ -327,12 +337,14 @@ def add_rms_norm(
     return total, out
 
 
-def _heads_view(x: torch.Tensor) -> int:
-    """Row stride (floats) of x [T, heads, D] whose heads lie next to each other in a row (a split of a fused
-    projection's output qualifies)."""
-    assert x.dtype == torch.float32 and x.dim() == 3 and not x.is_cuda, (x.dtype, x.shape)
-    assert x.stride(2) == 1 and x.stride(1) == x.shape[2], x.stride()
-    return x.stride(0)
+def _heads_view(x: torch.Tensor, shape: tuple[int, ...]) -> int:
+    """Row stride (floats) of a float32 CPU x of `shape` [T, heads, D] whose heads lie next to each other in a row
+    (a split of a fused projection's output qualifies). The wrappers run ~120 times a token: one look at the
+    shape and strides each."""
+    stride = x.stride()
+    assert x.shape == shape and stride[2] == 1 and stride[1] == shape[2], (x.shape, shape, stride)
+    assert x.dtype == torch.float32 and x.is_cpu, (x.dtype, x.device)
+    return stride[0]
 
 
 def rope_qk(
@@ -340,12 +352,12 @@ def rope_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, KVH, D] rotated by cos/sin [T, D] (model.apply_rope) -> new contiguous tensors."""
     t, heads, d = q.shape
-    q_stride, k_stride = _heads_view(q), _heads_view(k)
-    assert k.shape[0] == t and k.shape[2] == d and d % 2 == 0, (q.shape, k.shape)
-    assert _rows(cos, d) == t and _rows(sin, d) == t, (cos.shape, sin.shape)
-    q_out, k_out = torch.empty(q.shape), torch.empty(k.shape)
+    kv_heads = k.shape[1]
+    q_stride, k_stride = _heads_view(q, (t, heads, d)), _heads_view(k, (t, kv_heads, d))
+    assert d % 2 == 0 and _rows(cos, d) == t and _rows(sin, d) == t, (d, cos.shape, sin.shape)
+    q_out, k_out = torch.empty(t, heads, d), torch.empty(t, kv_heads, d)
     _library().rope_qk(
-        t, heads, k.shape[1], d, q.data_ptr(), q_stride, k.data_ptr(), k_stride,
+        t, heads, kv_heads, d, q.data_ptr(), q_stride, k.data_ptr(), k_stride,
         cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
     )  # fmt: skip
     return q_out, k_out
@@ -389,6 +401,9 @@ class AttentionPlan:
         assert int(q_lens.sum()) == slots.shape[0], (q_lens, slots.shape)
         self.num_heads, self.kv_heads, self.head_dim, self.num_slots = num_heads, kv_heads, head_dim, num_slots
         self.tokens = slots.shape[0]
+        self.q_shape = (self.tokens, num_heads, head_dim)  # what each layer's call must match
+        self.kv_shape = (self.tokens, kv_heads, head_dim)
+        self.pages_shape = (kv_heads, num_slots, head_dim)
         self.struct = Plan(
             batch, num_heads, kv_heads, head_dim, page_size, block_tables.shape[1], self.tokens, num_slots, scale,
             *(t.data_ptr() for t in self.tensors),
@@ -401,14 +416,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k/v [T, KVH, D] into the dense float32 pages [KVH, slots, D] at the plan's slots, then return
     [T, H, D]: each new row's causal attention over its request's context (q [T, H, D])."""
-    t, heads, d = q.shape
-    q_stride, k_stride, v_stride = _heads_view(q), _heads_view(k), _heads_view(v)
-    assert k.shape == v.shape == (t, plan.kv_heads, d), (k.shape, v.shape)
-    assert t == plan.tokens and heads == plan.num_heads and d == plan.head_dim, (q.shape, plan.tokens)
+    q_stride = _heads_view(q, plan.q_shape)
+    k_stride, v_stride = _heads_view(k, plan.kv_shape), _heads_view(v, plan.kv_shape)
     for pages in (k_pages, v_pages):
-        assert pages.dtype == torch.float32 and pages.is_contiguous(), (pages.dtype, pages.stride())
-        assert pages.shape == (plan.kv_heads, plan.num_slots, d), pages.shape
-    out = torch.empty(t, heads, d)
+        assert pages.shape == plan.pages_shape and pages.dtype == torch.float32 and pages.is_contiguous()
+    out = torch.empty(*plan.q_shape)
     status = _library().paged_attention(
         plan.ref, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
         k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(),
