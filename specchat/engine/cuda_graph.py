@@ -66,6 +66,7 @@ class StaticKVBatch(KVBatch):
 class _Prefill:
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor  # [P]
+    positions: torch.Tensor  # [P] 0..P-1, never written, but the graph reads it: it must outlive the capture
     new_slots: torch.Tensor  # [P]
     last: torch.Tensor  # [1] the row whose logits are wanted (the prompt's last token)
     logits: torch.Tensor  # [1, vocab]
@@ -231,7 +232,7 @@ class CudaGraphRunner(ModelRunner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits, hidden = self.model(ids, positions, kv, taps=taps, logits_at=last)
-        return _Prefill(graph, ids, new_slots, last, logits, hidden, pad_slots)
+        return _Prefill(graph, ids, positions, new_slots, last, logits, hidden, pad_slots)
 
     @torch.inference_mode()
     def _replay(self, g: _Graph, batch: StepBatch, q: int) -> StepOutput:

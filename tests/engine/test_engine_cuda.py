@@ -19,7 +19,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast 
 @pytest.fixture(scope="module")
 def cuda_tiny_model_dir(tmp_path_factory) -> Path:
     # head_dim 32: the smallest the paged-attention kernel (and so the graphs) take
-    return save_tiny_hf(tmp_path_factory.mktemp("tiny-llama-cuda"), {"hidden_size": 128, "intermediate_size": 256})
+    return save_tiny_hf(  # a context of 1024: room for a prompt past the largest prefill bucket
+        tmp_path_factory.mktemp("tiny-llama-cuda"),
+        {"hidden_size": 128, "intermediate_size": 256, "max_position_embeddings": 1024},
+    )
 
 
 def test_fast_path_equals_eager_on_concurrent_requests(cuda_tiny_model_dir):
@@ -103,7 +106,7 @@ def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
     bucket, and one that repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
     from specchat.engine.engine import Engine
 
-    long_prompt = " ".join(f"word{i}" for i in range(300))
+    long_prompt = " ".join(f"w{i}" for i in range(150))  # ~400 tokens: past the largest prefill bucket
     prompts = ["Hi", "Tell me about the sea and the ships on it.", long_prompt, "1 2 3 4 5 6 7 8 9 10 11 12"] * 2
     specs = [SpecParams(drafter="none"), SpecParams(drafter="ngram", k=3), SpecParams(drafter="ngram", k=1)]
     sampling = SamplingParams(max_tokens=20, ignore_eos=True)
