@@ -12,7 +12,9 @@ read are static outputs of the captured graph (one graph per tap set), copied ou
 
 A fresh prompt (its first chunk: it attends only to its own keys) of up to PREFILL_BUCKETS[-1] tokens replays a
 prefill graph of the next bucket's length: padding tokens go at its end, where causal attention keeps them out of
-the real rows, and write their keys to the scratch page. A step that mixes prompts with decoding is split: the
+the real rows, and write their keys to the scratch page. A prompt after cached context (a later chat turn, an
+agent's next call) of up to PROMPT_WIDTHS[-1] new tokens replays the batch-1 step graph of that width through
+the paged kernel, its padding written past its end and truncated after. A step that mixes prompts with decoding is split: the
 decoding requests (padded to one width by SpecStep) replay their graph, each fresh prompt its prefill graph, and
 what is left (a prompt after cached context, a long one) runs eagerly through ModelRunner, which stays the
 reference for all of it: tests/engine/test_cuda_graph.py and test_engine_cuda.py hold them equal.
@@ -36,6 +38,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_Q = 9  # tokens per request in a captured step: k + 1 for k <= 8
 CTX_BUCKETS = (1024, 4096, 16384, 65536, 131072)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)  # fresh prompts up to 256 tokens replay a graph; longer ones are compute
+PROMPT_WIDTHS = (16, 32)  # a prompt after cached context of up to 32 new tokens replays a batch-1 graph this wide
 SCRATCH_SEQ = -1  # the pool entry holding the padding requests' page
 
 
@@ -132,6 +135,8 @@ class CudaGraphRunner(ModelRunner):
             return self._replay(graph, batch, key[1])
         if len(batch.feeds) == 1 and (bucket := self._prefill_bucket(batch, 0)) is not None:
             return self._prefill(bucket, batch, tuple(sorted(set(taps))))
+        if len(batch.feeds) == 1 and (q := self._prompt_width(batch, 0)) is not None:
+            return self._cached_prompt(q, batch, tuple(sorted(set(taps))))
         parts = self._parts(batch)
         if len(parts) == 1:
             return super().forward(batch, taps)
@@ -152,10 +157,26 @@ class CudaGraphRunner(ModelRunner):
             return None
         return _bucket(n, PREFILL_BUCKETS)
 
+    def _prompt_width(self, batch: StepBatch, i: int) -> int | None:
+        """The width of the step graph that request i's prompt after cached context pads to, if one can take it."""
+        n, start = len(batch.feeds[i]), batch.start_positions[i]
+        if start == 0 or batch.logit_rows[i] > 1 or (q := _bucket(n, PROMPT_WIDTHS)) is None:
+            return None
+        cfg = self.model.cfg
+        if not paged_attention_supported(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, q):
+            return None
+        if _bucket(start + q, CTX_BUCKETS) is None or not self.pool.can_append({batch.seq_ids[i]: q}):
+            return None
+        return q
+
     def _parts(self, batch: StepBatch) -> list[list[int]]:
-        """A mixed step's requests in groups that each run one forward: every fresh prompt a prefill graph can
+        """A mixed step's requests in groups that each run one forward: every prompt a prefill or prompt graph can
         take alone, the decoding requests together (one graph when they are uniform), the rest together."""
-        fresh = [i for i in range(len(batch.feeds)) if self._prefill_bucket(batch, i) is not None]
+        fresh = [
+            i
+            for i in range(len(batch.feeds))
+            if self._prefill_bucket(batch, i) is not None or self._prompt_width(batch, i) is not None
+        ]
         decoding = [
             i for i, s in enumerate(batch.start_positions) if s > 0 and batch.logit_rows[i] == len(batch.feeds[i])
         ]
@@ -176,13 +197,17 @@ class CudaGraphRunner(ModelRunner):
 
     def warm_up(self, widths: Seq[int], sessions: int = 1, taps: Seq[Seq[int]] = ((),), progress=None) -> None:
         """Capture now the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
-        bucket up to `sessions`' at the smallest context bucket, and the prefill graph of every prompt bucket, for
-        each set of hidden-state taps: so that the first steps neither compile kernels nor capture graphs (~50 ms
+        bucket up to `sessions`' at the smallest context bucket, the batch-1 graphs of prompts after cached
+        context, and the prefill graph of every prompt bucket, for each set of hidden-state taps: so that the first steps neither compile kernels nor capture graphs (~50 ms
         a graph on the default model). `progress` hears ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
         top = _bucket(min(sessions, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
         tap_keys = sorted({tuple(sorted(set(t))) for t in taps})
         keys = [(b, q, CTX_BUCKETS[0], t) for t in tap_keys for b in BATCH_BUCKETS if b <= top for q in widths]
+        cfg = self.model.cfg
+        group = cfg.num_heads // cfg.num_kv_heads
+        prompts = [q for q in PROMPT_WIDTHS if paged_attention_supported(cfg.head_dim, group, q)]
+        keys += [(1, q, CTX_BUCKETS[0], t) for t in tap_keys for q in prompts]
         prefill_keys = [(p, t) for t in tap_keys for p in PREFILL_BUCKETS]
         total = len(keys) + len(prefill_keys)
         for done, key in enumerate(keys, 1):
@@ -212,6 +237,22 @@ class CudaGraphRunner(ModelRunner):
         g.graph.replay()
         logits = g.logits[: batch.logit_rows[0]].clone()  # the next replay overwrites the static output
         hidden = {layer: h[:n].clone() for layer, h in g.hidden.items()}
+        return StepOutput(logits, [logits], [hidden])
+
+    @torch.inference_mode()
+    def _cached_prompt(self, q: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:
+        """A prompt after cached context, padded to q tokens, through the batch-1 step graph of width q; the
+        padding's keys, written past the prompt's end, are truncated after."""
+        seq, n, start = batch.seq_ids[0], len(batch.feeds[0]), batch.start_positions[0]
+        key = (1, q, _bucket(start + q, CTX_BUCKETS), taps)
+        graph = self.graphs.get(key) or self._capture(*key)
+        self.graphs[key] = graph
+        padded = StepBatch([seq], [batch.feeds[0] + [0] * (q - n)], [start], [q])
+        out = self._replay(graph, padded, q)
+        self.pool.truncate(seq, start + n)
+        rows = batch.logit_rows[0]
+        logits = out.flat_logits[n - rows : n].clone()  # the next replay of this graph overwrites its output
+        hidden = {layer: h[:n] for layer, h in out.hidden[0].items()}
         return StepOutput(logits, [logits], [hidden])
 
     @torch.inference_mode()

@@ -79,7 +79,7 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
 def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
     """Engine.load on CUDA captures the batch-1 graphs of widths 1..k+1 (the default k) behind the progress bar (issue 18),
     leaves no cached prefix and fresh metrics, and the first chat request then replays without capturing."""
-    from specchat.engine.cuda_graph import CTX_BUCKETS, PREFILL_BUCKETS
+    from specchat.engine.cuda_graph import CTX_BUCKETS, PREFILL_BUCKETS, PROMPT_WIDTHS
     from specchat.engine.engine import Engine
 
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
@@ -88,7 +88,7 @@ def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir,
     engine = Engine.load(cfg, progress=lambda what, done, total: heard.append((what, done, total)))
     widths = range(1, SpecParams().k + 2)
     assert {(1, q, CTX_BUCKETS[0], ()) for q in widths} <= set(engine.runner.graphs)
-    total = len(widths) + len(PREFILL_BUCKETS)
+    total = len(widths) + len(PROMPT_WIDTHS) + len(PREFILL_BUCKETS)
     assert heard[-1] == ("warming up the GPU", total, total)
     assert {(p, ()) for p in PREFILL_BUCKETS} <= set(engine.runner.prefills)
     assert engine.snapshot().tokens_total == 0 and engine.pool.prefix_hit_tokens == 0
@@ -100,10 +100,11 @@ def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir,
 
 
 def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
-    """Fresh prompts replay prefill graphs, and steps that admit prompts beside decoding requests are split
+    """Fresh prompts replay prefill graphs, prompts after cached context batch-1 graphs of their width, and steps that admit prompts beside decoding requests are split
     (decoding requests padded to one width replay their graph, each fresh prompt its prefill graph, the rest runs
     eagerly): greedy outputs equal the eager runner's, with prompts of every kind: short, past the largest prefill
     bucket, and one that repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
+    from specchat.engine.cuda_graph import PROMPT_WIDTHS
     from specchat.engine.engine import Engine
 
     long_prompt = " ".join(f"w{i}" for i in range(150))  # ~400 tokens: past the largest prefill bucket
@@ -119,6 +120,8 @@ def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
         handles = [engine.submit(p, sampling, specs[i % len(specs)]) for i, p in enumerate(prompts)]
         outputs[eager] = [h.result().token_ids for h in handles]
         if not eager:
-            prefills = set(engine.runner.prefills)
+            prefills, graphs = set(engine.runner.prefills), set(engine.runner.graphs)
+            assert engine.pool.prefix_hit_tokens > 0, "no prompt came after cached context"
     assert outputs[False] == outputs[True]
     assert prefills, "no fresh prompt was replayed from a prefill graph"
+    assert any(key[1] in PROMPT_WIDTHS for key in graphs), "no prompt after cached context replayed a graph"
