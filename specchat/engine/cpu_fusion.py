@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specchat.engine.cpu_weights import BlockLinear
+from specchat.engine.kv_batch import KVBatch
 from specchat.engine.model import Block, KVAttention, RMSNorm, Rotary, SiluAndMul
-from specchat.kernels import cpu_ops
+from specchat.kernels import cpu_block, cpu_ops
 
 
 class CpuRMSNorm(RMSNorm):
@@ -42,11 +44,45 @@ class CpuSiluAndMul(SiluAndMul):
 
 class CpuBlock(Block):
     """Block with the attention's residual add and the MLP's norm in one kernel: x + attn(norm(x)) -> (s,
-    norm(s)) in one pass over the row."""
+    norm(s)) in one pass over the row. Where every linear reads GGUF blocks and the step attends in C, the whole
+    block is one call (kernels/cpu_block.py, the same kernels in the same order: the same bits as `forward_ops`)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
         if not cpu_ops.supported(x):
             return super().forward(x, cos, sin, kv)
+        attn = self.attn
+        pages = (
+            kv.cpu_pages(attn.layer, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            if isinstance(kv, KVBatch)
+            else None
+        )
+        weights = self.block_weights() if pages is not None else None
+        if weights is None:
+            return self.forward_ops(x, cos, sin, kv)
+        plan, k_pages, v_pages = pages
+        return cpu_block.decode_block(
+            weights, plan, x.contiguous(), cos, sin, k_pages, v_pages, torch.get_num_threads()
+        )
+
+    def block_weights(self) -> cpu_block.BlockWeights | None:
+        """The block's weights bound for kernels/cpu_block.py (once; again when a linear's blocks change), or None
+        where a linear is not a BlockLinear (HF weights, MXFP4) or has a bias other than q/k/v's."""
+        linears = (self.attn.wqkv, self.attn.wo, self.mlp.w_gate_up, self.mlp.w_down)
+        if not cpu_block.available() or not all(type(m) is BlockLinear for m in linears):
+            return None
+        if any(m.bias is not None for m in linears[1:]) or self.attn_norm.eps != self.mlp_norm.eps:
+            return None
+        bounds = tuple(m.bound() for m in linears)
+        norms = (self.attn_norm.weight, self.mlp_norm.weight, self.attn.wqkv.bias)
+        cached = self.__dict__.get("_block_weights")
+        if cached is None or any(a is not b for a, b in zip(cached.tensors, (*bounds, *norms), strict=True)):
+            cached = self.__dict__["_block_weights"] = cpu_block.BlockWeights(
+                *bounds, *norms[:2], self.mlp_norm.eps, self.attn.q_size, self.attn.kv_size, norms[2]
+            )
+        return cached
+
+    def forward_ops(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
+        """The block one kernel call at a time (any linear modules, any KV attention)."""
         norm = self.mlp_norm
         delta = self.attn(self.attn_norm(x), cos, sin, kv).contiguous()
         x, h = cpu_ops.add_rms_norm(x.contiguous(), delta, norm.weight, norm.eps)

@@ -34,18 +34,22 @@ class BlockLinear(nn.Linear):
 
     kind: str  # "q4_1" | "q8_0"
 
+    def bound(self) -> cpu_gemv.Bound:
+        """The blocks checked and bound for the kernels (once; again after the buffers were replaced, e.g. .to())."""
+        bound = self.__dict__.get("_bound")
+        if bound is None or bound.tensors[0] is not self._buffers["codes"]:
+            bound = self.__dict__["_bound"] = cpu_gemv.Bound(
+                self.codes, self.d, self.m if self.kind == "q4_1" else None
+            )
+        return bound
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~121 times a token: a decode step's [T, K] float32 rows go through without a reshape or cast, and
         # the buffers are read from the module's dicts (an nn.Module attribute lookup costs ~1 us).
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if rows.shape[0] > cpu_gemv.MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        bound = self.__dict__.get("_bound")
-        if bound is None or bound.tensors[0] is not self._buffers["codes"]:  # first call, or new buffers (.to())
-            bound = self.__dict__["_bound"] = cpu_gemv.Bound(
-                self.codes, self.d, self.m if self.kind == "q4_1" else None
-            )
-        y = bound(rows.float().contiguous(), torch.get_num_threads())
+        y = self.bound()(rows.float().contiguous(), torch.get_num_threads())
         bias = self._parameters["bias"]
         if bias is not None:
             y += bias

@@ -59,9 +59,9 @@ class KVBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation and the key transform."""
         store = self.store
-        if self._cpu_kernel and q.dtype == torch.float32:
-            plan = self.cpu_plan(q.shape[1], k.shape[1], q.shape[2])
-            return cpu_ops.paged_attention(plan, q, k, v, store.k[layer].data, store.v[layer].data)
+        pages = self.cpu_pages(layer, q.shape[1], k.shape[1], q.shape[2]) if q.dtype == torch.float32 else None
+        if pages is not None:
+            return cpu_ops.paged_attention(pages[0], q, k, v, pages[1], pages[2])
         q, k, v = store.rotate_queries(layer, q), store.rotate_keys(layer, k), store.rotate(v)
         store.write(layer, self.new_slots, k, v)
         if self.all_fresh:
@@ -143,6 +143,15 @@ class KVBatch:
                 self.tables, self.q_lens, self.ctx_lens, self.pool.page_size, self.pool.device
             )
         return self._metadata
+
+    def cpu_pages(
+        self, layer: int, heads: int, kv_heads: int, head_dim: int
+    ) -> tuple[cpu_ops.AttentionPlan, torch.Tensor, torch.Tensor] | None:
+        """Where the CPU attention kernel applies to this step (a pool with `cpu_kernels`, decode or verification
+        rows, dense float32 pages): the step's plan and the layer's key and value pages [KVH, slots, D]."""
+        if not self._cpu_kernel:
+            return None
+        return self.cpu_plan(heads, kv_heads, head_dim), self.store.k[layer].data, self.store.v[layer].data
 
     def cpu_plan(self, heads: int, kv_heads: int, head_dim: int) -> cpu_ops.AttentionPlan:
         """The step as the CPU attention kernel reads it (once a step)."""

@@ -11,8 +11,10 @@ import torch
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine import cpu_fusion
+from specchat.engine.cpu_weights import BlockLinear
+from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Block, RMSNorm, Rotary, SiluAndMul, Transformer
-from specchat.kernels import cpu_ops
+from specchat.kernels import cpu_block, cpu_gemv, cpu_ops
 from tests.engine.test_fusion import CFG, logits
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the CPU kernels")
@@ -89,3 +91,62 @@ def test_default_model_fused_equals_eager_over_a_long_answer(default_engine):
     eager = Engine.load(EngineConfig(device="cpu", dtype="float32", eager=True))
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     assert greedy(default_engine, prompt, tokens=128) == greedy(eager, prompt, tokens=128)
+
+
+def with_gguf_blocks(model: Transformer, seed: int = 0) -> Transformer:
+    """Every block linear as a BlockLinear over random GGUF blocks (Q4_1, the down projection Q8_0), its float
+    weight their dequantization: what cpu_weights.pack_blocks makes of a GGUF file."""
+    g = torch.Generator().manual_seed(seed)
+    for block in model.layers:
+        for linear, kind in ((block.attn.wqkv, "q4_1"), (block.attn.wo, "q4_1"), (block.mlp.w_gate_up, "q4_1"),
+                             (block.mlp.w_down, "q8_0")):  # fmt: skip
+            n, k = linear.weight.shape
+            d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+            if kind == "q4_1":
+                blocks = (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), d, -8 * d)
+                linear.weight.data = cpu_gemv.q4_dequantize(*blocks)
+            else:
+                blocks = (torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), d)
+                linear.weight.data = cpu_gemv.q8_dequantize(*blocks)
+            linear.__class__, linear.kind = BlockLinear, kind
+            for name, value in zip(("codes", "d", "m"), blocks, strict=False):
+                linear.register_buffer(name, value, persistent=False)
+    return model
+
+
+def run_steps(model: Transformer, feeds: list[list[int]], cpu_kernels: bool = True) -> tuple[list, KVPool]:
+    """Feed one request's tokens step by step through a KV pool; the logits of each step's rows."""
+    pool = KVPool(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 16, 4, torch.float32, "cpu", cpu_kernels=cpu_kernels)
+    pool.add(0, [t for feed in feeds for t in feed])
+    out, start = [], 0
+    with torch.inference_mode():
+        for feed in feeds:
+            kv = pool.prepare([0], [len(feed)], CFG.head_dim**-0.5)
+            positions = torch.arange(start, start + len(feed))
+            out.append(model(torch.tensor(feed), positions, kv)[0])
+            start += len(feed)
+    return out, pool
+
+
+def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
+    """kernels/cpu_block.py chains the same C kernels in the same order: bit-equal logits and KV pages, for
+    decode and verification steps."""
+    torch.manual_seed(0)
+    model = with_gguf_blocks(Transformer(CFG).eval())
+    cpu_fusion.fuse(model)
+    feeds = [[3, 14, 15, 9, 26, 5, 35], [8], [9, 7, 9, 3, 2], [3], [8, 4]]  # prefill, decode, verify of 5: 16 slots
+    calls = []
+    block_call = cpu_block.decode_block
+    monkeypatch.setattr(cpu_block, "decode_block", lambda *a: calls.append(1) or block_call(*a))
+    whole, whole_pool = run_steps(model, feeds)
+    assert len(calls) == (len(feeds) - 1) * CFG.num_layers  # every step but the prefill
+    monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
+    ops, ops_pool = run_steps(model, feeds)
+    assert all(torch.equal(a, b) for a, b in zip(whole, ops, strict=True))
+    for layer in range(CFG.num_layers):
+        assert torch.equal(whole_pool.store.k[layer].data[:, :16], ops_pool.store.k[layer].data[:, :16])
+        assert torch.equal(whole_pool.store.v[layer].data[:, :16], ops_pool.store.v[layer].data[:, :16])
+    cpu_fusion.unfuse(model)  # and both are the plain modules and attention within float32 rounding
+    plain, _ = run_steps(model, feeds, cpu_kernels=False)
+    for a, b in zip(whole, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

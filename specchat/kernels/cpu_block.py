@@ -1,0 +1,179 @@
+"""One decoder block of a CPU decode step in one C call: the kernels of cpu_gemv.py and cpu_ops.py chained in C.
+
+Per layer the fused path of engine/cpu_fusion.py still makes ~9 calls from Python (norm, four block-quantized
+linears, RoPE, attention, add + norm, SiLU-mul) with their wrappers and module calls around them: ~90 us of
+Python per layer, ~2.8 ms of a ~20 ms token (docs/benchmarks.md, issue 20). `decode_block` runs the same
+calls, in the same order, on the same C functions (this library is built from those two sources plus the chain
+below), so its output equals the per-op path bit for bit, which tests/kernels/test_cpu_block.py holds:
+
+    h = rms_norm(x);  q, k, v = split(wqkv(h) [+ bias]);  q, k = rope(q, k)
+    a = wo(paged_attention(q, k, v))  (k, v stored in the pages first)
+    s, h = add_rms_norm(x, a);  out = s + down(silu_mul(gate_up(h)))
+
+`BlockWeights` takes the pointers of one block's weights once (as cpu_gemv.Bound does for one linear): each of
+the four linears as GGUF Q4_1 or Q8_0 blocks, the two norm weights, and the optional q/k/v bias.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from specchat.kernels import cpu_build, cpu_gemv, cpu_ops
+
+C_SOURCE = r"""
+typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 blocks of W [n, k] */
+  const void* codes;
+  const float* d;
+  const float* m;
+  int n, k;
+} Weight;
+
+typedef struct {
+  Weight wqkv, wo, gate_up, down;
+  const float* qkv_bias; /* [q_size + 2 kv_size] or NULL */
+  const float* attn_norm;
+  const float* mlp_norm;
+  float eps;
+  int hidden, q_size, kv_size, inter;
+} Block;
+
+static void linear(const Weight* w, int rows, const float* x, float* y, int threads) {
+  if (w->m != NULL)
+    q4_gemm(rows, w->n, w->k, x, (const uint8_t*)w->codes, w->d, w->m, y, threads);
+  else
+    q8_gemm(rows, w->n, w->k, x, (const int8_t*)w->codes, w->d, y, threads);
+}
+
+/* x [T, hidden] -> out [T, hidden]: one block for this step's T tokens (cos/sin [T, head_dim]); the step's keys
+   and values go into the pages. Returns 0, or -1 when scratch memory cannot be allocated. */
+int decode_block(const Block* b, const Plan* p, int T, const float* x, const float* cos, const float* sin,
+                 float* k_pages, float* v_pages, float* out, int threads) {
+  const int H = b->hidden, Q = b->q_size, KV = b->kv_size, I = b->inter, QKV = Q + 2 * KV;
+  const size_t t = (size_t)T;
+  float* scratch = malloc(t * (4 * H + QKV + 2 * Q + KV + 3 * I) * sizeof(float));
+  if (scratch == NULL) return -1;
+  float *h = scratch, *qkv = h + t * H, *q = qkv + t * QKV, *k = q + t * Q, *att = k + t * KV;
+  float *a = att + t * Q, *s = a + t * H, *gu = s + t * H, *act = gu + t * 2 * I, *m = act + t * I;
+  rms_norm(T, H, x, b->attn_norm, b->eps, h);
+  linear(&b->wqkv, T, h, qkv, threads);
+  if (b->qkv_bias != NULL)
+    for (size_t i = 0; i < t; i++)
+      for (int j = 0; j < QKV; j++) qkv[i * QKV + j] += b->qkv_bias[j];
+  rope_qk(T, p->heads, p->kv_heads, p->head_dim, qkv, QKV, qkv + Q, QKV, cos, sin, q, k);
+  int status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, v_pages, att);
+  if (status == 0) {
+    linear(&b->wo, T, att, a, threads);
+    add_rms_norm(T, H, x, a, b->mlp_norm, b->eps, s, h);
+    linear(&b->gate_up, T, h, gu, threads);
+    silu_mul(T, I, gu, act);
+    linear(&b->down, T, act, m, threads);
+    for (size_t i = 0; i < t * H; i++) out[i] = s[i] + m[i];
+  }
+  free(scratch);
+  return status;
+}
+"""
+
+
+class Weight(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+    ]
+
+
+class Block(ctypes.Structure):
+    _fields_ = [
+        *((name, Weight) for name in ("wqkv", "wo", "gate_up", "down")),
+        *((name, ctypes.c_void_p) for name in ("qkv_bias", "attn_norm", "mlp_norm")),
+        ("eps", ctypes.c_float),
+        *((name, ctypes.c_int) for name in ("hidden", "q_size", "kv_size", "inter")),
+    ]
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("cpu_block", cpu_gemv.C_SOURCE + cpu_ops.C_SOURCE + C_SOURCE, cpu_ops.CFLAGS)
+    if lib is None:
+        return None
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.decode_block.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(cpu_ops.Plan), i32, ptr, ptr, ptr]
+    lib.decode_block.argtypes += [ptr, ptr, ptr, i32]
+    lib.decode_block.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled block loads on this machine."""
+    return _library() is not None
+
+
+def _weight(bound: cpu_gemv.Bound) -> Weight:
+    codes, d, *m = bound.tensors
+    return Weight(codes.data_ptr(), d.data_ptr(), m[0].data_ptr() if m else None, bound.n, bound.k)
+
+
+class BlockWeights:
+    """One block's weights as decode_block reads them: the four linears as checked cpu_gemv.Bound weights, the
+    norms' weights [hidden] and eps, the q/k/v bias or None. Holds the tensors, so the pointers stay valid."""
+
+    def __init__(
+        self,
+        wqkv: cpu_gemv.Bound,
+        wo: cpu_gemv.Bound,
+        gate_up: cpu_gemv.Bound,
+        down: cpu_gemv.Bound,
+        attn_norm: torch.Tensor,
+        mlp_norm: torch.Tensor,
+        eps: float,
+        q_size: int,
+        kv_size: int,
+        qkv_bias: torch.Tensor | None = None,
+    ) -> None:
+        hidden, inter = wqkv.k, down.k
+        assert wqkv.n == q_size + 2 * kv_size and wo.k == q_size and wo.n == hidden, (wqkv.n, wo.k, wo.n)
+        assert gate_up.k == hidden and gate_up.n == 2 * inter and down.n == hidden, (gate_up.n, down.n)
+        for t, n in ((attn_norm, hidden), (mlp_norm, hidden), *(((qkv_bias, wqkv.n),) if qkv_bias is not None else ())):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n,) and t.is_cpu, (t.dtype, t.shape)
+        self.tensors = (wqkv, wo, gate_up, down, attn_norm, mlp_norm, qkv_bias)
+        self.hidden = hidden
+        self.struct = Block(
+            _weight(wqkv), _weight(wo), _weight(gate_up), _weight(down),
+            None if qkv_bias is None else qkv_bias.data_ptr(), attn_norm.data_ptr(), mlp_norm.data_ptr(),
+            eps, hidden, q_size, kv_size, inter,
+        )  # fmt: skip
+        self.ref = ctypes.byref(self.struct)
+
+
+def decode_block(
+    weights: BlockWeights,
+    plan: cpu_ops.AttentionPlan,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    threads: int,
+) -> torch.Tensor:
+    """x [T, hidden] float32 -> the block's output [T, hidden]; this step's keys/values written into the dense
+    float32 pages [KVH, slots, D] at the plan's slots."""
+    t = plan.tokens
+    assert x.shape == (t, weights.hidden) and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu, x.shape
+    for rot in (cos, sin):
+        assert rot.shape == (t, plan.head_dim) and rot.dtype == torch.float32 and rot.is_contiguous(), rot.shape
+    for pages in (k_pages, v_pages):
+        assert pages.shape == plan.pages_shape and pages.dtype == torch.float32 and pages.is_contiguous()
+    out = torch.empty(t, weights.hidden)
+    status = _library().decode_block(
+        weights.ref, plan.ref, t, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(), threads,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("cpu_block.decode_block: no memory for the block's scratch rows")
+    return out
