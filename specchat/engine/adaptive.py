@@ -170,3 +170,55 @@ class StepCosts:
         if forward is None:
             return None
         return forward + k * (self.draft_ms_per_position or 0.0)
+
+
+FIRST_TRIAL_AFTER = 32  # steps in one mode before the other mode's first trial
+TRIAL_EVERY = 256  # steps in the preferred mode between trials of the other
+TRIAL_STEPS = 8  # steps of a trial
+
+
+@dataclass(slots=True)
+class DraftGate:
+    """Whether drafting pays end to end for a batch of adaptive-k requests of one size, on this device.
+
+    Each request's AdaptiveK prices its own k with a model of the step (StepCosts); what that model leaves out —
+    the drafter's and the verification's host work per request, the steps that refill slots at different times
+    when requests end at different steps — is what makes a batch of requests that each "pay" slower than plain
+    decoding (on the H200 at 32 sessions: 0.56x). So the scheduler also times whole steps, from one schedule to
+    the next, and keeps an EMA of milliseconds per emitted token for steps that drafted and steps that did not,
+    per batch size. The mode with fewer milliseconds per token is preferred; the other gets a trial of TRIAL_STEPS
+    steps after FIRST_TRIAL_AFTER and then every TRIAL_EVERY steps, so a change (new requests, new text) shows.
+    The trials cost at most TRIAL_STEPS / TRIAL_EVERY of the steps (3%) at the other mode's speed.
+    """
+
+    ema: float = EMA_WEIGHT
+    ms_per_token: dict[bool, float] = field(default_factory=dict)  # drafted? -> EMA
+    since_trial: int = 0  # steps in the preferred mode since the last trial
+    trial_left: int = 0  # steps of the running trial
+    trial_drafts: bool = False  # the mode of the running trial
+
+    def preferred(self) -> bool:
+        """True when drafting is (so far) the faster mode."""
+        plain, drafting = self.ms_per_token.get(False), self.ms_per_token.get(True)
+        return plain is None or drafting is None or drafting <= plain
+
+    def allow(self) -> bool:
+        """Whether the adaptive requests of the next step may draft (advances the trial schedule)."""
+        if self.trial_left > 0:
+            self.trial_left -= 1
+            return self.trial_drafts
+        preferred = self.preferred()
+        self.since_trial += 1
+        first = (not preferred) not in self.ms_per_token
+        if self.since_trial > (FIRST_TRIAL_AFTER if first else TRIAL_EVERY):
+            self.since_trial, self.trial_left, self.trial_drafts = 0, TRIAL_STEPS - 1, not preferred
+            return self.trial_drafts
+        return preferred
+
+    def observe(self, drafted: bool, step_ms: float, tokens: int) -> None:
+        """A decode step of this batch size (drafting or not) took step_ms, host work included, for `tokens`."""
+        if tokens <= 0:
+            return
+        per = step_ms / tokens
+        old = self.ms_per_token.get(drafted)
+        self.ms_per_token[drafted] = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)

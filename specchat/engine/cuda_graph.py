@@ -92,6 +92,8 @@ class _Graph:
 class CudaGraphRunner(ModelRunner):
     """ModelRunner that replays CUDA graphs for uniform decode / verify steps on a CUDA device."""
 
+    pads_widths = True
+
     def __init__(self, model: Transformer, pool: KVPool) -> None:
         super().__init__(model, pool)
         self.graphs: dict[tuple, _Graph] = {}

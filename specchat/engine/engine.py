@@ -99,7 +99,9 @@ class Engine:
         self.device = pool.device
         self.runner = make_runner(model, pool, eager=config.eager)
         self.drafters = DrafterCache(lambda name: make_drafter(name, self))
-        self.scheduler = Scheduler(pool, self.drafters, config.max_running, config.max_batch_tokens)
+        self.scheduler = Scheduler(
+            pool, self.drafters, config.max_running, config.max_batch_tokens, self.runner.pads_widths
+        )
         self.spec_step = SpecStep(self.runner, self.drafters)
         self.handles: dict[int, RequestHandle] = {}
         self.listeners: list[Callable[[list[Event]], None]] = []

@@ -35,6 +35,8 @@ class StepOutput:
 class ModelRunner:
     """Runs the target model over a StepBatch, with the KV pool as its cache."""
 
+    pads_widths = False  # whether padded_width makes a step's decoding requests as wide as the widest
+
     def __init__(self, model: Transformer, pool: KVPool) -> None:
         self.model = model
         self.pool = pool

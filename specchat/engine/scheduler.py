@@ -9,11 +9,13 @@ KV cache holds every token but the newest (num_cached == num_tokens - 1).
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections import deque
 
 import torch
 
-from specchat.engine.adaptive import StepCosts
+from specchat.engine.adaptive import DraftGate, StepCosts
 from specchat.engine.drafters import DrafterCache
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
@@ -23,15 +25,25 @@ from specchat.engine.stats import StepRecord
 
 class Scheduler:
     def __init__(
-        self, pool: KVPool, drafters: DrafterCache, max_running: int = 64, max_batch_tokens: int = 2048
+        self,
+        pool: KVPool,
+        drafters: DrafterCache,
+        max_running: int = 64,
+        max_batch_tokens: int = 2048,
+        uniform_widths: bool = False,
     ) -> None:
         self.pool = pool
         self.drafters = drafters
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
+        # the runner pads a step's requests to its widest (CUDA graphs): one request's big k widens them all
+        self.uniform_widths = uniform_widths
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
+        self.gates: dict[int, DraftGate] = {}  # per batch size bucket: does drafting pay end to end (adaptive K)
+        self._gated: tuple[DraftGate, float] | None = None  # the gate of the step being run, and its start
+        self._timed: tuple[DraftGate, bool, int, float] | None = None  # the last step to time: gate, drafted, tokens
 
     # --- queue ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -71,11 +83,16 @@ class Scheduler:
     # --- schedule ---------------------------------------------------------------------------------------
     def schedule(self) -> tuple[StepPlan, list[Event]]:
         """Finish cancelled requests, admit waiting ones, and plan the step (empty when nothing runs)."""
+        now = time.perf_counter()
+        if self._timed is not None:  # the previous step, from its start to this one's, host work included
+            gate, drafted, tokens, start = self._timed
+            gate.observe(drafted, (now - start) * 1e3, tokens)
+            self._timed = None
         events: list[Event] = []
         for seq in [s for s in self.live() if s.finish_reason == "cancelled"]:
             self._finish(seq, events)
         self._admit(events)
-        items = self._plan(events) if self.running else []
+        items = self._plan(events, now) if self.running else []
         return StepPlan(items, self.drafters.taps(self.running)), events
 
     def _admit(self, events: list[Event]) -> None:
@@ -114,13 +131,29 @@ class Scheduler:
         )
         return max(0, min(seq.k, room))
 
-    def _plan(self, events: list[Event]) -> list[Scheduled]:
+    def _adaptive_cap(self, now: float) -> int | None:
+        """For a step whose decoding requests all choose k adaptively, a cap on their k: 0 when drafting does not
+        pay at their batch size (DraftGate), else, where the runner pads to the widest, the median of their k."""
+        self._gated = None
+        decoding = [s for s in self.running if not s.in_prefill and s.num_cached == s.num_tokens - 1]
+        if not decoding or any(s.adaptive is None for s in decoding):
+            return None
+        gate = self.gates.setdefault(1 << (len(decoding) - 1).bit_length(), DraftGate())
+        self._gated = (gate, now)
+        if not gate.allow():
+            return 0
+        return int(statistics.median_low(self._draft_len(s) for s in decoding)) if self.uniform_widths else None
+
+    def _plan(self, events: list[Event], now: float) -> list[Scheduled]:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""
+        cap = self._adaptive_cap(now)
         while self.running:
             items, budget = [], self.max_batch_tokens
             for seq in self.running:  # decode first: their latency matters most
                 if not seq.in_prefill and seq.num_cached == seq.num_tokens - 1:
                     k = self._draft_len(seq)
+                    if cap is not None and seq.adaptive is not None:
+                        k = min(k, cap)
                     items.append(Scheduled(seq, seq.all_ids[seq.num_cached :], k))
                     budget -= 1 + k
             for seq in self.running:  # prompts (all but their last token may come from the prefix cache)
@@ -174,6 +207,9 @@ class Scheduler:
         if result.decode_rows is not None:
             depth = max((o.drafted for o in result.outcomes if o is not None), default=0)
             self.costs.observe(result.decode_rows, result.verify_ms, depth, result.draft_ms)
+            if self._gated is not None:  # timed at the next schedule (if requests remain: no idle gap in it)
+                tokens = sum(len(o.emitted) for o in result.outcomes if o is not None)
+                self._timed = (self._gated[0], depth > 0, tokens, self._gated[1])
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:
@@ -202,4 +238,6 @@ class Scheduler:
                 events.append(TextDelta(seq.seq_id, delta, kept))
             if seq.finish_reason is not None:
                 self._finish(seq, events)
+        if not self.running:
+            self._timed = None
         return events

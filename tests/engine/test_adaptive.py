@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from specchat.config import SamplingParams, SpecParams
-from specchat.engine.adaptive import AdaptiveK, StepCosts
+from specchat.engine.adaptive import TRIAL_EVERY, TRIAL_STEPS, AdaptiveK, DraftGate, StepCosts
 from specchat.engine.drafters import Draft, Drafter
 from specchat.engine.sequence import StepEvent
 from specchat.errors import ConfigError
@@ -179,3 +179,57 @@ def test_drafting_stops_where_the_batch_makes_verification_compute_bound():
     crowded = drive_batch(32, forward)
     assert alone[50:].count(0) < 0.1 * len(alone[50:])  # 1 + k rows cost nothing extra: draft
     assert crowded[50:].count(0) > 0.8 * len(crowded[50:])  # 32 x (1 + k) rows cost ~(1 + k) steps: do not
+
+
+def drive_gate(ms_per_token: dict[bool, float], steps: int = 2000) -> list[bool]:
+    """A DraftGate fed whole-step times: each step emits 4 tokens at the given milliseconds per token."""
+    gate, modes = DraftGate(), []
+    for _ in range(steps):
+        drafts = gate.allow()
+        gate.observe(drafts, 4 * ms_per_token[drafts], 4)
+        modes.append(drafts)
+    return modes
+
+
+def test_draft_gate_turns_drafting_off_where_plain_steps_emit_tokens_faster():
+    """End to end (host work included) plain decoding at 1.0 ms a token beats drafting at 1.6: after its first
+    trial the gate keeps drafting off, and tries it again for TRIAL_STEPS steps every TRIAL_EVERY."""
+    modes = drive_gate({True: 1.6, False: 1.0})
+    late = modes[100:]
+    assert late.count(True) <= len(late) * TRIAL_STEPS / TRIAL_EVERY + TRIAL_STEPS  # the trials, no more
+    runs = [len(list(group)) for drafts, group in itertools.groupby(late) if drafts]
+    assert runs and all(n == TRIAL_STEPS for n in runs[1:-1])
+    # where drafting pays it stays on, with short plain trials to notice a change
+    late = drive_gate({True: 0.7, False: 1.0})[100:]
+    assert late.count(False) <= len(late) * TRIAL_STEPS / TRIAL_EVERY + TRIAL_STEPS
+
+
+def test_draft_gate_follows_a_change():
+    """When drafting stops paying (the text moves from code edits to prose), the next trial notices it."""
+    gate, modes = DraftGate(), []
+    for n in range(3000):
+        drafts = gate.allow()
+        fast = 0.6 if n < 1000 else 1.5  # drafting's ms per token; plain is 1.0 throughout
+        gate.observe(drafts, 4 * (fast if drafts else 1.0), 4)
+        modes.append(drafts)
+    assert modes[500:1000].count(True) > 0.9 * 500
+    assert modes[2000:].count(True) < 0.1 * 1000
+
+
+def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
+    """Where the runner pads every decoding request to the widest (CUDA graphs), one request's k = 8 would make
+    the whole batch verify 9 rows each: adaptive requests' k is capped at the median of theirs."""
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    spec = SpecParams("fixed-wrong", k=None, k_max=8)
+    handles = [tiny_engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True), spec) for p in ("a", "b", "c")]
+    scheduler = tiny_engine.scheduler
+    while any(s.in_prefill or s.num_cached != s.num_tokens - 1 for s in scheduler.running) or not scheduler.running:
+        tiny_engine.step()
+    for seq, k in zip(scheduler.running, (1, 4, 8), strict=True):
+        seq.k = k
+    for uniform, want in ((False, [1, 4, 8]), (True, [1, 4, 4])):
+        scheduler.uniform_widths = uniform
+        assert [item.k for item in scheduler._plan([], 0.0)] == want
+    scheduler.uniform_widths = False
+    for handle in handles:
+        handle.result()
