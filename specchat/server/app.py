@@ -46,8 +46,13 @@ class EventRouter:
         for event in events:
             if event.request_id in self.queues:
                 by_request.setdefault(event.request_id, []).append(event)
+        if by_request:  # one wake-up of the event loop per step, not one per request (the step loop pays for it)
+            self.loop.call_soon_threadsafe(self._deliver, by_request)
+
+    def _deliver(self, by_request: dict[int, list[Event]]) -> None:  # on the event loop
         for request_id, batch in by_request.items():
-            self.loop.call_soon_threadsafe(self.queues[request_id].put_nowait, batch)
+            if (queue := self.queues.get(request_id)) is not None:
+                queue.put_nowait(batch)
 
 
 def create_app(engine: ServedEngine, model: str, default_spec: SpecParams | None = None) -> FastAPI:
@@ -149,10 +154,14 @@ def create_app(engine: ServedEngine, model: str, default_spec: SpecParams | None
             if req.chat:
                 yield sse(chunk(req, rid, model, {"role": "assistant", "content": ""}))
             while not done:
-                for event in await queue.get():
-                    if isinstance(event, TextDelta) and event.text and not req.tools:
-                        yield sse(chunk(req, rid, model, {"content": event.text} if req.chat else event.text))
-                    elif isinstance(event, Finished):
+                events = await queue.get()
+                while not queue.empty():  # behind the engine: send what piled up as one chunk, not one per token
+                    events += queue.get_nowait()
+                text = "".join(e.text for e in events if isinstance(e, TextDelta)) if not req.tools else ""
+                if text:
+                    yield sse(chunk(req, rid, model, {"content": text} if req.chat else text))
+                for event in events:
+                    if isinstance(event, Finished):
                         done = True
                         async for line in stream_end(req, rid, event):
                             yield line
