@@ -65,28 +65,54 @@ class StaticKVBatch(KVBatch):
         return self.static_meta
 
 
+class _Staging:
+    """A graph's inputs packed in two device buffers (int64: token ids, positions, slots...; int32: context lengths
+    and block tables) with pinned host twins, so a replay costs two host-to-device copies whatever the batch.
+    `pad64` / `pad32` hold what the padding rows read (set at capture); each replay starts from them."""
+
+    def __init__(self, dev64: torch.Tensor, dev32: torch.Tensor) -> None:
+        self.dev64, self.dev32 = dev64, dev32
+        self.host64 = torch.empty(dev64.shape, dtype=dev64.dtype, pin_memory=True)
+        self.host32 = torch.empty(dev32.shape, dtype=dev32.dtype, pin_memory=True)
+        self.h64, self.h32 = self.host64.numpy(), self.host32.numpy()
+        self.pad64 = self.pad32 = None
+        self.copied = torch.cuda.Event()
+
+    def seal(self) -> None:
+        """Keep the buffers' current values as the padding every replay starts from."""
+        self.pad64, self.pad32 = self.dev64.cpu().numpy(), self.dev32.cpu().numpy()
+
+    def begin(self) -> tuple:
+        """The host buffers (numpy views), reset to the padding, once their last copy to the device is done."""
+        self.copied.synchronize()  # a graph may be replayed twice in a step (two prompts of one width)
+        self.h64[:] = self.pad64
+        self.h32[:] = self.pad32
+        return self.h64, self.h32
+
+    def send(self) -> None:
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self.copied.record()
+
+
 @dataclass(slots=True)
 class _Prefill:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [P]
-    positions: torch.Tensor  # [P] 0..P-1, never written, but the graph reads it: it must outlive the capture
-    new_slots: torch.Tensor  # [P]
+    staging: _Staging  # int64 [P ids | P positions | P slots | 1 last row]; int32 unused
     last: torch.Tensor  # [1] the row whose logits are wanted (the prompt's last token)
     logits: torch.Tensor  # [1, vocab]
     hidden: dict[int, torch.Tensor]  # {tap layer: [P, hidden]}
-    pad_slots: torch.Tensor  # [P] scratch-page slots for the padding rows
 
 
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [B*q]
-    positions: torch.Tensor  # [B*q]
-    new_slots: torch.Tensor  # [B*q]
-    meta: AttentionMetadata
+    staging: _Staging  # int64 [R ids | R positions | R slots]; int32 [B ctx lens | B x W block tables]
+    batch: int  # B
+    width: int  # W, block table entries per request
     logits: torch.Tensor  # [B*q, vocab] output
     hidden: dict[int, torch.Tensor]  # {tap layer: [B*q, hidden]} outputs
-    padding: tuple[torch.Tensor, ...]  # positions, new_slots, block_tables, ctx_lens of padding requests
+    keep: tuple  # what else the graph reads (the metadata's fixed tensors): it must live as long as the graph
 
 
 class CudaGraphRunner(ModelRunner):
@@ -200,8 +226,9 @@ class CudaGraphRunner(ModelRunner):
     def warm_up(self, widths: Seq[int], sessions: int = 1, taps: Seq[Seq[int]] = ((),), progress=None) -> None:
         """Capture now the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
         bucket up to `sessions`' at the smallest context bucket, the batch-1 graphs of prompts after cached
-        context, and the prefill graph of every prompt bucket, for each set of hidden-state taps: so that the first steps neither compile kernels nor capture graphs (~50 ms
-        a graph on the default model). `progress` hears ("warming up the GPU", done, total)."""
+        context, and the prefill graph of every prompt bucket, for each set of hidden-state taps: so that the first
+        steps neither compile kernels nor capture graphs (~50 ms a graph on the default model). `progress` hears
+        ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
         top = _bucket(min(sessions, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
         tap_keys = sorted({tuple(sorted(set(t))) for t in taps})
@@ -229,42 +256,27 @@ class CudaGraphRunner(ModelRunner):
         g = self.prefills.get((bucket, taps)) or self._capture_prefill(bucket, taps)
         self.prefills[(bucket, taps)] = g
         n = len(batch.feeds[0])
-        kv = self.pool.prepare(batch.seq_ids, [n], self.scale)
-        ids = torch.zeros(bucket, dtype=torch.long)
-        ids[:n] = torch.tensor(batch.feeds[0])
-        g.ids.copy_(ids, non_blocking=True)
-        g.new_slots[:n].copy_(kv.new_slots, non_blocking=True)
-        g.new_slots[n:].copy_(g.pad_slots[n:])
-        g.last.fill_(n - 1)
+        _, _, slots = self.pool.reserve(batch.seq_ids, [n])
+        h64, _ = g.staging.begin()
+        h64[:n] = batch.feeds[0]
+        h64[2 * bucket : 2 * bucket + n] = slots
+        h64[3 * bucket] = n - 1
+        g.staging.send()
         g.graph.replay()
         logits = g.logits[: batch.logit_rows[0]].clone()  # the next replay overwrites the static output
         hidden = {layer: h[:n].clone() for layer, h in g.hidden.items()}
         return StepOutput(logits, [logits], [hidden])
 
     @torch.inference_mode()
-    def _cached_prompt(self, q: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:
-        """A prompt after cached context, padded to q tokens, through the batch-1 step graph of width q; the
-        padding's keys, written past the prompt's end, are truncated after."""
-        seq, n, start = batch.seq_ids[0], len(batch.feeds[0]), batch.start_positions[0]
-        key = (1, q, _bucket(start + q, CTX_BUCKETS), taps)
-        graph = self.graphs.get(key) or self._capture(*key)
-        self.graphs[key] = graph
-        padded = StepBatch([seq], [batch.feeds[0] + [0] * (q - n)], [start], [q])
-        out = self._replay(graph, padded, q)
-        self.pool.truncate(seq, start + n)
-        rows = batch.logit_rows[0]
-        logits = out.flat_logits[n - rows : n].clone()  # the next replay of this graph overwrites its output
-        hidden = {layer: h[:n] for layer, h in out.hidden[0].items()}
-        return StepOutput(logits, [logits], [hidden])
-
-    @torch.inference_mode()
     def _capture_prefill(self, bucket: int, taps: tuple[int, ...]) -> _Prefill:
         dev, ps = self.device, self.pool.page_size
-        ids = torch.zeros(bucket, dtype=torch.long, device=dev)
-        positions = torch.arange(bucket, device=dev)  # a fresh prompt's positions; padding continues past it
-        pad_slots = self.scratch_page * ps + torch.arange(bucket, device=dev) % ps
-        new_slots = pad_slots.clone()
-        last = torch.zeros(1, dtype=torch.long, device=dev)
+        staging = _Staging(
+            torch.zeros(3 * bucket + 1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+        )
+        ids, positions, new_slots, last = staging.dev64.split([bucket, bucket, bucket, 1])
+        positions.copy_(torch.arange(bucket, device=dev))  # a fresh prompt's; padding continues past it
+        new_slots.copy_(self.scratch_page * ps + torch.arange(bucket, device=dev) % ps)  # padding: the scratch page
+        staging.seal()
         kv = StaticKVBatch(self.pool, None, new_slots, bucket, self.scale)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -275,30 +287,22 @@ class CudaGraphRunner(ModelRunner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits, hidden = self.model(ids, positions, kv, taps=taps, logits_at=last)
-        return _Prefill(graph, ids, positions, new_slots, last, logits, hidden, pad_slots)
+        return _Prefill(graph, staging, last, logits, hidden)
 
     @torch.inference_mode()
     def _replay(self, g: _Graph, batch: StepBatch, q: int) -> StepOutput:
         n = len(batch.feeds)
-        kv = self.pool.prepare(batch.seq_ids, [q] * n, self.scale)  # bookkeeping: pages, slots, tables
-        rows = n * q
-        g.ids[:rows].copy_(torch.tensor([t for f in batch.feeds for t in f]), non_blocking=True)
-        g.positions[:rows].copy_(
-            torch.tensor([p for s in batch.start_positions for p in range(s, s + q)]), non_blocking=True
-        )
-        g.new_slots[:rows].copy_(kv.new_slots, non_blocking=True)
-        width = g.meta.block_tables.shape[1]
-        tables = torch.zeros(n, width, dtype=torch.int32)
-        for i, table in enumerate(kv.tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        g.meta.block_tables[:n].copy_(tables, non_blocking=True)
-        g.meta.ctx_lens[:n].copy_(torch.tensor(kv.ctx_lens, dtype=torch.int32), non_blocking=True)
-        if n < len(g.meta.ctx_lens):  # rows past n may hold an earlier, larger step's requests: reset them
-            pad_positions, pad_slots, pad_tables, pad_ctx = g.padding
-            g.positions[rows:].copy_(pad_positions[rows:])
-            g.new_slots[rows:].copy_(pad_slots[rows:])
-            g.meta.block_tables[n:].copy_(pad_tables[n:])
-            g.meta.ctx_lens[n:].copy_(pad_ctx[n:])
+        tables, ctx_lens, slots = self.pool.reserve(batch.seq_ids, [q] * n)  # bookkeeping: pages, slots, tables
+        rows, big = n * q, g.batch * q
+        h64, h32 = g.staging.begin()
+        h64[:rows] = [t for f in batch.feeds for t in f]
+        h64[big : big + rows] = [p for s in batch.start_positions for p in range(s, s + q)]
+        h64[2 * big : 2 * big + rows] = slots
+        h32[:n] = ctx_lens
+        for i, table in enumerate(tables):
+            start = g.batch + i * g.width
+            h32[start : start + len(table)] = table
+        g.staging.send()
         g.graph.replay()
         logits = g.logits[:rows]
         # Tapped states are copied out: the next replay overwrites the static buffers, and drafters read them later.
@@ -309,16 +313,24 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:
         dev, ps = self.device, self.pool.page_size
-        rows = b * q
+        rows, width = b * q, -(-ctx // ps)
+        staging = _Staging(
+            torch.zeros(3 * rows, dtype=torch.long, device=dev),
+            torch.zeros(b + b * width, dtype=torch.int32, device=dev),
+        )
+        ids, positions, new_slots = staging.dev64.split(rows)
+        ctx_lens, tables = staging.dev32[:b], staging.dev32[b:].view(b, width)
         # Padding requests (and the warm-up) see q tokens of the scratch page, at positions 0..q-1.
-        ids = torch.zeros(rows, dtype=torch.long, device=dev)
-        positions = torch.arange(q, device=dev).repeat(b)
-        new_slots = (self.scratch_page * ps + torch.arange(q, device=dev)).repeat(b)
+        positions.copy_(torch.arange(q, device=dev).repeat(b))
+        new_slots.copy_((self.scratch_page * ps + torch.arange(q, device=dev)).repeat(b))
+        tables.fill_(self.scratch_page)
+        ctx_lens.fill_(q)
+        staging.seal()
         meta = AttentionMetadata(
-            block_tables=torch.full((b, -(-ctx // ps)), self.scratch_page, dtype=torch.int32, device=dev),
+            block_tables=tables,
             q_starts=torch.arange(0, rows, q, dtype=torch.int32, device=dev),
             q_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
-            ctx_lens=torch.full((b,), q, dtype=torch.int32, device=dev),
+            ctx_lens=ctx_lens,
             max_q_len=q,
             max_ctx_len=ctx,
             page_size=ps,
@@ -333,8 +345,7 @@ class CudaGraphRunner(ModelRunner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits, hidden = self.model(ids, positions, kv, taps=taps)
-        padding = (positions.clone(), new_slots.clone(), meta.block_tables.clone(), meta.ctx_lens.clone())
-        return _Graph(graph, ids, positions, new_slots, meta, logits, hidden, padding)
+        return _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
 
 
 def _sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:

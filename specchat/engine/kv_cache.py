@@ -331,22 +331,25 @@ class KVPool:
         pages = torch.tensor(table, dtype=torch.long)[pos // ps]
         return (pages * ps + pos % ps).to(self.device)
 
-    def prepare(self, seq_ids: list[int], num_new: list[int], scale: float) -> KVBatch:
-        """Reserve room for each request's new tokens and return the step's view of the cache."""
+    def reserve(self, seq_ids: list[int], num_new: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
+        """Room for each request's new tokens: (block tables, context lengths, the new tokens' slots in order),
+        all on the host (what a step's metadata is built from)."""
         if not self.can_append(dict(zip(seq_ids, num_new, strict=True))):
             raise KVCacheFullError("KV cache full: not enough free pages for this step")
-        tables, ctx_lens, new_slots = [], [], []
+        tables, ctx_lens, slots, ps = [], [], [], self.page_size
         for seq_id, n in zip(seq_ids, num_new, strict=True):
             start = self.lengths[seq_id]
             self.append(seq_id, n)
             table = self.tables[seq_id]
             tables.append(list(table))
             ctx_lens.append(start + n)
-            index = self.slots(table, start, start + n)
-            if isinstance(index, slice):
-                index = torch.arange(index.start, index.stop, device=self.device)
-            new_slots.append(index)
-        new = new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)
+            slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
+        return tables, ctx_lens, slots
+
+    def prepare(self, seq_ids: list[int], num_new: list[int], scale: float) -> KVBatch:
+        """Reserve room for each request's new tokens and return the step's view of the cache."""
+        tables, ctx_lens, slots = self.reserve(seq_ids, num_new)
+        new = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         return KVBatch(self, list(num_new), ctx_lens, tables, new, scale)
 
     # --- live format switch -----------------------------------------------------------------------------
