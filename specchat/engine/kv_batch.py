@@ -4,7 +4,7 @@ Built by `KVPool.prepare` once per step (slots, block tables, attention metadata
 layer) and handed to the model as its `KVAttention`: each layer writes its new keys/values into the pages and
 attends over the request's whole context, with the Triton paged-attention kernel on CUDA and the gathered
 reference (`_attend_gathered`) elsewhere; on the CPU, where the pool was built with `cpu_kernels`, decode and
-verification steps over dense float32 pages go through kernels/cpu_ops.py's C kernel, which stores the step's
+verification steps over dense float32 pages go through kernels/cpu_attention.py's C kernel, which stores the step's
 keys/values and attends over the pages in one call.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specchat.kernels import cpu_ops
+from specchat.kernels import cpu_attention
 from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
 
 if TYPE_CHECKING:
@@ -47,13 +47,13 @@ class KVBatch:
         self._ctx_index: list[torch.Tensor | slice] | None = None
         self._split_parts: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None
         self._fresh_lens: list[int] = []
-        self._cpu_plan: cpu_ops.AttentionPlan | None = None
+        self._cpu_plan: cpu_attention.AttentionPlan | None = None
         self._cpu_kernel = (
             pool.cpu_kernels
             and not self.all_fresh
-            and max(q_lens) <= cpu_ops.MAX_Q_LEN
+            and max(q_lens) <= cpu_attention.MAX_Q_LEN
             and self.store.name == "fp32"  # dense float32 pages: no rotation, no key transform
-            and cpu_ops.available()
+            and cpu_attention.available()
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ class KVBatch:
         store = self.store
         pages = self.cpu_pages(layer, q.shape[1], k.shape[1], q.shape[2]) if q.dtype == torch.float32 else None
         if pages is not None:
-            return cpu_ops.paged_attention(pages[0], q, k, v, pages[1], pages[2])
+            return cpu_attention.paged_attention(pages[0], q, k, v, pages[1], pages[2])
         q, k, v = store.rotate_queries(layer, q), store.rotate_keys(layer, k), store.rotate(v)
         store.write(layer, self.new_slots, k, v)
         if self.all_fresh:
@@ -146,18 +146,18 @@ class KVBatch:
 
     def cpu_pages(
         self, layer: int, heads: int, kv_heads: int, head_dim: int
-    ) -> tuple[cpu_ops.AttentionPlan, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[cpu_attention.AttentionPlan, torch.Tensor, torch.Tensor] | None:
         """Where the CPU attention kernel applies to this step (a pool with `cpu_kernels`, decode or verification
         rows, dense float32 pages): the step's plan and the layer's key and value pages [KVH, slots, D]."""
         if not self._cpu_kernel:
             return None
         return self.cpu_plan(heads, kv_heads, head_dim), self.store.k[layer].data, self.store.v[layer].data
 
-    def cpu_plan(self, heads: int, kv_heads: int, head_dim: int) -> cpu_ops.AttentionPlan:
+    def cpu_plan(self, heads: int, kv_heads: int, head_dim: int) -> cpu_attention.AttentionPlan:
         """The step as the CPU attention kernel reads it (once a step)."""
         if self._cpu_plan is None:
             meta = self.metadata()
-            self._cpu_plan = cpu_ops.AttentionPlan(
+            self._cpu_plan = cpu_attention.AttentionPlan(
                 meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, self.new_slots, self.pool.page_size,
                 heads, kv_heads, head_dim, self.store.num_slots, self.scale,
             )  # fmt: skip

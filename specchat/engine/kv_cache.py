@@ -63,7 +63,7 @@ class KVPool:
         self.device = torch.device(device)
         fmt = format_for_dtype(dtype) if kv_format == "auto" else kv_format
         self.rotate = rotate
-        self.cpu_kernels = cpu_kernels  # decode steps attend through kernels/cpu_ops.py (dense float32 pages)
+        self.cpu_kernels = cpu_kernels  # decode steps attend through kernels/cpu_attention.py (dense float32 pages)
         self.budget_bytes = num_pages * page_size * bytes_per_token(fmt, num_layers, num_kv_heads, head_dim)
         self._key_transform_source = key_transform  # makes A on first need (kv_transform.load_or_calibrate)
         self._key_transform: torch.Tensor | None = None

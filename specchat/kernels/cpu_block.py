@@ -1,9 +1,10 @@
-"""One decoder block of a CPU decode step in one C call: the kernels of cpu_gemv.py and cpu_ops.py chained in C.
+"""One decoder block of a CPU decode step in one C call: the kernels of cpu_gemv.py, cpu_ops.py and
+cpu_attention.py chained in C.
 
-Per layer the fused path of engine/cpu_fusion.py still makes ~9 calls from Python (norm, four block-quantized
+Per layer the fused path of engine/cpu_fusion.py would make ~9 calls from Python (norm, four block-quantized
 linears, RoPE, attention, add + norm, SiLU-mul) with their wrappers and module calls around them: ~90 us of
 Python per layer, ~2.8 ms of a ~20 ms token (docs/benchmarks.md, issue 20). `decode_block` runs the same
-calls, in the same order, on the same C functions (this library is built from those two sources plus the chain
+calls, in the same order, on the same C functions (this library is built from their sources plus the chain
 below), so its output equals the per-op path bit for bit, which tests/kernels/test_cpu_block.py holds:
 
     h = rms_norm(x);  q, k, v = split(wqkv(h) [+ bias]);  q, k = rope(q, k)
@@ -21,7 +22,7 @@ from functools import cache
 
 import torch
 
-from specchat.kernels import cpu_build, cpu_gemv, cpu_ops
+from specchat.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_ops
 
 C_SOURCE = r"""
 typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 blocks of W [n, k] */
@@ -99,11 +100,12 @@ class Block(ctypes.Structure):
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("cpu_block", cpu_gemv.C_SOURCE + cpu_ops.C_SOURCE + C_SOURCE, cpu_ops.CFLAGS)
+    source = cpu_gemv.C_SOURCE + cpu_ops.C_SOURCE + cpu_attention.C_SOURCE + C_SOURCE
+    lib = cpu_build.load("cpu_block", source, cpu_ops.CFLAGS)
     if lib is None:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.decode_block.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(cpu_ops.Plan), i32, ptr, ptr, ptr]
+    lib.decode_block.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(cpu_attention.Plan), i32, ptr, ptr, ptr]
     lib.decode_block.argtypes += [ptr, ptr, ptr, i32]
     lib.decode_block.restype = ctypes.c_int
     return lib
@@ -153,7 +155,7 @@ class BlockWeights:
 
 def decode_block(
     weights: BlockWeights,
-    plan: cpu_ops.AttentionPlan,
+    plan: cpu_attention.AttentionPlan,
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,

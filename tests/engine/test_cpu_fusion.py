@@ -14,7 +14,7 @@ from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import BlockLinear
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Block, RMSNorm, Rotary, SiluAndMul, Transformer
-from specchat.kernels import cpu_block, cpu_gemv, cpu_ops
+from specchat.kernels import cpu_attention, cpu_block, cpu_gemv, cpu_ops
 from tests.engine.test_fusion import CFG, logits
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the CPU kernels")
@@ -70,8 +70,8 @@ def test_default_cpu_engine_is_fused_and_eager_is_not(tiny_engine, tiny_eager):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_eager(tiny_engine, tiny_eager, prompt, monkeypatch):
     calls = []
-    kernel = cpu_ops.paged_attention
-    monkeypatch.setattr(cpu_ops, "paged_attention", lambda *a: calls.append(1) or kernel(*a))
+    kernel = cpu_attention.paged_attention
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(1) or kernel(*a))
     assert greedy(tiny_engine, prompt) == greedy(tiny_eager, prompt)
     assert len(calls) >= 31 * tiny_engine.model.cfg.num_layers  # every decode step attended in C
 

@@ -1,4 +1,4 @@
-"""The CPU elementwise and attention kernels (kernels/cpu_ops.py) against their torch references."""
+"""The CPU elementwise and attention kernels (kernels/cpu_ops.py, cpu_attention.py) against their torch references."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specchat.engine.model import apply_rope
-from specchat.kernels import cpu_ops
+from specchat.kernels import cpu_attention, cpu_ops
 from specchat.kernels.attention import AttentionMetadata, paged_attention_reference
 from specchat.kernels.kv_quant import PageTensor
 
@@ -87,7 +87,7 @@ def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0):
     k, v = qkv[:, heads * head_dim :].view(tokens, 2 * kv_heads, head_dim).split(kv_heads, dim=1)
     k = k.contiguous()  # as RoPE leaves it; v stays a strided view of the fused projection
     meta = AttentionMetadata.build(tables, q_lens, ctx_lens, page_size, "cpu")
-    plan = cpu_ops.AttentionPlan(
+    plan = cpu_attention.AttentionPlan(
         meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, torch.tensor(slots), page_size,
         heads, kv_heads, head_dim, num_slots, head_dim**-0.5,
     )  # fmt: skip
@@ -108,8 +108,8 @@ CASES = [  # q_lens, ctx_lens, heads, kv_heads, head_dim, page_size
 def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size):
     plan, q, k, v, k_pages, v_pages, meta = paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size)
     ref_k, ref_v = k_pages.clone(), v_pages.clone()
-    want = cpu_ops.paged_attention_ref(plan, q, k, v, ref_k, ref_v)
-    got = cpu_ops.paged_attention(plan, q, k, v, k_pages, v_pages)
+    want = cpu_attention.paged_attention_ref(plan, q, k, v, ref_k, ref_v)
+    got = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages)
     assert torch.equal(k_pages, ref_k) and torch.equal(v_pages, ref_v)  # this step's rows stored, nothing else
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     pages = [PageTensor("dense", t, None) for t in (k_pages, v_pages)]
@@ -119,11 +119,11 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, he
 def test_paged_attention_rows_do_not_depend_on_the_batch():
     """A request's rows come out bit-equal alone and beside others (verification equals plain decoding)."""
     plan, q, k, v, k_pages, v_pages, meta = paged_case([1, 5, 3], [9, 40, 12], 9, 3, 64, 4, seed=1)
-    batch = cpu_ops.paged_attention(plan, q, k, v, k_pages, v_pages)
+    batch = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages)
     rows = slice(1, 6)
-    alone = cpu_ops.AttentionPlan(
+    alone = cpu_attention.AttentionPlan(
         meta.block_tables[1:2], torch.zeros(1, dtype=torch.int32), meta.q_lens[1:2], meta.ctx_lens[1:2],
         plan.tensors[4][rows], 4, 9, 3, 64, plan.num_slots, plan.struct.scale,
     )  # fmt: skip
-    out = cpu_ops.paged_attention(alone, q[rows], k[rows], v[rows], k_pages, v_pages)
+    out = cpu_attention.paged_attention(alone, q[rows], k[rows], v[rows], k_pages, v_pages)
     assert torch.equal(out, batch[rows])
