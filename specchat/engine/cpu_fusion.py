@@ -65,21 +65,26 @@ class CpuBlock(Block):
         )
 
     def block_weights(self) -> cpu_block.BlockWeights | None:
-        """The block's weights bound for kernels/cpu_block.py (once; again when a linear's blocks change), or None
-        where a linear is not a BlockLinear (HF weights, MXFP4) or has a bias other than q/k/v's."""
-        linears = (self.attn.wqkv, self.attn.wo, self.mlp.w_gate_up, self.mlp.w_down)
-        if not cpu_block.available() or not all(type(m) is BlockLinear for m in linears):
-            return None
-        if any(m.bias is not None for m in linears[1:]) or self.attn_norm.eps != self.mlp_norm.eps:
-            return None
-        bounds = tuple(m.bound() for m in linears)
-        norms = (self.attn_norm.weight, self.mlp_norm.weight, self.attn.wqkv.bias)
+        """The block's weights bound for kernels/cpu_block.py, or None where a linear is not a BlockLinear (HF
+        weights, MXFP4) or has a bias other than q/k/v's. Bound once and kept while the same tensors are in place:
+        the check is the ids of the tensors it reads (alive while kept, so an id cannot be reused by a new one),
+        ~2 us a call where reading them through the modules' attributes took ~20."""
+        attn, mlp = self._modules["attn"], self._modules["mlp"]
+        linears = (attn._modules["wqkv"], attn._modules["wo"], mlp._modules["w_gate_up"], mlp._modules["w_down"])
+        norms = (self._modules["attn_norm"]._parameters["weight"], self._modules["mlp_norm"]._parameters["weight"])
+        state = (*(m._buffers.get("codes") for m in linears), *norms, *(m._parameters["bias"] for m in linears))
+        key = tuple(map(id, state))
         cached = self.__dict__.get("_block_weights")
-        if cached is None or any(a is not b for a, b in zip(cached.tensors, (*bounds, *norms), strict=True)):
-            cached = self.__dict__["_block_weights"] = cpu_block.BlockWeights(
-                *bounds, *norms[:2], self.mlp_norm.eps, self.attn.q_size, self.attn.kv_size, norms[2]
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        weights = None
+        plain = all(type(m) is BlockLinear for m in linears) and all(m.bias is None for m in linears[1:])
+        if plain and cpu_block.available() and self.attn_norm.eps == self.mlp_norm.eps:
+            weights = cpu_block.BlockWeights(
+                *(m.bound() for m in linears), *norms, self.mlp_norm.eps, attn.q_size, attn.kv_size, linears[0].bias
             )
-        return cached
+        self.__dict__["_block_weights"] = (key, weights, state)  # state: keeps the tensors whose ids make the key
+        return weights
 
     def forward_ops(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
         """The block one kernel call at a time (any linear modules, any KV attention)."""

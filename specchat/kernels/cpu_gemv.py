@@ -198,20 +198,23 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
   }
 }
 #endif
-/* The whole product, MMAX rows at a time; `threads` > 1 splits the outputs n among OpenMP threads. */
+/* The whole product, MMAX rows at a time; `threads` > 1 splits the outputs n among OpenMP threads (one thread
+   calls the chunk directly: entering an OpenMP region costs a few microseconds even when it runs on one). */
 void q4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
              int threads) {
   for (int i0 = 0; i0 < M; i0 += MMAX) {
     int rows = M - i0 < MMAX ? M - i0 : MMAX;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int t = 0; t < threads; t++) {
-      int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
-      q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, a, b);
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int t = 0; t < threads; t++) {
+        int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
+        q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, a, b);
+      }
+      continue;
     }
-#else
-    q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, 0, N);
 #endif
+    q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, 0, N);
   }
 }
 
@@ -219,14 +222,16 @@ void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* 
   for (int i0 = 0; i0 < M; i0 += MMAX) {
     int rows = M - i0 < MMAX ? M - i0 : MMAX;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int t = 0; t < threads; t++) {
-      int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
-      q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, a, b);
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int t = 0; t < threads; t++) {
+        int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
+        q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, a, b);
+      }
+      continue;
     }
-#else
-    q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, 0, N);
 #endif
+    q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, 0, N);
   }
 }
 """
