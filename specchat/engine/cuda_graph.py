@@ -365,17 +365,22 @@ class GraphedFunction:
 
     `fn(key, *inputs)` must take inputs whose first dimension is the batch, return one tensor whose first
     dimension is the batch, read nothing from the host and keep every row independent of the others (padding rows,
-    zeros, are computed and dropped). The tensors it reads are baked into the graphs: `signature()` names them
+    filled with `pads` or zeros, are computed and dropped). The tensors it reads are baked into the graphs: `signature()` names them
     (e.g. the data pointers of its weights), and the graphs are dropped when it changes.
     """
 
     def __init__(
-        self, fn: Callable[..., torch.Tensor], signature: Callable[[], Hashable] = lambda: None, enabled: bool = True
+        self,
+        fn: Callable[..., torch.Tensor],
+        signature: Callable[[], Hashable] = lambda: None,
+        enabled: bool = True,
+        pads: Seq[int | float] = (),
     ) -> None:
         self.fn = fn
         self.enabled = enabled  # False (--eager): always call fn
         self.signature = signature
         self._baked = signature()
+        self.pads = tuple(pads)  # per input, what its padding rows hold (default 0): e.g. a scratch slot to write to
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
     @torch.inference_mode()  # the graphs' static buffers are inference tensors
@@ -389,10 +394,10 @@ class GraphedFunction:
             self._baked = baked
         graph = self.graphs.get((bucket, key)) or self.capture(bucket, key, inputs)
         graph_, static_in, static_out = graph
-        for buf, x in zip(static_in, inputs, strict=True):
+        for i, (buf, x) in enumerate(zip(static_in, inputs, strict=True)):
             buf[:n].copy_(x)
             if n < bucket:
-                buf[n:].zero_()
+                buf[n:].fill_(self._pad(i))
         graph_.replay()
         return static_out[:n]
 
@@ -401,7 +406,9 @@ class GraphedFunction:
         """The graph for `bucket` rows of inputs shaped and typed like `like` (captured now if new)."""
         if (bucket, key) in self.graphs:
             return self.graphs[(bucket, key)]
-        static_in = tuple(torch.zeros((bucket, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in like)
+        static_in = tuple(
+            torch.full((bucket, *x.shape[1:]), self._pad(i), dtype=x.dtype, device=x.device) for i, x in enumerate(like)
+        )
         stream = torch.cuda.Stream(like[0].device)
         stream.wait_stream(torch.cuda.current_stream(like[0].device))
         with torch.cuda.stream(stream):
@@ -412,3 +419,6 @@ class GraphedFunction:
             static_out = self.fn(key, *static_in)
         self.graphs[(bucket, key)] = (graph, static_in, static_out)
         return self.graphs[(bucket, key)]
+
+    def _pad(self, i: int) -> int | float:
+        return self.pads[i] if i < len(self.pads) else 0

@@ -30,8 +30,8 @@ def random_head(model, draft_vocab: int = 2000, seed: int = 0) -> EagleHead:
     return head
 
 
-def random_eagle(engine, draft_vocab: int = 2000) -> EagleDrafter:
-    return EagleDrafter(random_head(engine.model, draft_vocab), engine.model, engine.pool.capacity_tokens)
+def random_eagle(engine, draft_vocab: int = 2000, graphs: bool = True) -> EagleDrafter:
+    return EagleDrafter(random_head(engine.model, draft_vocab), engine.model, engine.pool.capacity_tokens, graphs)
 
 
 def test_files_use_the_eagle3_layout_and_load_back(tiny_engine, tmp_path):

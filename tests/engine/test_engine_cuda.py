@@ -47,7 +47,8 @@ def test_fast_path_equals_eager_on_concurrent_requests(cuda_tiny_model_dir):
 
 def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
     """Steps whose drafters tap hidden states (MLP heads, EAGLE-3) and steps whose requests draft different k
-    (padded to one width) replay captured graphs and give the eager path's greedy outputs."""
+    (padded to one width) replay captured graphs, and so do both drafters' greedy chains, with the eager path's
+    greedy outputs."""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.engine import Engine
     from tests.engine.test_drafters import random_heads
@@ -62,15 +63,16 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
         torch.manual_seed(0)
         heads = HeadsDrafter(random_heads(engine.model, num_heads=5), engine.model, graphs=not eager)
         engine.drafters["heads:random"] = heads
-        engine.drafters["eagle:random"] = random_eagle(engine)
+        eagle = engine.drafters["eagle:random"] = random_eagle(engine, graphs=not eager)
         specs = [SpecParams("heads:random", k=2), SpecParams("eagle:random", k=4), SpecParams("eagle:random", k=1)]
         handles = [engine.submit(p, sampling, specs[i % len(specs)]) for i, p in enumerate(prompts)]
         outputs[eager] = [h.result().token_ids for h in handles]
         if not eager:
             keys = set(engine.runner.graphs)
             assert heads.chain.graphs, "the heads' greedy chain was not replayed from a graph"
+            assert eagle.chain.graphs, "EAGLE's greedy chain was not replayed from a graph"
         else:
-            assert not heads.chain.graphs
+            assert not heads.chain.graphs and not eagle.chain.graphs
     assert outputs[False] == outputs[True]
     assert any(key[3] for key in keys), "no step with taps was replayed from a graph"
     assert any(key[1] == 5 for key in keys), "no step padded to k = 4 was replayed from a graph"

@@ -79,7 +79,8 @@ def make_drafter(name: str, context) -> Drafter:
     if kind == "eagle":
         from specchat.engine.drafters.eagle import EagleDrafter
 
-        return EagleDrafter.from_dir(_shipped_file(arg, context, "eagle"), context.model, context.pool.capacity_tokens)
+        folder = _shipped_file(arg, context, "eagle")
+        return EagleDrafter.from_dir(folder, context.model, context.pool.capacity_tokens, not context.config.eager)
     if kind == "ngram+heads":
         from specchat.engine.drafters.heads import HeadsDrafter
         from specchat.engine.drafters.hybrid import NgramThenHeads

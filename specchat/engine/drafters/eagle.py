@@ -37,11 +37,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specchat.engine.cuda_graph import CTX_BUCKETS, SCRATCH_SEQ, GraphedFunction, StaticKVBatch
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.drafters.heads import choose_tokens
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import MLP, Attention, KVAttention, ModelConfig, RMSNorm, RotaryEmbedding, Transformer
 from specchat.errors import ConfigError, ModelFormatError
+from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
@@ -320,7 +322,7 @@ class EagleDrafter(Drafter):
     name = "eagle"
     tap_history = True
 
-    def __init__(self, head: EagleHead, model: Transformer, pool_tokens: int) -> None:
+    def __init__(self, head: EagleHead, model: Transformer, pool_tokens: int, graphs: bool = True) -> None:
         weight = model.lm_head.weight
         self.head = head.to(device=weight.device, dtype=weight.dtype).eval()
         self.cfg = head.cfg
@@ -341,12 +343,29 @@ class EagleDrafter(Drafter):
         )
         self.real: dict[int, int] = {}  # request -> rows of its cache that hold target positions (not drafts)
         self.scale = c.head_dim**-0.5
+        # greedy drafting: the chain after the catch-up is one CUDA graph per batch bucket, depth and context
+        # bucket; padding rows write to a scratch page of the head's pool and attend to one key there
+        layer = c.layer_config()
+        group = layer.num_heads // layer.num_kv_heads
+        graphs = graphs and weight.is_cuda and paged_attention_supported(c.head_dim, group, 1)
+        self.scratch_page = 0
+        if graphs:
+            self.pool.add(SCRATCH_SEQ, [])
+            self.pool.append(SCRATCH_SEQ, self.pool.page_size)
+            self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]
+        scratch_slot = self.scratch_page * self.pool.page_size
+        self.chain = GraphedFunction(
+            self.greedy_chain,
+            lambda: tuple(p.data_ptr() for p in self.embed.parameters()),
+            enabled=graphs,
+            pads=(0.0, 0.0, 0, scratch_slot, self.scratch_page, 1),
+        )
 
     @classmethod
-    def from_dir(cls, folder: Path, model: Transformer, pool_tokens: int) -> EagleDrafter:
+    def from_dir(cls, folder: Path, model: Transformer, pool_tokens: int, graphs: bool = True) -> EagleDrafter:
         head = EagleHead.load(folder, model.cfg)
         check_target(head.cfg, model, str(folder))
-        return cls(head, model, pool_tokens)
+        return cls(head, model, pool_tokens, graphs)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -385,19 +404,92 @@ class EagleDrafter(Drafter):
         # 2. Then one position per further draft: the previous draft's s and token.
         depth = max(ks[i] for i in ready)
         position = torch.tensor([seq.num_cached for seq in group], device=device)
-        steps = []
-        for j in range(depth):
-            chosen, probs = choose_tokens(group, logits, self.head.draft_vocab, self.vocab_size)
-            steps.append((chosen, probs))
-            if j + 1 == depth:
-                break
-            kv = self.pool.prepare(ids, [1] * len(group), self.scale)
-            logits, s = self.head(self.embed(torch.tensor(chosen, device=device)), s, position + j, kv)
+        if depth > 1 and self.chain.enabled and all(seq.sampling.greedy for seq in group):
+            steps = self._graphed_steps(ids, depth, logits, s, position)
+        else:
+            steps = []
+            for j in range(depth):
+                chosen, probs = choose_tokens(group, logits, self.head.draft_vocab, self.vocab_size)
+                steps.append((chosen, probs))
+                if j + 1 == depth:
+                    break
+                kv = self.pool.prepare(ids, [1] * len(group), self.scale)
+                logits, s = self.head(self.embed(torch.tensor(chosen, device=device)), s, position + j, kv)
         for b, i in enumerate(ready):
             k = min(ks[i], depth)
             qs = [steps[j][1][b] for j in range(k)]
             drafts[i] = Draft([steps[j][0][b] for j in range(k)], None if qs[0] is None else torch.stack(qs))
         return drafts
+
+    def _graphed_steps(
+        self, ids: list[int], depth: int, logits: torch.Tensor, s: torch.Tensor, position: torch.Tensor
+    ) -> list[tuple[list[int], list[None]]]:
+        """The greedy chain's drafts through `chain`: the pool's room for every draft position is reserved up front
+        (what the eager loop reserves position by position), the rest runs on the device."""
+        before = [self.pool.lengths[i] for i in ids]
+        ctx = next(b for b in CTX_BUCKETS if b >= max(before) + depth)
+        tables, _, slots = self.pool.reserve(ids, [depth - 1] * len(ids))
+        width, device = ctx // self.pool.page_size, logits.device
+        padded = [t + [self.scratch_page] * (width - len(t)) for t in tables]
+        tokens = self.chain(
+            (depth, ctx),
+            logits,
+            s,
+            position,
+            torch.tensor(slots, device=device).view(len(ids), depth - 1),
+            torch.tensor(padded, dtype=torch.int32, device=device),
+            torch.tensor(before, dtype=torch.int32, device=device),
+        ).tolist()
+        return [([row[j] for row in tokens], [None] * len(ids)) for j in range(depth)]
+
+    def greedy_chain(
+        self,
+        key: tuple[int, int],
+        logits: torch.Tensor,
+        s: torch.Tensor,
+        position: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        ctx0: torch.Tensor,
+    ) -> torch.Tensor:
+        """From the catch-up's draft logits [B, Vd] and state s [B, h]: the greedy drafts [B, depth], draft j + 1
+        read at position + j with its keys written at slots[:, j] (block tables [B, ctx / page], context ctx0 + j + 1
+        of a bucket of ctx), all on the device. The position-by-position loop of `propose` is its reference."""
+        depth, ctx = key
+        b, device = logits.shape[0], logits.device
+        q_starts = torch.arange(b, dtype=torch.int32, device=device)
+        q_lens = torch.ones(b, dtype=torch.int32, device=device)
+        tokens = []
+        for j in range(depth):
+            token = self.head.draft_vocab[logits.argmax(-1)]
+            tokens.append(token)
+            if j + 1 == depth:
+                break
+            meta = AttentionMetadata(tables, q_starts, q_lens, ctx0 + (j + 1), 1, ctx, self.pool.page_size)
+            kv = StaticKVBatch(self.pool, meta, slots[:, j].contiguous(), 1, self.scale)
+            logits, s = self.head(self.embed(token), s, position + j, kv)
+        return torch.stack(tokens, dim=1)
+
+    def warm_up(self, sessions: int) -> None:
+        """Capture the chain's graphs for k = 2..4 (the default k and below), every batch bucket up to `sessions`'."""
+        if not self.chain.enabled:
+            return
+        from specchat.engine.cuda_graph import BATCH_BUCKETS
+
+        c, device, dtype = self.cfg, self.head.lm_head.weight.device, self.head.lm_head.weight.dtype
+        top = next((b for b in BATCH_BUCKETS if b >= sessions), BATCH_BUCKETS[-1])
+        width = CTX_BUCKETS[0] // self.pool.page_size
+        for b in (b for b in BATCH_BUCKETS if b <= top):
+            for depth in range(2, 5):
+                like = (
+                    torch.zeros(b, c.draft_vocab_size, device=device),
+                    torch.zeros(b, c.hidden_size, dtype=dtype, device=device),
+                    torch.zeros(b, dtype=torch.long, device=device),
+                    torch.zeros(b, depth - 1, dtype=torch.long, device=device),
+                    torch.zeros(b, width, dtype=torch.int32, device=device),
+                    torch.zeros(b, dtype=torch.int32, device=device),
+                )
+                self.chain.capture(b, (depth, CTX_BUCKETS[0]), like)
 
     def release(self, seq: Sequence) -> None:
         if self.real.pop(seq.seq_id, None) is not None:
