@@ -268,6 +268,22 @@ class CudaGraphRunner(ModelRunner):
         return StepOutput(logits, [logits], [hidden])
 
     @torch.inference_mode()
+    def _cached_prompt(self, q: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:
+        """A prompt after cached context, padded to q tokens, through the batch-1 step graph of width q; the
+        padding's keys, written past the prompt's end, are truncated after."""
+        seq, n, start = batch.seq_ids[0], len(batch.feeds[0]), batch.start_positions[0]
+        key = (1, q, _bucket(start + q, CTX_BUCKETS), taps)
+        graph = self.graphs.get(key) or self._capture(*key)
+        self.graphs[key] = graph
+        padded = StepBatch([seq], [batch.feeds[0] + [0] * (q - n)], [start], [q])
+        out = self._replay(graph, padded, q)
+        self.pool.truncate(seq, start + n)
+        rows = batch.logit_rows[0]
+        logits = out.flat_logits[n - rows : n].clone()  # the next replay of this graph overwrites its output
+        hidden = {layer: h[:n] for layer, h in out.hidden[0].items()}
+        return StepOutput(logits, [logits], [hidden])
+
+    @torch.inference_mode()
     def _capture_prefill(self, bucket: int, taps: tuple[int, ...]) -> _Prefill:
         dev, ps = self.device, self.pool.page_size
         staging = _Staging(
