@@ -37,7 +37,7 @@ for part in "${parts[@]}"; do
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
     batch1)
-      timeout 200 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 128 2>&1 | tee -a "$log"
+      timeout 200 "${synthetic[@]}" --weights bf16,int4,mxfp4 --batch 1 --k 0,4 --steps 128 2>&1 | tee -a "$log"
       timeout 150 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 32 --eager 2>&1 | tee -a "$log" ;;
     sessions)
       timeout 300 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1,8,32 --k 0,4 2>&1 | tee -a "$log" ;;

@@ -75,7 +75,7 @@ PAGE_SIZE = 16
 @dataclass(slots=True)
 class SyntheticCase:
     batch: int
-    weights: str = "bf16"  # "mxfp4", or the dtype of unquantized weights ("float32" on the CPU, "bfloat16")
+    weights: str = "bf16"  # "mxfp4", "int4" (gpt-fast's), or the dtype of unquantized weights ("float32", ...)
     kv: str = "bf16"
     k: int = 0  # drafts per step (0 = plain decode)
     acceptance: float = 0.0  # per-token acceptance of the benchmark-only drafter
@@ -116,7 +116,7 @@ def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, cases: list[SyntheticCa
     with torch.device("meta"):
         params = sum(p.numel() for p in Transformer(cfg).parameters())
     element = torch.finfo(dtype).bits // 8
-    weights = params * element * (2 if any(c.weights == "mxfp4" for c in cases) else 1)
+    weights = params * element * (2 if any(c.weights in ("mxfp4", "int4") for c in cases) else 1)
     kv = max(
         pool_pages(c, context, steps)
         * PAGE_SIZE

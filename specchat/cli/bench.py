@@ -15,6 +15,8 @@ from specchat.cli.options import StderrProgress, check_memory_ask, spec_params
 from specchat.config import DEVICES, DTYPES, WEIGHT_FORMATS, EngineConfig
 from specchat.errors import ConfigError
 
+SYNTHETIC_WEIGHTS = (*WEIGHT_FORMATS, "int4")  # int4: gpt-fast's int4 g32 yardstick (specchat/bench/int4.py)
+
 if TYPE_CHECKING:
     from specchat.bench.synthetic import SyntheticCase
 
@@ -101,10 +103,10 @@ def synthetic_cases(weights: str, kv: str, batch: str, k: str, acceptance: float
 
     formats = [w.strip() for w in weights.split(",")]
     for fmt in formats:
-        if fmt not in WEIGHT_FORMATS:
-            raise ConfigError(f"--weights takes {' and/or '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+        if fmt not in SYNTHETIC_WEIGHTS:
+            raise ConfigError(f"--weights takes {', '.join(SYNTHETIC_WEIGHTS)} with --synthetic, got {fmt!r}")
     return [
-        SyntheticCase(b, fmt if fmt == "mxfp4" else label, kv_fmt.strip(), kk, acceptance if kk else 0.0)
+        SyntheticCase(b, label if fmt == "bf16" else fmt, kv_fmt.strip(), kk, acceptance if kk else 0.0)
         for fmt in formats
         for kv_fmt in kv.split(",")
         for b in int_list(batch, "--batch")
@@ -115,6 +117,7 @@ def synthetic_cases(weights: str, kv: str, batch: str, k: str, acceptance: float
 def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, eager, as_json) -> None:
     import torch
 
+    from specchat.bench.int4 import quantize_int4
     from specchat.bench.synthetic import SHAPES, estimate_bytes, quantize_all, random_model, run_case
     from specchat.engine.loading import make_runner, pick_device
 
@@ -135,6 +138,8 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
         model = random_model(SHAPES[shape], dtype, dev)
         if fmt == "mxfp4":
             quantize_all(model)
+        elif fmt == "int4":  # gpt-fast's int4 g32 through torch's tinygemm: the peer, in the same run
+            quantize_int4(model)
         for case in (c for c in cases if c.weights == fmt):
             results.append(run_case(model, case, context, steps, runner_factory=runner_factory))
             click.echo(f"done: {case}", err=True)
@@ -182,7 +187,9 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option("--drafter", default="none", show_default=True, help="comma-separated drafters to compare")
 @click.option("--k", "k", default=None, help="sessions: draft tokens or 'auto' (default 4); synthetic: list (0,4)")
-@click.option("--weights", default="bf16", show_default=True, help="bf16 | mxfp4 (synthetic: a comma list)")
+@click.option(
+    "--weights", default="bf16", show_default=True, help="bf16 | mxfp4 (synthetic: a comma list, also int4: gpt-fast's)"
+)
 @click.option("--kv", default="bf16", show_default=True, help="KV page format (synthetic: a comma list)")
 @click.option("--synthetic", "shape", default=None, help="a random-weight model of this shape, e.g. llama-3.1-8b")
 @click.option("--batch", default="1", show_default=True, help="synthetic: comma-separated batch sizes")
