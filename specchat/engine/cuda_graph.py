@@ -14,10 +14,13 @@ A fresh prompt (its first chunk: it attends only to its own keys) of up to PREFI
 prefill graph of the next bucket's length: padding tokens go at its end, where causal attention keeps them out of
 the real rows, and write their keys to the scratch page. A prompt after cached context (a later chat turn, an
 agent's next call) of up to PROMPT_WIDTHS[-1] new tokens replays the batch-1 step graph of that width through
-the paged kernel, its padding written past its end and truncated after. A step that mixes prompts with decoding is split: the
-decoding requests (padded to one width by SpecStep) replay their graph, each fresh prompt its prefill graph, and
-what is left (a prompt after cached context, a long one) runs eagerly through ModelRunner, which stays the
-reference for all of it: tests/engine/test_cuda_graph.py and test_engine_cuda.py hold them equal.
+the paged kernel, its padding written past its end and truncated after. A step that mixes prompts with decoding
+is split: the decoding requests (padded to one width by SpecStep) replay their graph, each such prompt its own,
+and what is left (a longer prompt) runs eagerly through ModelRunner, which stays the reference for all of it:
+tests/engine/test_cuda_graph.py and test_engine_cuda.py hold them equal.
+
+A replay's inputs (token ids, positions, slots, context lengths, block tables) go to the device in two copies
+from pinned host buffers (`_Staging`), whatever the batch. Drafters' chains use `GraphedFunction`.
 """
 
 from __future__ import annotations
