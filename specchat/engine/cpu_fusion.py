@@ -1,11 +1,12 @@
-"""The CPU kernels of kernels/cpu_ops.py as a transform of the model (docs/style.md #3, #6): swap modules in and out.
+"""The CPU kernels of kernels/cpu_ops.py and cpu_block.py as a transform of the model (docs/style.md #3, #6).
 
 `fuse(model)` re-classes a float32 CPU model's `Block`, `RMSNorm`, `Rotary` and `SiluAndMul` modules
 (engine/model.py) as the subclasses below, whose forward calls one C kernel where the plain one runs a chain of
-torch ops; `CpuBlock` also adds each residual in the same pass as the norm that follows it. Attention itself
-goes through the KV batch, which takes the C paged-attention kernel when its pool was built with
-`cpu_kernels` (engine/kv_batch.py). `unfuse(model)` swaps the plain modules back; parameters and state stay the
-same objects. `--eager` never fuses (engine/loading.py): that is the reference the tests hold this path to.
+torch ops; `CpuBlock` also adds each residual in the same pass as the norm that follows it. Attention goes through
+the KV batch, which takes the C paged-attention kernel (kernels/cpu_attention.py) when its pool was built with
+`cpu_kernels` (engine/kv_batch.py); where it does and every linear of a block reads GGUF blocks, `CpuBlock` runs
+the whole block as one C call. `unfuse(model)` swaps the plain modules back; parameters and state stay the same
+objects. `--eager` never fuses (engine/loading.py): that is the reference the tests hold this path to.
 """
 
 from __future__ import annotations
