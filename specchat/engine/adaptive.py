@@ -92,6 +92,36 @@ class AdaptiveK:
         return max(1.0, self.step_ms[nearest] / plain + self.cost_per_draft * (k - nearest))
 
     def best_k(self) -> int:
+        """argmax over k of expected_tokens(k) / step_cost(k), in one pass (it runs for every request at every
+        step: ~27 us a request done term by term, a third of a 32-request GPU step's host time)."""
+        plain = self.step_ms[0]
+        known = [j for j in range(1, self.k_max + 1) if self.step_ms[j] is not None]
+        measured = plain is not None and known
+        best, best_gain, total, reach, lo = 0, 1.0, 1.0, 1.0, 0
+        for k in range(1, self.k_max + 1):
+            reach *= self.rates[k - 1]
+            total += reach
+            if not measured:
+                cost = 1.0 + self.cost_per_draft * k
+            else:
+                while lo + 1 < len(known) and known[lo + 1] <= k:
+                    lo += 1
+                j = known[lo]
+                if j == k:  # measured
+                    cost = self.step_ms[k] / plain
+                elif j < k < known[-1]:  # between two measured k: interpolate
+                    hi = known[lo + 1]
+                    cost = (self.step_ms[j] + (self.step_ms[hi] - self.step_ms[j]) * (k - j) / (hi - j)) / plain
+                else:  # beyond the measured ones: the nearest, plus cost_per_draft a token
+                    nearest = j if j < k else known[0]
+                    cost = max(1.0, self.step_ms[nearest] / plain + self.cost_per_draft * (k - nearest))
+            gain = total / max(cost, 1.0 + MIN_COST_PER_DRAFT * k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def best_k_reference(self) -> int:
+        """best_k term by term, from expected_tokens and step_cost (what the tests hold best_k to)."""
         gains = [self.expected_tokens(k) / self.step_cost(k) for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=gains.__getitem__)
 

@@ -43,6 +43,7 @@ class Scheduler:
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
         self.gates: dict[int, DraftGate] = {}  # per batch size bucket: does drafting pay end to end (adaptive K)
         self._gated: tuple[DraftGate, float] | None = None  # the gate of the step being run, and its start
+        self._gated_off = False  # the step being run is one whose adaptive requests the gate keeps from drafting
         self._timed: tuple[DraftGate, bool, int, float] | None = None  # the last step to time: gate, drafted, tokens
 
     # --- queue ------------------------------------------------------------------------------------------
@@ -93,7 +94,10 @@ class Scheduler:
             self._finish(seq, events)
         self._admit(events)
         items = self._plan(events, now) if self.running else []
-        return StepPlan(items, self.drafters.taps(self.running)), events
+        running = self.running
+        if self._gated_off:  # nobody drafts: only drafters that need every position's rows (EAGLE) still tap
+            running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history]
+        return StepPlan(items, self.drafters.taps(running)), events
 
     def _admit(self, events: list[Event]) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -134,13 +138,14 @@ class Scheduler:
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests all choose k adaptively, a cap on their k: 0 when drafting does not
         pay at their batch size (DraftGate), else, where the runner pads to the widest, the median of their k."""
-        self._gated = None
+        self._gated, self._gated_off = None, False
         decoding = [s for s in self.running if not s.in_prefill and s.num_cached == s.num_tokens - 1]
         if not decoding or any(s.adaptive is None for s in decoding):
             return None
         gate = self.gates.setdefault(1 << (len(decoding) - 1).bit_length(), DraftGate())
         self._gated = (gate, now)
         if not gate.allow():
+            self._gated_off = True
             return 0
         return int(statistics.median_low(self._draft_len(s) for s in decoding)) if self.uniform_widths else None
 
@@ -214,6 +219,8 @@ class Scheduler:
             seq = item.seq
             if hidden:
                 self._keep_hidden(seq, hidden)
+            elif self._gated_off and seq.hidden:  # not tapped this step: the row it holds is no longer the newest
+                seq.hidden = {}
             if outcome is None:  # a chunk of a long prompt: cached, nothing to sample yet
                 seq.num_cached += len(item.feed)
                 continue
@@ -226,12 +233,12 @@ class Scheduler:
                 produced = len(kept) + (len(kept) < len(outcome.emitted) and seq.finish_reason == "stop")
                 rec = StepRecord(outcome.drafted, outcome.accepted, produced, result.draft_ms, result.verify_ms)
                 seq.stats.observe_step(rec)
-                if seq.adaptive:
+                if seq.adaptive is None:
+                    seq.k = seq.spec.k or 0
+                elif not self._gated_off:  # a step the gate held at k = 0 teaches the controller nothing
                     # the time of this step had every decode request drafted this request's k (StepCosts)
                     step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
                     seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms)
-                else:
-                    seq.k = seq.spec.k or 0
                 events.append(StepEvent(seq.seq_id, rec, seq.k))
             delta = seq.take_delta()
             if delta or kept:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -233,3 +234,38 @@ def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
     scheduler.uniform_widths = False
     for handle in handles:
         handle.result()
+
+
+def test_best_k_in_one_pass_equals_the_term_by_term_reference():
+    rng = random.Random(0)
+    for _ in range(5000):
+        k_max = rng.randint(0, 8)
+        ctl = AdaptiveK(k_max=k_max)
+        ctl.rates = [rng.random() for _ in range(k_max)]
+        ctl.step_ms = [None if rng.random() < 0.4 else rng.uniform(1.0, 5.0) for _ in range(k_max + 1)]
+        assert ctl.best_k() == ctl.best_k_reference(), (ctl.rates, ctl.step_ms)
+
+
+def test_a_step_the_gate_keeps_from_drafting_costs_no_more_than_plain(tiny_engine):
+    """When the DraftGate prefers plain decoding, the step drafts nothing, taps no hidden states for drafters that
+    read only the newest row (the heads), drops the row they held (stale from then on) and leaves each request's
+    controller as it was (a forced k = 0 says nothing about the drafter)."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from tests.engine.test_drafters import random_heads
+
+    tiny_engine.drafters["heads:gated"] = HeadsDrafter(random_heads(tiny_engine.model), tiny_engine.model)
+    handle = tiny_engine.submit(
+        "hello", SamplingParams(max_tokens=30, ignore_eos=True), SpecParams("heads:gated", k=None)
+    )
+    scheduler = tiny_engine.scheduler
+    while not scheduler.running or scheduler.running[0].in_prefill or not scheduler.running[0].hidden:
+        tiny_engine.step()
+    seq = scheduler.running[0]
+    scheduler.gates[1] = DraftGate(ms_per_token={True: 2.0, False: 1.0})  # plain decoding measured faster
+    rates, k = list(seq.adaptive.rates), seq.k
+    plan, _ = scheduler.schedule()
+    assert plan.taps == () and [item.k for item in plan.items] == [0]
+    scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
+    assert seq.hidden == {} and seq.adaptive.rates == rates and seq.k == k
+    del scheduler.gates[1]
+    handle.result()
