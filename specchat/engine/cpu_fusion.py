@@ -73,7 +73,7 @@ class CpuBlock(Block):
         attn, mlp = self._modules["attn"], self._modules["mlp"]
         linears = (attn._modules["wqkv"], attn._modules["wo"], mlp._modules["w_gate_up"], mlp._modules["w_down"])
         norms = (self._modules["attn_norm"]._parameters["weight"], self._modules["mlp_norm"]._parameters["weight"])
-        state = (*(m._buffers.get("codes") for m in linears), *norms, *(m._parameters["bias"] for m in linears))
+        state = (*(m._buffers.get("codes") for m in linears), *norms, *(m._parameters.get("bias") for m in linears))
         key = tuple(map(id, state))
         cached = self.__dict__.get("_block_weights")
         if cached is not None and cached[0] == key:
