@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from specchat.engine.cpu_weights import BlockLinear
+from specchat.engine.fusion import swap_classes
 from specchat.engine.kv_batch import KVBatch
 from specchat.engine.model import Block, KVAttention, RMSNorm, Rotary, SiluAndMul
 from specchat.kernels import cpu_block, cpu_ops
@@ -99,24 +100,14 @@ FUSED = {Block: CpuBlock, RMSNorm: CpuRMSNorm, Rotary: CpuRotary, SiluAndMul: Cp
 PLAIN = {fused: plain for plain, fused in FUSED.items()}
 
 
-def _swap_classes(model: nn.Module, mapping: dict[type, type]) -> int:
-    swapped = 0
-    for module in model.modules():
-        new = mapping.get(type(module))
-        if new is not None:
-            module.__class__ = new
-            swapped += 1
-    return swapped
-
-
 def fuse(model: nn.Module) -> int:
     """Use the CPU kernels in a float32 CPU model (none where they do not load); returns the modules swapped."""
     param = next(model.parameters())
     if param.dtype != torch.float32 or param.device.type != "cpu" or not cpu_ops.available():
         return 0
-    return _swap_classes(model, FUSED)
+    return swap_classes(model, FUSED)
 
 
 def unfuse(model: nn.Module) -> int:
     """Back to the plain PyTorch modules."""
-    return _swap_classes(model, PLAIN)
+    return swap_classes(model, PLAIN)

@@ -42,8 +42,9 @@ FUSED = {RMSNorm: FusedRMSNorm, Rotary: FusedRotary, SiluAndMul: FusedSiluAndMul
 PLAIN = {fused_cls: plain for plain, fused_cls in FUSED.items()}
 
 
-def _swap_classes(model: nn.Module, mapping: dict[type, type]) -> int:
-    """Re-class matching modules in place (same parameters, same state): returns how many were swapped."""
+def swap_classes(model: nn.Module, mapping: dict[type, type]) -> int:
+    """Re-class matching modules in place (same parameters, same state): returns how many were swapped (the CUDA
+    and the CPU fusions both)."""
     swapped = 0
     for module in model.modules():
         new = mapping.get(type(module))
@@ -55,9 +56,9 @@ def _swap_classes(model: nn.Module, mapping: dict[type, type]) -> int:
 
 def fuse(model: nn.Module) -> int:
     """Use the fused kernels in `model` (where its tensors are on CUDA); returns the number of modules swapped."""
-    return _swap_classes(model, FUSED)
+    return swap_classes(model, FUSED)
 
 
 def unfuse(model: nn.Module) -> int:
     """Back to the plain PyTorch modules."""
-    return _swap_classes(model, PLAIN)
+    return swap_classes(model, PLAIN)
