@@ -30,7 +30,10 @@ for part in "$@"; do
     auto)
       timeout 300 "${bench[@]}" --drafter "${DRAFTERS:-ngram,heads}" --k auto 2>&1 | tee -a "$log" ;;
     serve)
-      timeout 300 python benchmarks/serve_load.py --device cuda --clients 32 --max-tokens 64 2>&1 | tee -a "$log" ;;
+      # 64 tokens a request: a run of well under a second, mostly fixed per-request costs; 256: streaming
+      for tokens in 64 256; do
+        timeout 200 python benchmarks/serve_load.py --device cuda --clients 32 --max-tokens $tokens 2>&1 | tee -a "$log"
+      done ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done
