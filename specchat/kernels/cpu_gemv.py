@@ -41,6 +41,31 @@ C_SOURCE = r"""
 #include <immintrin.h>
 #define INLINE static inline __attribute__((always_inline))
 
+/* What every tile shares: zeroed accumulators, R rows of x times the NR dequantized halves lo/hi of block g,
+   and the one reduction at the end. */
+INLINE void zero_tile(const int R, const int NR, __m512 lo_acc[][4], __m512 hi_acc[][4]) {
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_ps();
+}
+
+INLINE void fma_block(const int R, const int NR, int K, const float* x, int g, const __m512* lo, const __m512* hi,
+                      __m512 lo_acc[][4], __m512 hi_acc[][4]) {
+  for (int i = 0; i < R; i++) {
+    const __m512 xl = _mm512_loadu_ps(x + (size_t)i * K + g * 32);
+    const __m512 xh = _mm512_loadu_ps(x + (size_t)i * K + g * 32 + 16);
+    for (int r = 0; r < NR; r++) {
+      lo_acc[i][r] = _mm512_fmadd_ps(xl, lo[r], lo_acc[i][r]);
+      hi_acc[i][r] = _mm512_fmadd_ps(xh, hi[r], hi_acc[i][r]);
+    }
+  }
+}
+
+INLINE void store_tile(const int R, const int NR, int N, __m512 lo_acc[][4], __m512 hi_acc[][4], float* y, int n) {
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++)
+      y[(size_t)i * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[i][r], hi_acc[i][r]));
+}
+
 /* One tile: R activation rows (x, stride K) times NR output rows starting at n, both compile-time constants at
    each call so the accumulators live in registers. Every (row, output) pair is summed the same way whatever the
    tile: the low and high 16 weights of each block into two accumulators, over the blocks in order, added and
@@ -56,8 +81,7 @@ INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, con
      prefetched (the rows NR ahead, same offset), which the hardware prefetcher does not do across rows. */
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
-  for (int i = 0; i < R; i++)
-    for (int r = 0; r < NR; r++) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_ps();
+  zero_tile(R, NR, lo_acc, hi_acc);
   for (int g = 0; g < G; g++) {
     __m512 lo[4], hi[4];
     for (int r = 0; r < NR; r++) {
@@ -69,26 +93,16 @@ INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, con
       lo[r] = _mm512_permutexvar_ps(idx, table);
       hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
     }
-    for (int i = 0; i < R; i++) {
-      const __m512 xl = _mm512_loadu_ps(x + (size_t)i * K + g * 32);
-      const __m512 xh = _mm512_loadu_ps(x + (size_t)i * K + g * 32 + 16);
-      for (int r = 0; r < NR; r++) {
-        lo_acc[i][r] = _mm512_fmadd_ps(xl, lo[r], lo_acc[i][r]);
-        hi_acc[i][r] = _mm512_fmadd_ps(xh, hi[r], hi_acc[i][r]);
-      }
-    }
+    fma_block(R, NR, K, x, g, lo, hi, lo_acc, hi_acc);
   }
-  for (int i = 0; i < R; i++)
-    for (int r = 0; r < NR; r++)
-      y[(size_t)i * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[i][r], hi_acc[i][r]));
+  store_tile(R, NR, N, lo_acc, hi_acc, y, n);
 }
 
 INLINE void q8_tile(const int R, const int NR, int N, int K, const float* x, const int8_t* q, const float* d,
                     float* y, int n) {
   const int G = K / 32;
   __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
-  for (int i = 0; i < R; i++)
-    for (int r = 0; r < NR; r++) lo_acc[i][r] = hi_acc[i][r] = _mm512_setzero_ps();
+  zero_tile(R, NR, lo_acc, hi_acc);
   for (int g = 0; g < G; g++) {
     __m512 lo[4], hi[4];
     for (int r = 0; r < NR; r++) {
@@ -98,18 +112,9 @@ INLINE void q8_tile(const int R, const int NR, int N, int K, const float* x, con
       lo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b))), dg);
       hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 16)))), dg);
     }
-    for (int i = 0; i < R; i++) {
-      const __m512 xl = _mm512_loadu_ps(x + (size_t)i * K + g * 32);
-      const __m512 xh = _mm512_loadu_ps(x + (size_t)i * K + g * 32 + 16);
-      for (int r = 0; r < NR; r++) {
-        lo_acc[i][r] = _mm512_fmadd_ps(xl, lo[r], lo_acc[i][r]);
-        hi_acc[i][r] = _mm512_fmadd_ps(xh, hi[r], hi_acc[i][r]);
-      }
-    }
+    fma_block(R, NR, K, x, g, lo, hi, lo_acc, hi_acc);
   }
-  for (int i = 0; i < R; i++)
-    for (int r = 0; r < NR; r++)
-      y[(size_t)i * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[i][r], hi_acc[i][r]));
+  store_tile(R, NR, N, lo_acc, hi_acc, y, n);
 }
 
 /* Tiles sized to the 32 vector registers: 4 outputs at a time for 1 or 2 rows, 2 for 3-4, 1 for 5-8; the
