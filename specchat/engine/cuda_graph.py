@@ -25,7 +25,7 @@ from pinned host buffers (`_Staging`), whatever the batch. Drafters' chains use 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -47,6 +47,12 @@ SCRATCH_SEQ = -1  # the pool entry holding the padding requests' page
 
 def _bucket(value: int, buckets: Seq[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
+
+
+def _batch_buckets_up_to(sessions: int) -> list[int]:
+    """The batch buckets a run of up to `sessions` requests at once can meet."""
+    top = _bucket(min(sessions, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
+    return [b for b in BATCH_BUCKETS if b <= top]
 
 
 class StaticKVBatch(KVBatch):
@@ -233,9 +239,8 @@ class CudaGraphRunner(ModelRunner):
         steps neither compile kernels nor capture graphs (~50 ms a graph on the default model). `progress` hears
         ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
-        top = _bucket(min(sessions, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
         tap_keys = sorted({tuple(sorted(set(t))) for t in taps})
-        keys = [(b, q, CTX_BUCKETS[0], t) for t in tap_keys for b in BATCH_BUCKETS if b <= top for q in widths]
+        keys = [(b, q, CTX_BUCKETS[0], t) for t in tap_keys for b in _batch_buckets_up_to(sessions) for q in widths]
         cfg = self.model.cfg
         group = cfg.num_heads // cfg.num_kv_heads
         prompts = [q for q in PROMPT_WIDTHS if paged_attention_supported(cfg.head_dim, group, q)]
@@ -384,8 +389,8 @@ class GraphedFunction:
 
     `fn(key, *inputs)` must take inputs whose first dimension is the batch, return one tensor whose first
     dimension is the batch, read nothing from the host and keep every row independent of the others (padding rows,
-    filled with `pads` or zeros, are computed and dropped). The tensors it reads are baked into the graphs: `signature()` names them
-    (e.g. the data pointers of its weights), and the graphs are dropped when it changes.
+    filled with `pads` or zeros, are computed and dropped). The tensors it reads are baked into the graphs:
+    `signature()` names them (e.g. the data pointers of its weights), and the graphs are dropped when it changes.
     """
 
     def __init__(
@@ -420,9 +425,20 @@ class GraphedFunction:
         graph_.replay()
         return static_out[:n]
 
+    def warm_up(self, sessions: int, keys: Iterable[Hashable], row: Callable[[Hashable], Seq[torch.Tensor]]) -> None:
+        """Capture now the graph of each key for every batch bucket up to `sessions`' (`row(key)`: one row of each
+        input, for shapes and types), so that the first steps capture nothing. Nothing to do where fn runs directly."""
+        for key in keys:
+            like = row(key)
+            if not self.enabled or like[0].device.type != "cuda":
+                return
+            for bucket in _batch_buckets_up_to(sessions):
+                self.capture(bucket, key, like)
+
     @torch.inference_mode()
     def capture(self, bucket: int, key: Hashable, like: Seq[torch.Tensor]) -> tuple:
-        """The graph for `bucket` rows of inputs shaped and typed like `like` (captured now if new)."""
+        """The graph for `bucket` rows of inputs shaped and typed like `like` past its first dimension (captured now
+        if new)."""
         if (bucket, key) in self.graphs:
             return self.graphs[(bucket, key)]
         static_in = tuple(

@@ -77,5 +77,8 @@ def test_graphed_function_equals_the_function_and_follows_its_weights():
     x, t = torch.randn(2, 64, device="cuda"), torch.randn(2, device="cuda")
     torch.testing.assert_close(graphed(3, x, t), chain(3, x, t))
     assert set(graphed.graphs) == {(2, 3)}
+    graphed.warm_up(5, [1], lambda depth: (x[:1], t[:1]))  # every batch bucket a run of 5 at once meets
+    assert {(b, 1) for b in (1, 2, 4, 8)} <= set(graphed.graphs)
     off = GraphedFunction(chain, enabled=False)
+    off.warm_up(5, [1], lambda depth: (x[:1], t[:1]))
     assert torch.equal(off(3, x, t), chain(3, x, t)) and not off.graphs

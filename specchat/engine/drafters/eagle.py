@@ -404,8 +404,10 @@ class EagleDrafter(Drafter):
         # 2. Then one position per further draft: the previous draft's s and token.
         depth = max(ks[i] for i in ready)
         position = torch.tensor([seq.num_cached for seq in group], device=device)
-        if depth > 1 and self.chain.enabled and all(seq.sampling.greedy for seq in group):
-            steps = self._graphed_steps(ids, depth, logits, s, position)
+        longest = max(self.pool.lengths[i] for i in ids) + depth
+        ctx = next((b for b in CTX_BUCKETS if b >= longest), None)  # the chain's context bucket
+        if depth > 1 and ctx is not None and self.chain.enabled and all(seq.sampling.greedy for seq in group):
+            steps = self._graphed_steps(ids, depth, ctx, logits, s, position)
         else:
             steps = []
             for j in range(depth):
@@ -422,12 +424,11 @@ class EagleDrafter(Drafter):
         return drafts
 
     def _graphed_steps(
-        self, ids: list[int], depth: int, logits: torch.Tensor, s: torch.Tensor, position: torch.Tensor
+        self, ids: list[int], depth: int, ctx: int, logits: torch.Tensor, s: torch.Tensor, position: torch.Tensor
     ) -> list[tuple[list[int], list[None]]]:
         """The greedy chain's drafts through `chain`: the pool's room for every draft position is reserved up front
         (what the eager loop reserves position by position), the rest runs on the device."""
         before = [self.pool.lengths[i] for i in ids]
-        ctx = next(b for b in CTX_BUCKETS if b >= max(before) + depth)
         tables, _, slots = self.pool.reserve(ids, [depth - 1] * len(ids))
         width, device = ctx // self.pool.page_size, logits.device
         padded = [t + [self.scratch_page] * (width - len(t)) for t in tables]
@@ -472,24 +473,21 @@ class EagleDrafter(Drafter):
 
     def warm_up(self, sessions: int) -> None:
         """Capture the chain's graphs for k = 2..4 (the default k and below), every batch bucket up to `sessions`'."""
-        if not self.chain.enabled:
-            return
-        from specchat.engine.cuda_graph import BATCH_BUCKETS
-
         c, device, dtype = self.cfg, self.head.lm_head.weight.device, self.head.lm_head.weight.dtype
-        top = next((b for b in BATCH_BUCKETS if b >= sessions), BATCH_BUCKETS[-1])
         width = CTX_BUCKETS[0] // self.pool.page_size
-        for b in (b for b in BATCH_BUCKETS if b <= top):
-            for depth in range(2, 5):
-                like = (
-                    torch.zeros(b, c.draft_vocab_size, device=device),
-                    torch.zeros(b, c.hidden_size, dtype=dtype, device=device),
-                    torch.zeros(b, dtype=torch.long, device=device),
-                    torch.zeros(b, depth - 1, dtype=torch.long, device=device),
-                    torch.zeros(b, width, dtype=torch.int32, device=device),
-                    torch.zeros(b, dtype=torch.int32, device=device),
-                )
-                self.chain.capture(b, (depth, CTX_BUCKETS[0]), like)
+
+        def row(key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+            depth = key[0]
+            return (
+                torch.zeros(1, c.draft_vocab_size, device=device),
+                torch.zeros(1, c.hidden_size, dtype=dtype, device=device),
+                torch.zeros(1, dtype=torch.long, device=device),
+                torch.zeros(1, depth - 1, dtype=torch.long, device=device),
+                torch.zeros(1, width, dtype=torch.int32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device),
+            )
+
+        self.chain.warm_up(sessions, [(depth, CTX_BUCKETS[0]) for depth in range(2, 5)], row)
 
     def release(self, seq: Sequence) -> None:
         if self.real.pop(seq.seq_id, None) is not None:

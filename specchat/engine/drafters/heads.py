@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.engine.cuda_graph import BATCH_BUCKETS, GraphedFunction
+from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.model import RMSNorm, Transformer
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
@@ -272,11 +272,9 @@ class HeadsDrafter(Drafter):
     def warm_up(self, sessions: int) -> None:
         """Capture the chain's graphs (every depth, every batch bucket up to `sessions`') before the first step."""
         weight = self.output.weight
-        if weight.device.type != "cuda" or not self.chain.enabled:
-            return
-        top = next((b for b in BATCH_BUCKETS if b >= sessions), BATCH_BUCKETS[-1])
-        for b in (b for b in BATCH_BUCKETS if b <= top):
-            like = (torch.zeros(b, self.cfg.hidden_size, dtype=weight.dtype, device=weight.device),
-                    torch.zeros(b, dtype=torch.long, device=weight.device))  # fmt: skip
-            for depth in range(1, self.cfg.num_heads + 1):
-                self.chain.capture(b, depth, like)
+
+        def row(depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.zeros(1, self.cfg.hidden_size, dtype=weight.dtype, device=weight.device),
+                    torch.zeros(1, dtype=torch.long, device=weight.device))  # fmt: skip
+
+        self.chain.warm_up(sessions, range(1, self.cfg.num_heads + 1), row)
