@@ -141,7 +141,8 @@ class Engine:
         compile, into a Triton cache under $SPECCHAT_HOME that the next start reuses), then the graphs of every
         verification width up to max_k + 1 (default k_max + 1) for each batch bucket up to `sessions` (Engine.load:
         1, a chat; serve and bench ask for more), with the hidden-state taps of each of `drafters` too, and the
-        drafters' own graphs (Drafter.warm_up). Leaves no cached prefix and fresh metrics. Nothing to do on the CPU or with --eager."""
+        drafters' own graphs (Drafter.warm_up). Leaves no cached prefix and fresh metrics. Nothing to do on the CPU
+        or with --eager."""
         capture = getattr(self.runner, "warm_up", None)
         if capture is None:
             return

@@ -42,8 +42,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
         self.gates: dict[int, DraftGate] = {}  # per batch size bucket: does drafting pay end to end (adaptive K)
-        self._gated: tuple[DraftGate, float] | None = None  # the gate of the step being run, and its start
-        self._gated_off = False  # the step being run is one whose adaptive requests the gate keeps from drafting
+        # the step being run, where its decoding requests all choose k adaptively: its gate, start, whether it drafts
+        self._gated: tuple[DraftGate, float, bool] | None = None
         self._timed: tuple[DraftGate, bool, int, float] | None = None  # the last step to time: gate, drafted, tokens
 
     # --- queue ------------------------------------------------------------------------------------------
@@ -135,17 +135,27 @@ class Scheduler:
         )
         return max(0, min(seq.k, room))
 
+    @property
+    def _gated_off(self) -> bool:
+        """Whether the step being run is one whose adaptive requests the gate keeps from drafting."""
+        return self._gated is not None and not self._gated[2]
+
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        """Whether the request feeds only its newest token (and drafts) this step: its prompt is all cached."""
+        return not seq.in_prefill and seq.num_cached == seq.num_tokens - 1
+
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests all choose k adaptively, a cap on their k: 0 when drafting does not
         pay at their batch size (DraftGate), else, where the runner pads to the widest, the median of their k."""
-        self._gated, self._gated_off = None, False
-        decoding = [s for s in self.running if not s.in_prefill and s.num_cached == s.num_tokens - 1]
+        self._gated = None
+        decoding = [s for s in self.running if self._decodes(s)]
         if not decoding or any(s.adaptive is None for s in decoding):
             return None
         gate = self.gates.setdefault(1 << (len(decoding) - 1).bit_length(), DraftGate())
-        self._gated = (gate, now)
-        if not gate.allow():
-            self._gated_off = True
+        drafts = gate.allow()
+        self._gated = (gate, now, drafts)
+        if not drafts:
             return 0
         return int(statistics.median_low(self._draft_len(s) for s in decoding)) if self.uniform_widths else None
 
@@ -155,7 +165,7 @@ class Scheduler:
         while self.running:
             items, budget = [], self.max_batch_tokens
             for seq in self.running:  # decode first: their latency matters most
-                if not seq.in_prefill and seq.num_cached == seq.num_tokens - 1:
+                if self._decodes(seq):
                     k = self._draft_len(seq)
                     if cap is not None and seq.adaptive is not None:
                         k = min(k, cap)
@@ -214,7 +224,8 @@ class Scheduler:
             self.costs.observe(result.decode_rows, result.verify_ms, depth, result.draft_ms)
             if self._gated is not None:  # timed at the next schedule (if requests remain: no idle gap in it)
                 tokens = sum(len(o.emitted) for o in result.outcomes if o is not None)
-                self._timed = (self._gated[0], depth > 0, tokens, self._gated[1])
+                gate, start, _ = self._gated
+                self._timed = (gate, depth > 0, tokens, start)
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:
