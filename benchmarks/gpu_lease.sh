@@ -4,7 +4,7 @@
 #   PART: tests     the CUDA tests (graphs, KV pages incl. the split prefill+decode step, key transform, kernels)
 #         startup   two generate runs (benchmarks/startup_gpu.sh; issue 18)
 #         sessions  bench 1/8/32 sessions, DRAFTERS (default none,ngram,heads,eagle) at k = 4 (issue 13)
-#         auto      bench 1/8/32 sessions, ngram and heads with adaptive K (issue 13)
+#         auto      bench 1/8/32 sessions, DRAFTERS (default ngram,heads,eagle) with adaptive K (issue 13)
 #         serve     32 streaming openai clients in 4 processes against the in-process bench (issue 16)
 # Needs the default model's GGUF under $SPECCHAT_HOME and gguf (plus fastapi/uvicorn/openai for serve). The device's
 # .git may be stale, so COMMIT names the tree measured. Each part is bounded by `timeout` and logs to $OUT.
@@ -13,8 +13,6 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
-bench=(python -m specchat bench smollm2-135m --device cuda --sessions 1,8,32 --prompts benchmarks/session_prompts.txt
-  --max-tokens 128 --rounds 2)
 for part in "$@"; do
   log="$OUT/lease_$part.log"
   echo "=== $part $(date -u +%FT%TZ) tree $commit" | tee "$log"
@@ -25,10 +23,8 @@ for part in "$@"; do
         tests/engine/test_kv_cache.py tests/kernels/test_fused.py 2>&1 | tail -30 | tee -a "$log" ;;
     startup)
       OUT=$OUT bash benchmarks/startup_gpu.sh 2>&1 | tee -a "$log" ;;
-    sessions)
-      timeout 420 "${bench[@]}" --drafter "${DRAFTERS:-none,ngram,heads,eagle}" --k 4 2>&1 | tee -a "$log" ;;
-    auto)
-      timeout 300 "${bench[@]}" --drafter "${DRAFTERS:-ngram,heads}" --k auto 2>&1 | tee -a "$log" ;;
+    sessions|auto)  # benchmarks/spec_gpu.sh's parts (DRAFTERS picks the drafters)
+      OUT=$OUT COMMIT=$commit bash benchmarks/spec_gpu.sh "$part" 2>&1 | tee -a "$log" ;;
     serve)
       # 64 tokens a request: a run of well under a second, mostly fixed per-request costs; 256: streaming
       for tokens in 64 256; do

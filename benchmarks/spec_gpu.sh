@@ -2,28 +2,30 @@
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
 #   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost profile (default: all but profile)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
-# EAGLE=DIR benchmarks another EAGLE-3 head directory beside the shipped one. Each part is bounded by `timeout` and
-# logs to $OUT/spec_<part>.log (OUT defaults to ./gpu-out).
+# DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
+# beside the shipped one; COMMIT names the tree measured (the device's .git may be stale). Each part is bounded by
+# `timeout` and logs to $OUT/spec_<part>.log (OUT defaults to ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests sessions auto cost)
-drafters="none,ngram,heads,eagle${EAGLE:+,eagle:$EAGLE}"
+drafters="${DRAFTERS:-none,ngram,heads,eagle}${EAGLE:+,eagle:$EAGLE}"
 bench=(python -m specchat bench smollm2-135m --device cuda --sessions 1,8,32 --prompts benchmarks/session_prompts.txt
   --max-tokens 128)
 for part in "${parts[@]}"; do
   log="$OUT/spec_$part.log"
-  echo "=== $part $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null)" | tee "$log"
+  echo "=== $part $(date -u +%FT%TZ) tree ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee "$log"
   case $part in
     tests)
       timeout 200 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_cuda.py tests/engine/test_cuda_graph.py \
         2>&1 | tail -15 | tee -a "$log" ;;
     sessions)
-      timeout 300 "${bench[@]}" --drafter "$drafters" --k 4 2>&1 | tee -a "$log" ;;
+      timeout 420 "${bench[@]}" --drafter "$drafters" --k 4 2>&1 | tee -a "$log" ;;
     auto)
-      timeout 150 "${bench[@]}" --drafter "ngram,heads,eagle${EAGLE:+,eagle:$EAGLE}" --k auto 2>&1 | tee -a "$log" ;;
+      timeout 300 "${bench[@]}" --drafter "${DRAFTERS:-ngram,heads,eagle}${EAGLE:+,eagle:$EAGLE}" --k auto 2>&1 \
+        | tee -a "$log" ;;
     cost)
       timeout 120 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch 1,8 2>&1 | tee -a "$log" ;;
     profile)
