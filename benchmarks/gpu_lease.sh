@@ -20,7 +20,7 @@ for part in "$@"; do
     tests)
       timeout ${TESTS_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py \
         tests/engine/test_kv_cuda.py tests/engine/test_engine_cuda.py tests/engine/test_kv_transform.py \
-        tests/engine/test_kv_cache.py tests/kernels/test_fused.py 2>&1 | tail -30 | tee -a "$log" ;;
+        tests/engine/test_kv_cache.py tests/engine/test_int4.py tests/kernels/test_fused.py 2>&1 | tail -30 | tee -a "$log" ;;
     startup)
       OUT=$OUT bash benchmarks/startup_gpu.sh 2>&1 | tee -a "$log" ;;
     sessions|auto)  # benchmarks/spec_gpu.sh's parts (DRAFTERS picks the drafters)
