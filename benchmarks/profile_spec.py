@@ -25,6 +25,7 @@ import torch
 import specchat.engine.spec_step as spec_step_module
 from specchat.bench.sessions import run_sessions
 from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.engine import Engine
 
 PROMPTS = Path(__file__).with_name("session_prompts.txt")
@@ -91,6 +92,83 @@ class Phases:
                 owner.__dict__.pop(name, None)  # the instance attribute: the class's method shows again
 
 
+class SlowSteps:
+    """Times every step of the plain pass (a step ends with its tokens read back, so wall time is step time) with
+    what it ran (decoding requests and their widths, prompts, graphs captured in it), to say what the slow steps
+    are: the ones that add the ITL P99 that tokens per second alone hides."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.steps: list[tuple[float, str]] = []
+        self.captures = 0
+        self.saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner: object, name: str, around) -> None:
+        original = getattr(owner, name)
+        self.saved.append((owner, name, original))
+        setattr(owner, name, around(original))
+
+    def __enter__(self) -> SlowSteps:
+        def step(original):
+            def timed():
+                captures, t0 = self.captures, time.perf_counter()
+                events = original()
+                ms = (time.perf_counter() - t0) * 1e3
+                new = self.captures - captures
+                self.steps.append((ms, self.plan + (f" +{new} graphs captured" if new else "")))
+                return events
+
+            return timed
+
+        def schedule(original):
+            def described():
+                plan, events = original()
+                widths = Counter(len(i.feed) + i.k for i in plan.items if len(i.feed) == 1)
+                prompts = [len(i.feed) for i in plan.items if len(i.feed) > 1]
+                self.plan = f"decode {dict(sorted(widths.items()))} prompts {prompts} taps {sorted(plan.taps) if plan.taps else []}"
+                return plan, events
+
+            return described
+
+        def counted(original):
+            def capture(*args, **kwargs):
+                self.captures += 1
+                return original(*args, **kwargs)
+
+            return capture
+
+        self.plan = ""
+        self._wrap(self.engine, "step", step)
+        self._wrap(self.engine.scheduler, "schedule", schedule)
+        runner = self.engine.runner
+        for name in ("_capture", "_capture_prefill"):
+            if hasattr(runner, name):
+                self._wrap(runner, name, counted)
+        self._wrap(GraphedFunction, "capture", counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self.saved):
+            if isinstance(owner, type):
+                setattr(owner, name, original)
+            else:
+                owner.__dict__.pop(name, None)
+
+    def report(self, n: int = 6) -> str:
+        times = sorted(ms for ms, _ in self.steps)
+        if not times:
+            return "  no steps"
+        median = times[len(times) // 2]
+        slow = [ms for ms in times if ms > 2 * median]
+        lines = [
+            f"  steps {len(times)}, median {median:.2f} ms, p99 {times[int(0.99 * (len(times) - 1))]:.2f} ms; "
+            f"{len(slow)} steps over 2x the median take {sum(slow):.1f} of {sum(times):.1f} ms; graphs captured "
+            f"{self.captures}"
+        ]
+        lines += [f"    {ms:7.2f} ms  {what}" for ms, what in sorted(self.steps, reverse=True)[:n]]
+        return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -113,23 +191,15 @@ def main() -> None:
     for sessions in map(int, args.sessions.split(",")):
         for config in configs:
             profiler = cProfile.Profile() if args.cprofile else None
-            counted = Counter()
-            original_step = engine.step
-
-            def step(counted=counted, original_step=original_step):
-                counted["steps"] += 1
-                return original_step()
-
-            engine.step = step
-            if profiler:
-                profiler.enable()
-            plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config))
-            if profiler:
-                profiler.disable()
-            steps = counted["steps"]
+            with SlowSteps(engine) as slow:
+                if profiler:
+                    profiler.enable()
+                plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config))
+                if profiler:
+                    profiler.disable()
+            steps = len(slow.steps)
             with Phases(engine) as phases:
                 run_sessions(engine, prompts, sessions, sampling, spec_of(config))
-            del engine.step
             synced_steps = max(1, sum(phases.forwards.values()))
             parts = " ".join(f"{name} {ms / synced_steps:.2f}" for name, ms in phases.ms.items())
             forwards = ", ".join(f"{kind} {n}" for kind, n in sorted(phases.forwards.items()))
@@ -138,6 +208,13 @@ def main() -> None:
                 f" {plain.tokens_per_step:>8.2f}  {parts} | forwards: {forwards}",
                 flush=True,
             )
+            print(slow.report(), flush=True)
+            gates = {
+                size: {"draft" if d else "plain": round(ms, 3) for d, ms in gate.ms_per_token.items()}
+                for size, gate in sorted(engine.scheduler.gates.items())
+            }
+            if gates:
+                print(f"  draft gates, ms per emitted token by batch bucket: {gates}", flush=True)
             if profiler:
                 out = io.StringIO()
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
