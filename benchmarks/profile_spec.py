@@ -154,7 +154,7 @@ class SlowSteps:
             else:
                 owner.__dict__.pop(name, None)
 
-    def report(self, n: int = 6) -> str:
+    def report(self, n: int = 10) -> str:
         times = sorted(ms for ms, _ in self.steps)
         if not times:
             return "  no steps"
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,8")
     parser.add_argument("--configs", default="none,ngram:4")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=32, help="requests per run, cycled over the prompts (as bench)")
     parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
     engine = Engine.load(EngineConfig(model=args.model, device=args.device))
@@ -194,18 +195,18 @@ def main() -> None:
             with SlowSteps(engine) as slow:
                 if profiler:
                     profiler.enable()
-                plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config))
+                plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config), requests=args.requests)
                 if profiler:
                     profiler.disable()
             steps = len(slow.steps)
             with Phases(engine) as phases:
-                run_sessions(engine, prompts, sessions, sampling, spec_of(config))
+                run_sessions(engine, prompts, sessions, sampling, spec_of(config), requests=args.requests)
             synced_steps = max(1, sum(phases.forwards.values()))
             parts = " ".join(f"{name} {ms / synced_steps:.2f}" for name, ms in phases.ms.items())
             forwards = ", ".join(f"{kind} {n}" for kind, n in sorted(phases.forwards.items()))
             print(
                 f"{sessions:>8} {config:>10} {plain.tok_per_s:>8.1f} {plain.wall_s * 1e3 / steps:>8.2f}"
-                f" {plain.tokens_per_step:>8.2f}  {parts} | forwards: {forwards}",
+                f" {plain.tokens_per_step:>8.2f}  ITL p99 {plain.itl_p99_ms or 0:.2f} ms; {parts} | forwards: {forwards}",
                 flush=True,
             )
             print(slow.report(), flush=True)
