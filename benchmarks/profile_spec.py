@@ -27,6 +27,7 @@ from specchat.bench.sessions import run_sessions
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.engine import Engine
+from specchat.engine.runner import ModelRunner
 
 PROMPTS = Path(__file__).with_name("session_prompts.txt")
 
@@ -115,7 +116,9 @@ class SlowSteps:
                 events = original()
                 ms = (time.perf_counter() - t0) * 1e3
                 new = self.captures - captures
-                self.steps.append((ms, self.plan + (f" +{new} graphs captured" if new else "")))
+                calls = " ".join(f"{name} {t:.1f}" for name, t in self.calls)
+                self.steps.append((ms, self.plan + (f" +{new} graphs captured" if new else "") + f" | {calls}"))
+                self.calls = []
                 return events
 
             return timed
@@ -137,8 +140,25 @@ class SlowSteps:
 
             return capture
 
-        self.plan = ""
+        def timed(name):
+            def around(original):
+                def call(*args, **kwargs):
+                    t0 = time.perf_counter()
+                    result = original(*args, **kwargs)
+                    self.calls.append((name, (time.perf_counter() - t0) * 1e3))
+                    return result
+
+                return call
+
+            return around
+
+        self.plan, self.calls = "", []
         self._wrap(self.engine, "step", step)
+        # the runner's ways to run a forward, host time of each (an eager forward's is its kernel launches)
+        for name in ("_prefill", "_cached_prompt", "_replay"):
+            if hasattr(self.engine.runner, name):
+                self._wrap(self.engine.runner, name, timed(name.strip("_")))
+        self._wrap(ModelRunner, "forward", timed("eager"))
         self._wrap(self.engine.scheduler, "schedule", schedule)
         runner = self.engine.runner
         for name in ("_capture", "_capture_prefill"):
