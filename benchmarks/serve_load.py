@@ -8,33 +8,28 @@ spread over --client-procs processes (clients are other programs: they do not sh
 lock), stream the same prompts at once.
 Both sides decode greedily and stop at EOS or --max-tokens, so they do the same work, each from a cold prefix cache,
 in --rounds alternating rounds (best of each side shown). Aggregate tok/s = completion tokens of all requests /
-wall time. Prints a markdown row per side and the ratio.
+wall time; over HTTP it runs from the first request sent to the last stream's end, the clients built before
+(serve_clients.py; the figures in docs/serve.md before the synthetic-source harness also timed the 32
+`openai.OpenAI()` constructions). Prints a markdown row per side and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import openai
 import uvicorn
+from serve_clients import client_run, free_port
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.engine import Engine
 from specchat.server.app import create_app
 
 PROMPTS = Path(__file__).resolve().parent / "session_prompts.txt"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_in_thread(engine: Engine, name: str) -> tuple[uvicorn.Server, threading.Thread, str]:
@@ -45,41 +40,6 @@ def serve_in_thread(engine: Engine, name: str) -> tuple[uvicorn.Server, threadin
     while not server.started:
         time.sleep(0.05)
     return server, thread, f"http://127.0.0.1:{port}/v1"
-
-
-def client_batch(url: str, name: str, prompts: list[str], max_tokens: int) -> int:
-    """One client process: a streaming request per prompt, all at once, one thread each -> completion tokens."""
-    tokens = [0] * len(prompts)
-
-    def one(i: int) -> None:
-        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-        stream = client.chat.completions.create(
-            model=name,
-            messages=[{"role": "user", "content": prompts[i]}],
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        for chunk in stream:
-            if chunk.usage is not None:
-                tokens[i] = chunk.usage.completion_tokens
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(tokens)
-
-
-def client_run(pool: ProcessPoolExecutor, procs: int, url: str, name: str, prompts: list[str], max_tokens: int):
-    """All prompts at once, spread over `procs` client processes (clients are other programs: they do not share
-    the server's interpreter lock) -> (completion tokens, wall seconds)."""
-    start = time.perf_counter()
-    parts = [pool.submit(client_batch, url, name, prompts[i::procs], max_tokens) for i in range(procs)]
-    tokens = sum(part.result() for part in parts)
-    return tokens, time.perf_counter() - start
 
 
 def inprocess_run(engine: Engine, prompts: list[str], sampling: SamplingParams) -> tuple[int, float]:
@@ -116,7 +76,8 @@ def main() -> None:
         engine.pool.clear_prefix_cache()
         inproc_runs.append(inprocess_run(engine, prompts, sampling))
         engine.pool.clear_prefix_cache()
-        http_runs.append(client_run(pool, procs, url, name, prompts, args.max_tokens))
+        totals, wall = client_run(pool, procs, url, name, prompts, args.max_tokens)
+        http_runs.append((totals.tokens, wall))
     pool.shutdown()
     server.should_exit = True
     thread.join(10)
