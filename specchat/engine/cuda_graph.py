@@ -207,18 +207,10 @@ class CudaGraphRunner(ModelRunner):
         return q
 
     def _parts(self, batch: StepBatch) -> list[list[int]]:
-        """A mixed step's requests in groups that each run one forward: every prompt a prefill or prompt graph can
-        take alone, the decoding requests together (one graph when they are uniform), the rest together."""
-        fresh = [
-            i
-            for i in range(len(batch.feeds))
-            if self._prefill_bucket(batch, i) is not None or self._prompt_width(batch, i) is not None
-        ]
-        decoding = [
-            i for i, s in enumerate(batch.start_positions) if s > 0 and batch.logit_rows[i] == len(batch.feeds[i])
-        ]
-        rest = [i for i in range(len(batch.feeds)) if i not in fresh and i not in decoding]
-        return [[i] for i in fresh] + [part for part in (decoding, rest) if part]
+        return split_mixed_step(
+            batch,
+            lambda i: self._prefill_bucket(batch, i) is not None or self._prompt_width(batch, i) is not None,
+        )
 
     @staticmethod
     def _joined(batch: StepBatch, outputs: list[tuple[list[int], StepOutput]]) -> StepOutput:
@@ -370,6 +362,20 @@ class CudaGraphRunner(ModelRunner):
         with torch.cuda.graph(graph, pool=self.mempool):
             logits, hidden = self.model(ids, positions, kv, taps=taps)
         return _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
+
+
+def split_mixed_step(batch: StepBatch, graphed_alone: Callable[[int], bool]) -> list[list[int]]:
+    """A mixed step's requests in groups that each run one forward: the decoding requests (newest token and
+    drafts after cached context, a logit row each) together, one graph when they are uniform; each other request
+    a prefill or prompt graph can take alone (`graphed_alone(i)`) by itself; the rest together, eagerly.
+
+    Decoding requests are grouped first: a 1-token feed after cached context also fits a batch-1 prompt graph, and
+    taking each alone would run a step of 8 decoding requests beside one new prompt as 9 replays instead of 2."""
+    n = len(batch.feeds)
+    decoding = [i for i in range(n) if batch.start_positions[i] > 0 and batch.logit_rows[i] == len(batch.feeds[i])]
+    alone = [i for i in range(n) if i not in decoding and graphed_alone(i)]
+    rest = [i for i in range(n) if i not in decoding and i not in alone]
+    return [[i] for i in alone] + [part for part in (decoding, rest) if part]
 
 
 def _sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:
