@@ -23,13 +23,13 @@ from specchat.server import metrics
 from specchat.server.protocol import (
     ApiError,
     GenerationRequest,
-    chunk,
+    StreamChunks,
     completion,
     finish_reason,
     new_id,
     parse_request,
+    sse,
     tool_calls,
-    usage_chunk,
     with_tools,
 )
 
@@ -148,29 +148,30 @@ def create_app(engine: ServedEngine, model: str, default_spec: SpecParams | None
                 if isinstance(event, Finished):
                     return event
 
-    async def stream(req: GenerationRequest, rid: str, queue, handle) -> AsyncIterator[str]:
+    async def stream(req: GenerationRequest, rid: str, queue, handle) -> AsyncIterator[bytes]:
+        chunks = StreamChunks(req, rid, model)
         done = False
         try:
             if req.chat:
-                yield sse(chunk(req, rid, model, {"role": "assistant", "content": ""}))
+                yield chunks.other({"role": "assistant", "content": ""})
             while not done:
                 events = await queue.get()
                 while not queue.empty():  # behind the engine: send what piled up as one chunk, not one per token
                     events += queue.get_nowait()
                 text = "".join(e.text for e in events if isinstance(e, TextDelta)) if not req.tools else ""
                 if text:
-                    yield sse(chunk(req, rid, model, {"content": text} if req.chat else text))
+                    yield chunks.text(text)
                 for event in events:
                     if isinstance(event, Finished):
                         done = True
-                        async for line in stream_end(req, rid, event):
+                        async for line in stream_end(req, chunks, event):
                             yield line
         finally:
             router().queues.pop(handle.request_id, None)
             if not done:  # the client went away: stop generating, free the KV pages
                 handle.cancel()
 
-    async def stream_end(req: GenerationRequest, rid: str, fin: Finished) -> AsyncIterator[str]:
+    async def stream_end(req: GenerationRequest, chunks: StreamChunks, fin: Finished) -> AsyncIterator[bytes]:
         if fin.reason == "error":
             yield sse(ApiError(400, fin.error or "the request failed").body())
         calls: list[dict] = []
@@ -179,11 +180,11 @@ def create_app(engine: ServedEngine, model: str, default_spec: SpecParams | None
             delta: dict = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            yield sse(chunk(req, rid, model, delta))
-        yield sse(chunk(req, rid, model, None, finish_reason(fin, bool(calls))))
+            yield chunks.other(delta)
+        yield chunks.other(None, finish_reason(fin, bool(calls)))
         if req.include_usage:
-            yield sse(usage_chunk(req, rid, model, fin))
-        yield "data: [DONE]\n\n"
+            yield chunks.usage(fin)
+        yield b"data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -194,7 +195,3 @@ def create_app(engine: ServedEngine, model: str, default_spec: SpecParams | None
         return await generate(request, chat=False)
 
     return app
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -270,9 +270,24 @@ def completion(req: GenerationRequest, rid: str, model: str, fin: Finished) -> d
     }
 
 
-def chunk(req: GenerationRequest, rid: str, model: str, delta: dict | str | None, reason: str | None = None) -> dict:
+SEPARATORS = (",", ":")  # compact JSON: the bytes of every streamed chunk, for every token
+
+
+def sse(data: dict) -> bytes:
+    """One server-sent event carrying `data` as JSON."""
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=SEPARATORS).encode() + b"\n\n"
+
+
+def chunk(
+    req: GenerationRequest,
+    rid: str,
+    model: str,
+    delta: dict | str | None,
+    reason: str | None = None,
+    created: int | None = None,
+) -> dict:
     """One streamed chunk: a chat delta ({"content": ...}) or completion text, and the finish reason at the end."""
-    created = int(time.time())
+    created = int(time.time()) if created is None else created
     if not req.chat:
         choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
@@ -280,7 +295,38 @@ def chunk(req: GenerationRequest, rid: str, model: str, delta: dict | str | None
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(req: GenerationRequest, rid: str, model: str, fin: Finished) -> dict:
+def usage_chunk(req: GenerationRequest, rid: str, model: str, fin: Finished, created: int | None = None) -> dict:
     """The last chunk of a stream whose client asked for stream_options.include_usage."""
     kind = "chat.completion.chunk" if req.chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage(fin)}
+    created = int(time.time()) if created is None else created
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage(fin)}
+
+
+class StreamChunks:
+    """The server-sent events of one streamed response, as bytes, all with the stream's one `created` (as OpenAI's).
+
+    A text chunk goes out for every stream at every engine step, so it comes from a template built once per
+    stream and only the text is JSON-encoded each time; `sse(chunk(...))` is the reference a test holds it to,
+    and builds the few other chunks (the role, the end, the usage).
+    """
+
+    def __init__(self, req: GenerationRequest, rid: str, model: str, created: int | None = None) -> None:
+        self.req, self.rid, self.model = req, rid, model
+        self.created = int(time.time()) if created is None else created
+        kind = "chat.completion.chunk" if req.chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": self.created, "model": model}
+        head = json.dumps(head, ensure_ascii=False, separators=SEPARATORS)[:-1]  # left open: the choices follow
+        text_field, close = ('"delta":{"content":', "}") if req.chat else ('"text":', "")
+        self._before = f'data: {head},"choices":[{{"index":0,{text_field}'.encode()
+        self._after = f'{close},"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
+
+    def text(self, text: str) -> bytes:
+        """The chunk carrying `text` (non-empty)."""
+        return self._before + json.dumps(text, ensure_ascii=False).encode() + self._after
+
+    def other(self, delta: dict | None, reason: str | None = None) -> bytes:
+        """A chunk other than text: the role at the start, tool calls or the finish reason at the end."""
+        return sse(chunk(self.req, self.rid, self.model, delta, reason, self.created))
+
+    def usage(self, fin: Finished) -> bytes:
+        return sse(usage_chunk(self.req, self.rid, self.model, fin, self.created))
