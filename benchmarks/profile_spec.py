@@ -155,7 +155,7 @@ class SlowSteps:
         self.plan, self.calls = "", []
         self._wrap(self.engine, "step", step)
         # the runner's ways to run a forward, host time of each (an eager forward's is its kernel launches)
-        for name in ("_prefill", "_cached_prompt", "_replay"):
+        for name in ("_prefill", "_cached_prompts", "_replay"):
             if hasattr(self.engine.runner, name):
                 self._wrap(self.engine.runner, name, timed(name.strip("_")))
         self._wrap(ModelRunner, "forward", timed("eager"))

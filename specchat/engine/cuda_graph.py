@@ -13,11 +13,13 @@ read are static outputs of the captured graph (one graph per tap set), copied ou
 A fresh prompt (its first chunk: it attends only to its own keys) of up to PREFILL_BUCKETS[-1] tokens replays a
 prefill graph of the next bucket's length: padding tokens go at its end, where causal attention keeps them out of
 the real rows, and write their keys to the scratch page. A prompt after cached context (a later chat turn, an
-agent's next call) of up to PROMPT_WIDTHS[-1] new tokens replays the batch-1 step graph of that width through
-the paged kernel, its padding written past its end and truncated after. A step that mixes prompts with decoding
-is split: the decoding requests (padded to one width by SpecStep) replay their graph, each such prompt its own,
-and what is left (a longer prompt) runs eagerly through ModelRunner, which stays the reference for all of it:
-tests/engine/test_cuda_graph.py and test_engine_cuda.py hold them equal.
+agent's next call) of up to PROMPT_WIDTHS[-1] new tokens replays the step graph of that width through the paged
+kernel, together with the other such prompts of its width (32 sessions' next turns: one replay, not 32), its
+padding written past its end and truncated after; so do short fresh prompts that arrive together (a server's
+first wave). A step that mixes prompts with decoding is split (`split_mixed_step`): the decoding requests (padded
+to one width by SpecStep) replay their graph, the prompts of each width theirs, each longer fresh prompt its
+prefill graph, and what is left (a prompt past both) runs eagerly through ModelRunner, which stays the reference
+for all of it: tests/engine/test_cuda_graph.py and test_engine_cuda.py hold them equal.
 
 A replay's inputs (token ids, positions, slots, context lengths, block tables) go to the device in two copies
 from pinned host buffers (`_Staging`), whatever the batch. Drafters' chains use `GraphedFunction`.
@@ -41,7 +43,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_Q = 9  # tokens per request in a captured step: k + 1 for k <= 8
 CTX_BUCKETS = (1024, 4096, 16384, 65536, 131072)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)  # fresh prompts up to 256 tokens replay a graph; longer ones are compute
-PROMPT_WIDTHS = (16, 32)  # a prompt after cached context of up to 32 new tokens replays a batch-1 graph this wide
+PROMPT_WIDTHS = (16, 32)  # prompts after cached context of up to 32 new tokens replay a step graph this wide
+PROMPT_GRAPH_ROWS = 512  # prompts of one width replay together up to this many rows (32 of 16, 16 of 32)
 SCRATCH_SEQ = -1  # the pool entry holding the padding requests' page
 
 
@@ -172,8 +175,8 @@ class CudaGraphRunner(ModelRunner):
             return self._replay(graph, batch, key[1])
         if len(batch.feeds) == 1 and (bucket := self._prefill_bucket(batch, 0)) is not None:
             return self._prefill(bucket, batch, tuple(sorted(set(taps))))
-        if len(batch.feeds) == 1 and (q := self._prompt_width(batch, 0)) is not None:
-            return self._cached_prompt(q, batch, tuple(sorted(set(taps))))
+        if (q := self._prompts_width(batch)) is not None:
+            return self._cached_prompts(q, batch, tuple(sorted(set(taps))))
         parts = self._parts(batch)
         if len(parts) == 1:
             return super().forward(batch, taps)
@@ -195,9 +198,10 @@ class CudaGraphRunner(ModelRunner):
         return _bucket(n, PREFILL_BUCKETS)
 
     def _prompt_width(self, batch: StepBatch, i: int) -> int | None:
-        """The width of the step graph that request i's prompt after cached context pads to, if one can take it."""
+        """The width of the step graph that request i's prompt pads to, if one can take it (a fresh prompt alone
+        takes its prefill graph first)."""
         n, start = len(batch.feeds[i]), batch.start_positions[i]
-        if start == 0 or batch.logit_rows[i] > 1 or (q := _bucket(n, PROMPT_WIDTHS)) is None:
+        if batch.logit_rows[i] > 1 or (q := _bucket(n, PROMPT_WIDTHS)) is None:
             return None
         cfg = self.model.cfg
         if not paged_attention_supported(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, q):
@@ -206,10 +210,26 @@ class CudaGraphRunner(ModelRunner):
             return None
         return q
 
+    def _prompts_width(self, batch: StepBatch) -> int | None:
+        """The step graph width that every request of the batch (prompts after cached context) pads to, if they
+        share one and fit in one replay."""
+        widths = {self._prompt_width(batch, i) for i in range(len(batch.feeds))}
+        if len(widths) != 1 or (q := widths.pop()) is None or len(batch.feeds) * q > PROMPT_GRAPH_ROWS:
+            return None
+        return q if self.pool.can_append(dict.fromkeys(batch.seq_ids, q)) else None
+
+    def _graph_group(self, batch: StepBatch, i: int) -> Hashable | None:
+        """Which replay request i of a mixed step can join: its prompt width's (with the step's other prompts of
+        that width, fresh or after cached context), or its own prefill graph (a longer fresh prompt)."""
+        if (q := self._prompt_width(batch, i)) is not None:
+            return ("prompt", q)
+        return None if self._prefill_bucket(batch, i) is None else ("prefill", i)
+
     def _parts(self, batch: StepBatch) -> list[list[int]]:
         return split_mixed_step(
             batch,
-            lambda i: self._prefill_bucket(batch, i) is not None or self._prompt_width(batch, i) is not None,
+            lambda i: self._graph_group(batch, i),
+            lambda group: PROMPT_GRAPH_ROWS // group[1] if group[0] == "prompt" else 1,
         )
 
     @staticmethod
@@ -226,8 +246,8 @@ class CudaGraphRunner(ModelRunner):
 
     def warm_up(self, widths: Seq[int], sessions: int = 1, taps: Seq[Seq[int]] = ((),), progress=None) -> None:
         """Capture now the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
-        bucket up to `sessions`' at the smallest context bucket, the batch-1 graphs of prompts after cached
-        context, and the prefill graph of every prompt bucket, for each set of hidden-state taps: so that the first
+        bucket up to `sessions`' at the smallest context bucket, the graphs of prompts after cached context (as
+        many at once as `sessions`), and the prefill graph of every prompt bucket, for each set of hidden-state taps: so that the first
         steps neither compile kernels nor capture graphs (~50 ms a graph on the default model). `progress` hears
         ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
@@ -236,7 +256,12 @@ class CudaGraphRunner(ModelRunner):
         cfg = self.model.cfg
         group = cfg.num_heads // cfg.num_kv_heads
         prompts = [q for q in PROMPT_WIDTHS if paged_attention_supported(cfg.head_dim, group, q)]
-        keys += [(1, q, CTX_BUCKETS[0], t) for t in tap_keys for q in prompts]
+        keys += [
+            (b, q, CTX_BUCKETS[0], t)
+            for t in tap_keys
+            for q in prompts
+            for b in _batch_buckets_up_to(min(sessions, PROMPT_GRAPH_ROWS // q))
+        ]
         prefill_keys = [(p, t) for t in tap_keys for p in PREFILL_BUCKETS]
         total = len(keys) + len(prefill_keys)
         for done, key in enumerate(keys, 1):
@@ -268,20 +293,29 @@ class CudaGraphRunner(ModelRunner):
         return StepOutput(logits, [logits], [hidden])
 
     @torch.inference_mode()
-    def _cached_prompt(self, q: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:
-        """A prompt after cached context, padded to q tokens, through the batch-1 step graph of width q; the
-        padding's keys, written past the prompt's end, are truncated after."""
-        seq, n, start = batch.seq_ids[0], len(batch.feeds[0]), batch.start_positions[0]
-        key = (1, q, _bucket(start + q, CTX_BUCKETS), taps)
+    def _cached_prompts(self, q: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:
+        """Prompts after cached context, each padded to q tokens, through the step graph of width q for their
+        batch bucket; the padding's keys, written past each prompt's end, are truncated after."""
+        lengths = [len(f) for f in batch.feeds]
+        b = _bucket(len(lengths), BATCH_BUCKETS)
+        key = (b, q, _bucket(max(s + q for s in batch.start_positions), CTX_BUCKETS), taps)
         graph = self.graphs.get(key) or self._capture(*key)
         self.graphs[key] = graph
-        padded = StepBatch([seq], [batch.feeds[0] + [0] * (q - n)], [start], [q])
+        padded = StepBatch(
+            batch.seq_ids, [f + [0] * (q - len(f)) for f in batch.feeds], batch.start_positions, [q] * len(lengths)
+        )
         out = self._replay(graph, padded, q)
-        self.pool.truncate(seq, start + n)
-        rows = batch.logit_rows[0]
-        logits = out.flat_logits[n - rows : n].clone()  # the next replay of this graph overwrites its output
-        hidden = {layer: h[:n] for layer, h in out.hidden[0].items()}
-        return StepOutput(logits, [logits], [hidden])
+        for seq, start, n in zip(batch.seq_ids, batch.start_positions, lengths, strict=True):
+            self.pool.truncate(seq, start + n)
+        # each prompt's logit rows end at its last real token; index_select copies them out of the static output
+        keep = [
+            i * q + r
+            for i, (n, rows) in enumerate(zip(lengths, batch.logit_rows, strict=True))
+            for r in range(n - rows, n)
+        ]
+        logits = out.flat_logits.index_select(0, torch.tensor(keep, device=self.device))
+        hidden = [{layer: h[:n] for layer, h in taps_.items()} for taps_, n in zip(out.hidden, lengths, strict=True)]
+        return StepOutput(logits, list(logits.split(batch.logit_rows)), hidden)
 
     @torch.inference_mode()
     def _capture_prefill(self, bucket: int, taps: tuple[int, ...]) -> _Prefill:
@@ -364,18 +398,30 @@ class CudaGraphRunner(ModelRunner):
         return _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
 
 
-def split_mixed_step(batch: StepBatch, graphed_alone: Callable[[int], bool]) -> list[list[int]]:
+def split_mixed_step(
+    batch: StepBatch, graph_group: Callable[[int], Hashable | None], group_size: Callable[[Hashable], int]
+) -> list[list[int]]:
     """A mixed step's requests in groups that each run one forward: the decoding requests (newest token and
-    drafts after cached context, a logit row each) together, one graph when they are uniform; each other request
-    a prefill or prompt graph can take alone (`graphed_alone(i)`) by itself; the rest together, eagerly.
+    drafts after cached context, a logit row each) together, one graph when they are uniform; the others by the
+    graph they can replay (`graph_group(i)`: requests of one group go together, up to `group_size(group)` a
+    forward; None: no graph takes it); the rest together, eagerly.
 
-    Decoding requests are grouped first: a 1-token feed after cached context also fits a batch-1 prompt graph, and
-    taking each alone would run a step of 8 decoding requests beside one new prompt as 9 replays instead of 2."""
+    Decoding requests are grouped first: a 1-token feed after cached context also fits a prompt graph, and taking
+    them there would run a step of 8 decoding requests beside one new prompt as 9 replays instead of 2."""
     n = len(batch.feeds)
     decoding = [i for i in range(n) if batch.start_positions[i] > 0 and batch.logit_rows[i] == len(batch.feeds[i])]
-    alone = [i for i in range(n) if i not in decoding and graphed_alone(i)]
-    rest = [i for i in range(n) if i not in decoding and i not in alone]
-    return [[i] for i in alone] + [part for part in (decoding, rest) if part]
+    groups: dict[Hashable, list[int]] = {}
+    rest = []
+    for i in (i for i in range(n) if i not in decoding):
+        group = graph_group(i)
+        if group is None:
+            rest.append(i)
+        else:
+            groups.setdefault(group, []).append(i)
+    chunks = [
+        members[j : j + group_size(g)] for g, members in groups.items() for j in range(0, len(members), group_size(g))
+    ]
+    return [*chunks, *(part for part in (decoding, rest) if part)]
 
 
 def _sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:

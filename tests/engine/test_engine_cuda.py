@@ -102,10 +102,11 @@ def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir,
 
 
 def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
-    """Fresh prompts replay prefill graphs, prompts after cached context batch-1 graphs of their width, and steps that admit prompts beside decoding requests are split
-    (decoding requests padded to one width replay their graph, each fresh prompt its prefill graph, the rest runs
-    eagerly): greedy outputs equal the eager runner's, with prompts of every kind: short, past the largest prefill
-    bucket, and one that repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
+    """Fresh prompts replay prefill graphs, prompts after cached context step graphs of their width, and steps that
+    admit prompts beside decoding requests are split (decoding requests padded to one width replay their graph,
+    short prompts their width's, each longer fresh prompt its prefill graph, the rest runs eagerly): greedy outputs
+    equal the eager runner's, with prompts of every kind: short, past the largest prefill bucket, and one that
+    repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
     from specchat.engine.cuda_graph import PROMPT_WIDTHS
     from specchat.engine.engine import Engine
 
@@ -127,3 +128,34 @@ def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
     assert outputs[False] == outputs[True]
     assert prefills, "no fresh prompt was replayed from a prefill graph"
     assert any(key[1] in PROMPT_WIDTHS for key in graphs), "no prompt after cached context replayed a graph"
+
+
+def test_prompts_after_cached_context_replay_together_and_equal_eager(cuda_tiny_model_dir):
+    """Several prompts after one cached prefix, admitted in one step (an agent's parallel calls, a wave of chat
+    turns), replay one step graph of their width and batch bucket, beside requests already decoding: greedy
+    outputs equal the eager runner's."""
+    from specchat.engine.cuda_graph import PROMPT_WIDTHS
+    from specchat.engine.engine import Engine
+
+    prefix = [10 + (7 * i) % 200 for i in range(50)]  # 3 full pages of 16 cached after the first request
+    tails = [[300 + 11 * j + i for i in range(3 + 2 * j)] for j in range(6)]  # 3..13 new tokens each
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    outputs, graphs = {}, set()
+    for eager in (True, False):
+        cfg = EngineConfig(
+            model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=eager, max_running=8, warm_up=False
+        )
+        engine = Engine.load(cfg)
+        none = SpecParams(drafter="none")
+        first = engine.submit([*prefix, 5], sampling, none).result().token_ids  # caches the prefix
+        decoding = [
+            engine.submit([*prefix, 6, j], SamplingParams(max_tokens=30, ignore_eos=True), none) for j in (1, 2)
+        ]
+        for _ in range(3):  # past their prompts: decoding when the others arrive
+            engine.step()
+        handles = [*decoding, *(engine.submit(prefix + tail, sampling, none) for tail in tails)]
+        outputs[eager] = [first, *(h.result().token_ids for h in handles)]
+        if not eager:
+            graphs = set(engine.runner.graphs)
+    assert outputs[False] == outputs[True]
+    assert any(key[0] > 1 and key[1] in PROMPT_WIDTHS for key in graphs), "the prompts did not replay together"
