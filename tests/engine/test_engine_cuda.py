@@ -104,7 +104,7 @@ def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir,
 def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
     """Fresh prompts replay prefill graphs, prompts after cached context step graphs of their width, and steps that
     admit prompts beside decoding requests are split (decoding requests padded to one width replay their graph,
-    short prompts their width's, each longer fresh prompt its prefill graph, the rest runs eagerly): greedy outputs
+    prompts after cached context their width's, each fresh prompt its prefill graph, the rest eagerly): greedy outputs
     equal the eager runner's, with prompts of every kind: short, past the largest prefill bucket, and one that
     repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
     from specchat.engine.cuda_graph import PROMPT_WIDTHS
