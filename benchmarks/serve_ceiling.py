@@ -2,6 +2,7 @@
 
     python benchmarks/serve_ceiling.py [--clients 32] [--max-tokens 256] [--step-ms 5] [--busy-ms 0]
                                        [--client openai|raw] [--baseline REF] [--rounds 3] [--profile FILE]
+                                       [--stream-interval-ms MS]
 
 A benchmark harness, never part of the product: it measures what the server (specchat/server/app.py and the
 ASGI stack under it) and its streaming clients can carry when the engine is not the limit, which the real CPU
@@ -194,8 +195,9 @@ def serve(args: argparse.Namespace) -> None:
 
     source = TokenSource(args.step_ms / 1000, args.busy_ms / 1000)
     source.start()
+    options = {} if args.stream_interval_ms is None else {"stream_interval_s": args.stream_interval_ms / 1000}
     config = uvicorn.Config(
-        create_app(source, "synthetic"), host="127.0.0.1", port=args.serve_port, log_level="warning"
+        create_app(source, "synthetic", **options), host="127.0.0.1", port=args.serve_port, log_level="warning"
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -216,6 +218,8 @@ class ServerProcess:
         self.tree, self.port = tree, free_port()
         command = [sys.executable, __file__, "--serve-port", str(self.port)]
         command += ["--step-ms", str(args.step_ms), "--busy-ms", str(args.busy_ms)]
+        if tree == REPO and args.stream_interval_ms is not None:
+            command += ["--stream-interval-ms", str(args.stream_interval_ms)]
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         ready = json.loads(self.process.stdout.readline())
@@ -247,6 +251,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=5.0, help="a step's sleep: the device's time, lock free")
     ap.add_argument("--busy-ms", type=float, default=0.0, help="a step's Python work, holding the lock")
+    ap.add_argument(
+        "--stream-interval-ms", type=float, help="this checkout's create_app(stream_interval_s=...); default: its own"
+    )
     ap.add_argument("--client", choices=list(STREAMERS), default="openai")
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each side is shown")
@@ -311,7 +318,8 @@ def run(args: argparse.Namespace, trees: dict[str, Path]) -> None:
     in_rate = in_tokens / in_wall
     print(
         f"{args.clients} clients ({args.client}, {procs} processes) x {args.max_tokens} tokens, step {args.step_ms} ms "
-        f"sleep + {args.busy_ms} ms busy; best of {args.rounds} rounds\n"
+        f"sleep + {args.busy_ms} ms busy; stream interval {'default' if args.stream_interval_ms is None else args.stream_interval_ms} ms; "
+        f"best of {args.rounds} rounds\n"
     )
     print("| side | aggregate tok/s | vs token source | text chunks a request | server CPU ms / 1k tokens |")
     print("|---|---:|---:|---:|---:|")

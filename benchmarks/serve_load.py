@@ -1,6 +1,7 @@
 """What the HTTP layer costs: N streaming clients of `specchat serve` against the same requests in-process.
 
     python benchmarks/serve_load.py [--clients 32] [--max-tokens 64] [--device cpu] [--model smollm2-135m]
+                                    [--stream-interval-ms 10]
 
 One engine, one run, its step loop on its own thread on both sides: in-process, the N prompts are submitted at once
 and waited for; over HTTP, the same engine is served on a free port and N threads of the official `openai` client,
@@ -27,14 +28,18 @@ from serve_clients import client_run, free_port
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.engine import Engine
+from specchat.server import STREAM_INTERVAL_S
 from specchat.server.app import create_app
 
 PROMPTS = Path(__file__).resolve().parent / "session_prompts.txt"
 
 
-def serve_in_thread(engine: Engine, name: str) -> tuple[uvicorn.Server, threading.Thread, str]:
+def serve_in_thread(
+    engine: Engine, name: str, stream_interval_s: float
+) -> tuple[uvicorn.Server, threading.Thread, str]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, name), host="127.0.0.1", port=port, log_level="error"))
+    app = create_app(engine, name, stream_interval_s=stream_interval_s)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -58,6 +63,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each side is shown")
     ap.add_argument("--client-procs", type=int, default=4, help="client processes the streaming clients share")
+    ap.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=STREAM_INTERVAL_S * 1000,
+        help="the server's stream interval (specchat serve's option; 0: a chunk at every step)",
+    )
     args = ap.parse_args()
     lines = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = [lines[i % len(lines)] for i in range(args.clients)]
@@ -68,7 +79,7 @@ def main() -> None:
     engine.submit(prompts[0], SamplingParams(max_tokens=4)).result()
     inproc_runs, http_runs = [], []
     engine.start()
-    server, thread, url = serve_in_thread(engine, name)
+    server, thread, url = serve_in_thread(engine, name, args.stream_interval_ms / 1000)
     procs = max(1, min(args.client_procs, args.clients))
     pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
     client_run(pool, procs, url, name, prompts[:procs], 4)  # warm-up: the client processes start and import

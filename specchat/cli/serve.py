@@ -13,6 +13,7 @@ from specchat.cli.options import (
     tp_option,
 )
 from specchat.errors import ConfigError
+from specchat.server import STREAM_INTERVAL_S
 
 PORT_RANGE = (1, 65535)
 
@@ -24,7 +25,14 @@ PORT_RANGE = (1, 65535)
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--max-running", type=int, default=64, show_default=True, help="requests decoded together")
-def serve(model, device, dtype, drafter, k, host, port, max_running, **model_extra) -> None:
+@click.option(
+    "--stream-interval-ms",
+    type=float,
+    default=STREAM_INTERVAL_S * 1000,
+    show_default=True,
+    help="a stream sends text at most this often (0: at every engine step); fewer chunks cost the server less",
+)
+def serve(model, device, dtype, drafter, k, host, port, max_running, stream_interval_ms, **model_extra) -> None:
     """Serve MODEL (default: smollm2-135m) at http://HOST:PORT/v1 (chat/completions, completions, models)."""
     import uvicorn
 
@@ -33,6 +41,8 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, **model_ext
 
     if not PORT_RANGE[0] <= port <= PORT_RANGE[1]:
         raise ConfigError(f"--port must be in [{PORT_RANGE[0]}, {PORT_RANGE[1]}], got {port}")
+    if stream_interval_ms < 0:
+        raise ConfigError(f"--stream-interval-ms must be >= 0, got {stream_interval_ms}")
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)
     engine = Engine.load(config, progress=StderrProgress())
@@ -41,7 +51,7 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, **model_ext
     engine.warm_up(StderrProgress(), sessions=config.max_running, drafters=[spec.drafter])
     name = engine.model_spec.alias if engine.model_spec else config.model
     engine.start()
-    app = create_app(engine, name, spec)
+    app = create_app(engine, name, spec, stream_interval_s=stream_interval_ms / 1000)
     click.echo(f"specchat: serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
     try:
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()

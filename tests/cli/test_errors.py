@@ -116,3 +116,7 @@ def test_generate_json_fields(tiny_model_dir):
     memory_keys = {"weights_bytes", "linear_weight_bytes", "linear_weight_bytes_bf16"}
     assert memory_keys | {"kv_bytes_per_token", "kv_bytes_per_token_bf16"} <= set(stats["memory"])
     assert stats["completion_tokens"] == len(record["token_ids"]) <= 5
+
+
+def test_serve_refuses_a_negative_stream_interval_before_loading() -> None:
+    assert_one_line_error(run_cli("serve", "--stream-interval-ms", "-1"), "--stream-interval-ms must be >= 0")

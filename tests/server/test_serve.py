@@ -4,6 +4,7 @@ engine's own."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -19,6 +20,7 @@ import uvicorn
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
+from specchat.errors import ConfigError
 from specchat.server.app import create_app
 from specchat.server.protocol import GenerationRequest, completion
 
@@ -31,6 +33,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving(app):
+    """The app on a free port, in a thread -> its base url."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """(base url, engine): a server of its own engine on a free port, for this module."""
@@ -38,17 +56,8 @@ def served(tiny_model_dir):
 
     engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
     engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(10)
+    with serving(create_app(engine, "tiny")) as url:
+        yield url, engine
     engine.close()
 
 
@@ -98,6 +107,24 @@ def test_chat_greedy_equals_the_engine_and_stream_equals_whole(client, served):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     usage = chunks[-1].usage
     assert usage.completion_tokens == 24 and usage.model_extra["speculation"]["tokens_per_step"] >= 1.0
+
+
+def test_a_stream_interval_joins_the_text_between_its_first_chunk_and_its_end(served):
+    """With an interval longer than the reply, the first text goes out at once and the rest with the end."""
+    engine = served[1]
+    with serving(create_app(engine, "tiny", stream_interval_s=60.0)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        chunks = list(
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, stream=True)
+        )
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(texts) == 2 and "".join(texts) == engine_greedy(engine, MESSAGES, 24)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_negative_stream_interval_is_refused(served):
+    with pytest.raises(ConfigError, match="stream interval"):
+        create_app(served[1], "tiny", stream_interval_s=-1)
 
 
 def test_speculation_per_request_and_in_usage(client, served):
