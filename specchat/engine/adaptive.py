@@ -203,7 +203,8 @@ class StepCosts:
 
 
 FIRST_TRIAL_AFTER = 32  # steps in one mode before the other mode's first trial
-TRIAL_EVERY = 256  # steps in the preferred mode between trials of the other
+TRIAL_EVERY = 256  # steps in the preferred mode between trials of the other, after a trial that changed the mode
+MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to this
 TRIAL_STEPS = 8  # steps of a trial
 
 
@@ -216,9 +217,14 @@ class DraftGate:
     when requests end at different steps — is what makes a batch of requests that each "pay" slower than plain
     decoding (on the H200 at 32 sessions: 0.56x). So the scheduler also times whole steps, from one schedule to
     the next, and keeps an EMA of milliseconds per emitted token for steps that drafted and steps that did not,
-    per batch size. The mode with fewer milliseconds per token is preferred; the other gets a trial of TRIAL_STEPS
-    steps after FIRST_TRIAL_AFTER and then every TRIAL_EVERY steps, so a change (new requests, new text) shows.
-    The trials cost at most TRIAL_STEPS / TRIAL_EVERY of the steps (3%) at the other mode's speed.
+    per batch size bucket: milliseconds per token *of one request* (step time over tokens per request), so that
+    steps of 17 and of 32 requests in one bucket compare by what each request waits, not by how many requests
+    shared the step. The mode with fewer milliseconds per token is preferred; the other gets a trial of
+    TRIAL_STEPS steps after FIRST_TRIAL_AFTER, then every TRIAL_EVERY steps, an interval that doubles after each
+    trial that leaves the preference as it was (up to MAX_TRIAL_EVERY) and falls back when one changes it. So a
+    change (new requests, new text) still shows, and where one mode stays better (plain decoding at 32 sessions
+    on the H200) the trials' cost, at most TRIAL_STEPS / interval of the steps at the other mode's speed, fades
+    from 3% toward 0.4%.
     """
 
     ema: float = EMA_WEIGHT
@@ -226,6 +232,8 @@ class DraftGate:
     since_trial: int = 0  # steps in the preferred mode since the last trial
     trial_left: int = 0  # steps of the running trial
     trial_drafts: bool = False  # the mode of the running trial
+    every: int = TRIAL_EVERY  # steps between trials now
+    before_trial: bool | None = None  # the preferred mode when the last trial started, until it is judged
 
     def preferred(self) -> bool:
         """True when drafting is (so far) the faster mode."""
@@ -238,17 +246,22 @@ class DraftGate:
             self.trial_left -= 1
             return self.trial_drafts
         preferred = self.preferred()
+        if self.before_trial is not None:  # the trial's steps are all observed: did it change the preference?
+            self.every = min(2 * self.every, MAX_TRIAL_EVERY) if preferred == self.before_trial else TRIAL_EVERY
+            self.before_trial = None
         self.since_trial += 1
         first = (not preferred) not in self.ms_per_token
-        if self.since_trial > (FIRST_TRIAL_AFTER if first else TRIAL_EVERY):
+        if self.since_trial > (FIRST_TRIAL_AFTER if first else self.every):
             self.since_trial, self.trial_left, self.trial_drafts = 0, TRIAL_STEPS - 1, not preferred
+            self.before_trial = None if first else preferred
             return self.trial_drafts
         return preferred
 
-    def observe(self, drafted: bool, step_ms: float, tokens: int) -> None:
-        """A decode step of this batch size (drafting or not) took step_ms, host work included, for `tokens`."""
+    def observe(self, drafted: bool, step_ms: float, tokens: int, requests: int = 1) -> None:
+        """A decode step of `requests` requests in this bucket (drafting or not) took step_ms, host work
+        included, for `tokens` in all."""
         if tokens <= 0:
             return
-        per = step_ms / tokens
+        per = step_ms * requests / tokens
         old = self.ms_per_token.get(drafted)
         self.ms_per_token[drafted] = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)

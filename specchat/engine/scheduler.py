@@ -44,7 +44,8 @@ class Scheduler:
         self.gates: dict[int, DraftGate] = {}  # per batch size bucket: does drafting pay end to end (adaptive K)
         # the step being run, where its decoding requests all choose k adaptively: its gate, start, whether it drafts
         self._gated: tuple[DraftGate, float, bool] | None = None
-        self._timed: tuple[DraftGate, bool, int, float] | None = None  # the last step to time: gate, drafted, tokens
+        # the last step to time: gate, drafted, tokens, requests, start
+        self._timed: tuple[DraftGate, bool, int, int, float] | None = None
 
     # --- queue ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -86,8 +87,8 @@ class Scheduler:
         """Finish cancelled requests, admit waiting ones, and plan the step (empty when nothing runs)."""
         now = time.perf_counter()
         if self._timed is not None:  # the previous step, from its start to this one's, host work included
-            gate, drafted, tokens, start = self._timed
-            gate.observe(drafted, (now - start) * 1e3, tokens)
+            gate, drafted, tokens, requests, start = self._timed
+            gate.observe(drafted, (now - start) * 1e3, tokens, requests)
             self._timed = None
         events: list[Event] = []
         for seq in [s for s in self.live() if s.finish_reason == "cancelled"]:
@@ -225,7 +226,7 @@ class Scheduler:
             if self._gated is not None:  # timed at the next schedule (if requests remain: no idle gap in it)
                 tokens = sum(len(o.emitted) for o in result.outcomes if o is not None)
                 gate, start, _ = self._gated
-                self._timed = (gate, depth > 0, tokens, start)
+                self._timed = (gate, depth > 0, tokens, decoding, start)
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:

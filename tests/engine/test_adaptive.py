@@ -8,7 +8,7 @@ import random
 import pytest
 
 from specchat.config import SamplingParams, SpecParams
-from specchat.engine.adaptive import TRIAL_EVERY, TRIAL_STEPS, AdaptiveK, DraftGate, StepCosts
+from specchat.engine.adaptive import MAX_TRIAL_EVERY, TRIAL_EVERY, TRIAL_STEPS, AdaptiveK, DraftGate, StepCosts
 from specchat.engine.drafters import Draft, Drafter
 from specchat.engine.sequence import StepEvent
 from specchat.errors import ConfigError
@@ -215,6 +215,33 @@ def test_draft_gate_follows_a_change():
         modes.append(drafts)
     assert modes[500:1000].count(True) > 0.9 * 500
     assert modes[2000:].count(True) < 0.1 * 1000
+
+
+def test_draft_gate_trials_grow_rarer_while_they_confirm_the_preference():
+    """Each trial that leaves plain decoding preferred doubles the interval to the next (up to MAX_TRIAL_EVERY),
+    so the trials' cost fades; one that changes the preference brings the short interval back."""
+    modes = drive_gate({True: 1.6, False: 1.0}, steps=20000)
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert gaps[1] > TRIAL_EVERY and gaps[-1] >= MAX_TRIAL_EVERY  # growing, then at the cap
+    assert all(b >= a for a, b in itertools.pairwise(gaps))
+    assert modes[10000:].count(True) <= 10000 * TRIAL_STEPS / MAX_TRIAL_EVERY + TRIAL_STEPS
+    gate = DraftGate(every=MAX_TRIAL_EVERY, ms_per_token={True: 1.6, False: 1.0}, since_trial=MAX_TRIAL_EVERY)
+    for _ in range(TRIAL_STEPS + 1):  # a trial in which drafting has become the faster mode
+        drafts = gate.allow()
+        gate.observe(drafts, 0.2 if drafts else 1.0, 1)
+    assert gate.preferred() and gate.every == TRIAL_EVERY
+
+
+def test_draft_gate_compares_steps_by_what_each_request_waits():
+    """Within one batch bucket, plain steps of 32 requests (32 tokens in 3 ms) against drafting steps of 17 (25
+    tokens in 2.5 ms): per request drafting is faster (1.7 against 3 ms a token), though per emitted token of the
+    batch it looks slower (0.100 against 0.094 ms), only because fewer requests shared its steps."""
+    gate = DraftGate()
+    for _ in range(4):
+        gate.observe(False, 3.0, 32, 32)
+        gate.observe(True, 2.5, 25, 17)
+    assert gate.preferred()
 
 
 def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
