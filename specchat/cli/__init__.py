@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-import click
+from specchat.registry import cache_dir
 
-from specchat.errors import SpecchatError
+
+def keep_bytecode() -> None:
+    """Under PYTHONDONTWRITEBYTECODE (set in many container images) every start compiles torch's Python sources
+    again: `import torch` took 5 s instead of 2 on the lent H200, most of a GPU chat's start. Unless the user chose a
+    place for bytecode (PYTHONPYCACHEPREFIX) or set SPECCHAT_NO_PYCACHE, keep it under $SPECCHAT_HOME/pycache:
+    nothing is written next to the sources, which is what that setting is usually for, and the next start reads it."""
+    if sys.dont_write_bytecode and sys.pycache_prefix is None and not os.environ.get("SPECCHAT_NO_PYCACHE"):
+        sys.pycache_prefix = str(cache_dir() / "pycache")
+        sys.dont_write_bytecode = False
+
+
+keep_bytecode()  # before the commands' modules import torch
+
+import click  # noqa: E402
+
+from specchat.errors import SpecchatError  # noqa: E402
 
 USAGE_EXIT = 2  # click's status for a bad flag or argument
 
