@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,9 +50,18 @@ from serve_clients import STREAMERS, client_run, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT_IDS = list(range(100, 132))  # every prompt "encodes" to 32 tokens: the tokenizer is not what is measured
-# Token texts with what JSON must escape (quotes, a newline, a backslash) and non-ASCII, as model output has.
 HANDOFF_S = 50e-6  # --busy-ms is spent in slices this long, each followed by a release of the lock
+# Token texts with what JSON must escape (quotes, a newline, a backslash) and non-ASCII, as model output has.
 WORDS = [" the", " quick", " brown", ' "fox"', " jumps", "\n", " over", " a", " lazy", " café", " \\d", " dog."]
+
+
+@dataclass(slots=True)
+class SyntheticRequest:
+    """A running request of the token source: its texts so far, up to max_tokens."""
+
+    max_tokens: int
+    texts: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
 
 
 class SyntheticHandle:
@@ -74,7 +84,7 @@ class TokenSource:
         self.tokenizer = SimpleNamespace(chat_template_source="")
         self.listeners: list = []
         self.thread_id: int | None = None  # the step loop's native thread id (its CPU time is not the server's)
-        self._running: dict[int, list] = {}  # request id -> [max tokens, tokens so far, text so far, start time]
+        self._running: dict[int, SyntheticRequest] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._ids = itertools.count(1)
@@ -87,7 +97,7 @@ class TokenSource:
     def submit(self, prompt, sampling=None, spec=None, *, listen_only: bool = False) -> SyntheticHandle:
         """On the step loop's thread (the server submits inside `apply`)."""
         request_id = next(self._ids)
-        self._running[request_id] = [sampling.max_tokens, 0, [], time.perf_counter()]
+        self._running[request_id] = SyntheticRequest(sampling.max_tokens)
         return SyntheticHandle(self, request_id)
 
     def apply(self, command) -> Future:
@@ -110,9 +120,6 @@ class TokenSource:
             self._thread.join()
 
     def _loop(self) -> None:
-        from specchat.engine.sequence import Finished, TextDelta
-        from specchat.engine.stats import SpecStats
-
         self.thread_id = threading.get_native_id()
         while not self._stop:
             while not self._commands.empty():
@@ -125,31 +132,29 @@ class TokenSource:
                 continue
             self._python_work(self.busy_s)  # the step's Python: plan, inputs, postprocess, detokenization
             time.sleep(self.step_s)  # the device's time: the interpreter lock is free
-            events = []
-            for request_id, state in list(self._running.items()):
-                max_tokens, count, texts, started = state
-                text = WORDS[count % len(WORDS)]
-                texts.append(text)
-                state[1] = count = count + 1
-                events.append(TextDelta(request_id, text, [count]))
-                if count == max_tokens:
-                    elapsed = time.perf_counter() - started
-                    stats = SpecStats()
-                    stats.steps = stats.emitted = count
-                    fin = Finished(
-                        request_id,
-                        "length",
-                        "".join(texts),
-                        list(range(count)),
-                        len(PROMPT_IDS),
-                        stats,
-                        elapsed,
-                        elapsed,
-                    )
-                    events.append(fin)
-                    del self._running[request_id]
+            events = self._emit()
             for listener in self.listeners:
                 listener(events)
+
+    def _emit(self) -> list:
+        """A token for every running request, and the Finished of those that reached their max_tokens."""
+        from specchat.engine.sequence import Finished, TextDelta
+        from specchat.engine.stats import SpecStats
+
+        events: list = []
+        for request_id, request in list(self._running.items()):
+            text = WORDS[len(request.texts) % len(WORDS)]
+            request.texts.append(text)
+            count = len(request.texts)
+            events.append(TextDelta(request_id, text, [count]))
+            if count == request.max_tokens:
+                elapsed = time.perf_counter() - request.started
+                stats = SpecStats(steps=count, emitted=count)
+                ids = list(range(count))
+                text = "".join(request.texts)
+                events.append(Finished(request_id, "length", text, ids, len(PROMPT_IDS), stats, elapsed, elapsed))
+                del self._running[request_id]
+        return events
 
     @staticmethod
     def _python_work(seconds: float) -> None:
