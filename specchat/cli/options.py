@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from specchat.config import (
+    CPU_ACTIVATIONS,
     DEVICES,
     DRAFTER_ARGS,
     DRAFTER_SYNTAX,
@@ -23,6 +24,14 @@ from specchat.config import (
     check_drafter_name,
 )
 from specchat.errors import ConfigError, ModelNotFoundError
+
+cpu_act_option = click.option(
+    "--cpu-act",
+    type=click.Choice(CPU_ACTIVATIONS),
+    default="fp32",
+    show_default=True,
+    help="CPU, GGUF Q4_1/Q8_0 weights: activation rows of the block kernels; int8 = per block of 32, AVX512-VNNI",
+)
 
 
 def model_options(func):
@@ -57,8 +66,9 @@ def model_options(func):
     @click.option(
         "--eager", is_flag=True, help="plain PyTorch modules: no fused kernels, CUDA graphs or CPU block kernels"
     )
+    @cpu_act_option
     @functools.wraps(func)
-    def wrapper(*args, kv_format, kv_memory, eager, **kwargs):
+    def wrapper(*args, kv_format, kv_memory, eager, cpu_act, **kwargs):
         kv_bytes = parse_bytes(kv_memory)
         if kv_bytes is not None:
             check_memory_ask(kv_bytes, kwargs["device"], f"--kv-memory {kv_memory}")
@@ -67,13 +77,14 @@ def model_options(func):
             "kv_format": kv_format,
             "kv_memory": kv_bytes,
             "eager": eager,
+            "cpu_act": cpu_act,
         }
         return func(*args, **kwargs)
 
     return wrapper
 
 
-ENGINE_SETTINGS = "specchat.engine"  # click context meta key of the KV and --eager options
+ENGINE_SETTINGS = "specchat.engine"  # click context meta key of the KV, --eager and --cpu-act options
 TP_SETTING = "specchat.tp"  # click context meta key of --tp
 
 
@@ -164,19 +175,25 @@ def sampling_options(func):
     return wrapper
 
 
-def spec_options(func):
-    @click.option(
-        "--drafter",
-        default="default",
-        show_default=True,
-        help=f"{DRAFTER_SYNTAX}; default: the model's models.toml drafter",
-    )
-    @click.option("--k", "k", default="4", show_default=True, help="draft tokens per step, or 'auto'")
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        return func(*args, **kwargs)
+def spec_options(func=None, *, default_k: str = "4"):
+    """--drafter and --k. default_k: 4 for one conversation (drafting pays at batch 1); `serve` takes 'auto', where
+    many requests share each step and the draft gate turns drafting off at the batch sizes it does not pay at."""
 
-    return wrapper
+    def decorate(func):
+        @click.option(
+            "--drafter",
+            default="default",
+            show_default=True,
+            help=f"{DRAFTER_SYNTAX}; default: the model's models.toml drafter",
+        )
+        @click.option("--k", "k", default=default_k, show_default=True, help="draft tokens per step, or 'auto'")
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorate(func) if func is not None else decorate
 
 
 def engine_config(model: str | None, device: str, dtype: str | None, **extra) -> EngineConfig:
