@@ -12,7 +12,8 @@ below), so its output equals the per-op path bit for bit, which tests/kernels/te
     s, h = add_rms_norm(x, a);  out = s + down(silu_mul(gate_up(h)))
 
 `BlockWeights` takes the pointers of one block's weights once (as cpu_gemv.Bound does for one linear): each of
-the four linears as GGUF Q4_1 or Q8_0 blocks, the two norm weights, and the optional q/k/v bias.
+the four linears as GGUF Q4_1 or Q8_0 blocks (float activations, cpu_gemv.py, or int8 activations, cpu_gemv_i8.py),
+the two norm weights, and the optional q/k/v bias.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from functools import cache
 
 import torch
 
-from specchat.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_ops
+from specchat.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_gemv_i8, cpu_ops
 
 C_SOURCE = r"""
 typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 blocks of W [n, k] */
@@ -30,6 +31,7 @@ typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 bloc
   const float* d;
   const float* m;
   int n, k;
+  int int8_act;      /* 1: cpu_gemv_i8's repacked blocks, int8 activations; 0: cpu_gemv's, float activations */
 } Weight;
 
 typedef struct {
@@ -41,11 +43,15 @@ typedef struct {
   int hidden, q_size, kv_size, inter;
 } Block;
 
-static void linear(const Weight* w, int rows, const float* x, float* y, int threads) {
+/* Returns 0, or -1 without memory for the int8 kernel's quantized rows. */
+static int linear(const Weight* w, int rows, const float* x, float* y, int threads) {
+  if (w->int8_act)
+    return i8_gemm(rows, w->n, w->k, x, (const uint8_t*)w->codes, w->d, w->m, y, threads);
   if (w->m != NULL)
     q4_gemm(rows, w->n, w->k, x, (const uint8_t*)w->codes, w->d, w->m, y, threads);
   else
     q8_gemm(rows, w->n, w->k, x, (const int8_t*)w->codes, w->d, y, threads);
+  return 0;
 }
 
 /* x [T, hidden] -> out [T, hidden]: one block for this step's T tokens (cos/sin [T, head_dim]); the step's keys
@@ -59,20 +65,25 @@ int decode_block(const Block* b, const Plan* p, int T, const float* x, const flo
   float *h = scratch, *qkv = h + t * H, *q = qkv + t * QKV, *k = q + t * Q, *att = k + t * KV;
   float *a = att + t * Q, *s = a + t * H, *gu = s + t * H, *act = gu + t * 2 * I, *m = act + t * I;
   rms_norm(T, H, x, b->attn_norm, b->eps, h);
-  linear(&b->wqkv, T, h, qkv, threads);
-  if (b->qkv_bias != NULL)
-    for (size_t i = 0; i < t; i++)
-      for (int j = 0; j < QKV; j++) qkv[i * QKV + j] += b->qkv_bias[j];
-  rope_qk(T, p->heads, p->kv_heads, p->head_dim, qkv, QKV, qkv + Q, QKV, cos, sin, q, k);
-  int status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, v_pages, att);
+  int status = linear(&b->wqkv, T, h, qkv, threads);
   if (status == 0) {
-    linear(&b->wo, T, att, a, threads);
-    add_rms_norm(T, H, x, a, b->mlp_norm, b->eps, s, h);
-    linear(&b->gate_up, T, h, gu, threads);
-    silu_mul(T, I, gu, act);
-    linear(&b->down, T, act, m, threads);
-    for (size_t i = 0; i < t * H; i++) out[i] = s[i] + m[i];
+    if (b->qkv_bias != NULL)
+      for (size_t i = 0; i < t; i++)
+        for (int j = 0; j < QKV; j++) qkv[i * QKV + j] += b->qkv_bias[j];
+    rope_qk(T, p->heads, p->kv_heads, p->head_dim, qkv, QKV, qkv + Q, QKV, cos, sin, q, k);
+    status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, v_pages, att);
   }
+  if (status == 0) status = linear(&b->wo, T, att, a, threads);
+  if (status == 0) {
+    add_rms_norm(T, H, x, a, b->mlp_norm, b->eps, s, h);
+    status = linear(&b->gate_up, T, h, gu, threads);
+  }
+  if (status == 0) {
+    silu_mul(T, I, gu, act);
+    status = linear(&b->down, T, act, m, threads);
+  }
+  if (status == 0)
+    for (size_t i = 0; i < t * H; i++) out[i] = s[i] + m[i];
   free(scratch);
   return status;
 }
@@ -86,6 +97,7 @@ class Weight(ctypes.Structure):
         ("m", ctypes.c_void_p),
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
+        ("int8_act", ctypes.c_int),
     ]
 
 
@@ -100,7 +112,7 @@ class Block(ctypes.Structure):
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    source = cpu_gemv.C_SOURCE + cpu_ops.C_SOURCE + cpu_attention.C_SOURCE + C_SOURCE
+    source = cpu_gemv.C_SOURCE + cpu_gemv_i8.C_SOURCE + cpu_ops.C_SOURCE + cpu_attention.C_SOURCE + C_SOURCE
     lib = cpu_build.load("cpu_block", source, cpu_ops.CFLAGS)
     if lib is None:
         return None
@@ -116,21 +128,26 @@ def available() -> bool:
     return _library() is not None
 
 
-def _weight(bound: cpu_gemv.Bound) -> Weight:
+BoundWeight = cpu_gemv.Bound | cpu_gemv_i8.Bound  # float or int8 activations
+
+
+def _weight(bound: BoundWeight) -> Weight:
     codes, d, *m = bound.tensors
-    return Weight(codes.data_ptr(), d.data_ptr(), m[0].data_ptr() if m else None, bound.n, bound.k)
+    int8_act = isinstance(bound, cpu_gemv_i8.Bound)
+    return Weight(codes.data_ptr(), d.data_ptr(), m[0].data_ptr() if m else None, bound.n, bound.k, int8_act)
 
 
 class BlockWeights:
-    """One block's weights as decode_block reads them: the four linears as checked cpu_gemv.Bound weights, the
-    norms' weights [hidden] and eps, the q/k/v bias or None. Holds the tensors, so the pointers stay valid."""
+    """One block's weights as decode_block reads them: the four linears as checked cpu_gemv / cpu_gemv_i8 Bound
+    weights, the norms' weights [hidden] and eps, the q/k/v bias or None. Holds the tensors, so the pointers stay
+    valid."""
 
     def __init__(
         self,
-        wqkv: cpu_gemv.Bound,
-        wo: cpu_gemv.Bound,
-        gate_up: cpu_gemv.Bound,
-        down: cpu_gemv.Bound,
+        wqkv: BoundWeight,
+        wo: BoundWeight,
+        gate_up: BoundWeight,
+        down: BoundWeight,
         attn_norm: torch.Tensor,
         mlp_norm: torch.Tensor,
         eps: float,

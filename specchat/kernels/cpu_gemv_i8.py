@@ -1,0 +1,391 @@
+"""Block-quantized matrix products on the CPU with int8 activations: GGUF Q4_1 / Q8_0 weights, AVX512-VNNI.
+
+kernels/cpu_gemv.py dequantizes each weight block to float32 and does one float FMA per weight and activation row,
+so a 5-row verification step costs ~2x a 1-row decode step on a 2-core CPU. Here, as llama.cpp does, each
+activation row is quantized per block of 32 to int8 with one float32 scale, and a block's dot product is integer:
+
+    dx = max|x_j| / 127,  xq_j = round(x_j / dx)  (round half to even; xq_j in -127..127, all zero where dx = 0)
+    Q4_1 (w_j = dw * q_j + mw, q_j in 0..15):  sum_j w_j x_j ~= (dw * dx) * sum_j q_j xq_j + mw * (dx * sum_j xq_j)
+    Q8_0 (w_j = dw * q_j, q_j in -127..127):   sum_j w_j x_j ~= (dw * dx) * sum_j q_j xq_j
+
+`_mm512_dpbusd_epi32` multiplies unsigned by signed bytes and adds each four products into a 32-bit lane: 64
+products an instruction, against 16 for a float FMA. Q4_1 codes are unsigned already; Q8_0 codes are stored
+offset by 128 (0..255) and the block's sum starts at -128 * sum_j xq_j, which makes it exactly sum_j q_j xq_j.
+
+Layout: the weights are repacked once (`repack_q4` / `repack_q8`) so that a 32-bit lane is one output row: per
+group of 16 output rows and block g, word v (4 consecutive bytes of the block, as GGUF stores them) of each of the
+16 rows side by side in one 64-byte vector. A Q4_1 word holds q[4v..4v+3] in its low nibbles and q[4v+16..4v+19]
+in its high nibbles (GGUF's layout), so one load and two masks give the lanes for two 4-byte activation words,
+each broadcast to all lanes. The integer block sums come out one per output lane, with no horizontal reduction;
+the scales are stored [group, block, 16] to match. Rows past N (a last partial group) are zero weights, not stored.
+
+The float combination is fixed: per (row, output), over the blocks in order, acc += (dw * dx) * isum, then (Q4_1)
+acc += mw * (dx * sum xq), each product and sum rounded once (no FMA contraction). The integer sums are exact, so
+an output depends only on its own activation row, never on the batch, tile or thread (a verification step gives
+plain decoding's logits bit for bit: lossless speculation stays exact), and `q4_linear_ref` / `q8_linear_ref`
+below, the same math in plain torch, give the same bits. Without AVX512-VNNI and AVX512-BW at build time,
+`available()` is False and callers keep float activations (kernels/cpu_gemv.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from specchat.kernels import cpu_build, cpu_gemv
+
+BLOCK = 32  # weights per quantization block (GGUF Q4_1 / Q8_0) and activations per int8 scale
+GROUP = 16  # output rows interleaved in one vector: one 32-bit lane each
+Q4_WORDS, Q8_WORDS = 4, 8  # 4-byte words per block and output row: 16 bytes of nibbles, 32 bytes of int8 codes
+Q8_OFFSET = 128  # added to the signed Q8_0 codes so they are dpbusd's unsigned operand
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#define I8_MMAX 8  /* activation rows a tile keeps in registers */
+/* Bytes ahead of each weight load to prefetch: the head (28 MB on the default model) streams from L3 ~1.5x
+   faster with it (benchmarks/cpu_gemv.py; 512-4096 measured, 1024 best). */
+#define I8_PF 1024
+
+/* Activation rows quantized per block of 32: q [M, K] int8, d [M, G] scale, s [M, G] = d * sum(q) (Q4_1's
+   offset term), sum [M, G] = sum(q) (Q8_0's correction of the +128 codes). */
+typedef struct {
+  int8_t* q;
+  float* d;
+  float* s;
+  int32_t* sum;
+} Acts;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define I8_INLINE static inline __attribute__((always_inline))
+
+int i8_has_vnni(void) { return 1; }
+
+/* dx = amax / 127, xq = round-half-even(x * (1 / dx)) (cvtps_epi32 under the default rounding mode), 0 where
+   amax = 0; |x * (1 / dx)| <= 127 up to one rounding, so the saturating pack to int8 never clips. */
+void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
+  const int G = K / 32;
+  for (size_t b = 0; b < (size_t)M * G; b++) {
+    const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+    const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i*)(q + b * 32), _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128((__m128i*)(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+    d[b] = db;
+    sum[b] = total;
+    s[b] = db * (float)total;
+  }
+}
+
+I8_INLINE __m512i broadcast_word(const int8_t* p) {
+  int32_t word;
+  memcpy(&word, p, 4);
+  return _mm512_set1_epi32(word);
+}
+
+/* acc (one lane per output of group r) += (d * dx) * isum [+ m * (dx * sum xq)], in that order for every tile. */
+I8_INLINE __m512 combine(__m512 acc, __m512i isum, __m512 dg, float dx) {
+  return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dg, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum)));
+}
+
+I8_INLINE void store_groups(const int R, const int NR, int N, __m512 acc[][4], float* y, int grp) {
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) {
+      const int n = (grp + r) * 16, left = N - n;
+      const __mmask16 keep = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+      _mm512_mask_storeu_ps(y + (size_t)i * N + n, keep, acc[i][r]);
+    }
+}
+
+/* One tile: R activation rows times NR groups of 16 outputs from group grp (compile-time R and NR at each call,
+   so the accumulators live in registers). Two integer chains per (row, group), low and high nibbles, to hide
+   dpbusd's latency; their sum is exact. */
+I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const float* d,
+                         const float* m, float* y, int grp) {
+  const int G = K / 32;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[I8_MMAX][4];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) acc[i][r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512i lo_sum[I8_MMAX][4], hi_sum[I8_MMAX][4];
+    for (int i = 0; i < R; i++)
+      for (int r = 0; r < NR; r++) lo_sum[i][r] = hi_sum[i][r] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++)
+      for (int r = 0; r < NR; r++) {
+        const uint8_t* b = w + (((size_t)(grp + r) * G + g) * 4 + v) * 64;
+        _mm_prefetch((const char*)(b + I8_PF), _MM_HINT_T0);
+        const __m512i packed = _mm512_loadu_si512(b);
+        const __m512i wl = _mm512_and_si512(packed, nibble);
+        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        for (int i = 0; i < R; i++) {
+          const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
+          lo_sum[i][r] = _mm512_dpbusd_epi32(lo_sum[i][r], wl, broadcast_word(xq));
+          hi_sum[i][r] = _mm512_dpbusd_epi32(hi_sum[i][r], wh, broadcast_word(xq + 16));
+        }
+      }
+    for (int r = 0; r < NR; r++) {
+      const size_t at = ((size_t)(grp + r) * G + g) * 16;
+      const __m512 dg = _mm512_loadu_ps(d + at), mg = _mm512_loadu_ps(m + at);
+      for (int i = 0; i < R; i++) {
+        acc[i][r] = combine(acc[i][r], _mm512_add_epi32(lo_sum[i][r], hi_sum[i][r]), dg, a->d[(size_t)i * G + g]);
+        acc[i][r] = _mm512_add_ps(acc[i][r], _mm512_mul_ps(mg, _mm512_set1_ps(a->s[(size_t)i * G + g])));
+      }
+    }
+  }
+  store_groups(R, NR, N, acc, y, grp);
+}
+
+I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const float* d,
+                         float* y, int grp) {
+  const int G = K / 32;
+  __m512 acc[I8_MMAX][4];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) acc[i][r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512i even[I8_MMAX][4], odd[I8_MMAX][4];
+    for (int i = 0; i < R; i++)
+      for (int r = 0; r < NR; r++) {
+        even[i][r] = _mm512_set1_epi32(-128 * a->sum[(size_t)i * G + g]);
+        odd[i][r] = _mm512_setzero_si512();
+      }
+    for (int v = 0; v < 8; v += 2)
+      for (int r = 0; r < NR; r++) {
+        const uint8_t* b = w + (((size_t)(grp + r) * G + g) * 8 + v) * 64;
+        _mm_prefetch((const char*)(b + I8_PF), _MM_HINT_T0);
+        _mm_prefetch((const char*)(b + I8_PF + 64), _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 64);
+        for (int i = 0; i < R; i++) {
+          const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
+          even[i][r] = _mm512_dpbusd_epi32(even[i][r], w0, broadcast_word(xq));
+          odd[i][r] = _mm512_dpbusd_epi32(odd[i][r], w1, broadcast_word(xq + 4));
+        }
+      }
+    for (int r = 0; r < NR; r++) {
+      const __m512 dg = _mm512_loadu_ps(d + ((size_t)(grp + r) * G + g) * 16);
+      for (int i = 0; i < R; i++)
+        acc[i][r] = combine(acc[i][r], _mm512_add_epi32(even[i][r], odd[i][r]), dg, a->d[(size_t)i * G + g]);
+    }
+  }
+  store_groups(R, NR, N, acc, y, grp);
+}
+
+/* Groups g0 <= group < g1 for `rows` activation rows: NR groups at a time, then the rest one at a time. The tile
+   shape changes the speed, never the values. */
+#define I8_TILES(TILE, R, NR, ...)                                             \
+  do {                                                                         \
+    int grp = g0;                                                              \
+    for (; grp + NR <= g1; grp += NR) TILE(R, NR, N, K, a, __VA_ARGS__, y, grp); \
+    for (; grp < g1; grp++) TILE(R, 1, N, K, a, __VA_ARGS__, y, grp);          \
+  } while (0)
+#define I8_DISPATCH(TILE, ...)                                                 \
+  switch (rows) {                                                              \
+    case 1: I8_TILES(TILE, 1, 4, __VA_ARGS__); break;                          \
+    case 2: I8_TILES(TILE, 2, 2, __VA_ARGS__); break;                          \
+    case 3: I8_TILES(TILE, 3, 2, __VA_ARGS__); break;                          \
+    case 4: I8_TILES(TILE, 4, 1, __VA_ARGS__); break;                          \
+    case 5: I8_TILES(TILE, 5, 1, __VA_ARGS__); break;                          \
+    case 6: I8_TILES(TILE, 6, 1, __VA_ARGS__); break;                          \
+    case 7: I8_TILES(TILE, 7, 1, __VA_ARGS__); break;                          \
+    default: I8_TILES(TILE, 8, 1, __VA_ARGS__); break;                         \
+  }
+
+static void q4i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, const float* m,
+                       float* y, int g0, int g1) {
+  I8_DISPATCH(q4i8_tile, w, d, m)
+}
+
+static void q8i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, float* y, int g0,
+                       int g1) {
+  I8_DISPATCH(q8i8_tile, w, d)
+}
+
+static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, const float* m,
+                     float* y, int g0, int g1) {
+  if (m != NULL)
+    q4i8_chunk(rows, N, K, a, w, d, m, y, g0, g1);
+  else
+    q8i8_chunk(rows, N, K, a, w, d, y, g0, g1);
+}
+
+/* y [M, N] = x [M, K] W^T for repacked Q4_1 (m != NULL) or Q8_0 (m == NULL) weights: the rows quantized once,
+   then I8_MMAX rows at a time, `threads` > 1 splitting the groups of 16 outputs. Returns 0, or -1 without
+   memory for the quantized rows. */
+int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const float* d, const float* m, float* y,
+            int threads) {
+  const int G = K / 32, groups = (N + 15) / 16;
+  const size_t mg = (size_t)M * G;
+  char* scratch = malloc((size_t)M * K + mg * (2 * sizeof(float) + sizeof(int32_t)));
+  if (scratch == NULL) return -1;
+  float* dx = (float*)(scratch + (size_t)M * K);
+  Acts all = {(int8_t*)scratch, dx, dx + mg, (int32_t*)(dx + 2 * mg)};
+  i8_quantize_rows(M, K, x, all.q, all.d, all.s, all.sum);
+  for (int i0 = 0; i0 < M; i0 += I8_MMAX) {
+    const int rows = M - i0 < I8_MMAX ? M - i0 : I8_MMAX;
+    const size_t at = (size_t)i0 * G;
+    const Acts a = {all.q + (size_t)i0 * K, all.d + at, all.s + at, all.sum + at};
+    float* yi = y + (size_t)i0 * N;
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int t = 0; t < threads; t++)
+        i8_chunk(rows, N, K, &a, w, d, m, yi, (int)((long)groups * t / threads),
+                 (int)((long)groups * (t + 1) / threads));
+      continue;
+    }
+#endif
+    i8_chunk(rows, N, K, &a, w, d, m, yi, 0, groups);
+  }
+  free(scratch);
+  return 0;
+}
+#else
+/* Built without AVX512-VNNI / AVX512-BW: i8_has_vnni() says so, available() is False and nothing calls these. */
+int i8_has_vnni(void) { return 0; }
+void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {}
+int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const float* d, const float* m, float* y,
+            int threads) {
+  return -1;
+}
+#endif
+"""
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use, then cached), or None where they do not build or lack VNNI."""
+    lib = cpu_build.load("cpu_gemv_i8", C_SOURCE, tuple(cpu_gemv.CFLAGS))
+    if lib is None or lib.i8_has_vnni() != 1:
+        return None
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.i8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.i8_gemm.restype = ctypes.c_int
+    lib.i8_quantize_rows.argtypes = [i32, i32, ptr, ptr, ptr, ptr, ptr]
+    lib.i8_quantize_rows.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the int8-activation kernels load on this machine (a C compiler and a CPU with AVX512-VNNI)."""
+    return _library() is not None
+
+
+def _interleave(words: torch.Tensor, n: int, g: int, per_block: int) -> torch.Tensor:
+    """int32 words [N, G * per_block] -> [ceil(N/16), G, per_block, 16] (rows past N zero), as bytes."""
+    groups = -(-n // GROUP)
+    padded = torch.zeros(groups * GROUP, g * per_block, dtype=torch.int32)
+    padded[:n] = words
+    return padded.view(groups, GROUP, g, per_block).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+
+
+def _scales(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] float32 -> [ceil(N/16), G, 16] (rows past N zero)."""
+    n, g = t.shape
+    groups = -(-n // GROUP)
+    padded = torch.zeros(groups * GROUP, g, dtype=torch.float32)
+    padded[:n] = t
+    return padded.view(groups, GROUP, g).transpose(1, 2).contiguous()
+
+
+def repack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GGUF Q4_1 (codes uint8 [N, K/2], d/m [N, K/32]) -> (words, d, m) in the kernel's interleaved layout."""
+    n, g = d.shape
+    words = codes.contiguous().view(torch.int32)  # [N, G * 4]: word v of block g at g * 4 + v
+    return _interleave(words, n, g, Q4_WORDS), _scales(d), _scales(m)
+
+
+def repack_q8(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GGUF Q8_0 (codes int8 [N, K], d [N, K/32]) -> (words of codes + 128, d) in the kernel's layout."""
+    n, g = d.shape
+    shifted = (codes.to(torch.int16) + Q8_OFFSET).to(torch.uint8)
+    return _interleave(shifted.view(torch.int32), n, g, Q8_WORDS), _scales(d)
+
+
+class Bound:
+    """A Q4_1 (m given) or Q8_0 weight repacked and checked once: `bound(x, threads)` -> x @ W^T with int8
+    activations. The same interface as cpu_gemv.Bound (n, k, tensors, call); `tensors` are the repacked ones."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None):
+        lib = _library()
+        assert lib is not None, "cpu_gemv_i8.available() is False"
+        self.k = codes.shape[1] * (2 if m is not None else 1)
+        assert self.k % BLOCK == 0 and d.shape == (codes.shape[0], self.k // BLOCK), (codes.shape, d.shape)
+        assert codes.dtype == (torch.uint8 if m is not None else torch.int8) and d.dtype == torch.float32
+        self.n = codes.shape[0]
+        self.tensors = repack_q4(codes, d, m) if m is not None else repack_q8(codes, d)
+        self._fn = lib.i8_gemm
+        self._ptrs = tuple(t.data_ptr() for t in self.tensors) + ((None,) if m is None else ())
+
+    def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous on the CPU -> [M, N] float32."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self.k or x.is_cuda:
+            raise ValueError(
+                f"cpu_gemv_i8: x must be float32 [M, {self.k}] contiguous on the CPU, got {x.dtype} {x.shape}"
+            )
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        if self._fn(x.shape[0], self.n, self.k, x.data_ptr(), *self._ptrs, y.data_ptr(), threads) != 0:
+            raise MemoryError("cpu_gemv_i8: no memory for the quantized activation rows")
+        return y
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The C quantizer on x [M, K] float32 -> (xq int8 [M, K], dx, dx * sum(xq) float32 [M, K/32], sum(xq) int32)."""
+    lib = _library()
+    assert lib is not None, "cpu_gemv_i8.available() is False"
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] % BLOCK == 0, x.shape
+    m, k = x.shape
+    out = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // BLOCK), torch.empty(m, k // BLOCK))
+    total = torch.empty(m, k // BLOCK, dtype=torch.int32)
+    lib.i8_quantize_rows(m, k, x.data_ptr(), *(t.data_ptr() for t in out), total.data_ptr())
+    return (*out, total)
+
+
+# --- the plain references -----------------------------------------------------------------------------------
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [M, K] float32 -> (xq int8 [M, K], dx, dx * sum(xq) float32 [M, K/32], sum(xq) int32 [M, K/32])."""
+    m, k = x.shape
+    blocks = x.view(m, k // BLOCK, BLOCK)
+    dx = blocks.abs().amax(dim=-1) / 127
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(blocks * inv[..., None])  # torch.round: half to even, as the C kernel's cvtps_epi32
+    total = xq.sum(dim=-1).to(torch.int32)  # exact: at most 32 * 127
+    return xq.to(torch.int8).view(m, k), dx, dx * total.float(), total
+
+
+def _combine(isum: torch.Tensor, dw: torch.Tensor, dx: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """isum [M, N, G] exact integer sums -> [M, N]: per block in order, y += (dw * dx) * isum [+ offset]."""
+    y = torch.zeros(isum.shape[:2])
+    for g in range(isum.shape[2]):
+        y = y + (dw[None, :, g] * dx[:, g, None]) * isum[:, :, g]
+        if offset is not None:
+            y = y + offset[:, :, g]
+    return y
+
+
+def _block_dots(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """xq [M, K], q [N, K] integer codes -> [M, N, G] sums of each block's 32 products, exact (float64: < 2^20)."""
+    m, n = xq.shape[0], q.shape[0]
+    return torch.einsum("mgj,ngj->mng", xq.double().view(m, -1, BLOCK), q.double().view(n, -1, BLOCK)).float()
+
+
+def q4_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for a GGUF Q4_1 W with int8 activations, as the C kernel computes it."""
+    xq, dx, sx, _ = quantize_rows_ref(x)
+    n, g = d.shape
+    blocks = codes.view(n, g, BLOCK // 2)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(n, g * BLOCK)  # low nibbles, then high nibbles
+    return _combine(_block_dots(xq, q), d, dx, m[None, :, :] * sx[:, None, :])
+
+
+def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for a GGUF Q8_0 W with int8 activations, as the C kernel computes it."""
+    xq, dx, _, _ = quantize_rows_ref(x)
+    return _combine(_block_dots(xq, codes), d, dx, None)
