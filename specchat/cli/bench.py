@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from specchat.cli.inputs import read_prompt_lines
-from specchat.cli.options import StderrProgress, check_memory_ask, spec_params
+from specchat.cli.options import StderrProgress, check_memory_ask, cpu_act_option, spec_params
 from specchat.config import DEVICES, DTYPES, WEIGHT_FORMATS, EngineConfig
 from specchat.errors import ConfigError
 
@@ -197,6 +197,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option("--context", type=int, default=512, show_default=True, help="synthetic: tokens per request")
 @click.option("--steps", type=int, default=64, show_default=True, help="synthetic: timed steps")
 @click.option("--eager", is_flag=True, help="plain PyTorch modules, no CUDA graphs (the reference path)")
+@cpu_act_option
 @click.option(
     "--tp", type=int, default=1, show_default=True, help="sessions: split the model over N GPUs (docs/gpu.md)"
 )
@@ -208,7 +209,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 )
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
 def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
-          acceptance, context, steps, eager, tp, rounds, as_json) -> None:  # fmt: skip
+          acceptance, context, steps, eager, cpu_act, tp, rounds, as_json) -> None:  # fmt: skip
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
@@ -216,14 +217,19 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
         raise click.UsageError(f"--synthetic {shape} builds its own model; leave out MODEL ({model})")
     if shape is not None and tp != 1:
         raise click.UsageError("--tp works with --sessions; --synthetic builds one unsharded model")
+    if shape is not None and cpu_act != "fp32":
+        raise click.UsageError(
+            "--cpu-act works with --sessions; --synthetic builds random float weights, not GGUF blocks"
+        )
     if shape is not None:
         bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
         return
     if prompts_file is None:
         raise click.UsageError("--sessions needs --prompts FILE")
     config = EngineConfig(
-        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv, eager=eager, tp=tp
-    )
+        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv, eager=eager, tp=tp,
+        cpu_act=cpu_act,
+    )  # fmt: skip
     bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds)
 
 

@@ -75,12 +75,13 @@ class CpuBlock(Block):
         linears = (attn._modules["wqkv"], attn._modules["wo"], mlp._modules["w_gate_up"], mlp._modules["w_down"])
         norms = (self._modules["attn_norm"]._parameters["weight"], self._modules["mlp_norm"]._parameters["weight"])
         state = (*(m._buffers.get("codes") for m in linears), *norms, *(m._parameters.get("bias") for m in linears))
+        state += tuple(type(m) for m in linears)  # BlockLinear or Int8BlockLinear: which kernels read the blocks
         key = tuple(map(id, state))
         cached = self.__dict__.get("_block_weights")
         if cached is not None and cached[0] == key:
             return cached[1]
         weights = None
-        plain = all(type(m) is BlockLinear for m in linears) and all(m.bias is None for m in linears[1:])
+        plain = all(isinstance(m, BlockLinear) for m in linears) and all(m.bias is None for m in linears[1:])
         if plain and cpu_block.available() and self.attn_norm.eps == self.mlp_norm.eps:
             weights = cpu_block.BlockWeights(
                 *(m.bound() for m in linears), *norms, self.mlp_norm.eps, attn.q_size, attn.kv_size, linears[0].bias

@@ -7,6 +7,10 @@ a decode or verification step with kernels/cpu_gemv.py (0.625 / 1.06 bytes per w
 same numbers either way (the kernels dequantize as gguf does), so this costs no accuracy; rows above
 cpu_gemv.MAX_ROWS (a prompt's prefill) keep the float GEMM. `unpack(model)` swaps the plain modules back
 (docs/style.md #3, #6: the model code is unchanged, `--eager` never packs).
+
+`set_activations(model, "int8")` re-classes the packed linears as `Int8BlockLinear`, which multiply with int8
+activation rows (kernels/cpu_gemv_i8.py, AVX512-VNNI: `--cpu-act int8`); that rounds each activation to 8 bits
+per block of 32, so unlike the packing it changes the numbers (docs/benchmarks.md measures the perplexity).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.engine.model import Transformer
-from specchat.kernels import cpu_gemv
+from specchat.kernels import cpu_gemv, cpu_gemv_i8
 
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
 
@@ -56,6 +60,39 @@ class BlockLinear(nn.Linear):
         if rows is x and x.dtype == torch.float32:
             return y
         return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
+class Int8BlockLinear(BlockLinear):
+    """BlockLinear whose small batches quantize their activation rows to int8 per block of 32 and read the blocks
+    repacked for kernels/cpu_gemv_i8.py (made once, kept beside the GGUF blocks)."""
+
+    def bound(self) -> cpu_gemv_i8.Bound:
+        """The repacked blocks bound for the int8 kernels (once; again after the buffers were replaced)."""
+        bound = self.__dict__.get("_bound_i8")
+        if bound is None or bound[0] is not self._buffers["codes"]:
+            bound = self.__dict__["_bound_i8"] = (
+                self.codes,
+                cpu_gemv_i8.Bound(self.codes, self.d, self.m if self.kind == "q4_1" else None),
+            )
+        return bound[1]
+
+
+ACTIVATION_CLASSES = {"fp32": BlockLinear, "int8": Int8BlockLinear}  # config.CPU_ACTIVATIONS -> linear class
+
+
+def set_activations(model: nn.Module, activations: str) -> int:
+    """Make the packed linears multiply with `activations` ("fp32" or "int8") rows; returns how many were packed.
+    int8 needs cpu_gemv_i8.available() (a CPU with AVX512-VNNI); the caller checks it."""
+    cls = ACTIVATION_CLASSES[activations]
+    assert cls is BlockLinear or cpu_gemv_i8.available(), "cpu_gemv_i8.available() is False"
+    count = 0
+    for module in model.modules():
+        if isinstance(module, BlockLinear):
+            module.__class__ = cls
+            module.__dict__.pop("_bound_i8", None)
+            module.bound()  # int8: repacked now (~0.5 s for the default model), not in the first step
+            count += 1
+    return count
 
 
 def _q4_1(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
@@ -192,10 +229,11 @@ def unpack(model: nn.Module) -> int:
     """Back to plain nn.Linear modules (the float weights were kept); returns how many."""
     count = 0
     for module in model.modules():
-        if type(module) is BlockLinear:
+        if isinstance(module, BlockLinear):
             for buffer in ("codes", "d", "m"):
                 module._buffers.pop(buffer, None)
             module.__dict__.pop("_bound", None)
+            module.__dict__.pop("_bound_i8", None)
             module.__class__ = nn.Linear
             count += 1
     return count

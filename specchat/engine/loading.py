@@ -15,7 +15,7 @@ import torch
 
 from specchat.config import EngineConfig
 from specchat.engine import cpu_fusion
-from specchat.engine.cpu_weights import pack_blocks
+from specchat.engine.cpu_weights import pack_blocks, set_activations
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_transform import load_or_calibrate
 from specchat.engine.loader import Progress, build_model, load_checkpoint
@@ -23,6 +23,7 @@ from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
 from specchat.engine.tokenizer import Tokenizer, gguf_tokenizer
 from specchat.errors import ConfigError
+from specchat.kernels import cpu_gemv_i8
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
@@ -110,6 +111,17 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, progre
     return path, model, packed, meta, cache
 
 
+def use_cpu_activations(model: Transformer, activations: str, cpu_kernels: bool) -> None:
+    """--cpu-act int8: the GGUF-block linears take int8 activation rows; a ConfigError where they cannot."""
+    flag = f"--cpu-act {activations}"
+    if not cpu_kernels:
+        raise ConfigError(f"{flag} needs the CPU block kernels: a CPU device (--device cpu or auto without CUDA)")
+    if not cpu_gemv_i8.available():
+        raise ConfigError(f"{flag} needs a CPU with AVX512-VNNI and a C compiler; use --cpu-act fp32 here")
+    if set_activations(model, activations) == 0:
+        raise ConfigError(f"{flag} needs GGUF Q4_1 / Q8_0 weights read as blocks (float32, --weights auto)")
+
+
 @dataclass(slots=True)
 class LoadedModel:
     """What an Engine is built from."""
@@ -144,6 +156,8 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
     if cpu_kernels and path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
+    if config.cpu_act != "fp32":
+        use_cpu_activations(model, config.cpu_act, cpu_kernels)
     if cpu_kernels:
         cpu_fusion.fuse(model)
     budget = config.kv_memory or default_kv_budget(device)

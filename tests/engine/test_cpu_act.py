@@ -1,0 +1,128 @@
+"""Int8 activations on the CPU block kernels (`--cpu-act int8`: engine/cpu_weights.set_activations): the whole-block
+call against the per-op path, verification rows against decode rows, lossless speculation on the default model,
+and the configurations that cannot have them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine import cpu_fusion
+from specchat.engine.cpu_weights import BlockLinear, Int8BlockLinear, set_activations
+from specchat.engine.model import Transformer
+from specchat.errors import ConfigError
+from specchat.kernels import cpu_block, cpu_gemv, cpu_gemv_i8
+from tests.engine.test_cpu_fusion import run_steps, with_gguf_blocks
+from tests.engine.test_fusion import CFG
+
+needs_vnni = pytest.mark.skipif(not cpu_gemv_i8.available(), reason="no C compiler or no AVX512-VNNI")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"cpu_act": "int4"}, "cpu-act must be one of"),
+        ({"cpu_act": "int8", "eager": True}, "--eager"),
+        ({"cpu_act": "int8", "device": "cuda"}, "--device cuda"),
+        ({"cpu_act": "int8", "tp": 2}, "--tp"),
+    ],
+)
+def test_configs_without_the_block_kernels_are_refused(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        EngineConfig(**kwargs)
+
+
+@needs_vnni
+def test_a_model_without_gguf_blocks_is_refused(tiny_model_dir):
+    from specchat.engine.engine import Engine
+
+    with pytest.raises(ConfigError, match="GGUF Q4_1 / Q8_0"):
+        Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", cpu_act="int8"))
+
+
+def gguf_model() -> Transformer:
+    """The tiny model with GGUF blocks in every block linear and a Q8_0 lm_head (as the default model's), so that
+    every linear of a step is batch-independent (torch's float GEMM is not)."""
+    torch.manual_seed(0)
+    model = with_gguf_blocks(Transformer(CFG).eval())
+    head = model.lm_head
+    g = torch.Generator().manual_seed(1)
+    blocks = (torch.randint(-127, 128, head.weight.shape, dtype=torch.int8, generator=g),)
+    blocks += ((torch.rand(head.weight.shape[0], head.weight.shape[1] // 32, generator=g) * 0.01).half().float(),)
+    head.weight.data = cpu_gemv.q8_dequantize(*blocks)
+    head.__class__, head.kind = BlockLinear, "q8_0"
+    for name, value in zip(("codes", "d"), blocks, strict=True):
+        head.register_buffer(name, value, persistent=False)
+    return model
+
+
+@needs_vnni
+def test_set_activations_swaps_the_packed_linears_both_ways():
+    model = gguf_model()
+    assert set_activations(model, "int8") == 4 * CFG.num_layers + 1
+    assert all(type(m) is Int8BlockLinear for m in model.modules() if isinstance(m, BlockLinear))
+    assert isinstance(model.layers[0].attn.wo.bound(), cpu_gemv_i8.Bound)
+    assert set_activations(model, "fp32") == 4 * CFG.num_layers + 1
+    assert not any(type(m) is Int8BlockLinear for m in model.modules())
+
+
+@needs_vnni
+def test_whole_block_call_equals_one_kernel_at_a_time_and_verification_equals_decode(monkeypatch):
+    """With int8 activations kernels/cpu_block.py still chains the same kernels as the per-op path (bit-equal
+    logits), and rows verified together equal the same rows decoded one at a time (lossless speculation)."""
+    model = gguf_model()
+    set_activations(model, "int8")
+    cpu_fusion.fuse(model)
+    prompt, tokens = [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3]
+    calls = []
+    block_call = cpu_block.decode_block
+    monkeypatch.setattr(cpu_block, "decode_block", lambda *a: calls.append(1) or block_call(*a))
+    verified, _ = run_steps(model, [prompt, tokens])
+    decoded, _ = run_steps(model, [prompt, *([t] for t in tokens)])
+    assert len(calls) == 6 * CFG.num_layers  # every step but the prefills went through the whole-block call
+    assert torch.equal(verified[1], torch.cat(decoded[1:]))
+    monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
+    ops, _ = run_steps(model, [prompt, tokens])
+    assert torch.equal(verified[1], ops[1])
+    set_activations(model, "fp32")  # and int8 stays close to float activations
+    floats, _ = run_steps(model, [prompt, tokens])
+    assert (verified[1] - floats[1]).norm() / floats[1].norm() < 0.02
+
+
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "Add type hints to this function and return the whole code:\n\n"
+    "def total(prices, tax):\n    result = 0\n    for price in prices:\n        result += price * (1 + tax)\n"
+    "    return result\n",
+]
+
+
+@pytest.fixture(scope="module")
+def int8_engine():
+    from specchat.engine.engine import Engine
+
+    return Engine.load(EngineConfig(device="cpu", dtype="float32", cpu_act="int8"))
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_default_model_reads_every_packed_linear_with_int8_rows(int8_engine):
+    packed = [m for m in int8_engine.model.modules() if isinstance(m, BlockLinear)]
+    assert len(packed) == 4 * int8_engine.model.cfg.num_layers + 1 and all(type(m) is Int8BlockLinear for m in packed)
+
+
+@pytest.mark.slow
+@needs_vnni
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculation_is_lossless_with_int8_activations(int8_engine, prompt):
+    """Every drafter at k = 4 gives plain greedy decoding's tokens (the verification rows' logits are the decode
+    rows' bit for bit)."""
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    encoded = int8_engine.encode_prompt(prompt)
+    drafters = ["none", "ngram", "heads", "ngram+heads", "eagle", "draft-model"]
+    handles = [int8_engine.submit(encoded, sampling, SpecParams(d, k=0 if d == "none" else 4)) for d in drafters]
+    plain, *spec = [h.result() for h in handles]
+    for drafter, fin in zip(drafters[1:], spec, strict=True):
+        assert fin.token_ids == plain.token_ids, f"{drafter} diverged from plain greedy"
+    assert sum(fin.stats.accepted for fin in spec) > 0
