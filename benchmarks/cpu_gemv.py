@@ -1,4 +1,5 @@
-"""The CPU block kernels (kernels/cpu_gemv.py) on the default model's shapes: this tree against a git revision.
+"""The CPU block kernels (kernels/cpu_gemv.py) on the default model's shapes: this tree against a git revision,
+and beside them the int8-activation kernels (kernels/cpu_gemv_i8.py) where the CPU has AVX512-VNNI.
 
     python benchmarks/cpu_gemv.py [--baseline REV] [--threads 1] [--rows 1 5] [--repeats 30]
 
@@ -7,6 +8,8 @@ flags and called through ctypes with the same random Q4_1 / Q8_0 blocks, calls i
 compared (max abs difference) on each shape. Shapes of SmolLM2-135M: fused wqkv 960x576, wo 576x576, fused
 gate_up 3072x576, down 576x1536 (Q4_1, 30 layers each), the tied head 49152x576 (Q8_0). Prints a markdown table
 of the median time per call and the per-token total (30 layers + head) with its weight bytes per second.
+The int8 column times cpu_gemv_i8's call on the same blocks (repacked; the activation rows' quantization
+included), interleaved with the others; its error column is the relative Frobenius distance to the float result.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.kernels import cpu_build, cpu_gemv
+from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 
 SHAPES = [  # name, N, K, kind, times per token
     ("wqkv", 960, 576, "q4_1", 30),
@@ -90,38 +93,57 @@ def main() -> None:
             f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
             f"threads {args.threads}, baseline {args.baseline} ({commit.strip()}), load average {' '.join(loadavg)}\n"
         )
-        print("| shape | N x K | kind | rows | baseline (us) | this tree (us) | speedup | max abs diff |")
-        print("|---|---|---|---:|---:|---:|---:|---:|")
-        totals = {(r, name): 0.0 for r in args.rows for name in libs}
+        int8 = cpu_gemv_i8.available()
+        names = [*libs, "int8"] if int8 else list(libs)
+        print(
+            "| shape | N x K | kind | rows | baseline (us) | this tree (us) | speedup | max abs diff "
+            "| int8 act (us) | vs this tree | int8 rel. error |"
+        )
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        totals = {(r, name): 0.0 for r in args.rows for name in names}
         token_bytes = 0
         for label, n, k, kind, count in SHAPES:
             w = weights(n, k, kind)
+            bound = cpu_gemv_i8.Bound(*w) if int8 else None
             token_bytes += nbytes(w) * count
             for rows in args.rows:
                 x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-                ys = {name: torch.empty(rows, n) for name in libs}
-                times = {name: [] for name in libs}
+                ys = {name: torch.empty(rows, n) for name in names}
+                times = {name: [] for name in names}
                 for _ in range(args.repeats):
                     for name, lib in libs.items():
                         t0 = time.perf_counter()
                         call(lib, x, w, ys[name], args.threads)
                         times[name].append(time.perf_counter() - t0)
+                    if bound is not None:
+                        t0 = time.perf_counter()
+                        ys["int8"] = bound(x, args.threads)
+                        times["int8"].append(time.perf_counter() - t0)
                 med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
-                for name in libs:
+                for name in names:
                     totals[(rows, name)] += med[name] * count
                 diff = (ys["baseline"] - ys["this tree"]).abs().max().item()
-                print(
+                line = (
                     f"| {label} | {n} x {k} | {kind} | {rows} | {med['baseline']:.1f} | {med['this tree']:.1f} "
                     f"| {med['baseline'] / med['this tree']:.2f}x | {diff:.1e} |"
                 )
+                if int8:
+                    error = ((ys["int8"] - ys["this tree"]).norm() / ys["this tree"].norm()).item()
+                    line += f" {med['int8']:.1f} | {med['this tree'] / med['int8']:.2f}x | {error:.1e} |"
+                print(line + ("" if int8 else " | | |"))
         print()
-        print("| rows | per token, baseline (ms) | this tree (ms) | speedup | weight GB/s, baseline | this tree |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print(
+            "| rows | per token, baseline (ms) | this tree (ms) | speedup | weight GB/s, baseline | this tree "
+            "| int8 act (ms) | vs this tree |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for rows in args.rows:
             b, t = totals[(rows, "baseline")] / 1e3, totals[(rows, "this tree")] / 1e3
-            print(
-                f"| {rows} | {b:.2f} | {t:.2f} | {b / t:.2f}x | {token_bytes / b / 1e6:.1f} | {token_bytes / t / 1e6:.1f} |"
-            )
+            line = f"| {rows} | {b:.2f} | {t:.2f} | {b / t:.2f}x | {token_bytes / b / 1e6:.1f} | {token_bytes / t / 1e6:.1f} |"
+            if int8:
+                i = totals[(rows, "int8")] / 1e3
+                line += f" {i:.2f} | {t / i:.2f}x |"
+            print(line + ("" if int8 else " | |"))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ Greedy. Two passes, because acceptance does not depend on timing but tok/s does:
    the configurations of a prompt back to back in a rotating order so that a busy machine slows them alike.
    Decode tok/s per category and its ratio to plain decoding in the same run (median over --repeats).
 
+`--cpu-act fp32,int8` runs both passes under each activation format of the CPU block kernels on one engine
+(engine/cpu_weights.set_activations between runs; the speed pass interleaves them like the configurations), so
+int8 and float activations are compared in one run; a prompt's plain decoding under each is also compared.
+
     python benchmarks/spec_decode.py --configs none,ngram:4,heads:4 --timed none,heads:4 --max-tokens 128
 """
 
@@ -24,7 +28,8 @@ from collections import defaultdict
 
 import torch
 
-from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.config import CPU_ACTIVATIONS, EngineConfig, SamplingParams, SpecParams
+from specchat.engine.cpu_weights import set_activations
 from specchat.engine.engine import Engine
 from specchat.engine.stats import SpecStats
 from specchat.engine.train_heads import CATEGORIES, load_prompt_set
@@ -41,26 +46,35 @@ def spec_of(config: str) -> SpecParams:
     return SpecParams(drafter=drafter, k=None if k == "auto" else int(k))
 
 
-def acceptance_pass(engine: Engine, prompts: list[dict], configs: list[str], max_tokens: int) -> dict:
-    """(category, config) -> (merged SpecStats, prompts whose tokens equal plain greedy, prompts)."""
+def acceptance_pass(engine: Engine, prompts: list[dict], configs: list[str], acts: list[str], max_tokens: int):
+    """(category, act, config) -> (merged SpecStats, prompts whose tokens equal plain greedy under the same
+    activations, prompts); and per category, prompts whose plain tokens are the same under every activation."""
     sampling = SamplingParams(max_tokens=max_tokens)
-    handles = {(p["id"], c): engine.submit(p["messages"], sampling, spec_of(c)) for p in prompts for c in configs}
-    results = {key: handle.result() for key, handle in handles.items()}
+    results = {}
+    for act in acts:
+        set_activations(engine.model, act)
+        handles = {(p["id"], c): engine.submit(p["messages"], sampling, spec_of(c)) for p in prompts for c in configs}
+        results |= {(pid, act, c): handle.result() for (pid, c), handle in handles.items()}
     cells: dict = defaultdict(lambda: [SpecStats(), 0, 0])
+    same_plain: dict = defaultdict(int)
     for p in prompts:
-        plain = results[(p["id"], "none")].token_ids
-        for c in configs:
-            fin = results[(p["id"], c)]
-            for category in (p["category"], "all"):
-                cell = cells[(category, c)]
-                cell[0].merge(fin.stats)
-                cell[1] += fin.token_ids == plain
-                cell[2] += 1
-    return cells
+        plains = [results[(p["id"], act, "none")].token_ids for act in acts]
+        for category in (p["category"], "all"):
+            same_plain[category] += all(tokens == plains[0] for tokens in plains)
+        for act, plain in zip(acts, plains, strict=True):
+            for c in configs:
+                fin = results[(p["id"], act, c)]
+                for category in (p["category"], "all"):
+                    cell = cells[(category, act, c)]
+                    cell[0].merge(fin.stats)
+                    cell[1] += fin.token_ids == plain
+                    cell[2] += 1
+    return cells, same_plain
 
 
-def speed_pass(engine: Engine, prompts: list[dict], configs: list[str], max_tokens: int, repeats: int) -> dict:
-    """(category, config) -> median over repeats of decode tok/s (tokens after the first / their decode time)."""
+def speed_pass(engine: Engine, prompts: list[dict], configs: list[tuple[str, str]], max_tokens: int, repeats: int):
+    """(category, act, config) -> median over repeats of decode tok/s (tokens after the first / their decode
+    time); `configs` are (activations, configuration) pairs."""
     sampling = SamplingParams(max_tokens=max_tokens)
     runs: dict = defaultdict(list)
     for repeat in range(repeats):
@@ -68,11 +82,12 @@ def speed_pass(engine: Engine, prompts: list[dict], configs: list[str], max_toke
         seconds: dict = defaultdict(float)
         for n, p in enumerate(prompts):
             shift = (n + repeat) % len(configs)
-            for c in configs[shift:] + configs[:shift]:
+            for act, c in configs[shift:] + configs[:shift]:
+                set_activations(engine.model, act)
                 fin = engine.submit(p["messages"], sampling, spec_of(c)).result()
                 for category in (p["category"], "all"):
-                    tokens[(category, c)] += max(0, len(fin.token_ids) - 1)
-                    seconds[(category, c)] += fin.decode_s
+                    tokens[(category, act, c)] += max(0, len(fin.token_ids) - 1)
+                    seconds[(category, act, c)] += fin.decode_s
             print(f"speed: repeat {repeat + 1}/{repeats}, prompt {n + 1}/{len(prompts)}", flush=True)
         for key, secs in seconds.items():
             runs[key].append(tokens[key] / secs if secs else 0.0)
@@ -90,10 +105,12 @@ def main() -> None:
     ap.add_argument("--timed-per-category", type=int, default=2, help="prompts per category in the speed pass")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="speed pass: tok/s is the median over repeats")
+    ap.add_argument("--cpu-act", default="fp32", help=f"comma list of {', '.join(CPU_ACTIVATIONS)}: each is run")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
-    engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype))
+    acts = args.cpu_act.split(",")
+    engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, cpu_act=acts[-1]))
     categories = args.categories.split(",")
     by_category = {c: [p for p in load_prompt_set("eval", (c,))] for c in categories}
     prompts = [p for c in categories for p in by_category[c][: args.per_category or None]]
@@ -102,34 +119,46 @@ def main() -> None:
     timed = ["none", *(c for c in args.timed.split(",") if c and c != "none")] if args.timed else []
 
     t0 = time.perf_counter()
-    cells = acceptance_pass(engine, prompts, configs, args.max_tokens)
-    print(f"acceptance pass: {len(prompts)} prompts x {len(configs)} configs in {time.perf_counter() - t0:.0f} s")
-    speed = speed_pass(engine, timed_prompts, timed, args.max_tokens, args.repeats) if timed else {}
+    cells, same_plain = acceptance_pass(engine, prompts, configs, acts, args.max_tokens)
+    print(
+        f"acceptance pass: {len(prompts)} prompts x {len(configs)} configs x {acts} in {time.perf_counter() - t0:.0f} s"
+    )
+    timed_pairs = [(act, c) for act in acts for c in timed]
+    speed = speed_pass(engine, timed_prompts, timed_pairs, args.max_tokens, args.repeats) if timed else {}
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(
         f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"{args.dtype}, greedy, {args.max_tokens} new tokens, commit {commit}"
     )
-    print("| category | drafter | k | acceptance | tokens/step | same as plain | tok/s | vs plain |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| category | activations | drafter | k | acceptance | tokens/step | same as plain | tok/s | vs plain "
+        f"| vs {acts[0]} plain |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     records = []
     for category in [*categories, "all"]:
-        # A timed configuration left out of the acceptance pass still gets its row (tok/s only).
-        for config in [*configs, *(c for c in timed if c not in configs)]:
-            stats, same, total = cells.get((category, config), (SpecStats(), 0, 0))
-            spec = spec_of(config)
-            tok_s = speed.get((category, config))
-            base = speed.get((category, "none"))
-            acc = f"{stats.acceptance_rate:.2f}" if stats.drafted else "-"
-            tps = f"{stats.tokens_per_step:.2f}" if total else "-"
-            speed_cols = f"{tok_s:.1f} | {tok_s / base:.2f}x" if tok_s and base else "| "
-            k = "auto" if spec.k is None else spec.k
-            print(f"| {category} | {spec.drafter} | {k} | {acc} | {tps} | {same}/{total} | {speed_cols} |")
-            records.append(
-                {"category": category, "config": config, "same": same, "prompts": total, "tok_s": tok_s}
-                | (stats.to_json() if total else {})
-            )
+        for act in acts:
+            # A timed configuration left out of the acceptance pass still gets its row (tok/s only).
+            for config in [*configs, *(c for c in timed if c not in configs)]:
+                stats, same, total = cells.get((category, act, config), (SpecStats(), 0, 0))
+                spec = spec_of(config)
+                tok_s = speed.get((category, act, config))
+                base, first = speed.get((category, act, "none")), speed.get((category, acts[0], "none"))
+                acc = f"{stats.acceptance_rate:.2f}" if stats.drafted else "-"
+                tps = f"{stats.tokens_per_step:.2f}" if total else "-"
+                speed_cols = f"{tok_s:.1f} | {tok_s / base:.2f}x | {tok_s / first:.2f}x" if tok_s and base else "| |"
+                k = "auto" if spec.k is None else spec.k
+                row = f"| {category} | {act} | {spec.drafter} | {k} | {acc} | {tps} | {same}/{total} | {speed_cols} |"
+                print(row)
+                records.append(
+                    {"category": category, "act": act, "config": config, "same": same, "prompts": total}
+                    | {"tok_s": tok_s}
+                    | (stats.to_json() if total else {})
+                )
+    if len(acts) > 1:
+        counts = ", ".join(f"{c} {same_plain[c]}" for c in [*categories, "all"])
+        print(f"\nplain greedy tokens equal under {' and '.join(acts)} (prompts): {counts}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "commit": commit, "rows": records}, f, indent=1)
