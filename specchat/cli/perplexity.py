@@ -8,7 +8,9 @@ scored exactly once, with at least context - stride tokens of history (all there
 
 Each window runs through the engine's own model and KV pool, in two forwards: the history first, then the
 scored tokens, which read their whole context back from the KV pages. So the weight format (`--weights`) and
-the page format (`--kv`) apply exactly as they do when chatting.
+the page format (`--kv`) apply exactly as they do when chatting. `--chunk N` feeds at most N tokens a forward
+instead: on the CPU, 64 or fewer go through the GGUF block kernels (--cpu-act) as decoding does, token by token
+bit for bit (their rows are batch-independent), where a longer chunk takes the float GEMM of a prompt's prefill.
 """
 
 from __future__ import annotations
@@ -57,8 +59,20 @@ def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
     return windows
 
 
-def perplexity(engine, ids: list[int], context: int, stride: int, progress=None) -> PerplexityResult:
-    """Perplexity of `engine`'s model on token ids, windows of `context` tokens every `stride` tokens."""
+def split_chunk(feed: list[int], start: int, rows: int, size: int) -> list[tuple[list[int], int, int]]:
+    """One forward's (feed, start position, trailing logit rows) as forwards of at most `size` tokens."""
+    end = start + len(feed)
+    return [
+        (feed[a - start : a - start + size], a, max(0, min(a + size, end) - max(a, end - rows)))
+        for a in range(start, end, size)
+    ]
+
+
+def perplexity(
+    engine, ids: list[int], context: int, stride: int, progress=None, chunk: int | None = None
+) -> PerplexityResult:
+    """Perplexity of `engine`'s model on token ids, windows of `context` tokens every `stride` tokens; `chunk`:
+    at most that many tokens a forward (None: the history and the scored tokens in one forward each)."""
     from specchat.engine.runner import StepBatch
 
     if not 0 < stride <= context:
@@ -75,6 +89,8 @@ def perplexity(engine, ids: list[int], context: int, stride: int, progress=None)
         first_row = score_from - 1 - begin  # window position whose logits predict the first scored token
         split = max(1, first_row)  # history chunk [0, split), scored chunk [split, len - 1)
         chunks = [(window[:split], 0, split - first_row), (window[split:-1], split, len(window) - 1 - split)]
+        if chunk is not None:
+            chunks = [part for feed, start, rows in chunks for part in split_chunk(feed, start, rows, chunk)]
         pool.add(PPL_SEQ_ID, [])
         try:
             logits = torch.cat(
@@ -105,8 +121,14 @@ def perplexity(engine, ids: list[int], context: int, stride: int, progress=None)
 )
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, help="tokens per window")
 @click.option("--stride", type=int, default=DEFAULT_STRIDE, show_default=True, help="tokens between windows")
+@click.option(
+    "--chunk",
+    type=click.IntRange(min=1),
+    default=None,
+    help="at most N tokens a forward (CPU: <= 64 scores through the block kernels, as decoding runs)",
+)
 @click.option("--json", "as_json", is_flag=True, help='print {"ppl", "tokens"} as JSON')
-def perplexity_command(model, device, dtype, weights, text_file, context, stride, as_json) -> None:
+def perplexity_command(model, device, dtype, weights, text_file, context, stride, chunk, as_json) -> None:
     """Perplexity of MODEL (default: smollm2-135m) on a text, through the engine's model and KV cache."""
     from specchat.engine.engine import Engine
 
@@ -118,7 +140,7 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
     config = engine_config(model, device, dtype, weights=weights)  # --kv and --kv-memory: model_options
     engine = Engine.load(config, progress=StderrProgress())
     ids = engine.tokenizer.encode(text)
-    result = perplexity(engine, ids, context, stride, progress=StderrProgress())
+    result = perplexity(engine, ids, context, stride, progress=StderrProgress(), chunk=chunk)
     if as_json:
         click.echo(json.dumps({"ppl": round(result.ppl, 4), "tokens": result.tokens}))
     else:

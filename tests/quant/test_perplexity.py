@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from specchat.cli import main
-from specchat.cli.perplexity import perplexity, sliding_windows
+from specchat.cli.perplexity import perplexity, sliding_windows, split_chunk
 from specchat.engine.runner import StepBatch
 
 
@@ -35,6 +35,21 @@ def test_perplexity_equals_one_full_forward_when_the_text_fits(engine) -> None:
     result = perplexity(engine, ids, context=256, stride=128)
     assert result.tokens == len(ids) - 1
     assert result.ppl == pytest.approx(math.exp(float(nll) / (len(ids) - 1)), rel=1e-5)
+
+
+def test_split_chunk_keeps_tokens_positions_and_logit_rows() -> None:
+    feed = list(range(10))
+    assert split_chunk(feed, 5, 3, 4) == [([0, 1, 2, 3], 5, 0), ([4, 5, 6, 7], 9, 1), ([8, 9], 13, 2)]
+    assert split_chunk(feed, 5, 10, 4) == [([0, 1, 2, 3], 5, 4), ([4, 5, 6, 7], 9, 4), ([8, 9], 13, 2)]
+    assert split_chunk(feed, 0, 0, 64) == [(feed, 0, 0)]
+
+
+def test_chunked_perplexity_scores_the_same_tokens(engine) -> None:
+    """Forwards of at most 5 tokens read the same context from the pages: the same perplexity up to rounding."""
+    ids = engine.tokenizer.encode("class TextWrapper:\n    def __init__(self, width=70):\n        self.width = width\n")
+    whole = perplexity(engine, ids, context=16, stride=8)
+    chunked = perplexity(engine, ids, context=16, stride=8, chunk=5)
+    assert chunked.tokens == whole.tokens and chunked.ppl == pytest.approx(whole.ppl, rel=1e-4)
 
 
 def test_cli_json(tiny_model_dir, tmp_path) -> None:
