@@ -14,9 +14,9 @@ step time at each k it has run, interpolates between them (and extrapolates with
 and runs a plain step now and then to keep the reference time fresh. Without step times (a caller that
 passes none) it uses C(k) = 1 + cost_per_draft * k.
 
-When no k > 0 pays it stops drafting and probes with k = 1 every `probe_every` steps, so that a change in the
-text (say, a code block after prose) is noticed. A k the user sets bypasses this controller (the engine keeps
-it fixed). Step times make k, and so the random draws of sampled verification, depend on timing: seeded
+When no k > 0 pays it stops drafting and probes with k = 1 every `probe_every` steps (a probe whose draft is
+rejected goes straight back to idling), so that a change in the text (say, a code block after prose) is
+noticed. A k the user sets bypasses this controller (the engine keeps it fixed). Step times make k, and so the random draws of sampled verification, depend on timing: seeded
 sampling repeats exactly with a fixed k.
 """
 
@@ -46,6 +46,7 @@ class AdaptiveK:
     step_ms: list[float | None] = field(default_factory=list)  # EMA of the step time at k = 0 .. k_max
     idle_steps: int = 0  # steps in a row that chose not to draft
     since_plain: int = 0  # timed drafting steps since the last timed plain step
+    probing: bool = False  # the step being observed is a probe
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or not 0.0 < self.ema <= 1.0 or self.cost_per_draft < 0 or self.probe_every < 1:
@@ -127,6 +128,7 @@ class AdaptiveK:
 
     def update(self, k: int, accepted: int, step_ms: float | None = None) -> int:
         """Observe a step (k drafts, `accepted` kept, optionally its wall time) and return k for the next step."""
+        probed, self.probing = self.probing, False
         # Positions 1..accepted were accepted; position accepted + 1 was tested and rejected (if it exists).
         for i in range(min(accepted + 1, k, self.k_max)):
             seen = 1.0 if i < accepted else 0.0
@@ -139,13 +141,16 @@ class AdaptiveK:
             self.since_plain = 0 if k == 0 else self.since_plain + 1
             if k > 0 and (self.step_ms[0] is None or self.since_plain >= REMEASURE_PLAIN_EVERY):
                 return 0  # one plain step to (re)measure the reference time
+        if probed and accepted == 0:  # a failed probe: back to idling, not k = 1 until the first rate decays
+            self.idle_steps += 1
+            return 0
         nxt = self.best_k()
         if nxt > 0:
             self.idle_steps = 0
             return nxt
         self.idle_steps += 1
         if self.idle_steps >= self.probe_every:
-            self.idle_steps = 0
+            self.idle_steps, self.probing = 0, self.k_max > 0
             return min(1, self.k_max)
         return 0
 

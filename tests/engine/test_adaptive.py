@@ -52,6 +52,16 @@ def test_a_successful_probe_resumes_drafting():
     assert k == 4
 
 
+def test_a_failed_probe_goes_straight_back_to_idling():
+    ctl = AdaptiveK(k_max=4, probe_every=3)
+    k = 4
+    while not ctl.probing:  # reject every draft until the controller idles and then probes
+        k = ctl.update(k, 0)
+    assert k == 1 and ctl.update(1, 0) == 0  # the probe's draft rejected: idle again at once
+    ks = [k := ctl.update(k, 0) for _ in range(9)]
+    assert ks == [0, 1, 0, 0, 1, 0, 0, 1, 0]  # a probe every probe_every steps, the failed probe's step counted
+
+
 def test_only_tested_positions_learn():
     ctl = AdaptiveK(k_max=4, prior=0.6, ema=0.5)
     ctl.update(4, 1)  # draft 1 accepted, draft 2 rejected, drafts 3 and 4 never judged
@@ -281,18 +291,28 @@ def test_a_step_the_gate_keeps_from_drafting_costs_no_more_than_plain(tiny_engin
     from tests.engine.test_drafters import random_heads
 
     tiny_engine.drafters["heads:gated"] = HeadsDrafter(random_heads(tiny_engine.model), tiny_engine.model)
-    handle = tiny_engine.submit(
-        "hello", SamplingParams(max_tokens=30, ignore_eos=True), SpecParams("heads:gated", k=None)
-    )
+    sampling, spec = SamplingParams(max_tokens=30, ignore_eos=True), SpecParams("heads:gated", k=None)
+    handles = [tiny_engine.submit(prompt, sampling, spec) for prompt in ("hello", "hi there")]
     scheduler = tiny_engine.scheduler
-    while not scheduler.running or scheduler.running[0].in_prefill or not scheduler.running[0].hidden:
+    while len(scheduler.running) < 2 or any(s.in_prefill or not s.hidden for s in scheduler.running):
         tiny_engine.step()
-    seq = scheduler.running[0]
-    scheduler.gates[1] = DraftGate(ms_per_token={True: 2.0, False: 1.0})  # plain decoding measured faster
-    rates, k = list(seq.adaptive.rates), seq.k
+    seqs = list(scheduler.running)
+    scheduler.gates[2] = DraftGate(ms_per_token={True: 2.0, False: 1.0})  # plain decoding measured faster
+    before = [(list(s.adaptive.rates), s.k) for s in seqs]
     plan, _ = scheduler.schedule()
-    assert plan.taps == () and [item.k for item in plan.items] == [0]
+    assert plan.taps == () and [item.k for item in plan.items] == [0, 0]
     scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
-    assert seq.hidden == {} and seq.adaptive.rates == rates and seq.k == k
-    del scheduler.gates[1]
+    assert all(s.hidden == {} for s in seqs) and [(s.adaptive.rates, s.k) for s in seqs] == before
+    del scheduler.gates[2]
+    for handle in handles:
+        handle.result()
+
+
+def test_a_request_decoding_alone_is_left_to_its_controller(tiny_engine):
+    """No DraftGate for a batch of one: the request's own step times are the whole step's."""
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    spec = SpecParams("fixed-wrong", k=None)
+    handle = tiny_engine.submit("hello", SamplingParams(max_tokens=8, ignore_eos=True), spec)
+    tiny_engine.scheduler.gates.clear()
     handle.result()
+    assert tiny_engine.scheduler.gates == {}
