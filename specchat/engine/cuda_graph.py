@@ -201,8 +201,9 @@ class CudaGraphRunner(ModelRunner):
         """The width of the step graph that request i's prompt after cached context pads to, if one can take it.
         (Fresh prompts keep their prefill graphs: run through the step graph at position 0 on the H200, their
         greedy outputs differed from the eager runner's in test_fast_path_equals_eager_on_concurrent_requests, on
-        its tiny random model; whether that is the paged kernel's rounding against SDPA on near-tied logits or a
-        fault is not settled yet.)"""
+        its tiny random model. The likely reason: the eager runner attends fresh prompts with SDPA, as the prefill
+        graph does, and the step graph with the paged kernel, which rounds differently; prompts after cached
+        context take the paged kernel on both paths. Not settled on the device.)"""
         n, start = len(batch.feeds[i]), batch.start_positions[i]
         if start == 0 or batch.logit_rows[i] > 1 or (q := _bucket(n, PROMPT_WIDTHS)) is None:
             return None
