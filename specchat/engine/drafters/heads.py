@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.engine.cuda_graph import GraphedFunction
+from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.model import RMSNorm, Transformer
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
@@ -157,11 +158,14 @@ class DraftVocabOutput:
         self.norm = model.norm
         weight = model.lm_head.weight.detach()
         full = len(draft_vocab) == weight.shape[0]
-        self.weight = weight if full else weight[draft_vocab.to(weight.device)].contiguous()  # [Vd, d]
+        rows = weight if full else weight[draft_vocab.to(weight.device)].contiguous()  # [Vd, d]
+        # a linear over those rows (heads_cpu.pack_for_cpu swaps it for one reading them as GGUF blocks)
+        self.rows = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        self.rows.weight = nn.Parameter(rows, requires_grad=False)
 
     def __call__(self, state: torch.Tensor) -> torch.Tensor:
         """state [..., d] -> logits [..., Vd] in fp32."""
-        return F.linear(self.norm(state), self.weight).float()
+        return self.rows(self.norm(state)).float()
 
 
 def choose_tokens(
@@ -196,7 +200,7 @@ class HeadsDrafter(Drafter):
 
     name = "heads"
 
-    def __init__(self, heads: DraftHeads, model: Transformer, graphs: bool = True) -> None:
+    def __init__(self, heads: DraftHeads, model: Transformer, graphs: bool = True, cpu_blocks: bool = True) -> None:
         weight = model.lm_head.weight
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         self.cfg = heads.cfg
@@ -205,6 +209,8 @@ class HeadsDrafter(Drafter):
         self.vocab_size = model.cfg.vocab_size
         self.draft_vocab = self.heads.draft_vocab  # [Vd]
         self.output = DraftVocabOutput(model, self.draft_vocab)
+        if cpu_blocks and heads_cpu.packable(model):  # the target reads GGUF blocks on the CPU: so do the heads
+            heads_cpu.pack_for_cpu(self, model)
         # greedy drafting: a CUDA graph per batch bucket and depth, over the embedding the model has now
         self.chain = GraphedFunction(
             self.greedy_chain, lambda: tuple(p.data_ptr() for p in self.embed.parameters()), enabled=graphs
@@ -225,7 +231,9 @@ class HeadsDrafter(Drafter):
             return drafts
         group = [seqs[i] for i in ready]
         depth = min(max(ks[i] for i in ready), self.cfg.num_heads)
-        hidden = torch.stack([seq.hidden[self.cfg.tap][-1] for seq in group]).to(self.output.weight.dtype)  # [B, d]
+        hidden = torch.stack([seq.hidden[self.cfg.tap][-1] for seq in group]).to(
+            self.output.rows.weight.dtype
+        )  # [B, d]
         prev = torch.tensor([seq.all_ids[-1] for seq in group], device=hidden.device)  # [B] newest tokens
         if all(seq.sampling.greedy for seq in group):  # the whole chain in one launch, one read-back
             chain = self.chain(depth, hidden, prev).tolist()  # [B, depth]
@@ -271,7 +279,7 @@ class HeadsDrafter(Drafter):
 
     def warm_up(self, sessions: int) -> None:
         """Capture the chain's graphs (every depth, every batch bucket up to `sessions`') before the first step."""
-        weight = self.output.weight
+        weight = self.output.rows.weight
 
         def row(depth: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (torch.zeros(1, self.cfg.hidden_size, dtype=weight.dtype, device=weight.device),

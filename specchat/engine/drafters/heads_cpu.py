@@ -1,0 +1,99 @@
+"""The draft heads on the CPU read as int8 blocks: a transform of a HeadsDrafter (docs/style.md #6).
+
+At batch 1 the heads' drafting is bound by the bytes it reads: per draft position one head block (up [f, 2d] and
+down [d, f]) and the draft-vocabulary rows of the lm_head ([Vd, d]), in float32 4 bytes a weight, ~23 MB a
+position for the default model (~91 MB a k = 4 step, which also pushes the target's blocks out of the cache).
+`pack_for_cpu(drafter, model)` gives the drafter, where the target reads its own weights as GGUF blocks
+(engine/cpu_weights.pack_blocks: a float32 model on the CPU, not --eager), the same work on Q8_0 blocks, 1.06
+bytes a weight, through the block kernels the target uses:
+
+- the draft-vocabulary output takes the lm_head's own GGUF blocks, the rows of `draft_vocab` sliced once: the
+  same weights as the float slice (the float lm_head is their dequantization);
+- each head's linears are quantized to Q8_0 as gguf's quantize_row_q8_0 does (`quantize_q8_0`): d = max|w| / 127
+  per block of 32, stored as float16, q = round(w / d). This rounds the trained weights (bf16 in the file);
+- both multiply with int8 activation rows (kernels/cpu_gemv_i8.py) where the CPU has AVX512-VNNI, whatever
+  `--cpu-act` says for the target, else with float rows (kernels/cpu_gemv.py);
+- the heads' RMSNorms run as the C kernel (engine/cpu_fusion.CpuRMSNorm).
+
+So the packed heads may propose other tokens than the float heads where two draft logits nearly tie. That costs
+no exactness: the target verifies every draft (docs/speculative.md). The float heads (`--eager`, or
+`HeadsDrafter(..., cpu_blocks=False)`) are the reference; tests/engine/test_heads_cpu.py holds the packed ones to
+their own plain reference (the dequantized weights, int8 rows as cpu_gemv_i8's references round them).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from specchat.engine import cpu_fusion
+from specchat.engine.cpu_weights import BlockLinear, Int8BlockLinear
+from specchat.kernels import cpu_gemv, cpu_gemv_i8
+
+if TYPE_CHECKING:
+    from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
+    from specchat.engine.model import Transformer
+
+BLOCK = cpu_gemv.BLOCK
+Q8_MAX = 127  # largest Q8_0 code magnitude
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> Q8_0 blocks (codes int8 [N, K], d float32 [N, K/32]: float16 values), as gguf's
+    quantize_row_q8_0: d = max|w| / 127 per block of 32, q = round(w / d) with the unrounded d."""
+    n, k = weight.shape
+    assert k % BLOCK == 0, f"Q8_0 needs rows of a multiple of {BLOCK} weights, got {k}"
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)  # [N, G, 32]
+    d = blocks.abs().amax(dim=-1) / Q8_MAX  # [N, G]
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(blocks * inv[..., None]).clamp(-Q8_MAX, Q8_MAX).to(torch.int8)
+    return codes.reshape(n, k).contiguous(), d.half().float().contiguous()
+
+
+def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
+    """A bias-free linear over GGUF `blocks` (codes, d[, m]) whose float weight is `weight` (rows above
+    cpu_gemv.MAX_ROWS use it), multiplying with int8 rows where the CPU has AVX512-VNNI."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    linear.__class__ = Int8BlockLinear if cpu_gemv_i8.available() else BlockLinear
+    linear.kind = kind
+    for name, value in zip(("codes", "d", "m"), blocks, strict=False):
+        linear.register_buffer(name, value.contiguous(), persistent=False)
+    linear.bound()  # repacked now, not in the first draft step
+    return linear
+
+
+def pack_heads(heads: DraftHeads) -> DraftHeads:
+    """A copy of `heads` whose linears read Q8_0 blocks of their weights and whose norms are the C kernel."""
+    packed = copy.deepcopy(heads)
+    for block in packed.blocks:
+        for name in ("up", "down"):
+            plain = getattr(block, name)
+            codes, d = quantize_q8_0(plain.weight)
+            setattr(block, name, block_linear(cpu_gemv.q8_dequantize(codes, d), (codes, d), "q8_0"))
+    cpu_fusion.fuse(packed)
+    return packed
+
+
+def draft_vocab_rows(model: Transformer, draft_vocab: torch.Tensor, weight: torch.Tensor) -> BlockLinear:
+    """The lm_head's GGUF block rows of `draft_vocab` as a linear (its float weight: `weight`, those rows
+    dequantized): state [B, d] -> logits [B, Vd]."""
+    head = model.lm_head
+    assert isinstance(head, BlockLinear), "the target's lm_head does not read GGUF blocks"
+    blocks = tuple(head._buffers[name][draft_vocab] for name in ("codes", "d", "m") if name in head._buffers)
+    return block_linear(weight, blocks, head.kind)
+
+
+def packable(model: Transformer) -> bool:
+    """Whether the target reads its lm_head as GGUF blocks on the CPU (the heads then read blocks too)."""
+    return isinstance(model.lm_head, BlockLinear) and cpu_gemv.available()
+
+
+def pack_for_cpu(drafter: HeadsDrafter, model: Transformer) -> None:
+    """Swap the drafter's heads and its draft-vocabulary rows for their block forms (see the module docstring)."""
+    drafter.heads = pack_heads(drafter.heads)
+    output = drafter.output
+    output.rows = draft_vocab_rows(model, drafter.draft_vocab, output.rows.weight)

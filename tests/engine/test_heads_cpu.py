@@ -1,0 +1,126 @@
+"""The draft heads read as Q8_0 blocks on the CPU (engine/drafters/heads_cpu.py) against their plain reference:
+the quantizer against gguf's, the packed drafter's logits and greedy drafts against the same arithmetic in torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specchat.config import SamplingParams
+from specchat.engine.cpu_weights import BlockLinear
+from specchat.engine.drafters import heads_cpu
+from specchat.engine.drafters.heads import DraftHeads, HeadsConfig, HeadsDrafter
+from specchat.engine.model import Transformer
+from specchat.kernels import cpu_gemv, cpu_gemv_i8, cpu_ops
+from tests.engine.test_drafters import FakeSeq
+from tests.engine.test_fusion import CFG
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_gemv.available() and cpu_ops.available()), reason="no C compiler for the CPU kernels"
+)
+
+
+def test_quantize_q8_0_matches_gguf_bytes():
+    from gguf import GGMLQuantizationType, quants
+
+    torch.manual_seed(0)
+    weight = torch.randn(6, 96) * torch.tensor([1e-3, 0.1, 3.0]).repeat_interleave(32)  # blocks of three scales
+    weight[2, 32:64] = 0.0  # an all-zero block: d = 0, codes 0
+    codes, d = heads_cpu.quantize_q8_0(weight)
+    raw = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0).reshape(6, 3, 34)  # fp16 d + 32 codes
+    assert np.array_equal(d.numpy(), raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    assert np.array_equal(codes.numpy(), raw[..., 2:].copy().view(np.int8).reshape(6, 96))
+    assert float(d[2, 1]) == 0.0 and not codes[2, 32:64].any()
+
+
+def packed_target() -> Transformer:
+    """The tiny model with its lm_head read as Q8_0 blocks (its float weight their dequantization), as
+    cpu_weights.pack_blocks leaves a GGUF model whose output tensor is Q8_0."""
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval()
+    codes, d = heads_cpu.quantize_q8_0(model.lm_head.weight)
+    model.lm_head = heads_cpu.block_linear(cpu_gemv.q8_dequantize(codes, d), (codes, d), "q8_0")
+    return model
+
+
+def random_heads(model: Transformer, num_heads: int = 4) -> DraftHeads:
+    vocab = torch.randperm(CFG.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
+    heads = DraftHeads(HeadsConfig.for_model(model, num_heads), vocab)
+    torch.manual_seed(1)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.down.weight, std=0.5)
+    return heads
+
+
+def reference_linear(x: torch.Tensor, linear: BlockLinear) -> torch.Tensor:
+    """What the block kernel computes, in plain torch: int8 rows where the CPU has AVX512-VNNI, else float."""
+    ref = cpu_gemv_i8.q8_linear_ref if cpu_gemv_i8.available() else cpu_gemv.q8_linear_ref
+    return ref(x, linear.codes, linear.d)
+
+
+def reference_chain(drafter: HeadsDrafter, model: Transformer, hidden: torch.Tensor, prev: torch.Tensor, depth: int):
+    """The packed drafter's greedy chain as plain torch: (drafts [B, depth], logits [depth, B, Vd])."""
+    tokens, logits, state = [], [], hidden
+    for block in drafter.heads.blocks[:depth]:
+        eps = block.state_norm.eps
+        u = torch.cat(
+            [
+                cpu_ops.rms_norm_ref(state, block.state_norm.weight, eps),
+                cpu_ops.rms_norm_ref(model.embed(prev), block.embed_norm.weight, eps),
+            ],
+            dim=-1,
+        )  # [B, 2d]
+        state = state + reference_linear(F.silu(reference_linear(u, block.up)), block.down)  # [B, d]
+        normed = cpu_ops.rms_norm_ref(state, model.norm.weight, model.norm.eps)
+        logits.append(reference_linear(normed, drafter.output.rows))  # [B, Vd]
+        prev = drafter.draft_vocab[logits[-1].argmax(-1)]
+        tokens.append(prev)
+    return torch.stack(tokens, dim=1), torch.stack(logits)
+
+
+def test_packed_heads_draft_what_their_reference_computes():
+    model = packed_target()
+    heads = random_heads(model)
+    plain = HeadsDrafter(heads, model, cpu_blocks=False)
+    packed = HeadsDrafter(heads, model)
+    assert type(plain.heads.blocks[0].up) is torch.nn.Linear  # the caller's heads stay float
+    assert all(isinstance(b.up, BlockLinear) and isinstance(b.down, BlockLinear) for b in packed.heads.blocks)
+    rows = packed.output.rows
+    assert torch.equal(rows.codes, model.lm_head.codes[heads.draft_vocab])  # the target's own blocks, sliced
+    assert torch.equal(rows.weight, plain.output.rows.weight)
+
+    torch.manual_seed(2)
+    hidden = torch.randn(8, CFG.hidden_size) * 2
+    prev = torch.randint(0, CFG.vocab_size, (8,))
+    with torch.inference_mode():
+        chain = packed.greedy_chain(4, hidden, prev)
+        want, want_logits = reference_chain(packed, model, hidden, prev, 4)
+        state = packed.heads.blocks[0](hidden, model.embed(prev))
+        torch.testing.assert_close(packed.output(state), want_logits[0], rtol=1e-4, atol=1e-4)
+        float_chain = plain.greedy_chain(4, hidden, prev)
+    assert chain.tolist() == want.tolist()
+    # the quantized heads mostly draft what the float ones do (on random heads: a loose check of the wiring)
+    assert (chain == float_chain).float().mean() > 0.5
+
+
+def test_packed_chain_equals_step_by_step_drafting():
+    """The packed drafter's two paths (the graphed chain, the position-by-position one) share the packed modules."""
+    model = packed_target()
+    drafter = HeadsDrafter(random_heads(model), model)
+    torch.manual_seed(3)
+    hidden = torch.randn(3, CFG.hidden_size)
+    prev = torch.tensor([5, 17, 33])
+    group = [FakeSeq(i, [1, int(p)], SamplingParams()) for i, p in enumerate(prev)]
+    with torch.inference_mode():
+        chain = drafter.greedy_chain(4, hidden, prev)
+        steps = drafter.draft_steps(group, hidden, prev, 4)
+    assert chain.T.tolist() == [tokens for tokens, _ in steps]
+
+
+def test_a_target_without_blocks_keeps_the_float_heads():
+    model = Transformer(CFG).eval()
+    drafter = HeadsDrafter(random_heads(model), model)
+    assert not heads_cpu.packable(model)
+    assert type(drafter.heads.blocks[0].up) is torch.nn.Linear and type(drafter.output.rows) is torch.nn.Linear
