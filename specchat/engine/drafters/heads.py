@@ -16,7 +16,8 @@ the state s_{i-1} of the head before it instead of h_t:
 Draft vocabulary: on a CPU one lm_head product (49k x 576 for the default model) costs as much as a fifth of
 a target step, once per draft token for sequential heads. Heads therefore choose from the `draft_vocab`
 most frequent tokens of their training data only (as FR-Spec, Zhao et al. 2025, does for EAGLE): the
-target still verifies every draft, so this changes speed, never the output.
+target still verifies every draft, so this changes speed, never the output. Where the target reads its weights
+as GGUF blocks on the CPU, the heads and those lm_head rows are read as Q8_0 blocks too (heads_cpu.py).
 
 File format: a safetensors file with the head weights and `draft_vocab` (token ids, int64), and metadata
 "format" = HEADS_FORMAT, "config" = HeadsConfig as JSON, "target" = what the heads were trained on.

@@ -2,10 +2,12 @@
 
 At batch 1 the heads' drafting is bound by the bytes it reads: per draft position one head block (up [f, 2d] and
 down [d, f]) and the draft-vocabulary rows of the lm_head ([Vd, d]), in float32 4 bytes a weight, ~23 MB a
-position for the default model (~91 MB a k = 4 step, which also pushes the target's blocks out of the cache).
+position for the default model (~91 MB a k = 4 step: 4.7 ms a chain repeated alone, ~8 ms inside decoding,
+where the target's forward runs between chains and leaves less of it in the cache).
 `pack_for_cpu(drafter, model)` gives the drafter, where the target reads its own weights as GGUF blocks
 (engine/cpu_weights.pack_blocks: a float32 model on the CPU, not --eager), the same work on Q8_0 blocks, 1.06
-bytes a weight, through the block kernels the target uses:
+bytes a weight (1.125 as the kernels hold them: a float32 scale per 32 codes; ~26 MB a k = 4 step), through the
+block kernels the target uses:
 
 - the draft-vocabulary output takes the lm_head's own GGUF blocks, the rows of `draft_vocab` sliced once: the
   same weights as the float slice (the float lm_head is their dequantization);
