@@ -104,8 +104,10 @@ def main() -> None:
     load_s = load_to_first_token(EngineConfig(device="cpu"), PROMPTS[0])
 
     variants = {  # name -> (EngineConfig kwargs, drafter)
-        "specchat default (auto: float32 + GGUF blocks), plain": ({}, "none"),
+        "specchat default (float32, GGUF blocks, --cpu-act auto), plain": ({}, "none"),
         "specchat default, ngram drafter": ({}, "ngram"),
+        "specchat --cpu-act fp32 (GGUF blocks, float rows), plain": ({"cpu_act": "fp32"}, "none"),
+        "specchat --cpu-act fp32, ngram drafter": ({"cpu_act": "fp32"}, "ngram"),
         "specchat float32 --eager (dequantized), plain": ({"dtype": "float32", "eager": True}, "none"),
         "specchat float32 --eager, ngram drafter": ({"dtype": "float32", "eager": True}, "ngram"),
         "specchat bfloat16 --eager, plain": ({"dtype": "bfloat16", "eager": True}, "none"),

@@ -16,7 +16,9 @@ KV_FORMATS = ("bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats (engin
 KV_CHOICES = ("auto", *KV_FORMATS)  # auto = the model dtype's dense format
 WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = unquantized, in the model dtype (quant.handler)
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto = as the checkpoint stores them
-CPU_ACTIVATIONS = ("fp32", "int8")  # activation rows of the CPU block kernels (engine.cpu_weights.set_activations)
+# activation rows of the CPU block kernels (engine.cpu_weights.set_activations); auto: int8 where the CPU block
+# kernels run and the CPU has AVX512-VNNI, fp32 elsewhere
+CPU_ACTIVATIONS = ("auto", "fp32", "int8")
 # Drafters by kind (engine.drafters.make_drafter builds them); `default` names the model's models.toml drafter.
 DRAFTERS = ("none", "ngram", "heads", "ngram+heads", "eagle", "draft-model")
 DRAFTER_ARGS = {"heads": "FILE", "ngram+heads": "FILE", "eagle": "DIR", "draft-model": "NAME"}  # take `kind:ARG`
@@ -98,7 +100,7 @@ class EngineConfig:
     warm_up: bool = True  # CUDA: compile kernels and capture the chat's graphs at load (Engine.warm_up)
     weights: str = "auto"  # "auto" = as loaded
     tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
-    cpu_act: str = "fp32"  # CPU GGUF-block linears: float32 activation rows, or int8 per block of 32 (AVX512-VNNI)
+    cpu_act: str = "auto"  # CPU GGUF-block linears: float32 activation rows, or int8 per block of 32 (AVX512-VNNI)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -121,6 +123,6 @@ class EngineConfig:
             raise ConfigError(f"--tp must be >= 1, got {self.tp}")
         if self.cpu_act not in CPU_ACTIVATIONS:
             raise ConfigError(f"cpu-act must be one of {', '.join(CPU_ACTIVATIONS)}, got {self.cpu_act!r}")
-        if self.cpu_act != "fp32" and (self.device == "cuda" or self.eager or self.tp > 1):
+        if self.cpu_act == "int8" and (self.device == "cuda" or self.eager or self.tp > 1):
             why = "--device cuda" if self.device == "cuda" else "--eager" if self.eager else "--tp > 1"
             raise ConfigError(f"--cpu-act {self.cpu_act} needs the CPU block kernels, which {why} does not use")

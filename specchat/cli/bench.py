@@ -217,7 +217,7 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
         raise click.UsageError(f"--synthetic {shape} builds its own model; leave out MODEL ({model})")
     if shape is not None and tp != 1:
         raise click.UsageError("--tp works with --sessions; --synthetic builds one unsharded model")
-    if shape is not None and cpu_act != "fp32":
+    if shape is not None and cpu_act == "int8":
         raise click.UsageError(
             "--cpu-act works with --sessions; --synthetic builds random float weights, not GGUF blocks"
         )

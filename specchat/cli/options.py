@@ -28,9 +28,10 @@ from specchat.errors import ConfigError, ModelNotFoundError
 cpu_act_option = click.option(
     "--cpu-act",
     type=click.Choice(CPU_ACTIVATIONS),
-    default="fp32",
+    default="auto",
     show_default=True,
-    help="CPU, GGUF Q4_1/Q8_0 weights: activation rows of the block kernels; int8 = per block of 32, AVX512-VNNI",
+    help="CPU, GGUF Q4_1/Q8_0 weights: activation rows of the block kernels; int8 = per block of 32, AVX512-VNNI "
+    "(auto: int8 where the CPU has it, fp32 elsewhere and with --eager)",
 )
 
 

@@ -156,8 +156,10 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
     if cpu_kernels and path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
-    if config.cpu_act != "fp32":
+    if config.cpu_act == "int8":
         use_cpu_activations(model, config.cpu_act, cpu_kernels)
+    elif config.cpu_act == "auto" and cpu_kernels and cpu_gemv_i8.available():
+        set_activations(model, "int8")  # the GGUF-block linears, if the model has any; the rest stays float
     if cpu_kernels:
         cpu_fusion.fuse(model)
     budget = config.kv_memory or default_kv_budget(device)

@@ -33,6 +33,22 @@ def test_configs_without_the_block_kernels_are_refused(kwargs, needle):
         EngineConfig(**kwargs)
 
 
+def test_auto_is_the_default_and_never_refused():
+    """auto (the default) is int8 where the CPU block kernels run with VNNI, fp32 elsewhere: never an error."""
+    assert EngineConfig().cpu_act == "auto"
+    for kwargs in ({"eager": True}, {"device": "cuda"}, {"tp": 2}):
+        EngineConfig(**kwargs)
+
+
+def test_auto_keeps_float_rows_where_int8_cannot_run(tiny_model_dir):
+    """A model without GGUF blocks, and --eager, load under auto as they did before it."""
+    from specchat.engine.engine import Engine
+
+    for eager in (False, True):
+        engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", eager=eager))
+        assert not any(isinstance(m, Int8BlockLinear) for m in engine.model.modules())
+
+
 @needs_vnni
 def test_a_model_without_gguf_blocks_is_refused(tiny_model_dir):
     from specchat.engine.engine import Engine
@@ -110,6 +126,16 @@ def int8_engine():
 def test_default_model_reads_every_packed_linear_with_int8_rows(int8_engine):
     packed = [m for m in int8_engine.model.modules() if isinstance(m, BlockLinear)]
     assert len(packed) == 4 * int8_engine.model.cfg.num_layers + 1 and all(type(m) is Int8BlockLinear for m in packed)
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_the_default_config_takes_int8_rows_on_this_cpu():
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(device="cpu", dtype="float32"))
+    packed = [m for m in engine.model.modules() if isinstance(m, BlockLinear)]
+    assert packed and all(type(m) is Int8BlockLinear for m in packed)
 
 
 @pytest.mark.slow
