@@ -27,7 +27,7 @@ from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import format_for_dtype
 from specchat.engine.loader import Progress
-from specchat.engine.loading import load_parts, make_runner
+from specchat.engine.loading import load_parts, make_runner, pack_cpu_weights
 from specchat.engine.model import Transformer
 from specchat.engine.sampling import make_generator
 from specchat.engine.scheduler import Scheduler
@@ -302,7 +302,12 @@ class Engine:
         self.weights.prepare(fmt, progress)
         with self._lock:
             self._drain_commands()
+            switched = fmt != self.weights.current
             self.weights.set(fmt)
+            sources = self.weights.sources
+            if switched and fmt == "bf16" and self.pool.cpu_kernels and sources.model_path is not None:
+                # the dense linears read back from the file: the CPU kernels' GGUF blocks again, as at load
+                pack_cpu_weights(self.model, sources.model_path, sources.dense_file, self.config.cpu_act)
             self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
 
     def apply(self, command: Callable[[], None]) -> Future:

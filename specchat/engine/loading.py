@@ -111,6 +111,18 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, progre
     return path, model, packed, meta, cache
 
 
+def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu_act: str) -> None:
+    """A CPU model read from a GGUF file, for the C kernels (not --eager): its linears that the file stores as Q4_1 /
+    Q8_0 blocks read them as stored, with the activation rows `cpu_act` picks. At load, and again where a switch
+    back from MXFP4 weights (Engine.set_weights) has put plain dense linears in their place."""
+    if path.is_file():
+        pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
+    if cpu_act == "int8":
+        use_cpu_activations(model, cpu_act, cpu_kernels=True)
+    elif cpu_act == "auto" and cpu_gemv_i8.available():
+        set_activations(model, "int8")  # the GGUF-block linears, if the model has any; the rest stays float
+
+
 def use_cpu_activations(model: Transformer, activations: str, cpu_kernels: bool) -> None:
     """--cpu-act int8: the GGUF-block linears take int8 activation rows; a ConfigError where they cannot."""
     flag = f"--cpu-act {activations}"
@@ -154,12 +166,10 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads())
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
-    if cpu_kernels and path.is_file():
-        pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
-    if config.cpu_act == "int8":
-        use_cpu_activations(model, config.cpu_act, cpu_kernels)
-    elif config.cpu_act == "auto" and cpu_kernels and cpu_gemv_i8.available():
-        set_activations(model, "int8")  # the GGUF-block linears, if the model has any; the rest stays float
+    if cpu_kernels:
+        pack_cpu_weights(model, path, converted, config.cpu_act)
+    elif config.cpu_act == "int8":
+        use_cpu_activations(model, config.cpu_act, cpu_kernels)  # its one-line error
     if cpu_kernels:
         cpu_fusion.fuse(model)
     budget = config.kv_memory or default_kv_budget(device)

@@ -22,6 +22,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Module attributes where the engine keeps these kernels' bindings of a module's tensors (ctypes views:
+# engine/cpu_weights.py's BlockLinear "_bound" and Int8BlockLinear "_bound_i8", engine/cpu_fusion.py's CpuBlock
+# "_block_weights"). Each is rebuilt at first use where absent, so a copy of a module leaves them out (quant.gptq):
+# ctypes objects holding pointers cannot be copied.
+KERNEL_CACHES = ("_bound", "_bound_i8", "_block_weights")
+
 
 def kernel_dir() -> Path:
     """$SPECCHAT_HOME/kernels (the same home as registry.py's; kernels/ imports nothing else of specchat)."""

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat.kernels.cpu_build import KERNEL_CACHES
 from specchat.kernels.mxfp4 import (
     BLOCK_SIZE,
     E2M1_MAGNITUDES,
@@ -210,8 +211,14 @@ def _run_block(block: nn.Module, model: Transformer, hidden: list[torch.Tensor],
 
 
 def _twin(block: Block) -> nn.Module:
-    """New modules over the same tensors: weights can be rebound and hooks added without touching `block`."""
+    """New modules over the same tensors: weights can be rebound and hooks added without touching `block`. The CPU
+    kernels' bindings of a block's tensors (ctypes views, which cannot be copied) are left out of the twin, whose
+    modules bind their own at first use."""
     shared = {id(t): t for t in (*block.parameters(), *block.buffers())}
+    for module in block.modules():
+        for key in KERNEL_CACHES:
+            if key in module.__dict__:
+                shared[id(module.__dict__[key])] = None
     return copy.deepcopy(block, shared)
 
 

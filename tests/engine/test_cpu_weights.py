@@ -59,3 +59,28 @@ def test_speculation_exact_on_packed_path(default_engine, prompt):
 
 def test_unpack_restores_plain_linears(tiny_engine):
     assert unpack(tiny_engine.model) == 0  # an HF model has no GGUF blocks: nothing was packed
+
+
+def test_a_switch_back_from_mxfp4_reads_the_gguf_blocks_again(tmp_path):
+    """Live weights switch on the CPU: MXFP4 and back leaves the linears reading the file's blocks (with the
+    activation rows the config picks), as at load, and the same greedy tokens; the switch back once put plain
+    float linears there, slower and numerically another path."""
+    from specchat.engine.engine import Engine
+    from tests.engine.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", blocks=True)
+    engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+
+    def kinds() -> list[type]:
+        return [type(m) for m in engine.model.modules() if isinstance(m, BlockLinear)]
+
+    def tokens() -> list[int]:
+        sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+        return engine.submit("hello there", sampling, SpecParams("none", k=0)).result().token_ids
+
+    at_load, first = kinds(), tokens()
+    assert len(at_load) == 9  # 2 layers x 4 block linears + the head
+    engine.set_weights("mxfp4")
+    assert kinds() == []
+    engine.set_weights("bf16")
+    assert kinds() == at_load and tokens() == first

@@ -13,9 +13,11 @@ from tests.tiny_tokenizer import CHATML_TEMPLATE, tiny_tokenizer_json
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 512, 64, 128, 2, 4, 2
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A 2-layer llama GGUF with a byte-level BPE vocabulary (ids 0-2 special, bos 1, eos 2) and a ChatML template."""
-    from gguf import GGUFWriter, TokenType
+def write_tiny_gguf(path: Path, seed: int = 0, blocks: bool = False) -> Path:
+    """A 2-layer llama GGUF with a byte-level BPE vocabulary (ids 0-2 special, bos 1, eos 2) and a ChatML template;
+    with `blocks`, the linears' weights stored as Q8_0 blocks (what the CPU block kernels read), else float32."""
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf.quants import quantize
 
     model = json.loads(tiny_tokenizer_json(VOCAB))["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
@@ -53,7 +55,12 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
             b + "ffn_down.weight": (HIDDEN, FFN),
         }
     for name, shape in shapes.items():
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
+        data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        if blocks and len(shape) == 2 and name != "token_embd.weight":
+            q8 = GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quantize(data, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
