@@ -217,12 +217,27 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
             continue
         if arrays[0].shape[0] != linear.out_features or arrays[1].shape[1] * 32 != linear.in_features:
             continue
-        linear.__class__ = BlockLinear
-        linear.kind = kind
-        for buffer, value in zip(("codes", "d", "m"), arrays, strict=False):
-            linear.register_buffer(buffer, value, persistent=False)
+        as_block_linear(linear, kind, arrays)
         packed += 1
     return packed
+
+
+def as_block_linear(linear: nn.Linear, kind: str, blocks: tuple[torch.Tensor, ...]) -> BlockLinear:
+    """Re-class `linear` in place to read GGUF `blocks` of its weight ("q4_1": codes, d, m; "q8_0": codes, d)."""
+    linear.__class__ = BlockLinear
+    linear.kind = kind
+    for buffer, value in zip(("codes", "d", "m"), blocks, strict=False):
+        linear.register_buffer(buffer, value, persistent=False)
+    return linear
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> its Q8_0 blocks as pack_blocks holds a GGUF file's (codes int8 [N, K], d float32 [N, K/32]):
+    gguf's own quantizer (d = max|w| / 127 per block of 32, as float16), its bytes read as `read_blocks` reads."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(weight.detach().float().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return _q8_0(raw, weight.shape[0])
 
 
 def unpack(model: nn.Module) -> int:

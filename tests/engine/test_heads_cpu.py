@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.config import SamplingParams
-from specchat.engine.cpu_weights import BlockLinear
+from specchat.engine.cpu_weights import BlockLinear, quantize_q8_0
 from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.heads import DraftHeads, HeadsConfig, HeadsDrafter
 from specchat.engine.model import Transformer
@@ -28,7 +28,7 @@ def test_quantize_q8_0_matches_gguf_bytes():
     torch.manual_seed(0)
     weight = torch.randn(6, 96) * torch.tensor([1e-3, 0.1, 3.0]).repeat_interleave(32)  # blocks of three scales
     weight[2, 32:64] = 0.0  # an all-zero block: d = 0, codes 0
-    codes, d = heads_cpu.quantize_q8_0(weight)
+    codes, d = quantize_q8_0(weight)
     raw = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0).reshape(6, 3, 34)  # fp16 d + 32 codes
     assert np.array_equal(d.numpy(), raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
     assert np.array_equal(codes.numpy(), raw[..., 2:].copy().view(np.int8).reshape(6, 96))
@@ -40,7 +40,7 @@ def packed_target() -> Transformer:
     cpu_weights.pack_blocks leaves a GGUF model whose output tensor is Q8_0."""
     torch.manual_seed(0)
     model = Transformer(CFG).eval()
-    codes, d = heads_cpu.quantize_q8_0(model.lm_head.weight)
+    codes, d = quantize_q8_0(model.lm_head.weight)
     model.lm_head = heads_cpu.block_linear(cpu_gemv.q8_dequantize(codes, d), (codes, d), "q8_0")
     return model
 

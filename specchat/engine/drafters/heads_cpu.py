@@ -11,7 +11,7 @@ block kernels the target uses:
 
 - the draft-vocabulary output takes the lm_head's own GGUF blocks, the rows of `draft_vocab` sliced once: the
   same weights as the float slice (the float lm_head is their dequantization);
-- each head's linears are quantized to Q8_0 as gguf's quantize_row_q8_0 does (`quantize_q8_0`): d = max|w| / 127
+- each head's linears are quantized to Q8_0 by gguf's quantizer (`cpu_weights.quantize_q8_0`): d = max|w| / 127
   per block of 32, stored as float16, q = round(w / d). This rounds the trained weights (bf16 in the file);
 - both multiply with int8 activation rows (kernels/cpu_gemv_i8.py) where the CPU has AVX512-VNNI, whatever
   `--cpu-act` says for the target, else with float rows (kernels/cpu_gemv.py);
@@ -32,27 +32,12 @@ import torch
 from torch import nn
 
 from specchat.engine import cpu_fusion
-from specchat.engine.cpu_weights import BlockLinear, Int8BlockLinear
+from specchat.engine.cpu_weights import BlockLinear, as_block_linear, quantize_q8_0, set_activations
 from specchat.kernels import cpu_gemv, cpu_gemv_i8
 
 if TYPE_CHECKING:
     from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
     from specchat.engine.model import Transformer
-
-BLOCK = cpu_gemv.BLOCK
-Q8_MAX = 127  # largest Q8_0 code magnitude
-
-
-def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> Q8_0 blocks (codes int8 [N, K], d float32 [N, K/32]: float16 values), as gguf's
-    quantize_row_q8_0: d = max|w| / 127 per block of 32, q = round(w / d) with the unrounded d."""
-    n, k = weight.shape
-    assert k % BLOCK == 0, f"Q8_0 needs rows of a multiple of {BLOCK} weights, got {k}"
-    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)  # [N, G, 32]
-    d = blocks.abs().amax(dim=-1) / Q8_MAX  # [N, G]
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    codes = torch.round(blocks * inv[..., None]).clamp(-Q8_MAX, Q8_MAX).to(torch.int8)
-    return codes.reshape(n, k).contiguous(), d.half().float().contiguous()
 
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
@@ -60,11 +45,8 @@ def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: s
     cpu_gemv.MAX_ROWS use it), multiplying with int8 rows where the CPU has AVX512-VNNI."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    linear.__class__ = Int8BlockLinear if cpu_gemv_i8.available() else BlockLinear
-    linear.kind = kind
-    for name, value in zip(("codes", "d", "m"), blocks, strict=False):
-        linear.register_buffer(name, value.contiguous(), persistent=False)
-    linear.bound()  # repacked now, not in the first draft step
+    as_block_linear(linear, kind, tuple(b.contiguous() for b in blocks))
+    set_activations(linear, "int8" if cpu_gemv_i8.available() else "fp32")  # bound now, not in the first draft step
     return linear
 
 
@@ -91,7 +73,7 @@ def draft_vocab_rows(model: Transformer, draft_vocab: torch.Tensor, weight: torc
 
 def packable(model: Transformer) -> bool:
     """Whether the target reads its lm_head as GGUF blocks on the CPU (the heads then read blocks too)."""
-    return isinstance(model.lm_head, BlockLinear) and cpu_gemv.available()
+    return isinstance(model.lm_head, BlockLinear)  # pack_blocks made it, so the kernels load here
 
 
 def pack_for_cpu(drafter: HeadsDrafter, model: Transformer) -> None:
