@@ -328,11 +328,18 @@ class Bound:
 
 
 # --- the plain references ---------------------------------------------------------------------------------
+def q4_codes(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q4_1 codes [N, K/2] (d [N, K/32] for the shape) -> q [N, K] uint8, 0..15: each block's 16 low nibbles,
+    then its 16 high nibbles (GGUF's order)."""
+    n, g = d.shape
+    blocks = codes.view(n, g, BLOCK // 2)
+    return torch.cat([blocks & 15, blocks >> 4], dim=-1).view(n, g * BLOCK)
+
+
 def q4_dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """codes [N, K/2], d/m [N, K/32] -> W [N, K] float32, as gguf's Q4_1 dequantization computes it."""
     n, g = d.shape
-    blocks = codes.view(n, g, BLOCK // 2)
-    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # [N, G, 32]: low nibbles, then high nibbles
+    q = q4_codes(codes, d).float().view(n, g, BLOCK)
     return (d[..., None] * q + m[..., None]).view(n, g * BLOCK)
 
 

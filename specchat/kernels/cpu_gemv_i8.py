@@ -36,7 +36,7 @@ import torch
 
 from specchat.kernels import cpu_build, cpu_gemv
 
-BLOCK = 32  # weights per quantization block (GGUF Q4_1 / Q8_0) and activations per int8 scale
+BLOCK = cpu_gemv.BLOCK  # weights per quantization block (GGUF Q4_1 / Q8_0), and activations per int8 scale
 GROUP = 16  # output rows interleaved in one vector: one 32-bit lane each
 Q4_WORDS, Q8_WORDS = 4, 8  # 4-byte words per block and output row: 16 bytes of nibbles, 32 bytes of int8 codes
 Q8_OFFSET = 128  # added to the signed Q8_0 codes so they are dpbusd's unsigned operand
@@ -379,10 +379,7 @@ def _block_dots(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def q4_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ W^T for a GGUF Q4_1 W with int8 activations, as the C kernel computes it."""
     xq, dx, sx, _ = quantize_rows_ref(x)
-    n, g = d.shape
-    blocks = codes.view(n, g, BLOCK // 2)
-    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(n, g * BLOCK)  # low nibbles, then high nibbles
-    return _combine(_block_dots(xq, q), d, dx, m[None, :, :] * sx[:, None, :])
+    return _combine(_block_dots(xq, cpu_gemv.q4_codes(codes, d)), d, dx, m[None, :, :] * sx[:, None, :])
 
 
 def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
