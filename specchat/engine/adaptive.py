@@ -16,8 +16,8 @@ passes none) it uses C(k) = 1 + cost_per_draft * k.
 
 When no k > 0 pays it stops drafting and probes with k = 1 every `probe_every` steps (a probe whose draft is
 rejected goes straight back to idling), so that a change in the text (say, a code block after prose) is
-noticed. A k the user sets bypasses this controller (the engine keeps it fixed). Step times make k, and so the random draws of sampled verification, depend on timing: seeded
-sampling repeats exactly with a fixed k.
+noticed. A k the user sets bypasses this controller (the engine keeps it fixed). Step times make k, and so the
+random draws of sampled verification, depend on timing: seeded sampling repeats exactly with a fixed k.
 """
 
 from __future__ import annotations

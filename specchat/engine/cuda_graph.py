@@ -252,9 +252,9 @@ class CudaGraphRunner(ModelRunner):
     def warm_up(self, widths: Seq[int], sessions: int = 1, taps: Seq[Seq[int]] = ((),), progress=None) -> None:
         """Capture now the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
         bucket up to `sessions`' at the smallest context bucket, the graphs of prompts after cached context (as
-        many at once as `sessions`), and the prefill graph of every prompt bucket, for each set of hidden-state taps: so that the first
-        steps neither compile kernels nor capture graphs (~50 ms a graph on the default model). `progress` hears
-        ("warming up the GPU", done, total)."""
+        many at once as `sessions`), and the prefill graph of every prompt bucket, for each set of hidden-state
+        taps: so that the first steps neither compile kernels nor capture graphs (~50 ms a graph on the default
+        model). `progress` hears ("warming up the GPU", done, total)."""
         widths = sorted({q for q in widths if 1 <= q <= MAX_GRAPH_Q})
         tap_keys = sorted({tuple(sorted(set(t))) for t in taps})
         keys = [(b, q, CTX_BUCKETS[0], t) for t in tap_keys for b in _batch_buckets_up_to(sessions) for q in widths]

@@ -168,10 +168,9 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
     if cpu_kernels:
         pack_cpu_weights(model, path, converted, config.cpu_act)
-    elif config.cpu_act == "int8":
-        use_cpu_activations(model, config.cpu_act, cpu_kernels)  # its one-line error
-    if cpu_kernels:
         cpu_fusion.fuse(model)
+    elif config.cpu_act == "int8":  # --device auto that found CUDA: its one-line error
+        use_cpu_activations(model, config.cpu_act, cpu_kernels)
     budget = config.kv_memory or default_kv_budget(device)
     c = model.cfg
     pool = KVPool.from_budget(
