@@ -128,7 +128,7 @@ class SlowSteps:
                 plan, events = original()
                 widths = Counter(len(i.feed) + i.k for i in plan.items if len(i.feed) == 1)
                 prompts = [len(i.feed) for i in plan.items if len(i.feed) > 1]
-                self.plan = f"decode {dict(sorted(widths.items()))} prompts {prompts} taps {sorted(plan.taps) if plan.taps else []}"
+                self.plan = f"decode {dict(sorted(widths.items()))} prompts {prompts} taps {sorted(plan.taps)}"
                 return plan, events
 
             return described
