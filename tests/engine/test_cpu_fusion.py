@@ -84,8 +84,8 @@ def test_speculation_exact_on_fused_path(tiny_engine, prompt):
 @pytest.mark.slow
 def test_default_model_fused_equals_eager_over_a_long_answer(default_engine):
     """The default model on the block kernels with float rows (GGUF blocks + these kernels) against --eager for
-    128 tokens;
-    tests/engine/test_cpu_weights.py holds three shorter answers and ngram speculation on the same engine."""
+    128 tokens; tests/engine/test_cpu_weights.py holds three shorter answers and ngram speculation on the same
+    engine."""
     from specchat.engine.engine import Engine
 
     assert all(isinstance(b, cpu_fusion.CpuBlock) for b in default_engine.model.layers)
