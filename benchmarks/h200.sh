@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
 #   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep goals attention batch1 sessions profile kv
+#                                          fusion
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -46,6 +47,8 @@ for part in "${parts[@]}"; do
         timeout 120 python benchmarks/profile_step.py --weights $w --fused 2>&1 | tee -a "$log"
       done
       timeout 120 python benchmarks/profile_step.py --weights bf16 2>&1 | tee -a "$log" ;;
+    fusion)  # the layer fusions (add + norm, KV write in the rotary kernel) against the elementwise ones alone
+      timeout 400 python benchmarks/fusion_gpu.py 2>&1 | tee -a "$log" ;;
     kv)
       timeout 240 "${synthetic[@]}" --weights mxfp4 --kv bf16,mxfp4,k8v4 --batch 1,8 --k 0 --context 8192 --steps 32 \
         2>&1 | tee -a "$log" ;;

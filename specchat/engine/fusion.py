@@ -1,17 +1,28 @@
 """The fused elementwise kernels as a transform of the model (docs/style.md #3): swap modules in, swap them out.
 
-`fuse(model)` re-classes the model's `RMSNorm`, `Rotary` and `SiluAndMul` modules (engine/model.py) as the
-subclasses below, whose forward runs the Triton kernel of kernels/fused.py where it is supported (CUDA, or the
-CPU under TRITON_INTERPRET=1) and the plain module's forward otherwise; `unfuse(model)` swaps them back. The
-parameters and state stay the same objects, so a model can be fused after loading and unfused for checking.
+`fuse(model)` re-classes the model's `Transformer`, `Attention`, `RMSNorm`, `Rotary` and `SiluAndMul` modules
+(engine/model.py) as the subclasses below, whose forward runs the Triton kernels of kernels/fused.py where they are
+supported (CUDA, or the CPU under TRITON_INTERPRET=1) and the plain module's forward otherwise; `unfuse(model)`
+swaps them back. The parameters and state stay the same objects, so a model can be fused after loading and
+unfused for checking. Besides one kernel per elementwise job, two fusions cut kernels per layer:
+
+- `FusedTransformer` adds each residual in the same kernel as the norm that follows it (the attention's output
+  with the MLP's norm, the MLP's output with the next layer's norm or the final one): two kernels less a layer.
+- `FusedAttention` stores the step's keys and values in dense KV pages from the rotary kernel (the pool's write,
+  two index_put kernels a layer, otherwise).
+
+At batch 1 on a GPU a step is a chain of small launches (a 30-layer model: ~13 kernels a layer), so each kernel
+less is time saved even inside a CUDA graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from specchat.engine.model import RMSNorm, Rotary, SiluAndMul
+from specchat.engine.model import Attention, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
 from specchat.kernels import fused
 
 
@@ -38,7 +49,64 @@ class FusedSiluAndMul(SiluAndMul):
         return fused.silu_mul(x)
 
 
-FUSED = {RMSNorm: FusedRMSNorm, Rotary: FusedRotary, SiluAndMul: FusedSiluAndMul}
+class FusedAttention(Attention):
+    """Attention whose rotary kernel also writes the step's keys and values where the KV batch keeps dense pages
+    (`KVBatch.dense_pages`); elsewhere (quantized or rotated pages, other KV views) the plain forward."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
+        dense_pages = getattr(kv, "dense_pages", None)
+        pages = dense_pages(self.layer) if dense_pages is not None else None
+        if pages is None or not fused.rope_qk_supported(x):
+            return super().forward(x, cos, sin, kv)
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = fused.rope_qk(q, k, cos, sin, v=v, pages=pages)
+        out = kv.attend(self.layer, q, k, v, written=True)
+        return self.wo(out.reshape(t, self.q_size))
+
+
+class FusedTransformer(Transformer):
+    """The layer loop with each residual add fused into the norm after it (`fused.add_rms_norm`); the same
+    arithmetic as Block.forward's adds followed by the norms, so the same bits."""
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVAttention,
+        taps: Sequence[int] = (),
+        logits_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        x = self.embed(ids)
+        if not fused.rms_norm_supported(x, self.norm.weight) or x.dim() != 2:
+            return super().forward(ids, positions, kv, taps, logits_at)
+        cos, sin = self.rope(positions)
+        hidden: dict[int, torch.Tensor] = {}
+        layers = self.layers
+        normed = layers[0].attn_norm(x) if len(layers) else self.norm(x)
+        for i, block in enumerate(layers):
+            x, normed = fused.add_rms_norm(
+                x, block.attn(normed, cos, sin, kv), block.mlp_norm.weight, block.mlp_norm.eps
+            )
+            after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
+            x, normed = fused.add_rms_norm(x, block.mlp(normed), after.weight, after.eps)
+            if i in taps:
+                hidden[i] = x
+        if logits_at is not None:
+            normed = normed[logits_at]
+        return self.lm_head(normed).float(), hidden
+
+
+FUSED = {
+    Transformer: FusedTransformer,
+    Attention: FusedAttention,
+    RMSNorm: FusedRMSNorm,
+    Rotary: FusedRotary,
+    SiluAndMul: FusedSiluAndMul,
+}
 PLAIN = {fused_cls: plain for plain, fused_cls in FUSED.items()}
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specchat.engine.kv_pages import DENSE_FORMATS
 from specchat.kernels import cpu_attention
 from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
 
@@ -56,14 +57,18 @@ class KVBatch:
             and cpu_attention.available()
         )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation and the key transform."""
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; see kv_pages for the rotation and the key transform.
+        `written`: k and v are already in this step's slots of `dense_pages` (the fused rotary kernel put them)."""
         store = self.store
         pages = self.cpu_pages(layer, q.shape[1], k.shape[1], q.shape[2]) if q.dtype == torch.float32 else None
         if pages is not None:
             return cpu_attention.paged_attention(pages[0], q, k, v, pages[1], pages[2])
         q, k, v = store.rotate_queries(layer, q), store.rotate_keys(layer, k), store.rotate(v)
-        store.write(layer, self.new_slots, k, v)
+        if not written:
+            store.write(layer, self.new_slots, k, v)
         if self.all_fresh:
             out = self._attend_fresh(q, k, v)
         elif self._paged(q, k, max(self.q_lens)):
@@ -73,6 +78,16 @@ class KVBatch:
         else:
             out = self._attend_gathered(layer, q)
         return store.rotate(out)
+
+    def dense_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The layer's key and value pages [KVH, slots, D] and this step's slots [T], where the pages store keys
+        and values as they are (dense formats: no rotation, no key transform), so a kernel may write them; None
+        for quantized pages."""
+        store = self.store
+        as_is = store.name in DENSE_FORMATS and store.rotation is None and store.key_transform is None
+        if not as_is or store.k[layer] is None:
+            return None
+        return store.k[layer].data, store.v[layer].data, self.new_slots
 
     def _paged(self, q: torch.Tensor, k: torch.Tensor, max_q: int) -> bool:
         """The paged-attention kernel takes requests of up to `max_q` new tokens here."""

@@ -75,56 +75,129 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _runs_on(x) and weight.dtype == x.dtype
 
 
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, n, stride_x, stride_h, stride_s, stride_y, eps, BLOCK: tl.constexpr
+):  # fmt: skip
+    """s = x + h rounded to the dtype (as torch's add), then the RMSNorm of s: one pass over the row."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + cols, mask=live, other=0.0).to(tl.float32)
+    s = (x + h).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * stride_s + cols, s, mask=live)
+    s = s.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / n + eps)
+    normed = (s * r).to(y_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=live)
+
+
+def add_rms_norm(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, weight * normalise(x + h)) for x, h [T, D] of one dtype: a residual add and the norm after it in one
+    kernel (two tensors, both new: x may be a tapped state that must not change)."""
+    assert x.shape == h.shape and x.dtype == h.dtype == weight.dtype and x.dim() == 2, (x.shape, h.shape)
+    assert x.stride(-1) == 1 and h.stride(-1) == 1, (x.stride(), h.stride())
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[1]
+    block = triton.next_power_of_2(n)
+    if x.shape[0]:
+        _add_rms_norm_kernel[(x.shape[0],)](
+            x, h, weight, s, y, n, x.stride(0), h.stride(0), s.stride(0), y.stride(0), eps,
+            BLOCK=block, num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+        )  # fmt: skip
+    return s, y
+
+
 # --- rotary embedding of q and k ------------------------------------------------------------------------------
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, k_pages_ptr, v_pages_ptr, slots_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_page_head,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr,
 ):  # fmt: skip
-    """Program (token, head): heads 0 .. H-1 are q's, the rest k's. x * cos + rotate_half(x) * sin in fp32."""
+    """Program (token, head): heads 0 .. H-1 are q's, the next KVH k's, with WRITE_KV the last KVH v's.
+    x * cos + rotate_half(x) * sin in fp32; with WRITE_KV each rotated key and each value also goes to its slot
+    of the dense KV pages ([KVH, slots, D]), as the pool's write would put it (the value programs only copy)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    c1 = tl.load(cos_ptr + t * stride_ct + d)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d)
-    s1 = tl.load(sin_ptr + t * stride_ct + d)
-    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d)
-    if h < NUM_Q_HEADS:
-        src = q_ptr + t * stride_qt + h * stride_qh
-        dst = q_out_ptr + (t * NUM_Q_HEADS + h) * 2 * HALF
+    slot = tl.load(slots_ptr + t) if WRITE_KV else 0
+    if h >= NUM_Q_HEADS + NUM_KV_HEADS:  # a value row (launched only with WRITE_KV): copied as it is
+        kvh = h - NUM_Q_HEADS - NUM_KV_HEADS
+        src = v_ptr + t * stride_vt + kvh * stride_vh
+        dst = v_pages_ptr + kvh * stride_page_head + slot * 2 * HALF
+        tl.store(dst + d, tl.load(src + d).to(v_pages_ptr.dtype.element_ty))
+        tl.store(dst + HALF + d, tl.load(src + HALF + d).to(v_pages_ptr.dtype.element_ty))
     else:
-        num_k_heads = tl.num_programs(1) - NUM_Q_HEADS
-        src = k_ptr + t * stride_kt + (h - NUM_Q_HEADS) * stride_kh
-        dst = k_out_ptr + (t * num_k_heads + h - NUM_Q_HEADS) * 2 * HALF
-    x1 = tl.load(src + d).to(tl.float32)
-    x2 = tl.load(src + HALF + d).to(tl.float32)
-    # the reference rounds each product and the sum in fp32 (no fused multiply-add): keep its order
-    a1 = x1 * c1
-    b1 = (-x2) * s1
-    a2 = x2 * c2
-    b2 = x1 * s2
-    tl.store(dst + d, (a1 + b1).to(q_out_ptr.dtype.element_ty))
-    tl.store(dst + HALF + d, (a2 + b2).to(q_out_ptr.dtype.element_ty))
+        c1 = tl.load(cos_ptr + t * stride_ct + d)
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d)
+        s1 = tl.load(sin_ptr + t * stride_ct + d)
+        s2 = tl.load(sin_ptr + t * stride_ct + HALF + d)
+        if h < NUM_Q_HEADS:
+            src = q_ptr + t * stride_qt + h * stride_qh
+            dst = q_out_ptr + (t * NUM_Q_HEADS + h) * 2 * HALF
+        else:
+            src = k_ptr + t * stride_kt + (h - NUM_Q_HEADS) * stride_kh
+            dst = k_out_ptr + (t * NUM_KV_HEADS + h - NUM_Q_HEADS) * 2 * HALF
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        # the reference rounds each product and the sum in fp32 (no fused multiply-add): keep its order
+        a1 = x1 * c1
+        b1 = (-x2) * s1
+        a2 = x2 * c2
+        b2 = x1 * s2
+        y1 = (a1 + b1).to(q_out_ptr.dtype.element_ty)
+        y2 = (a2 + b2).to(q_out_ptr.dtype.element_ty)
+        tl.store(dst + d, y1)
+        tl.store(dst + HALF + d, y2)
+        if WRITE_KV:  # noqa: SIM102 (a constexpr branch: Triton compiles it out)
+            if h >= NUM_Q_HEADS:
+                page = k_pages_ptr + (h - NUM_Q_HEADS) * stride_page_head + slot * 2 * HALF
+                tl.store(page + d, y1.to(k_pages_ptr.dtype.element_ty))
+                tl.store(page + HALF + d, y2.to(k_pages_ptr.dtype.element_ty))
 
 
 def rope_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    v: torch.Tensor | None = None,
+    pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, KVH, D] (any row and head strides), cos/sin [T, D] fp32 -> contiguous rotated q, k."""
+    """q [T, H, D], k [T, KVH, D] (any row and head strides), cos/sin [T, D] fp32 -> contiguous rotated q, k.
+
+    With `pages` = (key pages, value pages, slots [T]), the dense pages [KVH, slots, D] of one layer, the same
+    launch also stores the rotated keys and v [T, KVH, D] at each token's slot (the KV write of the step).
+    """
     t, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype, (q.stride(), k.stride())
     assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(-1) == 1
     q_out = torch.empty((t, num_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if pages is None:
+        v_arg, k_pages, v_pages, slots, programs, page_head = k, k_out, k_out, cos, num_heads + num_kv_heads, 0
+    else:
+        k_pages, v_pages, slots = pages
+        assert v is not None and v.shape == k.shape and v.stride(-1) == 1 and v.dtype == k.dtype, v
+        assert k_pages.shape == v_pages.shape and k_pages.is_contiguous() and v_pages.is_contiguous()
+        assert k_pages.shape[0] == num_kv_heads and k_pages.shape[2] == head_dim and slots.shape == (t,)
+        v_arg, programs, page_head = v, num_heads + 2 * num_kv_heads, k_pages.stride(0)
     if t:
-        _rope_kernel[(t, num_heads + num_kv_heads)](
-            q, k, cos, sin, q_out, k_out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            NUM_Q_HEADS=num_heads, HALF=head_dim // 2, num_warps=1, enable_fp_fusion=False,
+        _rope_kernel[(t, programs)](
+            q, k, v_arg, cos, sin, q_out, k_out, k_pages, v_pages, slots,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos.stride(0),
+            page_head,
+            NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, WRITE_KV=pages is not None,
+            num_warps=1, enable_fp_fusion=False,
         )  # fmt: skip
     return q_out, k_out
 

@@ -6,12 +6,24 @@ or on CPU under TRITON_INTERPRET=1 (`test_kernels_under_interpreter` reruns this
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specchat.engine.fusion import FusedRMSNorm, FusedRotary, FusedSiluAndMul, fuse, unfuse
-from specchat.engine.model import ModelConfig, RMSNorm, Rotary, SiluAndMul, Transformer
+from specchat.engine.fusion import (
+    FusedAttention,
+    FusedRMSNorm,
+    FusedRotary,
+    FusedSiluAndMul,
+    FusedTransformer,
+    fuse,
+    unfuse,
+)
+from specchat.engine.kv_cache import KVPool
+from specchat.engine.kv_pages import PageStore
+from specchat.engine.model import Attention, ModelConfig, RMSNorm, Rotary, SiluAndMul, Transformer
 from tests.kernels.interpreter import DEVICE, INTERPRET, kernel_test, run_under_interpreter, subprocess_test
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -32,16 +44,21 @@ def logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, torch.arange(len(ids), device=ids.device), DenseCausalKV())[0]
 
 
+SWAPPED = 1 + 2 * 5 + 1  # the model; two norms, attention, rotary, act per layer; the final norm
+
+
 def test_fuse_swaps_every_norm_rotary_and_activation_and_unfuse_swaps_them_back():
     model = Transformer(CFG)
     parameters = list(model.parameters())
-    assert fuse(model) == 2 * 2 + 1 + 2 * 2  # two norms, rotary, act per layer + the final norm
+    assert fuse(model) == SWAPPED
     assert isinstance(model.norm, FusedRMSNorm) and isinstance(model.layers[1].mlp.act, FusedSiluAndMul)
-    assert isinstance(model.layers[0].attn.rotary, FusedRotary)
+    assert isinstance(model.layers[0].attn.rotary, FusedRotary) and isinstance(model.layers[0].attn, FusedAttention)
+    assert isinstance(model, FusedTransformer)
     assert fuse(model) == 0  # already fused
-    assert unfuse(model) == 9
+    assert unfuse(model) == SWAPPED
     assert type(model.norm) is RMSNorm and type(model.layers[0].attn.rotary) is Rotary
-    assert type(model.layers[1].mlp.act) is SiluAndMul
+    assert type(model.layers[1].mlp.act) is SiluAndMul and type(model.layers[0].attn) is Attention
+    assert type(model) is Transformer
     assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))  # the same tensors
 
 
@@ -62,10 +79,52 @@ def test_fuse_keeps_the_model_output_and_unfuse_restores_it():
     model = Transformer(CFG).to(DEVICE).eval()
     ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     want = logits(model, ids)
-    assert fuse(model) == 9
+    assert fuse(model) == SWAPPED
     torch.testing.assert_close(logits(model, ids), want, atol=1e-5, rtol=1e-5)
-    assert unfuse(model) == 9
+    assert unfuse(model) == SWAPPED
     assert torch.equal(logits(model, ids), want)
+
+
+def paged_steps(model: Transformer, feeds: list[list[int]], kv_format: str, taps: tuple[int, ...] = (0,)):
+    """One request fed step by step through a KV pool: each step's logits and tapped states, and the pool."""
+    c = model.cfg
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4, torch.float32, DEVICE, kv_format=kv_format)
+    pool.add(0, [t for feed in feeds for t in feed])
+    out, start = [], 0
+    with torch.inference_mode():
+        for feed in feeds:
+            kv = pool.prepare([0], [len(feed)], c.head_dim**-0.5)
+            positions = torch.arange(start, start + len(feed), device=DEVICE)
+            out.append(model(torch.tensor(feed, device=DEVICE), positions, kv, taps=taps))
+            start += len(feed)
+    return out, pool
+
+
+@kernel_test
+@pytest.mark.parametrize("kv_format", ["fp32", "mxfp4"])
+def test_fused_layers_write_the_kv_pages_and_keep_logits_and_taps(kv_format, monkeypatch):
+    """Through a paged KV pool (a prompt, then single tokens reading it back): dense pages get the step's keys and
+    values from the rotary kernel, quantized ones through the pool's write as before; logits, tapped states and
+    the pages equal the plain model's."""
+    torch.manual_seed(0)
+    cfg = CFG if kv_format == "fp32" else replace(CFG, num_heads=2, num_kv_heads=1, head_dim=32)  # 32-blocks
+    model = Transformer(cfg).to(DEVICE).eval()
+    feeds = [[3, 9, 1, 7, 22, 5], [11], [2], [40]]
+    want, want_pool = paged_steps(model, feeds, kv_format)
+    fuse(model)
+    pool_writes = []
+    write = PageStore.write
+    monkeypatch.setattr(PageStore, "write", lambda self, *a: pool_writes.append(1) or write(self, *a))
+    got, got_pool = paged_steps(model, feeds, kv_format)
+    assert len(pool_writes) == (0 if kv_format == "fp32" else len(feeds) * cfg.num_layers)
+    for (got_logits, got_taps), (want_logits, want_taps) in zip(got, want, strict=True):
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_taps[0], want_taps[0], atol=1e-5, rtol=1e-5)
+    for layer in range(cfg.num_layers):
+        for got_pages, want_pages in ((got_pool.store.k, want_pool.store.k), (got_pool.store.v, want_pool.store.v)):
+            used = slice(0, sum(map(len, feeds)))  # one request from page 0 on: slots 0..n-1
+            got_rows, want_rows = got_pages[layer].data[:, used], want_pages[layer].data[:, used]
+            torch.testing.assert_close(got_rows.float(), want_rows.float(), atol=1e-5, rtol=1e-5)
 
 
 @subprocess_test

@@ -11,6 +11,7 @@ import torch
 
 from specchat.engine.model import ModelConfig, RMSNorm, Rotary, RotaryEmbedding, SiluAndMul
 from specchat.kernels.fused import (
+    add_rms_norm,
     rms_norm,
     rms_norm_supported,
     rope_qk,
@@ -45,6 +46,47 @@ def test_rms_norm_kernel(dtype, rows, dim):
     x = (torch.randn(rows, dim, generator=gen(2)) * 3).to(DEVICE, dtype)
     assert rms_norm_supported(x, plain.weight)
     assert_equal_within_rounding(rms_norm(x, plain.weight, plain.eps), plain(x))
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 64), (5, 96), (3, 576)])
+def test_add_rms_norm_kernel_is_the_residual_add_then_the_norm(dtype, rows, dim):
+    plain = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        plain.weight.copy_(torch.rand(dim, generator=gen(1)) + 0.5)
+    plain = plain.to(DEVICE, dtype)
+    x = (torch.randn(rows, dim, generator=gen(2)) * 3).to(DEVICE, dtype)
+    h = (torch.randn(rows, dim, generator=gen(6)) * 2).to(DEVICE, dtype)
+    x_before = x.clone()
+    s, y = add_rms_norm(x, h, plain.weight, plain.eps)
+    assert torch.equal(s, x + h)  # the add rounds as torch's does: the residual stream keeps its bits
+    assert_equal_within_rounding(y, plain(x + h))
+    assert torch.equal(x, x_before)  # x untouched: it may be a tapped hidden state
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kernel_writes_the_steps_keys_and_values_into_dense_pages(dtype):
+    """With pages, the same launch stores the rotated keys and the values at each token's slot, [KVH, slots, D]
+    as PageTensor.write puts them, and leaves every other slot alone; q and k come out as without pages."""
+    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=4096)  # fmt: skip
+    t, slots_total = 5, 24
+    qkv = torch.randn(t, (4 + 2 + 2) * 16, generator=gen(7)).to(DEVICE, dtype)
+    q, k, v = qkv.split([64, 32, 32], dim=-1)
+    q, k, v = q.view(t, 4, 16), k.view(t, 2, 16), v.view(t, 2, 16)
+    cos, sin = RotaryEmbedding(cfg).to(DEVICE)(torch.tensor([3, 4, 5, 40, 41], device=DEVICE))
+    slots = torch.tensor([7, 8, 9, 20, 2], device=DEVICE)
+    k_pages = torch.randn(2, slots_total, 16, generator=gen(8)).to(DEVICE, dtype)
+    v_pages = torch.randn(2, slots_total, 16, generator=gen(9)).to(DEVICE, dtype)
+    want_k_pages, want_v_pages = k_pages.clone(), v_pages.clone()
+    want_q, want_k = rope_qk(q, k, cos, sin)
+    want_k_pages[:, slots] = want_k.transpose(0, 1)
+    want_v_pages[:, slots] = v.transpose(0, 1)
+    got_q, got_k = rope_qk(q, k, cos, sin, v=v, pages=(k_pages, v_pages, slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(k_pages, want_k_pages) and torch.equal(v_pages, want_v_pages)
 
 
 @kernel_test
