@@ -56,16 +56,14 @@ class FusedAttention(Attention):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
         dense_pages = getattr(kv, "dense_pages", None)
         pages = dense_pages(self.layer) if dense_pages is not None else None
-        if pages is None or not fused.rope_qk_supported(x):
-            return super().forward(x, cos, sin, kv)
-        t = x.shape[0]
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = fused.rope_qk(q, k, cos, sin, v=v, pages=pages)
-        out = kv.attend(self.layer, q, k, v, written=True)
-        return self.wo(out.reshape(t, self.q_size))
+        q, k, v = self.project(x)
+        if pages is None or not fused.rope_qk_supported(q):
+            q, k = self.rotary(q, k, cos, sin)
+            out = kv.attend(self.layer, q, k, v)
+        else:
+            q, k = fused.rope_qk(q, k, cos, sin, v=v, pages=pages)
+            out = kv.attend(self.layer, q, k, v, written=True)
+        return self.wo(out.reshape(x.shape[0], self.q_size))
 
 
 class FusedTransformer(Transformer):

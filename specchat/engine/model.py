@@ -176,14 +176,20 @@ class Attention(nn.Module):
         self.rotary = Rotary()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
+        q, k, v = self.project(x)
+        q, k = self.rotary(q, k, cos, sin)
+        out = kv.attend(self.layer, q, k, v)  # [T, H, D]
+        return self.wo(out.reshape(x.shape[0], self.q_size))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D] (views of one fused projection)."""
         t = x.shape[0]
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        q, k = self.rotary(q, k, cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        out = kv.attend(self.layer, q, k, v)  # [T, H, D]
-        return self.wo(out.reshape(t, self.q_size))
+        return (
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+        )
 
 
 class MLP(nn.Module):

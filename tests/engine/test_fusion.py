@@ -107,7 +107,11 @@ def test_fused_layers_write_the_kv_pages_and_keep_logits_and_taps(kv_format, mon
     values from the rotary kernel, quantized ones through the pool's write as before; logits, tapped states and
     the pages equal the plain model's."""
     torch.manual_seed(0)
-    cfg = CFG if kv_format == "fp32" else replace(CFG, num_heads=2, num_kv_heads=1, head_dim=32)  # 32-blocks
+    # dense pages: a hidden size that is not a power of two (the rotary kernel takes head_dim, not hidden: 576 on
+    # the default model); mxfp4 pages: 32-element blocks
+    cfg = (
+        replace(CFG, hidden_size=48) if kv_format == "fp32" else replace(CFG, num_heads=2, num_kv_heads=1, head_dim=32)
+    )
     model = Transformer(cfg).to(DEVICE).eval()
     feeds = [[3, 9, 1, 7, 22, 5], [11], [2], [40]]
     want, want_pool = paged_steps(model, feeds, kv_format)
