@@ -36,7 +36,7 @@ import torch
 from specchat.engine.kv_batch import KVBatch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
-from specchat.engine.runner import ModelRunner, StepBatch, StepOutput
+from specchat.engine.runner import ModelRunner, StepBatch, StepOutput, joined, sub_batch
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -180,7 +180,7 @@ class CudaGraphRunner(ModelRunner):
         parts = self._parts(batch)
         if len(parts) == 1:
             return super().forward(batch, taps)
-        return self._joined(batch, [(rows, self.forward(_sub_batch(batch, rows), taps)) for rows in parts])
+        return joined(batch, [(rows, self.forward(sub_batch(batch, rows), taps)) for rows in parts])
 
     def _check_signature(self) -> None:
         signature = self._state_signature()
@@ -236,18 +236,6 @@ class CudaGraphRunner(ModelRunner):
             lambda i: self._graph_group(batch, i),
             lambda group: PROMPT_GRAPH_ROWS // group[1] if group[0] == "prompt" else 1,
         )
-
-    @staticmethod
-    def _joined(batch: StepBatch, outputs: list[tuple[list[int], StepOutput]]) -> StepOutput:
-        """The parts' outputs put back in the batch's order."""
-        n = len(batch.feeds)
-        logits: list[torch.Tensor | None] = [None] * n
-        hidden: list[dict[int, torch.Tensor]] = [{}] * n
-        for rows, out in outputs:
-            for j, i in enumerate(rows):
-                logits[i], hidden[i] = out.logits[j], out.hidden[j]
-        flat = torch.cat(logits)
-        return StepOutput(flat, list(flat.split(batch.logit_rows)), hidden)
 
     def warm_up(self, widths: Seq[int], sessions: int = 1, taps: Seq[Seq[int]] = ((),), progress=None) -> None:
         """Capture now the graphs of these step widths (1 for plain decode, k + 1 for verification) for every batch
@@ -427,16 +415,6 @@ def split_mixed_step(
         members[j : j + group_size(g)] for g, members in groups.items() for j in range(0, len(members), group_size(g))
     ]
     return [*chunks, *(part for part in (decoding, rest) if part)]
-
-
-def _sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:
-    """The requests `rows` of a step, as a step of their own."""
-    return StepBatch(
-        [batch.seq_ids[i] for i in rows],
-        [batch.feeds[i] for i in rows],
-        [batch.start_positions[i] for i in rows],
-        [batch.logit_rows[i] for i in rows],
-    )
 
 
 class GraphedFunction:

@@ -9,6 +9,7 @@ import torch
 
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
+from specchat.kernels import cpu_attention
 
 
 @dataclass(slots=True)
@@ -49,8 +50,33 @@ class ModelRunner:
         batch as it is; a CUDA-graph runner replays one graph for a uniform width (cuda_graph.py)."""
         return None
 
-    @torch.inference_mode()
     def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
+        parts = self._cpu_parts(batch)
+        if len(parts) == 1:
+            return self._forward(batch, taps)
+        return joined(batch, [(rows, self._forward(sub_batch(batch, rows), taps)) for rows in parts])
+
+    def _cpu_parts(self, batch: StepBatch) -> list[list[int]]:
+        """With the CPU kernels, a step that mixes decoding requests (newest token and drafts, or a short prompt,
+        after cached context: what the C block call takes) with others runs the decoding ones together and each
+        other request alone. A request's rows then go through the same kernels whatever else its step holds: the
+        C block call with int8 or float rows for decoding, the block kernels or the float GEMM by its own chunk's
+        length for a prompt. Run together, a step of more than cpu_gemv.MAX_ROWS rows took the float GEMM for every
+        row, so a request's greedy text depended on what it was batched with (speculative and plain runs of one
+        prompt diverged under int8 rows). Elsewhere one forward."""
+        n = len(batch.feeds)
+        if not self.pool.cpu_kernels or n == 1:
+            return [list(range(n))]
+        decoding = [
+            i for i in range(n) if batch.start_positions[i] > 0 and len(batch.feeds[i]) <= cpu_attention.MAX_Q_LEN
+        ]
+        if len(decoding) == n:
+            return [decoding]
+        alone = [[i] for i in range(n) if i not in set(decoding)]
+        return [decoding, *alone] if decoding else alone
+
+    @torch.inference_mode()
+    def _forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
         ids = torch.tensor([t for f in batch.feeds for t in f], dtype=torch.long, device=self.device)
         positions = torch.tensor(
             [p for f, s in zip(batch.feeds, batch.start_positions, strict=True) for p in range(s, s + len(f))],
@@ -69,3 +95,25 @@ class ModelRunner:
         split_hidden = {layer: h.split(lens) for layer, h in hidden.items()}
         per_seq_hidden = [{layer: parts[i] for layer, parts in split_hidden.items()} for i in range(len(lens))]
         return StepOutput(logits, per_seq_logits, per_seq_hidden)
+
+
+def sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:
+    """The requests `rows` of a step, as a step of their own."""
+    return StepBatch(
+        [batch.seq_ids[i] for i in rows],
+        [batch.feeds[i] for i in rows],
+        [batch.start_positions[i] for i in rows],
+        [batch.logit_rows[i] for i in rows],
+    )
+
+
+def joined(batch: StepBatch, outputs: list[tuple[list[int], StepOutput]]) -> StepOutput:
+    """The outputs of a step's parts (each the requests `rows` run as a step of their own) in the step's order."""
+    n = len(batch.feeds)
+    logits: list[torch.Tensor | None] = [None] * n
+    hidden: list[dict[int, torch.Tensor]] = [{}] * n
+    for rows, out in outputs:
+        for j, i in enumerate(rows):
+            logits[i], hidden[i] = out.logits[j], out.hidden[j]
+    flat = torch.cat(logits)
+    return StepOutput(flat, list(flat.split(batch.logit_rows)), hidden)

@@ -10,7 +10,9 @@ import torch
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import BlockLinear, Int8BlockLinear, set_activations
+from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
+from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.errors import ConfigError
 from specchat.kernels import cpu_block, cpu_gemv, cpu_gemv_i8
 from tests.engine.test_cpu_fusion import run_steps, with_gguf_blocks
@@ -104,6 +106,37 @@ def test_whole_block_call_equals_one_kernel_at_a_time_and_verification_equals_de
     set_activations(model, "fp32")  # and int8 stays close to float activations
     floats, _ = run_steps(model, [prompt, tokens])
     assert (verified[1] - floats[1]).norm() / floats[1].norm() < 0.02
+
+
+@needs_vnni
+def test_a_requests_logits_do_not_depend_on_what_its_step_holds_beside_it():
+    """A step that mixes a decoding request with another request's prompt of more than cpu_gemv.MAX_ROWS tokens:
+    the decoding request's logits equal those of its step run alone bit for bit (its rows take the whole-block call
+    either way), and so do the prompt's. Run as one forward, the step's 85 rows took the float GEMM for every row."""
+    model = gguf_model()
+    set_activations(model, "int8")
+    cpu_fusion.fuse(model)
+    prompt, long_prompt = [3, 14, 15, 9, 26, 5, 35], [(7 * i + 3) % CFG.vocab_size for i in range(80)]
+    assert len(long_prompt) > cpu_gemv.MAX_ROWS
+
+    def step(batch_of: list[int]) -> list[torch.Tensor]:
+        """Request 0 (prompt, then its newest token and 4 drafts) and, in `batch_of`, request 1's long prompt."""
+        pool = KVPool(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 16, 16, torch.float32, "cpu", cpu_kernels=True)
+        runner = ModelRunner(model, pool)
+        pool.add(0, prompt)
+        runner.forward(StepBatch([0], [prompt], [0], [1]))
+        feeds = {0: [8, 9, 7, 9, 3], 1: long_prompt}
+        for seq in batch_of:
+            if seq == 1:
+                pool.add(1, long_prompt)
+        starts = {0: len(prompt), 1: 0}
+        out = runner.forward(StepBatch(batch_of, [feeds[s] for s in batch_of], [starts[s] for s in batch_of],
+                                       [5 if s == 0 else 1 for s in batch_of]))  # fmt: skip
+        return out.logits
+
+    decoding_alone, prompt_alone = step([0])[0], step([1])[0]
+    mixed = step([1, 0])
+    assert torch.equal(mixed[1], decoding_alone) and torch.equal(mixed[0], prompt_alone)
 
 
 PROMPTS = [
