@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,23 @@ from specchat.kernels import cpu_gemv, cpu_gemv_i8
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
 
 log = logging.getLogger(__name__)
+
+
+# Rows above which a BlockLinear takes the float GEMM of its dequantized weight (None: never): a prompt's prefill.
+_GEMM_ABOVE: ContextVar[int | None] = ContextVar("gemm_above", default=cpu_gemv.MAX_ROWS)
+
+
+@contextmanager
+def blocks_for_any_rows() -> Iterator[None]:
+    """Within it, BlockLinear reads its blocks for any number of rows (no float GEMM). The runner's forward of a
+    step's decoding requests runs in it: their block linears go through the whole-block call for any row count
+    already, and so then does the output head, whose rows would otherwise change kernels (and rounding) with the
+    number of requests decoding together."""
+    token = _GEMM_ABOVE.set(None)
+    try:
+        yield
+    finally:
+        _GEMM_ABOVE.reset(token)
 
 
 class BlockLinear(nn.Linear):
@@ -51,7 +71,8 @@ class BlockLinear(nn.Linear):
         # Called ~121 times a token: a decode step's [T, K] float32 rows go through without a reshape or cast, and
         # the buffers are read from the module's dicts (an nn.Module attribute lookup costs ~1 us).
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > cpu_gemv.MAX_ROWS:
+        gemm_above = _GEMM_ABOVE.get()
+        if gemm_above is not None and rows.shape[0] > gemm_above:
             return F.linear(x, self.weight, self.bias)
         y = self.bound()(rows.float().contiguous(), torch.get_num_threads())
         bias = self._parameters["bias"]

@@ -51,29 +51,31 @@ class ModelRunner:
         return None
 
     def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
-        parts = self._cpu_parts(batch)
-        if len(parts) == 1:
+        if not self.pool.cpu_kernels:
             return self._forward(batch, taps)
-        return joined(batch, [(rows, self._forward(sub_batch(batch, rows), taps)) for rows in parts])
+        # With the CPU kernels, a step's decoding requests (newest token and drafts, or a short prompt, after cached
+        # context: what the whole-block call takes) run together with the block kernels for any row count, and
+        # every other request alone. So a request's rows take the same kernels whatever else its step holds: the
+        # whole-block call and the output head's blocks for decoding, the block kernels or the float GEMM by its
+        # own chunk's length for a prompt. Run as one forward, a step of more than cpu_gemv.MAX_ROWS rows took the
+        # float GEMM for every row, so a request's greedy text depended on what it was batched with (under int8
+        # rows speculative and plain runs of one prompt diverged).
+        from specchat.engine.cpu_weights import blocks_for_any_rows
 
-    def _cpu_parts(self, batch: StepBatch) -> list[list[int]]:
-        """With the CPU kernels, a step that mixes decoding requests (newest token and drafts, or a short prompt,
-        after cached context: what the C block call takes) with others runs the decoding ones together and each
-        other request alone. A request's rows then go through the same kernels whatever else its step holds: the
-        C block call with int8 or float rows for decoding, the block kernels or the float GEMM by its own chunk's
-        length for a prompt. Run together, a step of more than cpu_gemv.MAX_ROWS rows took the float GEMM for every
-        row, so a request's greedy text depended on what it was batched with (speculative and plain runs of one
-        prompt diverged under int8 rows). Elsewhere one forward."""
         n = len(batch.feeds)
-        if not self.pool.cpu_kernels or n == 1:
-            return [list(range(n))]
-        decoding = [
-            i for i in range(n) if batch.start_positions[i] > 0 and len(batch.feeds[i]) <= cpu_attention.MAX_Q_LEN
-        ]
+        short = cpu_attention.MAX_Q_LEN
+        decoding = [i for i in range(n) if batch.start_positions[i] > 0 and len(batch.feeds[i]) <= short]
+        outputs = []
+        if decoding:
+            with blocks_for_any_rows():
+                part = batch if len(decoding) == n else sub_batch(batch, decoding)
+                outputs.append((decoding, self._forward(part, taps)))
         if len(decoding) == n:
-            return [decoding]
-        alone = [[i] for i in range(n) if i not in set(decoding)]
-        return [decoding, *alone] if decoding else alone
+            return outputs[0][1]
+        if not decoding and n == 1:
+            return self._forward(batch, taps)
+        outputs += [([i], self._forward(sub_batch(batch, [i]), taps)) for i in range(n) if i not in set(decoding)]
+        return joined(batch, outputs)
 
     @torch.inference_mode()
     def _forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:

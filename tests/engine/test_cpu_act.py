@@ -139,6 +139,29 @@ def test_a_requests_logits_do_not_depend_on_what_its_step_holds_beside_it():
     assert torch.equal(mixed[1], decoding_alone) and torch.equal(mixed[0], prompt_alone)
 
 
+@needs_vnni
+def test_a_decoding_requests_logits_do_not_depend_on_how_many_decode_beside_it():
+    """Verification of 1 request and of 14 together (70 logit rows, more than cpu_gemv.MAX_ROWS): request 0's
+    logits are the same bits; the output head reads its blocks for any row count in a decoding step."""
+    model = gguf_model()
+    set_activations(model, "int8")
+    cpu_fusion.fuse(model)
+
+    def verify(requests: int) -> torch.Tensor:
+        pool = KVPool(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 32, 16, torch.float32, "cpu", cpu_kernels=True)
+        runner = ModelRunner(model, pool)
+        seqs = list(range(requests))
+        prompts = [[3 + s, 14, 15, 9, 26, 5, 35] for s in seqs]
+        for s in seqs:
+            pool.add(s, prompts[s])
+        runner.forward(StepBatch(seqs, prompts, [0] * requests, [1] * requests))
+        feeds = [[8, 9, 7, 9, 3 + s] for s in seqs]
+        return runner.forward(StepBatch(seqs, feeds, [7] * requests, [5] * requests)).logits[0]
+
+    assert cpu_gemv.MAX_ROWS < 14 * 5
+    assert torch.equal(verify(1), verify(14))
+
+
 PROMPTS = [
     "Write a Python function that reverses a string.",
     "Add type hints to this function and return the whole code:\n\n"
