@@ -126,8 +126,12 @@ def train_heads(
     train = train_eagle if arch == "eagle" else run_training
     report = train(engine, cfg, out, LineProgress(), log, work)
     label = "step" if arch == "eagle" else "head"
-    for i, (acc, tps) in enumerate(zip(report["top1"], report["tokens_per_step"], strict=True)):
-        click.echo(f"{label} {i + 1}: top-1 {acc:.3f}   chain estimate at k={i + 1}: {tps:.2f} tokens/step")
+    rows = zip(report["top1"], report["tokens_per_step"], report["run_tokens_per_step"], strict=True)
+    for i, (acc, tps, run) in enumerate(rows):
+        click.echo(
+            f"{label} {i + 1}: top-1 {acc:.3f}   at k={i + 1}: chain estimate {tps:.2f}, "
+            f"greedy run {run:.2f} tokens/step"
+        )
     click.echo(f"wrote {out} ({report['eval_positions']} held-out positions)")
 
 

@@ -36,6 +36,7 @@ from specchat.engine.train_heads import (
     Progress,
     draft_vocab_by_frequency,
     generate_answers,
+    greedy_run_tokens_per_step,
     held_out_ids,
     lr_factor,
 )
@@ -288,12 +289,13 @@ class EagleTrainer:
     # --- 4. report ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def report(self, head: EagleHead, feats: list[dict]) -> dict:
-        """Per-step top-1 accuracy and the chain estimate of tokens per step on held-out greedy answers."""
+        """Per-step top-1 accuracy, the chain estimate of tokens per step and a greedy run's (stepping over each
+        answer as speculation does: train_heads.greedy_run_tokens_per_step) on held-out greedy answers."""
         held = [f for f in feats if f["eval"]]
         index = self._vocab_index(head.draft_vocab)
         k = self.cfg.ttt_steps
         hits, valid, chain = torch.zeros(k), torch.zeros(k), torch.zeros(k)
-        anchor_total = 0
+        anchor_total, runs = 0, []
         for batch in self._batches(held):
             seqs = [held[i] for i in batch]
             _, right, counted = self.chain(head, seqs, index)
@@ -302,19 +304,28 @@ class EagleTrainer:
             for r, f in enumerate(seqs):  # anchors: positions whose first draft is an answer token
                 anchors[r, max(0, f["prompt"] - 2) : len(f["ids"]) - 2] = True
             alive = anchors.clone()
+            run = torch.zeros(alive.shape, dtype=torch.long, device=alive.device)  # right drafts in a row
             for j in range(k):
                 # draft j + 1 of the chain anchored at i is row i + j of step j
                 step_right = torch.zeros_like(alive)
                 step_right[:, : length - j] = right[j][:, j:]
                 alive &= step_right
+                run += alive
                 hits[j] += int(right[j].sum())
                 valid[j] += counted[j]
                 chain[j] += int(alive.sum())
             anchor_total += int(anchors.sum())
+            runs += [run[r, max(0, f["prompt"] - 2) : len(f["ids"]) - 2].cpu() for r, f in enumerate(seqs)]
         positions = max(anchor_total, 1)
         accuracy = (hits / valid.clamp_min(1)).tolist()
         tokens_per_step = [1 + float(chain[: j + 1].sum() / positions) for j in range(k)]
-        return {"top1": accuracy, "tokens_per_step": tokens_per_step, "eval_positions": anchor_total}
+        run_tokens = [greedy_run_tokens_per_step(runs, j + 1) for j in range(k)]
+        return {
+            "top1": accuracy,
+            "tokens_per_step": tokens_per_step,
+            "run_tokens_per_step": run_tokens,
+            "eval_positions": anchor_total,
+        }
 
 
 def train_eagle(

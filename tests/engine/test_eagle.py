@@ -174,6 +174,7 @@ def test_training_learns_the_tiny_models_answers(tiny_engine, tmp_path):
     # trained head predicts its held-out answers 20x better than chance, at every step of the chain
     assert report["eval_positions"] > 100 and min(report["top1"]) > 0.01, report
     assert report["tokens_per_step"][2] > report["tokens_per_step"][0] > 1.0, report
+    assert all(1.0 <= run <= k + 1 for k, run in enumerate(report["run_tokens_per_step"], 1)), report
     tiny_engine.drafters["eagle:trained"] = EagleDrafter.from_dir(out, tiny_engine.model, 4096)
     fin = tiny_engine.submit("def f(x):", SamplingParams(max_tokens=12), SpecParams("eagle:trained", k=3)).result()
     assert len(fin.token_ids) >= 1 and fin.stats.drafted > 0

@@ -9,7 +9,14 @@ import torch
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
-from specchat.engine.train_heads import CATEGORIES, TrainConfig, load_prompt_set, lr_factor, train_heads
+from specchat.engine.train_heads import (
+    CATEGORIES,
+    TrainConfig,
+    greedy_run_tokens_per_step,
+    load_prompt_set,
+    lr_factor,
+    train_heads,
+)
 from specchat.errors import ConfigError
 
 
@@ -27,6 +34,17 @@ def test_prompt_set_has_every_category_and_both_splits():
     assert not held_out_code & trained_code
 
 
+def test_a_greedy_run_steps_over_the_tokens_its_drafts_got_right():
+    """Each step at position i emits min(run_i, k) + 1 tokens and the next starts after them."""
+    assert greedy_run_tokens_per_step([torch.tensor([0, 0, 0])], 4) == 1.0
+    answer = torch.tensor([2, 0, 0, 5, 0, 0])  # steps at 0 (3 tokens) and 3 (min(5, 4) + 1 = 5, past the end)
+    assert greedy_run_tokens_per_step([answer], 4) == 6 / 2
+    assert greedy_run_tokens_per_step([answer], 1) == 6 / 4  # steps at 0, 2, 3, 5
+    assert greedy_run_tokens_per_step([answer, torch.tensor([0])], 4) == 7 / 3
+    # the per-position average of the same runs (the chain estimate's view) is higher: 1 + 7/6 at k = 4
+    assert greedy_run_tokens_per_step([], 4) == 1.0
+
+
 def test_lr_schedule_warms_up_then_decays():
     assert lr_factor(0, 1000) < lr_factor(49, 1000) == pytest.approx(1.0)
     assert lr_factor(999, 1000) == pytest.approx(0.1, abs=1e-3)
@@ -41,6 +59,7 @@ def test_train_heads_writes_usable_heads_and_resumes(tiny_engine, tmp_path):
     assert {"answers", "features", "train"} <= set(stages)
     assert len(report["top1"]) == 2 and all(0.0 <= a <= 1.0 for a in report["top1"])
     assert report["tokens_per_step"][0] >= 1.0
+    assert all(1.0 <= run <= k + 1 for k, run in enumerate(report["run_tokens_per_step"], 1))
 
     heads, target = DraftHeads.load(out)
     assert heads.cfg.num_heads == 2 and heads.cfg.tap == tiny_engine.model.cfg.num_layers - 1
