@@ -35,7 +35,7 @@ POLL_S = 0.2  # how often a download's bytes on disk are read for the progress b
 # pip's log line before a download: "Downloading https://.../x.whl (92.9 MB)", or "Using cached x.whl (92.9 MB)"
 PIP_DOWNLOAD_LINE = re.compile(r"(?:Downloading|Using cached) \S+ \(([\d.]+) (bytes|kB|MB|GB)\)")
 PIP_SIZE_UNITS = {"bytes": 1, "kB": 1000, "MB": 1000**2, "GB": 1000**3}
-TEXT_FIELDS = ("source", "description", "package", "file", "path", "repo", "heads", "eagle", "drafter")
+TEXT_FIELDS = ("source", "description", "package", "file", "path", "repo", "heads", "eagle", "drafter", "cpu_drafter")
 
 
 @dataclass(slots=True)
@@ -53,20 +53,33 @@ class ModelSpec:
     heads: str | None = None  # trained draft heads shipped for this model (file in specchat/data)
     eagle: str | None = None  # a trained EAGLE-3 head shipped for this model (directory in specchat/data)
     drafter: str | None = None  # default drafter for this model
+    cpu_drafter: str | None = None  # default drafter on the CPU, where another measures best there
 
     def __post_init__(self) -> None:
         for key, kind in (("size", int), *((key, str) for key in TEXT_FIELDS)):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
                 raise ConfigError(f"model {self.alias!r}: {key} must be a {kind.__name__}, got {value!r}")
-        if self.drafter is not None:
-            check_drafter_name(self.drafter)
+        for name in (self.drafter, self.cpu_drafter):
+            if name is not None:
+                check_drafter_name(name)
         if self.source not in SOURCES:
             raise ConfigError(f"model {self.alias!r}: source must be one of {', '.join(SOURCES)}")
         needed = {"pypi": ("package", "file"), "gguf": ("path",), "dir": ("path",), "hf": ("repo",)}
         for key in needed[self.source]:
             if not getattr(self, key):
                 raise ConfigError(f"model {self.alias!r}: source {self.source!r} needs {key!r}")
+
+    def default_drafter(self, device: str | None, tp: int = 1) -> str:
+        """What `--drafter default` means for this model on `device` ("cpu" | "cuda"; None where not known yet):
+        `cpu_drafter` on the CPU where set (not under --tp, which takes no heads drafter), else `drafter`."""
+        if device == "cpu" and tp == 1 and self.cpu_drafter:
+            return self.cpu_drafter
+        return self.drafter or "none"
+
+    def default_drafter_varies(self) -> bool:
+        """Whether the default drafter depends on the device (resolve it once the device is known)."""
+        return bool(self.cpu_drafter) and self.cpu_drafter != (self.drafter or "none")
 
     @property
     def where(self) -> str:

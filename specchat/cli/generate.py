@@ -203,9 +203,10 @@ def generate(
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, weights=weights)
-    if spec.drafter == "default":  # named, for the timing line
-        spec = dataclasses.replace(spec, drafter=resolve(config.model).drafter or "none")
+    entry = resolve(config.model)  # a bad name ends here, before the load
     engine = Engine.load(config, progress=StderrProgress())
+    if spec.drafter == "default":  # named, for the timing line (the default may depend on the device)
+        spec = dataclasses.replace(spec, drafter=entry.default_drafter(engine.device.type, config.tp))
     engine.drafter(spec.drafter)  # a drafter that cannot load fails once, not once per prompt
     model_dtype = str(pick_dtype(config.dtype, engine.device)).removeprefix("torch.")
     show_timing = not as_json and (stats if stats is not None else sys.stderr.isatty())

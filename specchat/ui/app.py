@@ -40,7 +40,7 @@ from specchat.ui.messages import EngineReading, EngineStep
 from specchat.ui.metrics import PanelFigures
 from specchat.ui.saved import SavedConversations
 from specchat.ui.screens import SystemPromptScreen
-from specchat.ui.settings import ChatSettings, LiveSettings, model_drafter
+from specchat.ui.settings import ChatSettings, LiveSettings, configured_device, engine_device, model_drafter
 from specchat.ui.speculation import SpeculationPanel
 from specchat.ui.store import ChatStore
 from specchat.ui.throughput import ThroughputPanel
@@ -94,7 +94,11 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         spec = spec or SpecParams()
         self.settings = ChatSettings(
             k=spec.k,
-            drafter=model_drafter(spec.drafter, engine.model_spec if engine is not None else self.config.model),
+            drafter=model_drafter(
+                spec.drafter,
+                engine.model_spec if engine is not None else self.config.model,
+                engine_device(engine) if engine is not None else configured_device(self.config),
+            ),
             temperature=self.sampling.temperature,
             weights=None if self.config.weights == "auto" else self.config.weights,
             kv=None if self.config.kv_format == "auto" else self.config.kv_format,
@@ -205,6 +209,8 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         self.bridge = EngineBridge(engine, self)
         self.bridge.attach()
         self.sub_title = self.model_name
+        if self.settings.drafter == "default":  # a default that depends on the device, now known
+            self.settings.drafter = model_drafter("default", engine.model_spec, engine_device(engine))
         for pane in self.main.query(ChatPane):
             pane.model = self.model_name
         self.show_drafter()

@@ -22,10 +22,11 @@ from specchat.ui.speculation import SpeculationPanel
 K_ACTIONS = ("k_up", "k_down", "k_auto")  # nothing to do without a drafter: shown disabled then
 
 
-def model_drafter(name: str, model: ModelSpec | str | None) -> str:
-    """`default` -> the drafter models.toml names for the model: a loaded model's entry (None: not in models.toml),
-    or a model name to look up before loading (a bad one gives `none`, and the load says why). Other names as
-    they are."""
+def model_drafter(name: str, model: ModelSpec | str | None, device: str | None = None) -> str:
+    """`default` -> the drafter models.toml names for the model on `device` ("cpu" | "cuda"; None: not known yet):
+    a loaded model's entry (None: not in models.toml), or a model name to look up before loading (a bad one gives
+    `none`, and the load says why). Where the default depends on the device and the device is not known yet, it
+    stays `default` (the engine resolves it; the app names it once the model is loaded). Other names as they are."""
     if name != "default":
         return name
     if isinstance(model, str):
@@ -33,7 +34,22 @@ def model_drafter(name: str, model: ModelSpec | str | None) -> str:
             model = resolve(model)
         except SpecchatError:
             return "none"
-    return model.drafter if model is not None and model.drafter else "none"
+    if model is None:
+        return "none"
+    if device is None and model.default_drafter_varies():
+        return "default"
+    return model.default_drafter(device)
+
+
+def configured_device(config) -> str | None:
+    """An EngineConfig's device where it names one ("cpu" | "cuda"), None for "auto" (known once loaded)."""
+    return None if config.device == "auto" else config.device
+
+
+def engine_device(engine) -> str | None:
+    """The device type a loaded engine runs on ("cpu" | "cuda"), None where it does not say (test stand-ins)."""
+    device = getattr(engine, "device", None)
+    return getattr(device, "type", None)
 
 
 def drafter_description(name: str, model_spec: ModelSpec | None) -> str:

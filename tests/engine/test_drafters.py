@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from specchat.engine.drafters.draft_model import DraftModelDrafter
 from specchat.engine.drafters.heads import DraftHeads, HeadsConfig, HeadsDrafter
 from specchat.engine.drafters.ngram import NgramDrafter, NgramIndex
 from specchat.errors import ConfigError, ModelFormatError
+from specchat.registry import ModelSpec
 
 
 def lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3) -> list[int]:
@@ -64,6 +65,21 @@ def test_make_drafter_names(tiny_engine):
         make_drafter("heads", tiny_engine)  # the tiny model has no registry entry with heads
     with pytest.raises(ConfigError, match="not found"):
         make_drafter("heads:/nonexistent/heads.safetensors", tiny_engine)
+
+
+def test_the_default_drafter_follows_the_device(tiny_engine, monkeypatch):
+    """models.toml's `cpu_drafter` is `default` on the CPU, `drafter` elsewhere and under --tp (no heads there)."""
+    spec = ModelSpec("tiny", "gguf", path="tiny.gguf", drafter="ngram", cpu_drafter="none")
+    assert spec.default_drafter("cpu") == "none" and spec.default_drafter("cuda") == "ngram"
+    assert spec.default_drafter(None) == "ngram" and spec.default_drafter("cpu", tp=2) == "ngram"
+    assert spec.default_drafter_varies() and not replace(spec, cpu_drafter="ngram").default_drafter_varies()
+    assert ModelSpec("tiny", "gguf", path="tiny.gguf").default_drafter("cpu") == "none"
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        ModelSpec("tiny", "gguf", path="tiny.gguf", cpu_drafter="medusa")
+    monkeypatch.setattr(tiny_engine, "model_spec", spec)  # the tiny engine runs on the CPU
+    assert make_drafter("default", tiny_engine).name == "none"
+    monkeypatch.setattr(tiny_engine, "model_spec", replace(spec, cpu_drafter=None))
+    assert make_drafter("default", tiny_engine).name == "ngram"
 
 
 def random_heads(model, sequential: bool = True, num_heads: int = 3, draft_vocab: int = 0) -> DraftHeads:

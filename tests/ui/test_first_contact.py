@@ -122,7 +122,10 @@ def test_the_panel_says_which_model_drafts():
     )
     assert drafter_description("draft-model", None) == f"draft-model: {default.alias} drafts"
     assert drafter_description("ngram", default) == "ngram"
-    assert model_drafter("default", default) == (default.drafter or "none")
+    assert model_drafter("default", default, "cuda") == (default.drafter or "none")
+    # the default model's default drafter depends on the device: named once the device is known
+    assert default.default_drafter_varies() and model_drafter("default", default) == "default"
+    assert model_drafter("default", default, "cpu") == default.cpu_drafter
     assert model_drafter("default", None) == "none" and model_drafter("heads", default) == "heads"
 
 

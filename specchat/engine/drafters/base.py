@@ -60,14 +60,16 @@ def make_drafter(name: str, context) -> Drafter:
     none: plain decoding. ngram: prompt lookup. heads: the trained heads models.toml lists for the model, or
     heads:FILE. eagle: the EAGLE-3 head models.toml lists for the model, or eagle:DIR (a head directory in the
     layout vLLM and SGLang load). ngram+heads: prompt lookup where it matches, heads elsewhere. draft-model: the registry's
-    default model (or draft-model:NAME) drafting with its own KV. default: the model's models.toml `drafter`.
+    default model (or draft-model:NAME) drafting with its own KV. default: the model's models.toml `drafter`
+    (`cpu_drafter` on the CPU, where set).
     """
     kind, _, arg = check_drafter_name(name).partition(":")
     if kind == "none":
         return NoDrafter()
     if kind == "default":
         spec = context.model_spec
-        return make_drafter(spec.drafter if spec is not None and spec.drafter else "none", context)
+        name = spec.default_drafter(context.device.type, context.config.tp) if spec is not None else "none"
+        return make_drafter(name, context)
     if kind == "ngram":
         from specchat.engine.drafters.ngram import NgramDrafter
 

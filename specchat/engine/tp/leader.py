@@ -97,7 +97,7 @@ def tp_drafter_check(build: Callable[[str], Drafter], target: ModelSpec | None) 
     def checked(name: str) -> Drafter:
         kind, _, arg = name.partition(":")
         if kind == "default":
-            kind, _, arg = ((target.drafter if target else None) or "none").partition(":")
+            kind, _, arg = (target.default_drafter(None) if target else "none").partition(":")
         if kind in WHOLE_HEAD_DRAFTERS:
             raise ConfigError(
                 f"--tp: the {kind} drafter reads the target's whole output head, which --tp splits over the "
