@@ -233,7 +233,10 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
         run_tui(config, sampling, spec, given["system"], defaults.theme)  # loads the model itself, behind a notice
         return
     progress = LoadProgress()
-    click.echo(f"loading {entry.alias} (drafter {spec.drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
+    drafter = spec.drafter
+    if drafter == "default":  # not resolved: it depends on the device the load picks
+        drafter = f"default: {entry.default_drafter('cpu')} on the CPU, {entry.default_drafter('cuda')} on a GPU"
+    click.echo(f"loading {entry.alias} (drafter {drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
     chat = PlainChat(load_in_background(config, progress), progress, sampling, spec, given["system"])
     plain_repl(chat)
 
