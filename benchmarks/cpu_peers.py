@@ -106,6 +106,7 @@ def main() -> None:
     variants = {  # name -> (EngineConfig kwargs, drafter)
         "specchat default (float32, GGUF blocks, --cpu-act auto), plain": ({}, "none"),
         "specchat default, ngram drafter": ({}, "ngram"),
+        "specchat default, default drafter (models.toml cpu_drafter: ngram+heads)": ({}, "default"),
         "specchat --cpu-act fp32 (GGUF blocks, float rows), plain": ({"cpu_act": "fp32"}, "none"),
         "specchat --cpu-act fp32, ngram drafter": ({"cpu_act": "fp32"}, "ngram"),
         "specchat float32 --eager (dequantized), plain": ({"dtype": "float32", "eager": True}, "none"),
