@@ -102,6 +102,11 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
     cpu_act: str = "auto"  # CPU GGUF-block linears: float32 activation rows, or int8 per block of 32 (AVX512-VNNI)
 
+    @property
+    def chosen_device(self) -> str | None:
+        """The device type the config names ("cpu" | "cuda"), None for "auto" (known once the model is loaded)."""
+        return None if self.device == "auto" else self.device
+
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")

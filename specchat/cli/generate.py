@@ -195,18 +195,17 @@ def generate(
     stats,
 ) -> None:
     """Complete a prompt (or a file of prompts, run concurrently) with MODEL (default: smollm2-135m)."""
+    from specchat.engine.drafters.base import default_drafter_name
     from specchat.engine.engine import Engine
     from specchat.engine.loading import pick_dtype
-    from specchat.registry import resolve
 
     items = read_prompts(prompt, prompts_file)
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, weights=weights)
-    entry = resolve(config.model)  # a bad name ends here, before the load
     engine = Engine.load(config, progress=StderrProgress())
     if spec.drafter == "default":  # named, for the timing line (the default may depend on the device)
-        spec = dataclasses.replace(spec, drafter=entry.default_drafter(engine.device.type, config.tp))
+        spec = dataclasses.replace(spec, drafter=default_drafter_name(engine))
     engine.drafter(spec.drafter)  # a drafter that cannot load fails once, not once per prompt
     model_dtype = str(pick_dtype(config.dtype, engine.device)).removeprefix("torch.")
     show_timing = not as_json and (stats if stats is not None else sys.stderr.isatty())

@@ -224,7 +224,7 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     kv = {"kv_format": given["kv_format"]} if "kv_format" in given else {}
     config = engine_config(given["model"], device, dtype, weights=given["weights"], **kv)
     entry = resolve(config.model)  # a bad name ends here, in one line, before any window or load
-    device = None if config.device == "auto" else config.device
+    device = config.chosen_device
     if spec.drafter == "default" and (device is not None or not entry.default_drafter_varies()):
         spec = replace(spec, drafter=entry.default_drafter(device, config.tp))  # else the engine resolves it
     if not plain and sys.stdin.isatty() and sys.stdout.isatty():

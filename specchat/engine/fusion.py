@@ -79,7 +79,7 @@ class FusedTransformer(Transformer):
         logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         x = self.embed(ids)
-        if not fused.rms_norm_supported(x, self.norm.weight) or x.dim() != 2:
+        if not fused.rms_norm_supported(x, self.norm.weight):
             return super().forward(ids, positions, kv, taps, logits_at)
         cos, sin = self.rope(positions)
         hidden: dict[int, torch.Tensor] = {}

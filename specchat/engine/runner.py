@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +66,12 @@ class ModelRunner:
         n = len(batch.feeds)
         short = cpu_attention.MAX_Q_LEN
         decoding = [i for i in range(n) if batch.start_positions[i] > 0 and len(batch.feeds[i]) <= short]
+        parts = ([decoding] if decoding else []) + [[i] for i in sorted(set(range(n)) - set(decoding))]
         outputs = []
-        if decoding:
-            with blocks_for_any_rows():
-                part = batch if len(decoding) == n else sub_batch(batch, decoding)
-                outputs.append((decoding, self._forward(part, taps)))
-        if len(decoding) == n:
-            return outputs[0][1]
-        if not decoding and n == 1:
-            return self._forward(batch, taps)
-        outputs += [([i], self._forward(sub_batch(batch, [i]), taps)) for i in range(n) if i not in set(decoding)]
-        return joined(batch, outputs)
+        for rows in parts:
+            with blocks_for_any_rows() if rows is decoding else nullcontext():
+                outputs.append((rows, self._forward(batch if len(parts) == 1 else sub_batch(batch, rows), taps)))
+        return outputs[0][1] if len(parts) == 1 else joined(batch, outputs)
 
     @torch.inference_mode()
     def _forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:

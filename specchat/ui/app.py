@@ -40,7 +40,7 @@ from specchat.ui.messages import EngineReading, EngineStep
 from specchat.ui.metrics import PanelFigures
 from specchat.ui.saved import SavedConversations
 from specchat.ui.screens import SystemPromptScreen
-from specchat.ui.settings import ChatSettings, LiveSettings, configured_device, engine_device, model_drafter
+from specchat.ui.settings import ChatSettings, LiveSettings, engine_device, model_drafter
 from specchat.ui.speculation import SpeculationPanel
 from specchat.ui.store import ChatStore
 from specchat.ui.throughput import ThroughputPanel
@@ -97,7 +97,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
             drafter=model_drafter(
                 spec.drafter,
                 engine.model_spec if engine is not None else self.config.model,
-                engine_device(engine) if engine is not None else configured_device(self.config),
+                engine_device(engine) if engine is not None else self.config.chosen_device,
             ),
             temperature=self.sampling.temperature,
             weights=None if self.config.weights == "auto" else self.config.weights,

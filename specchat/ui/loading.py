@@ -25,7 +25,7 @@ from specchat.ui.memory import MemoryPanel
 from specchat.ui.messages import EngineReady, LoadFailed, LoadProgress
 from specchat.ui.metrics import PanelFigures
 from specchat.ui.screens import ModelScreen
-from specchat.ui.settings import configured_device, model_drafter
+from specchat.ui.settings import model_drafter
 
 Progress = Callable[[str, int, int], None]  # what, done, total (0 = unknown)
 EngineLoader = Callable[[EngineConfig, Progress], ChatEngine]
@@ -121,7 +121,7 @@ class ModelLoading:
     def use_config(self, config: EngineConfig) -> None:
         """Settings and panels for a model about to load: its models.toml drafter, its formats as configured."""
         self.config = config
-        self.settings.drafter = model_drafter("default", config.model, configured_device(config))
+        self.settings.drafter = model_drafter("default", config.model, config.chosen_device)
         self.settings.weights = None if config.weights == "auto" else config.weights
         self.settings.kv = None if config.kv_format == "auto" else config.kv_format
         self.metrics = PanelFigures()

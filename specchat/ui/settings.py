@@ -41,11 +41,6 @@ def model_drafter(name: str, model: ModelSpec | str | None, device: str | None =
     return model.default_drafter(device)
 
 
-def configured_device(config) -> str | None:
-    """An EngineConfig's device where it names one ("cpu" | "cuda"), None for "auto" (known once loaded)."""
-    return None if config.device == "auto" else config.device
-
-
 def engine_device(engine) -> str | None:
     """The device type a loaded engine runs on ("cpu" | "cuda"), None where it does not say (test stand-ins)."""
     device = getattr(engine, "device", None)

@@ -35,14 +35,19 @@ def assert_equal_within_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def plain_norm(dim: int, dtype: torch.dtype) -> RMSNorm:
+    """The reference RMSNorm with a seeded weight around 1, on the test device."""
+    plain = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        plain.weight.copy_(torch.rand(dim, generator=gen(1)) + 0.5)
+    return plain.to(DEVICE, dtype)
+
+
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, dim", [(1, 64), (5, 96), (3, 576)])
 def test_rms_norm_kernel(dtype, rows, dim):
-    plain = RMSNorm(dim, 1e-5)
-    with torch.no_grad():
-        plain.weight.copy_(torch.rand(dim, generator=gen(1)) + 0.5)
-    plain = plain.to(DEVICE, dtype)
+    plain = plain_norm(dim, dtype)
     x = (torch.randn(rows, dim, generator=gen(2)) * 3).to(DEVICE, dtype)
     assert rms_norm_supported(x, plain.weight)
     assert_equal_within_rounding(rms_norm(x, plain.weight, plain.eps), plain(x))
@@ -52,10 +57,7 @@ def test_rms_norm_kernel(dtype, rows, dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, dim", [(1, 64), (5, 96), (3, 576)])
 def test_add_rms_norm_kernel_is_the_residual_add_then_the_norm(dtype, rows, dim):
-    plain = RMSNorm(dim, 1e-5)
-    with torch.no_grad():
-        plain.weight.copy_(torch.rand(dim, generator=gen(1)) + 0.5)
-    plain = plain.to(DEVICE, dtype)
+    plain = plain_norm(dim, dtype)
     x = (torch.randn(rows, dim, generator=gen(2)) * 3).to(DEVICE, dtype)
     h = (torch.randn(rows, dim, generator=gen(6)) * 2).to(DEVICE, dtype)
     x_before = x.clone()

@@ -54,6 +54,13 @@ class NoDrafter(Drafter):
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
 
 
+def default_drafter_name(context) -> str:
+    """What `default` names for a loaded engine: its models.toml entry's drafter on its device (`none` outside
+    models.toml)."""
+    spec = context.model_spec
+    return spec.default_drafter(context.device.type, context.config.tp) if spec is not None else "none"
+
+
 def make_drafter(name: str, context) -> Drafter:
     """A drafter by its CLI name; `context` is the engine (model, tokenizer, config) it may need.
 
@@ -67,9 +74,7 @@ def make_drafter(name: str, context) -> Drafter:
     if kind == "none":
         return NoDrafter()
     if kind == "default":
-        spec = context.model_spec
-        name = spec.default_drafter(context.device.type, context.config.tp) if spec is not None else "none"
-        return make_drafter(name, context)
+        return make_drafter(default_drafter_name(context), context)
     if kind == "ngram":
         from specchat.engine.drafters.ngram import NgramDrafter
 
