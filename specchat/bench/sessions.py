@@ -26,6 +26,7 @@ class SessionsResult:
     tokens_per_step: float
     kv_used_tokens_peak: int
     memory: dict
+    step_ahead: bool = True  # plain steps launched ahead of the host (where the runner overlaps: CUDA graphs)
 
 
 def run_sessions(
@@ -76,4 +77,5 @@ def run_sessions(
         tokens_per_step=snap.spec.tokens_per_step,
         kv_used_tokens_peak=peak,
         memory=snap.memory,
+        step_ahead=engine.spec_step.runs_ahead,
     )

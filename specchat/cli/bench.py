@@ -40,9 +40,12 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         )
 
 
-def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json, rounds=None) -> None:
-    """The grid of session counts x drafters, `rounds` times (the last reported): on a GPU the first round still
-    meets first-time shapes (an eager prefill step beside drafting requests compiles its kernels once)."""
+def bench_sessions(
+    config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json, rounds=None, step_ahead="on"
+) -> None:
+    """The grid of session counts x drafters (x steps ahead on / off), `rounds` times (the last reported): on a GPU
+    the first round still meets first-time shapes (an eager prefill step beside drafting requests compiles its
+    kernels once)."""
     from specchat.bench.sessions import run_sessions
     from specchat.config import SamplingParams
     from specchat.engine.engine import Engine
@@ -53,27 +56,34 @@ def bench_sessions(config: EngineConfig, prompts_file, sessions, max_tokens, dra
         raise ConfigError(f"--sessions must list counts >= 1, got {sessions!r}")
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
+    modes = [{"on": True, "off": False}.get(m.strip()) for m in step_ahead.split(",")]
+    if None in modes:
+        raise ConfigError(f"--step-ahead takes on, off or both (on,off), got {step_ahead!r}")
     engine = Engine.load(config, progress=StderrProgress())
+    modes = list(dict.fromkeys(m and engine.runner.overlaps for m in modes))  # nothing runs ahead without overlap
     # the graphs of every batch bucket and drafter's taps: none captured mid-run
     engine.warm_up(StderrProgress(), sessions=max(counts), drafters=[spec.drafter for spec in specs])
     requests = max(counts)  # every count runs the same requests, so their throughputs compare
     for _ in range(rounds or (2 if engine.device.type == "cuda" else 1)):
-        results = [
-            run_sessions(engine, prompts, n, sampling, spec, requests=requests) for n in counts for spec in specs
-        ]
+        results = []
+        for n in counts:
+            for mode in modes:
+                engine.spec_step.runs_ahead = mode
+                results += [run_sessions(engine, prompts, n, sampling, spec, requests=requests) for spec in specs]
+    engine.spec_step.runs_ahead = engine.runner.overlaps
     if as_json:
         for r in results:
             click.echo(json.dumps(dataclasses.asdict(r)))
         return
-    base = {r.drafter: r.tok_per_s for r in results if r.sessions == results[0].sessions}
+    base = {(r.drafter, r.step_ahead): r.tok_per_s for r in results if r.sessions == results[0].sessions}
     rows = [
         [
             r.sessions,
             r.requests,
-            r.drafter,
+            r.drafter if len(modes) == 1 else f"{r.drafter}{'' if r.step_ahead else ' (no step ahead)'}",
             r.k if r.drafter != "none" else "-",
             r.tok_per_s,
-            f"{r.tok_per_s / base[r.drafter]:.2f}x",
+            f"{r.tok_per_s / base[r.drafter, r.step_ahead]:.2f}x",
             r.itl_p50_ms,
             r.itl_p99_ms,
             r.ttft_p50_ms,
@@ -207,9 +217,15 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     default=None,
     help="sessions: run the whole grid this many times, report the last (default: 2 on CUDA, 1 on the CPU)",
 )
+@click.option(
+    "--step-ahead",
+    default="on",
+    show_default=True,
+    help="sessions: launch plain decode steps before reading the last one's tokens (CUDA graphs): on, off, or on,off",
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
 def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
-          acceptance, context, steps, eager, cpu_act, tp, rounds, as_json) -> None:  # fmt: skip
+          acceptance, context, steps, eager, cpu_act, tp, rounds, step_ahead, as_json) -> None:  # fmt: skip
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
@@ -230,7 +246,7 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
         model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv, eager=eager, tp=tp,
         cpu_act=cpu_act,
     )  # fmt: skip
-    bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds)
+    bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds, step_ahead)
 
 
 def register(group: click.Group) -> None:

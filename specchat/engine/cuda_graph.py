@@ -131,6 +131,7 @@ class CudaGraphRunner(ModelRunner):
     """ModelRunner that replays CUDA graphs for uniform decode / verify steps on a CUDA device."""
 
     pads_widths = True
+    overlaps = True  # a replay returns once launched
 
     def __init__(self, model: Transformer, pool: KVPool) -> None:
         super().__init__(model, pool)
@@ -166,13 +167,19 @@ class CudaGraphRunner(ModelRunner):
         ctx = _bucket(max(s + q for s in batch.start_positions), CTX_BUCKETS)
         return None if b is None or ctx is None else (b, q, ctx, tuple(sorted(set(taps))))
 
-    def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
+    def can_run_ahead(self, batch: StepBatch) -> bool:
+        """Only where the step's graph is captured already: a capture mid-pipeline would stall it."""
+        return self._state_signature() == self._signature and self._graph_key(batch, ()) in self.graphs
+
+    def forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
         self._check_signature()
         key = self._graph_key(batch, taps)
         if key is not None:
             graph = self.graphs.get(key) or self._capture(*key)
             self.graphs[key] = graph
-            return self._replay(graph, batch, key[1])
+            return self._replay(graph, batch, key[1], ids)
+        if ids is not None:  # a decode step no graph takes (a context past the largest bucket)
+            return super().forward(batch, taps, ids)
         if len(batch.feeds) == 1 and (bucket := self._prefill_bucket(batch, 0)) is not None:
             return self._prefill(bucket, batch, tuple(sorted(set(taps))))
         if (q := self._prompts_width(batch)) is not None:
@@ -333,7 +340,8 @@ class CudaGraphRunner(ModelRunner):
         return _Prefill(graph, staging, last, logits, hidden)
 
     @torch.inference_mode()
-    def _replay(self, g: _Graph, batch: StepBatch, q: int) -> StepOutput:
+    def _replay(self, g: _Graph, batch: StepBatch, q: int, ids: torch.Tensor | None = None) -> StepOutput:
+        """One replay of g for batch; ids (q = 1): the fed tokens, already on the device (batch.feeds' are not read)."""
         n = len(batch.feeds)
         tables, ctx_lens, slots = self.pool.reserve(batch.seq_ids, [q] * n)  # bookkeeping: pages, slots, tables
         rows, big = n * q, g.batch * q
@@ -346,6 +354,8 @@ class CudaGraphRunner(ModelRunner):
             start = g.batch + i * g.width
             h32[start : start + len(table)] = table
         g.staging.send()
+        if ids is not None:
+            g.staging.dev64[:rows].copy_(ids)  # after the metadata's copy, in stream order
         g.graph.replay()
         logits = g.logits[:rows]
         # Tapped states are copied out: the next replay overwrites the static buffers, and drafters read them later.

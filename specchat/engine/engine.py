@@ -331,6 +331,7 @@ class Engine:
                 command, done = self._commands.get_nowait()
             except queue.Empty:
                 return
+            self.spec_step.drop_ahead()  # a step launched ahead ran on what the command may change
             try:
                 command()
             except Exception as exc:  # delivered to whoever waits on the Future
@@ -350,6 +351,7 @@ class Engine:
                     events += self.scheduler.postprocess(plan, result)
                 except Exception as exc:  # a bug or a device error: the step's requests fail, the engine goes on
                     log.exception("engine step failed; its requests end with an error")
+                    self.spec_step.drop_ahead()
                     events += self.scheduler.fail(plan, f"the engine step failed: {type(exc).__name__}: {exc}")
         self._deliver(events)
         return events

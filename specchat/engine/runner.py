@@ -38,6 +38,9 @@ class ModelRunner:
     """Runs the target model over a StepBatch, with the KV pool as its cache."""
 
     pads_widths = False  # whether padded_width makes a step's decoding requests as wide as the widest
+    # whether forward returns before the device has run the step, so that the host can prepare the next one
+    # meanwhile (SpecStep's step ahead); the eager runner's forward has run when it returns (on a CPU)
+    overlaps = False
 
     def __init__(self, model: Transformer, pool: KVPool) -> None:
         self.model = model
@@ -51,9 +54,16 @@ class ModelRunner:
         batch as it is; a CUDA-graph runner replays one graph for a uniform width (cuda_graph.py)."""
         return None
 
-    def forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
+    def can_run_ahead(self, batch: StepBatch) -> bool:
+        """Whether `forward(batch, ids=...)` runs this plain decode step without capturing or compiling anything
+        (a step launched ahead of the host must not stall it)."""
+        return True
+
+    def forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
+        """The target over `batch`. ids: the fed tokens as a device tensor (the previous step's, not read back
+        yet), in place of batch.feeds' values, for a step of one token per request."""
         if not self.pool.cpu_kernels:
-            return self._forward(batch, taps)
+            return self._forward(batch, taps, ids)
         # With the CPU kernels, a step's decoding requests (newest token and drafts, or a short prompt, after cached
         # context: what the whole-block call takes) run together with the block kernels for any row count, and
         # every other request alone. So a request's rows take the same kernels whatever else its step holds: the
@@ -67,15 +77,19 @@ class ModelRunner:
         short = cpu_attention.MAX_Q_LEN
         decoding = [i for i in range(n) if batch.start_positions[i] > 0 and len(batch.feeds[i]) <= short]
         parts = ([decoding] if decoding else []) + [[i] for i in sorted(set(range(n)) - set(decoding))]
+        assert ids is None or len(parts) == 1, "tokens on the device feed a step of decoding requests only"
         outputs = []
         for rows in parts:
             with blocks_for_any_rows() if rows is decoding else nullcontext():
-                outputs.append((rows, self._forward(batch if len(parts) == 1 else sub_batch(batch, rows), taps)))
+                outputs.append((rows, self._forward(batch if len(parts) == 1 else sub_batch(batch, rows), taps, ids)))
         return outputs[0][1] if len(parts) == 1 else joined(batch, outputs)
 
     @torch.inference_mode()
-    def _forward(self, batch: StepBatch, taps: Seq[int] = ()) -> StepOutput:
-        ids = torch.tensor([t for f in batch.feeds for t in f], dtype=torch.long, device=self.device)
+    def _forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
+        if ids is None:
+            ids = torch.tensor([t for f in batch.feeds for t in f], dtype=torch.long, device=self.device)
+        else:
+            assert all(len(f) == 1 for f in batch.feeds) and ids.shape == (len(batch.feeds),), ids.shape
         positions = torch.tensor(
             [p for f, s in zip(batch.feeds, batch.start_positions, strict=True) for p in range(s, s + len(f))],
             dtype=torch.long,

@@ -16,7 +16,7 @@ from collections import deque
 import torch
 
 from specchat.engine.adaptive import DraftGate, StepCosts
-from specchat.engine.drafters import DrafterCache
+from specchat.engine.drafters import DrafterCache, NoDrafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
 from specchat.engine.spec_step import Scheduled, StepPlan, StepResult
@@ -98,7 +98,9 @@ class Scheduler:
         running = self.running
         if self._gated_off:  # nobody drafts: only drafters that need every position's rows (EAGLE) still tap
             running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history]
-        return StepPlan(items, self.drafters.taps(running)), events
+        # the next step may be launched ahead of this one's tokens where no admission can change it
+        ahead = not self.waiting or len(self.running) >= self.max_running
+        return StepPlan(items, self.drafters.taps(running), ahead), events
 
     def _admit(self, events: list[Event]) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -129,7 +131,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _draft_len(self, seq: Sequence) -> int:
-        """k for this step, clipped so that the step cannot overrun max tokens or the context."""
+        """k for this step, clipped so that the step cannot overrun max tokens or the context (0 without a
+        drafter: nothing to reserve room for)."""
+        if isinstance(self.drafters.get(seq.spec.drafter), NoDrafter):
+            return 0
         room = min(
             seq.sampling.max_tokens - len(seq.output_ids) - 1,
             seq.max_position - seq.num_tokens - 1,
@@ -241,7 +246,8 @@ class Scheduler:
                 continue
             was_decode = len(item.feed) == 1 and seq.output_ids
             seq.num_cached = seq.num_tokens + outcome.accepted  # rejected drafts' keys/values are dropped
-            self.pool.truncate(seq.seq_id, seq.num_cached)
+            # (a request whose next step runs ahead keeps the position that step writes)
+            self.pool.truncate(seq.seq_id, seq.num_cached + (seq.seq_id in result.ahead))
             kept = seq.append_tokens(outcome.emitted)
             if was_decode:
                 # a stop token ends the output but was produced by this step all the same

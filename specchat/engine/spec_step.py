@@ -6,6 +6,15 @@ runs once over every request's [fed tokens + drafts] (verification and plain dec
 k = 0 being plain), and `verify_batch` decides all requests' accepted drafts and recovered / bonus tokens with a
 single copy to the host. Nothing here touches a request's state: `Scheduler.postprocess` applies the result.
 
+A step ahead: where the runner returns before the device has run a step (CUDA graphs) and every request of a
+step decodes plainly (k = 0, nothing tapped), the step's tokens are drawn on the device (`plain_tokens`) and the
+next step is launched with them as its input before the host reads them back: the host then applies this step,
+delivers its text and plans the next while the device runs it (`_Ahead`). The next `run` takes the result of
+every request that its plan continues from where the step ahead left it (a request that ended meanwhile drops
+its row); a request that the plan feeds otherwise (it drafts now, say) has that position taken back from the KV
+pool and its generator rewound, and runs with the plan's other requests as if nothing ran ahead. The tokens
+are the ones the same forward and draw give without the step ahead (tests/engine/test_step_ahead.py).
+
 Timing (what StepRecord carries): every request of the step waited for the whole step, so each one is charged
 the step's drafting time (draft_ms) and its forward + verification time (verify_ms): the wall time between its
 tokens. Both are measured once per step.
@@ -19,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.engine.drafters import Draft, DrafterCache
-from specchat.engine.runner import ModelRunner, StepBatch
+from specchat.engine.drafters import Draft, DrafterCache, NoDrafter
+from specchat.engine.runner import ModelRunner, StepBatch, StepOutput
 from specchat.engine.sequence import Sequence
-from specchat.engine.verify import verify_batch
+from specchat.engine.verify import plain_tokens, verify_batch
 
 PAD_TOKEN = 0  # fills a padded request's rows past its drafts; their logits are never read
 
@@ -47,6 +56,7 @@ class StepPlan:
 
     items: list[Scheduled] = field(default_factory=list)
     taps: tuple[int, ...] = ()  # target layers whose hidden states some running request's drafter reads
+    ahead: bool = False  # whether the next step may be launched ahead (the scheduler has nobody to admit)
 
 
 @dataclass(slots=True)
@@ -67,16 +77,115 @@ class StepResult:
     draft_ms: float
     verify_ms: float
     decode_rows: int | None = None  # rows the target verified in a step of decoding only (padding included)
+    ahead: frozenset[int] = frozenset()  # requests whose next step is in flight: the pool holds one more position
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A plain decode step launched before the host read the tokens it feeds."""
+
+    seqs: list[Sequence]
+    starts: list[int]  # each request's position fed (its num_cached when the step runs)
+    tokens: torch.Tensor  # [n] the tokens it draws, on the device
+    states: list[torch.Tensor | None]  # each request's generator state before the step's draw
+
+    def rows(self, plan: StepPlan) -> dict[int, int]:
+        """{plan item: row of this step} for the items it ran: a request decoding from the same position, no drafts."""
+        where = {seq.seq_id: row for row, seq in enumerate(self.seqs)}
+        rows = {}
+        for i, item in enumerate(plan.items):
+            row = where.get(item.seq.seq_id)
+            if row is not None and item.k == 0 and len(item.feed) == 1 and item.seq.num_cached == self.starts[row]:
+                rows[i] = row
+        return rows
 
 
 class SpecStep:
     """Drafts, runs the target and verifies, for every request of a plan at once."""
 
-    def __init__(self, runner: ModelRunner, drafters: DrafterCache) -> None:
+    def __init__(self, runner: ModelRunner, drafters: DrafterCache, ahead: bool | None = None) -> None:
         self.runner = runner
         self.drafters = drafters
+        # run plain steps ahead (default: where the runner overlaps the host's work with the device's)
+        self.runs_ahead = runner.overlaps if ahead is None else ahead
+        self._ahead: _Ahead | None = None
+        self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
 
     def run(self, plan: StepPlan) -> StepResult:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            rows = ahead.rows(plan)
+            self._take_back(ahead, set(rows.values()))
+            if rows:
+                return self._continue(plan, ahead, rows)
+        return self._run(plan)
+
+    def drop_ahead(self) -> None:
+        """Forget a step launched ahead (before the engine changes weights, KV format or drafters under it)."""
+        if self._ahead is not None:
+            self._take_back(self._ahead, set())
+            self._ahead = None
+
+    def _take_back(self, ahead: _Ahead, used: set[int]) -> None:
+        """Undo the step ahead for its requests (rows) not in `used` that still run: the KV position it reserved,
+        the draw it made from their generators."""
+        pool = self.runner.pool
+        for row, (seq, start, state) in enumerate(zip(ahead.seqs, ahead.starts, ahead.states, strict=True)):
+            if row in used or seq.finished:
+                continue
+            if pool.lengths.get(seq.seq_id) == start + 1:  # (a request preempted meanwhile has no pages left)
+                pool.truncate(seq.seq_id, start)
+            if state is not None:
+                seq.generator.set_state(state)
+
+    def _continue(self, plan: StepPlan, ahead: _Ahead, rows: dict[int, int]) -> StepResult:
+        """The step whose requests (those in `rows`) ran ahead: launch the next one, then read the tokens; the
+        plan's other requests (a prompt admitted meanwhile) run now, after."""
+        t0 = time.perf_counter()
+        self.continued += 1
+        covered = [plan.items[i] for i in rows]
+        index = list(rows.values())
+        tokens = ahead.tokens if index == list(range(len(ahead.seqs))) else ahead.tokens[index]
+        rest = [i for i in range(len(plan.items)) if i not in rows]
+        launched = self._launch_ahead(StepPlan(covered, plan.taps, plan.ahead), tokens) if not rest else None
+        host = tokens.tolist()
+        t1 = time.perf_counter()
+        outcomes: list[Outcome | None] = [None] * len(plan.items)
+        hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
+        for i, token in zip(rows, host, strict=True):
+            outcomes[i] = Outcome(0, 0, [token])
+        result = StepResult(outcomes, hidden, 0.0, (t1 - t0) * 1e3)  # no decode_rows: not a step's cost
+        if rest:
+            others = self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
+            for j, i in enumerate(rest):
+                outcomes[i], hidden[i] = others.outcomes[j], others.hidden[j]
+            result.draft_ms, result.verify_ms = others.draft_ms, others.verify_ms + result.verify_ms
+        if launched is not None:
+            self._ahead = launched
+            result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
+        return result
+
+    def _launch_ahead(self, plan: StepPlan, tokens: torch.Tensor) -> _Ahead | None:
+        """Launch the step after `plan` (a plain decode step whose tokens are `tokens`, on the device) if every
+        request will continue decoding plainly, room allowing; None otherwise."""
+        if not (self.runs_ahead and plan.ahead and not plan.taps):
+            return None
+        seqs = [item.seq for item in plan.items]
+        for seq in seqs:  # after this step: one more token, and the next decodes plainly too
+            if seq.adaptive is not None or (seq.k and not isinstance(self.drafters.get(seq.spec.drafter), NoDrafter)):
+                return None
+            if len(seq.output_ids) + 2 > seq.sampling.max_tokens or seq.num_tokens + 2 > seq.max_position:
+                return None
+        starts = [seq.num_cached + 1 for seq in seqs]
+        batch = StepBatch([seq.seq_id for seq in seqs], [[PAD_TOKEN]] * len(seqs), starts, [1] * len(seqs))
+        if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, 2)) or not self.runner.can_run_ahead(batch):
+            return None
+        states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
+        out = self.runner.forward(batch, ids=tokens)
+        drawn = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        return _Ahead(seqs, starts, drawn, states)
+
+    def _run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         drafts = self.draft(plan)
         t1 = time.perf_counter()
@@ -93,6 +202,8 @@ class SpecStep:
             [item.seq.seq_id for item in plan.items], feeds, [item.seq.num_cached for item in plan.items], logit_rows
         )
         out = self.runner.forward(batch, taps=plan.taps)
+        if width is None and all(decoding) and all(n == 1 for n in rows):
+            return self._plain(plan, out, t0, t1)
         logits = out.flat_logits
         if width is not None:  # the rows verification reads: each request's first 1 + k of its logit rows
             starts = list(itertools.accumulate(logit_rows, initial=0))[:-1]
@@ -115,6 +226,22 @@ class SpecStep:
         t2 = time.perf_counter()
         decode_rows = sum(batch.logit_rows) if all(decoding) else None
         return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decode_rows)
+
+    def _plain(self, plan: StepPlan, out: StepOutput, t0: float, t1: float) -> StepResult:
+        """A step of plain decoding (no drafts): its tokens drawn on the device, the next step launched ahead of
+        reading them where it may be."""
+        seqs = [item.seq for item in plan.items]
+        tokens = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        launched = self._launch_ahead(plan, tokens)
+        host = tokens.tolist()
+        outcomes: list[Outcome | None] = [Outcome(0, 0, [token]) for token in host]
+        hidden = [{layer: h[:1] for layer, h in taps.items()} for taps in out.hidden]
+        rows = None if launched is not None else len(seqs)  # a step that launched the next is not one step's cost
+        result = StepResult(outcomes, hidden, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, rows)
+        if launched is not None:
+            self._ahead = launched
+            result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
+        return result
 
     def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:
         """The width the runner wants the decoding requests (newest token + drafts) padded to, if their padding

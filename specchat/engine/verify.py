@@ -115,6 +115,20 @@ def verify_batch(
     return results
 
 
+def plain_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """The next token of each request of a step without drafts (logits [n, V], one row each), left on the device:
+    what `verify_batch` emits for k = 0, by the same operations (the argmax; `_sample_on_device`'s draw), so that
+    a step can feed them to the next one before the host reads them (SpecStep's step ahead)."""
+    tokens = logits.argmax(-1)
+    sampled = [i for i, sp in enumerate(params) if not sp.greedy]
+    if sampled:
+        draws = [_sample_on_device(logits[i : i + 1], [], None, params[i], generators[i])[1] for i in sampled]
+        tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),), torch.stack(draws))
+    return tokens
+
+
 def _sample_on_device(
     target_logits: torch.Tensor, tokens: list[int], draft_probs: torch.Tensor | None, params: SamplingParams, generator
 ) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""Plain decode steps launched ahead of the host (SpecStep's step ahead, on by default where CUDA graphs run):
+the same tokens as steps run one after another, through requests ending, new requests arriving, drafting
+switched on mid-run and seeded sampling; no KV page left behind.
+
+On the CPU the runner's forward has finished when it returns, so nothing overlaps, but the bookkeeping is the
+same code (turned on here with `runs_ahead`); tests/engine/test_cuda_graph.py runs it on graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specchat.config import SamplingParams
+from specchat.engine.sequence import Finished
+
+PROMPTS = ["Hi", "def fib(n):", "List three colors.", "What is 12 * 12?", "Tell me a fact about the moon."]
+
+
+def _run(engine, ahead: bool, jobs, late=(), at_step=3, stop_after=None, switch=None):
+    """Submit `jobs` [(prompt, SamplingParams)], step the engine to the end (submitting `late` at step `at_step`,
+    calling `switch(engine, handles)` there too), and return each request's tokens and how many steps ran ahead.
+    stop_after {job: n}: that request stops at its n-th token (it becomes its stop token)."""
+    engine.spec_step.runs_ahead = ahead
+    engine.spec_step.drop_ahead()
+    continued = engine.spec_step.continued
+    free = engine.pool.num_free_pages  # (pages the prefix cache keeps count as free)
+    try:
+        handles = [engine.submit(p, sp) for p, sp in jobs]
+        for job, token in (stop_after or {}).items():
+            seq = next(s for s in engine.scheduler.live() if s.seq_id == handles[job].request_id)
+            seq.eos_ids = frozenset({token})
+        finished: dict[int, Finished] = {}
+        step = 0
+        while engine.scheduler.has_work() or step <= at_step:
+            step += 1
+            if step == at_step:
+                handles += [engine.submit(p, sp) for p, sp in late]
+                if switch is not None:
+                    switch(engine, handles)
+            for event in engine.step():
+                if isinstance(event, Finished):
+                    finished[event.request_id] = event
+        assert engine.pool.num_free_pages == free, "KV pages left behind"
+        return [finished[h.request_id].token_ids for h in handles], engine.spec_step.continued - continued
+    finally:
+        engine.spec_step.runs_ahead = engine.runner.overlaps
+        engine.spec_step.drop_ahead()
+
+
+def test_steps_ahead_give_the_tokens_of_steps_one_by_one(tiny_engine):
+    greedy = [(p, SamplingParams(max_tokens=8 + 3 * i)) for i, p in enumerate(PROMPTS[:3])]
+    sampled = [(PROMPTS[3], SamplingParams(temperature=0.8, seed=7, max_tokens=14))]
+    late = [(PROMPTS[4], SamplingParams(max_tokens=9)), (PROMPTS[0], SamplingParams(temperature=1.0, seed=3))]
+    plain, _ = _run(tiny_engine, False, greedy + sampled, late)
+    # the second request stops at its fourth token: a step ahead was launched for it and is dropped
+    stop = {1: plain[1][3]}
+    plain, _ = _run(tiny_engine, False, greedy + sampled, late, stop_after=stop)
+    ahead, continued = _run(tiny_engine, True, greedy + sampled, late, stop_after=stop)
+    assert ahead == plain
+    assert len(plain[1]) == 3  # the stop token ended it
+    assert continued > 10  # most steps ran ahead
+
+
+def test_a_request_that_starts_drafting_takes_its_step_ahead_back(tiny_engine):
+    """Mid-run, drafting (n-gram, k = 3) switched on for one request: the step that ran ahead for it is taken
+    back (its KV position and its generator's draw) and it goes on drafting; every output equals plain decoding
+    (greedy: lossless) or the same seeded run without steps ahead (sampled)."""
+    jobs = [(PROMPTS[1], SamplingParams(max_tokens=20)), (PROMPTS[2], SamplingParams(temperature=0.8, seed=5))]
+
+    def switch(engine, handles):
+        engine.set_drafter("ngram", handles[0].request_id)
+        engine.set_k(3, handles[0].request_id)
+
+    plain, _ = _run(tiny_engine, False, jobs, switch=switch)
+    ahead, continued = _run(tiny_engine, True, jobs, switch=switch)
+    assert ahead == plain
+    assert continued > 0
+    alone, _ = _run(tiny_engine, False, jobs[:1])
+    assert ahead[0] == alone[0]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_no_step_runs_ahead_of_a_request_at_its_last_token(tiny_engine, ahead):
+    """max_tokens 1 and 2: the last step of a request launches nothing after it."""
+    jobs = [(PROMPTS[0], SamplingParams(max_tokens=1)), (PROMPTS[1], SamplingParams(max_tokens=2))]
+    tokens, continued = _run(tiny_engine, ahead, jobs)
+    assert [len(t) for t in tokens] == [1, 2]
+    assert continued == 0
