@@ -110,6 +110,7 @@ class SpecStep:
         self.runs_ahead = runner.overlaps if ahead is None else ahead
         self._ahead: _Ahead | None = None
         self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
+        self.waited_s = 0.0  # time plain steps spent waiting to read their tokens back (profiles: the device's lead)
 
     def run(self, plan: StepPlan) -> StepResult:
         ahead, self._ahead = self._ahead, None
@@ -148,7 +149,7 @@ class SpecStep:
         tokens = ahead.tokens if index == list(range(len(ahead.seqs))) else ahead.tokens[index]
         rest = [i for i in range(len(plan.items)) if i not in rows]
         launched = self._launch_ahead(StepPlan(covered, plan.taps, plan.ahead), tokens) if not rest else None
-        host = tokens.tolist()
+        host = self._read(tokens)
         t1 = time.perf_counter()
         outcomes: list[Outcome | None] = [None] * len(plan.items)
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
@@ -164,6 +165,12 @@ class SpecStep:
             self._ahead = launched
             result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
         return result
+
+    def _read(self, tokens: torch.Tensor) -> list[int]:
+        t = time.perf_counter()
+        host = tokens.tolist()
+        self.waited_s += time.perf_counter() - t
+        return host
 
     def _launch_ahead(self, plan: StepPlan, tokens: torch.Tensor) -> _Ahead | None:
         """Launch the step after `plan` (a plain decode step whose tokens are `tokens`, on the device) if every
@@ -233,7 +240,7 @@ class SpecStep:
         seqs = [item.seq for item in plan.items]
         tokens = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         launched = self._launch_ahead(plan, tokens)
-        host = tokens.tolist()
+        host = self._read(tokens)
         outcomes: list[Outcome | None] = [Outcome(0, 0, [token]) for token in host]
         hidden = [{layer: h[:1] for layer, h in taps.items()} for taps in out.hidden]
         rows = None if launched is not None else len(seqs)  # a step that launched the next is not one step's cost
