@@ -72,9 +72,9 @@ class Phases:
         key = getattr(runner, "_graph_key", None)
         original_forward = runner.forward
 
-        def counted(batch, taps=()):
+        def counted(batch, taps=(), ids=None):
             self.forwards["graph" if key is not None and key(batch, taps) is not None else "eager"] += 1
-            return original_forward(batch, taps)
+            return original_forward(batch, taps, ids)
 
         self.saved.append((runner, "forward", original_forward))
         runner.forward = counted
@@ -82,6 +82,7 @@ class Phases:
         self.timed(self.engine.spec_step, "draft", "draft")
         self.timed(runner, "forward", "forward")
         self.timed(spec_step_module, "verify_batch", "verify")
+        self.timed(spec_step_module, "plain_tokens", "verify")  # steps without drafts
         self.timed(self.engine.scheduler, "postprocess", "postprocess")
         return self
 

@@ -80,13 +80,44 @@ class StepResult:
     ahead: frozenset[int] = frozenset()  # requests whose next step is in flight: the pool holds one more position
 
 
+class _Tokens:
+    """A step's tokens on the device, and on their way to the host: copied into pinned memory right after they are
+    drawn, so that reading them waits for this step only. (`tolist()` on the device tensor would wait for every
+    launch before it in the stream, the step launched ahead included, and nothing would overlap.)"""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.device = tokens
+        self.done: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = tokens
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+    def rows(self, index: list[int]) -> torch.Tensor:
+        """The tokens of these rows, on the device (the index goes there from pinned memory: no stream sync)."""
+        if index == list(range(len(self.device))):
+            return self.device
+        where = torch.tensor(index, dtype=torch.long)
+        if self.device.is_cuda:
+            where = where.pin_memory().to(self.device.device, non_blocking=True)
+        return self.device.index_select(0, where)
+
+
 @dataclass(slots=True)
 class _Ahead:
     """A plain decode step launched before the host read the tokens it feeds."""
 
     seqs: list[Sequence]
     starts: list[int]  # each request's position fed (its num_cached when the step runs)
-    tokens: torch.Tensor  # [n] the tokens it draws, on the device
+    tokens: _Tokens  # [n] the tokens it draws
     states: list[torch.Tensor | None]  # each request's generator state before the step's draw
 
     def rows(self, plan: StepPlan) -> dict[int, int]:
@@ -146,10 +177,12 @@ class SpecStep:
         self.continued += 1
         covered = [plan.items[i] for i in rows]
         index = list(rows.values())
-        tokens = ahead.tokens if index == list(range(len(ahead.seqs))) else ahead.tokens[index]
         rest = [i for i in range(len(plan.items)) if i not in rows]
-        launched = self._launch_ahead(StepPlan(covered, plan.taps, plan.ahead), tokens) if not rest else None
-        host = self._read(tokens)
+        launched = None
+        if not rest:
+            launched = self._launch_ahead(StepPlan(covered, plan.taps, plan.ahead), ahead.tokens.rows(index))
+        drawn = self._read(ahead.tokens)
+        host = [drawn[r] for r in index]
         t1 = time.perf_counter()
         outcomes: list[Outcome | None] = [None] * len(plan.items)
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
@@ -166,9 +199,9 @@ class SpecStep:
             result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
         return result
 
-    def _read(self, tokens: torch.Tensor) -> list[int]:
+    def _read(self, tokens: _Tokens) -> list[int]:
         t = time.perf_counter()
-        host = tokens.tolist()
+        host = tokens.read()
         self.waited_s += time.perf_counter() - t
         return host
 
@@ -190,7 +223,7 @@ class SpecStep:
         states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
         out = self.runner.forward(batch, ids=tokens)
         drawn = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        return _Ahead(seqs, starts, drawn, states)
+        return _Ahead(seqs, starts, _Tokens(drawn), states)
 
     def _run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -238,8 +271,8 @@ class SpecStep:
         """A step of plain decoding (no drafts): its tokens drawn on the device, the next step launched ahead of
         reading them where it may be."""
         seqs = [item.seq for item in plan.items]
-        tokens = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        launched = self._launch_ahead(plan, tokens)
+        tokens = _Tokens(plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs]))
+        launched = self._launch_ahead(plan, tokens.device)
         host = self._read(tokens)
         outcomes: list[Outcome | None] = [Outcome(0, 0, [token]) for token in host]
         hidden = [{layer: h[:1] for layer, h in taps.items()} for taps in out.hidden]

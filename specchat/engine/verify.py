@@ -122,11 +122,15 @@ def plain_tokens(
     what `verify_batch` emits for k = 0, by the same operations (the argmax; `_sample_on_device`'s draw), so that
     a step can feed them to the next one before the host reads them (SpecStep's step ahead)."""
     tokens = logits.argmax(-1)
-    sampled = [i for i, sp in enumerate(params) if not sp.greedy]
-    if sampled:
-        draws = [_sample_on_device(logits[i : i + 1], [], None, params[i], generators[i])[1] for i in sampled]
-        tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),), torch.stack(draws))
-    return tokens
+    if all(sp.greedy for sp in params):
+        return tokens
+    # row by row, without an index tensor from the host (on a GPU, a host-to-device copy from pageable memory
+    # waits for the stream: the step ahead would not overlap)
+    rows = [
+        tokens[i] if sp.greedy else _sample_on_device(logits[i : i + 1], [], None, sp, gen)[1]
+        for i, (sp, gen) in enumerate(zip(params, generators, strict=True))
+    ]
+    return torch.stack(rows)
 
 
 def _sample_on_device(

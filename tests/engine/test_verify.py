@@ -11,7 +11,7 @@ import torch
 
 from specchat.config import SamplingParams
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
-from specchat.engine.verify import verify, verify_batch
+from specchat.engine.verify import plain_tokens, verify, verify_batch
 
 GREEDY = SamplingParams()
 V = 6  # vocabulary of the statistical tests
@@ -150,3 +150,17 @@ def test_batch_mixes_greedy_and_sampled_requests():
 def test_batch_rows_must_match_draft_lengths():
     with pytest.raises(ValueError, match="rows of target logits"):
         verify_batch(one_hot_logits([1, 2, 3]), [[1]], [None], [GREEDY], [None])
+
+
+def test_plain_tokens_draw_what_verification_emits_without_drafts():
+    """A step without drafts: `plain_tokens` (left on the device, what a step ahead feeds on) gives the token
+    `verify_batch` emits for k = 0, greedy and seeded sampled requests alike, from the same generator states."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    params = [SamplingParams(temperature=t, top_k=k, seed=i) for i, (t, k) in enumerate([(0, 0), (0.8, 0), (1.0, 5),
+                                                                                          (0, 0), (1.3, 0)])]  # fmt: skip
+    for draw in range(20):
+        gens_a = [None if p.greedy else torch.Generator().manual_seed(draw * 10 + i) for i, p in enumerate(params)]
+        gens_b = [None if p.greedy else torch.Generator().manual_seed(draw * 10 + i) for i, p in enumerate(params)]
+        verified = verify_batch(logits, [[]] * 5, [None] * 5, params, gens_a)
+        assert plain_tokens(logits, params, gens_b).tolist() == [emitted[0] for _, emitted in verified]
