@@ -53,7 +53,7 @@ class RequestHandle:
     def __init__(self, engine: Engine, request_id: int, listen_only: bool = False) -> None:
         self.engine = engine
         self.request_id = request_id
-        self.queue: queue.Queue[Event] | None = None if listen_only else queue.Queue()
+        self.queue: queue.SimpleQueue[Event] | None = None if listen_only else queue.SimpleQueue()
         self.finished: Finished | None = None
 
     def events(self) -> Iterator[Event]:

@@ -178,11 +178,11 @@ class Scheduler:
                     k = self._draft_len(seq)
                     if cap is not None and seq.adaptive is not None:
                         k = min(k, cap)
-                    items.append(Scheduled(seq, seq.all_ids[seq.num_cached :], k))
+                    items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
                     budget -= 1 + k
             for seq in self.running:  # prompts (all but their last token may come from the prefix cache)
                 if (seq.in_prefill or seq.num_cached < seq.num_tokens - 1) and budget > 0:
-                    chunk = seq.all_ids[seq.num_cached : seq.num_cached + budget]
+                    chunk = seq.tokens_from(seq.num_cached, seq.num_cached + budget)
                     items.append(Scheduled(seq, chunk, 0))
                     budget -= len(chunk)
             if self.pool.can_append({item.seq.seq_id: len(item.feed) + item.k for item in items}):
@@ -247,7 +247,9 @@ class Scheduler:
             was_decode = len(item.feed) == 1 and seq.output_ids
             seq.num_cached = seq.num_tokens + outcome.accepted  # rejected drafts' keys/values are dropped
             # (a request whose next step runs ahead keeps the position that step writes)
-            self.pool.truncate(seq.seq_id, seq.num_cached + (seq.seq_id in result.ahead))
+            keep = seq.num_cached + (seq.seq_id in result.ahead)
+            if self.pool.lengths[seq.seq_id] != keep:  # (a step without drafts reserved just what it keeps)
+                self.pool.truncate(seq.seq_id, keep)
             kept = seq.append_tokens(outcome.emitted)
             if was_decode:
                 # a stop token ends the output but was produced by this step all the same

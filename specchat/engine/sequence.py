@@ -94,6 +94,17 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens_from(self, start: int, stop: int | None = None) -> list[int]:
+        """all_ids[start:stop] without building all_ids (the scheduler asks every step)."""
+        n = len(self.prompt_ids)
+        if start >= n and (stop is None or stop >= n):
+            return self.output_ids[start - n : None if stop is None else stop - n]
+        return (self.prompt_ids + self.output_ids)[start:stop]
+
+    @property
+    def newest(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

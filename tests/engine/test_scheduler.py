@@ -126,3 +126,16 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir
     done = engine.submit("this one comes after it", sampling).result()
     assert done.reason == "length" and len(done.token_ids) == 8
     assert engine.pool.used_pages == 0
+
+
+def test_tokens_from_is_a_slice_of_all_ids():
+    """Sequence.tokens_from (what the scheduler feeds every step) equals slicing the whole token list."""
+    from specchat.engine.sequence import Sequence
+
+    seq = Sequence.__new__(Sequence)
+    for prompt, output in (([1, 2, 3, 4], [5, 6, 7]), ([1], []), ([1, 2], [3])):
+        seq.prompt_ids, seq.output_ids = prompt, output
+        for start in range(len(prompt) + len(output) + 2):
+            for stop in (None, *range(-1, len(prompt) + len(output) + 2)):
+                assert seq.tokens_from(start, stop) == seq.all_ids[start:stop], (prompt, output, start, stop)
+        assert seq.newest == seq.all_ids[-1]

@@ -235,7 +235,7 @@ class HeadsDrafter(Drafter):
         hidden = torch.stack([seq.hidden[self.cfg.tap][-1] for seq in group]).to(
             self.output.rows.weight.dtype
         )  # [B, d]
-        prev = torch.tensor([seq.all_ids[-1] for seq in group], device=hidden.device)  # [B] newest tokens
+        prev = torch.tensor([seq.newest for seq in group], device=hidden.device)  # [B] newest tokens
         if all(seq.sampling.greedy for seq in group):  # the whole chain in one launch, one read-back
             chain = self.chain(depth, hidden, prev).tolist()  # [B, depth]
             steps = [([row[j] for row in chain], [None] * len(group)) for j in range(depth)]
