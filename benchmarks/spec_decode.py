@@ -94,6 +94,19 @@ def speed_pass(engine: Engine, prompts: list[dict], configs: list[tuple[str, str
     return {key: statistics.median(values) for key, values in runs.items()}
 
 
+def add_trimmed_heads(engine: Engine, rows: int) -> None:
+    """Register heads@ROWS and ngram+heads@ROWS: the model's shipped heads drafting from their ROWS most frequent
+    draft-vocabulary entries (fewer output rows read per draft position)."""
+    from specchat.engine.drafters.base import DATA_DIR
+    from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+
+    heads, _ = DraftHeads.load(DATA_DIR / engine.model_spec.heads)
+    drafter = HeadsDrafter(heads, engine.model, graphs=False, draft_rows=rows)
+    engine.drafters[f"heads@{rows}"] = drafter
+    engine.drafters[f"ngram+heads@{rows}"] = NgramThenHeads(drafter)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -107,10 +120,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="speed pass: tok/s is the median over repeats")
     ap.add_argument("--cpu-act", default="fp32", help=f"comma list of {', '.join(CPU_ACTIVATIONS)}: each is run")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument(
+        "--heads-rows",
+        default="",
+        help="comma list of N: also the drafters heads@N and ngram+heads@N, drafting from the N most frequent entries "
+        "of the shipped heads' draft vocabulary only (use them in --configs / --timed)",
+    )
     args = ap.parse_args()
 
     acts = args.cpu_act.split(",")
     engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, cpu_act=acts[-1]))
+    for rows in filter(None, args.heads_rows.split(",")):
+        add_trimmed_heads(engine, int(rows))
     categories = args.categories.split(",")
     by_category = {c: [p for p in load_prompt_set("eval", (c,))] for c in categories}
     prompts = [p for c in categories for p in by_category[c][: args.per_category or None]]

@@ -201,14 +201,23 @@ class HeadsDrafter(Drafter):
 
     name = "heads"
 
-    def __init__(self, heads: DraftHeads, model: Transformer, graphs: bool = True, cpu_blocks: bool = True) -> None:
+    def __init__(
+        self,
+        heads: DraftHeads,
+        model: Transformer,
+        graphs: bool = True,
+        cpu_blocks: bool = True,
+        draft_rows: int | None = None,
+    ) -> None:
+        """draft_rows: draft from the first (most frequent) entries of the heads' draft vocabulary only, fewer
+        output rows to read per draft position (default: all of them)."""
         weight = model.lm_head.weight
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         self.cfg = heads.cfg
         self.taps = (heads.cfg.tap,)
         self.embed = model.embed
         self.vocab_size = model.cfg.vocab_size
-        self.draft_vocab = self.heads.draft_vocab  # [Vd]
+        self.draft_vocab = self.heads.draft_vocab[:draft_rows]  # [Vd]
         self.output = DraftVocabOutput(model, self.draft_vocab)
         if cpu_blocks and heads_cpu.packable(model):  # the target reads GGUF blocks on the CPU: so do the heads
             heads_cpu.pack_for_cpu(self, model)
