@@ -245,6 +245,14 @@ class DraftGate:
         plain, drafting = self.ms_per_token.get(False), self.ms_per_token.get(True)
         return plain is None or drafting is None or drafting <= plain
 
+    def peek(self) -> bool:
+        """What `allow` will say next, as far as the timings known now tell (changes nothing)."""
+        if self.trial_left > 0:
+            return self.trial_drafts
+        preferred = self.preferred()
+        first = (not preferred) not in self.ms_per_token
+        return (not preferred) if self.since_trial + 1 > (FIRST_TRIAL_AFTER if first else self.every) else preferred
+
     def allow(self) -> bool:
         """Whether the adaptive requests of the next step may draft (advances the trial schedule)."""
         if self.trial_left > 0:

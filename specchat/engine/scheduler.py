@@ -98,9 +98,11 @@ class Scheduler:
         running = self.running
         if self._gated_off:  # nobody drafts: only drafters that need every position's rows (EAGLE) still tap
             running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history]
-        # the next step may be launched ahead of this one's tokens where no admission can change it
+        # the next step may be launched ahead of this one's tokens where no admission can change it; adaptive
+        # requests decode plainly in it too where their batch's gate keeps them from drafting now and next
         ahead = not self.waiting or len(self.running) >= self.max_running
-        return StepPlan(items, self.drafters.taps(running), ahead), events
+        gated_next = self._gated_off and not self._gated[0].peek()
+        return StepPlan(items, self.drafters.taps(running), ahead, gated_next), events
 
     def _admit(self, events: list[Event]) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -228,9 +230,10 @@ class Scheduler:
         """Apply a step's outcome to each request: KV kept, tokens, stats, next k, events, finished requests."""
         events: list[Event] = []
         decoding = sum(1 for o in result.outcomes if o is not None)
-        if result.decode_rows is not None:
+        if result.decoding:
             depth = max((o.drafted for o in result.outcomes if o is not None), default=0)
-            self.costs.observe(result.decode_rows, result.verify_ms, depth, result.draft_ms)
+            if result.decode_rows is not None:  # (not a step that ran ahead: its times are not one step's)
+                self.costs.observe(result.decode_rows, result.verify_ms, depth, result.draft_ms)
             if self._gated is not None:  # timed at the next schedule (if requests remain: no idle gap in it)
                 tokens = sum(len(o.emitted) for o in result.outcomes if o is not None)
                 gate, start, _ = self._gated

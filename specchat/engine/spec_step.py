@@ -57,6 +57,7 @@ class StepPlan:
     items: list[Scheduled] = field(default_factory=list)
     taps: tuple[int, ...] = ()  # target layers whose hidden states some running request's drafter reads
     ahead: bool = False  # whether the next step may be launched ahead (the scheduler has nobody to admit)
+    gated_next: bool = False  # whether adaptive requests will not draft next step either (their batch's DraftGate)
 
 
 @dataclass(slots=True)
@@ -77,6 +78,7 @@ class StepResult:
     draft_ms: float
     verify_ms: float
     decode_rows: int | None = None  # rows the target verified in a step of decoding only (padding included)
+    decoding: bool = False  # every request of the step decoded (no prompt chunk)
     ahead: frozenset[int] = frozenset()  # requests whose next step is in flight: the pool holds one more position
 
 
@@ -180,7 +182,9 @@ class SpecStep:
         rest = [i for i in range(len(plan.items)) if i not in rows]
         launched = None
         if not rest:
-            launched = self._launch_ahead(StepPlan(covered, plan.taps, plan.ahead), ahead.tokens.rows(index))
+            launched = self._launch_ahead(
+                StepPlan(covered, plan.taps, plan.ahead, plan.gated_next), ahead.tokens.rows(index)
+            )
         drawn = self._read(ahead.tokens)
         host = [drawn[r] for r in index]
         t1 = time.perf_counter()
@@ -188,12 +192,15 @@ class SpecStep:
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
         for i, token in zip(rows, host, strict=True):
             outcomes[i] = Outcome(0, 0, [token])
-        result = StepResult(outcomes, hidden, 0.0, (t1 - t0) * 1e3)  # no decode_rows: not a step's cost
+        result = StepResult(
+            outcomes, hidden, 0.0, (t1 - t0) * 1e3, decoding=True
+        )  # no decode_rows: not one step's cost
         if rest:
             others = self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
             for j, i in enumerate(rest):
                 outcomes[i], hidden[i] = others.outcomes[j], others.hidden[j]
             result.draft_ms, result.verify_ms = others.draft_ms, others.verify_ms + result.verify_ms
+            result.decoding = others.decoding
         if launched is not None:
             self._ahead = launched
             result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
@@ -212,7 +219,7 @@ class SpecStep:
             return None
         seqs = [item.seq for item in plan.items]
         for seq in seqs:  # after this step: one more token, and the next decodes plainly too
-            if seq.adaptive is not None or (seq.k and not isinstance(self.drafters.get(seq.spec.drafter), NoDrafter)):
+            if self._drafts_next(seq, plan):
                 return None
             if len(seq.output_ids) + 2 > seq.sampling.max_tokens or seq.num_tokens + 2 > seq.max_position:
                 return None
@@ -224,6 +231,13 @@ class SpecStep:
         out = self.runner.forward(batch, ids=tokens)
         drawn = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         return _Ahead(seqs, starts, _Tokens(drawn), states)
+
+    def _drafts_next(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Whether the request may draft at the step after `plan`: it has a drafter and a fixed k > 0, or an
+        adaptive k that its batch's gate does not keep at 0 (a gate's trial is taken back when it comes)."""
+        if isinstance(self.drafters.get(seq.spec.drafter), NoDrafter):
+            return False
+        return not plan.gated_next if seq.adaptive is not None else seq.k > 0
 
     def _run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -265,7 +279,7 @@ class SpecStep:
         hidden = [{layer: h[:n] for layer, h in taps.items()} for taps, n in zip(out.hidden, kept, strict=True)]
         t2 = time.perf_counter()
         decode_rows = sum(batch.logit_rows) if all(decoding) else None
-        return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decode_rows)
+        return StepResult(outcomes, hidden, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decode_rows, decoding=all(decoding))
 
     def _plain(self, plan: StepPlan, out: StepOutput, t0: float, t1: float) -> StepResult:
         """A step of plain decoding (no drafts): its tokens drawn on the device, the next step launched ahead of
@@ -277,7 +291,7 @@ class SpecStep:
         outcomes: list[Outcome | None] = [Outcome(0, 0, [token]) for token in host]
         hidden = [{layer: h[:1] for layer, h in taps.items()} for taps in out.hidden]
         rows = None if launched is not None else len(seqs)  # a step that launched the next is not one step's cost
-        result = StepResult(outcomes, hidden, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, rows)
+        result = StepResult(outcomes, hidden, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, rows, decoding=True)
         if launched is not None:
             self._ahead = launched
             result.ahead = frozenset(seq.seq_id for seq in launched.seqs)

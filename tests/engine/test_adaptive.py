@@ -316,3 +316,14 @@ def test_a_request_decoding_alone_is_left_to_its_controller(tiny_engine):
     tiny_engine.scheduler.gates.clear()
     handle.result()
     assert tiny_engine.scheduler.gates == {}
+
+
+def test_draft_gate_peek_tells_what_allow_will_say():
+    """`peek` (what a step launched ahead relies on) is the next `allow`, through trials and changes of mind."""
+    gate = DraftGate()
+    for step in range(1200):
+        expected = gate.peek()
+        drafts = gate.allow()
+        assert drafts == expected, step
+        fast = step // 300 % 2 == 0  # drafting pays in the first and third quarters, plain in the others
+        gate.observe(drafts, 4 * (1.0 if drafts == fast else 1.6), 4)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from specchat.config import SamplingParams
+from specchat.config import SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
 
 PROMPTS = ["Hi", "def fib(n):", "List three colors.", "What is 12 * 12?", "Tell me a fact about the moon."]
@@ -17,7 +17,8 @@ PROMPTS = ["Hi", "def fib(n):", "List three colors.", "What is 12 * 12?", "Tell 
 
 def _run(engine, ahead: bool, jobs, late=(), at_step=3, stop_after=None, switch=None):
     """Submit `jobs` [(prompt, SamplingParams)], step the engine to the end (submitting `late` at step `at_step`,
-    calling `switch(engine, handles)` there too), and return each request's tokens and how many steps ran ahead.
+    calling `switch(engine, handles)` there too), and return each request's tokens, how many steps ran ahead and
+    the requests' Finished events.
     stop_after {job: n}: that request stops at its n-th token (it becomes its stop token)."""
     engine.spec_step.runs_ahead = ahead
     engine.spec_step.drop_ahead()
@@ -40,7 +41,8 @@ def _run(engine, ahead: bool, jobs, late=(), at_step=3, stop_after=None, switch=
                 if isinstance(event, Finished):
                     finished[event.request_id] = event
         assert engine.pool.num_free_pages == free, "KV pages left behind"
-        return [finished[h.request_id].token_ids for h in handles], engine.spec_step.continued - continued
+        ends = [finished[h.request_id] for h in handles]
+        return [end.token_ids for end in ends], engine.spec_step.continued - continued, ends
     finally:
         engine.spec_step.runs_ahead = engine.runner.overlaps
         engine.spec_step.drop_ahead()
@@ -50,11 +52,11 @@ def test_steps_ahead_give_the_tokens_of_steps_one_by_one(tiny_engine):
     greedy = [(p, SamplingParams(max_tokens=8 + 3 * i)) for i, p in enumerate(PROMPTS[:3])]
     sampled = [(PROMPTS[3], SamplingParams(temperature=0.8, seed=7, max_tokens=14))]
     late = [(PROMPTS[4], SamplingParams(max_tokens=9)), (PROMPTS[0], SamplingParams(temperature=1.0, seed=3))]
-    plain, _ = _run(tiny_engine, False, greedy + sampled, late)
+    plain, _, _ = _run(tiny_engine, False, greedy + sampled, late)
     # the second request stops at its fourth token: a step ahead was launched for it and is dropped
     stop = {1: plain[1][3]}
-    plain, _ = _run(tiny_engine, False, greedy + sampled, late, stop_after=stop)
-    ahead, continued = _run(tiny_engine, True, greedy + sampled, late, stop_after=stop)
+    plain, _, _ = _run(tiny_engine, False, greedy + sampled, late, stop_after=stop)
+    ahead, continued, _ = _run(tiny_engine, True, greedy + sampled, late, stop_after=stop)
     assert ahead == plain
     assert len(plain[1]) == 3  # the stop token ended it
     assert continued > 10  # most steps ran ahead
@@ -70,11 +72,11 @@ def test_a_request_that_starts_drafting_takes_its_step_ahead_back(tiny_engine):
         engine.set_drafter("ngram", handles[0].request_id)
         engine.set_k(3, handles[0].request_id)
 
-    plain, _ = _run(tiny_engine, False, jobs, switch=switch)
-    ahead, continued = _run(tiny_engine, True, jobs, switch=switch)
+    plain, _, _ = _run(tiny_engine, False, jobs, switch=switch)
+    ahead, continued, _ = _run(tiny_engine, True, jobs, switch=switch)
     assert ahead == plain
     assert continued > 0
-    alone, _ = _run(tiny_engine, False, jobs[:1])
+    alone, _, _ = _run(tiny_engine, False, jobs[:1])
     assert ahead[0] == alone[0]
 
 
@@ -82,6 +84,36 @@ def test_a_request_that_starts_drafting_takes_its_step_ahead_back(tiny_engine):
 def test_no_step_runs_ahead_of_a_request_at_its_last_token(tiny_engine, ahead):
     """max_tokens 1 and 2: the last step of a request launches nothing after it."""
     jobs = [(PROMPTS[0], SamplingParams(max_tokens=1)), (PROMPTS[1], SamplingParams(max_tokens=2))]
-    tokens, continued = _run(tiny_engine, ahead, jobs)
+    tokens, continued, _ = _run(tiny_engine, ahead, jobs)
     assert [len(t) for t in tokens] == [1, 2]
     assert continued == 0
+
+
+def test_adaptive_requests_that_their_gate_keeps_plain_run_ahead(tiny_engine):
+    """Adaptive k (`--k auto`) where the batch's DraftGate prefers plain decoding: those steps run ahead too, the
+    gate's trial of drafting (a drafter that always proposes) takes the step ahead back, and greedy output equals
+    plain decoding."""
+    from specchat.engine.adaptive import DraftGate
+    from tests.engine.test_adaptive import FixedDrafter
+
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+
+    jobs = [(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in PROMPTS[:3]]
+    plain, _, _ = _run(tiny_engine, False, jobs)
+    tiny_engine.scheduler.gates.clear()
+    # plain measured faster; a trial of drafting comes after ~16 steps
+    tiny_engine.scheduler.gates[4] = DraftGate(ms_per_token={True: 50.0, False: 1.0}, since_trial=240)
+    original = tiny_engine.submit
+
+    def adaptive_ngram(prompt, sampling, spec=None, **kw):
+        return original(prompt, sampling, SpecParams(drafter="fixed-wrong", k=None), **kw)
+
+    tiny_engine.submit = adaptive_ngram
+    try:
+        ahead, continued, ends = _run(tiny_engine, True, jobs)
+    finally:
+        tiny_engine.submit = original
+        tiny_engine.scheduler.gates.clear()
+    assert ahead == plain
+    assert continued > 20
+    assert any(end.stats.drafted for end in ends)  # the gate's trial drafted (its step ahead taken back)
