@@ -125,6 +125,10 @@ class FakeSeq:
     hidden: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
 
+    @property
+    def newest(self) -> int:
+        return self.all_ids[-1]
+
 
 @pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "parallel"])
 def test_heads_propose_from_tapped_hidden_state(tiny_engine, sequential):
