@@ -192,9 +192,8 @@ class SpecStep:
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
         for i, token in zip(rows, host, strict=True):
             outcomes[i] = Outcome(0, 0, [token])
-        result = StepResult(
-            outcomes, hidden, 0.0, (t1 - t0) * 1e3, decoding=True
-        )  # no decode_rows: not one step's cost
+        # no decode_rows: the time from here is not what one step costs (StepCosts would learn it as such)
+        result = StepResult(outcomes, hidden, 0.0, (t1 - t0) * 1e3, decoding=True)
         if rest:
             others = self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
             for j, i in enumerate(rest):
