@@ -124,3 +124,21 @@ def test_a_target_without_blocks_keeps_the_float_heads():
     drafter = HeadsDrafter(random_heads(model), model)
     assert not heads_cpu.packable(model)
     assert type(drafter.heads.blocks[0].up) is torch.nn.Linear and type(drafter.output.rows) is torch.nn.Linear
+
+
+def test_draft_rows_keep_the_most_frequent_entries_of_the_draft_vocabulary(monkeypatch):
+    """The packed heads draft from the first heads_cpu.DRAFT_ROWS draft-vocabulary entries (the most frequent):
+    output rows and drafts come from those only; the float heads keep them all unless asked."""
+    model = packed_target()
+    heads = random_heads(model)  # 40 draft-vocabulary entries
+    monkeypatch.setattr(heads_cpu, "DRAFT_ROWS", 16)
+    packed, plain = HeadsDrafter(heads, model), HeadsDrafter(heads, model, cpu_blocks=False)
+    assert torch.equal(packed.draft_vocab, heads.draft_vocab[:16]) and len(plain.draft_vocab) == 40
+    assert torch.equal(packed.output.rows.codes, model.lm_head.codes[heads.draft_vocab[:16]])
+    trimmed = HeadsDrafter(heads, model, cpu_blocks=False, draft_rows=10)
+    torch.manual_seed(4)
+    hidden, prev = torch.randn(6, CFG.hidden_size) * 2, torch.randint(0, CFG.vocab_size, (6,))
+    with torch.inference_mode():
+        for drafter, rows in ((packed, 16), (trimmed, 10)):
+            chain = drafter.greedy_chain(3, hidden, prev)
+            assert set(chain.flatten().tolist()) <= set(heads.draft_vocab[:rows].tolist())

@@ -210,8 +210,12 @@ class HeadsDrafter(Drafter):
         draft_rows: int | None = None,
     ) -> None:
         """draft_rows: draft from the first (most frequent) entries of the heads' draft vocabulary only, fewer
-        output rows to read per draft position (default: all of them)."""
+        output rows to read per draft position (default: heads_cpu.DRAFT_ROWS where the heads read GGUF blocks on
+        the CPU, all of them elsewhere)."""
         weight = model.lm_head.weight
+        packed = cpu_blocks and heads_cpu.packable(model)
+        if draft_rows is None and packed:
+            draft_rows = heads_cpu.DRAFT_ROWS
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         self.cfg = heads.cfg
         self.taps = (heads.cfg.tap,)
@@ -219,7 +223,7 @@ class HeadsDrafter(Drafter):
         self.vocab_size = model.cfg.vocab_size
         self.draft_vocab = self.heads.draft_vocab[:draft_rows]  # [Vd]
         self.output = DraftVocabOutput(model, self.draft_vocab)
-        if cpu_blocks and heads_cpu.packable(model):  # the target reads GGUF blocks on the CPU: so do the heads
+        if packed:  # the target reads GGUF blocks on the CPU: so do the heads
             heads_cpu.pack_for_cpu(self, model)
         # greedy drafting: a CUDA graph per batch bucket and depth, over the embedding the model has now
         self.chain = GraphedFunction(
