@@ -104,13 +104,11 @@ class _Tokens:
         return self.host.tolist()
 
     def rows(self, index: list[int]) -> torch.Tensor:
-        """The tokens of these rows, on the device (the index goes there from pinned memory: no stream sync)."""
+        """The tokens of these rows, on the device (gathered without an index tensor from the host: a copy from
+        pageable memory would wait for the stream)."""
         if index == list(range(len(self.device))):
             return self.device
-        where = torch.tensor(index, dtype=torch.long)
-        if self.device.is_cuda:
-            where = where.pin_memory().to(self.device.device, non_blocking=True)
-        return self.device.index_select(0, where)
+        return torch.stack([self.device[r] for r in index])
 
 
 @dataclass(slots=True)

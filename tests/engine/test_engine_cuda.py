@@ -47,22 +47,31 @@ def test_fast_path_equals_eager_on_concurrent_requests(cuda_tiny_model_dir):
 
 def test_plain_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_model_dir):
     """Plain decoding on CUDA graphs launches each step before reading the last one's tokens (SpecStep's step
-    ahead): greedy and seeded sampled requests of different lengths, one arriving late, give the eager runner's
-    tokens (greedy) and those of the same engine with steps ahead off (sampled)."""
+    ahead): greedy and seeded sampled requests of different lengths, one arriving late and one ending at a stop
+    token (the step ahead of it dropped, the others' rows kept), give the eager runner's tokens (greedy) and those
+    of the same engine with steps ahead off (sampled)."""
     from specchat.engine.engine import Engine
 
     prompts = ["Hi", "Tell me about the sea and the ships on it.", "1 2 3 4 5 6 7 8 9 10 11 12", "Why?"]
-    samplings = [SamplingParams(max_tokens=10 + 7 * i, ignore_eos=True) for i in range(3)]
+    samplings = [SamplingParams(max_tokens=10 + 7 * i, ignore_eos=i != 1) for i in range(3)]
     samplings.append(SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True))
-    outputs = {}
-    for eager, ahead in ((True, False), (False, False), (False, True)):
+    outputs, stop = {}, None
+    for eager, ahead in ((True, False), (True, False), (False, False), (False, True)):
         engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=eager))
         engine.spec_step.runs_ahead = ahead
         handles = [engine.submit(p, s) for p, s in zip(prompts[:3], samplings[:3], strict=True)]
+        if stop is not None:  # the second request stops at a token of its own (its sixth: found by the first run)
+            next(s for s in engine.scheduler.live() if s.seq_id == handles[1].request_id).eos_ids = frozenset({stop})
         for _ in range(4):
             engine.step()
         handles.append(engine.submit(prompts[3], samplings[3]))
         outputs[eager, ahead] = [h.result().token_ids for h in handles]
+        if stop is None:
+            first = outputs[eager, ahead][1]
+            stop = first[min(5, len(first) - 1)]
+            stopped_at = first.index(stop)
+            continue
+        assert len(outputs[eager, ahead][1]) == stopped_at
         assert (engine.spec_step.continued > 20) == ahead
         assert engine.pool.used_pages == (0 if eager else 1)
     assert outputs[False, True][:3] == outputs[True, False][:3]
