@@ -126,12 +126,22 @@ def main() -> None:
         help="comma list of N: also the drafters heads@N and ngram+heads@N, drafting from the N most frequent entries "
         "of the shipped heads' draft vocabulary only (use them in --configs / --timed)",
     )
+    ap.add_argument(
+        "--hybrid-heads-k",
+        default="",
+        help="comma list of H: also the drafter ngram+heads/H, whose heads draft at most H tokens where the n-grams "
+        "miss (the n-grams up to the step's k)",
+    )
     args = ap.parse_args()
 
     acts = args.cpu_act.split(",")
     engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, cpu_act=acts[-1]))
     for rows in filter(None, args.heads_rows.split(",")):
         add_trimmed_heads(engine, int(rows))
+    for heads_k in filter(None, args.hybrid_heads_k.split(",")):
+        from specchat.engine.drafters.hybrid import NgramThenHeads
+
+        engine.drafters[f"ngram+heads/{heads_k}"] = NgramThenHeads(engine.drafter("heads"), heads_k=int(heads_k))
     categories = args.categories.split(",")
     by_category = {c: [p for p in load_prompt_set("eval", (c,))] for c in categories}
     prompts = [p for c in categories for p in by_category[c][: args.per_category or None]]

@@ -189,3 +189,18 @@ def test_draft_model_cache_follows_the_request(tiny_engine):
             assert drafter.pool.length(handle.request_id) == len(state.cached)
     assert handle.request_id not in drafter.states  # released with the request
     assert drafter.pool.used_pages == 0
+
+
+def test_ngram_then_heads_caps_the_heads_drafts_not_the_ngrams(tiny_engine):
+    """heads_k: where the n-grams match they draft up to the step's k; where they miss the heads draft at most
+    heads_k."""
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=5), tiny_engine.model)
+    hidden = {heads.cfg.tap: torch.randn(1, tiny_engine.model.cfg.hidden_size)}
+    repeats = FakeSeq(1, [5, 6, 7, 8, 9, 5, 6], SamplingParams(), hidden)  # "5 6" again: 7 8 9 5 6 followed it
+    fresh = FakeSeq(2, [11, 12, 13], SamplingParams(), dict(hidden))
+    capped, uncapped = NgramThenHeads(heads, heads_k=2), NgramThenHeads(heads)
+    drafts = capped.propose([repeats, fresh], [5, 5])
+    assert drafts[0].tokens == [7, 8, 9, 5, 6] and len(drafts[1].tokens) == 2
+    assert len(uncapped.propose([fresh], [5])[0].tokens) == 5

@@ -24,9 +24,12 @@ MIN_NGRAM = 2  # a one-token match says too little to beat the heads
 class NgramThenHeads(Drafter):
     name = "ngram+heads"
 
-    def __init__(self, heads: HeadsDrafter, min_n: int = MIN_NGRAM) -> None:
+    def __init__(self, heads: HeadsDrafter, min_n: int = MIN_NGRAM, heads_k: int | None = None) -> None:
+        """heads_k: the most drafts the heads propose where the n-grams miss (default: the step's k, as the
+        n-grams); n-gram drafts cost no model call, each head draft one head and its output rows."""
         self.ngram = NgramDrafter(min_n=min_n)
         self.heads = heads
+        self.heads_k = heads_k
         self.taps = heads.taps
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -34,7 +37,9 @@ class NgramThenHeads(Drafter):
         misses = [i for i, d in enumerate(drafts) if not d.tokens]
         if misses:
             for i, draft in zip(
-                misses, self.heads.propose([seqs[i] for i in misses], [ks[i] for i in misses]), strict=True
+                misses,
+                self.heads.propose([seqs[i] for i in misses], [min(ks[i], self.heads_k or ks[i]) for i in misses]),
+                strict=True,
             ):
                 drafts[i] = draft
         return drafts
