@@ -142,3 +142,15 @@ def test_draft_rows_keep_the_most_frequent_entries_of_the_draft_vocabulary(monke
         for drafter, rows in ((packed, 16), (trimmed, 10)):
             chain = drafter.greedy_chain(3, hidden, prev)
             assert set(chain.flatten().tolist()) <= set(heads.draft_vocab[:rows].tolist())
+
+
+def test_ngram_then_heads_caps_packed_heads_at_the_cpu_depth():
+    """On the CPU (packed heads) ngram+heads lets the heads draft heads_cpu.HYBRID_HEADS_K tokens where the n-grams
+    miss; float heads draft the step's k unless told."""
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+
+    model = packed_target()
+    heads = random_heads(model)
+    assert NgramThenHeads(HeadsDrafter(heads, model)).heads_k == heads_cpu.HYBRID_HEADS_K
+    assert NgramThenHeads(HeadsDrafter(heads, model, cpu_blocks=False)).heads_k is None
+    assert NgramThenHeads(HeadsDrafter(heads, model), heads_k=4).heads_k == 4

@@ -214,6 +214,7 @@ class HeadsDrafter(Drafter):
         the CPU, all of them elsewhere)."""
         weight = model.lm_head.weight
         packed = cpu_blocks and heads_cpu.packable(model)
+        self.packed = packed  # the heads read GGUF blocks on the CPU (heads_cpu)
         if draft_rows is None and packed:
             draft_rows = heads_cpu.DRAFT_ROWS
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()

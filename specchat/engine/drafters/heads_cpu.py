@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from specchat.engine.model import Transformer
 
 DRAFT_ROWS = 4096  # draft-vocabulary entries the packed heads draft from (the most frequent first)
+# where ngram+heads' n-grams miss, the packed heads draft at most this many (ngram+heads 1.57x -> 1.65x plain
+# decoding at k = 4 under int8 rows: docs/benchmarks.md, "The n-grams and the heads each at their own k")
+HYBRID_HEADS_K = 2
 
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.drafters.heads import HeadsDrafter
 from specchat.engine.drafters.ngram import NgramDrafter
@@ -25,11 +26,12 @@ class NgramThenHeads(Drafter):
     name = "ngram+heads"
 
     def __init__(self, heads: HeadsDrafter, min_n: int = MIN_NGRAM, heads_k: int | None = None) -> None:
-        """heads_k: the most drafts the heads propose where the n-grams miss (default: the step's k, as the
-        n-grams); n-gram drafts cost no model call, each head draft one head and its output rows."""
+        """heads_k: the most drafts the heads propose where the n-grams miss (default: heads_cpu.HYBRID_HEADS_K
+        for heads packed for the CPU, else the step's k, as the n-grams); n-gram drafts cost no model call, each
+        head draft one head and its output rows."""
         self.ngram = NgramDrafter(min_n=min_n)
         self.heads = heads
-        self.heads_k = heads_k
+        self.heads_k = heads_k if heads_k is not None or not heads.packed else heads_cpu.HYBRID_HEADS_K
         self.taps = heads.taps
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
