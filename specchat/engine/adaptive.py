@@ -245,26 +245,33 @@ class DraftGate:
         plain, drafting = self.ms_per_token.get(False), self.ms_per_token.get(True)
         return plain is None or drafting is None or drafting <= plain
 
+    def _next(self) -> tuple[bool, int, bool]:
+        """The next step's (preferred mode, trial interval, whether a trial of the other mode starts), outside a
+        running trial: the interval as judging a finished trial leaves it (one decision for peek and allow)."""
+        preferred = self.preferred()
+        every = self.every
+        if self.before_trial is not None:  # the trial's steps are all observed: did it change the preference?
+            every = min(2 * every, MAX_TRIAL_EVERY) if preferred == self.before_trial else TRIAL_EVERY
+        first = (not preferred) not in self.ms_per_token
+        return preferred, every, self.since_trial + 1 > (FIRST_TRIAL_AFTER if first else every)
+
     def peek(self) -> bool:
         """What `allow` will say next, as far as the timings known now tell (changes nothing)."""
         if self.trial_left > 0:
             return self.trial_drafts
-        preferred = self.preferred()
-        first = (not preferred) not in self.ms_per_token
-        return (not preferred) if self.since_trial + 1 > (FIRST_TRIAL_AFTER if first else self.every) else preferred
+        preferred, _, trial = self._next()
+        return preferred != trial
 
     def allow(self) -> bool:
         """Whether the adaptive requests of the next step may draft (advances the trial schedule)."""
         if self.trial_left > 0:
             self.trial_left -= 1
             return self.trial_drafts
-        preferred = self.preferred()
-        if self.before_trial is not None:  # the trial's steps are all observed: did it change the preference?
-            self.every = min(2 * self.every, MAX_TRIAL_EVERY) if preferred == self.before_trial else TRIAL_EVERY
-            self.before_trial = None
-        self.since_trial += 1
+        preferred, self.every, trial = self._next()
         first = (not preferred) not in self.ms_per_token
-        if self.since_trial > (FIRST_TRIAL_AFTER if first else self.every):
+        self.before_trial = None
+        self.since_trial += 1
+        if trial:
             self.since_trial, self.trial_left, self.trial_drafts = 0, TRIAL_STEPS - 1, not preferred
             self.before_trial = None if first else preferred
             return self.trial_drafts
