@@ -198,10 +198,7 @@ class SpecStep:
                 outcomes[i], hidden[i] = others.outcomes[j], others.hidden[j]
             result.draft_ms, result.verify_ms = others.draft_ms, others.verify_ms + result.verify_ms
             result.decoding = others.decoding
-        if launched is not None:
-            self._ahead = launched
-            result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
-        return result
+        return self._hold(launched, result)
 
     def _read(self, tokens: _Tokens) -> list[int]:
         t = time.perf_counter()
@@ -289,6 +286,10 @@ class SpecStep:
         hidden = [{layer: h[:1] for layer, h in taps.items()} for taps in out.hidden]
         rows = None if launched is not None else len(seqs)  # a step that launched the next is not one step's cost
         result = StepResult(outcomes, hidden, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, rows, decoding=True)
+        return self._hold(launched, result)
+
+    def _hold(self, launched: _Ahead | None, result: StepResult) -> StepResult:
+        """Keep the step launched ahead (if any) for the next run; the result says whose pool holds its position."""
         if launched is not None:
             self._ahead = launched
             result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
