@@ -98,11 +98,10 @@ def add_trimmed_heads(engine: Engine, rows: int) -> None:
     """Register heads@ROWS and ngram+heads@ROWS: the model's shipped heads drafting from their ROWS most frequent
     draft-vocabulary entries (fewer output rows read per draft position)."""
     from specchat.engine.drafters.base import DATA_DIR
-    from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
+    from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.drafters.hybrid import NgramThenHeads
 
-    heads, _ = DraftHeads.load(DATA_DIR / engine.model_spec.heads)
-    drafter = HeadsDrafter(heads, engine.model, graphs=False, draft_rows=rows)
+    drafter = HeadsDrafter.from_file(DATA_DIR / engine.model_spec.heads, engine.model, graphs=False, draft_rows=rows)
     engine.drafters[f"heads@{rows}"] = drafter
     engine.drafters[f"ngram+heads@{rows}"] = NgramThenHeads(drafter)
 

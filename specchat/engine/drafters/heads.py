@@ -232,10 +232,12 @@ class HeadsDrafter(Drafter):
         )
 
     @classmethod
-    def from_file(cls, path: Path, model: Transformer, graphs: bool = True) -> HeadsDrafter:
+    def from_file(
+        cls, path: Path, model: Transformer, graphs: bool = True, draft_rows: int | None = None
+    ) -> HeadsDrafter:
         heads, _ = DraftHeads.load(path)
         check_compatible(heads.cfg, model, str(path))
-        return cls(heads, model, graphs)
+        return cls(heads, model, graphs, draft_rows=draft_rows)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
