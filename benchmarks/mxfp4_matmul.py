@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/mxfp4_matmul.py [--sweep] [--shapes 6144x4096,...] [--ms 1,2,4]
     ncu -k regex:_mxfp4_matmul ... python benchmarks/mxfp4_matmul.py --profile 128,2,1,4,3 --shapes 28672x4096 --ms 1
+    (benchmarks/ncu_matmul.sh runs the cases docs/mxfp4.md's profile names)
 
 Per shape and M: a correctness check of the Triton kernel against the torch reference (random weights
 quantized by the reference quantizer), then the median time per call of the MXFP4 kernel, of torch bf16
@@ -238,19 +239,24 @@ def main() -> None:
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs, report the best")
     parser.add_argument("--sweep-ms", default="", help="sweep at these M only (comma list)")
-    parser.add_argument("--profile", metavar="CONFIG", help="block_n,tiles,split_k,warps,stages: run 5 plain calls")
+    parser.add_argument(
+        "--profile", metavar="CONFIG", help="block_n,tiles,split_k,warps,stages[,block_m], default or bf16: 5 plain calls"
+    )
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = tuple(int(m) for m in args.ms.split(","))
     sweep = set(ms) if args.sweep else {int(m) for m in args.sweep_ms.split(",") if m}
     if args.profile:  # for ncu: no graphs, no checks
-        config = mm.MatmulConfig(*map(int, args.profile.split(",")))
+        config = None if args.profile in ("default", "bf16") else mm.MatmulConfig(*map(int, args.profile.split(",")))
         for n, k in shapes:
-            weight = random_weight(n, k)[3]
+            w, _, _, weight = random_weight(n, k)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for _ in range(5):
-                    mm.mxfp4_matmul_triton(x, weight, config)
+                    if args.profile == "bf16":
+                        F.linear(x, w)
+                    else:
+                        mm.mxfp4_matmul_triton(x, weight, config)
         torch.cuda.synchronize()
         return
 
