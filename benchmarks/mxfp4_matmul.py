@@ -54,6 +54,23 @@ MATMUL_SWEEP = (  # M > 16 (block_m 0: choose_config's), split_k 1, 2, 4
     (64, 1, 4, 3, 256),
     (128, 1, 8, 2, 256),
 )
+TWO_TILE_SWEEP = (  # M > 64, programs that reuse their decoded weights on a second tile of extra_m rows:
+    # (block_n, tiles, num_warps, num_stages, block_m, extra_m) x split_k 1, 2, 4
+    (64, 1, 4, 3, 64, 0),
+    (64, 1, 4, 3, 128, 0),
+    (128, 1, 8, 3, 128, 0),
+    (64, 1, 4, 3, 64, 16),
+    (64, 1, 4, 3, 64, 32),
+    (64, 1, 4, 3, 64, 64),
+    (64, 1, 4, 3, 128, 32),
+    (64, 1, 4, 2, 128, 32),
+    (128, 1, 8, 3, 128, 32),
+    (128, 1, 8, 2, 128, 32),
+    (64, 1, 4, 3, 128, 64),
+    (128, 1, 8, 2, 128, 64),
+    (64, 1, 4, 2, 128, 128),
+    (128, 1, 8, 2, 128, 128),
+)
 SPLITS = (1, 2, 4, 8, 16)
 INT4_GROUP = 32  # gpt-fast int4 g32
 INT4_INNER_K_TILES = 8
@@ -157,17 +174,23 @@ def int4_copies(n: int, k: int, count: int) -> list[tuple[torch.Tensor, torch.Te
     return copies
 
 
-def sweep_configs(m: int, weight) -> set:
+def sweep_configs(m: int, weight, two_tile: bool = False) -> set:
     iterations = weight.codes.shape[1]  # k-tiles
     configs = set()
-    for block_n, tiles, warps, stages, block_m in GEMV_SWEEP if m <= 16 else MATMUL_SWEEP:
+    if two_tile:
+        grid = [(*c[:4], c[4], c[5]) for c in TWO_TILE_SWEEP if m > c[4] or c[5] == 0]
+    else:
+        grid = [(*c, 0) for c in (GEMV_SWEEP if m <= 16 else MATMUL_SWEEP)]
+    for block_n, tiles, warps, stages, block_m, extra_m in grid:
         for split in SPLITS if m <= 16 else SPLITS[:3]:
             if split == 1 or iterations // (tiles * split) >= 2:
-                configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages, block_m))
+                configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages, block_m, extra_m))
     return configs
 
 
-def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: set[int], records: list[dict]) -> None:
+def bench_shape(
+    n: int, k: int, ms: tuple[int, ...], sweep: set[int], records: list[dict], two_tile: bool = False
+) -> None:
     w, codes, scales, weight = random_weight(n, k)
     for m in (1, 16, 64, 300):
         error = check_matmul(weight, codes, scales, k, m)
@@ -186,7 +209,7 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: set[int], records: l
             [lambda x=x, p=p, sz=sz: torch.ops.aten._weight_int4pack_mm(x, p, INT4_GROUP, sz) for p, sz in int4]
         )  # no fallback: a failing baseline stops the run
         default = mm.choose_config(m, weight)
-        configs = {default} | (sweep_configs(m, weight) if m in sweep else set())
+        configs = {default} | (sweep_configs(m, weight, two_tile) if m in sweep else set())
         timings = {}
         for config in configs:
             try:
@@ -207,11 +230,17 @@ def bench_shape(n: int, k: int, ms: tuple[int, ...], sweep: set[int], records: l
             f"{timings[default]:.1f} us {_short(default)}, best {timings[best]:.1f} us {_short(best)}",
             flush=True,
         )
+        if len(timings) > 1:
+            print(
+                "    top: "
+                + ", ".join(f"{_short(c)} {t:.1f}" for c, t in sorted(timings.items(), key=lambda i: i[1])[:6])
+            )
 
 
 def _short(config) -> str:
-    """(block_n, tiles, split_k, warps, stages, block_m)."""
-    return "(" + ", ".join(str(int(v)) for v in dataclasses.astuple(config)) + ")"
+    """(block_n, tiles, split_k, warps, stages, block_m[, extra_m])."""
+    values = dataclasses.astuple(config)
+    return "(" + ", ".join(str(int(v)) for v in (values if values[-1] else values[:-1])) + ")"
 
 
 def table(records: list[dict], header: str) -> str:
@@ -239,8 +268,11 @@ def main() -> None:
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs, report the best")
     parser.add_argument("--sweep-ms", default="", help="sweep at these M only (comma list)")
+    parser.add_argument("--two-tile", action="store_true", help="sweep programs with a second activation tile")
     parser.add_argument(
-        "--profile", metavar="CONFIG", help="block_n,tiles,split_k,warps,stages[,block_m], default or bf16: 5 plain calls"
+        "--profile",
+        metavar="CONFIG",
+        help="block_n,tiles,split_k,warps,stages[,block_m], default or bf16: 5 plain calls",
     )
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
@@ -272,7 +304,7 @@ def main() -> None:
 
     records: list[dict] = []
     for n, k in shapes:
-        bench_shape(n, k, ms, sweep, records)
+        bench_shape(n, k, ms, sweep, records, args.two_tile)
     header = (
         f"MXFP4 matmul vs torch bf16 F.linear and int4 tinygemm, {device}, {now}, commit {commit}; "
         f"median per call in CUDA graphs, weights cycled past L2; `{' '.join(sys.argv)}`"

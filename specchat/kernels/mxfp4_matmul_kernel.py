@@ -73,7 +73,7 @@ def _mxfp4_matmul_kernel(
     w_ptr,  # [Np/64, Kt/128, 64, 16] int32 prepared words
     s_ptr,  # [Np/64, Kt/128, 64, 4] uint8 kernel scale bytes
     y_ptr,  # [M, N] output, x's dtype
-    partial_ptr,  # [split_k, m_tiles, Np, BLOCK_M] float32 split-K partials (unused when split_k == 1)
+    partial_ptr,  # [split_k, m_tiles, Np, BLOCK_M + EXTRA_M] float32 split-K partials (unused when split_k == 1)
     counter_ptr,  # [m_tiles * Np / BLOCK_N] int32 split-K arrivals, zero between launches
     M,
     N,
@@ -84,6 +84,7 @@ def _mxfp4_matmul_kernel(
     out_scale,  # 2^c
     split_k,  # programs along K; the last to finish a tile sums the partials
     BLOCK_M: tl.constexpr,
+    EXTRA_M: tl.constexpr,  # 0, or rows of a second activation tile after BLOCK_M's that reuses the decoded weights
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,  # K_TILEs per iteration
     FAST: tl.constexpr,
@@ -94,8 +95,11 @@ def _mxfp4_matmul_kernel(
     pid_m, pid_n = pid % m_tiles, pid // m_tiles
     Q: tl.constexpr = 4 * TILES  # 32-element chunks per iteration
     BLOCK_K: tl.constexpr = 32 * Q
+    TILE_M: tl.constexpr = BLOCK_M + EXTRA_M  # activation rows per program
+    EXTRA_COLS: tl.constexpr = EXTRA_M if EXTRA_M > 0 else 16  # the second tile's shape (unused when EXTRA_M == 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * TILE_M + tl.arange(0, BLOCK_M)
+    offs_e = pid_m * TILE_M + BLOCK_M + tl.arange(0, EXTRA_COLS)
     offs_k = tl.arange(0, BLOCK_K)
     # one iteration reads TILES (row group, k-tile) blocks per 64 rows, each contiguous: [BN, tile, 16 words]
     # with lane t's 4 words at 4t (one 16-byte load), and [BN, tile, 4] scale bytes
@@ -107,29 +111,44 @@ def _mxfp4_matmul_kernel(
     scale_offs += tl.arange(0, 4)[None, None, :]
     x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: x^T
     x_mask = offs_m[None, :] < M
+    xe_offs = offs_e[None, :] * stride_xm + offs_k[:, None]  # [BK, EXTRA]: the second tile's x^T
+    xe_mask = offs_e[None, :] < M
 
     iterations = tl.cdiv(num_k_tiles, TILES)
     per_split = tl.cdiv(iterations, split_k)
     start = pid_k * per_split
     stop = tl.minimum(start + per_split, iterations)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
+    acc_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)  # the second tile's
     for it in range(start, stop):
         words, scales, xt = _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES)
         w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
         if not FAST:
             xt = xt.to(tl.float32)  # the portable path multiplies and sums in float32
         acc = tl.dot(w, xt, acc, input_precision="ieee")
+        if EXTRA_M > 0:  # the same decoded weights against the next rows (one decode for TILE_M rows)
+            xe = tl.load(x_ptr + xe_offs + it * BLOCK_K, mask=xe_mask, other=0.0)
+            if not FAST:
+                xe = xe.to(tl.float32)
+            acc_e = tl.dot(w, xe, acc_e, input_precision="ieee")
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    ye_ptrs = y_ptr + offs_e[None, :] * stride_ym + offs_n[:, None]
+    ye_mask = (offs_e[None, :] < M) & (offs_n[:, None] < N)
     if split_k == 1:
         tl.store(y_ptrs, (acc * out_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+        if EXTRA_M > 0:
+            tl.store(ye_ptrs, (acc_e * out_scale).to(y_ptr.dtype.element_ty), mask=ye_mask)
     else:
         # Publish this split's partial; the last split to arrive at the tile sums all of them.
         rows = tl.num_programs(0) // m_tiles * BLOCK_N
-        partial_offs = (pid_m * rows + offs_n[:, None]) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        split_stride = m_tiles * rows * BLOCK_M
+        partial_offs = (pid_m * rows + offs_n[:, None]) * TILE_M + tl.arange(0, BLOCK_M)[None, :]
+        partial_e = (pid_m * rows + offs_n[:, None]) * TILE_M + BLOCK_M + tl.arange(0, EXTRA_COLS)[None, :]
+        split_stride = m_tiles * rows * TILE_M
         tl.store(partial_ptr + pid_k * split_stride + partial_offs, acc)
+        if EXTRA_M > 0:
+            tl.store(partial_ptr + pid_k * split_stride + partial_e, acc_e)
         tl.debug_barrier()  # every thread's partial is written before the (release) arrival below
         arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         if arrived == split_k - 1:
@@ -137,6 +156,11 @@ def _mxfp4_matmul_kernel(
             for split in range(split_k):
                 total += tl.load(partial_ptr + split * split_stride + partial_offs, cache_modifier=".cg")
             tl.store(y_ptrs, (total * out_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+            if EXTRA_M > 0:
+                total_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)
+                for split in range(split_k):
+                    total_e += tl.load(partial_ptr + split * split_stride + partial_e, cache_modifier=".cg")
+                tl.store(ye_ptrs, (total_e * out_scale).to(y_ptr.dtype.element_ty), mask=ye_mask)
             tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
 
 
@@ -146,7 +170,9 @@ def _mxfp4_matmul_kernel(
 
 @dataclass(frozen=True, slots=True)
 class MatmulConfig:
-    """Launch parameters of `_mxfp4_matmul_kernel`; block_m 0 follows M (`default_block_m`)."""
+    """Launch parameters of `_mxfp4_matmul_kernel`; block_m 0 follows M (`default_block_m`). extra_m > 0: each
+    program also multiplies the next extra_m activation rows by the weights it decoded (M tiles of block_m +
+    extra_m rows, e.g. 128 + 32 for a 160-row verification)."""
 
     block_n: int = 64
     tiles: int = 2  # K_TILEs per iteration
@@ -154,11 +180,13 @@ class MatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 0
+    extra_m: int = 0
 
     def __post_init__(self) -> None:
         assert self.block_n in (64, 128) and N_TILE % self.block_n == 0, self
         assert self.tiles in (1, 2, 4) and 1 <= self.split_k <= MAX_SPLIT_K, self
         assert self.block_m == 0 or self.block_m in BLOCK_MS, self
+        assert self.extra_m == 0 or (self.block_m and self.extra_m in BLOCK_MS and self.extra_m >= 16), self
 
 
 WIDE_N = 16384  # from here on 128-row programs are faster (fewer, longer programs; 2 row groups each)
@@ -254,25 +282,26 @@ def mxfp4_matmul_triton(
 def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool) -> None:
     m = x.shape[0]
     block_m = config.block_m or default_block_m(m)
-    m_tiles = -(-m // block_m)
+    extra_m = config.extra_m
+    m_tiles = -(-m // (block_m + extra_m))
     groups, num_k_tiles = weight.codes.shape[:2]
     rows_padded = groups * ROW_GROUP
     tiles, stages = config.tiles, config.num_stages
     while num_k_tiles % tiles:  # an iteration never reads past its row
         tiles //= 2
-    while tiles > 1 and _pipeline_bytes(config.block_n, block_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
+    while tiles > 1 and _pipeline_bytes(config.block_n, block_m + extra_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
         tiles //= 2
-    while stages > 1 and _pipeline_bytes(config.block_n, block_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
+    while stages > 1 and _pipeline_bytes(config.block_n, block_m + extra_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
         stages -= 1
     grid = (m_tiles * rows_padded // config.block_n, config.split_k)
-    partial_numel = config.split_k * m_tiles * rows_padded * block_m if config.split_k > 1 else 1
+    partial_numel = config.split_k * m_tiles * rows_padded * (block_m + extra_m) if config.split_k > 1 else 1
     partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
     _mxfp4_matmul_kernel[grid](
         x, weight.codes, weight.scales, y, partials, counters,
         m, weight.n, num_k_tiles, m_tiles,
         x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, TILES=tiles,
+        BLOCK_M=block_m, EXTRA_M=extra_m, BLOCK_N=config.block_n, TILES=tiles,
         FAST=fast, HAS_NAN=weight.has_nan, num_warps=config.num_warps, num_stages=stages,
     )  # fmt: skip
 

@@ -67,6 +67,8 @@ def test_split_k_and_m_tiles() -> None:
         MatmulConfig(tiles=1, split_k=3),
         MatmulConfig(tiles=2, split_k=3, block_m=16),  # 9 M tiles; split 3 of 4 steps is empty
         MatmulConfig(tiles=1, split_k=1, block_m=256),  # one M tile, float32 x: fewer stages
+        MatmulConfig(tiles=2, split_k=1, block_m=32, extra_m=16),  # 2 tiles of 32 + 16 rows; the last one's 16 empty
+        MatmulConfig(tiles=1, split_k=4, block_m=64, extra_m=16),  # 1 tile, 64 + 6 rows; split-K sums both
     ):
         for _ in range(2):  # the arrival counters reset for the next launch
             assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight, config), ref) < 1e-5, config
@@ -75,6 +77,8 @@ def test_split_k_and_m_tiles() -> None:
 def test_block_m_follows_m() -> None:
     assert [default_block_m(m) for m in (1, 16, 17, 33, 64, 65, 512)] == [16, 16, 32, 64, 64, 64, 64]
     assert MatmulConfig(block_m=8).block_m == 8 and MatmulConfig(block_m=256).block_m == 256
+    with pytest.raises(AssertionError):
+        MatmulConfig(extra_m=32)  # a second tile needs a fixed first one
 
 
 @kernel_test
