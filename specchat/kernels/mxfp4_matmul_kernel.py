@@ -38,24 +38,25 @@ MAX_SPLIT_K = 16
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_GROUP = tl.constexpr(ROW_GROUP)
 _TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per (row group, k-tile): 4 KB
-_TILE_SCALES = tl.constexpr(ROW_GROUP * K_TILE // BLOCK_SIZE)  # scale bytes per (row group, k-tile)
 
 
 @triton.jit
 def _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES: tl.constexpr):
-    """Iteration `it`'s raw words [BN, TILES, 16], scale bytes [BN, TILES, 4] and x^T tile [BK, BM]."""
+    """Iteration `it`'s raw words [BN, TILES, 16], scale words [BN, TILES] and x^T tile [BK, BM]."""
     words = tl.load(w_ptr + word_offs + it * TILES * _TILE_WORDS)
-    scales = tl.load(s_ptr + scale_offs + it * TILES * _TILE_SCALES)
+    scales = tl.load(s_ptr + scale_offs + it * TILES * _ROW_GROUP)
     xt = tl.load(x_ptr + x_offs + it * TILES * 128, mask=x_mask, other=0.0)
     return words, scales, xt
 
 
 @triton.jit
 def _weight_tile(words, scales, BLOCK_N: tl.constexpr, Q: tl.constexpr, FAST: tl.constexpr, HAS_NAN: tl.constexpr):
-    """One iteration's words and scale bytes -> [BLOCK_N, 32 Q] operand (bf16 if FAST else float32)."""
+    """One iteration's words and scale words (a row's 4 scale bytes of a k-tile in one int32, little-endian)
+    -> [BLOCK_N, 32 Q] operand (bf16 if FAST else float32)."""
     words = words.reshape(BLOCK_N, Q // 4, 4, 4)  # [BN, tile, lane t, q4]
     words = tl.trans(words, (0, 1, 3, 2)).reshape(BLOCK_N, Q, 4)  # [BN, chunk q, lane t]
-    scales = scales.to(tl.int32).reshape(BLOCK_N, Q)  # [BN, Q]
+    b0, b1, b2, b3 = scales & 0xFF, (scales >> 8) & 0xFF, (scales >> 16) & 0xFF, (scales >> 24) & 0xFF
+    scales = tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(BLOCK_N, Q)  # [BN, tile, 2, 2] -> [BN, Q]
     scales = tl.broadcast_to(scales[:, :, None], (BLOCK_N, Q, 4))  # [BN, Q, T]
     if FAST:
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_bf16_asm(words, scales, HAS_NAN)
@@ -71,7 +72,7 @@ def _weight_tile(words, scales, BLOCK_N: tl.constexpr, Q: tl.constexpr, FAST: tl
 def _mxfp4_matmul_kernel(
     x_ptr,  # [M, Kt] activations (zero-padded to the weight's padded K)
     w_ptr,  # [Np/64, Kt/128, 64, 16] int32 prepared words
-    s_ptr,  # [Np/64, Kt/128, 64, 4] uint8 kernel scale bytes
+    s_ptr,  # [Np/64, Kt/128, 64] int32: each the 4 uint8 kernel scale bytes of a row's k-tile
     y_ptr,  # [M, N] output, x's dtype
     partial_ptr,  # [split_k, m_tiles, Np, BLOCK_M + EXTRA_M] float32 split-K partials (unused when split_k == 1)
     counter_ptr,  # [m_tiles * Np / BLOCK_N] int32 split-K arrivals, zero between launches
@@ -107,8 +108,8 @@ def _mxfp4_matmul_kernel(
     tile = tl.arange(0, TILES)[None, :, None]
     word_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS
     word_offs += tl.arange(0, 16)[None, None, :]
-    scale_offs = (group * num_k_tiles * _TILE_SCALES + row * 4)[:, None, None] + tile * _TILE_SCALES
-    scale_offs += tl.arange(0, 4)[None, None, :]
+    # scales as int32 words (4 bytes: 16-byte-aligned runs that cp.async can copy, unlike single bytes)
+    scale_offs = (group * num_k_tiles * _ROW_GROUP + row)[:, None] + tl.arange(0, TILES)[None, :] * _ROW_GROUP
     x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: x^T
     x_mask = offs_m[None, :] < M
     xe_offs = offs_e[None, :] * stride_xm + offs_k[:, None]  # [BK, EXTRA]: the second tile's x^T
@@ -297,7 +298,7 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
     partial_numel = config.split_k * m_tiles * rows_padded * (block_m + extra_m) if config.split_k > 1 else 1
     partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
     _mxfp4_matmul_kernel[grid](
-        x, weight.codes, weight.scales, y, partials, counters,
+        x, weight.codes, weight.scales.view(torch.int32), y, partials, counters,
         m, weight.n, num_k_tiles, m_tiles,
         x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
