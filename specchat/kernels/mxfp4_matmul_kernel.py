@@ -8,9 +8,11 @@ One kernel serves both regimes:
 - GEMV (M <= 16: decode steps, short verification): one 16-row tile of x; the weight read is all that costs.
   For small N, split-K spreads K over several programs; the last one to finish a tile sums the partials (a
   per-tile counter, reset by that program), so one launch does all the work.
-- Matmul (M = 17..512 and beyond: many sessions' verification, prefill chunks): a grid over M tiles of up to
-  MAX_BLOCK_M rows, M tiles of one weight tile next to each other in launch order so W is read from DRAM once
-  and from the L2 for the others.
+- Matmul (M = 17..512 and beyond: many sessions' verification, prefill chunks): a grid over M tiles, M tiles
+  of one weight tile next to each other in launch order so W is read from DRAM once and from the L2 for the
+  others. An M tile is BLOCK_M rows (a power of two, one MMA) plus, optionally, EXTRA_M more that the program
+  multiplies by the same decoded weights (a second MMA): 160 verification rows run as 128 + 32 or 2 x (64 + 16)
+  instead of three 64-row tiles that each decode the weights (`_reuse_config`).
 
 A portable path (`fast=False`: integer decode to float32 and a float32 dot) serves float16/float32 activations
 and runs under TRITON_INTERPRET=1, where tl.dot on bf16 and inline assembly are unavailable. The reference is
@@ -193,6 +195,9 @@ class MatmulConfig:
 WIDE_N = 16384  # from here on 128-row programs are faster (fewer, longer programs; 2 row groups each)
 SPLIT_K_WAVES = 3.0  # programs per SM that split-K aims for (half that for M > 32)
 SPLIT_K_MIN_TILES = 28  # long K also splits while each split keeps this many k-tiles
+LONG_K = 8192  # M > 64: weights this long along K take the wide weights' programs too
+MIN_WARPGROUP_WAVES = 1.9  # M > 64: split-K until the programs make about two warpgroups per SM
+MAX_REUSE_SPLIT_K = 4
 
 
 @functools.cache
@@ -205,15 +210,60 @@ def default_block_m(m: int) -> int:
     return next((b for b in BLOCK_MS if MIN_BLOCK_M <= b <= MAX_BLOCK_M and m <= b), MAX_BLOCK_M)
 
 
+def _pow2_at_least(value: int, least: int) -> int:
+    return max(least, 1 << max(0, value - 1).bit_length())
+
+
+def _reuse_config(m: int, weight: Mxfp4Weight) -> MatmulConfig | None:
+    """M > 64 where programs that multiply their decoded weights by more rows measured faster (H200,
+    `benchmarks/mxfp4_matmul.py --two-tile --sweep-ms 128,160,256`), else None.
+
+    Wide or long-K weights: two warpgroups (128 weight rows) per program and 128 activation rows, plus a second
+    tile of the rest up to M = 192 (160 = 128 + 32: each weight tile decoded once). Other weights from M = 129 to
+    192: two programs per weight tile of 64 + the rest rows each (160 = 2 x (64 + 16)). One k-tile per step
+    (the x tiles take the shared memory). Split-K (at most 4: the partials grow with M) until the programs make
+    MIN_WARPGROUP_WAVES warpgroups per SM.
+    """
+    big = weight.n >= WIDE_N or weight.k >= LONG_K
+    if m <= 2 * MAX_BLOCK_M:
+        if not big:
+            return None
+        block_m, extra_m = 2 * MAX_BLOCK_M, 0
+    elif m <= 3 * MAX_BLOCK_M:
+        if big:
+            block_m, extra_m = 2 * MAX_BLOCK_M, _pow2_at_least(m - 2 * MAX_BLOCK_M, MIN_BLOCK_M)
+        else:
+            block_m, extra_m = MAX_BLOCK_M, _pow2_at_least(-(-m // 2) - MAX_BLOCK_M, MIN_BLOCK_M)
+    elif weight.k >= LONG_K:
+        block_m, extra_m = 2 * MAX_BLOCK_M, 0
+    else:
+        return None
+    block_n, warps = (128, 8) if big else (64, 4)
+    k_tiles = weight.codes.shape[1]
+    programs = weight.codes.shape[0] * ROW_GROUP // block_n * -(-m // (block_m + extra_m))
+    warpgroups = programs * warps // 4
+    split_k = 1
+    while (
+        warpgroups * split_k < MIN_WARPGROUP_WAVES * _sm_count(weight.codes.device)
+        and split_k < MAX_REUSE_SPLIT_K
+        and k_tiles // (split_k * 2) >= 2
+    ):
+        split_k *= 2
+    return MatmulConfig(block_n, 1, split_k, warps, 3, block_m, extra_m)
+
+
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """The launch for M rows of this weight, from the H200 sweeps (benchmarks/mxfp4_matmul.py --sweep-ms).
 
+    Above M = 64, `_reuse_config`'s programs where they measured faster; otherwise:
     M tiles of up to 64 rows (more rows per program lose: 128 pads 160 rows to 256, a 128 x 128 accumulator
     spills). Wide weights take 128-row programs up to M = 32, and above M = 64 two warpgroups of 64 rows each
     with one k-tile per step; everything else 64-row programs of one warpgroup. Split-K doubles while the
     programs stay within SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each
     split iterates twice.
     """
+    if m > MAX_BLOCK_M and (config := _reuse_config(m, weight)) is not None:
+        return config
     k_tiles = weight.codes.shape[1]
     wide = weight.n >= WIDE_N
     if wide and m <= 32:

@@ -37,7 +37,22 @@ def test_choose_config_keeps_splits_busy() -> None:
         for m in (1, 16, 64, 160):
             config = choose_config(m, weight)
             assert k_tiles % config.tiles == 0 and k_tiles // (config.tiles * config.split_k) >= 1, (n, k, m)
-            assert config.block_n == (128 if n >= 16384 and m != 64 else 64)
+            big = n >= 16384 or (k >= 8192 and m > 64)  # long K takes the wide weights' programs above M = 64
+            assert config.block_n == (128 if big and m != 64 else 64)
+
+
+def test_choose_config_decodes_a_verification_batch_at_most_twice() -> None:
+    """M = 129..192 (e.g. 32 sessions verifying 4 drafts: 160 rows): each program multiplies the weights it
+    decoded by all its rows, two M tiles at most, one for wide or long weights."""
+    for n, k in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]:
+        k_tiles = -(-k // 128)
+        words = torch.empty(1, k_tiles, 64, 16, dtype=torch.int32).expand(-(-n // 128) * 2, -1, -1, -1)
+        weight = Mxfp4Weight(n, k, words, torch.empty(0, dtype=torch.uint8), prepared=True)
+        for m in (129, 160, 192):
+            config = choose_config(m, weight)
+            rows = config.block_m + config.extra_m
+            assert config.extra_m > 0 and -(-m // rows) == (1 if n >= 16384 or k >= 8192 else 2), (n, k, m, config)
+            assert config.tiles == 1 and config.split_k <= 4 and k_tiles // config.split_k >= 2
 
 
 @kernel_test
