@@ -144,6 +144,132 @@ def _fp8_to_f16(code):
 
 
 @triton.jit
+def _f16x2_pow2(k):
+    """int32 k <= 15 -> the bits of the fp16x2 pair (2^k, 2^k); 0 below fp16's smallest subnormal 2^-24."""
+    e = k + 15
+    h = tl.where(e >= 1, e << 10, tl.where(k >= -24, 1 << tl.maximum(k + 24, 0), 0))
+    return h | (h << 16)
+
+
+_ASM_FP4_WORD = tl.constexpr("""{
+.reg .b32 z, y, t, u;
+mov.b32 z, 0;
+prmt.b32 y, $8, z, 0x1404;
+shl.b32 t, y, 4;
+and.b32 t, t, 0x80008000;
+shl.b32 u, y, 1;
+and.b32 u, u, 0x0E000E00;
+or.b32 t, t, u;
+mul.rn.f16x2 t, t, $9;
+mov.b32 {$0, $1}, t;
+and.b32 t, y, 0x80008000;
+shr.b32 u, y, 3;
+and.b32 u, u, 0x0E000E00;
+or.b32 t, t, u;
+mul.rn.f16x2 t, t, $9;
+mov.b32 {$4, $5}, t;
+prmt.b32 y, $8, z, 0x3424;
+shl.b32 t, y, 4;
+and.b32 t, t, 0x80008000;
+shl.b32 u, y, 1;
+and.b32 u, u, 0x0E000E00;
+or.b32 t, t, u;
+mul.rn.f16x2 t, t, $9;
+mov.b32 {$2, $3}, t;
+and.b32 t, y, 0x80008000;
+shr.b32 u, y, 3;
+and.b32 u, u, 0x0E000E00;
+or.b32 t, t, u;
+mul.rn.f16x2 t, t, $9;
+mov.b32 {$6, $7}, t;
+}""")
+
+
+@triton.jit
+def _fp4_words(words, mult, FAST: tl.constexpr):
+    """MXFP4 code words (int32: bytes 0..3, each element 2j low and 2j + 1 high nibble) and their fp16x2
+    multipliers -> 8 fp16 tensors: a0..a3 the low nibbles of bytes 0..3 (even elements), b0..b3 the high ones
+    (odd), each value x 2^-14 x the multiplier. FAST (CUDA): inline PTX, a byte permute moves two bytes to the
+    top of each fp16 half and ~3 logic ops + one f16x2 multiply make each pair; otherwise the same per element."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            _ASM_FP4_WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 8, True, 1
+        )
+    else:
+        rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        return (
+            _fp4_to_f16(words & 0xF) * rel,
+            _fp4_to_f16((words >> 8) & 0xF) * rel,
+            _fp4_to_f16((words >> 16) & 0xF) * rel,
+            _fp4_to_f16((words >> 24) & 0xF) * rel,
+            _fp4_to_f16((words >> 4) & 0xF) * rel,
+            _fp4_to_f16((words >> 12) & 0xF) * rel,
+            _fp4_to_f16((words >> 20) & 0xF) * rel,
+            _fp4_to_f16((words >> 28) & 0xF) * rel,
+        )
+
+
+_ASM_FP8_WORD = tl.constexpr("""{
+.reg .b32 z, y, t, u;
+mov.b32 z, 0;
+prmt.b32 y, $4, z, 0x1404;
+and.b32 t, y, 0x80008000;
+shr.b32 u, y, 1;
+and.b32 u, u, 0x3F803F80;
+or.b32 t, t, u;
+mul.rn.f16x2 t, t, $5;
+mov.b32 {$0, $1}, t;
+prmt.b32 y, $4, z, 0x3424;
+and.b32 t, y, 0x80008000;
+shr.b32 u, y, 1;
+and.b32 u, u, 0x3F803F80;
+or.b32 t, t, u;
+mul.rn.f16x2 t, t, $5;
+mov.b32 {$2, $3}, t;
+}""")
+
+
+@triton.jit
+def _fp8_words(words, mult, FAST: tl.constexpr):
+    """MXFP8 (E4M3) code words and their fp16x2 multipliers -> 4 fp16 tensors, bytes 0..3 of each word, each
+    value x 2^-8 x the multiplier (FAST: inline PTX as in `_fp4_words`)."""
+    if FAST:
+        return tl.inline_asm_elementwise(_ASM_FP8_WORD, "=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 4, True, 1)
+    else:
+        rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        return (
+            _fp8_to_f16(words & 0xFF) * rel,
+            _fp8_to_f16((words >> 8) & 0xFF) * rel,
+            _fp8_to_f16((words >> 16) & 0xFF) * rel,
+            _fp8_to_f16((words >> 24) & 0xFF) * rel,
+        )
+
+
+@triton.jit
+def _columns(e0, e1, e2, e3, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
+    """Four [BLOCK_N, W] tensors, element i of each word -> [BLOCK_N, 4 W] with column 4 w + i."""
+    return tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape(BLOCK_N, WIDTH)
+
+
+@triton.jit
+def _scale_bytes(scale_ptr, slots, valid, stride_ss, NB: tl.constexpr, SB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's E8M0 scales [BLOCK_N, NB] int32, read as words of SB bytes (scale_ptr typed to match) so that
+    the load is wide enough for cp.async."""
+    if SB == 1:
+        s = tl.load(scale_ptr + slots[:, None] * stride_ss + tl.arange(0, NB)[None, :], mask=valid[:, None], other=0)
+        return s.to(tl.int32)
+    else:
+        sw = tl.load(
+            scale_ptr + slots[:, None] * stride_ss + tl.arange(0, NB // SB)[None, :], mask=valid[:, None], other=0
+        ).to(tl.int32)
+        if SB == 2:
+            s = tl.join(sw & 0xFF, (sw >> 8) & 0xFF)
+        else:
+            s = tl.join(tl.join(sw & 0xFF, (sw >> 16) & 0xFF), tl.join((sw >> 8) & 0xFF, (sw >> 24) & 0xFF))
+        return s.reshape(BLOCK_N, NB)
+
+
+@triton.jit
 def _load_tile(
     data_ptr,  # this KV head's rows
     scale_ptr,  # this KV head's E8M0 scales (unused for dense)
@@ -155,6 +281,8 @@ def _load_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SB: tl.constexpr,  # quantized: data_ptr is int32 words, scale_ptr SB-byte words (see `_kernel_views`)
+    FAST: tl.constexpr,
 ):
     """A key or value tile as two column halves [BLOCK_N, HEAD_DIM / 2] and a scalar factor (see the docstring)."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -166,32 +294,35 @@ def _load_tile(
         b = tl.load(rows + HALF + d, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         factor = 1.0
     else:
-        s = tl.load(scale_ptr + slots[:, None] * stride_ss + tl.arange(0, NB)[None, :], mask=valid[:, None], other=0)
-        s = s.to(tl.int32)  # [BLOCK_N, NB]
+        # int32 words of codes (16-byte loads) and SB-byte words of scales: both wide enough for cp.async
+        s = _scale_bytes(scale_ptr, slots, valid, stride_ss, NB, SB, BLOCK_N)  # [BLOCK_N, NB]
         s_tile = tl.max(tl.max(s, axis=1), axis=0)
         factor = pow2(s_tile - 127)
-        rows3 = rows[:, :, None]  # [BLOCK_N, 1, 1]
-        mask3 = valid[:, None, None]
         if FMT == 1:
-            # elements 2j (low nibbles) -> a, 2j + 1 (high nibbles) -> b; block of byte j is j // 16
-            rel = pow2(tl.maximum(s - s_tile, -40) + 14).to(tl.float16)[:, :, None]  # [BLOCK_N, NB, 1]
-            byte = tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-            codes = tl.load(rows3 + byte, mask=mask3, other=0).to(tl.int32)  # [BLOCK_N, NB, 16]
-            a = tl.reshape(_fp4_to_f16(codes) * rel, (BLOCK_N, HALF))
-            b = tl.reshape(_fp4_to_f16(codes >> 4) * rel, (BLOCK_N, HALF))
+            # word w: bytes 4 w .. 4 w + 3, elements 2 j (low nibble, -> a) and 2 j + 1 (high, -> b); block w // 4
+            NW: tl.constexpr = HEAD_DIM // 8
+            words = tl.load(rows + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, NW]
+            mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + 14)  # [BLOCK_N, NB]
+            mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, FAST)
+            a = _columns(a0, a1, a2, a3, BLOCK_N, HALF)
+            b = _columns(b0, b1, b2, b3, BLOCK_N, HALF)
         else:
-            # blocks 0 .. NB/2 - 1 -> a, the rest -> b
+            # blocks 0 .. NB/2 - 1 -> a, the rest -> b; a half's word w holds its bytes 4 w .. 4 w + 3, block w // 8
             HB: tl.constexpr = NB // 2
-            blk = tl.arange(0, HB)[None, :]
-            s_a = tl.load(scale_ptr + slots[:, None] * stride_ss + blk, mask=valid[:, None], other=0).to(tl.int32)
-            s_b = tl.load(scale_ptr + slots[:, None] * stride_ss + HB + blk, mask=valid[:, None], other=0).to(tl.int32)
-            rel_a = pow2(tl.maximum(s_a - s_tile, -40) + 8).to(tl.float16)[:, :, None]  # [BLOCK_N, HB, 1]
-            rel_b = pow2(tl.maximum(s_b - s_tile, -40) + 8).to(tl.float16)[:, :, None]
-            byte = tl.arange(0, HB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-            codes_a = tl.load(rows3 + byte, mask=mask3, other=0).to(tl.int32)  # [BLOCK_N, HB, 32]
-            codes_b = tl.load(rows3 + HALF + byte, mask=mask3, other=0).to(tl.int32)
-            a = tl.reshape(_fp8_to_f16(codes_a) * rel_a, (BLOCK_N, HALF))
-            b = tl.reshape(_fp8_to_f16(codes_b) * rel_b, (BLOCK_N, HALF))
+            NW: tl.constexpr = HEAD_DIM // 8  # words per half
+            s_a, s_b = tl.split(tl.permute(s.reshape(BLOCK_N, 2, HB), (0, 2, 1)))  # [BLOCK_N, HB] each
+            mult_a = _f16x2_pow2(tl.maximum(s_a - s_tile, -40) + 8)
+            mult_b = _f16x2_pow2(tl.maximum(s_b - s_tile, -40) + 8)
+            mult_a = tl.broadcast_to(mult_a[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
+            mult_b = tl.broadcast_to(mult_b[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
+            w = tl.arange(0, NW)[None, :]
+            words_a = tl.load(rows + w, mask=valid[:, None], other=0)
+            words_b = tl.load(rows + NW + w, mask=valid[:, None], other=0)
+            a0, a1, a2, a3 = _fp8_words(words_a, mult_a, FAST)
+            b0, b1, b2, b3 = _fp8_words(words_b, mult_b, FAST)
+            a = _columns(a0, a1, a2, a3, BLOCK_N, HALF)
+            b = _columns(b0, b1, b2, b3, BLOCK_N, HALF)
     return a, b, factor
 
 
@@ -236,6 +367,8 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SB: tl.constexpr,  # bytes per scale word: 4, 2 or 1 (HEAD_DIM / 32 of them per row)
+    FAST: tl.constexpr,  # inline PTX decode (CUDA; not under TRITON_INTERPRET=1)
 ):
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -279,8 +412,9 @@ def _paged_attention_kernel(
         slots = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N]
 
         k_a, k_b, k_factor = _load_tile(
-            k_head, k_scale_head, slots, valid, stride_ks, stride_kss, K_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE
-        )
+            k_head, k_scale_head, slots, valid, stride_ks, stride_kss, K_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE,
+            SB, FAST,
+        )  # fmt: skip
         scores = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
         scores = tl.dot(q_b, tl.trans(k_b), scores, input_precision=PRECISION) * k_factor  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= last_key[:, None]) & valid[None, :]
@@ -291,8 +425,9 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v_a, v_b, v_factor = _load_tile(
-            v_head, v_scale_head, slots, valid, stride_vs, stride_vss, V_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE
-        )
+            v_head, v_scale_head, slots, valid, stride_vs, stride_vss, V_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE,
+            SB, FAST,
+        )  # fmt: skip
         p = p.to(DOT_DTYPE)
         acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision=PRECISION) * v_factor
         acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision=PRECISION) * v_factor
@@ -402,16 +537,16 @@ def paged_attention(
     part_out = torch.empty(t, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(t, num_heads, num_partitions, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    k_scales = k_pages.data if k_pages.scales is None else k_pages.scales
-    v_scales = v_pages.data if v_pages.scales is None else v_pages.scales
+    k_data, k_scales = _kernel_views(k_pages)
+    v_data, v_scales = _kernel_views(v_pages)
     _paged_attention_kernel[(num_partitions, kv_heads, batch)](
         q,
         part_out,
         part_max,
         part_sum,
-        k_pages.data,
+        k_data,
         k_scales,
-        v_pages.data,
+        v_data,
         v_scales,
         meta.block_tables,
         meta.q_starts,
@@ -421,12 +556,12 @@ def paged_attention(
         partition_tokens,
         q.stride(0),
         q.stride(1),
-        k_pages.data.stride(0),
-        k_pages.data.stride(1),
+        k_data.stride(0),
+        k_data.stride(1),
         k_scales.stride(0),
         k_scales.stride(1),
-        v_pages.data.stride(0),
-        v_pages.data.stride(1),
+        v_data.stride(0),
+        v_data.stride(1),
         v_scales.stride(0),
         v_scales.stride(1),
         meta.block_tables.stride(0),
@@ -444,6 +579,8 @@ def paged_attention(
         PAGE_SIZE=meta.page_size,
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(group * meta.max_q_len)),
         BLOCK_N=block_n,
+        SB=_scale_word_bytes(head_dim),
+        FAST=not _interpreting(),
         num_warps=num_warps,
     )
     out = torch.empty_like(q)
@@ -467,6 +604,21 @@ def paged_attention(
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _scale_word_bytes(head_dim: int) -> int:
+    """Scale bytes the kernel reads per word: as many of a row's head_dim / 32 as fit in 4."""
+    return math.gcd(head_dim // 32, 4)
+
+
+def _kernel_views(pages: PageTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, scales) as the kernel reads them: quantized codes as int32 words and scales as words of
+    `_scale_word_bytes` (the same memory, read in wider loads); dense data as stored (scales unused)."""
+    if pages.fmt == DENSE:
+        return pages.data, pages.data
+    scale_dtype = _WORD_DTYPES[_scale_word_bytes(pages.scales.shape[-1] * 32)]
+    return pages.data.view(torch.int32), pages.scales.view(scale_dtype)
 
 
 def _sm_count(device: torch.device) -> int:

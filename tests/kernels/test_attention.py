@@ -140,6 +140,8 @@ CASES = {
     "mxfp4-decode": ("mxfp4", [1, 1], [70, 9], 4, 2, 64, 2),
     "mxfp4-verify": ("mxfp4", [5, 3], [21, 90], 8, 2, 128, 3),
     "k8v4-verify": ("k8v4", [4, 1], [48, 130], 4, 2, 64, 2),
+    "k8v4-d128": ("k8v4", [1, 2], [100, 33], 8, 2, 128, 2),  # 4 scale bytes per row: one int32 word
+    "mxfp4-d32": ("mxfp4", [1, 3], [19, 40], 4, 2, 32, None),  # 1 scale byte per row
 }
 
 
