@@ -90,9 +90,19 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--q-lens", default="1,5")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--profile", metavar="FORMAT", help="for ncu: 5 plain calls at the first context and batch")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
+    if args.profile:  # ncu -k regex:_paged_attention_kernel --launch-skip 4 --launch-count 1 ...
+        ctx, batch = int(args.contexts.split(",")[0]), int(args.batches.split(",")[0])
+        k, v, tables = make_pages(args.profile, batch, ctx, gen)
+        meta = AttentionMetadata.build(tables, [1] * batch, [ctx] * batch, PAGE, "cuda")
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        for _ in range(5):
+            paged_attention(q, k, v, meta, scale)
+        torch.cuda.synchronize()
+        return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name()
     print(

@@ -303,7 +303,10 @@ def _load_tile(
             NW: tl.constexpr = HEAD_DIM // 8
             words = tl.load(rows + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, NW]
             mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + 14)  # [BLOCK_N, NB]
-            mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
+            if NB == 1:
+                mult = tl.broadcast_to(mult, (BLOCK_N, NW))
+            else:
+                mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
             a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, FAST)
             a = _columns(a0, a1, a2, a3, BLOCK_N, HALF)
             b = _columns(b0, b1, b2, b3, BLOCK_N, HALF)
