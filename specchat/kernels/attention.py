@@ -41,6 +41,10 @@ MAX_BLOCK_M = 128  # query rows per program: q_len x (H / KVH) must fit
 MAX_HEAD_DIM = 256
 MAX_GROUPED_Q = 32  # the reference attends with plain matmuls up to this many new tokens (decode, verification)
 PROGRAMS_PER_SM = 4  # split the context until the grid covers the GPU this many times over
+# Quantized pages: longer tiles and twice the partitions (H200, 32k context, batch 16: 964 -> 488 us, against
+# 505 us for bf16 pages at their defaults; docs/benchmarks.md, "Seventh lease")
+QUANT_BLOCK_N = 128
+QUANT_PROGRAMS_PER_SM = 8
 INTERPRETER_PROGRAMS = 4  # the same target under TRITON_INTERPRET=1 (no SMs to fill; keep it fast)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FMT_IDS = {DENSE: 0, MXFP4: 1, MXFP8: 2}
@@ -298,15 +302,20 @@ def _load_tile(
         s = _scale_bytes(scale_ptr, slots, valid, stride_ss, NB, SB, BLOCK_N)  # [BLOCK_N, NB]
         s_tile = tl.max(tl.max(s, axis=1), axis=0)
         factor = pow2(s_tile - 127)
-        if FMT == 1:
+        if FMT == 1 and NB == 1:
+            # head_dim 32 (one block a row): byte by byte (the word path below measured wrong at this width on
+            # the H200 under triton 3.6, while right under the interpreter)
+            rel = pow2(tl.maximum(s - s_tile, -40) + 14).to(tl.float16)  # [BLOCK_N, 1]
+            byte_rows = data_ptr.to(tl.pointer_type(tl.uint8)) + slots[:, None] * (stride_s * 4)
+            codes = tl.load(byte_rows + tl.arange(0, HALF)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            a = _fp4_to_f16(codes) * rel
+            b = _fp4_to_f16(codes >> 4) * rel
+        elif FMT == 1:
             # word w: bytes 4 w .. 4 w + 3, elements 2 j (low nibble, -> a) and 2 j + 1 (high, -> b); block w // 4
             NW: tl.constexpr = HEAD_DIM // 8
             words = tl.load(rows + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, NW]
             mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + 14)  # [BLOCK_N, NB]
-            if NB == 1:
-                mult = tl.broadcast_to(mult, (BLOCK_N, NW))
-            else:
-                mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
+            mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
             a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, FAST)
             a = _columns(a0, a1, a2, a3, BLOCK_N, HALF)
             b = _columns(b0, b1, b2, b3, BLOCK_N, HALF)
@@ -500,14 +509,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     num_partitions: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
     num_partitions: how many slices the longest context is split into (default: enough to fill the GPU);
-    block_n (keys per tile) and num_warps are launch settings for benchmarks to sweep.
+    block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages) and num_warps are launch
+    settings for benchmarks to sweep.
     """
+    quantized = k_pages.fmt != DENSE
+    if block_n is None:
+        block_n = QUANT_BLOCK_N if quantized else BLOCK_N
     t, num_heads, head_dim = q.shape
     kv_heads = k_pages.data.shape[0]
     group = num_heads // kv_heads
@@ -532,7 +545,8 @@ def paged_attention(
 
     batch = meta.batch_size
     if num_partitions is None:
-        target = INTERPRETER_PROGRAMS if _interpreting() else PROGRAMS_PER_SM * _sm_count(q.device)
+        per_sm = QUANT_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
+        target = INTERPRETER_PROGRAMS if _interpreting() else per_sm * _sm_count(q.device)
         num_partitions = triton.cdiv(target, batch * kv_heads)
     num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, block_n)))
     partition_tokens = triton.cdiv(triton.cdiv(meta.max_ctx_len, num_partitions), block_n) * block_n
