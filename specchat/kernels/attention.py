@@ -20,6 +20,10 @@ the partitions. Quantized tiles are decoded in registers, never written back:
   round to zero: a negligible term in a dot product over head_dim and a softmax-weighted sum.
 - MXFP4 packs elements 2j and 2j + 1 in byte j, so its tiles are split into even and odd columns, and the
   query (keys) or the output (values) is split alike; dense and MXFP8 tiles are split into two halves.
+- Quantized codes are read as int32 words and the scales as 2- or 4-byte words (`_kernel_views`): loads wide
+  enough for cp.async to pipeline. On CUDA inline PTX decodes a word with byte permutes, two elements per
+  f16x2 op (`_fp4_words`, `_fp8_words`); the interpreter runs the same per element. Quantized pages take
+  longer tiles and more partitions (QUANT_BLOCK_N, QUANT_PROGRAMS_PER_SM: measured on the H200).
 """
 
 from __future__ import annotations
