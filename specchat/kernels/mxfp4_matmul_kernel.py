@@ -105,12 +105,12 @@ def _mxfp4_matmul_kernel(
     offs_e = pid_m * TILE_M + BLOCK_M + tl.arange(0, EXTRA_COLS)
     offs_k = tl.arange(0, BLOCK_K)
     # one iteration reads TILES (row group, k-tile) blocks per 64 rows, each contiguous: [BN, tile, 16 words]
-    # with lane t's 4 words at 4t (one 16-byte load), and [BN, tile, 4] scale bytes
+    # with lane t's 4 words at 4t (one 16-byte load), and [BN, tile] scale words
     group, row = offs_n // _ROW_GROUP, offs_n % _ROW_GROUP
     tile = tl.arange(0, TILES)[None, :, None]
     word_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS
     word_offs += tl.arange(0, 16)[None, None, :]
-    # scales as int32 words (4 bytes: 16-byte-aligned runs that cp.async can copy, unlike single bytes)
+    # scales as one int32 word per row and k-tile: a 4-byte load that cp.async copies (1- or 2-byte ones it does not)
     scale_offs = (group * num_k_tiles * _ROW_GROUP + row)[:, None] + tl.arange(0, TILES)[None, :] * _ROW_GROUP
     x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: x^T
     x_mask = offs_m[None, :] < M
@@ -255,9 +255,8 @@ def _reuse_config(m: int, weight: Mxfp4Weight) -> MatmulConfig | None:
 def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """The launch for M rows of this weight, from the H200 sweeps (benchmarks/mxfp4_matmul.py --sweep-ms).
 
-    Above M = 64, `_reuse_config`'s programs where they measured faster; otherwise:
-    M tiles of up to 64 rows (more rows per program lose: 128 pads 160 rows to 256, a 128 x 128 accumulator
-    spills). Wide weights take 128-row programs up to M = 32, and above M = 64 two warpgroups of 64 rows each
+    Above M = 64, `_reuse_config`'s programs where they measured faster; otherwise M tiles of up to 64 rows
+    (a plain 128-row tile pads 160 rows to 256, a 128 x 128 accumulator spills). Wide weights take 128-row programs up to M = 32, and above M = 64 two warpgroups of 64 rows each
     with one k-tile per step; everything else 64-row programs of one warpgroup. Split-K doubles while the
     programs stay within SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each
     split iterates twice.
