@@ -71,6 +71,20 @@ def test_matmul_matches_reference(m: int, n: int, k: int) -> None:
 
 
 @kernel_test
+@pytest.mark.parametrize(("m", "n", "k"), [(160, 200, 512), (130, 70, 256), (160, 96, 8192)])
+def test_chosen_launches_for_verification_batches_match_reference(m: int, n: int, k: int) -> None:
+    """The launches choose_config takes for 129..192 rows (a second activation tile; long K: two warpgroups)."""
+    _, codes, scales = random_weight(n, k, seed=m + n)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), k, layout="kernel")
+    assert choose_config(m, weight).extra_m > 0
+    x = torch.randn(m, k)
+    assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight), reference(x, codes, scales, k)) < 1e-5
+    xb = x.to(torch.bfloat16)  # CUDA: the fast path (interpreter: portable)
+    yb = mxfp4_matmul_triton(xb.to(DEVICE), weight)
+    assert relative_error(yb, reference(xb.float(), codes, scales, k)) < 8e-3
+
+
+@kernel_test
 def test_split_k_and_m_tiles() -> None:
     _, codes, scales = random_weight(67, 1024)
     weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
