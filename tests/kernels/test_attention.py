@@ -142,6 +142,7 @@ CASES = {
     "k8v4-verify": ("k8v4", [4, 1], [48, 130], 4, 2, 64, 2),
     "k8v4-d128": ("k8v4", [1, 2], [100, 33], 8, 2, 128, 2),  # 4 scale bytes per row: one int32 word
     "mxfp4-d32": ("mxfp4", [1, 3], [19, 40], 4, 2, 32, None),  # 1 scale byte per row
+    "mxfp4-d256": ("mxfp4", [1, 2], [40, 20], 4, 2, 256, None),  # 8 scale bytes per row: two words
 }
 
 
