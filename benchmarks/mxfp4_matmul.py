@@ -178,7 +178,7 @@ def sweep_configs(m: int, weight, two_tile: bool = False) -> set:
     iterations = weight.codes.shape[1]  # k-tiles
     configs = set()
     if two_tile:
-        grid = [(*c[:4], c[4], c[5]) for c in TWO_TILE_SWEEP if m > c[4] or c[5] == 0]
+        grid = [c for c in TWO_TILE_SWEEP if m > c[4] or c[5] == 0]  # a second tile only where rows reach it
     else:
         grid = [(*c, 0) for c in (GEMV_SWEEP if m <= 16 else MATMUL_SWEEP)]
     for block_n, tiles, warps, stages, block_m, extra_m in grid:

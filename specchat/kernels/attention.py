@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor, pow2
+from specchat.kernels.mxfp4_decode import join4, word_bytes
 
 BLOCK_N = 64  # keys per tile
 MIN_BLOCK_M = 16  # query rows per program are padded to a tensor-core tile
@@ -159,38 +160,49 @@ def _f16x2_pow2(k):
     return h | (h << 16)
 
 
-_ASM_FP4_WORD = tl.constexpr("""{
-.reg .b32 z, y, t, u;
-mov.b32 z, 0;
-prmt.b32 y, $8, z, 0x1404;
-shl.b32 t, y, 4;
-and.b32 t, t, 0x80008000;
-shl.b32 u, y, 1;
-and.b32 u, u, 0x0E000E00;
-or.b32 t, t, u;
-mul.rn.f16x2 t, t, $9;
-mov.b32 {$0, $1}, t;
-and.b32 t, y, 0x80008000;
-shr.b32 u, y, 3;
-and.b32 u, u, 0x0E000E00;
-or.b32 t, t, u;
-mul.rn.f16x2 t, t, $9;
-mov.b32 {$4, $5}, t;
-prmt.b32 y, $8, z, 0x3424;
-shl.b32 t, y, 4;
-and.b32 t, t, 0x80008000;
-shl.b32 u, y, 1;
-and.b32 u, u, 0x0E000E00;
-or.b32 t, t, u;
-mul.rn.f16x2 t, t, $9;
-mov.b32 {$2, $3}, t;
-and.b32 t, y, 0x80008000;
-shr.b32 u, y, 3;
-and.b32 u, u, 0x0E000E00;
-or.b32 t, t, u;
-mul.rn.f16x2 t, t, $9;
-mov.b32 {$6, $7}, t;
-}""")
+def _f16x2_word_asm(word: int, mult: int, pairs: tuple[tuple[int, int, int, int, int], ...]) -> str:
+    """PTX that turns the code word in operand $word into fp16 pairs. For each (byte selector, sign shift, magnitude
+    shift, magnitude mask, first output): `prmt` moves two of the word's bytes to the top byte of each 16-bit half,
+    the sign bits and the magnitude bits are shifted into their fp16 places (a positive shift is to the left), and
+    one f16x2 multiply by operand $mult scales the pair into outputs first and first + 1."""
+
+    def shift(dst: str, n: int) -> str:
+        return f"shl.b32 {dst}, y, {n};" if n > 0 else f"shr.b32 {dst}, y, {-n};" if n < 0 else f"mov.b32 {dst}, y;"
+
+    lines, selector = [".reg .b32 z, y, t, u;", "mov.b32 z, 0;"], None
+    for sel, sign, magnitude, mask, first in pairs:
+        if sel != selector:
+            lines.append(f"prmt.b32 y, ${word}, z, {sel:#06x};")
+            selector = sel
+        lines += [
+            shift("t", sign),
+            "and.b32 t, t, 0x80008000;",
+            shift("u", magnitude),
+            f"and.b32 u, u, {mask:#010x};",
+            "or.b32 t, t, u;",
+            f"mul.rn.f16x2 t, t, ${mult};",
+            f"mov.b32 {{${first}, ${first + 1}}}, t;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# E2M1 nibbles: bytes 0, 1 (selector 0x1404) then 2, 3 (0x3424); the low nibble's sign (bit 11 of its half) moves
+# up 4 and its magnitude (bits 8..10) up 1 to bits 9..11, the high nibble's sign stays at 15 and its magnitude
+# (12..14) moves down 3. Outputs $0..$3 the low nibbles of bytes 0..3, $4..$7 the high ones.
+_ASM_FP4_WORD = tl.constexpr(
+    _f16x2_word_asm(
+        8,
+        9,
+        (
+            (0x1404, 4, 1, 0x0E000E00, 0),
+            (0x1404, 0, -3, 0x0E000E00, 4),
+            (0x3424, 4, 1, 0x0E000E00, 2),
+            (0x3424, 0, -3, 0x0E000E00, 6),
+        ),
+    )
+)
+# E4M3 bytes: the sign stays at bit 15, the 7 magnitude bits (8..14) move down 1 to 7..13. Outputs $0..$3.
+_ASM_FP8_WORD = tl.constexpr(_f16x2_word_asm(4, 5, ((0x1404, 0, -1, 0x3F803F80, 0), (0x3424, 0, -1, 0x3F803F80, 2))))
 
 
 @triton.jit
@@ -217,26 +229,6 @@ def _fp4_words(words, mult, FAST: tl.constexpr):
         )
 
 
-_ASM_FP8_WORD = tl.constexpr("""{
-.reg .b32 z, y, t, u;
-mov.b32 z, 0;
-prmt.b32 y, $4, z, 0x1404;
-and.b32 t, y, 0x80008000;
-shr.b32 u, y, 1;
-and.b32 u, u, 0x3F803F80;
-or.b32 t, t, u;
-mul.rn.f16x2 t, t, $5;
-mov.b32 {$0, $1}, t;
-prmt.b32 y, $4, z, 0x3424;
-and.b32 t, y, 0x80008000;
-shr.b32 u, y, 1;
-and.b32 u, u, 0x3F803F80;
-or.b32 t, t, u;
-mul.rn.f16x2 t, t, $5;
-mov.b32 {$2, $3}, t;
-}""")
-
-
 @triton.jit
 def _fp8_words(words, mult, FAST: tl.constexpr):
     """MXFP8 (E4M3) code words and their fp16x2 multipliers -> 4 fp16 tensors, bytes 0..3 of each word, each
@@ -254,12 +246,6 @@ def _fp8_words(words, mult, FAST: tl.constexpr):
 
 
 @triton.jit
-def _columns(e0, e1, e2, e3, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
-    """Four [BLOCK_N, W] tensors, element i of each word -> [BLOCK_N, 4 W] with column 4 w + i."""
-    return tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape(BLOCK_N, WIDTH)
-
-
-@triton.jit
 def _scale_bytes(scale_ptr, slots, valid, stride_ss, NB: tl.constexpr, SB: tl.constexpr, BLOCK_N: tl.constexpr):
     """A tile's E8M0 scales [BLOCK_N, NB] int32, read as words of SB bytes (scale_ptr typed to match) so that
     the load is wide enough for cp.async."""
@@ -270,10 +256,7 @@ def _scale_bytes(scale_ptr, slots, valid, stride_ss, NB: tl.constexpr, SB: tl.co
         sw = tl.load(
             scale_ptr + slots[:, None] * stride_ss + tl.arange(0, NB // SB)[None, :], mask=valid[:, None], other=0
         ).to(tl.int32)
-        if SB == 2:
-            s = tl.join(sw & 0xFF, (sw >> 8) & 0xFF)
-        else:
-            s = tl.join(tl.join(sw & 0xFF, (sw >> 16) & 0xFF), tl.join((sw >> 8) & 0xFF, (sw >> 24) & 0xFF))
+        s = tl.join(sw & 0xFF, (sw >> 8) & 0xFF) if SB == 2 else word_bytes(sw)
         return s.reshape(BLOCK_N, NB)
 
 
@@ -321,8 +304,8 @@ def _load_tile(
             mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + 14)  # [BLOCK_N, NB]
             mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
             a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, FAST)
-            a = _columns(a0, a1, a2, a3, BLOCK_N, HALF)
-            b = _columns(b0, b1, b2, b3, BLOCK_N, HALF)
+            a = join4(a0, a1, a2, a3).reshape(BLOCK_N, HALF)
+            b = join4(b0, b1, b2, b3).reshape(BLOCK_N, HALF)
         else:
             # blocks 0 .. NB/2 - 1 -> a, the rest -> b; a half's word w holds its bytes 4 w .. 4 w + 3, block w // 8
             HB: tl.constexpr = NB // 2
@@ -337,8 +320,8 @@ def _load_tile(
             words_b = tl.load(rows + NW + w, mask=valid[:, None], other=0)
             a0, a1, a2, a3 = _fp8_words(words_a, mult_a, FAST)
             b0, b1, b2, b3 = _fp8_words(words_b, mult_b, FAST)
-            a = _columns(a0, a1, a2, a3, BLOCK_N, HALF)
-            b = _columns(b0, b1, b2, b3, BLOCK_N, HALF)
+            a = join4(a0, a1, a2, a3).reshape(BLOCK_N, HALF)
+            b = join4(b0, b1, b2, b3).reshape(BLOCK_N, HALF)
     return a, b, factor
 
 

@@ -107,3 +107,16 @@ def decode_bf16_asm(words, scales, HAS_NAN: tl.constexpr):
             _ASM_DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], (tl.bfloat16,) * 8, True, 1
         )
     return elements
+
+
+@triton.jit
+def join4(e0, e1, e2, e3):
+    """Four tensors of one shape -> one with a trailing 2 x 2 axis holding e0, e1, e2, e3 in row-major order:
+    reshaped, they become four neighbours along the last axis."""
+    return tl.join(tl.join(e0, e2), tl.join(e1, e3))
+
+
+@triton.jit
+def word_bytes(words):
+    """int32 words -> their bytes 0..3 (little-endian, each 0..255), laid out as `join4` does."""
+    return join4(words & 0xFF, (words >> 8) & 0xFF, (words >> 16) & 0xFF, (words >> 24) & 0xFF)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from specchat.kernels.mxfp4 import BLOCK_SIZE
-from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float
+from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float, word_bytes
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
 
 BLOCK_MS = (8, 16, 32, 64, 128, 256)  # activation rows per program (the MMA's n)
@@ -57,8 +57,7 @@ def _weight_tile(words, scales, BLOCK_N: tl.constexpr, Q: tl.constexpr, FAST: tl
     -> [BLOCK_N, 32 Q] operand (bf16 if FAST else float32)."""
     words = words.reshape(BLOCK_N, Q // 4, 4, 4)  # [BN, tile, lane t, q4]
     words = tl.trans(words, (0, 1, 3, 2)).reshape(BLOCK_N, Q, 4)  # [BN, chunk q, lane t]
-    b0, b1, b2, b3 = scales & 0xFF, (scales >> 8) & 0xFF, (scales >> 16) & 0xFF, (scales >> 24) & 0xFF
-    scales = tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(BLOCK_N, Q)  # [BN, tile, 2, 2] -> [BN, Q]
+    scales = word_bytes(scales).reshape(BLOCK_N, Q)  # [BN, tile, 2, 2] -> [BN, Q]
     scales = tl.broadcast_to(scales[:, :, None], (BLOCK_N, Q, 4))  # [BN, Q, T]
     if FAST:
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_bf16_asm(words, scales, HAS_NAN)
