@@ -99,7 +99,7 @@ class Sequence:
         n = len(self.prompt_ids)
         if start >= n and (stop is None or stop >= n):
             return self.output_ids[start - n : None if stop is None else stop - n]
-        return (self.prompt_ids + self.output_ids)[start:stop]
+        return self.all_ids[start:stop]
 
     @property
     def newest(self) -> int:
