@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
 #   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep goals attention batch1 sessions profile kv
-#                                          fusion
+#                                          fusion pdl
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -52,6 +52,8 @@ for part in "${parts[@]}"; do
     kv)  # issue 14's KV goal: 32k context, batch 8, MXFP4 weights, each KV format
       timeout 240 "${synthetic[@]}" --weights mxfp4 --kv bf16,mxfp4,k8v4 --batch 8 --k 0 --context 32768 --steps 32 \
         2>&1 | tee -a "$log" ;;
+    pdl)  # programmatic dependent launch on and off, side by side (kernels/pdl.py); CASES picks the cases
+      timeout 420 python benchmarks/pdl_gpu.py ${CASES:+--cases "$CASES"} --rounds ${ROUNDS:-3} 2>&1 | tee -a "$log" ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done

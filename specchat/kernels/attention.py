@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specchat.kernels import pdl
 from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor, pow2
 from specchat.kernels.mxfp4_decode import join4, word_bytes
 
@@ -368,7 +369,10 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,  # bytes per scale word: 4, 2 or 1 (HEAD_DIM / 32 of them per row)
     FAST: tl.constexpr,  # inline PTX decode (CUDA; not under TRITON_INTERPRET=1)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.program_id(2)
@@ -460,8 +464,11 @@ def _merge_partitions_kernel(
     stride_yh,
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = sum_p 2^(m_p - m) acc_p / sum_p 2^(m_p - m) l_p, m = max_p m_p: one program per (token, head)."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
@@ -543,6 +550,7 @@ def paged_attention(
     part_sum = torch.empty_like(part_max)
     k_data, k_scales = _kernel_views(k_pages)
     v_data, v_scales = _kernel_views(v_pages)
+    use_pdl = pdl.enabled(q.device)
     _paged_attention_kernel[(num_partitions, kv_heads, batch)](
         q,
         part_out,
@@ -585,7 +593,9 @@ def paged_attention(
         BLOCK_N=block_n,
         SB=_scale_word_bytes(head_dim),
         FAST=not _interpreting(),
+        PDL=use_pdl,
         num_warps=num_warps,
+        launch_pdl=use_pdl,
     )
     out = torch.empty_like(q)
     _merge_partitions_kernel[(t, num_heads)](
@@ -603,6 +613,8 @@ def paged_attention(
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_P=triton.next_power_of_2(num_partitions),
+        PDL=use_pdl,
+        launch_pdl=use_pdl,
     )
     return out
 

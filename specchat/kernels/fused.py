@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specchat.kernels import pdl
+
 SILU_BLOCK = 1024
 
 
@@ -35,7 +37,9 @@ def _runs_on(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, stride_x, stride_y, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     live = cols < n
@@ -55,6 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[1]
     block = triton.next_power_of_2(n)
+    use_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
         weight,
@@ -64,8 +69,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y.stride(0),
         eps,
         BLOCK=block,
+        PDL=use_pdl,
         num_warps=min(16, max(1, block // 256)),
         enable_fp_fusion=False,
+        launch_pdl=use_pdl,
     )
     return y.view(x.shape)
 
@@ -77,9 +84,12 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, n, stride_x, stride_h, stride_s, stride_y, eps, BLOCK: tl.constexpr
+    x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, n, stride_x, stride_h, stride_s, stride_y, eps, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """s = x + h rounded to the dtype (as torch's add), then the RMSNorm of s: one pass over the row."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     live = cols < n
@@ -106,9 +116,11 @@ def add_rms_norm(
     n = x.shape[1]
     block = triton.next_power_of_2(n)
     if x.shape[0]:
+        use_pdl = pdl.enabled(x.device)
         _add_rms_norm_kernel[(x.shape[0],)](
             x, h, weight, s, y, n, x.stride(0), h.stride(0), s.stride(0), y.stride(0), eps,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+            BLOCK=block, PDL=use_pdl, num_warps=min(16, max(1, block // 256)),
+            enable_fp_fusion=False, launch_pdl=use_pdl,
         )  # fmt: skip
     return s, y
 
@@ -121,10 +133,13 @@ def _rope_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, k_pages_ptr, v_pages_ptr, slots_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_page_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token, head): heads 0 .. H-1 are q's, the next KVH k's, with WRITE_KV the last KVH v's.
     x * cos + rotate_half(x) * sin in fp32; with WRITE_KV each rotated key and each value also goes to its slot
     of the dense KV pages ([KVH, slots, D]), as the pool's write would put it (the value programs only copy)."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -192,12 +207,13 @@ def rope_qk(
         assert k_pages.shape[0] == num_kv_heads and k_pages.shape[2] == head_dim and slots.shape == (t,)
         v_arg, programs, page_head = v, num_heads + 2 * num_kv_heads, k_pages.stride(0)
     if t:
+        use_pdl = pdl.enabled(q.device)
         _rope_kernel[(t, programs)](
             q, k, v_arg, cos, sin, q_out, k_out, k_pages, v_pages, slots,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos.stride(0),
             page_head,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, WRITE_KV=pages is not None,
-            num_warps=1, enable_fp_fusion=False,
+            PDL=use_pdl, num_warps=1, enable_fp_fusion=False, launch_pdl=use_pdl,
         )  # fmt: skip
     return q_out, k_out
 
@@ -212,8 +228,10 @@ def rope_qk_supported(q: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, n, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, n, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = silu(x[:, :n]) * x[:, n:], silu rounded to the output dtype first (as F.silu then * does)."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < n
@@ -232,9 +250,11 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         grid = (x2.shape[0], triton.cdiv(n, SILU_BLOCK))
+        use_pdl = pdl.enabled(x.device)
         _silu_mul_kernel[grid](
-            x2, y, n, x2.stride(0), y.stride(0), BLOCK=SILU_BLOCK, num_warps=4, enable_fp_fusion=False
-        )
+            x2, y, n, x2.stride(0), y.stride(0), BLOCK=SILU_BLOCK, PDL=use_pdl, num_warps=4,
+            enable_fp_fusion=False, launch_pdl=use_pdl,
+        )  # fmt: skip
     return y.view(*x.shape[:-1], n)
 
 

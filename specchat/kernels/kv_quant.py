@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specchat.kernels import pdl
 from specchat.kernels.mxfp4 import (
     BLOCK_SIZE,
     E2M1_EMAX,
@@ -291,7 +292,10 @@ def _quantize_rows_kernel(
     FMT: tl.constexpr,  # 1 = MXFP4, 2 = MXFP8
     RULE: tl.constexpr,  # MXFP4 only: 0 ocp, 1 roundup, 2 mse
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)
     NB: tl.constexpr = HEAD_DIM // 32
@@ -353,6 +357,7 @@ def quantize_into_pages(x: torch.Tensor, slots: torch.Tensor, pages: PageTensor)
     assert pages.data.device == x.device == slots.device, (pages.data.device, x.device, slots.device)
     if t == 0:
         return
+    use_pdl = pdl.enabled(x.device)
     _quantize_rows_kernel[(t, kv_heads)](
         x,
         slots,
@@ -367,4 +372,6 @@ def quantize_into_pages(x: torch.Tensor, slots: torch.Tensor, pages: PageTensor)
         FMT=_FMT_IDS[pages.fmt],
         RULE=_RULE_IDS[pages.rule],
         HEAD_DIM=head_dim,
+        PDL=use_pdl,
+        launch_pdl=use_pdl,
     )

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specchat.kernels import pdl
 from specchat.kernels.mxfp4 import BLOCK_SIZE
 from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float, word_bytes
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
@@ -91,7 +92,10 @@ def _mxfp4_matmul_kernel(
     TILES: tl.constexpr,  # K_TILEs per iteration
     FAST: tl.constexpr,
     HAS_NAN: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    PREFETCH: tl.constexpr,  # with PDL: the program's first iterations of weights to prefetch into the L2
 ):
+    pdl.launch_dependents(PDL)
     pid = tl.program_id(0)  # M tile fastest: the M tiles of one weight tile run together and share it in L2
     pid_k = tl.program_id(1)
     pid_m, pid_n = pid % m_tiles, pid // m_tiles
@@ -107,8 +111,8 @@ def _mxfp4_matmul_kernel(
     # with lane t's 4 words at 4t (one 16-byte load), and [BN, tile] scale words
     group, row = offs_n // _ROW_GROUP, offs_n % _ROW_GROUP
     tile = tl.arange(0, TILES)[None, :, None]
-    word_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS
-    word_offs += tl.arange(0, 16)[None, None, :]
+    row_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS  # [BN, tile, 1]
+    word_offs = row_offs + tl.arange(0, 16)[None, None, :]
     # scales as one int32 word per row and k-tile: a 4-byte load that cp.async copies (1- or 2-byte ones it does not)
     scale_offs = (group * num_k_tiles * _ROW_GROUP + row)[:, None] + tl.arange(0, TILES)[None, :] * _ROW_GROUP
     x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: x^T
@@ -120,6 +124,12 @@ def _mxfp4_matmul_kernel(
     per_split = tl.cdiv(iterations, split_k)
     start = pid_k * per_split
     stop = tl.minimum(start + per_split, iterations)
+    if PDL:  # the weights are constant: start their first iterations towards the L2 while the kernel before runs
+        for i in tl.static_range(PREFETCH):  # a row's 64 bytes of a tile, its scale word: each line twice or more
+            it = tl.minimum(start + i, iterations - 1)
+            pdl.prefetch_l2(w_ptr + row_offs + it * TILES * _TILE_WORDS, PDL)
+            pdl.prefetch_l2(s_ptr + scale_offs + it * TILES * _ROW_GROUP, PDL)
+    pdl.wait(PDL)  # x, the output and the split-K workspace are other kernels' too: nothing of them before this
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     acc_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)  # the second tile's
     for it in range(start, stop):
@@ -197,6 +207,7 @@ SPLIT_K_MIN_TILES = 28  # long K also splits while each split keeps this many k-
 LONG_K = 8192  # M > 64: weights this long along K take the wide weights' programs too
 MIN_WARPGROUP_WAVES = 1.9  # M > 64: split-K until the programs make about two warpgroups per SM
 MAX_REUSE_SPLIT_K = 4
+PREFETCH_ITERATIONS = 2  # with PDL: weight iterations per program prefetched into the L2 before the wait
 
 
 @functools.cache
@@ -345,13 +356,15 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
     grid = (m_tiles * rows_padded // config.block_n, config.split_k)
     partial_numel = config.split_k * m_tiles * rows_padded * (block_m + extra_m) if config.split_k > 1 else 1
     partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
+    use_pdl = pdl.enabled(x.device)
     _mxfp4_matmul_kernel[grid](
         x, weight.codes, weight.scales.view(torch.int32), y, partials, counters,
         m, weight.n, num_k_tiles, m_tiles,
         x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
         BLOCK_M=block_m, EXTRA_M=extra_m, BLOCK_N=config.block_n, TILES=tiles,
-        FAST=fast, HAS_NAN=weight.has_nan, num_warps=config.num_warps, num_stages=stages,
+        FAST=fast, HAS_NAN=weight.has_nan, PDL=use_pdl, PREFETCH=PREFETCH_ITERATIONS,
+        num_warps=config.num_warps, num_stages=stages, launch_pdl=use_pdl,
     )  # fmt: skip
 
 

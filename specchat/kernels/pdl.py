@@ -1,0 +1,88 @@
+"""Programmatic dependent launch (PDL) for the step's Triton kernels, on Hopper and newer.
+
+A decode step at batch 1 is a chain of short kernels (per layer: norm, the QKV matmul, rotary + KV write,
+attention, its merge, the output matmul, norm, gate_up, SiLU-and-mul, down). Each waits for the one before it to
+finish, so every boundary costs the next kernel's launch, its programs' start and the ramp of its first loads.
+With PDL a kernel is launched while the one before it still runs (`launch_pdl=True` on its launch; inside a CUDA
+graph the edge becomes a programmatic one):
+
+- `launch_dependents(PDL)` (griddepcontrol.launch_dependents): once every program of this kernel has passed it,
+  the next PDL kernel of the stream may launch. Kernels here call it first thing.
+- `wait(PDL)` (griddepcontrol.wait): blocks until the kernel before has completed and its writes are visible.
+  Transitively everything before that too: the kernel before could only finish after its own wait.
+
+The rule each PDL kernel keeps: **before `wait(PDL)` it reads and writes no memory that another kernel writes**.
+The only work there is `prefetch_l2` of constant data (a matmul's weights), so those bytes are on their way to the
+L2 while the kernel before still runs. A kernel launched without the attribute (torch's, cuBLAS) waits as always,
+and `wait` is a no-op where nothing is pending, so PDL kernels mix freely with other work.
+
+`enabled(device)`: CUDA with compute capability >= 9.0, not under TRITON_INTERPRET=1, and SPECCHAT_PDL unset
+or not "0" (`override` sets it for A/B benchmarks: benchmarks/pdl_gpu.py). Every kernel takes the same flag as its
+`PDL` constexpr and its `launch_pdl`; with it off the kernels compile exactly as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENV = "SPECCHAT_PDL"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_FROM_ENV = os.environ.get(ENV, "1") != "0"
+_override: bool | None = None
+
+
+@functools.cache
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (cheap: called on every launch)."""
+    if _INTERPRET or device.type != "cuda":
+        return False
+    on = _FROM_ENV if _override is None else _override
+    return on and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def override(on: bool | None) -> Iterator[None]:
+    """Within the block, PDL on or off regardless of SPECCHAT_PDL (None: as the environment says). Graphs
+    captured inside keep the setting they were captured with."""
+    global _override
+    before, _override = _override, on
+    try:
+        yield
+    finally:
+        _override = before
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Block until the kernel before this one has finished and its writes are visible (PDL only)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the next PDL kernel of the stream launch once every program has passed here (PDL only)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, PDL: tl.constexpr):
+    """Ask the L2 to fetch the lines at `ptrs` (a tensor of pointers), without waiting for them (PDL only: the
+    hint is worth its instructions only while a kernel before still runs)."""
+    if PDL:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
