@@ -20,7 +20,7 @@ import torch
 
 from specchat.bench.synthetic import SHAPES, SyntheticCase, quantize_all, random_model, run_case
 from specchat.engine.loading import make_runner
-from specchat.kernels import pdl
+from specchat.kernels import mxfp4_matmul_kernel, pdl
 
 DEFAULT_CASES = (
     "smollm2-135m:bf16:bf16:1,smollm2-135m:bf16:bf16:32,"
@@ -41,12 +41,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prefetch", type=int, help="weight iterations the matmul prefetches before its wait")
     args = parser.parse_args()
+    if args.prefetch is not None:
+        mxfp4_matmul_kernel.PREFETCH_ITERATIONS = args.prefetch
     cases = [parse_case(spec) for spec in args.cases.split(",")]
     device = torch.device("cuda")
     assert pdl.enabled(device), "PDL is off here (compute capability < 9.0, or SPECCHAT_PDL=0)"
     factory = functools.partial(make_runner, eager=False)
-    print(f"context {args.context}, {args.steps} steps, median of {args.rounds} rounds (off and on alternate)")
+    print(f"context {args.context}, {args.steps} steps, median of {args.rounds} rounds (off and on alternate), "
+          f"matmul prefetch {mxfp4_matmul_kernel.PREFETCH_ITERATIONS} iterations")  # fmt: skip
     print("| model | weights | KV | batch | decoding | PDL off tok/s | PDL on tok/s | on / off | step ms off -> on |")
     print("|---|---|---|---:|---|---:|---:|---:|---|")
     models: dict[tuple[str, str], torch.nn.Module] = {}

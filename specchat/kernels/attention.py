@@ -371,7 +371,6 @@ def _paged_attention_kernel(
     FAST: tl.constexpr,  # inline PTX decode (CUDA; not under TRITON_INTERPRET=1)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    pdl.launch_dependents(PDL)
     pdl.wait(PDL)
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -435,6 +434,7 @@ def _paged_attention_kernel(
         acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision=PRECISION) * v_factor
         acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision=PRECISION) * v_factor
         m_i = m_new
+    pdl.launch_dependents(PDL)  # the merge launches as the partitions finish (kernels/pdl.py)
 
     if V_FMT == 1:
         oa_col, ob_col = 2 * d, 2 * d + 1

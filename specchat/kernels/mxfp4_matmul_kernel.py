@@ -95,7 +95,6 @@ def _mxfp4_matmul_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     PREFETCH: tl.constexpr,  # with PDL: the program's first iterations of weights to prefetch into the L2
 ):
-    pdl.launch_dependents(PDL)
     pid = tl.program_id(0)  # M tile fastest: the M tiles of one weight tile run together and share it in L2
     pid_k = tl.program_id(1)
     pid_m, pid_n = pid % m_tiles, pid // m_tiles
@@ -143,6 +142,9 @@ def _mxfp4_matmul_kernel(
             if not FAST:
                 xe = xe.to(tl.float32)
             acc_e = tl.dot(w, xe, acc_e, input_precision="ieee")
+    # the next kernel (a short one) launches now, not earlier: launched at the start, the kernels after it would
+    # launch too and park, and their weight prefetches would be evicted by this one's stream before they run
+    pdl.launch_dependents(PDL)
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
