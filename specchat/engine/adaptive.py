@@ -207,7 +207,7 @@ class StepCosts:
         return forward + k * (self.draft_ms_per_position or 0.0)
 
 
-FIRST_TRIAL_AFTER = 32  # steps in one mode before the other mode's first trial
+FIRST_TRIAL_AFTER = 32  # plain steps before drafting's first trial
 TRIAL_EVERY = 256  # steps in the preferred mode between trials of the other, after a trial that changed the mode
 MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to this
 TRIAL_STEPS = 8  # steps of a trial
@@ -224,12 +224,15 @@ class DraftGate:
     the next, and keeps an EMA of milliseconds per emitted token for steps that drafted and steps that did not,
     per batch size bucket: milliseconds per token *of one request* (step time over tokens per request), so that
     steps of 17 and of 32 requests in one bucket compare by what each request waits, not by how many requests
-    shared the step. The mode with fewer milliseconds per token is preferred; the other gets a trial of
-    TRIAL_STEPS steps after FIRST_TRIAL_AFTER, then every TRIAL_EVERY steps, an interval that doubles after each
-    trial that leaves the preference as it was (up to MAX_TRIAL_EVERY) and falls back when one changes it. So a
-    change (new requests, new text) still shows, and where one mode stays better (plain decoding at 32 sessions
-    on the H200) the trials' cost, at most TRIAL_STEPS / interval of the steps at the other mode's speed, fades
-    from 3% toward 0.4%.
+    shared the step. Plain decoding is preferred until a trial has timed drafting faster (plain steps cost
+    nothing to try, and on CUDA graphs they run ahead of the host, which a drafting step cannot); then the mode
+    with fewer milliseconds per token. Drafting gets its first trial of TRIAL_STEPS steps after
+    FIRST_TRIAL_AFTER, and the other mode one every TRIAL_EVERY steps after that, an interval that doubles after
+    each trial that leaves the preference as it was (up to MAX_TRIAL_EVERY) and falls back when one changes it.
+    A trial in which no request drafted (their own controllers chose k = 0) confirms plain decoding. So a
+    change (new requests, new text) still shows, and where plain decoding stays better (32 sessions on the
+    H200) the trials' cost, at most TRIAL_STEPS / interval of the steps at the other mode's speed, fades from
+    3% toward 0.4%.
     """
 
     ema: float = EMA_WEIGHT
@@ -239,11 +242,16 @@ class DraftGate:
     trial_drafts: bool = False  # the mode of the running trial
     every: int = TRIAL_EVERY  # steps between trials now
     before_trial: bool | None = None  # the preferred mode when the last trial started, until it is judged
+    tried: bool = False  # whether a trial has run
 
     def preferred(self) -> bool:
-        """True when drafting is (so far) the faster mode."""
+        """True when drafting is the faster mode: timed, and faster than plain decoding (or plain untimed)."""
         plain, drafting = self.ms_per_token.get(False), self.ms_per_token.get(True)
-        return plain is None or drafting is None or drafting <= plain
+        return drafting is not None and (plain is None or drafting <= plain)
+
+    def _first(self, preferred: bool) -> bool:
+        """Whether the next trial is the first of the other mode (it comes after FIRST_TRIAL_AFTER steps)."""
+        return not self.tried and (not preferred) not in self.ms_per_token
 
     def _next(self) -> tuple[bool, int, bool]:
         """The next step's (preferred mode, trial interval, whether a trial of the other mode starts), outside a
@@ -252,8 +260,7 @@ class DraftGate:
         every = self.every
         if self.before_trial is not None:  # the trial's steps are all observed: did it change the preference?
             every = min(2 * every, MAX_TRIAL_EVERY) if preferred == self.before_trial else TRIAL_EVERY
-        first = (not preferred) not in self.ms_per_token
-        return preferred, every, self.since_trial + 1 > (FIRST_TRIAL_AFTER if first else every)
+        return preferred, every, self.since_trial + 1 > (FIRST_TRIAL_AFTER if self._first(preferred) else every)
 
     def peek(self) -> bool:
         """What `allow` will say next, as far as the timings known now tell (changes nothing)."""
@@ -268,12 +275,11 @@ class DraftGate:
             self.trial_left -= 1
             return self.trial_drafts
         preferred, self.every, trial = self._next()
-        first = (not preferred) not in self.ms_per_token
         self.before_trial = None
         self.since_trial += 1
         if trial:
             self.since_trial, self.trial_left, self.trial_drafts = 0, TRIAL_STEPS - 1, not preferred
-            self.before_trial = None if first else preferred
+            self.before_trial, self.tried = preferred, True
             return self.trial_drafts
         return preferred
 

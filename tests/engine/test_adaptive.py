@@ -8,7 +8,15 @@ import random
 import pytest
 
 from specchat.config import SamplingParams, SpecParams
-from specchat.engine.adaptive import MAX_TRIAL_EVERY, TRIAL_EVERY, TRIAL_STEPS, AdaptiveK, DraftGate, StepCosts
+from specchat.engine.adaptive import (
+    FIRST_TRIAL_AFTER,
+    MAX_TRIAL_EVERY,
+    TRIAL_EVERY,
+    TRIAL_STEPS,
+    AdaptiveK,
+    DraftGate,
+    StepCosts,
+)
 from specchat.engine.drafters import Draft, Drafter
 from specchat.engine.sequence import StepEvent
 from specchat.errors import ConfigError
@@ -215,6 +223,20 @@ def test_draft_gate_turns_drafting_off_where_plain_steps_emit_tokens_faster():
     assert late.count(False) <= len(late) * TRIAL_STEPS / TRIAL_EVERY + TRIAL_STEPS
 
 
+def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
+    """A new batch size starts with plain steps (on CUDA graphs they run ahead; a batch drafting where it does not
+    pay runs at up to half speed); drafting's first trial comes after FIRST_TRIAL_AFTER steps. A trial in which
+    no request drafted (each controller chose k = 0) teaches nothing of drafting: it confirms plain decoding, and
+    the next trial waits twice TRIAL_EVERY instead of coming back every FIRST_TRIAL_AFTER steps."""
+    gate, modes = DraftGate(), []
+    for _ in range(FIRST_TRIAL_AFTER + TRIAL_STEPS + 2 * TRIAL_EVERY):
+        modes.append(gate.allow())
+        gate.observe(False, 4.0, 4)  # nothing drafted, whatever the gate allowed
+    assert not any(modes[:FIRST_TRIAL_AFTER]) and all(modes[FIRST_TRIAL_AFTER : FIRST_TRIAL_AFTER + TRIAL_STEPS])
+    assert not any(modes[FIRST_TRIAL_AFTER + TRIAL_STEPS :]) and not gate.preferred()
+    assert gate.every == 2 * TRIAL_EVERY
+
+
 def test_draft_gate_follows_a_change():
     """When drafting stops paying (the text moves from code edits to prose), the next trial notices it."""
     gate, modes = DraftGate(), []
@@ -265,6 +287,7 @@ def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
         tiny_engine.step()
     for seq, k in zip(scheduler.running, (1, 4, 8), strict=True):
         seq.k = k
+    scheduler.gates[4] = DraftGate(ms_per_token={True: 1.0, False: 2.0})  # drafting timed faster: the gate allows it
     for uniform, want in ((False, [1, 4, 8]), (True, [1, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
