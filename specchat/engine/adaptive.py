@@ -211,6 +211,7 @@ FIRST_TRIAL_AFTER = 32  # plain steps before drafting's first trial
 TRIAL_EVERY = 256  # steps in the preferred mode between trials of the other, after a trial that changed the mode
 MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to this
 TRIAL_STEPS = 8  # steps of a trial
+TRIAL_K = 1  # the most any request drafts in a trial of drafting while plain decoding is preferred
 
 
 @dataclass(slots=True)
@@ -229,7 +230,10 @@ class DraftGate:
     with fewer milliseconds per token. Drafting gets its first trial of TRIAL_STEPS steps after
     FIRST_TRIAL_AFTER, and the other mode one every TRIAL_EVERY steps after that, an interval that doubles after
     each trial that leaves the preference as it was (up to MAX_TRIAL_EVERY) and falls back when one changes it.
-    A trial in which no request drafted (their own controllers chose k = 0) confirms plain decoding. So a
+    A trial in which no request drafted (their own controllers chose k = 0) confirms plain decoding. In a trial
+    of drafting while plain decoding is preferred requests draft at most TRIAL_K tokens (`trying_drafts`): their
+    controllers learnt nothing while the gate held them, and at k = 4 a 32-request trial on the H200 ran each
+    step at about half speed, where one draft token shows as well whether drafting pays at all. So a
     change (new requests, new text) still shows, and where plain decoding stays better (32 sessions on the
     H200) the trials' cost, at most TRIAL_STEPS / interval of the steps at the other mode's speed, fades from
     3% toward 0.4%.
@@ -248,6 +252,10 @@ class DraftGate:
         """True when drafting is the faster mode: timed, and faster than plain decoding (or plain untimed)."""
         plain, drafting = self.ms_per_token.get(False), self.ms_per_token.get(True)
         return drafting is not None and (plain is None or drafting <= plain)
+
+    def trying_drafts(self) -> bool:
+        """Whether the step `allow` just let draft is a trial of drafting while plain decoding is preferred."""
+        return self.trial_drafts and self.before_trial is False
 
     def _first(self, preferred: bool) -> bool:
         """Whether the next trial is the first of the other mode (it comes after FIRST_TRIAL_AFTER steps)."""

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from specchat.engine.adaptive import DraftGate, StepCosts
+from specchat.engine.adaptive import TRIAL_K, DraftGate, StepCosts
 from specchat.engine.drafters import DrafterCache, NoDrafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
@@ -168,7 +168,10 @@ class Scheduler:
         self._gated = (gate, now, drafts)
         if not drafts:
             return 0
-        return int(statistics.median_low(self._draft_len(s) for s in decoding)) if self.uniform_widths else None
+        cap = int(statistics.median_low(self._draft_len(s) for s in decoding)) if self.uniform_widths else None
+        if gate.trying_drafts():  # a trial while plain decoding is preferred: one token shows whether drafting pays
+            cap = TRIAL_K if cap is None else min(cap, TRIAL_K)
+        return cap
 
     def _plan(self, events: list[Event], now: float) -> list[Scheduled]:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""

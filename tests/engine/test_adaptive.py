@@ -12,6 +12,7 @@ from specchat.engine.adaptive import (
     FIRST_TRIAL_AFTER,
     MAX_TRIAL_EVERY,
     TRIAL_EVERY,
+    TRIAL_K,
     TRIAL_STEPS,
     AdaptiveK,
     DraftGate,
@@ -235,6 +236,10 @@ def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
     assert not any(modes[:FIRST_TRIAL_AFTER]) and all(modes[FIRST_TRIAL_AFTER : FIRST_TRIAL_AFTER + TRIAL_STEPS])
     assert not any(modes[FIRST_TRIAL_AFTER + TRIAL_STEPS :]) and not gate.preferred()
     assert gate.every == 2 * TRIAL_EVERY
+    gate = DraftGate(ms_per_token={True: 1.6, False: 1.0}, since_trial=TRIAL_EVERY)  # plain preferred
+    assert gate.allow() and gate.trying_drafts()  # a trial of drafting: its requests draft at most TRIAL_K
+    gate = DraftGate(ms_per_token={True: 1.0, False: 1.6})  # drafting preferred: requests draft their own k
+    assert gate.allow() and not gate.trying_drafts()
 
 
 def test_draft_gate_follows_a_change():
@@ -291,6 +296,9 @@ def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
     for uniform, want in ((False, [1, 4, 8]), (True, [1, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
+    # a trial of drafting while plain decoding is preferred: nobody drafts more than TRIAL_K
+    scheduler.gates[4] = DraftGate(ms_per_token={True: 2.0, False: 1.0}, since_trial=TRIAL_EVERY)
+    assert [item.k for item in scheduler._plan([], 0.0)] == [TRIAL_K] * 3
     scheduler.uniform_widths = False
     for handle in handles:
         handle.result()
