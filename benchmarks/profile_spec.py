@@ -232,7 +232,7 @@ def main() -> None:
             )
             print(slow.report(), flush=True)
             gates = {
-                size: {"draft" if d else "plain": round(ms, 3) for d, ms in gate.ms_per_token.items()}
+                size: {f"k<={cap}" if cap else "plain": round(ms, 3) for cap, ms in sorted(gate.ms_per_token.items())}
                 for size, gate in sorted(engine.scheduler.gates.items())
             }
             if gates:

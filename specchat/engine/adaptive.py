@@ -207,95 +207,105 @@ class StepCosts:
         return forward + k * (self.draft_ms_per_position or 0.0)
 
 
-FIRST_TRIAL_AFTER = 32  # plain steps before drafting's first trial
-TRIAL_EVERY = 256  # steps in the preferred mode between trials of the other, after a trial that changed the mode
+GATE_CAPS = (0, 1, 2, 4, 8)  # the caps on k a DraftGate chooses between for its batch (0: plain decoding)
+FIRST_TRIAL_AFTER = 32  # plain steps before the first trial of drafting
+RAMP_AFTER = 16  # steps at a cap before the first trial of twice that cap
+TRIAL_EVERY = 256  # steps at the preferred cap between trials of another, after a trial that changed the choice
 MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to this
 TRIAL_STEPS = 8  # steps of a trial
-TRIAL_K = 1  # the most any request drafts in a trial of drafting while plain decoding is preferred
 
 
 @dataclass(slots=True)
 class DraftGate:
-    """Whether drafting pays end to end for a batch of adaptive-k requests of one size, on this device.
+    """How much a batch of adaptive-k requests of one size may draft, end to end, on this device: a cap on their
+    k among GATE_CAPS (0: plain decoding).
 
     Each request's AdaptiveK prices its own k with a model of the step (StepCosts); what that model leaves out —
     the drafter's and the verification's host work per request, the steps that refill slots at different times
-    when requests end at different steps — is what makes a batch of requests that each "pay" slower than plain
-    decoding (on the H200 at 32 sessions: 0.56x). So the scheduler also times whole steps, from one schedule to
-    the next, and keeps an EMA of milliseconds per emitted token for steps that drafted and steps that did not,
-    per batch size bucket: milliseconds per token *of one request* (step time over tokens per request), so that
-    steps of 17 and of 32 requests in one bucket compare by what each request waits, not by how many requests
-    shared the step. Plain decoding is preferred until a trial has timed drafting faster (plain steps cost
-    nothing to try, and on CUDA graphs they run ahead of the host, which a drafting step cannot); then the mode
-    with fewer milliseconds per token. Drafting gets its first trial of TRIAL_STEPS steps after
-    FIRST_TRIAL_AFTER, and the other mode one every TRIAL_EVERY steps after that, an interval that doubles after
-    each trial that leaves the preference as it was (up to MAX_TRIAL_EVERY) and falls back when one changes it.
-    A trial in which no request drafted (their own controllers chose k = 0) confirms plain decoding. In a trial
-    of drafting while plain decoding is preferred requests draft at most TRIAL_K tokens (`trying_drafts`): their
-    controllers learnt nothing while the gate held them, and at k = 4 a 32-request trial on the H200 ran each
-    step at about half speed, where one draft token shows as well whether drafting pays at all. So a
-    change (new requests, new text) still shows, and where plain decoding stays better (32 sessions on the
-    H200) the trials' cost, at most TRIAL_STEPS / interval of the steps at the other mode's speed, fades from
-    3% toward 0.4%.
+    when requests end at different steps, and on CUDA graphs the plain steps that run ahead of the host, which a
+    drafting step cannot — is what makes a batch of requests that each "pay" slower than plain decoding (on the
+    H200 at 32 sessions: 0.56x). So the scheduler also times whole steps, from one schedule to the next, and keeps
+    an EMA of milliseconds per emitted token for the steps run under each cap, per batch size bucket:
+    milliseconds per token *of one request* (step time over tokens per request), so that steps of 17 and of 32
+    requests in one bucket compare by what each request waits, not by how many requests shared the step. A step
+    is timed under the cap it was allowed, whether or not its requests drafted: allowed to draft, it could not
+    run ahead.
+
+    The preferred cap is the one timed fastest, plain decoding until another is (ties go to the smaller cap).
+    Trials of TRIAL_STEPS steps time the others: from plain decoding, cap 1 after FIRST_TRIAL_AFTER steps; from
+    a cap c > 0, twice c after RAMP_AFTER steps while that is untimed (so a batch where drafting pays climbs
+    1 -> 2 -> 4 -> 8 in a few dozen steps), then, every TRIAL_EVERY steps, plain decoding and twice c in turn.
+    The interval doubles after each trial that leaves the choice as it was (up to MAX_TRIAL_EVERY) and falls back
+    when one changes it. Requests start from small caps because their own controllers learnt nothing while the
+    gate held them: a first trial at k = 4 of 32 requests on the H200 ran each step at about half speed. So a
+    change (new requests, new text) still shows, and where plain decoding stays better (32 sessions on the H200)
+    the trials' cost, at most TRIAL_STEPS / interval of the steps, fades from 3% toward 0.4%.
     """
 
     ema: float = EMA_WEIGHT
-    ms_per_token: dict[bool, float] = field(default_factory=dict)  # drafted? -> EMA
-    since_trial: int = 0  # steps in the preferred mode since the last trial
+    ms_per_token: dict[int, float] = field(default_factory=dict)  # cap -> EMA
+    since_trial: int = 0  # steps at the preferred cap since the last trial
     trial_left: int = 0  # steps of the running trial
-    trial_drafts: bool = False  # the mode of the running trial
+    trial_cap: int = 0  # the cap of the running trial
     every: int = TRIAL_EVERY  # steps between trials now
-    before_trial: bool | None = None  # the preferred mode when the last trial started, until it is judged
-    tried: bool = False  # whether a trial has run
+    before_trial: int | None = None  # the preferred cap when the last trial started, until it is judged
+    toward_plain: bool = True  # from a cap > 0 with twice it timed: whether the next trial is of plain decoding
 
-    def preferred(self) -> bool:
-        """True when drafting is the faster mode: timed, and faster than plain decoding (or plain untimed)."""
-        plain, drafting = self.ms_per_token.get(False), self.ms_per_token.get(True)
-        return drafting is not None and (plain is None or drafting <= plain)
+    def preferred(self) -> int:
+        """The cap timed with the fewest milliseconds per token (0 while nothing else is timed)."""
+        if not self.ms_per_token:
+            return 0
+        return int(min(self.ms_per_token, key=lambda cap: (self.ms_per_token[cap], cap)))
 
-    def trying_drafts(self) -> bool:
-        """Whether the step `allow` just let draft is a trial of drafting while plain decoding is preferred."""
-        return self.trial_drafts and self.before_trial is False
+    def _target(self, preferred: int, every: int) -> tuple[int, int]:
+        """(the cap the next trial tries, steps at the preferred cap before it starts, `every` if timed)."""
+        if preferred == 0:
+            target = GATE_CAPS[1]
+        else:
+            up = min(2 * preferred, GATE_CAPS[-1])
+            ramp = up != preferred and up not in self.ms_per_token
+            target = up if ramp or (up != preferred and not self.toward_plain) else 0
+        if target in self.ms_per_token:
+            return target, every
+        return target, FIRST_TRIAL_AFTER if preferred == 0 else RAMP_AFTER
 
-    def _first(self, preferred: bool) -> bool:
-        """Whether the next trial is the first of the other mode (it comes after FIRST_TRIAL_AFTER steps)."""
-        return not self.tried and (not preferred) not in self.ms_per_token
-
-    def _next(self) -> tuple[bool, int, bool]:
-        """The next step's (preferred mode, trial interval, whether a trial of the other mode starts), outside a
-        running trial: the interval as judging a finished trial leaves it (one decision for peek and allow)."""
+    def _next(self) -> tuple[int, int, int | None]:
+        """The next step's (preferred cap, trial interval, cap of a trial that starts or None), outside a running
+        trial: the interval as judging a finished trial leaves it (one decision for peek and allow)."""
         preferred = self.preferred()
         every = self.every
-        if self.before_trial is not None:  # the trial's steps are all observed: did it change the preference?
+        if self.before_trial is not None:  # the trial's steps are all observed: did it change the choice?
             every = min(2 * every, MAX_TRIAL_EVERY) if preferred == self.before_trial else TRIAL_EVERY
-        return preferred, every, self.since_trial + 1 > (FIRST_TRIAL_AFTER if self._first(preferred) else every)
+        target, wait = self._target(preferred, every)
+        return preferred, every, target if self.since_trial + 1 > wait else None
 
     def peek(self) -> bool:
-        """What `allow` will say next, as far as the timings known now tell (changes nothing)."""
+        """Whether the next step may draft, as `allow` will say, as far as the timings known now tell."""
         if self.trial_left > 0:
-            return self.trial_drafts
+            return self.trial_cap > 0
         preferred, _, trial = self._next()
-        return preferred != trial
+        return (preferred if trial is None else trial) > 0
 
-    def allow(self) -> bool:
-        """Whether the adaptive requests of the next step may draft (advances the trial schedule)."""
+    def allow(self) -> int:
+        """The cap on the k of the adaptive requests of the next step, 0 for none (advances the trial schedule)."""
         if self.trial_left > 0:
             self.trial_left -= 1
-            return self.trial_drafts
+            return self.trial_cap
         preferred, self.every, trial = self._next()
         self.before_trial = None
         self.since_trial += 1
-        if trial:
-            self.since_trial, self.trial_left, self.trial_drafts = 0, TRIAL_STEPS - 1, not preferred
-            self.before_trial, self.tried = preferred, True
-            return self.trial_drafts
-        return preferred
+        if trial is None:
+            return preferred
+        if preferred > 0 and 2 * preferred in self.ms_per_token:
+            self.toward_plain = trial != 0  # the next trial from here tries the other neighbour
+        self.since_trial, self.trial_left, self.trial_cap, self.before_trial = 0, TRIAL_STEPS - 1, trial, preferred
+        return trial
 
-    def observe(self, drafted: bool, step_ms: float, tokens: int, requests: int = 1) -> None:
-        """A decode step of `requests` requests in this bucket (drafting or not) took step_ms, host work
-        included, for `tokens` in all."""
+    def observe(self, cap: int, step_ms: float, tokens: int, requests: int = 1) -> None:
+        """A decode step of `requests` requests in this bucket, allowed to draft up to `cap` tokens each, took
+        step_ms, host work included, for `tokens` in all."""
         if tokens <= 0:
             return
         per = step_ms * requests / tokens
-        old = self.ms_per_token.get(drafted)
-        self.ms_per_token[drafted] = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)
+        old = self.ms_per_token.get(cap)
+        self.ms_per_token[cap] = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)

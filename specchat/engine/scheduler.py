@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from specchat.engine.adaptive import TRIAL_K, DraftGate, StepCosts
+from specchat.engine.adaptive import DraftGate, StepCosts
 from specchat.engine.drafters import DrafterCache, NoDrafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
@@ -41,11 +41,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
-        self.gates: dict[int, DraftGate] = {}  # per batch size bucket: does drafting pay end to end (adaptive K)
+        self.gates: dict[int, DraftGate] = {}  # per batch size bucket: how much drafting pays end to end (adaptive K)
         # the step being run, where its decoding requests all choose k adaptively: its gate, start, whether it drafts
-        self._gated: tuple[DraftGate, float, bool] | None = None
+        self._gated: tuple[DraftGate, float, int] | None = None
         # the last step to time: gate, drafted, tokens, requests, start
-        self._timed: tuple[DraftGate, bool, int, int, float] | None = None
+        self._timed: tuple[DraftGate, int, int, int, float] | None = None
 
     # --- queue ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -87,8 +87,8 @@ class Scheduler:
         """Finish cancelled requests, admit waiting ones, and plan the step (empty when nothing runs)."""
         now = time.perf_counter()
         if self._timed is not None:  # the previous step, from its start to this one's, host work included
-            gate, drafted, tokens, requests, start = self._timed
-            gate.observe(drafted, (now - start) * 1e3, tokens, requests)
+            gate, limit, tokens, requests, start = self._timed
+            gate.observe(limit, (now - start) * 1e3, tokens, requests)
             self._timed = None
         events: list[Event] = []
         for seq in [s for s in self.live() if s.finish_reason == "cancelled"]:
@@ -154,9 +154,9 @@ class Scheduler:
         return not seq.in_prefill and seq.num_cached == seq.num_tokens - 1
 
     def _adaptive_cap(self, now: float) -> int | None:
-        """For a step whose decoding requests (two or more) all choose k adaptively, a cap on their k: 0 when
-        drafting does not pay at their batch size (DraftGate), else, where the runner pads to the widest, the
-        median of their k. A request decoding alone is left to its own controller, whose step times are then the
+        """For a step whose decoding requests (two or more) all choose k adaptively, a cap on their k: the one
+        their batch size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the
+        widest, at most the median of their k. A request decoding alone is left to its own controller, whose step times are then the
         whole step's: a gate there only adds trials, and on the H200 its estimate kept drafting off where k = 4
         measured 1.23x plain (docs/benchmarks.md, fourth lease)."""
         self._gated = None
@@ -164,14 +164,13 @@ class Scheduler:
         if len(decoding) < 2 or any(s.adaptive is None for s in decoding):
             return None
         gate = self.gates.setdefault(1 << (len(decoding) - 1).bit_length(), DraftGate())
-        drafts = gate.allow()
-        self._gated = (gate, now, drafts)
-        if not drafts:
+        limit = gate.allow()
+        self._gated = (gate, now, limit)
+        if not limit:
             return 0
-        cap = int(statistics.median_low(self._draft_len(s) for s in decoding)) if self.uniform_widths else None
-        if gate.trying_drafts():  # a trial while plain decoding is preferred: one token shows whether drafting pays
-            cap = TRIAL_K if cap is None else min(cap, TRIAL_K)
-        return cap
+        if not self.uniform_widths:
+            return limit
+        return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
 
     def _plan(self, events: list[Event], now: float) -> list[Scheduled]:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""
@@ -239,8 +238,8 @@ class Scheduler:
                 self.costs.observe(result.decode_rows, result.verify_ms, depth, result.draft_ms)
             if self._gated is not None:  # timed at the next schedule (if requests remain: no idle gap in it)
                 tokens = sum(len(o.emitted) for o in result.outcomes if o is not None)
-                gate, start, _ = self._gated
-                self._timed = (gate, depth > 0, tokens, decoding, start)
+                gate, start, limit = self._gated
+                self._timed = (gate, limit, tokens, decoding, start)
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:

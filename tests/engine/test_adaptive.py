@@ -11,8 +11,8 @@ from specchat.config import SamplingParams, SpecParams
 from specchat.engine.adaptive import (
     FIRST_TRIAL_AFTER,
     MAX_TRIAL_EVERY,
+    RAMP_AFTER,
     TRIAL_EVERY,
-    TRIAL_K,
     TRIAL_STEPS,
     AdaptiveK,
     DraftGate,
@@ -202,12 +202,13 @@ def test_drafting_stops_where_the_batch_makes_verification_compute_bound():
 
 
 def drive_gate(ms_per_token: dict[bool, float], steps: int = 2000) -> list[bool]:
-    """A DraftGate fed whole-step times: each step emits 4 tokens at the given milliseconds per token."""
+    """A DraftGate fed whole-step times: each step emits 4 tokens at the given milliseconds per token (the same
+    under every cap > 0); whether each step might draft."""
     gate, modes = DraftGate(), []
     for _ in range(steps):
-        drafts = gate.allow()
-        gate.observe(drafts, 4 * ms_per_token[drafts], 4)
-        modes.append(drafts)
+        cap = gate.allow()
+        gate.observe(cap, 4 * ms_per_token[cap > 0], 4)
+        modes.append(cap > 0)
     return modes
 
 
@@ -226,30 +227,46 @@ def test_draft_gate_turns_drafting_off_where_plain_steps_emit_tokens_faster():
 
 def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
     """A new batch size starts with plain steps (on CUDA graphs they run ahead; a batch drafting where it does not
-    pay runs at up to half speed); drafting's first trial comes after FIRST_TRIAL_AFTER steps. A trial in which
-    no request drafted (each controller chose k = 0) teaches nothing of drafting: it confirms plain decoding, and
-    the next trial waits twice TRIAL_EVERY instead of coming back every FIRST_TRIAL_AFTER steps."""
-    gate, modes = DraftGate(), []
+    pay runs at up to half speed); the first trial, of cap 1, comes after FIRST_TRIAL_AFTER steps. A trial whose
+    steps are no faster than plain ones (each controller chose k = 0, say) confirms plain decoding: the next
+    waits twice TRIAL_EVERY."""
+    gate, caps = DraftGate(), []
     for _ in range(FIRST_TRIAL_AFTER + TRIAL_STEPS + 2 * TRIAL_EVERY):
-        modes.append(gate.allow())
-        gate.observe(False, 4.0, 4)  # nothing drafted, whatever the gate allowed
-    assert not any(modes[:FIRST_TRIAL_AFTER]) and all(modes[FIRST_TRIAL_AFTER : FIRST_TRIAL_AFTER + TRIAL_STEPS])
-    assert not any(modes[FIRST_TRIAL_AFTER + TRIAL_STEPS :]) and not gate.preferred()
+        caps.append(gate.allow())
+        gate.observe(caps[-1], 4.0, 4)  # as fast as plain steps, whatever the gate allowed
+    assert not any(caps[:FIRST_TRIAL_AFTER]) and caps[FIRST_TRIAL_AFTER : FIRST_TRIAL_AFTER + TRIAL_STEPS] == [1] * 8
+    assert not any(caps[FIRST_TRIAL_AFTER + TRIAL_STEPS :]) and gate.preferred() == 0
     assert gate.every == 2 * TRIAL_EVERY
-    gate = DraftGate(ms_per_token={True: 1.6, False: 1.0}, since_trial=TRIAL_EVERY)  # plain preferred
-    assert gate.allow() and gate.trying_drafts()  # a trial of drafting: its requests draft at most TRIAL_K
-    gate = DraftGate(ms_per_token={True: 1.0, False: 1.6})  # drafting preferred: requests draft their own k
-    assert gate.allow() and not gate.trying_drafts()
+
+
+def test_draft_gate_climbs_caps_while_each_is_faster():
+    """Where drafting pays more the more it drafts, the cap climbs 1 -> 2 -> 4 -> 8 by trials RAMP_AFTER steps
+    apart; where k = 1 pays and k = 2 does not, it stays at 1 (and plain decoding and cap 2 get trials in turn)."""
+
+    def run(ms_per_token: dict[int, float], steps: int) -> list[int]:
+        gate, caps = DraftGate(), []
+        for _ in range(steps):
+            caps.append(gate.allow())
+            gate.observe(caps[-1], 4 * ms_per_token[caps[-1]], 4)
+        return caps
+
+    climbing = run({0: 1.0, 1: 0.8, 2: 0.7, 4: 0.6, 8: 0.5}, FIRST_TRIAL_AFTER + 4 * (TRIAL_STEPS + RAMP_AFTER) + 50)
+    assert climbing[-50:] == [8] * 50
+    assert [c for c, _ in itertools.groupby(climbing)][:5] == [0, 1, 2, 4, 8]
+    settled = run({0: 1.0, 1: 0.8, 2: 1.2, 4: 1.5, 8: 2.0}, 4000)
+    late = settled[500:]
+    assert late.count(1) > 0.95 * len(late) and 4 not in late and 8 not in late
+    assert 0 in late and 2 in late  # the trials of both neighbours
 
 
 def test_draft_gate_follows_a_change():
     """When drafting stops paying (the text moves from code edits to prose), the next trial notices it."""
     gate, modes = DraftGate(), []
     for n in range(3000):
-        drafts = gate.allow()
+        cap = gate.allow()
         fast = 0.6 if n < 1000 else 1.5  # drafting's ms per token; plain is 1.0 throughout
-        gate.observe(drafts, 4 * (fast if drafts else 1.0), 4)
-        modes.append(drafts)
+        gate.observe(cap, 4 * (fast if cap else 1.0), 4)
+        modes.append(cap > 0)
     assert modes[500:1000].count(True) > 0.9 * 500
     assert modes[2000:].count(True) < 0.1 * 1000
 
@@ -292,13 +309,13 @@ def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
         tiny_engine.step()
     for seq, k in zip(scheduler.running, (1, 4, 8), strict=True):
         seq.k = k
-    scheduler.gates[4] = DraftGate(ms_per_token={True: 1.0, False: 2.0})  # drafting timed faster: the gate allows it
+    scheduler.gates[4] = DraftGate(ms_per_token={8: 1.0, 0: 2.0})  # k <= 8 timed faster than plain decoding
     for uniform, want in ((False, [1, 4, 8]), (True, [1, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
-    # a trial of drafting while plain decoding is preferred: nobody drafts more than TRIAL_K
-    scheduler.gates[4] = DraftGate(ms_per_token={True: 2.0, False: 1.0}, since_trial=TRIAL_EVERY)
-    assert [item.k for item in scheduler._plan([], 0.0)] == [TRIAL_K] * 3
+    # a trial of drafting while plain decoding is preferred: of cap 1, nobody drafts more than one token
+    scheduler.gates[4] = DraftGate(ms_per_token={1: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
+    assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
     scheduler.uniform_widths = False
     for handle in handles:
         handle.result()
@@ -354,7 +371,7 @@ def test_draft_gate_peek_tells_what_allow_will_say():
     gate = DraftGate()
     for step in range(1200):
         expected = gate.peek()
-        drafts = gate.allow()
-        assert drafts == expected, step
+        cap = gate.allow()
+        assert (cap > 0) == expected, step
         fast = step // 300 % 2 == 0  # drafting pays in the first and third quarters, plain in the others
-        gate.observe(drafts, 4 * (1.0 if drafts == fast else 1.6), 4)
+        gate.observe(cap, 4 * (1.0 if (cap > 0) == fast else 1.6), 4)
