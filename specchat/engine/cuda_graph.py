@@ -37,7 +37,9 @@ from specchat.engine.kv_batch import KVBatch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner, StepBatch, StepOutput, joined, sub_batch
+from specchat.kernels import pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
+from specchat.quant.fp4_linear import Fp4Linear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_Q = 9  # tokens per request in a captured step: k + 1 for k <= 8
@@ -142,6 +144,12 @@ class CudaGraphRunner(ModelRunner):
         pool.append(SCRATCH_SEQ, pool.page_size)
         self.scratch_page = pool.tables[SCRATCH_SEQ][0]
         self._signature = self._state_signature()
+        self._pdl = self._uses_pdl()
+
+    def _uses_pdl(self) -> bool:
+        """Programmatic dependent launch (kernels/pdl.py) where the layers' linears are MXFP4 kernels, so every
+        kernel of a step is ours (measured 1.02-1.05x at batch 1 there; 0.97-0.99x between cuBLAS GEMMs)."""
+        return isinstance(self.model.layers[0].mlp.w_down, Fp4Linear)
 
     def _state_signature(self) -> tuple:
         """Identity of what a graph has baked in: the page store's tensors and the model's Linear modules."""
@@ -173,6 +181,11 @@ class CudaGraphRunner(ModelRunner):
 
     def forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
         self._check_signature()
+        with pdl.scope(self._pdl):
+            return self._dispatch(batch, taps, ids)
+
+    def _dispatch(self, batch: StepBatch, taps: Seq[int], ids: torch.Tensor | None) -> StepOutput:
+        """A graph replay (captured first if new), a prefill graph, or the eager forward."""
         key = self._graph_key(batch, taps)
         if key is not None:
             graph = self.graphs.get(key) or self._capture(*key)
@@ -195,6 +208,7 @@ class CudaGraphRunner(ModelRunner):
             self.graphs.clear()
             self.prefills.clear()
             self._signature = signature
+            self._pdl = self._uses_pdl()
             self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]  # a shrinking KV switch may renumber it
 
     def _prefill_bucket(self, batch: StepBatch, i: int) -> int | None:
@@ -264,16 +278,17 @@ class CudaGraphRunner(ModelRunner):
         ]
         prefill_keys = [(p, t) for t in tap_keys for p in PREFILL_BUCKETS]
         total = len(keys) + len(prefill_keys)
-        for done, key in enumerate(keys, 1):
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(*key)
-            if progress is not None:
-                progress("warming up the GPU", done, total)
-        for done, key in enumerate(prefill_keys, len(keys) + 1):
-            if key not in self.prefills:
-                self.prefills[key] = self._capture_prefill(*key)
-            if progress is not None:
-                progress("warming up the GPU", done, total)
+        with pdl.scope(self._pdl):  # graphs keep the launches they were captured with
+            for done, key in enumerate(keys, 1):
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(*key)
+                if progress is not None:
+                    progress("warming up the GPU", done, total)
+            for done, key in enumerate(prefill_keys, len(keys) + 1):
+                if key not in self.prefills:
+                    self.prefills[key] = self._capture_prefill(*key)
+                if progress is not None:
+                    progress("warming up the GPU", done, total)
 
     @torch.inference_mode()
     def _prefill(self, bucket: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:

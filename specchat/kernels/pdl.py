@@ -16,9 +16,13 @@ The only work there is `prefetch_l2` of constant data (a matmul's weights), so t
 L2 while the kernel before still runs. A kernel launched without the attribute (torch's, cuBLAS) waits as always,
 and `wait` is a no-op where nothing is pending, so PDL kernels mix freely with other work.
 
-`enabled(device)`: CUDA with compute capability >= 9.0, not under TRITON_INTERPRET=1, and SPECCHAT_PDL unset
-or not "0" (`override` sets it for A/B benchmarks: benchmarks/pdl_gpu.py). Every kernel takes the same flag as its
-`PDL` constexpr and its `launch_pdl`; with it off the kernels compile exactly as before.
+`enabled(device)`: CUDA with compute capability >= 9.0, not under TRITON_INTERPRET=1, SPECCHAT_PDL not "0", and
+asked for: by `scope(True)`, which the CUDA-graph runner opens around its steps where the layers' linears are
+MXFP4 kernels, or by `override(True)` (tests and A/B benchmarks: benchmarks/pdl_gpu.py; it wins over scope).
+Measured on the H200 (docs/benchmarks.md, "Eighth lease"): 1.02-1.05x at batch 1 with MXFP4 weights, where
+every kernel of a layer is ours; 0.97-0.99x where cuBLAS runs the linears between them (bf16 weights), so those
+steps launch as before. Every kernel takes the same flag as its `PDL` constexpr and its `launch_pdl`; with it off
+the kernels compile exactly as before.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENV = "SPECCHAT_PDL"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FROM_ENV = os.environ.get(ENV, "1") != "0"
-_override: bool | None = None
+_override: bool | None = None  # set by `override` (wins)
+_scoped = False  # set by `scope`
 
 
 @functools.cache
@@ -48,14 +53,27 @@ def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (cheap: called on every launch)."""
     if _INTERPRET or device.type != "cuda":
         return False
-    on = _FROM_ENV if _override is None else _override
-    return on and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+    on = _scoped if _override is None else _override
+    return (
+        on and _FROM_ENV and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+    )
+
+
+@contextlib.contextmanager
+def scope(on: bool) -> Iterator[None]:
+    """Within the block, PDL on or off as the caller (a runner, for its model) asks, unless `override` says."""
+    global _scoped
+    before, _scoped = _scoped, on
+    try:
+        yield
+    finally:
+        _scoped = before
 
 
 @contextlib.contextmanager
 def override(on: bool | None) -> Iterator[None]:
-    """Within the block, PDL on or off regardless of SPECCHAT_PDL (None: as the environment says). Graphs
-    captured inside keep the setting they were captured with."""
+    """Within the block, PDL on or off whatever `scope` asks (None: as it asks). Graphs captured inside keep the
+    setting they were captured with."""
     global _override
     before, _override = _override, on
     try:

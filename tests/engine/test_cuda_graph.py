@@ -99,8 +99,10 @@ def test_pdl_steps_equal_steps_without_it(kv):
     torch.manual_seed(0)
     cfg = SHAPES["smollm2-135m"]
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
+    bf16_runner = CudaGraphRunner(random_model(cfg, torch.bfloat16, torch.device("cuda")), make_pool(cfg, kv))
     quantize_all(model)
     assert fuse(model) > 0
+    assert CudaGraphRunner(model, make_pool(cfg, kv))._pdl and not bf16_runner._pdl  # on by default: MXFP4 only
     results = {}
     for on in (False, True):
         with pdl.override(on):

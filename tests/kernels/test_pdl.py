@@ -11,6 +11,11 @@ from specchat.kernels import pdl
 def test_pdl_is_off_off_cuda_and_override_restores_the_setting():
     cpu = torch.device("cpu")
     assert not pdl.enabled(cpu)
+    with pdl.scope(True):  # a runner asking for it (CUDA-graph steps of an MXFP4 model)
+        assert not pdl.enabled(cpu) and pdl._scoped
+        with pdl.override(False):
+            assert pdl._override is False  # benchmarks and tests decide over the runner
+    assert not pdl._scoped
     with pdl.override(True):
         assert not pdl.enabled(cpu)  # never on the CPU (or under the interpreter), whatever is asked
         with pdl.override(False):
