@@ -51,7 +51,8 @@ class Context(click.Context):
 
 
 class Group(click.Group):
-    """Turns every user-caused error into one line on stderr and a nonzero exit; our bugs keep tracebacks.
+    """Turns every user-caused error into one line on stderr and a nonzero exit; our bugs keep tracebacks. A
+    third-party package missing from a broken install (gguf, textual, ...) is such an error too.
 
     Click's own usage errors (an unknown flag, a value of the wrong type, a missing file) get the same one line,
     naming the flag, instead of the usage text plus a hint plus the error.
@@ -69,6 +70,15 @@ class Group(click.Group):
             command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
             click.echo(f"specchat: error: {one_line(exc.format_message())} (see `{command} -h`)", err=True)
             sys.exit(USAGE_EXIT)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] == "specchat":
+                raise  # our own module: a bug, keep its traceback
+            click.echo(
+                f"specchat: error: the Python package {exc.name.split('.')[0]!r} is missing (specchat needs it "
+                f"here); install it, or reinstall specchat with its dependencies",
+                err=True,
+            )
+            sys.exit(1)
         except KeyboardInterrupt:
             click.echo("", err=True)
             sys.exit(130)

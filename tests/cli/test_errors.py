@@ -68,6 +68,16 @@ def test_garbage_gguf(broken_models):
     assert_one_line_error(run_cli("generate", str(broken_models["garbage"]), "-p", "hi"), "GGUF")
 
 
+def test_a_missing_dependency_is_one_line(broken_models, tmp_path):
+    """A broken install without gguf (the GPU machine's was): one line naming the package, not a traceback."""
+    fake = tmp_path / "gguf"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'gguf\'", name="gguf")\n')
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc = run_cli("generate", str(broken_models["garbage"]), "-p", "hi", env={"PYTHONPATH": path})
+    assert_one_line_error(proc, "'gguf' is missing")
+
+
 def test_empty_prompt(tiny_model_dir):
     assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "   "), "empty prompt")
 
