@@ -95,11 +95,15 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     def tokens_from(self, start: int, stop: int | None = None) -> list[int]:
-        """all_ids[start:stop] without building all_ids (the scheduler asks every step)."""
+        """all_ids[start:stop] without building all_ids (the scheduler and the n-gram drafter ask every step)."""
         n = len(self.prompt_ids)
+        if start < 0 or (stop is not None and stop < 0):
+            return self.all_ids[start:stop]
         if start >= n and (stop is None or stop >= n):
             return self.output_ids[start - n : None if stop is None else stop - n]
-        return self.all_ids[start:stop]
+        if stop is not None and stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: None if stop is None else stop - n]
 
     @property
     def newest(self) -> int:

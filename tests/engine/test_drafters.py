@@ -51,6 +51,25 @@ def test_ngram_incremental_index_equals_one_built_at_once():
     assert grown.follows == whole.follows
 
 
+def test_ngram_drafter_reads_only_the_newest_tokens_and_drafts_as_from_the_whole_list():
+    """The drafter hands its index only the tokens from `window_start` on (and reads a match's continuation in
+    place): step by step, matches inside the prompt, across its end and inside the output alike, its drafts and
+    entries equal an index fed the whole token list."""
+    from specchat.engine.sequence import Sequence
+
+    tokens = torch.randint(0, 6, (160,), generator=torch.Generator().manual_seed(1)).tolist()
+    seq = Sequence.__new__(Sequence)
+    seq.seq_id, seq.prompt_ids, seq.output_ids = 0, tokens[:60], []
+    drafter, whole = NgramDrafter(1, 4), NgramIndex(1, 4)
+    for end in range(60, len(tokens) + 1):
+        seq.output_ids = tokens[60:end]
+        whole.extend(tokens[:end])
+        for k in (1, 4, 8):
+            (draft,) = drafter.propose([seq], [k])
+            assert draft.tokens == whole.lookup(tokens[:end], k), (end, k)
+    assert drafter.indexes[0].follows == whole.follows
+
+
 def test_ngram_drafter_bad_settings():
     with pytest.raises(ConfigError):
         NgramDrafter(min_n=3, max_n=2)
@@ -128,6 +147,13 @@ class FakeSeq:
     @property
     def newest(self) -> int:
         return self.all_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_ids)
+
+    def tokens_from(self, start: int, stop: int | None = None) -> list[int]:
+        return self.all_ids[start:stop]
 
 
 @pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "parallel"])

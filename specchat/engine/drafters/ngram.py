@@ -12,6 +12,7 @@ rolling back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,20 +35,32 @@ class NgramIndex:
     indexed: int = 0  # n-grams ending before this position are in `follows`
     follows: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position right after it
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index every n-gram that ends before the newest token (so that each has at least one follower)."""
-        end = len(tokens) - 1  # the n-gram ending at the newest token is the query, not an entry
+    def extend(self, tokens: list[int], offset: int = 0) -> None:
+        """Index every n-gram that ends before the newest token (so that each has at least one follower).
+        `tokens` are the request's from position `offset` on (at most `window_start`: what this reads)."""
+        end = offset + len(tokens) - 1  # the n-gram ending at the newest token is the query, not an entry
         for stop in range(max(self.indexed, 1), end + 1):
             for n in range(self.min_n, min(self.max_n, stop) + 1):
-                self.follows[tuple(tokens[stop - n : stop])] = stop
+                self.follows[tuple(tokens[stop - n - offset : stop - offset])] = stop
         self.indexed = max(self.indexed, end + 1)
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest earlier match of the context's tail."""
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = self.follows.get(tuple(tokens[-n:]))
+    def window_start(self, num_tokens: int) -> int:
+        """The first position extend and lookup read of a request of num_tokens tokens (n-grams not indexed
+        yet, and the query at the end)."""
+        return max(0, min(max(self.indexed, 1), num_tokens - 1) - self.max_n)
+
+    def lookup(
+        self, tokens: list[int], k: int, offset: int = 0, read: Callable[[int, int], list[int]] | None = None
+    ) -> list[int]:
+        """Up to k tokens that followed the longest earlier match of the context's tail. With `offset` > 0,
+        `tokens` start at that position and read(start, stop) gives any earlier ones."""
+        total = offset + len(tokens)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            start = self.follows.get(tuple(tokens[len(tokens) - n :]))
             if start is not None:
-                return tokens[start : start + k]
+                if start >= offset or read is None:
+                    return tokens[start - offset : start - offset + k]
+                return read(start, start + k)
         return []
 
 
@@ -66,9 +79,12 @@ class NgramDrafter(Drafter):
         drafts = []
         for seq, k in zip(seqs, ks, strict=True):
             index = self.indexes.setdefault(seq.seq_id, NgramIndex(self.min_n, self.max_n))
-            tokens = seq.all_ids
-            index.extend(tokens)
-            drafts.append(Draft(index.lookup(tokens, k)))
+            # only the newest tokens: joining prompt and output every step made a lookup at a 4,000-token
+            # context ~20 us instead of ~5
+            offset = index.window_start(seq.num_tokens)
+            tokens = seq.tokens_from(offset)
+            index.extend(tokens, offset)
+            drafts.append(Draft(index.lookup(tokens, k, offset, seq.tokens_from)))
         return drafts
 
     def release(self, seq: Sequence) -> None:
