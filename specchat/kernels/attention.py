@@ -550,7 +550,7 @@ def paged_attention(
     part_sum = torch.empty_like(part_max)
     k_data, k_scales = _kernel_views(k_pages)
     v_data, v_scales = _kernel_views(v_pages)
-    use_pdl = pdl.enabled(q.device)
+    launch = pdl.launch_options(q.device)
     _paged_attention_kernel[(num_partitions, kv_heads, batch)](
         q,
         part_out,
@@ -593,9 +593,8 @@ def paged_attention(
         BLOCK_N=block_n,
         SB=_scale_word_bytes(head_dim),
         FAST=not _interpreting(),
-        PDL=use_pdl,
         num_warps=num_warps,
-        launch_pdl=use_pdl,
+        **launch,
     )
     out = torch.empty_like(q)
     _merge_partitions_kernel[(t, num_heads)](
@@ -613,8 +612,7 @@ def paged_attention(
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_P=triton.next_power_of_2(num_partitions),
-        PDL=use_pdl,
-        launch_pdl=use_pdl,
+        **launch,
     )
     return out
 

@@ -59,7 +59,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[1]
     block = triton.next_power_of_2(n)
-    use_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
         weight,
@@ -69,10 +68,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y.stride(0),
         eps,
         BLOCK=block,
-        PDL=use_pdl,
         num_warps=min(16, max(1, block // 256)),
         enable_fp_fusion=False,
-        launch_pdl=use_pdl,
+        **pdl.launch_options(x.device),
     )
     return y.view(x.shape)
 
@@ -116,11 +114,10 @@ def add_rms_norm(
     n = x.shape[1]
     block = triton.next_power_of_2(n)
     if x.shape[0]:
-        use_pdl = pdl.enabled(x.device)
         _add_rms_norm_kernel[(x.shape[0],)](
             x, h, weight, s, y, n, x.stride(0), h.stride(0), s.stride(0), y.stride(0), eps,
-            BLOCK=block, PDL=use_pdl, num_warps=min(16, max(1, block // 256)),
-            enable_fp_fusion=False, launch_pdl=use_pdl,
+            BLOCK=block, num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+            **pdl.launch_options(x.device),
         )  # fmt: skip
     return s, y
 
@@ -207,13 +204,12 @@ def rope_qk(
         assert k_pages.shape[0] == num_kv_heads and k_pages.shape[2] == head_dim and slots.shape == (t,)
         v_arg, programs, page_head = v, num_heads + 2 * num_kv_heads, k_pages.stride(0)
     if t:
-        use_pdl = pdl.enabled(q.device)
         _rope_kernel[(t, programs)](
             q, k, v_arg, cos, sin, q_out, k_out, k_pages, v_pages, slots,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos.stride(0),
             page_head,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, WRITE_KV=pages is not None,
-            PDL=use_pdl, num_warps=1, enable_fp_fusion=False, launch_pdl=use_pdl,
+            num_warps=1, enable_fp_fusion=False, **pdl.launch_options(q.device),
         )  # fmt: skip
     return q_out, k_out
 
@@ -250,10 +246,9 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         grid = (x2.shape[0], triton.cdiv(n, SILU_BLOCK))
-        use_pdl = pdl.enabled(x.device)
         _silu_mul_kernel[grid](
-            x2, y, n, x2.stride(0), y.stride(0), BLOCK=SILU_BLOCK, PDL=use_pdl, num_warps=4,
-            enable_fp_fusion=False, launch_pdl=use_pdl,
+            x2, y, n, x2.stride(0), y.stride(0), BLOCK=SILU_BLOCK, num_warps=4, enable_fp_fusion=False,
+            **pdl.launch_options(x.device),
         )  # fmt: skip
     return y.view(*x.shape[:-1], n)
 

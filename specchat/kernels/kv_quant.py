@@ -357,7 +357,6 @@ def quantize_into_pages(x: torch.Tensor, slots: torch.Tensor, pages: PageTensor)
     assert pages.data.device == x.device == slots.device, (pages.data.device, x.device, slots.device)
     if t == 0:
         return
-    use_pdl = pdl.enabled(x.device)
     _quantize_rows_kernel[(t, kv_heads)](
         x,
         slots,
@@ -372,6 +371,5 @@ def quantize_into_pages(x: torch.Tensor, slots: torch.Tensor, pages: PageTensor)
         FMT=_FMT_IDS[pages.fmt],
         RULE=_RULE_IDS[pages.rule],
         HEAD_DIM=head_dim,
-        PDL=use_pdl,
-        launch_pdl=use_pdl,
+        **pdl.launch_options(x.device),
     )

@@ -126,8 +126,8 @@ def _mxfp4_matmul_kernel(
     if PDL:  # the weights are constant: start their first iterations towards the L2 while the kernel before runs
         for i in tl.static_range(PREFETCH):  # a row's 64 bytes of a tile, its scale word: each line twice or more
             it = tl.minimum(start + i, iterations - 1)
-            pdl.prefetch_l2(w_ptr + row_offs + it * TILES * _TILE_WORDS, PDL)
-            pdl.prefetch_l2(s_ptr + scale_offs + it * TILES * _ROW_GROUP, PDL)
+            pdl.prefetch_l2(w_ptr + row_offs + it * TILES * _TILE_WORDS)
+            pdl.prefetch_l2(s_ptr + scale_offs + it * TILES * _ROW_GROUP)
     pdl.wait(PDL)  # x, the output and the split-K workspace are other kernels' too: nothing of them before this
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     acc_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)  # the second tile's
@@ -268,8 +268,9 @@ def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     """The launch for M rows of this weight, from the H200 sweeps (benchmarks/mxfp4_matmul.py --sweep-ms).
 
     Above M = 64, `_reuse_config`'s programs where they measured faster; otherwise M tiles of up to 64 rows
-    (a plain 128-row tile pads 160 rows to 256, a 128 x 128 accumulator spills). Wide weights take 128-row programs up to M = 32, and above M = 64 two warpgroups of 64 rows each
-    with one k-tile per step; everything else 64-row programs of one warpgroup. Split-K doubles while the
+    (a plain 128-row tile pads 160 rows to 256, a 128 x 128 accumulator spills). Wide weights take 128-row
+    programs up to M = 32, and above M = 64 two warpgroups of 64 rows each with one k-tile per step; everything
+    else 64-row programs of one warpgroup. Split-K doubles while the
     programs stay within SPLIT_K_WAVES x SMs, or while each split keeps SPLIT_K_MIN_TILES k-tiles, and each
     split iterates twice.
     """
@@ -358,15 +359,14 @@ def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: Matmu
     grid = (m_tiles * rows_padded // config.block_n, config.split_k)
     partial_numel = config.split_k * m_tiles * rows_padded * (block_m + extra_m) if config.split_k > 1 else 1
     partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
-    use_pdl = pdl.enabled(x.device)
     _mxfp4_matmul_kernel[grid](
         x, weight.codes, weight.scales.view(torch.int32), y, partials, counters,
         m, weight.n, num_k_tiles, m_tiles,
         x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
         BLOCK_M=block_m, EXTRA_M=extra_m, BLOCK_N=config.block_n, TILES=tiles,
-        FAST=fast, HAS_NAN=weight.has_nan, PDL=use_pdl, PREFETCH=PREFETCH_ITERATIONS,
-        num_warps=config.num_warps, num_stages=stages, launch_pdl=use_pdl,
+        FAST=fast, HAS_NAN=weight.has_nan, PREFETCH=PREFETCH_ITERATIONS,
+        num_warps=config.num_warps, num_stages=stages, **pdl.launch_options(x.device),
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ The only work there is `prefetch_l2` of constant data (a matmul's weights), so t
 L2 while the kernel before still runs. A kernel launched without the attribute (torch's, cuBLAS) waits as always,
 and `wait` is a no-op where nothing is pending, so PDL kernels mix freely with other work.
 
-`enabled(device)`: CUDA with compute capability >= 9.0, not under TRITON_INTERPRET=1, SPECCHAT_PDL not "0", and
+`enabled(device)` (`launch_options` for a launch): CUDA with compute capability >= 9.0, not under TRITON_INTERPRET=1, SPECCHAT_PDL not "0", and
 asked for: by `scope(True)`, which the CUDA-graph runner opens around its steps where the layers' linears are
 MXFP4 kernels, or by `override(True)` (tests and A/B benchmarks: benchmarks/pdl_gpu.py; it wins over scope).
 Measured on the H200 (docs/benchmarks.md, "Eighth lease"): 1.02-1.05x at batch 1 with MXFP4 weights, where
@@ -59,6 +59,12 @@ def enabled(device: torch.device) -> bool:
     )
 
 
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """The kernel's `PDL` constexpr and Triton's `launch_pdl`, which must agree: `kernel[grid](..., **this)`."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @contextlib.contextmanager
 def scope(on: bool) -> Iterator[None]:
     """Within the block, PDL on or off as the caller (a runner, for its model) asks, unless `override` says."""
@@ -97,10 +103,9 @@ def launch_dependents(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, PDL: tl.constexpr):
-    """Ask the L2 to fetch the lines at `ptrs` (a tensor of pointers), without waiting for them (PDL only: the
-    hint is worth its instructions only while a kernel before still runs)."""
-    if PDL:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
+def prefetch_l2(ptrs):
+    """Ask the L2 to fetch the lines at `ptrs` (a tensor of pointers), without waiting for them (CUDA only; worth
+    its instructions where a kernel before still runs: under PDL)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
