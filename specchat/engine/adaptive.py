@@ -249,7 +249,7 @@ class DraftGate:
     trial_cap: int = 0  # the cap of the running trial
     every: int = TRIAL_EVERY  # steps between trials now
     before_trial: int | None = None  # the preferred cap when the last trial started, until it is judged
-    toward_plain: bool = True  # from a cap > 0 with twice it timed: whether the next trial is of plain decoding
+    toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
 
     def preferred(self) -> int:
         """The cap timed with the fewest milliseconds per token (0 while nothing else is timed)."""
@@ -259,12 +259,13 @@ class DraftGate:
 
     def _target(self, preferred: int, every: int) -> tuple[int, int]:
         """(the cap the next trial tries, steps at the preferred cap before it starts, `every` if timed)."""
+        up = min(2 * preferred, GATE_CAPS[-1])
         if preferred == 0:
             target = GATE_CAPS[1]
-        else:
-            up = min(2 * preferred, GATE_CAPS[-1])
-            ramp = up != preferred and up not in self.ms_per_token
-            target = up if ramp or (up != preferred and not self.toward_plain) else 0
+        elif up == preferred:  # the top cap: only plain decoding is left to try
+            target = 0
+        else:  # twice the cap while untimed, then plain decoding and twice the cap in turn
+            target = up if up not in self.ms_per_token or not self.toward_plain else 0
         if target in self.ms_per_token:
             return target, every
         return target, FIRST_TRIAL_AFTER if preferred == 0 else RAMP_AFTER
@@ -296,8 +297,7 @@ class DraftGate:
         self.since_trial += 1
         if trial is None:
             return preferred
-        if preferred > 0 and 2 * preferred in self.ms_per_token:
-            self.toward_plain = trial != 0  # the next trial from here tries the other neighbour
+        self.toward_plain = trial != 0  # from a cap > 0 the next trial tries the other neighbour
         self.since_trial, self.trial_left, self.trial_cap, self.before_trial = 0, TRIAL_STEPS - 1, trial, preferred
         return trial
 

@@ -41,10 +41,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
-        self.gates: dict[int, DraftGate] = {}  # per batch size bucket: how much drafting pays end to end (adaptive K)
-        # the step being run, where its decoding requests all choose k adaptively: its gate, start, whether it drafts
+        self.gates: dict[int, DraftGate] = {}  # per batch size bucket: the cap on k that pays end to end (auto k)
+        # the step being run, where its decoding requests all choose k adaptively: its gate, start, cap on k
         self._gated: tuple[DraftGate, float, int] | None = None
-        # the last step to time: gate, drafted, tokens, requests, start
+        # the last step to time: gate, cap on k, tokens, requests, start
         self._timed: tuple[DraftGate, int, int, int, float] | None = None
 
     # --- queue ------------------------------------------------------------------------------------------
@@ -156,9 +156,9 @@ class Scheduler:
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests (two or more) all choose k adaptively, a cap on their k: the one
         their batch size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the
-        widest, at most the median of their k. A request decoding alone is left to its own controller, whose step times are then the
-        whole step's: a gate there only adds trials, and on the H200 its estimate kept drafting off where k = 4
-        measured 1.23x plain (docs/benchmarks.md, fourth lease)."""
+        widest, at most the median of their k. A request decoding alone is left to its own controller, whose step
+        times are then the whole step's: a gate there only adds trials, and on the H200 its estimate kept drafting
+        off where k = 4 measured 1.23x plain (docs/benchmarks.md, fourth lease)."""
         self._gated = None
         decoding = [s for s in self.running if self._decodes(s)]
         if len(decoding) < 2 or any(s.adaptive is None for s in decoding):

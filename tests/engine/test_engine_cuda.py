@@ -112,8 +112,9 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
 
 
 def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
-    """Engine.load on CUDA captures the batch-1 graphs of widths 1..k+1 (the default k) behind the progress bar (issue 18),
-    leaves no cached prefix and fresh metrics, and the first chat request then replays without capturing."""
+    """Engine.load on CUDA captures the batch-1 graphs of widths 1..k+1 (the default k) behind the progress bar
+    (issue 18), leaves no cached prefix and fresh metrics, and the first chat request then replays without
+    capturing."""
     from specchat.engine.cuda_graph import CTX_BUCKETS, PREFILL_BUCKETS, PROMPT_WIDTHS
     from specchat.engine.engine import Engine
 
