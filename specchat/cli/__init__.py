@@ -71,11 +71,12 @@ class Group(click.Group):
             click.echo(f"specchat: error: {one_line(exc.format_message())} (see `{command} -h`)", err=True)
             sys.exit(USAGE_EXIT)
         except ModuleNotFoundError as exc:
-            if exc.name is None or exc.name.split(".")[0] == "specchat":
-                raise  # our own module: a bug, keep its traceback
+            package = (exc.name or "specchat").split(".")[0]
+            if package == "specchat":
+                raise  # our own module (or an unnamed one): a bug, keep its traceback
             click.echo(
-                f"specchat: error: the Python package {exc.name.split('.')[0]!r} is missing (specchat needs it "
-                f"here); install it, or reinstall specchat with its dependencies",
+                f"specchat: error: the Python package {package!r} is missing (specchat needs it here); install it, "
+                f"or reinstall specchat with its dependencies",
                 err=True,
             )
             sys.exit(1)
