@@ -16,10 +16,12 @@ spent on the weight. The kernel layout makes that work:
   thread reads 16 contiguous bytes per row and tile; the 64 rows of a row group are stored next to each
   other per k-tile (4 KB, scales likewise), so every load of a program step is one contiguous block.
 - Bit order. Each 32-bit word holds those 8 elements as four bf16x2 pairs (k, k+1), with bits placed so that
-  pair j comes out as (word << 3j) & 0x81C081C0 for j < 3 (sign -> bit 15/31, exponent and mantissa
-  -> bits 8..6 / 24..22) and pair 3 with three shifts. The 16 bits are the E2M1 value times 2^-126 as a bf16
-  (a subnormal for exponent 0), so one bf16x2 multiply by 2^126 * 2^(s - 127) both fixes the bias and
-  applies the block scale: ~17 integer/half instructions per 8 weights, the block scale once per word.
+  every pair comes out in two or three integer instructions: pair j < 3 as rotl(word, PAIR_ROTATIONS[j]) &
+  0x81C081C0 (sign -> bit 15/31, exponent and mantissa -> bits 8..6 / 24..22), pair 3 as ((word & PAIR3_SOURCE)
+  * PAIR3_MULTIPLIER) & 0x81C081C0: the multiply places its four bits per half with three shifted copies that
+  never overlap (no carries). The 16 bits are the E2M1 value times 2^-126 as a bf16 (a subnormal for exponent
+  0), so one bf16x2 multiply by 2^126 * 2^(s - 127) both fixes the bias and applies the block scale: 13
+  instructions per 8 weights, the block scale once per word.
 - Range. The prepared scale byte is that multiplier's bf16 exponent, s + 126 - c, so the kernel only
   multiplies it by 0x00800080 (0xFF stays NaN). c = 0 unless some block scale exceeds 2 (s > 128): then
   c = max(s) - 128, the kernel multiplies by 2^(s - 1 - c) and the output by 2^c, and blocks more than
@@ -45,10 +47,17 @@ BF16_SCALE_LIMIT = 128  # largest scale code whose multiplier 2^(s - 1) is a fin
 KERNEL_SCALE_BIAS = 126  # prepared scale byte = s + 126 - c: the bf16 exponent field of 2^(s - 1 - c)
 
 # Bit position, in the prepared word, of (mantissa, exponent bit 0, exponent bit 1, sign) of each of the
-# 8 elements; element 2j is the low and 2j+1 the high half of bf16x2 pair j. Pairs 0-2: (w << 3j) & MASK.
-_PAIR3_LO = (10, 11, 13, 14)  # the leftover bits; pair 3 is reassembled with three shifts
+# 8 elements; element 2j is the low and 2j+1 the high half of bf16x2 pair j (bits 6, 7, 8, 15 of the half).
+PAIR_MASK = 0x81C081C0  # a bf16x2 pair's sign, exponent bits 1..0 and top mantissa bit, both halves
+PAIR_ROTATIONS = (0, 10, 13)  # pairs 0-2: rotl(word, r) & PAIR_MASK
+PAIR3_SOURCE = 0x001B001B  # pair 3: bits 0, 1, 3, 4 of each half ...
+PAIR3_MULTIPLIER = (1 << 3) | (1 << 8) | (1 << 14)  # ... shifted left by 3 (mantissa, exp0), 8 (exp1), 14 (sign)
+_PAIR3_LO = (3, 4, 0, 1)
 ELEMENT_BITS = tuple(
-    tuple(b + 16 * half for b in ((6 - 3 * j, 7 - 3 * j, 8 - 3 * j, 15 - 3 * j) if j < 3 else _PAIR3_LO))
+    tuple(
+        (b + 16 * half - PAIR_ROTATIONS[j]) % 32 if j < 3 else _PAIR3_LO[i] + 16 * half
+        for i, b in enumerate((6, 7, 8, 15))
+    )
     for j in range(4)
     for half in (0, 1)
 )
