@@ -95,13 +95,14 @@ class Scheduler:
             self._finish(seq, events)
         self._admit(events)
         items = self._plan(events, now) if self.running else []
-        running = self.running
-        if self._gated_off:  # nobody drafts: only drafters that need every position's rows (EAGLE) still tap
-            running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history]
         # the next step may be launched ahead of this one's tokens where no admission can change it; adaptive
         # requests decode plainly in it too where their batch's gate keeps them from drafting now and next
         ahead = not self.waiting or len(self.running) >= self.max_running
         gated_next = self._gated_off and not self._gated[0].peek()
+        running = self.running
+        if gated_next:  # nobody drafts now or next: only drafters that need every position's rows (EAGLE) tap
+            # (a step before a trial taps, so that the trial's first step drafts from the newest row)
+            running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history]
         return StepPlan(items, self.drafters.taps(running), ahead, gated_next), events
 
     def _admit(self, events: list[Event]) -> None:
@@ -154,14 +155,19 @@ class Scheduler:
         return not seq.in_prefill and seq.num_cached == seq.num_tokens - 1
 
     def _adaptive_cap(self, now: float) -> int | None:
-        """For a step whose decoding requests (two or more) all choose k adaptively, a cap on their k: the one
-        their batch size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the
-        widest, at most the median of their k. A request decoding alone is left to its own controller, whose step
-        times are then the whole step's: a gate there only adds trials, and on the H200 its estimate kept drafting
-        off where k = 4 measured 1.23x plain (docs/benchmarks.md, fourth lease)."""
+        """For a step whose decoding requests all choose k adaptively, a cap on their k: the one their batch
+        size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the widest, at most
+        the median of their k.
+
+        A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
+        runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
+        times only steps that did not run ahead), so it kept drafting at 0.77-0.91x plain speed on the H200
+        (docs/benchmarks.md, eighth lease); the gate times whole steps. Elsewhere (the CPU) the controller's
+        step times are the whole step's and a gate would only add trials."""
         self._gated = None
         decoding = [s for s in self.running if self._decodes(s)]
-        if len(decoding) < 2 or any(s.adaptive is None for s in decoding):
+        alone = 1 if self.uniform_widths else 2
+        if len(decoding) < alone or any(s.adaptive is None for s in decoding):
             return None
         gate = self.gates.setdefault(1 << (len(decoding) - 1).bit_length(), DraftGate())
         limit = gate.allow()

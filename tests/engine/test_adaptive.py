@@ -351,19 +351,36 @@ def test_a_step_the_gate_keeps_from_drafting_costs_no_more_than_plain(tiny_engin
     assert plan.taps == () and [item.k for item in plan.items] == [0, 0]
     scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
     assert all(s.hidden == {} for s in seqs) and [(s.adaptive.rates, s.k) for s in seqs] == before
+    # the step before a trial of drafting still drafts nothing, but taps: the trial's first step has the newest row
+    scheduler.gates[2] = DraftGate(ms_per_token={0: 1.0}, since_trial=FIRST_TRIAL_AFTER - 1)
+    plan, _ = scheduler.schedule()
+    assert plan.taps != () and [item.k for item in plan.items] == [0, 0] and not plan.gated_next
+    scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
+    assert all(s.hidden for s in seqs)
+    plan, _ = scheduler.schedule()
+    assert [item.k for item in plan.items] == [1, 1]  # the trial of cap 1
+    scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
     del scheduler.gates[2]
     for handle in handles:
         handle.result()
 
 
-def test_a_request_decoding_alone_is_left_to_its_controller(tiny_engine):
-    """No DraftGate for a batch of one: the request's own step times are the whole step's."""
+def test_a_request_decoding_alone_is_gated_only_where_the_runner_pads_widths(tiny_engine):
+    """No DraftGate for a batch of one on an eager runner (the request's own step times are the whole step's);
+    on a padding runner (CUDA graphs, where plain steps run ahead and drafting ones cannot) one times it."""
     tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
     spec = SpecParams("fixed-wrong", k=None)
-    handle = tiny_engine.submit("hello", SamplingParams(max_tokens=8, ignore_eos=True), spec)
-    tiny_engine.scheduler.gates.clear()
-    handle.result()
-    assert tiny_engine.scheduler.gates == {}
+    scheduler = tiny_engine.scheduler
+    for uniform, gated in ((False, False), (True, True)):
+        scheduler.uniform_widths = uniform
+        scheduler.gates.clear()
+        handle = tiny_engine.submit("hello", SamplingParams(max_tokens=8, ignore_eos=True), spec)
+        handle.result()
+        assert (1 in scheduler.gates) == gated, uniform
+        if gated:  # the gate starts with plain decoding: nothing drafted until a trial
+            assert handle.result().stats.drafted == 0
+    scheduler.uniform_widths = False
+    scheduler.gates.clear()
 
 
 def test_draft_gate_peek_tells_what_allow_will_say():
