@@ -25,6 +25,7 @@ import torch
 import specchat.engine.spec_step as spec_step_module
 from specchat.bench.sessions import run_sessions
 from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.adaptive import DraftGate
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.engine import Engine
 from specchat.engine.runner import ModelRunner
@@ -103,6 +104,7 @@ class SlowSteps:
         self.engine = engine
         self.steps: list[tuple[float, str]] = []
         self.captures = 0
+        self.caps: dict[int, Counter] = defaultdict(Counter)  # id(DraftGate) -> steps allowed at each cap
         self.saved: list[tuple[object, str, object]] = []
 
     def _wrap(self, owner: object, name: str, around) -> None:
@@ -166,6 +168,16 @@ class SlowSteps:
             if hasattr(runner, name):
                 self._wrap(runner, name, counted)
         self._wrap(GraphedFunction, "capture", counted)
+
+        def allow(original):
+            def counted_allow(gate):
+                cap = original(gate)
+                self.caps[id(gate)][cap] += 1
+                return cap
+
+            return counted_allow
+
+        self._wrap(DraftGate, "allow", allow)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -237,6 +249,12 @@ def main() -> None:
             }
             if gates:
                 print(f"  draft gates, ms per emitted token by batch bucket: {gates}", flush=True)
+                caps = {
+                    size: dict(sorted(slow.caps[id(gate)].items()))
+                    for size, gate in sorted(engine.scheduler.gates.items())
+                    if slow.caps[id(gate)]
+                }
+                print(f"  steps of the timed pass by the cap its gate allowed, by batch bucket: {caps}", flush=True)
             if profiler:
                 out = io.StringIO()
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)

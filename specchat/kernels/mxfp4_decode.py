@@ -14,6 +14,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specchat.kernels.mxfp4_layout import PAIR3_MULTIPLIER, PAIR3_SOURCE, PAIR_MASK, PAIR_ROTATIONS
+
+_MASK = tl.constexpr(PAIR_MASK)
+_ROT1, _ROT2 = tl.constexpr(PAIR_ROTATIONS[1]), tl.constexpr(PAIR_ROTATIONS[2])
+_P3_SOURCE, _P3_MULTIPLIER = tl.constexpr(PAIR3_SOURCE), tl.constexpr(PAIR3_MULTIPLIER)
+
 
 @triton.jit
 def _rotl(w, r: tl.constexpr):
@@ -24,10 +30,10 @@ def _rotl(w, r: tl.constexpr):
 def _word_pairs(words):
     """int32 words -> the raw bits of their four bf16x2 pairs (uint32): E2M1 value * 2^-126 as bf16."""
     w = words.to(tl.uint32, bitcast=True)
-    p0 = w & 0x81C081C0
-    p1 = _rotl(w, 10) & 0x81C081C0
-    p2 = _rotl(w, 13) & 0x81C081C0
-    p3 = ((w & 0x001B001B) * 0x4108) & 0x81C081C0  # three non-overlapping shifted copies: no carries
+    p0 = w & _MASK
+    p1 = _rotl(w, _ROT1) & _MASK
+    p2 = _rotl(w, _ROT2) & _MASK
+    p3 = ((w & _P3_SOURCE) * _P3_MULTIPLIER) & _MASK  # three non-overlapping shifted copies: no carries
     return p0, p1, p2, p3
 
 
@@ -64,28 +70,28 @@ def decode_float(words, scales, HAS_NAN: tl.constexpr):
     )
 
 
-_ASM_DECODE_TEMPLATE = """{
+_ASM_DECODE_TEMPLATE = f"""{{
 .reg .pred nan;
 .reg .b32 m, p0, p1, p2, p3, a;
 mul.lo.u32 m, $9, 0x00800080;
 %s
-and.b32 p0, $8, 0x81C081C0;
-shf.l.wrap.b32 a, $8, $8, 10;
-and.b32 p1, a, 0x81C081C0;
-shf.l.wrap.b32 a, $8, $8, 13;
-and.b32 p2, a, 0x81C081C0;
-and.b32 a, $8, 0x001B001B;
-mul.lo.u32 a, a, 0x4108;
-and.b32 p3, a, 0x81C081C0;
+and.b32 p0, $8, {PAIR_MASK:#x};
+shf.l.wrap.b32 a, $8, $8, {PAIR_ROTATIONS[1]};
+and.b32 p1, a, {PAIR_MASK:#x};
+shf.l.wrap.b32 a, $8, $8, {PAIR_ROTATIONS[2]};
+and.b32 p2, a, {PAIR_MASK:#x};
+and.b32 a, $8, {PAIR3_SOURCE:#x};
+mul.lo.u32 a, a, {PAIR3_MULTIPLIER:#x};
+and.b32 p3, a, {PAIR_MASK:#x};
 mul.rn.bf16x2 p0, p0, m;
 mul.rn.bf16x2 p1, p1, m;
 mul.rn.bf16x2 p2, p2, m;
 mul.rn.bf16x2 p3, p3, m;
-mov.b32 {$0, $1}, p0;
-mov.b32 {$2, $3}, p1;
-mov.b32 {$4, $5}, p2;
-mov.b32 {$6, $7}, p3;
-}"""
+mov.b32 {{$0, $1}}, p0;
+mov.b32 {{$2, $3}}, p1;
+mov.b32 {{$4, $5}}, p2;
+mov.b32 {{$6, $7}}, p3;
+}}"""
 _ASM_DECODE = tl.constexpr(_ASM_DECODE_TEMPLATE % "")
 _ASM_DECODE_NAN = tl.constexpr(_ASM_DECODE_TEMPLATE % "setp.eq.u32 nan, $9, 0xFF;\nselp.b32 m, 0x7FC07FC0, m, nan;")
 
