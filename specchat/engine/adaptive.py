@@ -239,7 +239,8 @@ class DraftGate:
     when one changes it. Requests start from small caps because their own controllers learnt nothing while the
     gate held them: a first trial at k = 4 of 32 requests on the H200 ran each step at about half speed. So a
     change (new requests, new text) still shows, and where plain decoding stays better (32 sessions on the H200)
-    the trials' cost, at most TRIAL_STEPS / interval of the steps, fades from 3% toward 0.4%.
+    the trials' cost, at most TRIAL_STEPS / interval of the steps, fades from 3% toward 0.4%. A bucket seen for
+    the first time starts from its neighbour's choice (`follow`), not afresh.
     """
 
     ema: float = EMA_WEIGHT
@@ -250,12 +251,29 @@ class DraftGate:
     every: int = TRIAL_EVERY  # steps between trials now
     before_trial: int | None = None  # the preferred cap when the last trial started, until it is judged
     toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
+    prior: dict[int, float] = field(default_factory=dict)  # cap -> time relative to the best, from a neighbour
+    steps: int = 0  # steps observed
+
+    def follow(self) -> DraftGate:
+        """A gate for a new batch-size bucket next to this one, starting from what this one learnt: its preferred
+        cap, the other caps' times in proportion (scaled to the new bucket by the first cap the new gate times),
+        and its interval between trials. A new bucket is mostly a batch that shrank as requests ended (or grew as
+        they came); starting afresh, it would spend its first 32 steps at plain decoding and then a trial of
+        drafting, which in the short tail of a batch is a large share of its steps."""
+        best = min(self.ms_per_token.values())
+        return DraftGate(
+            ema=self.ema,
+            every=self.every,
+            toward_plain=self.toward_plain,
+            prior={cap: ms / best for cap, ms in self.ms_per_token.items()},
+        )
 
     def preferred(self) -> int:
         """The cap timed with the fewest milliseconds per token (0 while nothing else is timed)."""
-        if not self.ms_per_token:
+        times = self.ms_per_token or self.prior
+        if not times:
             return 0
-        return int(min(self.ms_per_token, key=lambda cap: (self.ms_per_token[cap], cap)))
+        return int(min(times, key=lambda cap: (times[cap], cap)))
 
     def _target(self, preferred: int, every: int) -> tuple[int, int]:
         """(the cap the next trial tries, steps at the preferred cap before it starts, `every` if timed)."""
@@ -309,3 +327,9 @@ class DraftGate:
         per = step_ms * requests / tokens
         old = self.ms_per_token.get(cap)
         self.ms_per_token[cap] = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)
+        self.steps += 1
+        if cap in self.prior:  # the neighbour's other caps, in proportion to this one's first time here
+            scale = self.ms_per_token[cap] / self.prior[cap]
+            for other, ratio in self.prior.items():
+                self.ms_per_token.setdefault(other, ratio * scale)
+            self.prior = {}

@@ -169,7 +169,10 @@ class Scheduler:
         alone = 1 if self.uniform_widths else 2
         if len(decoding) < alone or any(s.adaptive is None for s in decoding):
             return None
-        gate = self.gates.setdefault(1 << (len(decoding) - 1).bit_length(), DraftGate())
+        bucket = 1 << (len(decoding) - 1).bit_length()
+        gate = self.gates.get(bucket)
+        if gate is None:
+            gate = self.gates[bucket] = self._new_gate(bucket)
         limit = gate.allow()
         self._gated = (gate, now, limit)
         if not limit:
@@ -177,6 +180,14 @@ class Scheduler:
         if not self.uniform_widths:
             return limit
         return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
+
+    def _new_gate(self, bucket: int) -> DraftGate:
+        """The DraftGate of a batch-size bucket not seen yet: following the neighbouring bucket (half or twice
+        the size) that has timed the most steps, if any has timed one, else a fresh gate."""
+        neighbours = [g for b in (bucket // 2, 2 * bucket) if (g := self.gates.get(b)) is not None and g.ms_per_token]
+        if not neighbours:
+            return DraftGate()
+        return max(neighbours, key=lambda g: g.steps).follow()
 
     def _plan(self, events: list[Event], now: float) -> list[Scheduled]:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""

@@ -383,6 +383,49 @@ def test_a_request_decoding_alone_is_gated_only_where_the_runner_pads_widths(tin
     scheduler.gates.clear()
 
 
+def _learnt_gate(plain_ms: float, cap_ms: dict[int, float], steps: int = 600) -> DraftGate:
+    """A gate driven for `steps` steps where each cap's steps take the given ms per token."""
+    gate = DraftGate()
+    for _ in range(steps):
+        cap = gate.allow()
+        gate.observe(cap, cap_ms.get(cap, plain_ms) if cap else plain_ms, 1)
+    return gate
+
+
+def test_a_new_bucket_starts_from_its_neighbours_choice():
+    """A gate for a batch size not seen yet follows the neighbouring bucket's: plain decoding where drafting timed
+    slower there, with the neighbour's times in proportion to the new bucket's own first one and no trial before
+    the neighbour's interval; drafting at the neighbour's cap where that was faster."""
+    old = _learnt_gate(1.0, {1: 1.5, 2: 1.6})
+    assert old.preferred() == 0 and old.every > TRIAL_EVERY  # trials confirmed plain decoding: rarer
+    new = old.follow()
+    caps = []
+    for _ in range(old.every):
+        cap = new.allow()
+        caps.append(cap)
+        new.observe(cap, 0.5 * (1.0 if cap == 0 else 1.5), 1)  # the new bucket's steps take half as long
+    assert caps[: old.every - 1] == [0] * (old.every - 1)  # a fresh gate would try cap 1 after 32 steps
+    assert new.ms_per_token[1] == pytest.approx(0.5 * old.ms_per_token[1] / old.ms_per_token[0])
+    fresh = DraftGate()
+    assert [fresh.allow() for _ in range(FIRST_TRIAL_AFTER + 1)][-1] == 1
+    drafting = _learnt_gate(1.0, {1: 0.8, 2: 0.7, 4: 0.75, 8: 0.9})
+    assert drafting.preferred() == 2
+    follower = drafting.follow()
+    assert [follower.allow() for _ in range(RAMP_AFTER)] == [2] * RAMP_AFTER  # from its first step
+
+
+def test_scheduler_starts_a_new_bucket_from_the_adjacent_one_that_timed_most(tiny_engine):
+    scheduler = tiny_engine.scheduler
+    scheduler.gates.clear()
+    scheduler.gates[32] = _learnt_gate(1.0, {1: 1.5})
+    scheduler.gates[8] = _learnt_gate(1.0, {1: 0.5}, steps=100)
+    assert scheduler._new_gate(16).prior == scheduler.gates[32].follow().prior  # 32 timed more steps than 8
+    assert scheduler._new_gate(4).prior == scheduler.gates[8].follow().prior
+    assert scheduler._new_gate(2).prior == {} and scheduler._new_gate(64).prior != {}
+    assert scheduler._new_gate(128).prior == {}  # two buckets away: a fresh gate
+    scheduler.gates.clear()
+
+
 def test_draft_gate_peek_tells_what_allow_will_say():
     """`peek` (what a step launched ahead relies on) is the next `allow`, through trials and changes of mind."""
     gate = DraftGate()
