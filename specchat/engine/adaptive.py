@@ -256,14 +256,15 @@ class DraftGate:
 
     def follow(self) -> DraftGate:
         """A gate for a new batch-size bucket next to this one, starting from what this one learnt: its preferred
-        cap, the other caps' times in proportion (scaled to the new bucket by the first cap the new gate times),
-        and its interval between trials. A new bucket is mostly a batch that shrank as requests ended (or grew as
-        they came); starting afresh, it would spend its first 32 steps at plain decoding and then a trial of
-        drafting, which in the short tail of a batch is a large share of its steps."""
+        cap and the other caps' times in proportion (scaled to the new bucket by the first cap the new gate
+        times), so that its first trial comes TRIAL_EVERY steps on. A new bucket is mostly a batch that shrank as
+        requests ended (or grew as they came); starting afresh, it would spend its first 32 steps at plain
+        decoding and then a trial of drafting, which in the short tail of a batch is a large share of its steps.
+        (The neighbour's own, possibly longer, interval is not taken: a choice wrong at this size shows within
+        TRIAL_EVERY steps.)"""
         best = min(self.ms_per_token.values())
         return DraftGate(
             ema=self.ema,
-            every=self.every,
             toward_plain=self.toward_plain,
             prior={cap: ms / best for cap, ms in self.ms_per_token.items()},
         )

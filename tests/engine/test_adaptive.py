@@ -395,16 +395,16 @@ def _learnt_gate(plain_ms: float, cap_ms: dict[int, float], steps: int = 600) ->
 def test_a_new_bucket_starts_from_its_neighbours_choice():
     """A gate for a batch size not seen yet follows the neighbouring bucket's: plain decoding where drafting timed
     slower there, with the neighbour's times in proportion to the new bucket's own first one and no trial before
-    the neighbour's interval; drafting at the neighbour's cap where that was faster."""
+    TRIAL_EVERY steps; drafting at the neighbour's cap where that was faster."""
     old = _learnt_gate(1.0, {1: 1.5, 2: 1.6})
-    assert old.preferred() == 0 and old.every > TRIAL_EVERY  # trials confirmed plain decoding: rarer
+    assert old.preferred() == 0 and 1 in old.ms_per_token
     new = old.follow()
     caps = []
-    for _ in range(old.every):
+    for _ in range(TRIAL_EVERY + 1):
         cap = new.allow()
         caps.append(cap)
         new.observe(cap, 0.5 * (1.0 if cap == 0 else 1.5), 1)  # the new bucket's steps take half as long
-    assert caps[: old.every - 1] == [0] * (old.every - 1)  # a fresh gate would try cap 1 after 32 steps
+    assert caps[:TRIAL_EVERY] == [0] * TRIAL_EVERY and caps[-1] > 0  # a fresh gate tries cap 1 after 32 steps
     assert new.ms_per_token[1] == pytest.approx(0.5 * old.ms_per_token[1] / old.ms_per_token[0])
     fresh = DraftGate()
     assert [fresh.allow() for _ in range(FIRST_TRIAL_AFTER + 1)][-1] == 1
@@ -424,6 +424,28 @@ def test_scheduler_starts_a_new_bucket_from_the_adjacent_one_that_timed_most(tin
     assert scheduler._new_gate(2).prior == {} and scheduler._new_gate(64).prior != {}
     assert scheduler._new_gate(128).prior == {}  # two buckets away: a fresh gate
     scheduler.gates.clear()
+
+
+def test_a_step_that_feeds_a_prompt_is_not_timed_for_the_gate(tiny_engine):
+    """A step where a prompt runs beside the decoding requests takes several decode steps' time: the gate times
+    only steps of decoding requests alone, or plain decoding (the cap most such steps run under) looks slow."""
+    spec = SpecParams("ngram", k=None)
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    handles = [tiny_engine.submit(prompt, sampling, spec) for prompt in ("hello", "hi there")]
+    scheduler = tiny_engine.scheduler
+    while len(scheduler.running) < 2 or any(not scheduler._decodes(s) for s in scheduler.running):
+        tiny_engine.step()
+    plan, _ = scheduler.schedule()
+    assert all(len(item.feed) == 1 for item in plan.items) and scheduler._gated is not None
+    scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
+    assert scheduler._timed is not None  # decoding alone: timed at the next schedule
+    handles.append(tiny_engine.submit("a third request with a longer prompt", sampling, spec))
+    plan, _ = scheduler.schedule()
+    assert any(len(item.feed) > 1 for item in plan.items) and scheduler._gated is not None
+    scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
+    assert scheduler._timed is None
+    for handle in handles:
+        handle.result()
 
 
 def test_draft_gate_peek_tells_what_allow_will_say():
