@@ -232,8 +232,21 @@ def main() -> None:
                 if profiler:
                     profiler.disable()
             steps = len(slow.steps)
+            gates = {
+                f"{'+'.join(drafters)} x{size}": {
+                    f"k<={cap}" if cap else "plain": round(ms, 3) for cap, ms in sorted(gate.ms_per_token.items())
+                }
+                for (drafters, size), gate in sorted(engine.scheduler.gates.items())
+            }
+            caps = {
+                f"{'+'.join(drafters)} x{size}": dict(sorted(slow.caps[id(gate)].items()))
+                for (drafters, size), gate in sorted(engine.scheduler.gates.items())
+                if slow.caps[id(gate)]
+            }
+            learnt = dict(engine.scheduler.gates)  # the synced pass's times are not a step's: its gates are dropped
             with Phases(engine) as phases:
                 run_sessions(engine, prompts, sessions, sampling, spec_of(config), requests=args.requests)
+            engine.scheduler.gates = learnt
             synced_steps = max(1, sum(phases.forwards.values()))
             parts = " ".join(f"{name} {ms / synced_steps:.2f}" for name, ms in phases.ms.items())
             forwards = ", ".join(f"{kind} {n}" for kind, n in sorted(phases.forwards.items()))
@@ -243,18 +256,9 @@ def main() -> None:
                 flush=True,
             )
             print(slow.report(), flush=True)
-            gates = {
-                size: {f"k<={cap}" if cap else "plain": round(ms, 3) for cap, ms in sorted(gate.ms_per_token.items())}
-                for size, gate in sorted(engine.scheduler.gates.items())
-            }
             if gates:
-                print(f"  draft gates, ms per emitted token by batch bucket: {gates}", flush=True)
-                caps = {
-                    size: dict(sorted(slow.caps[id(gate)].items()))
-                    for size, gate in sorted(engine.scheduler.gates.items())
-                    if slow.caps[id(gate)]
-                }
-                print(f"  steps of the timed pass by the cap its gate allowed, by batch bucket: {caps}", flush=True)
+                print(f"  draft gates after the timed pass, ms per emitted token: {gates}", flush=True)
+                print(f"  steps of the timed pass by the cap its gate allowed: {caps}", flush=True)
             if profiler:
                 out = io.StringIO()
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterable
 
 import torch
 
@@ -21,6 +22,15 @@ from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
 from specchat.engine.spec_step import Scheduled, StepPlan, StepResult
 from specchat.engine.stats import StepRecord
+
+GateKey = tuple[tuple[str, ...], int]
+
+
+def gate_key(drafters: Iterable[str]) -> GateKey:
+    """A batch's DraftGate key: its requests' drafters (what a step costs and accepts depends on them) and its
+    size bucket (the next power of two)."""
+    names = list(drafters)
+    return tuple(sorted(set(names))), 1 << (len(names) - 1).bit_length()
 
 
 class Scheduler:
@@ -41,7 +51,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
-        self.gates: dict[int, DraftGate] = {}  # per batch size bucket: the cap on k that pays end to end (auto k)
+        # per (the batch's drafters, its size bucket): the cap on k that pays end to end (auto k)
+        self.gates: dict[GateKey, DraftGate] = {}
         # the step being run, where its decoding requests all choose k adaptively: its gate, start, cap on k
         self._gated: tuple[DraftGate, float, int] | None = None
         # the last step to time: gate, cap on k, tokens, requests, start
@@ -169,10 +180,10 @@ class Scheduler:
         alone = 1 if self.uniform_widths else 2
         if len(decoding) < alone or any(s.adaptive is None for s in decoding):
             return None
-        bucket = 1 << (len(decoding) - 1).bit_length()
-        gate = self.gates.get(bucket)
+        key = gate_key(s.spec.drafter for s in decoding)
+        gate = self.gates.get(key)
         if gate is None:
-            gate = self.gates[bucket] = self._new_gate(bucket)
+            gate = self.gates[key] = self._new_gate(key)
         limit = gate.allow()
         self._gated = (gate, now, limit)
         if not limit:
@@ -181,10 +192,12 @@ class Scheduler:
             return limit
         return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
 
-    def _new_gate(self, bucket: int) -> DraftGate:
-        """The DraftGate of a batch-size bucket not seen yet: following the neighbouring bucket (half or twice
-        the size) that has timed the most steps, if any has timed one, else a fresh gate."""
-        neighbours = [g for b in (bucket // 2, 2 * bucket) if (g := self.gates.get(b)) is not None and g.ms_per_token]
+    def _new_gate(self, key: GateKey) -> DraftGate:
+        """The DraftGate of a batch not seen yet: following the neighbouring bucket of the same drafters (half or
+        twice the size) that has timed the most steps, if any has timed one, else a fresh gate."""
+        drafters, bucket = key
+        around = ((drafters, bucket // 2), (drafters, 2 * bucket))
+        neighbours = [g for k in around if (g := self.gates.get(k)) is not None and g.ms_per_token]
         if not neighbours:
             return DraftGate()
         return max(neighbours, key=lambda g: g.steps).follow()

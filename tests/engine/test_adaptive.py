@@ -19,6 +19,7 @@ from specchat.engine.adaptive import (
     StepCosts,
 )
 from specchat.engine.drafters import Draft, Drafter
+from specchat.engine.scheduler import gate_key
 from specchat.engine.sequence import StepEvent
 from specchat.errors import ConfigError
 
@@ -309,12 +310,14 @@ def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
         tiny_engine.step()
     for seq, k in zip(scheduler.running, (1, 4, 8), strict=True):
         seq.k = k
-    scheduler.gates[4] = DraftGate(ms_per_token={8: 1.0, 0: 2.0})  # k <= 8 timed faster than plain decoding
+    scheduler.gates[("fixed-wrong",), 4] = DraftGate(
+        ms_per_token={8: 1.0, 0: 2.0}
+    )  # k <= 8 timed faster than plain decoding
     for uniform, want in ((False, [1, 4, 8]), (True, [1, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
     # a trial of drafting while plain decoding is preferred: of cap 1, nobody drafts more than one token
-    scheduler.gates[4] = DraftGate(ms_per_token={1: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
+    scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={1: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
     assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
     scheduler.uniform_widths = False
     for handle in handles:
@@ -345,14 +348,16 @@ def test_a_step_the_gate_keeps_from_drafting_costs_no_more_than_plain(tiny_engin
     while len(scheduler.running) < 2 or any(s.in_prefill or not s.hidden for s in scheduler.running):
         tiny_engine.step()
     seqs = list(scheduler.running)
-    scheduler.gates[2] = DraftGate(ms_per_token={True: 2.0, False: 1.0})  # plain decoding measured faster
+    scheduler.gates[("heads:gated",), 2] = DraftGate(
+        ms_per_token={True: 2.0, False: 1.0}
+    )  # plain decoding measured faster
     before = [(list(s.adaptive.rates), s.k) for s in seqs]
     plan, _ = scheduler.schedule()
     assert plan.taps == () and [item.k for item in plan.items] == [0, 0]
     scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
     assert all(s.hidden == {} for s in seqs) and [(s.adaptive.rates, s.k) for s in seqs] == before
     # the step before a trial of drafting still drafts nothing, but taps: the trial's first step has the newest row
-    scheduler.gates[2] = DraftGate(ms_per_token={0: 1.0}, since_trial=FIRST_TRIAL_AFTER - 1)
+    scheduler.gates[("heads:gated",), 2] = DraftGate(ms_per_token={0: 1.0}, since_trial=FIRST_TRIAL_AFTER - 1)
     plan, _ = scheduler.schedule()
     assert plan.taps != () and [item.k for item in plan.items] == [0, 0] and not plan.gated_next
     scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
@@ -360,7 +365,7 @@ def test_a_step_the_gate_keeps_from_drafting_costs_no_more_than_plain(tiny_engin
     plan, _ = scheduler.schedule()
     assert [item.k for item in plan.items] == [1, 1]  # the trial of cap 1
     scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
-    del scheduler.gates[2]
+    del scheduler.gates[("heads:gated",), 2]
     for handle in handles:
         handle.result()
 
@@ -376,7 +381,7 @@ def test_a_request_decoding_alone_is_gated_only_where_the_runner_pads_widths(tin
         scheduler.gates.clear()
         handle = tiny_engine.submit("hello", SamplingParams(max_tokens=8, ignore_eos=True), spec)
         handle.result()
-        assert (1 in scheduler.gates) == gated, uniform
+        assert ((("fixed-wrong",), 1) in scheduler.gates) == gated, uniform
         if gated:  # the gate starts with plain decoding: nothing drafted until a trial
             assert handle.result().stats.drafted == 0
     scheduler.uniform_widths = False
@@ -415,14 +420,18 @@ def test_a_new_bucket_starts_from_its_neighbours_choice():
 
 
 def test_scheduler_starts_a_new_bucket_from_the_adjacent_one_that_timed_most(tiny_engine):
+    """Gates are per drafters and batch size bucket; a new one follows an adjacent bucket of the same drafters."""
+    assert gate_key(["ngram", "heads", "ngram"]) == (("heads", "ngram"), 4) and gate_key(["ngram"]) == (("ngram",), 1)
     scheduler = tiny_engine.scheduler
     scheduler.gates.clear()
-    scheduler.gates[32] = _learnt_gate(1.0, {1: 1.5})
-    scheduler.gates[8] = _learnt_gate(1.0, {1: 0.5}, steps=100)
-    assert scheduler._new_gate(16).prior == scheduler.gates[32].follow().prior  # 32 timed more steps than 8
-    assert scheduler._new_gate(4).prior == scheduler.gates[8].follow().prior
-    assert scheduler._new_gate(2).prior == {} and scheduler._new_gate(64).prior != {}
-    assert scheduler._new_gate(128).prior == {}  # two buckets away: a fresh gate
+    ngram = ("ngram",)
+    scheduler.gates[ngram, 32] = _learnt_gate(1.0, {1: 1.5})
+    scheduler.gates[ngram, 8] = _learnt_gate(1.0, {1: 0.5}, steps=100)
+    assert scheduler._new_gate((ngram, 16)).prior == scheduler.gates[ngram, 32].follow().prior  # 32 timed more
+    assert scheduler._new_gate((ngram, 4)).prior == scheduler.gates[ngram, 8].follow().prior
+    assert scheduler._new_gate((ngram, 2)).prior == {} and scheduler._new_gate((ngram, 64)).prior != {}
+    assert scheduler._new_gate((ngram, 128)).prior == {}  # two buckets away: a fresh gate
+    assert scheduler._new_gate((("heads",), 16)).prior == {}  # another drafter's timings say nothing
     scheduler.gates.clear()
 
 

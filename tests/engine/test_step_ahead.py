@@ -102,7 +102,7 @@ def test_adaptive_requests_that_their_gate_keeps_plain_run_ahead(tiny_engine):
     plain, _, _ = _run(tiny_engine, False, jobs)
     tiny_engine.scheduler.gates.clear()
     # plain measured faster; a trial of drafting comes after ~16 steps
-    tiny_engine.scheduler.gates[4] = DraftGate(ms_per_token={True: 50.0, False: 1.0}, since_trial=240)
+    tiny_engine.scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={True: 50.0, False: 1.0}, since_trial=240)
     original = tiny_engine.submit
 
     def adaptive_ngram(prompt, sampling, spec=None, **kw):
