@@ -147,8 +147,101 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
                      int n1) {
   DISPATCH(q8_tile, q, d)
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define INLINE static inline __attribute__((always_inline))
+#define RMAX2 4 /* rows per AVX2 tile: 16 vector registers hold 2 x R x NR accumulators and one block's weights */
+
+/* AVX2 + FMA (8 lanes): the same contract as the AVX-512 tiles with half the registers. Per (row, output) two
+   accumulators, a over each block's weights 0..15 (lanes 0..7, then 8..15) and b over 16..31, added and reduced
+   once at the end: the same sums whatever the tile, so a token's logits do not depend on its batch. A block's
+   weights are d * q + m by one FMA per 8 (the AVX-512 path's table holds the same values), or q * d for Q8_0. */
+INLINE float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+INLINE void fma_block8(const int R, const int r, int K, const float* x, int g, const __m256 w[4],
+                       __m256 a[][4], __m256 b[][4]) {
+  for (int i = 0; i < R; i++) {
+    const float* xg = x + (size_t)i * K + g * 32;
+    a[i][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w[0], a[i][r]);
+    a[i][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w[1], a[i][r]);
+    b[i][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w[2], b[i][r]);
+    b[i][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w[3], b[i][r]);
+  }
+}
+
+INLINE void tile8(const int Q4, const int R, const int NR, int N, int K, const float* x, const uint8_t* q4,
+                  const int8_t* q8, const float* d, const float* m, float* y, int n) {
+  const int G = K / 32;
+  __m256 a[RMAX2][4], b[RMAX2][4];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) a[i][r] = b[i][r] = _mm256_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    for (int r = 0; r < NR; r++) {
+      const size_t row = (size_t)(n + r);
+      const __m256 dv = _mm256_set1_ps(d[row * G + g]);
+      __m256 w[4];
+      if (Q4) {
+        const uint8_t* blk = q4 + row * (K / 2) + g * 16;
+        _mm_prefetch((const char*)(blk + (size_t)NR * (K / 2)), _MM_HINT_T0);
+        const __m128i raw = _mm_loadu_si128((const __m128i*)blk);
+        const __m128i nib = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+        const __m256 mv = _mm256_set1_ps(m[row * G + g]);
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv);
+      } else {
+        const int8_t* blk = q8 + row * K + g * 32;
+        _mm_prefetch((const char*)(blk + (size_t)NR * K), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++)
+          w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 8 * j)))), dv);
+      }
+      fma_block8(R, r, K, x, g, w, a, b);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) y[(size_t)i * N + n + r] = hsum8(_mm256_add_ps(a[i][r], b[i][r]));
+}
+
+/* Tiles of at most RMAX2 rows: 4 outputs at a time for 1 row, 2 for 2, 1 for 3-4; leftover outputs one by one. */
+#define TILES8(R, NR)                                                                           \
+  do {                                                                                          \
+    int n = n0;                                                                                 \
+    for (; n + NR <= n1; n += NR) tile8(Q4, R, NR, N, K, xs, q4, q8, d, m, ys, n);             \
+    for (; n < n1; n++) tile8(Q4, R, 1, N, K, xs, q4, q8, d, m, ys, n);                         \
+  } while (0)
+
+INLINE void chunk8(const int Q4, int rows, int N, int K, const float* x, const uint8_t* q4, const int8_t* q8,
+                   const float* d, const float* m, float* y, int n0, int n1) {
+  for (int i0 = 0; i0 < rows; i0 += RMAX2) {
+    const float* xs = x + (size_t)i0 * K;
+    float* ys = y + (size_t)i0 * N;
+    switch (rows - i0 < RMAX2 ? rows - i0 : RMAX2) {
+      case 1: TILES8(1, 4); break;
+      case 2: TILES8(2, 2); break;
+      case 3: TILES8(3, 1); break;
+      default: TILES8(4, 1); break;
+    }
+  }
+}
+
+static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
+                     float* y, int n0, int n1) {
+  chunk8(1, rows, N, K, x, q, 0, d, m, y, n0, n1);
+}
+
+static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int n0,
+                     int n1) {
+  chunk8(0, rows, N, K, x, 0, q, d, 0, y, n0, n1);
+}
 #else
-/* Without AVX-512: the plain loops, each output row alone (16 partial sums, then their sum). */
+/* Without AVX-512 or AVX2: the plain loops, each output row alone (16 partial sums, then their sum). */
 static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
                      float* y, int n0, int n1) {
   const int G = K / 32;
