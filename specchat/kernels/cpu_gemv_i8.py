@@ -1,4 +1,4 @@
-"""Block-quantized matrix products on the CPU with int8 activations: GGUF Q4_1 / Q8_0 weights, AVX512-VNNI.
+"""Block-quantized matrix products on the CPU with int8 activations: GGUF Q4_1 / Q8_0 weights, AVX512-VNNI or AVX2.
 
 kernels/cpu_gemv.py dequantizes each weight block to float32 and does one float FMA per weight and activation row,
 so a 5-row verification step costs ~2x a 1-row decode step on a 2-core CPU. Here, as llama.cpp does, each
@@ -23,8 +23,10 @@ The float combination is fixed: per (row, output), over the blocks in order, acc
 acc += mw * (dx * sum xq), each product and sum rounded once (no FMA contraction). The integer sums are exact, so
 an output depends only on its own activation row, never on the batch, tile or thread (a verification step gives
 plain decoding's logits bit for bit: lossless speculation stays exact), and `q4_linear_ref` / `q8_linear_ref`
-below, the same math in plain torch, give the same bits. Without AVX512-VNNI and AVX512-BW at build time,
-`available()` is False and callers keep float activations (kernels/cpu_gemv.py).
+below, the same math in plain torch, give the same bits. Without AVX512-VNNI and AVX512-BW at build time the
+AVX2 build emulates dpbusd with maddubs + madd (the same integers, so the same bits; 2.4x the float AVX2 kernels
+per token on an AMD EPYC, docs/benchmarks.md); without either, `available()` is False and callers keep float
+activations (kernels/cpu_gemv.py).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ typedef struct {
 #include <immintrin.h>
 #define I8_INLINE static inline __attribute__((always_inline))
 
-int i8_has_vnni(void) { return 1; }
+#define I8_OK 1
 
 /* dx = amax / 127, xq = round-half-even(x * (1 / dx)) (cvtps_epi32 under the default rounding mode), 0 where
    amax = 0; |x * (1 / dx)| <= 127 up to one rounding, so the saturating pack to int8 never clips. */
@@ -216,6 +218,149 @@ static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, co
     q8i8_chunk(rows, N, K, a, w, d, y, g0, g1);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define I8_INLINE static inline __attribute__((always_inline))
+#define I8_OK 1
+#define I8_RMAX2 4 /* rows per AVX2 tile */
+
+/* AVX2: the same integers and the same float combination as the AVX-512 tiles, so the same bits. dpbusd is
+   maddubs (unsigned x signed bytes, pairs summed to 16 bits) then madd with ones (pairs summed to 32 bits): Q4_1
+   codes are 0..15, so no pair saturates; Q8_0's stored codes (offset by 128) are turned back into signed ones,
+   whose magnitudes (at most 128) multiply the activations with the codes' signs applied to them (llama.cpp's
+   trick): 2 x 128 x 127 fits. A group's 16 output lanes are two 8-lane halves of its 64-byte vectors. */
+
+/* The AVX-512 quantization's math: dx = amax / 127, xq = round-half-even(x * (1 / dx)), 0 where amax = 0. */
+void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
+  const int G = K / 32;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (size_t b = 0; b < (size_t)M * G; b++) {
+    __m256 v[4], mx;
+    for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
+    mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                       _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+    int32_t qi[32];
+    for (int j = 0; j < 4; j++)
+      _mm256_storeu_si256((__m256i*)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv))));
+    int32_t total = 0;
+    for (int j = 0; j < 32; j++) {
+      q[b * 32 + j] = (int8_t)qi[j];
+      total += qi[j];
+    }
+    d[b] = db;
+    sum[b] = total;
+    s[b] = db * (float)total;
+  }
+}
+
+I8_INLINE __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+
+I8_INLINE __m256i word8(const int8_t* p) {
+  int32_t word;
+  memcpy(&word, p, 4);
+  return _mm256_set1_epi32(word);
+}
+
+/* acc += (d * dx) * isum, the AVX-512 tiles' `combine`. */
+I8_INLINE __m256 combine8(__m256 acc, __m256i isum, __m256 dg, float dx) {
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dg, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(isum)));
+}
+
+I8_INLINE void store8(const int R, int N, __m256 acc[], float* y, int n) {
+  const int left = N - n;
+  for (int i = 0; i < R; i++) {
+    if (left >= 8) {
+      _mm256_storeu_ps(y + (size_t)i * N + n, acc[i]);
+    } else {
+      float lanes[8];
+      _mm256_storeu_ps(lanes, acc[i]);
+      for (int j = 0; j < left; j++) y[(size_t)i * N + n + j] = lanes[j];
+    }
+  }
+}
+
+/* R rows (at most I8_RMAX2) times the 8 outputs of half h of group grp. */
+I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, const uint8_t* w, const float* d,
+                       const float* m, float* y, int grp, int h) {
+  const int G = K / 32, words = Q4 ? 4 : 8;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+  __m256 acc[I8_RMAX2];
+  for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m256i lo[I8_RMAX2], hi[I8_RMAX2];
+    for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+    const uint8_t* blk = w + ((size_t)grp * G + g) * words * 64 + 32 * h;
+    _mm_prefetch((const char*)(blk + I8_PF), _MM_HINT_T0);
+    for (int v = 0; v < words; v++) {
+      const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk + (size_t)v * 64));
+      if (Q4) {
+        const __m256i wl = _mm256_and_si256(packed, nibble);
+        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+        for (int i = 0; i < R; i++) {
+          const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
+          lo[i] = dot4(lo[i], wl, word8(xq));
+          hi[i] = dot4(hi[i], wh, word8(xq + 16));
+        }
+      } else {
+        const __m256i ws = _mm256_xor_si256(packed, flip); /* the signed code */
+        const __m256i mag = _mm256_abs_epi8(ws);
+        for (int i = 0; i < R; i++) {
+          const __m256i xs = _mm256_sign_epi8(word8(a->q + (size_t)i * K + g * 32 + 4 * v), ws);
+          if (v % 2 == 0)
+            lo[i] = dot4(lo[i], mag, xs);
+          else
+            hi[i] = dot4(hi[i], mag, xs);
+        }
+      }
+    }
+    const size_t at = ((size_t)grp * G + g) * 16 + 8 * h;
+    const __m256 dg = _mm256_loadu_ps(d + at);
+    for (int i = 0; i < R; i++) {
+      acc[i] = combine8(acc[i], _mm256_add_epi32(lo[i], hi[i]), dg, a->d[(size_t)i * G + g]);
+      if (Q4) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_loadu_ps(m + at), _mm256_set1_ps(a->s[(size_t)i * G + g])));
+    }
+  }
+  store8(R, N, acc, y, grp * 16 + 8 * h);
+}
+
+I8_INLINE void i8_rows2(const int Q4, int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d,
+                        const float* m, float* y, int g0, int g1) {
+  for (int i0 = 0; i0 < rows; i0 += I8_RMAX2) {
+    const int G = K / 32, r = rows - i0 < I8_RMAX2 ? rows - i0 : I8_RMAX2;
+    const Acts sub = {a->q + (size_t)i0 * K, a->d + (size_t)i0 * G, a->s + (size_t)i0 * G, a->sum + (size_t)i0 * G};
+    float* yi = y + (size_t)i0 * N;
+    for (int grp = g0; grp < g1; grp++)
+      for (int h = 0; h < 2; h++) {
+        if (grp * 16 + 8 * h >= N) break;
+        switch (r) {
+          case 1: i8_half(Q4, 1, N, K, &sub, w, d, m, yi, grp, h); break;
+          case 2: i8_half(Q4, 2, N, K, &sub, w, d, m, yi, grp, h); break;
+          case 3: i8_half(Q4, 3, N, K, &sub, w, d, m, yi, grp, h); break;
+          default: i8_half(Q4, 4, N, K, &sub, w, d, m, yi, grp, h); break;
+        }
+      }
+  }
+}
+
+static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, const float* m,
+                     float* y, int g0, int g1) {
+  if (m != NULL)
+    i8_rows2(1, rows, N, K, a, w, d, m, y, g0, g1);
+  else
+    i8_rows2(0, rows, N, K, a, w, d, m, y, g0, g1);
+}
+#endif
+
+#ifdef I8_OK
+int i8_has_vnni(void) { return 1; }
+
 /* y [M, N] = x [M, K] W^T for repacked Q4_1 (m != NULL) or Q8_0 (m == NULL) weights: the rows quantized once,
    then I8_MMAX rows at a time, `threads` > 1 splitting the groups of 16 outputs. Returns 0, or -1 without
    memory for the quantized rows. */
@@ -248,7 +393,8 @@ int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const float* 
   return 0;
 }
 #else
-/* Built without AVX512-VNNI / AVX512-BW: i8_has_vnni() says so, available() is False and nothing calls these. */
+/* Built without AVX512-VNNI / AVX512-BW or AVX2: i8_has_vnni() says so, available() is False and nothing calls
+   these. */
 int i8_has_vnni(void) { return 0; }
 void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {}
 int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const float* d, const float* m, float* y,
@@ -274,7 +420,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the int8-activation kernels load on this machine (a C compiler and a CPU with AVX512-VNNI)."""
+    """Whether the int8-activation kernels load on this machine (a C compiler and a CPU with AVX512-VNNI or
+    AVX2)."""
     return _library() is not None
 
 
