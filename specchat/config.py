@@ -17,7 +17,7 @@ KV_CHOICES = ("auto", *KV_FORMATS)  # auto = the model dtype's dense format
 WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = unquantized, in the model dtype (quant.handler)
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto = as the checkpoint stores them
 # activation rows of the CPU block kernels (engine.cpu_weights.set_activations); auto: int8 where the CPU block
-# kernels run and the CPU has AVX512-VNNI, fp32 elsewhere
+# kernels run and the CPU has AVX512-VNNI or AVX2, fp32 elsewhere
 CPU_ACTIVATIONS = ("auto", "fp32", "int8")
 # Drafters by kind (engine.drafters.make_drafter builds them); `default` names the model's models.toml drafter.
 DRAFTERS = ("none", "ngram", "heads", "ngram+heads", "eagle", "draft-model")
@@ -100,7 +100,9 @@ class EngineConfig:
     warm_up: bool = True  # CUDA: compile kernels and capture the chat's graphs at load (Engine.warm_up)
     weights: str = "auto"  # "auto" = as loaded
     tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
-    cpu_act: str = "auto"  # CPU GGUF-block linears: float32 activation rows, or int8 per block of 32 (AVX512-VNNI)
+    cpu_act: str = (
+        "auto"  # CPU GGUF-block linears: float32 activation rows, or int8 per block of 32 (AVX512-VNNI or AVX2)
+    )
 
     @property
     def chosen_device(self) -> str | None:

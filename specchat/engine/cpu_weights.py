@@ -108,7 +108,7 @@ ACTIVATION_CLASSES = {"fp32": BlockLinear, "int8": Int8BlockLinear}  # config.CP
 
 def set_activations(model: nn.Module, activations: str) -> int:
     """Make the packed linears multiply with `activations` ("fp32" or "int8") rows; returns how many were packed.
-    int8 needs cpu_gemv_i8.available() (a CPU with AVX512-VNNI); the caller checks it. The repacked blocks stay
+    int8 needs cpu_gemv_i8.available() (a CPU with AVX512-VNNI or AVX2); the caller checks it. The repacked blocks stay
     with a module once made, so switching back and forth (benchmarks/spec_decode.py --cpu-act) costs nothing."""
     cls = ACTIVATION_CLASSES[activations]
     assert cls is BlockLinear or cpu_gemv_i8.available(), "cpu_gemv_i8.available() is False"

@@ -129,7 +129,7 @@ def use_cpu_activations(model: Transformer, activations: str, cpu_kernels: bool)
     if not cpu_kernels:
         raise ConfigError(f"{flag} needs the CPU block kernels: a CPU device (--device cpu or auto without CUDA)")
     if not cpu_gemv_i8.available():
-        raise ConfigError(f"{flag} needs a CPU with AVX512-VNNI and a C compiler; use --cpu-act fp32 here")
+        raise ConfigError(f"{flag} needs a CPU with AVX512-VNNI or AVX2 and a C compiler; use --cpu-act fp32 here")
     if set_activations(model, activations) == 0:
         raise ConfigError(f"{flag} needs GGUF Q4_1 / Q8_0 weights read as blocks (float32, --weights auto)")
 

@@ -18,7 +18,7 @@ from specchat.kernels import cpu_block, cpu_gemv, cpu_gemv_i8
 from tests.engine.test_cpu_fusion import run_steps, with_gguf_blocks
 from tests.engine.test_fusion import CFG
 
-needs_vnni = pytest.mark.skipif(not cpu_gemv_i8.available(), reason="no C compiler or no AVX512-VNNI")
+needs_vnni = pytest.mark.skipif(not cpu_gemv_i8.available(), reason="no C compiler or no AVX512-VNNI or AVX2")
 
 
 @pytest.mark.parametrize(

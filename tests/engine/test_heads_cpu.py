@@ -55,7 +55,7 @@ def random_heads(model: Transformer, num_heads: int = 4) -> DraftHeads:
 
 
 def reference_linear(x: torch.Tensor, linear: BlockLinear) -> torch.Tensor:
-    """What the block kernel computes, in plain torch: int8 rows where the CPU has AVX512-VNNI, else float."""
+    """What the block kernel computes, in plain torch: int8 rows where the CPU has AVX512-VNNI or AVX2, else float."""
     ref = cpu_gemv_i8.q8_linear_ref if cpu_gemv_i8.available() else cpu_gemv.q8_linear_ref
     return ref(x, linear.codes, linear.d)
 

@@ -9,7 +9,7 @@ import torch
 from specchat.kernels import cpu_gemv, cpu_gemv_i8
 from tests.kernels.test_cpu_gemv import q4_weights, q8_weights
 
-pytestmark = pytest.mark.skipif(not cpu_gemv_i8.available(), reason="no C compiler or no AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not cpu_gemv_i8.available(), reason="no C compiler or no AVX512-VNNI or AVX2")
 
 N, K = 100, 320  # 10 blocks of 32 per row; 100 outputs = 6 groups of 16 and a partial one of 4
 

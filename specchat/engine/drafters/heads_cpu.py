@@ -53,7 +53,7 @@ HYBRID_HEADS_K = 2
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
     """A bias-free linear over GGUF `blocks` (codes, d[, m]) whose float weight is `weight` (rows above
-    cpu_gemv.MAX_ROWS use it), multiplying with int8 rows where the CPU has AVX512-VNNI."""
+    cpu_gemv.MAX_ROWS use it), multiplying with int8 rows where the CPU has AVX512-VNNI or AVX2."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
     as_block_linear(linear, kind, tuple(b.contiguous() for b in blocks))
