@@ -33,8 +33,11 @@ def greedy(engine: Engine, prompt, n: int, switches: dict[int, str] | None = Non
 
 @pytest.fixture(scope="module")
 def engine():
-    """The default model on CPU in float32 with fp32 pages (module-owned: these tests switch its format)."""
-    return Engine.load(EngineConfig(device="cpu", dtype="float32", kv_memory=64 << 20))
+    """The default model on CPU in float32 with fp32 pages (module-owned: these tests switch its format). Float
+    activation rows, as the session's default_engine: these tests compare token streams across KV formats, and the
+    int8 rows' own rounding (the default where the CPU has AVX512-VNNI or AVX2) would blur what the page format
+    changes (tests/engine/test_cpu_act.py covers the int8 rows)."""
+    return Engine.load(EngineConfig(device="cpu", dtype="float32", kv_memory=64 << 20, cpu_act="fp32"))
 
 
 @pytest.mark.slow
