@@ -100,9 +100,7 @@ class EngineConfig:
     warm_up: bool = True  # CUDA: compile kernels and capture the chat's graphs at load (Engine.warm_up)
     weights: str = "auto"  # "auto" = as loaded
     tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
-    cpu_act: str = (
-        "auto"  # CPU GGUF-block linears: float32 activation rows, or int8 per block of 32 (AVX512-VNNI or AVX2)
-    )
+    cpu_act: str = "auto"  # CPU GGUF-block linears: float32 rows, or int8 per block of 32 (AVX512-VNNI or AVX2)
 
     @property
     def chosen_device(self) -> str | None:

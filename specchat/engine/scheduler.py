@@ -177,8 +177,8 @@ class Scheduler:
         step times are the whole step's and a gate would only add trials."""
         self._gated = None
         decoding = [s for s in self.running if self._decodes(s)]
-        alone = 1 if self.uniform_widths else 2
-        if len(decoding) < alone or any(s.adaptive is None for s in decoding):
+        fewest = 1 if self.uniform_widths else 2
+        if len(decoding) < fewest or any(s.adaptive is None for s in decoding):
             return None
         key = gate_key(s.spec.drafter for s in decoding)
         gate = self.gates.get(key)

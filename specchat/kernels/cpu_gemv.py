@@ -199,8 +199,10 @@ INLINE void tile8(const int Q4, const int R, const int NR, int N, int K, const f
       } else {
         const int8_t* blk = q8 + row * K + g * 32;
         _mm_prefetch((const char*)(blk + (size_t)NR * K), _MM_HINT_T0);
-        for (int j = 0; j < 4; j++)
-          w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 8 * j)))), dv);
+        for (int j = 0; j < 4; j++) {
+          const __m128i codes = _mm_loadl_epi64((const __m128i*)(blk + 8 * j));
+          w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), dv);
+        }
       }
       fma_block8(R, r, K, x, g, w, a, b);
     }

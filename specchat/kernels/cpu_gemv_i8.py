@@ -321,10 +321,10 @@ I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, c
       }
     }
     const size_t at = ((size_t)grp * G + g) * 16 + 8 * h;
-    const __m256 dg = _mm256_loadu_ps(d + at);
+    const __m256 dg = _mm256_loadu_ps(d + at), mg = Q4 ? _mm256_loadu_ps(m + at) : _mm256_setzero_ps();
     for (int i = 0; i < R; i++) {
       acc[i] = combine8(acc[i], _mm256_add_epi32(lo[i], hi[i]), dg, a->d[(size_t)i * G + g]);
-      if (Q4) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_loadu_ps(m + at), _mm256_set1_ps(a->s[(size_t)i * G + g])));
+      if (Q4) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(mg, _mm256_set1_ps(a->s[(size_t)i * G + g])));
     }
   }
   store8(R, N, acc, y, grp * 16 + 8 * h);

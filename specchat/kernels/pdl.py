@@ -16,9 +16,10 @@ The only work there is `prefetch_l2` of constant data (a matmul's weights), so t
 L2 while the kernel before still runs. A kernel launched without the attribute (torch's, cuBLAS) waits as always,
 and `wait` is a no-op where nothing is pending, so PDL kernels mix freely with other work.
 
-`enabled(device)` (`launch_options` for a launch): CUDA with compute capability >= 9.0, not under TRITON_INTERPRET=1, SPECCHAT_PDL not "0", and
-asked for: by `scope(True)`, which the CUDA-graph runner opens around its steps where the layers' linears are
-MXFP4 kernels, or by `override(True)` (tests and A/B benchmarks: benchmarks/pdl_gpu.py; it wins over scope).
+`enabled(device)` (`launch_options` for a launch): CUDA with compute capability >= 9.0, not under
+TRITON_INTERPRET=1, SPECCHAT_PDL not "0", and asked for: by `scope(True)`, which the CUDA-graph runner opens
+around its steps where the layers' linears are MXFP4 kernels, or by `override(True)` (tests and A/B benchmarks:
+benchmarks/pdl_gpu.py; it wins over scope).
 Measured on the H200 (docs/benchmarks.md, "Eighth lease"): 1.02-1.05x at batch 1 with MXFP4 weights, where
 every kernel of a layer is ours; 0.97-0.99x where cuBLAS runs the linears between them (bf16 weights), so those
 steps launch as before. Every kernel takes the same flag as its `PDL` constexpr and its `launch_pdl`; with it off
