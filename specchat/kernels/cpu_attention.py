@@ -39,8 +39,23 @@ typedef struct {
 /* probs[j] = softmax(scores)[j] in place: exp(s - max), then times 1 / sum. */
 static void softmax(float* s, int n) {
   float m = s[0];
-  for (int j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
-  for (int j = 0; j < n; j++) s[j] = exp_poly(s[j] - m);
+  int j = 0;
+#ifdef HAVE_EXP8
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+  }
+#endif
+  for (; j < n; j++) m = s[j] > m ? s[j] : m;
+  j = 0;
+#ifdef HAVE_EXP8
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+#endif
+  for (; j < n; j++) s[j] = exp_poly(s[j] - m);
   const float inv = 1.0f / lane_sum(s, n, 0);
   for (int j = 0; j < n; j++) s[j] *= inv;
 }
@@ -112,6 +127,72 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
     case 64: ATTEND(4)
     case 128: ATTEND(8)
     case 256: ATTEND(16)
+    default: attend_plain(p, table, n, q, kp, vp, s, out);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2: the same walk with NC = D / 8 vectors per key row. Scores four keys at a time: four dot products in
+   registers, reduced together by three horizontal adds and one cross-lane add (one reduction per key would cost
+   as much as its dot product). Each row alone, whatever the batch, as above. */
+INLINE __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* q . k over NC vectors in two chains (even and odd vectors), so that four keys keep eight fused adds in flight. */
+INLINE __m256 dot8(const int NC, const __m256* qv, const float* k) {
+  __m256 d0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), d1 = _mm256_setzero_ps();
+  if (NC > 1) d1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+  for (int c = 2; c < NC; c += 2) {
+    d0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), d0);
+    d1 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k + 8 * c + 8), d1);
+  }
+  return _mm256_add_ps(d0, d1);
+}
+
+INLINE void attend_avx2(const int NC, const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
+                        const float* vp, float* s, float* out) {
+  const int D = p->head_dim, ps = p->page_size;
+  const __m128 scale = _mm_set1_ps(p->scale);
+  __m256 qv[32], acc[32]; /* above 8 vectors the compiler keeps some in memory (L1) */
+  for (int c = 0; c < NC; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  for (int j0 = 0; j0 < n; j0 += ps) {
+    const float* k = kp + (size_t)table[j0 / ps] * ps * D;
+    const int len = n - j0 < ps ? n - j0 : ps;
+    int j = 0;
+    for (; j + 4 <= len; j += 4) {
+      const float* kj = k + (size_t)j * D;
+      const __m128 d = sum4(dot8(NC, qv, kj), dot8(NC, qv, kj + D), dot8(NC, qv, kj + 2 * D),
+                            dot8(NC, qv, kj + 3 * D));
+      _mm_storeu_ps(s + j0 + j, _mm_mul_ps(d, scale));
+    }
+    for (; j < len; j++) {
+      const __m256 z = _mm256_setzero_ps();
+      s[j0 + j] = _mm_cvtss_f32(sum4(dot8(NC, qv, k + (size_t)j * D), z, z, z)) * p->scale;
+    }
+  }
+  softmax(s, n);
+  for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+  for (int j0 = 0; j0 < n; j0 += ps) {
+    const float* v = vp + (size_t)table[j0 / ps] * ps * D;
+    const int len = n - j0 < ps ? n - j0 : ps;
+    for (int j = 0; j < len; j++) {
+      const __m256 w = _mm256_set1_ps(s[j0 + j]);
+      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + (size_t)j * D + 8 * c), acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+#define ATTEND(NC) attend_avx2(NC, p, table, n, q, kp, vp, s, out); return;
+static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
+                       const float* vp, float* s, float* out) {
+  switch (p->head_dim) {
+    case 16: ATTEND(2)
+    case 32: ATTEND(4)
+    case 64: ATTEND(8)
+    case 128: ATTEND(16)
+    case 256: ATTEND(32)
     default: attend_plain(p, table, n, q, kp, vp, s, out);
   }
 }

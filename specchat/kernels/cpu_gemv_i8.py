@@ -222,7 +222,7 @@ static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, co
 #include <immintrin.h>
 #define I8_INLINE static inline __attribute__((always_inline))
 #define I8_OK 1
-#define I8_RMAX2 4 /* rows per AVX2 tile */
+#define I8_RMAX2 5 /* rows per AVX2 tile: a k = 4 verification's in one pass */
 
 /* AVX2: the same integers and the same float combination as the AVX-512 tiles, so the same bits. dpbusd is
    maddubs (unsigned x signed bytes, pairs summed to 16 bits) then madd with ones (pairs summed to 32 bits): Q4_1
@@ -258,10 +258,6 @@ void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* 
   }
 }
 
-I8_INLINE __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
-}
-
 I8_INLINE __m256i word8(const int8_t* p) {
   int32_t word;
   memcpy(&word, p, 4);
@@ -286,16 +282,18 @@ I8_INLINE void store8(const int R, int N, __m256 acc[], float* y, int n) {
   }
 }
 
-/* R rows (at most I8_RMAX2) times the 8 outputs of half h of group grp. */
+/* R rows (at most I8_RMAX2) times the 8 outputs of half h of group grp. A block's integer sums per row: Q4_1's
+   maddubs pairs (at most 2 x 15 x 127) add up in 16-bit lanes, eight of them at most 30,480, and become 32-bit
+   once per block (one madd); Q8_0's (at most 2 x 128 x 127) are widened at once. The same integers as dpbusd. */
 I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, const uint8_t* w, const float* d,
                        const float* m, float* y, int grp, int h) {
   const int G = K / 32, words = Q4 ? 4 : 8;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   __m256 acc[I8_RMAX2];
   for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
   for (int g = 0; g < G; g++) {
-    __m256i lo[I8_RMAX2], hi[I8_RMAX2];
-    for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+    __m256i sum[I8_RMAX2];
+    for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_si256();
     const uint8_t* blk = w + ((size_t)grp * G + g) * words * 64 + 32 * h;
     _mm_prefetch((const char*)(blk + I8_PF), _MM_HINT_T0);
     for (int v = 0; v < words; v++) {
@@ -305,25 +303,24 @@ I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, c
         const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
         for (int i = 0; i < R; i++) {
           const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
-          lo[i] = dot4(lo[i], wl, word8(xq));
-          hi[i] = dot4(hi[i], wh, word8(xq + 16));
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wl, word8(xq)),
+                                                 _mm256_maddubs_epi16(wh, word8(xq + 16)));
+          sum[i] = _mm256_add_epi16(sum[i], pairs);
         }
       } else {
         const __m256i ws = _mm256_xor_si256(packed, flip); /* the signed code */
         const __m256i mag = _mm256_abs_epi8(ws);
         for (int i = 0; i < R; i++) {
           const __m256i xs = _mm256_sign_epi8(word8(a->q + (size_t)i * K + g * 32 + 4 * v), ws);
-          if (v % 2 == 0)
-            lo[i] = dot4(lo[i], mag, xs);
-          else
-            hi[i] = dot4(hi[i], mag, xs);
+          sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));
         }
       }
     }
     const size_t at = ((size_t)grp * G + g) * 16 + 8 * h;
     const __m256 dg = _mm256_loadu_ps(d + at), mg = Q4 ? _mm256_loadu_ps(m + at) : _mm256_setzero_ps();
     for (int i = 0; i < R; i++) {
-      acc[i] = combine8(acc[i], _mm256_add_epi32(lo[i], hi[i]), dg, a->d[(size_t)i * G + g]);
+      const __m256i isum = Q4 ? _mm256_madd_epi16(sum[i], ones) : sum[i];
+      acc[i] = combine8(acc[i], isum, dg, a->d[(size_t)i * G + g]);
       if (Q4) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(mg, _mm256_set1_ps(a->s[(size_t)i * G + g])));
     }
   }
@@ -343,7 +340,8 @@ I8_INLINE void i8_rows2(const int Q4, int rows, int N, int K, const Acts* a, con
           case 1: i8_half(Q4, 1, N, K, &sub, w, d, m, yi, grp, h); break;
           case 2: i8_half(Q4, 2, N, K, &sub, w, d, m, yi, grp, h); break;
           case 3: i8_half(Q4, 3, N, K, &sub, w, d, m, yi, grp, h); break;
-          default: i8_half(Q4, 4, N, K, &sub, w, d, m, yi, grp, h); break;
+          case 4: i8_half(Q4, 4, N, K, &sub, w, d, m, yi, grp, h); break;
+          default: i8_half(Q4, 5, N, K, &sub, w, d, m, yi, grp, h); break;
         }
       }
   }

@@ -61,6 +61,30 @@ INLINE float exp_poly(float x) {
   return e * scale;
 }
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#define HAVE_EXP8 1
+/* exp_poly on 8 lanes: the same operations in the same order (no contraction), so the same bits; the clamps keep a
+   NaN as exp_poly's comparisons do (max / min return their second operand where either is NaN). A scalar loop
+   calling exp_poly does not vectorize (its clamps compile to branches). */
+INLINE __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+  const __m256 round = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), round), round);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+#endif
+
 /* A sum in a fixed order: LANES partial sums over the row, then halved pairwise. */
 INLINE float lane_sum(const float* x, int n, int square) {
   float acc[LANES] = {0};
@@ -119,7 +143,16 @@ void silu_mul(int rows, int n, const float* gate_up, float* out) {
     const float* g = gate_up + (size_t)i * 2 * n;
     const float* u = g + n;
     float* o = out + (size_t)i * n;
-    for (int j = 0; j < n; j++) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * u[j];
+    int j = 0;
+#ifdef HAVE_EXP8
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; j + 8 <= n; j += 8) {
+      const __m256 gj = _mm256_loadu_ps(g + j);
+      const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gj, sign)));
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gj, den), _mm256_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < n; j++) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * u[j];
   }
 }
 """
