@@ -198,9 +198,16 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option("--drafter", default="none", show_default=True, help="comma-separated drafters to compare")
 @click.option("--k", "k", default=None, help="sessions: draft tokens or 'auto' (default 4); synthetic: list (0,4)")
 @click.option(
-    "--weights", default="bf16", show_default=True, help="bf16 | mxfp4 (synthetic: a comma list, also int4: gpt-fast's)"
+    "--weights",
+    default=None,
+    help="sessions: auto (as the checkpoint stores them, as `run` loads it: the default) | bf16 | mxfp4; "
+    "synthetic: a comma list of bf16, int4 (gpt-fast's), mxfp4 (default bf16)",
 )
-@click.option("--kv", default="bf16", show_default=True, help="KV page format (synthetic: a comma list)")
+@click.option(
+    "--kv",
+    default=None,
+    help="KV page format; sessions: default auto (the model dtype, as `run`); synthetic: a comma list (default bf16)",
+)
 @click.option("--synthetic", "shape", default=None, help="a random-weight model of this shape, e.g. llama-3.1-8b")
 @click.option("--batch", default="1", show_default=True, help="synthetic: comma-separated batch sizes")
 @click.option("--acceptance", type=float, default=0.8, show_default=True, help="synthetic: benchmark drafter rate")
@@ -238,13 +245,16 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
             "--cpu-act works with --sessions; --synthetic builds random float weights, not GGUF blocks"
         )
     if shape is not None:
+        weights, kv = weights or "bf16", kv or "bf16"
         bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
         return
     if prompts_file is None:
         raise click.UsageError("--sessions needs --prompts FILE")
+    # What `specchat run` loads unless told otherwise: on the CPU, bf16 here would mean dense float weights and
+    # pages the C attention does not read, which measured half the speed users get.
     config = EngineConfig(
-        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights, kv_format=kv, eager=eager, tp=tp,
-        cpu_act=cpu_act,
+        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights or "auto", kv_format=kv or "auto",
+        eager=eager, tp=tp, cpu_act=cpu_act,
     )  # fmt: skip
     bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds, step_ahead)
 
