@@ -22,6 +22,7 @@ random draws of sampled verification, depend on timing: seeded sampling repeats 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from specchat.errors import ConfigError
@@ -213,6 +214,7 @@ RAMP_AFTER = 16  # steps at a cap before the first trial of twice that cap
 TRIAL_EVERY = 256  # steps at the preferred cap between trials of another, after a trial that changed the choice
 MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to this
 TRIAL_STEPS = 8  # steps of a trial
+TRIAL_SHARE = 0.01  # after a trial that confirmed the choice: at most this share of the time goes to the next
 
 
 @dataclass(slots=True)
@@ -236,12 +238,14 @@ class DraftGate:
     Trials of TRIAL_STEPS steps time the others: from plain decoding, cap 1 after FIRST_TRIAL_AFTER steps; from
     a cap c > 0, twice c after RAMP_AFTER steps while that is untimed (so a batch where drafting pays climbs
     1 -> 2 -> 4 -> 8 in a few dozen steps), then, every TRIAL_EVERY steps, plain decoding and twice c in turn.
-    The interval doubles after each trial that leaves the choice as it was (up to MAX_TRIAL_EVERY) and falls back
-    when one changes it. Requests start from small caps because their own controllers learnt nothing while the
-    gate held them: a first trial at k = 4 of 32 requests on the H200 ran each step at about half speed. So a
-    change (new requests, new text) still shows, and where plain decoding stays better (32 sessions on the H200)
-    the trials' cost, at most TRIAL_STEPS / interval of the steps, fades from 3% toward 0.4%. A bucket seen for
-    the first time starts from its neighbour's choice (`follow`), not afresh.
+    The interval doubles after each trial that leaves the choice as it was (up to MAX_TRIAL_EVERY), and is at
+    least long enough that a trial costing what the last one did takes TRIAL_SHARE of the steps' time; it falls
+    back when one changes the choice. Requests start from small caps because their own controllers learnt
+    nothing while the gate held them: a first trial at k = 4 of 32 requests on the H200 ran each step at about
+    half speed. So a change (new requests, new text) still shows, and where plain decoding stays better the
+    trials' cost fades toward TRIAL_SHARE. A bucket seen for the first time starts from its neighbour's choice
+    (`follow`), not afresh. (The scheduler times only steady steps: decoding requests alone, after a step of
+    the same kind under the same cap.)
     """
 
     ema: float = EMA_WEIGHT
@@ -296,9 +300,21 @@ class DraftGate:
         preferred = self.preferred()
         every = self.every
         if self.before_trial is not None:  # the trial's steps are all observed: did it change the choice?
-            every = min(2 * every, MAX_TRIAL_EVERY) if preferred == self.before_trial else TRIAL_EVERY
+            every = self._confirmed_every(preferred) if preferred == self.before_trial else TRIAL_EVERY
         target, wait = self._target(preferred, every)
         return preferred, every, target if self.since_trial + 1 > wait else None
+
+    def _confirmed_every(self, preferred: int) -> int:
+        """The interval after a trial that left `preferred` preferred: twice the last, and long enough that the
+        next trial, if it costs what this one measured (TRIAL_STEPS steps at its time per token against the
+        preferred cap's), takes at most TRIAL_SHARE of the steps' time; at most MAX_TRIAL_EVERY. (A trial of a
+        cap twice as slow as plain decoding, at TRIAL_EVERY steps, costs 3%: on the H200 at 8 sessions the
+        drafters ran 0.94-0.97x plain.)"""
+        every = 2 * self.every
+        tried, best = self.ms_per_token.get(self.trial_cap), self.ms_per_token.get(preferred)
+        if tried is not None and best:
+            every = max(every, math.ceil(TRIAL_STEPS * (tried / best - 1) / TRIAL_SHARE))
+        return min(every, MAX_TRIAL_EVERY)
 
     def peek(self) -> bool:
         """Whether the next step may draft, as `allow` will say, as far as the timings known now tell."""

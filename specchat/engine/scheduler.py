@@ -57,6 +57,8 @@ class Scheduler:
         self._gated: tuple[DraftGate, float, int] | None = None
         # the last step to time: gate, cap on k, tokens, requests, start
         self._timed: tuple[DraftGate, int, int, int, float] | None = None
+        # the gate and cap of the last step of decoding requests alone (None after any other step)
+        self._steady: tuple[DraftGate, int] | None = None
 
     # --- queue ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -268,11 +270,19 @@ class Scheduler:
                 self.costs.observe(result.decode_rows, result.verify_ms, depth, result.draft_ms)
             # timed at the next schedule (if requests remain: no idle gap in it), and only a step of decoding
             # requests alone: one that also fed a prompt takes several decode steps' time (on the H200 such
-            # steps, mostly under plain decoding, made plain look 1.7x slower than it ran, and drafting win)
-            if self._gated is not None and all(len(item.feed) == 1 for item in plan.items):
+            # steps, mostly under plain decoding, made plain look 1.7x slower than it ran, and drafting win);
+            # and only one that follows a step of the same kind under the same cap: the first step after a
+            # prompt or after a change of cap (a trial's first and the one after it) could not have been
+            # launched ahead of the host, so it shows what neither steady plain decoding nor drafting costs
+            alone = self._gated is not None and all(len(item.feed) == 1 for item in plan.items)
+            steady = (self._gated[0], self._gated[2]) if alone else None
+            if alone and steady == self._steady:
                 tokens = sum(len(o.emitted) for o in result.outcomes if o is not None)
                 gate, start, limit = self._gated
                 self._timed = (gate, limit, tokens, decoding, start)
+            self._steady = steady
+        else:
+            self._steady = None
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from specchat.engine.adaptive import (
     MAX_TRIAL_EVERY,
     RAMP_AFTER,
     TRIAL_EVERY,
+    TRIAL_SHARE,
     TRIAL_STEPS,
     AdaptiveK,
     DraftGate,
@@ -288,6 +290,21 @@ def test_draft_gate_trials_grow_rarer_while_they_confirm_the_preference():
     assert gate.preferred() and gate.every == TRIAL_EVERY
 
 
+def test_draft_gate_spaces_trials_by_what_the_last_one_cost():
+    """A trial of a cap that ran 3x slower than plain decoding costs 16 plain steps' time: the next comes late enough
+    that it takes at most TRIAL_SHARE of the steps' time, sooner than doubling alone would allow it (on the H200
+    at 8 sessions, trials of drafting twice as slow as plain steps cost the drafters 3-6%)."""
+    modes = drive_gate({True: 3.0, False: 1.0}, steps=6000)
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    least = math.ceil(TRIAL_STEPS * (3.0 - 1.0) / TRIAL_SHARE)
+    assert 2 * TRIAL_EVERY < least <= MAX_TRIAL_EVERY and gaps and all(gap >= least for gap in gaps)
+    # where drafting was barely slower, doubling sets the pace as before
+    modes = drive_gate({True: 1.05, False: 1.0}, steps=3000)
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    assert starts[1] - starts[0] == 2 * TRIAL_EVERY + TRIAL_STEPS
+
+
 def test_draft_gate_compares_steps_by_what_each_request_waits():
     """Within one batch bucket, plain steps of 32 requests (32 tokens in 3 ms) against drafting steps of 17 (25
     tokens in 2.5 ms): per request drafting is faster (1.7 against 3 ms a token), though per emitted token of the
@@ -437,24 +454,35 @@ def test_scheduler_starts_a_new_bucket_from_the_adjacent_one_that_timed_most(tin
 
 def test_a_step_that_feeds_a_prompt_is_not_timed_for_the_gate(tiny_engine):
     """A step where a prompt runs beside the decoding requests takes several decode steps' time: the gate times
-    only steps of decoding requests alone, or plain decoding (the cap most such steps run under) looks slow."""
+    only steps of decoding requests alone, or plain decoding (the cap most such steps run under) looks slow; and
+    of those only the ones after a step of the same kind under the same cap (the first after a prompt could not
+    have been launched ahead of the host)."""
     spec = SpecParams("ngram", k=None)
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
     handles = [tiny_engine.submit(prompt, sampling, spec) for prompt in ("hello", "hi there")]
     scheduler = tiny_engine.scheduler
-    while len(scheduler.running) < 2 or any(not scheduler._decodes(s) for s in scheduler.running):
-        tiny_engine.step()
-    plan, _ = scheduler.schedule()
-    assert all(len(item.feed) == 1 for item in plan.items) and scheduler._gated is not None
-    scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
-    assert scheduler._timed is not None  # decoding alone: timed at the next schedule
-    handles.append(tiny_engine.submit("a third request with a longer prompt", sampling, spec))
-    plan, _ = scheduler.schedule()
-    assert any(len(item.feed) > 1 for item in plan.items) and scheduler._gated is not None
-    scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
-    assert scheduler._timed is None
-    for handle in handles:
-        handle.result()
+
+    def step() -> tuple[bool, bool]:
+        """One step by hand: (whether it fed a prompt, whether it is to be timed)."""
+        plan, _ = scheduler.schedule()
+        assert scheduler._gated is not None
+        scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
+        return any(len(item.feed) > 1 for item in plan.items), scheduler._timed is not None
+
+    try:
+        while len(scheduler.running) < 2 or any(not scheduler._decodes(s) for s in scheduler.running):
+            tiny_engine.step()
+        assert step() == (False, False)  # decoding alone, but the first such step after the prompts
+        assert step() == (False, True)  # ... and the next: timed at the next schedule
+        handles.append(tiny_engine.submit("a third request with a longer prompt", sampling, spec))
+        assert step() == (True, False)
+        while any(not scheduler._decodes(s) for s in scheduler.running):
+            tiny_engine.step()
+        assert step() == (False, False)
+        assert step() == (False, True)
+    finally:
+        for handle in handles:
+            handle.result()
 
 
 def test_draft_gate_peek_tells_what_allow_will_say():
