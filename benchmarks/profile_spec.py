@@ -116,11 +116,14 @@ class SlowSteps:
         def step(original):
             def timed():
                 captures, t0 = self.captures, time.perf_counter()
+                continued = self.engine.spec_step.continued
                 events = original()
                 ms = (time.perf_counter() - t0) * 1e3
                 new = self.captures - captures
                 calls = " ".join(f"{name} {t:.1f}" for name, t in self.calls)
                 self.steps.append((ms, self.plan + (f" +{new} graphs captured" if new else "") + f" | {calls}"))
+                ahead = "ran ahead" if self.engine.spec_step.continued > continued else "not ahead"
+                self.kinds[f"{self.kind}, {ahead}"].append(ms)
                 self.calls = []
                 return events
 
@@ -132,6 +135,8 @@ class SlowSteps:
                 widths = Counter(len(i.feed) + i.k for i in plan.items if len(i.feed) == 1)
                 prompts = [len(i.feed) for i in plan.items if len(i.feed) > 1]
                 self.plan = f"decode {dict(sorted(widths.items()))} prompts {prompts} taps {sorted(plan.taps)}"
+                drafting = "drafting" if any(w > 1 for w in widths) else "plain"
+                self.kind = f"{drafting}{', prompts' if prompts else ''}{', taps' if plan.taps else ''}"
                 return plan, events
 
             return described
@@ -155,7 +160,8 @@ class SlowSteps:
 
             return around
 
-        self.plan, self.calls = "", []
+        self.plan, self.kind, self.calls = "", "", []
+        self.kinds: dict[str, list[float]] = defaultdict(list)  # kind of step -> its steps' ms
         self._wrap(self.engine, "step", step)
         # the runner's ways to run a forward, host time of each (an eager forward's is its kernel launches)
         for name in ("_prefill", "_cached_prompts", "_replay"):
@@ -199,6 +205,10 @@ class SlowSteps:
             f"{self.captures}"
         ]
         lines += [f"    {ms:7.2f} ms  {what}" for ms, what in sorted(self.steps, reverse=True)[:n]]
+        by_total = sorted(self.kinds.items(), key=lambda kv: -sum(kv[1]))
+        lines.append("  by kind (steps, total ms, median ms): " + "; ".join(
+            f"{kind}: {len(ms)}, {sum(ms):.1f}, {sorted(ms)[len(ms) // 2]:.2f}" for kind, ms in by_total
+        ))  # fmt: skip
         return "\n".join(lines)
 
 
