@@ -63,7 +63,7 @@ def main() -> None:
         path = fetch(engine.model_spec)
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=dtype).eval()
         ids = engine.encode_prompt(PROMPT)
-        variants = {"specchat eager": engine}
+        variants = {"specchat": engine}
         if args.compile:
             compiled = Engine.load(EngineConfig(device="cpu", dtype=dtype_name))
             compiled.model.forward = torch.compile(compiled.model.forward, dynamic=True)
