@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.drafters.heads import HeadsDrafter
-from specchat.engine.drafters.ngram import NgramDrafter
+from specchat.engine.drafters.ngram import DEFAULT_MIN_N, NgramDrafter
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
 
-MIN_NGRAM = 2  # a one-token match says too little to beat the heads
+MIN_NGRAM = DEFAULT_MIN_N  # a one-token match says too little to beat the heads (or plain decoding)
 
 
 class NgramThenHeads(Drafter):

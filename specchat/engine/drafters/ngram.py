@@ -22,7 +22,10 @@ from specchat.errors import ConfigError
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
 
-DEFAULT_MIN_N = 1
+# A one-token match says too little: on the CPU (int8 rows, k = 4, one thread) drafting from matches of 2 tokens or
+# more took n-gram drafting from 1.18x to 1.26x plain decoding over the eval prompts, and on free-form prompts from
+# 0.89x (a loss) to 1.05x (docs/benchmarks.md). The hybrid drafter's n-grams use the same floor.
+DEFAULT_MIN_N = 2
 DEFAULT_MAX_N = 4
 
 
