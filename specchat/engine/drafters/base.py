@@ -40,12 +40,6 @@ class Drafter:
         """Up to ks[i] draft tokens for seqs[i]."""
         return [Draft([]) for _ in seqs]
 
-    def free_draft_len(self, seq: Sequence, k_max: int) -> int:
-        """How many tokens (at most k_max) this drafter would propose for `seq` now at no cost beyond a lookup (an
-        n-gram match's continuation); 0 where drafting takes a model call. Adaptive k drafts them even where its
-        controller chose k = 0 (engine/scheduler.py)."""
-        return 0
-
     def release(self, seq: Sequence) -> None:
         """Forget any per-request state (the request finished)."""
 

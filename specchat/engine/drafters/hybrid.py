@@ -46,9 +46,6 @@ class NgramThenHeads(Drafter):
                 drafts[i] = draft
         return drafts
 
-    def free_draft_len(self, seq: Sequence, k_max: int) -> int:
-        return self.ngram.free_draft_len(seq, k_max)
-
     def release(self, seq: Sequence) -> None:
         self.ngram.release(seq)
         self.heads.release(seq)

@@ -79,19 +79,16 @@ class NgramDrafter(Drafter):
         self.indexes: dict[int, NgramIndex] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        return [Draft(self._lookup(seq, k)) for seq, k in zip(seqs, ks, strict=True)]
-
-    def free_draft_len(self, seq: Sequence, k_max: int) -> int:
-        return len(self._lookup(seq, k_max))
-
-    def _lookup(self, seq: Sequence, k: int) -> list[int]:
-        index = self.indexes.setdefault(seq.seq_id, NgramIndex(self.min_n, self.max_n))
-        # only the newest tokens: joining prompt and output every step made a lookup at a 4,000-token context
-        # ~20 us instead of ~5
-        offset = index.window_start(seq.num_tokens)
-        tokens = seq.tokens_from(offset)
-        index.extend(tokens, offset)
-        return index.lookup(tokens, k, offset, seq.tokens_from)
+        drafts = []
+        for seq, k in zip(seqs, ks, strict=True):
+            index = self.indexes.setdefault(seq.seq_id, NgramIndex(self.min_n, self.max_n))
+            # only the newest tokens: joining prompt and output every step made a lookup at a 4,000-token
+            # context ~20 us instead of ~5
+            offset = index.window_start(seq.num_tokens)
+            tokens = seq.tokens_from(offset)
+            index.extend(tokens, offset)
+            drafts.append(Draft(index.lookup(tokens, k, offset, seq.tokens_from)))
+        return drafts
 
     def release(self, seq: Sequence) -> None:
         self.indexes.pop(seq.seq_id, None)
