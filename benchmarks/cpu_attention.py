@@ -14,36 +14,20 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from specchat.kernels import cpu_attention
-from specchat.kernels.attention import AttentionMetadata
+
+# the tests' ragged step over shuffled pages; appended, so that a PYTHONPATH tree (benchmarks/ab_trees.sh) wins
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from tests.kernels.test_cpu_ops import paged_case
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 CASES = [([1], [1]), ([1], [128]), ([1], [512]), ([5], [512]), ([1] * 8, [256] * 8)]  # q_lens, context lengths
-
-
-def case(q_lens: list[int], ctx_lens: list[int], seed: int = 0):
-    """(plan, q, k, v, k_pages, v_pages): a step over shuffled pages, each request's earlier context stored."""
-    g = torch.Generator().manual_seed(seed)
-    counts = [-(-c // PAGE) for c in ctx_lens]
-    order = torch.randperm(sum(counts), generator=g).tolist()
-    tables = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
-    num_slots = len(order) * PAGE
-    k_pages, v_pages = torch.randn(2, KV_HEADS, num_slots, HEAD_DIM, generator=g)
-    rows = zip(tables, q_lens, ctx_lens, strict=True)
-    slots = [t[p // PAGE] * PAGE + p % PAGE for t, n, c in rows for p in range(c - n, c)]
-    tokens = sum(q_lens)
-    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)
-    k, v = torch.randn(2, tokens, KV_HEADS, HEAD_DIM, generator=g)
-    meta = AttentionMetadata.build(tables, q_lens, ctx_lens, PAGE, "cpu")
-    plan = cpu_attention.AttentionPlan(
-        meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, torch.tensor(slots), PAGE,
-        HEADS, KV_HEADS, HEAD_DIM, num_slots, HEAD_DIM**-0.5,
-    )  # fmt: skip
-    return plan, q, k, v, k_pages, v_pages
 
 
 def main() -> None:
@@ -56,7 +40,7 @@ def main() -> None:
     print("| requests | new rows each | context | us per layer call | max abs diff vs reference |")
     print("|---:|---:|---:|---:|---:|")
     for q_lens, ctx_lens in CASES:
-        plan, q, k, v, k_pages, v_pages = case(q_lens, ctx_lens)
+        plan, q, k, v, k_pages, v_pages, _ = paged_case(q_lens, ctx_lens, HEADS, KV_HEADS, HEAD_DIM, PAGE)
         want = cpu_attention.paged_attention_ref(plan, q, k, v, k_pages.clone(), v_pages.clone())
         got = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages)
         times = []

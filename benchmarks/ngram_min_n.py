@@ -19,18 +19,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import spec_decode
 import torch
+from cpu_peers import PROMPTS as FREE  # a story, an explanation, a function
 
 from specchat.config import EngineConfig
 from specchat.engine.drafters.ngram import NgramDrafter
 from specchat.engine.engine import Engine
 from specchat.engine.train_heads import CATEGORIES, load_prompt_set
 from specchat.kernels import cpu_gemv_i8
-
-FREE = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain how a hash table works and when to use one.",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-]
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ static void softmax(float* s, int n) {
 #endif
   for (; j < n; j++) s[j] = exp_poly(s[j] - m);
   const float inv = 1.0f / lane_sum(s, n, 0);
-  for (int j = 0; j < n; j++) s[j] *= inv;
+  for (j = 0; j < n; j++) s[j] *= inv;
 }
 
 INLINE float dot_plain(const float* a, const float* b, int D) {
@@ -118,18 +118,8 @@ INLINE void attend_avx(const int NC, const Plan* p, const int32_t* table, int n,
   }
   for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
-#define ATTEND(NC) attend_avx(NC, p, table, n, q, kp, vp, s, out); return;
-static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
-                       const float* vp, float* s, float* out) {
-  switch (p->head_dim) {
-    case 16: ATTEND(1)
-    case 32: ATTEND(2)
-    case 64: ATTEND(4)
-    case 128: ATTEND(8)
-    case 256: ATTEND(16)
-    default: attend_plain(p, table, n, q, kp, vp, s, out);
-  }
-}
+#define VEC_FLOATS 16
+#define attend_vec attend_avx
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* AVX2: the same walk with NC = D / 8 vectors per key row. Scores four keys at a time: four dot products in
@@ -184,15 +174,22 @@ INLINE void attend_avx2(const int NC, const Plan* p, const int32_t* table, int n
   }
   for (int c = 0; c < NC; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
-#define ATTEND(NC) attend_avx2(NC, p, table, n, q, kp, vp, s, out); return;
+#define VEC_FLOATS 8
+#define attend_vec attend_avx2
+#endif
+
+#ifdef VEC_FLOATS
+/* The vector build's row with NC = head_dim / VEC_FLOATS a compile-time constant at each call; other head_dims
+   take the plain loops. */
+#define ATTEND(D) attend_vec((D) / VEC_FLOATS, p, table, n, q, kp, vp, s, out); return;
 static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
                        const float* vp, float* s, float* out) {
   switch (p->head_dim) {
-    case 16: ATTEND(2)
-    case 32: ATTEND(4)
-    case 64: ATTEND(8)
-    case 128: ATTEND(16)
-    case 256: ATTEND(32)
+    case 16: ATTEND(16)
+    case 32: ATTEND(32)
+    case 64: ATTEND(64)
+    case 128: ATTEND(128)
+    case 256: ATTEND(256)
     default: attend_plain(p, table, n, q, kp, vp, s, out);
   }
 }
