@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.options import StderrProgress, spec_params
+from specchat.cli.options import DTYPE_HELP, StderrProgress, spec_params
 from specchat.config import DEVICES, DTYPES, KV_CHOICES, WEIGHT_CHOICES, EngineConfig
 
 TUI_MODULE = "specchat.ui.agent"  # the TUI's agent view, when it has one
@@ -49,7 +49,7 @@ def run_headless(script, config: EngineConfig, concurrency: int | None, as_json:
 @click.option("--json", "as_json", is_flag=True, help="write one JSON event per line to stdout (implies --headless)")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None, help="runs in flight at once [script's]")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help=DTYPE_HELP)
 @click.option("--drafter", default=None, help="override the script's drafter: none | ngram | heads | draft-model")
 @click.option("--k", "k", default=None, help="override the script's draft tokens per step, or 'auto'")
 @click.option("--weights", type=click.Choice(WEIGHT_CHOICES), default=None, help="override the script's weights")

@@ -197,7 +197,6 @@ def generate(
     """Complete a prompt (or a file of prompts, run concurrently) with MODEL (default: smollm2-135m)."""
     from specchat.engine.drafters.base import default_drafter_name
     from specchat.engine.engine import Engine
-    from specchat.engine.loading import pick_dtype
 
     items = read_prompts(prompt, prompts_file)
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
@@ -207,7 +206,7 @@ def generate(
     if spec.drafter == "default":  # named, for the timing line (the default may depend on the device)
         spec = dataclasses.replace(spec, drafter=default_drafter_name(engine))
     engine.drafter(spec.drafter)  # a drafter that cannot load fails once, not once per prompt
-    model_dtype = str(pick_dtype(config.dtype, engine.device)).removeprefix("torch.")
+    model_dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
     show_timing = not as_json and (stats if stats is not None else sys.stderr.isatty())
     from_file = prompts_file is not None
     submitted = submit_all(engine, items, sampling, spec, system, raw, from_file)

@@ -34,6 +34,11 @@ cpu_act_option = click.option(
     "or AVX2 (auto: int8 where the CPU has it, fp32 elsewhere and with --eager)",
 )
 
+DTYPE_HELP = (
+    "default auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else float32; float32 for a GGUF"
+    " model on the CPU (its C block kernels compute in float32)"
+)
+
 
 def model_options(func):
     """MODEL argument + device / dtype / weights."""
@@ -44,7 +49,7 @@ def model_options(func):
         "--dtype",
         type=click.Choice(DTYPE_CHOICES),
         default=None,
-        help="default auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else float32",
+        help=DTYPE_HELP,
     )
     @click.option(
         "--weights",

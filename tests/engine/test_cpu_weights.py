@@ -84,3 +84,25 @@ def test_a_switch_back_from_mxfp4_reads_the_gguf_blocks_again(tmp_path):
     assert kinds() == []
     engine.set_weights("bf16")
     assert kinds() == at_load and tokens() == first
+
+
+def test_auto_dtype_keeps_float32_where_the_block_kernels_read_a_gguf(tmp_path, monkeypatch):
+    """On a CPU with native bf16, `auto` gives a GGUF model float32 (its block kernels compute in float32; a bf16
+    model would skip them: 19.9 against 112 tok/s, docs/benchmarks.md), a dense model bfloat16, and --eager (no
+    block kernels) bfloat16 too."""
+    from specchat.engine import loading
+    from specchat.engine.engine import Engine
+    from tests.engine.tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: True)
+    cpu = torch.device("cpu")
+    assert loading.pick_dtype("auto", cpu, cpu_blocks=True) == torch.float32
+    assert loading.pick_dtype(None, cpu) == torch.bfloat16
+    assert loading.pick_dtype("bfloat16", cpu, cpu_blocks=True) == torch.bfloat16  # as asked
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", blocks=True)
+    engine = Engine.load(EngineConfig(model=str(path), device="cpu"))
+    assert next(engine.model.parameters()).dtype == torch.float32
+    assert any(isinstance(m, BlockLinear) for m in engine.model.modules())
+    eager = Engine.load(EngineConfig(model=str(path), device="cpu", eager=True))
+    assert next(eager.model.parameters()).dtype == torch.bfloat16
