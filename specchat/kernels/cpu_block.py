@@ -28,8 +28,8 @@ from specchat.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_gemv_i8, cp
 C_SOURCE = r"""
 typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 blocks of W [n, k] */
   const void* codes;
-  const float* d;
-  const float* m;
+  const void* d;     /* scales: float32 (float activations) or float16 bits (int8 activations) */
+  const void* m;
   int n, k;
   int int8_act;      /* 1: cpu_gemv_i8's repacked blocks, int8 activations; 0: cpu_gemv's, float activations */
 } Weight;

@@ -17,7 +17,8 @@ group of 16 output rows and block g, word v (4 consecutive bytes of the block, a
 16 rows side by side in one 64-byte vector. A Q4_1 word holds q[4v..4v+3] in its low nibbles and q[4v+16..4v+19]
 in its high nibbles (GGUF's layout), so one load and two masks give the lanes for two 4-byte activation words,
 each broadcast to all lanes. The integer block sums come out one per output lane, with no horizontal reduction;
-the scales are stored [group, block, 16] to match. Rows past N (a last partial group) are zero weights, not stored.
+the scales are stored [group, block, 16] to match, as float16 (GGUF's own scale type, exact in float32; float32
+scales made a Q4_1 weight 0.75 bytes, float16 0.625: the single-thread decode step reads its weights from DRAM). Rows past N (a last partial group) are zero weights, not stored.
 
 The float combination is fixed: per (row, output), over the blocks in order, acc += (dw * dx) * isum, then (Q4_1)
 acc += mw * (dx * sum xq), each product and sum rounded once (no FMA contraction). The integer sums are exact, so
@@ -87,6 +88,9 @@ void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* 
   }
 }
 
+/* 16 float16 scales -> float32 (exact: every float16 is a float32). */
+I8_INLINE __m512 load_half16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
 I8_INLINE __m512i broadcast_word(const int8_t* p) {
   int32_t word;
   memcpy(&word, p, 4);
@@ -110,8 +114,8 @@ I8_INLINE void store_groups(const int R, const int NR, int N, __m512 acc[][4], f
 /* One tile: R activation rows times NR groups of 16 outputs from group grp (compile-time R and NR at each call,
    so the accumulators live in registers). Two integer chains per (row, group), low and high nibbles, to hide
    dpbusd's latency; their sum is exact. */
-I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const float* d,
-                         const float* m, float* y, int grp) {
+I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
+                         const uint16_t* m, float* y, int grp) {
   const int G = K / 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[I8_MMAX][4];
@@ -136,7 +140,7 @@ I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a,
       }
     for (int r = 0; r < NR; r++) {
       const size_t at = ((size_t)(grp + r) * G + g) * 16;
-      const __m512 dg = _mm512_loadu_ps(d + at), mg = _mm512_loadu_ps(m + at);
+      const __m512 dg = load_half16(d + at), mg = load_half16(m + at);
       for (int i = 0; i < R; i++) {
         acc[i][r] = combine(acc[i][r], _mm512_add_epi32(lo_sum[i][r], hi_sum[i][r]), dg, a->d[(size_t)i * G + g]);
         acc[i][r] = _mm512_add_ps(acc[i][r], _mm512_mul_ps(mg, _mm512_set1_ps(a->s[(size_t)i * G + g])));
@@ -146,7 +150,7 @@ I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a,
   store_groups(R, NR, N, acc, y, grp);
 }
 
-I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const float* d,
+I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
                          float* y, int grp) {
   const int G = K / 32;
   __m512 acc[I8_MMAX][4];
@@ -172,7 +176,7 @@ I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a,
         }
       }
     for (int r = 0; r < NR; r++) {
-      const __m512 dg = _mm512_loadu_ps(d + ((size_t)(grp + r) * G + g) * 16);
+      const __m512 dg = load_half16(d + ((size_t)(grp + r) * G + g) * 16);
       for (int i = 0; i < R; i++)
         acc[i][r] = combine(acc[i][r], _mm512_add_epi32(even[i][r], odd[i][r]), dg, a->d[(size_t)i * G + g]);
     }
@@ -200,17 +204,17 @@ I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a,
     default: I8_TILES(TILE, 8, 1, __VA_ARGS__); break;                         \
   }
 
-static void q4i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, const float* m,
+static void q4i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                        float* y, int g0, int g1) {
   I8_DISPATCH(q4i8_tile, w, d, m)
 }
 
-static void q8i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, float* y, int g0,
+static void q8i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d, float* y, int g0,
                        int g1) {
   I8_DISPATCH(q8i8_tile, w, d)
 }
 
-static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, const float* m,
+static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                      float* y, int g0, int g1) {
   if (m != NULL)
     q4i8_chunk(rows, N, K, a, w, d, m, y, g0, g1);
@@ -218,7 +222,7 @@ static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, co
     q8i8_chunk(rows, N, K, a, w, d, y, g0, g1);
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define I8_INLINE static inline __attribute__((always_inline))
 #define I8_OK 1
@@ -258,6 +262,8 @@ void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* 
   }
 }
 
+I8_INLINE __m256 load_half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
 I8_INLINE __m256i word8(const int8_t* p) {
   int32_t word;
   memcpy(&word, p, 4);
@@ -285,8 +291,8 @@ I8_INLINE void store8(const int R, int N, __m256 acc[], float* y, int n) {
 /* R rows (at most I8_RMAX2) times the 8 outputs of half h of group grp. A block's integer sums per row: Q4_1's
    maddubs pairs (at most 2 x 15 x 127) add up in 16-bit lanes, eight of them at most 30,480, and become 32-bit
    once per block (one madd); Q8_0's (at most 2 x 128 x 127) are widened at once. The same integers as dpbusd. */
-I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, const uint8_t* w, const float* d,
-                       const float* m, float* y, int grp, int h) {
+I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
+                       const uint16_t* m, float* y, int grp, int h) {
   const int G = K / 32, words = Q4 ? 4 : 8;
   const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   __m256 acc[I8_RMAX2];
@@ -317,7 +323,7 @@ I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, c
       }
     }
     const size_t at = ((size_t)grp * G + g) * 16 + 8 * h;
-    const __m256 dg = _mm256_loadu_ps(d + at), mg = Q4 ? _mm256_loadu_ps(m + at) : _mm256_setzero_ps();
+    const __m256 dg = load_half8(d + at), mg = Q4 ? load_half8(m + at) : _mm256_setzero_ps();
     for (int i = 0; i < R; i++) {
       const __m256i isum = Q4 ? _mm256_madd_epi16(sum[i], ones) : sum[i];
       acc[i] = combine8(acc[i], isum, dg, a->d[(size_t)i * G + g]);
@@ -327,8 +333,8 @@ I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, c
   store8(R, N, acc, y, grp * 16 + 8 * h);
 }
 
-I8_INLINE void i8_rows2(const int Q4, int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d,
-                        const float* m, float* y, int g0, int g1) {
+I8_INLINE void i8_rows2(const int Q4, int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
+                        const uint16_t* m, float* y, int g0, int g1) {
   for (int i0 = 0; i0 < rows; i0 += I8_RMAX2) {
     const int G = K / 32, r = rows - i0 < I8_RMAX2 ? rows - i0 : I8_RMAX2;
     const Acts sub = {a->q + (size_t)i0 * K, a->d + (size_t)i0 * G, a->s + (size_t)i0 * G, a->sum + (size_t)i0 * G};
@@ -347,7 +353,7 @@ I8_INLINE void i8_rows2(const int Q4, int rows, int N, int K, const Acts* a, con
   }
 }
 
-static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const float* d, const float* m,
+static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                      float* y, int g0, int g1) {
   if (m != NULL)
     i8_rows2(1, rows, N, K, a, w, d, m, y, g0, g1);
@@ -362,7 +368,7 @@ int i8_has_vnni(void) { return 1; }
 /* y [M, N] = x [M, K] W^T for repacked Q4_1 (m != NULL) or Q8_0 (m == NULL) weights: the rows quantized once,
    then I8_MMAX rows at a time, `threads` > 1 splitting the groups of 16 outputs. Returns 0, or -1 without
    memory for the quantized rows. */
-int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const float* d, const float* m, float* y,
+int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_t* d, const uint16_t* m, float* y,
             int threads) {
   const int G = K / 32, groups = (N + 15) / 16;
   const size_t mg = (size_t)M * G;
@@ -395,7 +401,7 @@ int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const float* 
    these. */
 int i8_has_vnni(void) { return 0; }
 void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {}
-int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const float* d, const float* m, float* y,
+int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_t* d, const uint16_t* m, float* y,
             int threads) {
   return -1;
 }
@@ -432,11 +438,15 @@ def _interleave(words: torch.Tensor, n: int, g: int, per_block: int) -> torch.Te
 
 
 def _scales(t: torch.Tensor) -> torch.Tensor:
-    """[N, G] float32 -> [ceil(N/16), G, 16] (rows past N zero)."""
+    """[N, G] float32 scales that float16 holds exactly (GGUF's are float16) -> float16 [ceil(N/16), G, 16] (rows
+    past N zero): half the bytes of float32, and a tenth of what a Q4_1 row reads (d and m)."""
     n, g = t.shape
+    half = t.half()
+    if not torch.equal(half.float(), t):
+        raise ValueError("cpu_gemv_i8: block scales must be float16 values (as GGUF stores them)")
     groups = -(-n // GROUP)
-    padded = torch.zeros(groups * GROUP, g, dtype=torch.float32)
-    padded[:n] = t
+    padded = torch.zeros(groups * GROUP, g, dtype=torch.float16)
+    padded[:n] = half
     return padded.view(groups, GROUP, g).transpose(1, 2).contiguous()
 
 
