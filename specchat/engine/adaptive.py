@@ -14,6 +14,13 @@ step time at each k it has run, interpolates between them (and extrapolates with
 and runs a plain step now and then to keep the reference time fresh. Without step times (a caller that
 passes none) it uses C(k) = 1 + cost_per_draft * k.
 
+A hybrid drafter (ngram+heads: an n-gram match where the context repeats, the heads elsewhere) draws its drafts
+from sources that differ in kind: a match is free and right for several tokens, or absent; the heads are always
+there and right less often. One set of rates would mix them: a run of head misses drove the rates from 0.9 to
+0.1 within a few steps, k went to 0 and the n-gram lookup, which would have matched, was not asked (CPU, eval
+prompts: 1.31 tokens per step on code against 2.65 at k = 4). So each named source of a draft (Draft.source)
+keeps its own rates, each source drafts up to its own best k (`limit`), and the request reserves the largest.
+
 When no k > 0 pays it stops drafting and probes with k = 1 every `probe_every` steps (a probe whose draft is
 rejected goes straight back to idling), so that a change in the text (say, a code block after prose) is
 noticed. A k the user sets bypasses this controller (the engine keeps it fixed). Step times make k, and so the
@@ -43,7 +50,9 @@ class AdaptiveK:
     ema: float = EMA_WEIGHT
     cost_per_draft: float = COST_PER_DRAFT
     probe_every: int = PROBE_EVERY
-    rates: list[float] = field(default_factory=list)  # a_1 .. a_kmax
+    rates: list[float] = field(default_factory=list)  # a_1 .. a_kmax (drafts of the drafter's own source, "")
+    sources: dict[str, list[float]] = field(default_factory=dict)  # rates of each other named source
+    source_k: dict[str, int] = field(default_factory=dict)  # each source's best k ("" included) where sources
     step_ms: list[float | None] = field(default_factory=list)  # EMA of the step time at k = 0 .. k_max
     idle_steps: int = 0  # steps in a row that chose not to draft
     since_plain: int = 0  # timed drafting steps since the last timed plain step
@@ -54,6 +63,17 @@ class AdaptiveK:
             raise ConfigError("adaptive K: need k_max >= 0, 0 < ema <= 1, cost_per_draft >= 0, probe_every >= 1")
         self.rates = self.rates or [self.prior] * self.k_max
         self.step_ms = self.step_ms or [None] * (self.k_max + 1)
+
+    @classmethod
+    def for_sources(cls, k_max: int, sources: tuple[str, ...] = ()) -> AdaptiveK:
+        """A controller for a drafter whose drafts come from the named `sources` besides its own ("")."""
+        return cls(k_max, sources={name: [PRIOR_ACCEPTANCE] * k_max for name in sources})
+
+    def limit(self, source: str, k: int) -> int:
+        """The most drafts `source` may propose in a step that reserved k: its own best k (all k on a probe)."""
+        if self.probing or source not in self.source_k:
+            return k
+        return min(k, self.source_k[source])
 
     @property
     def alpha(self) -> float:
@@ -93,15 +113,17 @@ class AdaptiveK:
         nearest = below[-1] if below else above[0]
         return max(1.0, self.step_ms[nearest] / plain + self.cost_per_draft * (k - nearest))
 
-    def best_k(self) -> int:
+    def best_k(self, rates: list[float] | None = None) -> int:
         """argmax over k of expected_tokens(k) / step_cost(k), in one pass (it runs for every request at every
-        step: ~27 us a request done term by term, a third of a 32-request GPU step's host time)."""
+        step: ~27 us a request done term by term, a third of a 32-request GPU step's host time); `rates`: a
+        source's, else the drafter's own."""
+        rates = self.rates if rates is None else rates
         plain = self.step_ms[0]
         known = [j for j in range(1, self.k_max + 1) if self.step_ms[j] is not None]
         measured = plain is not None and known
         best, best_gain, total, reach, lo = 0, 1.0, 1.0, 1.0, 0
         for k in range(1, self.k_max + 1):
-            reach *= self.rates[k - 1]
+            reach *= rates[k - 1]
             total += reach
             if not measured:
                 cost = 1.0 + self.cost_per_draft * k
@@ -127,13 +149,15 @@ class AdaptiveK:
         gains = [self.expected_tokens(k) / self.step_cost(k) for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=gains.__getitem__)
 
-    def update(self, k: int, accepted: int, step_ms: float | None = None) -> int:
-        """Observe a step (k drafts, `accepted` kept, optionally its wall time) and return k for the next step."""
+    def update(self, k: int, accepted: int, step_ms: float | None = None, source: str = "") -> int:
+        """Observe a step (k drafts from `source`, `accepted` kept, optionally its wall time) and return k for the
+        next step: the largest of the sources' best k."""
         probed, self.probing = self.probing, False
+        rates = self.sources.setdefault(source, [self.prior] * self.k_max) if source else self.rates
         # Positions 1..accepted were accepted; position accepted + 1 was tested and rejected (if it exists).
         for i in range(min(accepted + 1, k, self.k_max)):
             seen = 1.0 if i < accepted else 0.0
-            self.rates[i] += self.ema * (seen - self.rates[i])
+            rates[i] += self.ema * (seen - rates[i])
         if step_ms is not None and k <= self.k_max:
             old = self.step_ms[k]
             # Another process on the cores stalls a step now and then; such spikes would make one k look cheap
@@ -146,6 +170,9 @@ class AdaptiveK:
             self.idle_steps += 1
             return 0
         nxt = self.best_k()
+        if self.sources:
+            self.source_k = {"": nxt} | {name: self.best_k(r) for name, r in self.sources.items()}
+            nxt = max(self.source_k.values())
         if nxt > 0:
             self.idle_steps = 0
             return nxt

@@ -221,7 +221,7 @@ class Engine:
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
             k=spec.k if spec.k is not None else min(4, spec.k_max),
-            adaptive=AdaptiveK(spec.k_max) if spec.k is None else None,
+            adaptive=AdaptiveK.for_sources(spec.k_max, self.drafter(spec.drafter).sources) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id, listen_only)
         with self._lock:
@@ -249,19 +249,22 @@ class Engine:
         def change() -> None:
             for seq in self._running_seqs(request_id):
                 seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
-                seq.adaptive = AdaptiveK(seq.spec.k_max) if k is None else None
+                sources = self.drafter(seq.spec.drafter).sources
+                seq.adaptive = AdaptiveK.for_sources(seq.spec.k_max, sources) if k is None else None
                 seq.k = k if k is not None else seq.adaptive.best_k()
 
         self.apply(change)
 
     def set_drafter(self, name: str, request_id: int | None = None) -> None:
         """Switch the drafter of one request (or all live ones) from the next step on."""
-        self.drafter(name)  # unknown names fail here, in the caller
+        drafter = self.drafter(name)  # unknown names fail here, in the caller
 
         def change() -> None:
             for seq in self._running_seqs(request_id):
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
+                if seq.adaptive is not None:  # what it learnt was another drafter's acceptance
+                    seq.adaptive = AdaptiveK.for_sources(seq.spec.k_max, drafter.sources)
             if request_id is None:
                 self.metrics.observe_drafter_switch()
 

@@ -309,7 +309,7 @@ class Scheduler:
                 elif not self._gated_off:  # a step the gate held at k = 0 teaches the controller nothing
                     # the time of this step had every decode request drafted this request's k (StepCosts)
                     step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
-                    seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms)
+                    seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms, outcome.source)
                 events.append(StepEvent(seq.seq_id, rec, seq.k))
             delta = seq.take_delta()
             if delta or kept:

@@ -67,6 +67,7 @@ class Outcome:
     drafted: int  # draft tokens proposed (may be fewer than the plan's k)
     accepted: int
     emitted: list[int]  # accepted drafts + the recovered or bonus token
+    source: str = ""  # Draft.source of the drafts
 
 
 @dataclass(slots=True)
@@ -268,7 +269,7 @@ class SpecStep:
         outcomes: list[Outcome | None] = [None] * len(plan.items)
         kept = [len(item.feed) for item in plan.items]  # rows of positions the cache keeps
         for i, (accepted, emitted) in zip(sampling, verdicts, strict=True):
-            outcomes[i] = Outcome(len(drafts[i].tokens), accepted, emitted)
+            outcomes[i] = Outcome(len(drafts[i].tokens), accepted, emitted, drafts[i].source)
             kept[i] += accepted
         hidden = [{layer: h[:n] for layer, h in taps.items()} for taps, n in zip(out.hidden, kept, strict=True)]
         t2 = time.perf_counter()
@@ -318,5 +319,5 @@ class SpecStep:
             )
             for i, draft in zip(members, proposed, strict=True):
                 k = plan.items[i].k
-                drafts[i] = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+                drafts[i] = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.source)
         return drafts

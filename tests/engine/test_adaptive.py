@@ -91,6 +91,30 @@ def run_timed(ctl: AdaptiveK, step_ms, accept_first_every: int, steps: int = 200
     return ks
 
 
+def test_each_draft_source_keeps_its_own_rates_and_k():
+    """ngram+heads: head misses no longer stop the n-gram matches, which stay accepted (and the reverse)."""
+    ctl = AdaptiveK.for_sources(4, ("ngram",))
+    k = ctl.best_k()
+    for _ in range(12):
+        k = ctl.update(k, 0)  # the heads ("") miss every draft
+        k = ctl.update(k, k, source="ngram")  # every n-gram draft is accepted
+    assert ctl.rates[0] < 0.1 and ctl.sources["ngram"][0] > 0.9
+    assert k == 4 and ctl.limit("ngram", k) == 4 and ctl.limit("", k) == 0
+    assert ctl.limit("ngram", 2) == 2  # never above what the step reserved
+
+
+def test_a_probe_lets_every_source_draft():
+    ctl = AdaptiveK.for_sources(4, ("ngram",))
+    ctl.probe_every = 3
+    k = 4
+    for step in range(100):  # both sources miss until the controller idles and probes
+        k = ctl.update(k, 0, source="ngram" if step % 2 else "")
+        if ctl.probing:
+            break
+    assert k == 1 and ctl.limit("ngram", 1) == 1 and ctl.limit("", 1) == 1
+    assert ctl.update(1, 1, source="ngram") > 0  # an accepted n-gram probe resumes drafting
+
+
 def test_measured_step_times_decide_whether_drafting_pays():
     # a_1 = 1/2: a drafting step emits 1.5 tokens on average.
     # CPU fp32-like: any verification costs ~1.8 plain steps, so drafting loses; it stops (and only probes).

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specchat.config import SamplingParams, SpecParams
+from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.drafters import make_drafter
 from specchat.engine.drafters.draft_model import DraftModelDrafter
 from specchat.engine.drafters.heads import DraftHeads, HeadsConfig, HeadsDrafter
@@ -143,6 +144,7 @@ class FakeSeq:
     sampling: SamplingParams
     hidden: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
+    adaptive: AdaptiveK | None = None
 
     @property
     def newest(self) -> int:
@@ -230,3 +232,18 @@ def test_ngram_then_heads_caps_the_heads_drafts_not_the_ngrams(tiny_engine):
     drafts = capped.propose([repeats, fresh], [5, 5])
     assert drafts[0].tokens == [7, 8, 9, 5, 6] and len(drafts[1].tokens) == 2
     assert len(uncapped.propose([fresh], [5])[0].tokens) == 5
+
+
+def test_ngram_then_heads_drafts_each_source_up_to_its_adaptive_k(tiny_engine):
+    """Under adaptive k each source drafts at most its own best k: here the n-grams 3, the heads none."""
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=5), tiny_engine.model)
+    hidden = {heads.cfg.tap: torch.randn(1, tiny_engine.model.cfg.hidden_size)}
+    adaptive = AdaptiveK.for_sources(5, ("ngram",))
+    adaptive.source_k = {"": 0, "ngram": 3}
+    repeats = FakeSeq(1, [5, 6, 7, 8, 9, 5, 6], SamplingParams(), hidden, adaptive=adaptive)
+    fresh = FakeSeq(2, [11, 12, 13], SamplingParams(), dict(hidden), adaptive=adaptive)
+    drafts = NgramThenHeads(heads).propose([repeats, fresh], [5, 5])
+    assert drafts[0].tokens == [7, 8, 9] and drafts[0].source == "ngram"
+    assert drafts[1].tokens == []

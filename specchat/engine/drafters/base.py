@@ -27,12 +27,15 @@ if TYPE_CHECKING:
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), vocab] or None for a point mass
+    source: str = ""  # which part of a hybrid drafter proposed it ("" = the drafter's own): adaptive K keeps
+    # each source's acceptance apart (engine/adaptive.py)
 
 
 class Drafter:
     """Base class: proposes nothing."""
 
     name = "none"
+    sources: tuple[str, ...] = ()  # Draft.source names its drafts may carry besides "" (adaptive K keeps them apart)
     taps: tuple[int, ...] = ()
     tap_history = False  # True: seq.hidden keeps every row since the drafter last read (and cleared) it
 

@@ -24,6 +24,7 @@ MIN_NGRAM = DEFAULT_MIN_N  # a one-token match says too little to beat the heads
 
 class NgramThenHeads(Drafter):
     name = "ngram+heads"
+    sources = ("ngram",)  # the heads' drafts are the drafter's own ("")
 
     def __init__(self, heads: HeadsDrafter, min_n: int = MIN_NGRAM, heads_k: int | None = None) -> None:
         """heads_k: the most drafts the heads propose where the n-grams miss (default: heads_cpu.HYBRID_HEADS_K
@@ -35,13 +36,16 @@ class NgramThenHeads(Drafter):
         self.taps = heads.taps
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        drafts = self.ngram.propose(seqs, ks)
+        """Each source drafts at most the k that a request's adaptive controller chose for it (AdaptiveK.limit)."""
+        drafts = self.ngram.propose(seqs, [_limit(seq, "ngram", k) for seq, k in zip(seqs, ks, strict=True)])
+        for draft in drafts:
+            draft.source = "ngram"
         misses = [i for i, d in enumerate(drafts) if not d.tokens]
+        heads_ks = {i: _limit(seqs[i], "", min(ks[i], self.heads_k or ks[i])) for i in misses}
+        misses = [i for i in misses if heads_ks[i] > 0]
         if misses:
             for i, draft in zip(
-                misses,
-                self.heads.propose([seqs[i] for i in misses], [min(ks[i], self.heads_k or ks[i]) for i in misses]),
-                strict=True,
+                misses, self.heads.propose([seqs[i] for i in misses], [heads_ks[i] for i in misses]), strict=True
             ):
                 drafts[i] = draft
         return drafts
@@ -52,3 +56,7 @@ class NgramThenHeads(Drafter):
 
     def warm_up(self, sessions: int) -> None:
         self.heads.warm_up(sessions)
+
+
+def _limit(seq: Sequence, source: str, k: int) -> int:
+    return k if seq.adaptive is None else seq.adaptive.limit(source, k)
