@@ -59,8 +59,8 @@ class CpuBlock(Block):
             else None
         )
         weights = self.block_weights() if pages is not None else None
-        if weights is None:
-            return self.forward_ops(x, cos, sin, kv)
+        if weights is None or self._modules["mlp"]._modules["w_gate_up"].takes_gemm(x.numel() // x.shape[-1]):
+            return self.forward_ops(x, cos, sin, kv)  # (float rows of a long prompt: the GEMM is faster there)
         plan, k_pages, v_pages = pages
         return cpu_block.decode_block(
             weights, plan, x.contiguous(), cos, sin, k_pages, v_pages, torch.get_num_threads()

@@ -68,12 +68,16 @@ class BlockLinear(nn.Linear):
             )
         return bound
 
+    def takes_gemm(self, rows: int) -> bool:
+        """Whether `rows` rows take the float GEMM here rather than the blocks."""
+        gemm_above = _GEMM_ABOVE.get() if self.gemm_for_many_rows else None
+        return gemm_above is not None and rows > gemm_above
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~121 times a token: a decode step's [T, K] float32 rows go through without a reshape or cast, and
         # the buffers are read from the module's dicts (an nn.Module attribute lookup costs ~1 us).
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        gemm_above = _GEMM_ABOVE.get() if self.gemm_for_many_rows else None
-        if gemm_above is not None and rows.shape[0] > gemm_above:
+        if self.takes_gemm(rows.shape[0]):
             return F.linear(x, self.weight, self.bias)
         y = self.bound()(rows.float().contiguous(), torch.get_num_threads())
         bias = self._parameters["bias"]

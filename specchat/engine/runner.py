@@ -10,7 +10,8 @@ import torch
 
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
-from specchat.kernels import cpu_attention
+
+DECODE_ROWS = 16  # a request feeding at most this many tokens after its cached context decodes with the others
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class ModelRunner:
         from specchat.engine.cpu_weights import blocks_for_any_rows
 
         n = len(batch.feeds)
-        short = cpu_attention.MAX_Q_LEN
+        short = DECODE_ROWS
         decoding = [i for i in range(n) if batch.start_positions[i] > 0 and len(batch.feeds[i]) <= short]
         parts = ([decoding] if decoding else []) + [[i] for i in sorted(set(range(n)) - set(decoding))]
         assert ids is None or len(parts) == 1, "tokens on the device feed a step of decoding requests only"

@@ -21,7 +21,6 @@ import torch
 from specchat.kernels import cpu_build, cpu_ops
 
 MAX_HEAD_DIM = 256  # the kernel keeps a query row's output in registers (16 floats per vector)
-MAX_Q_LEN = 16  # new tokens per request the kernel takes (decode and verification; prompts use SDPA)
 
 C_SOURCE = r"""
 /* The step as the attention kernel sees it (built once per step; AttentionPlan in cpu_attention.py). */
@@ -199,9 +198,14 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 
 /* Store this step's keys/values (k/v [T, KVH, D], row strides k_stride / v_stride) at their slots of the pages
    [KVH, num_slots, D], then out [T, H, D] = causal attention of every new row (q [T, H, D], row stride
-   q_stride) over its request's context. Returns 0, or -1 when the scratch row cannot be allocated. */
+   q_stride) over its request's context: a decode row, a verification's, a prompt's alike (each (row, head) by
+   the same loop, so a row's output does not depend on what else the step holds: a prompt prefilled in one
+   chunk, in several or taken from the prefix cache gives the same bits). `threads` > 1 splits the (row, head)
+   pairs where the step attends over PARALLEL_KEYS keys or more. Returns 0, or -1 when the scratch rows cannot
+   be allocated. */
+#define PARALLEL_KEYS 32768
 int paged_attention(const Plan* p, const float* q, long q_stride, const float* k, long k_stride, const float* v,
-                    long v_stride, float* k_pages, float* v_pages, float* out) {
+                    long v_stride, float* k_pages, float* v_pages, float* out, int threads) {
   const int D = p->head_dim, H = p->heads, KVH = p->kv_heads, G = H / KVH;
   const size_t row_bytes = (size_t)D * sizeof(float);
   for (int t = 0; t < p->tokens; t++)
@@ -210,28 +214,43 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       memcpy(k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, row_bytes);
       memcpy(v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, row_bytes);
     }
+  int* row_req = malloc((size_t)p->tokens * 2 * sizeof(int)); /* per new row: its request, keys it sees */
+  if (row_req == NULL) return -1;
   int longest = 1;
-  for (int b = 0; b < p->batch; b++) longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
-  float* s = malloc((size_t)longest * sizeof(float));
-  if (s == NULL) return -1;
+  long keys = 0;
   for (int b = 0; b < p->batch; b++) {
-    const int32_t* table = p->tables + (size_t)b * p->table_width;
+    longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
     for (int i = 0; i < p->q_lens[b]; i++) {
-      const int t = p->q_starts[b] + i;
-      const int n = p->ctx_lens[b] - p->q_lens[b] + i + 1; /* keys this row sees */
-      for (int h = 0; h < KVH; h++) {
-        const float* kp = k_pages + (size_t)h * p->num_slots * D;
-        const float* vp = v_pages + (size_t)h * p->num_slots * D;
-        for (int g = 0; g < G; g++) {
-          const int hq = h * G + g;
-          attend_row(p, table, n, q + (size_t)t * q_stride + (size_t)hq * D, kp, vp, s,
-                     out + ((size_t)t * H + hq) * D);
-        }
-      }
+      const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1;
+      row_req[2 * t] = b;
+      row_req[2 * t + 1] = n;
+      keys += n;
     }
   }
-  free(s);
-  return 0;
+  const long pairs = (long)p->tokens * H;
+  const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
+  int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(team) reduction(| : failed)
+#endif
+  {
+    float* s = malloc((size_t)longest * sizeof(float));
+    failed = s == NULL;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (long w = 0; w < pairs; w++) {
+      if (s == NULL) continue;
+      const int t = (int)(w / H), hq = (int)(w % H), h = hq / G;
+      const int32_t* table = p->tables + (size_t)row_req[2 * t] * p->table_width;
+      attend_row(p, table, row_req[2 * t + 1], q + (size_t)t * q_stride + (size_t)hq * D,
+                 k_pages + (size_t)h * p->num_slots * D, v_pages + (size_t)h * p->num_slots * D, s,
+                 out + ((size_t)t * H + hq) * D);
+    }
+    free(s);
+  }
+  free(row_req);
+  return failed ? -1 : 0;
 }
 """
 
@@ -255,7 +274,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_long
-    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr]
+    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
     return lib
 
@@ -290,7 +309,7 @@ class AttentionPlan:
         self.tensors = tuple(t.contiguous() for t in (block_tables, q_starts, q_lens, ctx_lens, slots))
         batch = q_lens.shape[0]
         assert block_tables.shape[0] == q_starts.shape[0] == ctx_lens.shape[0] == batch, block_tables.shape
-        assert int(q_lens.max()) <= MAX_Q_LEN and bool((q_lens <= ctx_lens).all()), (q_lens, ctx_lens)
+        assert bool((q_lens <= ctx_lens).all()), (q_lens, ctx_lens)
         assert int(q_lens.sum()) == slots.shape[0], (q_lens, slots.shape)
         self.num_heads, self.kv_heads, self.head_dim, self.num_slots = num_heads, kv_heads, head_dim, num_slots
         self.tokens = slots.shape[0]
@@ -305,10 +324,17 @@ class AttentionPlan:
 
 
 def paged_attention(
-    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    threads: int = 1,
 ) -> torch.Tensor:
     """Write k/v [T, KVH, D] into the dense float32 pages [KVH, slots, D] at the plan's slots, then return
-    [T, H, D]: each new row's causal attention over its request's context (q [T, H, D])."""
+    [T, H, D]: each new row's causal attention over its request's context (q [T, H, D]), the same bits for any
+    `threads`."""
     q_stride = cpu_ops.heads_view(q, plan.q_shape)
     k_stride, v_stride = cpu_ops.heads_view(k, plan.kv_shape), cpu_ops.heads_view(v, plan.kv_shape)
     for pages in (k_pages, v_pages):
@@ -316,7 +342,7 @@ def paged_attention(
     out = torch.empty(*plan.q_shape)
     status = _library().paged_attention(
         plan.ref, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-        k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(),
+        k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(), threads,
     )  # fmt: skip
     if status != 0:
         raise MemoryError("cpu_attention.paged_attention: no memory for a row of scores")

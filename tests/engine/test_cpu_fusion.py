@@ -131,7 +131,7 @@ def run_steps(model: Transformer, feeds: list[list[int]], cpu_kernels: bool = Tr
 
 def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
     """kernels/cpu_block.py chains the same C kernels in the same order: bit-equal logits and KV pages, for
-    decode and verification steps."""
+    prefill, decode and verification steps."""
     torch.manual_seed(0)
     model = with_gguf_blocks(Transformer(CFG).eval())
     cpu_fusion.fuse(model)
@@ -140,7 +140,7 @@ def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
     block_call = cpu_block.decode_block
     monkeypatch.setattr(cpu_block, "decode_block", lambda *a: calls.append(1) or block_call(*a))
     whole, whole_pool = run_steps(model, feeds)
-    assert len(calls) == (len(feeds) - 1) * CFG.num_layers  # every step but the prefill
+    assert len(calls) == len(feeds) * CFG.num_layers  # every step, the prefill too
     monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
     ops, ops_pool = run_steps(model, feeds)
     assert all(torch.equal(a, b) for a, b in zip(whole, ops, strict=True))
