@@ -130,7 +130,9 @@ def test_bad_request_fails_alone(tiny_model_dir, tiny_engine):
 
     expected = alone(tiny_engine, PROMPTS[1], 20)
     small = Engine.load(
-        EngineConfig(model=str(tiny_model_dir), device="cpu", kv_memory=tiny_engine.pool.bytes_per_token * 64)
+        EngineConfig(
+            model=str(tiny_model_dir), device="cpu", dtype="float32", kv_memory=tiny_engine.pool.bytes_per_token * 64
+        )
     )
     good = small.submit(PROMPTS[1], SamplingParams(max_tokens=20))
     with pytest.raises(ConfigError):
