@@ -67,6 +67,11 @@ INLINE float dot_plain(const float* a, const float* b, int D) {
   return acc[0];
 }
 
+/* The rows of the page holding key j0 (a page boundary) in one KV head's pages. */
+INLINE const float* page_rows(const Plan* p, const int32_t* table, const float* pages, int j0) {
+  return pages + (size_t)table[j0 / p->page_size] * p->page_size * p->head_dim;
+}
+
 /* One query row of one head over its n keys: K/V rows of its KV head found through the block table, a page at a
    time (positions j0 .. j0 + len - 1 lie in page table[j0 / ps], consecutive rows: no division per key). */
 static void attend_plain(const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
@@ -108,13 +113,13 @@ INLINE __m512 sum16(const __m512* v) {
 /* The same row with NC = D / 16 vectors per key row, a compile-time constant at each call so the output stays
    in registers: per key, one dot product (NC products summed in order), reduced 16 keys at a time (sum16; the
    keys past a page's last 16 one at a time), and NC fused adds. */
-INLINE void attend_avx(const int NC, const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
-                       const float* vp, float* s, float* out) {
+/* Scores of one row (query vectors qv) for keys from..n - 1 (from: a page boundary), page by page as every row of
+   this build scores them: in a page, 16 keys at a time (sum16), its keys past the last 16 one at a time. */
+INLINE void score_keys(const int NC, const Plan* p, const int32_t* table, int from, int n, const __m512* qv,
+                       float* s, const float* kp) {
   const int D = p->head_dim, ps = p->page_size;
-  __m512 qv[16], acc[16];
-  for (int c = 0; c < NC; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int j0 = 0; j0 < n; j0 += ps) {
-    const float* k = kp + (size_t)table[j0 / ps] * ps * D;
+  for (int j0 = from; j0 < n; j0 += ps) {
+    const float* k = page_rows(p, table, kp, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     int j = 0;
     for (; j + 16 <= len; j += 16) {
@@ -132,18 +137,100 @@ INLINE void attend_avx(const int NC, const Plan* p, const int32_t* table, int n,
       s[j0 + j] = _mm512_reduce_add_ps(d) * p->scale;
     }
   }
-  softmax(s, n);
-  for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
-  for (int j0 = 0; j0 < n; j0 += ps) {
-    const float* v = vp + (size_t)table[j0 / ps] * ps * D;
-    const int len = n - j0 < ps ? n - j0 : ps;
-    for (int j = 0; j < len; j++) {
-      const __m512 w = _mm512_set1_ps(s[j0 + j]);
-      for (int c = 0; c < NC; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + (size_t)j * D + 16 * c), acc[c]);
+}
+
+/* acc (NC vectors) += sum over keys from..n - 1 of s[j] v_j, in key order. */
+INLINE void add_values(const int NC, const Plan* p, const int32_t* table, int from, int n, const float* s,
+                       __m512* acc, const float* vp) {
+  const int D = p->head_dim, ps = p->page_size;
+  for (int j = from; j < n;) {
+    const int j0 = j - j % ps, end = n < j0 + ps ? n : j0 + ps;
+    const float* v = page_rows(p, table, vp, j0);
+    for (; j < end; j++) {
+      const __m512 w = _mm512_set1_ps(s[j]);
+      for (int c = 0; c < NC; c++)
+        acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + (size_t)(j - j0) * D + 16 * c), acc[c]);
     }
   }
+}
+
+/* The same row with NC = D / 16 vectors per key row, a compile-time constant at each call so the output stays
+   in registers: per key, one dot product (NC products summed in order), reduced 16 keys at a time (sum16), and
+   NC fused adds. */
+INLINE void attend_avx(const int NC, const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
+                       const float* vp, float* s, float* out) {
+  __m512 qv[16], acc[16];
+  for (int c = 0; c < NC; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  score_keys(NC, p, table, 0, n, qv, s, kp);
+  softmax(s, n);
+  for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+  add_values(NC, p, table, 0, n, s, acc, vp);
   for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
+
+/* R consecutive rows of one request and head (row r sees n + r keys) with the arithmetic of attend_avx for each
+   row, bit for bit: the keys of the pages full for every row are scored for all R at once, so each key row is
+   loaded once for R queries (a prompt's rows read their context from L2 R times less); each row's remaining keys,
+   its softmax, and its sum of values in key order as attend_avx. R * NC <= 16 keeps the sums in registers. */
+INLINE void attend_tile(const int NC, const int R, const Plan* p, const int32_t* table, int n, const float* q,
+                        long q_row, const float* kp, const float* vp, float* s, long s_row, float* out, long out_row) {
+  const int D = p->head_dim, ps = p->page_size, full = n / ps * ps;
+  __m512 qv[4][16], acc[4][16];
+  _Alignas(64) float dots[4][16][16];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < NC; c++) qv[r][c] = _mm512_loadu_ps(q + r * q_row + 16 * c);
+  for (int j0 = 0; j0 < full; j0 += ps) {
+    const float* k = page_rows(p, table, kp, j0);
+    int j = 0;
+    for (; j + 16 <= ps; j += 16) {
+      for (int u = 0; u < 16; u++) {
+        const float* kj = k + (size_t)(j + u) * D;
+        __m512 kv[16];
+        for (int c = 0; c < NC; c++) kv[c] = _mm512_loadu_ps(kj + 16 * c);
+        for (int r = 0; r < R; r++) {
+          __m512 d = _mm512_mul_ps(qv[r][0], kv[0]);
+          for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], kv[c], d);
+          _mm512_store_ps(dots[r][u], d);
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        __m512 d[16];
+        for (int u = 0; u < 16; u++) d[u] = _mm512_load_ps(dots[r][u]);
+        _mm512_storeu_ps(s + r * s_row + j0 + j, _mm512_mul_ps(sum16(d), _mm512_set1_ps(p->scale)));
+      }
+    }
+    for (; j < ps; j++) {
+      const float* kj = k + (size_t)j * D;
+      for (int r = 0; r < R; r++) {
+        __m512 d = _mm512_mul_ps(qv[r][0], _mm512_loadu_ps(kj));
+        for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], _mm512_loadu_ps(kj + 16 * c), d);
+        s[r * s_row + j0 + j] = _mm512_reduce_add_ps(d) * p->scale;
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    score_keys(NC, p, table, full, n + r, qv[r], s + r * s_row, kp);
+    softmax(s + r * s_row, n + r);
+    for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int j0 = 0; j0 < n; j0 += ps) { /* keys every row sees, in order */
+    const float* v = page_rows(p, table, vp, j0);
+    const int len = n - j0 < ps ? n - j0 : ps;
+    for (int j = 0; j < len; j++) {
+      __m512 vv[16];
+      for (int c = 0; c < NC; c++) vv[c] = _mm512_loadu_ps(v + (size_t)j * D + 16 * c);
+      for (int r = 0; r < R; r++) {
+        const __m512 w = _mm512_set1_ps(s[r * s_row + j0 + j]);
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    add_values(NC, p, table, n, n + r, s + r * s_row, acc[r], vp);
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + r * out_row + 16 * c, acc[r][c]);
+  }
+}
+#define HAVE_TILE 1
 #define VEC_FLOATS 16
 #define attend_vec attend_avx
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -223,6 +310,38 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 #define attend_row attend_plain
 #endif
 
+/* R rows (see paged_attention): where the build tiles rows (AVX-512, head_dim 16..128), attend_tile; else one
+   row at a time. The same bits either way: a tile does each row's arithmetic as attend_row does. */
+static int tile_rows(int D) {
+#ifdef HAVE_TILE
+  if (D == 16 || D == 32 || D == 64) return 4;
+  if (D == 128) return 2;
+#endif
+  return 1;
+}
+
+static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const float* q, long q_row,
+                        const float* kp, const float* vp, float* s, long s_row, float* out, long out_row) {
+#ifdef HAVE_TILE
+#define TILE(NC, RR) attend_tile(NC, RR, p, table, n, q, q_row, kp, vp, s, s_row, out, out_row); return;
+#define TILES(NC) \
+  switch (R) {    \
+    case 2: TILE(NC, 2) \
+    case 3: TILE(NC, 3) \
+    case 4: TILE(NC, 4) \
+  }
+  if (R > 1) switch (p->head_dim) {
+      case 16: TILES(1) break;
+      case 32: TILES(2) break;
+      case 64: TILES(4) break;
+      case 128: if (R == 2) { TILE(8, 2) } break;
+    }
+#undef TILES
+#undef TILE
+#endif
+  for (int r = 0; r < R; r++) attend_row(p, table, n + r, q + r * q_row, kp, vp, s, out + r * out_row);
+}
+
 /* Store this step's keys/values (k/v [T, KVH, D], row strides k_stride / v_stride) at their slots of the pages
    [KVH, num_slots, D], then out [T, H, D] = causal attention of every new row (q [T, H, D], row stride
    q_stride) over its request's context: a decode row, a verification's, a prompt's alike (each (row, head) by
@@ -241,38 +360,43 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       memcpy(k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, row_bytes);
       memcpy(v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, row_bytes);
     }
-  int* row_req = malloc((size_t)p->tokens * 2 * sizeof(int)); /* per new row: its request, keys it sees */
-  if (row_req == NULL) return -1;
-  int longest = 1;
+  /* work: (tile of up to R consecutive rows of one request, query head) */
+  const int R = tile_rows(D);
+  int tiles = 0, longest = 1;
   long keys = 0;
   for (int b = 0; b < p->batch; b++) {
+    tiles += (p->q_lens[b] + R - 1) / R;
     longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
-    for (int i = 0; i < p->q_lens[b]; i++) {
-      const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1;
-      row_req[2 * t] = b;
-      row_req[2 * t + 1] = n;
-      keys += n;
-    }
+    keys += (long)p->q_lens[b] * p->ctx_lens[b];
   }
-  const long pairs = (long)p->tokens * H;
+  int* row_req = malloc((size_t)tiles * 3 * sizeof(int)); /* per tile: request, first row, rows */
+  if (row_req == NULL) return -1;
+  for (int b = 0, w = 0; b < p->batch; b++)
+    for (int i = 0; i < p->q_lens[b]; i += R, w++) {
+      row_req[3 * w] = b;
+      row_req[3 * w + 1] = i;
+      row_req[3 * w + 2] = p->q_lens[b] - i < R ? p->q_lens[b] - i : R;
+    }
+  const long pairs = (long)tiles * H, s_row = (longest + 15) / 16 * 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
   int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(team) reduction(| : failed)
 #endif
   {
-    float* s = malloc((size_t)longest * sizeof(float));
+    float* s = malloc((size_t)R * s_row * sizeof(float));
     failed = s == NULL;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (long w = 0; w < pairs; w++) {
       if (s == NULL) continue;
-      const int t = (int)(w / H), hq = (int)(w % H), h = hq / G;
-      const int32_t* table = p->tables + (size_t)row_req[2 * t] * p->table_width;
-      attend_row(p, table, row_req[2 * t + 1], q + (size_t)t * q_stride + (size_t)hq * D,
-                 k_pages + (size_t)h * p->num_slots * D, v_pages + (size_t)h * p->num_slots * D, s,
-                 out + ((size_t)t * H + hq) * D);
+      const int* tile = row_req + 3 * (w / H);
+      const int b = tile[0], i = tile[1], hq = (int)(w % H), h = hq / G;
+      const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1; /* row i sees n keys */
+      attend_rows(p, p->tables + (size_t)b * p->table_width, n, tile[2], q + (size_t)t * q_stride + (size_t)hq * D,
+                  q_stride, k_pages + (size_t)h * p->num_slots * D, v_pages + (size_t)h * p->num_slots * D, s, s_row,
+                  out + ((size_t)t * H + hq) * D, (long)H * D);
     }
     free(s);
   }

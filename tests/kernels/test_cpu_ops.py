@@ -101,6 +101,9 @@ CASES = [  # q_lens, ctx_lens, heads, kv_heads, head_dim, page_size
     ([2, 1], [70, 130], 4, 2, 16, 16),
     ([4], [11], 6, 2, 48, 8),  # head_dim 48: the plain C loops
     ([1, 1], [300, 5], 8, 8, 128, 16),
+    ([40], [40], 9, 3, 64, 16),  # a prompt: rows tiled 4 at a time (AVX-512)
+    ([7, 3], [50, 21], 4, 2, 128, 32),  # tiles of 2 at head_dim 128
+    ([6], [70], 2, 1, 32, 4),
 ]
 
 
@@ -114,6 +117,24 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, he
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     pages = [PageTensor("dense", t, None) for t in (k_pages, v_pages)]
     torch.testing.assert_close(got, paged_attention_reference(q, *pages, meta, plan.struct.scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "page_size"), [(64, 16), (64, 4), (32, 32), (128, 16), (16, 8), (48, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prompts_rows_equal_the_same_rows_decoded_one_at_a_time(head_dim, page_size, threads):
+    """Every row of a step of many (a prompt's, scored in tiles of rows where the build tiles them) is bit-equal to
+    that row decoded alone at its position: prefill, chunked prefill, prefix cache and decoding agree."""
+    m, c = 23, 37
+    plan, q, k, v, k_pages, v_pages, meta = paged_case([m], [c], 6, 2, head_dim, page_size, seed=2)
+    many = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages, threads)
+    for i in range(m):
+        one = cpu_attention.AttentionPlan(
+            meta.block_tables, torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([c - m + i + 1], dtype=torch.int32), plan.tensors[4][i : i + 1], page_size, 6, 2, head_dim,
+            plan.num_slots, plan.struct.scale,
+        )  # fmt: skip
+        row = cpu_attention.paged_attention(one, q[i : i + 1], k[i : i + 1], v[i : i + 1], k_pages, v_pages)
+        assert torch.equal(row, many[i : i + 1]), i
 
 
 def test_paged_attention_rows_do_not_depend_on_the_batch():
