@@ -307,8 +307,12 @@ class Scheduler:
                 if seq.adaptive is None:
                     seq.k = seq.spec.k or 0
                 elif not self._gated_off:  # a step the gate held at k = 0 teaches the controller nothing
-                    # the time of this step had every decode request drafted this request's k (StepCosts)
+                    # the time of this step had every decode request drafted this request's k (StepCosts); not
+                    # for its first decode step, whose drafting builds the n-gram index over the whole prompt and
+                    # whose time the controller would keep for that k until it drafts as many again
                     step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
+                    if seq.stats.steps == 1:
+                        step_ms = None
                     seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms, outcome.source)
                 events.append(StepEvent(seq.seq_id, rec, seq.k))
             delta = seq.take_delta()

@@ -194,6 +194,21 @@ def test_auto_k_stops_drafting_a_drafter_that_never_pays(tiny_engine):
     assert late.count(0) > 0.8 * len(late), ks
 
 
+def test_a_requests_first_decode_step_is_not_timed_for_its_controller(tiny_engine, monkeypatch):
+    """Its drafting indexes the whole prompt (n-grams): kept as the time of its k, that k looked dear until the
+    request drafted as many again, which on code edits was never (k stayed one below it)."""
+    times = []
+    update = AdaptiveK.update
+    monkeypatch.setattr(
+        AdaptiveK, "update", lambda self, k, a, ms=None, src="": times.append(ms) or update(self, k, a, ms, src)
+    )
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    tiny_engine.submit(
+        "hello", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("fixed-wrong", k=None)
+    ).result()
+    assert times[0] is None and all(t is not None for t in times[1:]), times
+
+
 def test_step_costs_interpolate_and_extrapolate_by_rows():
     costs = StepCosts()
     assert costs.symmetric_ms(4, 2) is None  # nothing measured yet
