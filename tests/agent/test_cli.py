@@ -89,10 +89,11 @@ def test_runs_say_their_weights_and_kv_and_the_script_chooses_them(tiny_model_di
     """The script's `kv` reaches the engine and every run's header names weights and KV (issue 15); --kv wins."""
     script = write_script(tmp_path, tiny_model_dir)
     script.write_text('kv = "fp16"\n' + script.read_text())
-    result = CliRunner().invoke(main, ["agent", str(script), "--headless", "--device", "cpu"])
+    cpu = ["--device", "cpu", "--dtype", "float32"]  # (auto loads this dense model in bf16 on a CPU with native bf16)
+    result = CliRunner().invoke(main, ["agent", str(script), "--headless", *cpu])
     assert result.exit_code == 0, result.output
     assert "[run 0]   model " in result.stdout and "weights float32, KV fp16, drafter none k=4" in result.stdout
-    result = CliRunner().invoke(main, ["agent", str(script), "--json", "--device", "cpu", "--kv", "bf16"])
+    result = CliRunner().invoke(main, ["agent", str(script), "--json", *cpu, "--kv", "bf16"])
     starts = [r for r in map(json.loads, result.stdout.splitlines()) if r["type"] == "run_start"]
     assert [(r["weights"], r["kv"]) for r in starts] == [("float32", "bf16")] * 2
 
