@@ -59,7 +59,9 @@ def test_no_timing_line_with_no_stats_or_json(tiny_model_dir: Path):
     assert generate(str(tiny_model_dir), "-p", "hi", "--max-tokens", "3", "--json", "--stats").stderr == ""
 
 
-@pytest.mark.parametrize(("flags", "label"), [((), "float32"), (("--dtype", "bfloat16"), "bfloat16")])
+@pytest.mark.parametrize(
+    ("flags", "label"), [(("--dtype", "float32"), "float32"), (("--dtype", "bfloat16"), "bfloat16")]
+)
 def test_json_names_unquantized_weights_by_their_dtype(tiny_model_dir: Path, flags, label):
     result = generate(str(tiny_model_dir), "-p", "hi", "--max-tokens", "3", "--json", "--device", "cpu", *flags)
     stats = json.loads(result.stdout.splitlines()[0])["stats"]
