@@ -349,7 +349,7 @@ static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const
    chunk, in several or taken from the prefix cache gives the same bits). `threads` > 1 splits the (row, head)
    pairs where the step attends over PARALLEL_KEYS keys or more. Returns 0, or -1 when the scratch rows cannot
    be allocated. */
-#define PARALLEL_KEYS 32768
+#define PARALLEL_KEYS 2048
 int paged_attention(const Plan* p, const float* q, long q_stride, const float* k, long k_stride, const float* v,
                     long v_stride, float* k_pages, float* v_pages, float* out, int threads) {
   const int D = p->head_dim, H = p->heads, KVH = p->kv_heads, G = H / KVH;
