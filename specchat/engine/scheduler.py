@@ -310,9 +310,9 @@ class Scheduler:
                     # the time of this step had every decode request drafted this request's k (StepCosts); not
                     # for its first decode step, whose drafting builds the n-gram index over the whole prompt and
                     # whose time the controller would keep for that k until it drafts as many again
-                    step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
-                    if seq.stats.steps == 1:
-                        step_ms = None
+                    step_ms = None
+                    if seq.stats.steps > 1:
+                        step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
                     seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms, outcome.source)
                 events.append(StepEvent(seq.seq_id, rec, seq.k))
             delta = seq.take_delta()

@@ -110,9 +110,6 @@ INLINE __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
 }
 
-/* The same row with NC = D / 16 vectors per key row, a compile-time constant at each call so the output stays
-   in registers: per key, one dot product (NC products summed in order), reduced 16 keys at a time (sum16; the
-   keys past a page's last 16 one at a time), and NC fused adds. */
 /* Scores of one row (query vectors qv) for keys from..n - 1 (from: a page boundary), page by page as every row of
    this build scores them: in a page, 16 keys at a time (sum16), its keys past the last 16 one at a time. */
 INLINE void score_keys(const int NC, const Plan* p, const int32_t* table, int from, int n, const __m512* qv,

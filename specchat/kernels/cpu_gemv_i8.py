@@ -18,7 +18,8 @@ group of 16 output rows and block g, word v (4 consecutive bytes of the block, a
 in its high nibbles (GGUF's layout), so one load and two masks give the lanes for two 4-byte activation words,
 each broadcast to all lanes. The integer block sums come out one per output lane, with no horizontal reduction;
 the scales are stored [group, block, 16] to match, as float16 (GGUF's own scale type, exact in float32; float32
-scales made a Q4_1 weight 0.75 bytes, float16 0.625: the single-thread decode step reads its weights from DRAM). Rows past N (a last partial group) are zero weights, not stored.
+scales made a Q4_1 weight 0.75 bytes, float16 0.625: the single-thread decode step reads its weights from DRAM).
+Rows past N (a last partial group) are zero weights, not stored.
 
 The float combination is fixed: per (row, output), over the blocks in order, acc += (dw * dx) * isum, then (Q4_1)
 acc += mw * (dx * sum xq), each product and sum rounded once (no FMA contraction). The integer sums are exact, so
