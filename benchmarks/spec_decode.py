@@ -118,6 +118,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="speed pass: tok/s is the median over repeats")
     ap.add_argument("--cpu-act", default="fp32", help=f"comma list of {', '.join(CPU_ACTIVATIONS)}: each is run")
+    ap.add_argument(
+        "--free-form",
+        action="store_true",
+        help="also time benchmarks/cpu_peers.py's three free-form prompts (a story, an explanation, a function) as "
+        "the category 'free' (speed pass only: they have no answers to judge acceptance by)",
+    )
     ap.add_argument("--json-out", default=None)
     ap.add_argument(
         "--heads-rows",
@@ -145,6 +151,14 @@ def main() -> None:
     by_category = {c: [p for p in load_prompt_set("eval", (c,))] for c in categories}
     prompts = [p for c in categories for p in by_category[c][: args.per_category or None]]
     timed_prompts = [p for c in categories for p in by_category[c][: args.timed_per_category]]
+    if args.free_form:
+        from cpu_peers import PROMPTS as FREE
+
+        timed_prompts += [
+            {"id": f"free{i}", "category": "free", "messages": [{"role": "user", "content": text}]}
+            for i, text in enumerate(FREE)
+        ]
+        categories.append("free")
     configs = ["none", *(c for c in args.configs.split(",") if c != "none")]
     timed = ["none", *(c for c in args.timed.split(",") if c and c != "none")] if args.timed else []
 

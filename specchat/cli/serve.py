@@ -21,7 +21,7 @@ PORT_RANGE = (1, 65535)
 @click.command("serve")
 @model_options
 @tp_option
-@spec_options(default_k="auto")
+@spec_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--max-running", type=int, default=64, show_default=True, help="requests decoded together")

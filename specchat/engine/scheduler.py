@@ -309,9 +309,11 @@ class Scheduler:
                 elif not self._gated_off:  # a step the gate held at k = 0 teaches the controller nothing
                     # the time of this step had every decode request drafted this request's k (StepCosts); not
                     # for its first decode step, whose drafting builds the n-gram index over the whole prompt and
-                    # whose time the controller would keep for that k until it drafts as many again
+                    # whose time the controller would keep for that k until it drafts as many again. A seeded
+                    # sampled request chooses k from its acceptance alone: its k, and so its random draws, must not
+                    # depend on how fast the machine ran (the same seed repeats the same text)
                     step_ms = None
-                    if seq.stats.steps > 1:
+                    if seq.stats.steps > 1 and (seq.sampling.seed is None or seq.sampling.greedy):
                         step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
                     seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms, outcome.source)
                 events.append(StepEvent(seq.seq_id, rec, seq.k))

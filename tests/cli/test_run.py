@@ -60,9 +60,9 @@ def test_run_follows_the_models_drafter(tiny_model_dir: Path, tmp_path: Path):
     runner = CliRunner()
     result = runner.invoke(main, ["run", "tiny", "--plain"], input="/drafter\n/quit\n", env=env)
     assert result.exit_code == 0, result.output
-    assert "loading tiny (drafter ngram, k 4)" in result.stderr and "(drafter ngram)" in result.stderr
+    assert "loading tiny (drafter ngram, k auto)" in result.stderr and "(drafter ngram)" in result.stderr
     result = runner.invoke(main, ["run", "tiny", "--plain", "--drafter", "none"], input="/quit\n", env=env)
-    assert "loading tiny (drafter none, k 4)" in result.stderr
+    assert "loading tiny (drafter none, k auto)" in result.stderr
     assert "[default: default]" in " ".join(runner.invoke(main, ["run", "--help"]).output.split())
 
 

@@ -76,8 +76,22 @@ def test_a_failed_probe_goes_straight_back_to_idling():
 
 def test_only_tested_positions_learn():
     ctl = AdaptiveK(k_max=4, prior=0.6, ema=0.5)
-    ctl.update(4, 1)  # draft 1 accepted, draft 2 rejected, drafts 3 and 4 never judged
-    assert ctl.rates == pytest.approx([0.8, 0.3, 0.6, 0.6])
+    ctl.update(4, 1)  # draft 1 accepted, draft 2 rejected, drafts 3 and 4 never judged: they take draft 2's rate
+    assert ctl.rates == pytest.approx([0.8, 0.3, 0.3, 0.3])
+    ctl.update(4, 4)  # every draft accepted: each position learns from its own result
+    assert ctl.rates == pytest.approx([0.9, 0.65, 0.65, 0.65])
+
+
+def test_positions_never_tested_take_the_deepest_tested_rate():
+    """A source that only ever drafted 2 and had both accepted expects the 3rd to be as good, not the prior: the
+    n-grams on code prompts stayed at k = 2 for whole answers while the deeper rates sat at 0.6."""
+    ctl = AdaptiveK.for_sources(6, ("ngram",))
+    ctl.sources["ngram"] = [0.95, 0.95, 0.6, 0.6, 0.6, 0.6]
+    ctl.depths["ngram"] = 2
+    ctl.step_ms = [5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0]  # each draft costs a tenth of a plain step
+    ctl.update(2, 2, source="ngram")
+    assert ctl.sources["ngram"][2:] == [ctl.sources["ngram"][1]] * 4
+    assert ctl.source_k["ngram"] == 6
 
 
 def run_timed(ctl: AdaptiveK, step_ms, accept_first_every: int, steps: int = 200) -> list[int]:
@@ -113,6 +127,24 @@ def test_a_probe_lets_every_source_draft():
             break
     assert k == 1 and ctl.limit("ngram", 1) == 1 and ctl.limit("", 1) == 1
     assert ctl.update(1, 1, source="ngram") > 0  # an accepted n-gram probe resumes drafting
+
+
+def test_a_silent_source_is_probed_while_another_drafts():
+    """ngram+heads: after a run of head misses the n-grams kept drafting, so the controller never idled and never
+    probed, and the heads stayed silent for the rest of the answer; each source now gets its own probes."""
+    ctl = AdaptiveK.for_sources(4, ("ngram",))
+    ctl.probe_every = 4
+    k = 4
+    for _ in range(6):
+        k = ctl.update(k, 0)  # the heads ("") miss
+    assert ctl.source_k[""] == 0 and ctl.limit("", k) == 0
+    probes = []
+    for _ in range(12):
+        k = ctl.update(k, k, source="ngram")  # the n-grams match and are accepted
+        probes.append(ctl.limit("", k))
+    assert k == 4 and probes.count(1) >= 2 and set(probes) == {0, 1}, probes
+    ctl.update(1, 1)  # the heads' probe is accepted: they draft again
+    assert ctl.source_k[""] > 0 and "" not in ctl.source_probes
 
 
 def test_measured_step_times_decide_whether_drafting_pays():
@@ -207,6 +239,22 @@ def test_a_requests_first_decode_step_is_not_timed_for_its_controller(tiny_engin
         "hello", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("fixed-wrong", k=None)
     ).result()
     assert times[0] is None and all(t is not None for t in times[1:]), times
+
+
+def test_a_seeded_sampled_request_chooses_k_without_step_times(tiny_engine, monkeypatch):
+    """Its k decides its random draws: chosen from step times, the same seed gave another text on a busier machine."""
+    times = []
+    update = AdaptiveK.update
+    monkeypatch.setattr(
+        AdaptiveK, "update", lambda self, k, a, ms=None, src="": times.append(ms) or update(self, k, a, ms, src)
+    )
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    texts = [tiny_engine.submit("hello", seeded, SpecParams("fixed-wrong", k=None)).result().token_ids for _ in "ab"]
+    assert texts[0] == texts[1] and times and all(t is None for t in times), times
+    times.clear()
+    tiny_engine.submit("hello", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("fixed-wrong", k=None)).result()
+    assert any(t is not None for t in times)  # greedy (and unseeded) requests are timed
 
 
 def test_step_costs_interpolate_and_extrapolate_by_rows():
