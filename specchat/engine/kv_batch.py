@@ -4,8 +4,8 @@ Built by `KVPool.prepare` once per step (slots, block tables, attention metadata
 layer) and handed to the model as its `KVAttention`: each layer writes its new keys/values into the pages and
 attends over the request's whole context, with the Triton paged-attention kernel on CUDA and the gathered
 reference (`_attend_gathered`) elsewhere; on the CPU, where the pool was built with `cpu_kernels`, decode and
-verification steps over dense float32 pages go through kernels/cpu_attention.py's C kernel, which stores the step's
-keys/values and attends over the pages in one call.
+verification steps (and prompts) over dense pages (float32, float16 or bfloat16) go through
+kernels/cpu_attention.py's C kernel, which stores the step's keys/values and attends over the pages in one call.
 """
 
 from __future__ import annotations
@@ -52,9 +52,12 @@ class KVBatch:
         # every row, a prompt's too: one kernel for a position whether it is prefilled, decoded or verified, so a
         # prompt from the prefix cache or in other chunks gives the same bits (under int8 rows a 1e-6 difference
         # in the attention moved activations across a rounding step: greedy texts diverged in 13 of 15 prompts)
+        store = self.store
         self._cpu_kernel = (
             pool.cpu_kernels
-            and self.store.name == "fp32"  # dense float32 pages: no rotation, no key transform
+            and store.name in DENSE_FORMATS  # float32, float16 or bfloat16 elements
+            and store.rotation is None  # keys and values stored as they are
+            and store.key_transform is None
             and cpu_attention.available()
         )
 
@@ -163,8 +166,8 @@ class KVBatch:
     def cpu_pages(
         self, layer: int, heads: int, kv_heads: int, head_dim: int
     ) -> tuple[cpu_attention.AttentionPlan, torch.Tensor, torch.Tensor] | None:
-        """Where the CPU attention kernel applies to this step (a pool with `cpu_kernels`, dense float32 pages):
-        the step's plan and the layer's key and value pages [KVH, slots, D]."""
+        """Where the CPU attention kernel applies to this step (a pool with `cpu_kernels`, dense pages: float32,
+        float16 or bfloat16): the step's plan and the layer's key and value pages [KVH, slots, D]."""
         if not self._cpu_kernel:
             return None
         return self.cpu_plan(heads, kv_heads, head_dim), self.store.k[layer].data, self.store.v[layer].data
@@ -175,7 +178,7 @@ class KVBatch:
             meta = self.metadata()
             self._cpu_plan = cpu_attention.AttentionPlan(
                 meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, self.new_slots, self.pool.page_size,
-                heads, kv_heads, head_dim, self.store.num_slots, self.scale,
+                heads, kv_heads, head_dim, self.store.num_slots, self.scale, DENSE_FORMATS[self.store.name],
             )  # fmt: skip
         return self._cpu_plan
 

@@ -1,9 +1,11 @@
 """Attention of a CPU decode or verification step over the paged KV cache, in C, beside its torch reference.
 
-`paged_attention` stores this step's keys/values at their slots of dense float32 pages [KVH, slots, D], then
-computes each new token's causal attention over its request's context, read through the block table where it lies
+`paged_attention` stores this step's keys/values at their slots of dense pages [KVH, slots, D], then computes each new token's causal attention over its request's context, read through the block table where it lies
 (no gather into a contiguous copy, no division per key: a page's rows are walked in order); the query heads of a
-KV group read their KV head's rows. Per query row: scores q.k * scale (a D/16-vector dot product, reduced once),
+KV group read their KV head's rows. Pages hold float32, float16 or bfloat16 elements (`AttentionPlan.kv_dtype`):
+this step's rows are rounded into them as torch converts, and every element read is widened to float32 exactly
+(vcvtph2ps, a 16-bit shift), so the arithmetic below is the same for each type; half-width pages halve the
+bytes a long context reads per token, which at a few thousand tokens is most of a decode step's traffic. Per query row: scores q.k * scale (a D/16-vector dot product, reduced once),
 softmax as exp(s - max) * (1 / sum) with kernels/cpu_ops.py's exp and fixed-order sum, then sum_j p_j v_j. Every
 row alone and the same way whatever the batch, so a verification step gives each token the scores plain decoding
 gives it. `AttentionPlan` is the step's metadata, built once a step (engine/kv_batch.py) and read by every layer.
@@ -21,11 +23,13 @@ import torch
 from specchat.kernels import cpu_build, cpu_ops
 
 MAX_HEAD_DIM = 256  # the kernel keeps a query row's output in registers (16 floats per vector)
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # page element types the kernel reads (kv_type)
 
 C_SOURCE = r"""
 /* The step as the attention kernel sees it (built once per step; AttentionPlan in cpu_attention.py). */
 typedef struct {
   int batch, heads, kv_heads, head_dim, page_size, table_width, tokens;
+  int kv_type;             /* page elements: KV_F32, KV_F16 (IEEE binary16) or KV_BF16 */
   long num_slots;
   float scale;
   const int32_t* tables;   /* [batch, table_width] pages of each request */
@@ -34,6 +38,90 @@ typedef struct {
   const int32_t* ctx_lens; /* [batch] */
   const int64_t* slots;    /* [tokens] where this step's keys/values go */
 } Plan;
+
+#define KV_F32 0
+#define KV_F16 1
+#define KV_BF16 2
+#define KV_BYTES(T) ((T) == KV_F32 ? 4 : 2)
+
+/* binary16 -> float32, exact (subnormals: m * 2^-24, exact in float32). */
+INLINE float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t bits = sign;
+  if (e == 0x1F) bits |= 0x7F800000 | (m << 13);
+  else if (e != 0) bits |= ((e + 112) << 23) | (m << 13);
+  else if (m != 0) {
+    const float f = (float)m * 5.9604644775390625e-8f;
+    uint32_t fb;
+    memcpy(&fb, &f, sizeof fb);
+    bits |= fb;
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* float32 -> binary16, rounded to nearest even as torch's .half() (IEEE): normals by a biased add on the bits;
+   below 2^-14, 0.5 + |f| leaves round(|f| * 2^24) in its low mantissa bits. */
+INLINE uint16_t float_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, sizeof x);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+  const uint32_t a = x & 0x7FFFFFFF;
+  if (a > 0x7F800000) return sign | 0x7E00 | (uint16_t)((a >> 13) & 0x3FF); /* NaN */
+  if (a >= 0x477FF000) return sign | 0x7C00;                               /* rounds past 65504 */
+  if (a >= 0x38800000) {
+    const uint32_t r = a - 0x38000000;
+    return sign | (uint16_t)((r + 0xFFF + ((r >> 13) & 1)) >> 13);
+  }
+  float fa, sum;
+  memcpy(&fa, &a, sizeof fa);
+  sum = fa + 0.5f;
+  uint32_t b;
+  memcpy(&b, &sum, sizeof b);
+  return sign | (uint16_t)(b - 0x3F000000);
+}
+
+/* float32 -> bfloat16 as torch rounds it (nearest even; any NaN -> 0x7FC0). */
+INLINE uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, sizeof x);
+  if ((x & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
+  return (uint16_t)((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+}
+
+/* Element i of a page array of type T, as float32. */
+INLINE float kv_get(const void* base, size_t i, const int T) {
+  if (T == KV_F32) return ((const float*)base)[i];
+  const uint16_t h = ((const uint16_t*)base)[i];
+  if (T == KV_F16) return half_to_float(h);
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+/* n floats -> elements of type T at dst (rounded as torch's conversion rounds them). */
+static void kv_put(void* dst, const float* src, int n, const int T) {
+  if (T == KV_F32) {
+    memcpy(dst, src, (size_t)n * sizeof(float));
+    return;
+  }
+  uint16_t* out = dst;
+  int i = 0;
+  if (T == KV_F16) {
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) out[i] = float_to_half(src[i]);
+  } else {
+    for (; i < n; i++) out[i] = float_to_bf16(src[i]);
+  }
+}
 
 /* probs[j] = softmax(scores)[j] in place: exp(s - max), then times 1 / sum. */
 static void softmax(float* s, int n) {
@@ -59,41 +147,49 @@ static void softmax(float* s, int n) {
   for (j = 0; j < n; j++) s[j] *= inv;
 }
 
-INLINE float dot_plain(const float* a, const float* b, int D) {
+INLINE float dot_plain(const float* a, const void* b, size_t at, int D, const int T) {
   float acc[LANES] = {0};
-  for (int d = 0; d < D; d++) acc[d % LANES] += a[d] * b[d];
+  for (int d = 0; d < D; d++) acc[d % LANES] += a[d] * kv_get(b, at + d, T);
   for (int w = LANES / 2; w > 0; w /= 2)
     for (int l = 0; l < w; l++) acc[l] += acc[l + w];
   return acc[0];
 }
 
-/* The rows of the page holding key j0 (a page boundary) in one KV head's pages. */
-INLINE const float* page_rows(const Plan* p, const int32_t* table, const float* pages, int j0) {
-  return pages + (size_t)table[j0 / p->page_size] * p->page_size * p->head_dim;
+/* The first element of the page holding key j0 (a page boundary) in one KV head's pages. */
+INLINE size_t page_at(const Plan* p, const int32_t* table, int j0) {
+  return (size_t)table[j0 / p->page_size] * p->page_size * p->head_dim;
 }
 
 /* One query row of one head over its n keys: K/V rows of its KV head found through the block table, a page at a
    time (positions j0 .. j0 + len - 1 lie in page table[j0 / ps], consecutive rows: no division per key). */
-static void attend_plain(const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
-                         const float* vp, float* s, float* out) {
+INLINE void attend_plain(const int T, const Plan* p, const int32_t* table, int n, const float* q, const void* kp,
+                         const void* vp, float* s, float* out) {
   const int D = p->head_dim, ps = p->page_size;
   for (int j0 = 0; j0 < n; j0 += ps) {
-    const float* k = kp + (size_t)table[j0 / ps] * ps * D;
+    const size_t k = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
-    for (int j = 0; j < len; j++) s[j0 + j] = dot_plain(q, k + (size_t)j * D, D) * p->scale;
+    for (int j = 0; j < len; j++) s[j0 + j] = dot_plain(q, kp, k + (size_t)j * D, D, T) * p->scale;
   }
   softmax(s, n);
   for (int d = 0; d < D; d++) out[d] = 0.0f;
   for (int j0 = 0; j0 < n; j0 += ps) {
-    const float* v = vp + (size_t)table[j0 / ps] * ps * D;
+    const size_t v = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     for (int j = 0; j < len; j++)
-      for (int d = 0; d < D; d++) out[d] += s[j0 + j] * v[(size_t)j * D + d];
+      for (int d = 0; d < D; d++) out[d] += s[j0 + j] * kv_get(vp, v + (size_t)j * D + d, T);
   }
 }
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+/* Elements i .. i + 15 of a page array of type T as floats (binary16 by vcvtph2ps, bfloat16 by a shift). */
+INLINE __m512 kv_load16(const void* base, size_t i, const int T) {
+  if (T == KV_F32) return _mm512_loadu_ps((const float*)base + i);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
+  if (T == KV_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* 16 vectors -> one whose lane i is the sum of vector i's lanes: pairs of lanes added within 128-bit lanes (two
    unpack levels), then the four 128-bit lanes across vectors (two shuffle levels): 45 operations for 16 keys, where
    _mm512_reduce_add_ps takes 8 a key. */
@@ -112,41 +208,42 @@ INLINE __m512 sum16(const __m512* v) {
 
 /* Scores of one row (query vectors qv) for keys from..n - 1 (from: a page boundary), page by page as every row of
    this build scores them: in a page, 16 keys at a time (sum16), its keys past the last 16 one at a time. */
-INLINE void score_keys(const int NC, const Plan* p, const int32_t* table, int from, int n, const __m512* qv,
-                       float* s, const float* kp) {
+INLINE void score_keys(const int NC, const int T, const Plan* p, const int32_t* table, int from, int n,
+                       const __m512* qv, float* s, const void* kp) {
   const int D = p->head_dim, ps = p->page_size;
   for (int j0 = from; j0 < n; j0 += ps) {
-    const float* k = page_rows(p, table, kp, j0);
+    const size_t k = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     int j = 0;
     for (; j + 16 <= len; j += 16) {
       __m512 d[16];
       for (int u = 0; u < 16; u++) {
-        const float* kj = k + (size_t)(j + u) * D;
-        d[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-        for (int c = 1; c < NC; c++) d[u] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), d[u]);
+        const size_t kj = k + (size_t)(j + u) * D;
+        d[u] = _mm512_mul_ps(qv[0], kv_load16(kp, kj, T));
+        for (int c = 1; c < NC; c++) d[u] = _mm512_fmadd_ps(qv[c], kv_load16(kp, kj + 16 * c, T), d[u]);
       }
       _mm512_storeu_ps(s + j0 + j, _mm512_mul_ps(sum16(d), _mm512_set1_ps(p->scale)));
     }
     for (; j < len; j++) {
-      __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + (size_t)j * D));
-      for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + (size_t)j * D + 16 * c), d);
+      const size_t kj = k + (size_t)j * D;
+      __m512 d = _mm512_mul_ps(qv[0], kv_load16(kp, kj, T));
+      for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[c], kv_load16(kp, kj + 16 * c, T), d);
       s[j0 + j] = _mm512_reduce_add_ps(d) * p->scale;
     }
   }
 }
 
 /* acc (NC vectors) += sum over keys from..n - 1 of s[j] v_j, in key order. */
-INLINE void add_values(const int NC, const Plan* p, const int32_t* table, int from, int n, const float* s,
-                       __m512* acc, const float* vp) {
+INLINE void add_values(const int NC, const int T, const Plan* p, const int32_t* table, int from, int n,
+                       const float* s, __m512* acc, const void* vp) {
   const int D = p->head_dim, ps = p->page_size;
   for (int j = from; j < n;) {
     const int j0 = j - j % ps, end = n < j0 + ps ? n : j0 + ps;
-    const float* v = page_rows(p, table, vp, j0);
+    const size_t v = page_at(p, table, j0);
     for (; j < end; j++) {
       const __m512 w = _mm512_set1_ps(s[j]);
       for (int c = 0; c < NC; c++)
-        acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + (size_t)(j - j0) * D + 16 * c), acc[c]);
+        acc[c] = _mm512_fmadd_ps(w, kv_load16(vp, v + (size_t)(j - j0) * D + 16 * c, T), acc[c]);
     }
   }
 }
@@ -154,14 +251,14 @@ INLINE void add_values(const int NC, const Plan* p, const int32_t* table, int fr
 /* The same row with NC = D / 16 vectors per key row, a compile-time constant at each call so the output stays
    in registers: per key, one dot product (NC products summed in order), reduced 16 keys at a time (sum16), and
    NC fused adds. */
-INLINE void attend_avx(const int NC, const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
-                       const float* vp, float* s, float* out) {
+INLINE void attend_avx(const int NC, const int T, const Plan* p, const int32_t* table, int n, const float* q,
+                       const void* kp, const void* vp, float* s, float* out) {
   __m512 qv[16], acc[16];
   for (int c = 0; c < NC; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  score_keys(NC, p, table, 0, n, qv, s, kp);
+  score_keys(NC, T, p, table, 0, n, qv, s, kp);
   softmax(s, n);
   for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
-  add_values(NC, p, table, 0, n, s, acc, vp);
+  add_values(NC, T, p, table, 0, n, s, acc, vp);
   for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
@@ -169,21 +266,22 @@ INLINE void attend_avx(const int NC, const Plan* p, const int32_t* table, int n,
    row, bit for bit: the keys of the pages full for every row are scored for all R at once, so each key row is
    loaded once for R queries (a prompt's rows read their context from L2 R times less); each row's remaining keys,
    its softmax, and its sum of values in key order as attend_avx. R * NC <= 16 keeps the sums in registers. */
-INLINE void attend_tile(const int NC, const int R, const Plan* p, const int32_t* table, int n, const float* q,
-                        long q_row, const float* kp, const float* vp, float* s, long s_row, float* out, long out_row) {
+INLINE void attend_tile(const int NC, const int R, const int T, const Plan* p, const int32_t* table, int n,
+                        const float* q, long q_row, const void* kp, const void* vp, float* s, long s_row, float* out,
+                        long out_row) {
   const int D = p->head_dim, ps = p->page_size, full = n / ps * ps;
   __m512 qv[4][16], acc[4][16];
   _Alignas(64) float dots[4][16][16];
   for (int r = 0; r < R; r++)
     for (int c = 0; c < NC; c++) qv[r][c] = _mm512_loadu_ps(q + r * q_row + 16 * c);
   for (int j0 = 0; j0 < full; j0 += ps) {
-    const float* k = page_rows(p, table, kp, j0);
+    const size_t k = page_at(p, table, j0);
     int j = 0;
     for (; j + 16 <= ps; j += 16) {
       for (int u = 0; u < 16; u++) {
-        const float* kj = k + (size_t)(j + u) * D;
+        const size_t kj = k + (size_t)(j + u) * D;
         __m512 kv[16];
-        for (int c = 0; c < NC; c++) kv[c] = _mm512_loadu_ps(kj + 16 * c);
+        for (int c = 0; c < NC; c++) kv[c] = kv_load16(kp, kj + 16 * c, T);
         for (int r = 0; r < R; r++) {
           __m512 d = _mm512_mul_ps(qv[r][0], kv[0]);
           for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], kv[c], d);
@@ -197,25 +295,25 @@ INLINE void attend_tile(const int NC, const int R, const Plan* p, const int32_t*
       }
     }
     for (; j < ps; j++) {
-      const float* kj = k + (size_t)j * D;
+      const size_t kj = k + (size_t)j * D;
       for (int r = 0; r < R; r++) {
-        __m512 d = _mm512_mul_ps(qv[r][0], _mm512_loadu_ps(kj));
-        for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], _mm512_loadu_ps(kj + 16 * c), d);
+        __m512 d = _mm512_mul_ps(qv[r][0], kv_load16(kp, kj, T));
+        for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], kv_load16(kp, kj + 16 * c, T), d);
         s[r * s_row + j0 + j] = _mm512_reduce_add_ps(d) * p->scale;
       }
     }
   }
   for (int r = 0; r < R; r++) {
-    score_keys(NC, p, table, full, n + r, qv[r], s + r * s_row, kp);
+    score_keys(NC, T, p, table, full, n + r, qv[r], s + r * s_row, kp);
     softmax(s + r * s_row, n + r);
     for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
   }
   for (int j0 = 0; j0 < n; j0 += ps) { /* keys every row sees, in order */
-    const float* v = page_rows(p, table, vp, j0);
+    const size_t v = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     for (int j = 0; j < len; j++) {
       __m512 vv[16];
-      for (int c = 0; c < NC; c++) vv[c] = _mm512_loadu_ps(v + (size_t)j * D + 16 * c);
+      for (int c = 0; c < NC; c++) vv[c] = kv_load16(vp, v + (size_t)j * D + 16 * c, T);
       for (int r = 0; r < R; r++) {
         const __m512 w = _mm512_set1_ps(s[r * s_row + j0 + j]);
         for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
@@ -223,15 +321,23 @@ INLINE void attend_tile(const int NC, const int R, const Plan* p, const int32_t*
     }
   }
   for (int r = 0; r < R; r++) {
-    add_values(NC, p, table, n, n + r, s + r * s_row, acc[r], vp);
+    add_values(NC, T, p, table, n, n + r, s + r * s_row, acc[r], vp);
     for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + r * out_row + 16 * c, acc[r][c]);
   }
 }
 #define HAVE_TILE 1
 #define VEC_FLOATS 16
 #define attend_vec attend_avx
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+/* Elements i .. i + 7 of a page array of type T as floats. */
+INLINE __m256 kv_load8(const void* base, size_t i, const int T) {
+  if (T == KV_F32) return _mm256_loadu_ps((const float*)base + i);
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + i));
+  if (T == KV_F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* AVX2: the same walk with NC = D / 8 vectors per key row. Scores four keys at a time: four dot products in
    registers, reduced together by three horizontal adds and one cross-lane add (one reduction per key would cost
    as much as its dot product). Each row alone, whatever the batch, as above. */
@@ -241,45 +347,45 @@ INLINE __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /* q . k over NC vectors in two chains (even and odd vectors), so that four keys keep eight fused adds in flight. */
-INLINE __m256 dot8(const int NC, const __m256* qv, const float* k) {
-  __m256 d0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), d1 = _mm256_setzero_ps();
-  if (NC > 1) d1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+INLINE __m256 dot8(const int NC, const int T, const __m256* qv, const void* kp, size_t k) {
+  __m256 d0 = _mm256_mul_ps(qv[0], kv_load8(kp, k, T)), d1 = _mm256_setzero_ps();
+  if (NC > 1) d1 = _mm256_mul_ps(qv[1], kv_load8(kp, k + 8, T));
   for (int c = 2; c < NC; c += 2) {
-    d0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), d0);
-    d1 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k + 8 * c + 8), d1);
+    d0 = _mm256_fmadd_ps(qv[c], kv_load8(kp, k + 8 * c, T), d0);
+    d1 = _mm256_fmadd_ps(qv[c + 1], kv_load8(kp, k + 8 * c + 8, T), d1);
   }
   return _mm256_add_ps(d0, d1);
 }
 
-INLINE void attend_avx2(const int NC, const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
-                        const float* vp, float* s, float* out) {
+INLINE void attend_avx2(const int NC, const int T, const Plan* p, const int32_t* table, int n, const float* q,
+                        const void* kp, const void* vp, float* s, float* out) {
   const int D = p->head_dim, ps = p->page_size;
   const __m128 scale = _mm_set1_ps(p->scale);
   __m256 qv[32], acc[32]; /* above 8 vectors the compiler keeps some in memory (L1) */
   for (int c = 0; c < NC; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
   for (int j0 = 0; j0 < n; j0 += ps) {
-    const float* k = kp + (size_t)table[j0 / ps] * ps * D;
+    const size_t k = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     int j = 0;
     for (; j + 4 <= len; j += 4) {
-      const float* kj = k + (size_t)j * D;
-      const __m128 d = sum4(dot8(NC, qv, kj), dot8(NC, qv, kj + D), dot8(NC, qv, kj + 2 * D),
-                            dot8(NC, qv, kj + 3 * D));
+      const size_t kj = k + (size_t)j * D;
+      const __m128 d = sum4(dot8(NC, T, qv, kp, kj), dot8(NC, T, qv, kp, kj + D), dot8(NC, T, qv, kp, kj + 2 * D),
+                            dot8(NC, T, qv, kp, kj + 3 * D));
       _mm_storeu_ps(s + j0 + j, _mm_mul_ps(d, scale));
     }
     for (; j < len; j++) {
       const __m256 z = _mm256_setzero_ps();
-      s[j0 + j] = _mm_cvtss_f32(sum4(dot8(NC, qv, k + (size_t)j * D), z, z, z)) * p->scale;
+      s[j0 + j] = _mm_cvtss_f32(sum4(dot8(NC, T, qv, kp, k + (size_t)j * D), z, z, z)) * p->scale;
     }
   }
   softmax(s, n);
   for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
   for (int j0 = 0; j0 < n; j0 += ps) {
-    const float* v = vp + (size_t)table[j0 / ps] * ps * D;
+    const size_t v = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     for (int j = 0; j < len; j++) {
       const __m256 w = _mm256_set1_ps(s[j0 + j]);
-      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + (size_t)j * D + 8 * c), acc[c]);
+      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(vp, v + (size_t)j * D + 8 * c, T), acc[c]);
     }
   }
   for (int c = 0; c < NC; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
@@ -288,23 +394,38 @@ INLINE void attend_avx2(const int NC, const Plan* p, const int32_t* table, int n
 #define attend_vec attend_avx2
 #endif
 
+/* The page element type T a compile-time constant at each call of the row's code (KV_TYPES(CALL) expands CALL(T)
+   for the plan's type). */
+#define KV_TYPES(CALL)          \
+  switch (p->kv_type) {         \
+    case KV_F16: CALL(KV_F16)   \
+    case KV_BF16: CALL(KV_BF16) \
+    default: CALL(KV_F32)       \
+  }
+
 #ifdef VEC_FLOATS
 /* The vector build's row with NC = head_dim / VEC_FLOATS a compile-time constant at each call; other head_dims
    take the plain loops. */
-#define ATTEND(D) attend_vec((D) / VEC_FLOATS, p, table, n, q, kp, vp, s, out); return;
-static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const float* kp,
-                       const float* vp, float* s, float* out) {
+#define ATTEND_T(T) attend_vec(NC, T, p, table, n, q, kp, vp, s, out); return;
+#define ATTEND(D) { const int NC = (D) / VEC_FLOATS; KV_TYPES(ATTEND_T) }
+#define PLAIN_T(T) attend_plain(T, p, table, n, q, kp, vp, s, out); return;
+static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const void* kp,
+                       const void* vp, float* s, float* out) {
   switch (p->head_dim) {
     case 16: ATTEND(16)
     case 32: ATTEND(32)
     case 64: ATTEND(64)
     case 128: ATTEND(128)
     case 256: ATTEND(256)
-    default: attend_plain(p, table, n, q, kp, vp, s, out);
+    default: KV_TYPES(PLAIN_T)
   }
 }
 #else
-#define attend_row attend_plain
+#define PLAIN_T(T) attend_plain(T, p, table, n, q, kp, vp, s, out); return;
+static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const void* kp,
+                       const void* vp, float* s, float* out) {
+  KV_TYPES(PLAIN_T)
+}
 #endif
 
 /* R rows (see paged_attention): where the build tiles rows (AVX-512, head_dim 16..128), attend_tile; else one
@@ -318,9 +439,10 @@ static int tile_rows(int D) {
 }
 
 static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const float* q, long q_row,
-                        const float* kp, const float* vp, float* s, long s_row, float* out, long out_row) {
+                        const void* kp, const void* vp, float* s, long s_row, float* out, long out_row) {
 #ifdef HAVE_TILE
-#define TILE(NC, RR) attend_tile(NC, RR, p, table, n, q, q_row, kp, vp, s, s_row, out, out_row); return;
+#define TILE_T(T) attend_tile(NC, RR, T, p, table, n, q, q_row, kp, vp, s, s_row, out, out_row); return;
+#define TILE(NC_, RR_) { const int NC = NC_, RR = RR_; KV_TYPES(TILE_T) }
 #define TILES(NC) \
   switch (R) {    \
     case 2: TILE(NC, 2) \
@@ -335,6 +457,7 @@ static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const
     }
 #undef TILES
 #undef TILE
+#undef TILE_T
 #endif
   for (int r = 0; r < R; r++) attend_row(p, table, n + r, q + r * q_row, kp, vp, s, out + r * out_row);
 }
@@ -348,14 +471,14 @@ static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const
    be allocated. */
 #define PARALLEL_KEYS 2048
 int paged_attention(const Plan* p, const float* q, long q_stride, const float* k, long k_stride, const float* v,
-                    long v_stride, float* k_pages, float* v_pages, float* out, int threads) {
+                    long v_stride, void* k_pages, void* v_pages, float* out, int threads) {
   const int D = p->head_dim, H = p->heads, KVH = p->kv_heads, G = H / KVH;
-  const size_t row_bytes = (size_t)D * sizeof(float);
+  const size_t es = KV_BYTES(p->kv_type), head_bytes = (size_t)p->num_slots * D * es;
   for (int t = 0; t < p->tokens; t++)
     for (int h = 0; h < KVH; h++) {
-      const size_t dst = ((size_t)h * p->num_slots + (size_t)p->slots[t]) * D;
-      memcpy(k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, row_bytes);
-      memcpy(v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, row_bytes);
+      const size_t dst = ((size_t)h * p->num_slots + (size_t)p->slots[t]) * D * es;
+      kv_put((char*)k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, D, p->kv_type);
+      kv_put((char*)v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, D, p->kv_type);
     }
   /* work: (tile of up to R consecutive rows of one request, query head) */
   const int R = tile_rows(D);
@@ -392,7 +515,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       const int b = tile[0], i = tile[1], hq = (int)(w % H), h = hq / G;
       const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1; /* row i sees n keys */
       attend_rows(p, p->tables + (size_t)b * p->table_width, n, tile[2], q + (size_t)t * q_stride + (size_t)hq * D,
-                  q_stride, k_pages + (size_t)h * p->num_slots * D, v_pages + (size_t)h * p->num_slots * D, s, s_row,
+                  q_stride, (const char*)k_pages + h * head_bytes, (const char*)v_pages + h * head_bytes, s, s_row,
                   out + ((size_t)t * H + hq) * D, (long)H * D);
     }
     free(s);
@@ -410,6 +533,7 @@ class Plan(ctypes.Structure):
         *((name, ctypes.c_int) for name in ("batch", "heads", "kv_heads", "head_dim", "page_size")),
         ("table_width", ctypes.c_int),
         ("tokens", ctypes.c_int),
+        ("kv_type", ctypes.c_int),
         ("num_slots", ctypes.c_long),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_void_p) for name in ("tables", "q_starts", "q_lens", "ctx_lens", "slots")),
@@ -450,6 +574,7 @@ class AttentionPlan:
         head_dim: int,
         num_slots: int,
         scale: float,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         assert block_tables.dtype == q_starts.dtype == q_lens.dtype == ctx_lens.dtype == torch.int32
         assert slots.dtype == torch.int64 and slots.dim() == 1, (slots.dtype, slots.shape)
@@ -464,8 +589,10 @@ class AttentionPlan:
         self.q_shape = (self.tokens, num_heads, head_dim)  # what each layer's call must match
         self.kv_shape = (self.tokens, kv_heads, head_dim)
         self.pages_shape = (kv_heads, num_slots, head_dim)
+        self.kv_dtype = kv_dtype  # the pages' element type
         self.struct = Plan(
-            batch, num_heads, kv_heads, head_dim, page_size, block_tables.shape[1], self.tokens, num_slots, scale,
+            batch, num_heads, kv_heads, head_dim, page_size, block_tables.shape[1], self.tokens, KV_TYPES[kv_dtype],
+            num_slots, scale,
             *(t.data_ptr() for t in self.tensors),
         )  # fmt: skip
         self.ref = ctypes.byref(self.struct)
@@ -480,13 +607,13 @@ def paged_attention(
     v_pages: torch.Tensor,
     threads: int = 1,
 ) -> torch.Tensor:
-    """Write k/v [T, KVH, D] into the dense float32 pages [KVH, slots, D] at the plan's slots, then return
-    [T, H, D]: each new row's causal attention over its request's context (q [T, H, D]), the same bits for any
-    `threads`."""
+    """Write k/v [T, KVH, D] (float32) into the dense pages [KVH, slots, D] of the plan's kv_dtype (float32, float16
+    or bfloat16, rounded as torch converts) at the plan's slots, then return [T, H, D]: each new row's causal
+    attention over its request's context (q [T, H, D]), the same bits for any `threads`."""
     q_stride = cpu_ops.heads_view(q, plan.q_shape)
     k_stride, v_stride = cpu_ops.heads_view(k, plan.kv_shape), cpu_ops.heads_view(v, plan.kv_shape)
     for pages in (k_pages, v_pages):
-        assert pages.shape == plan.pages_shape and pages.dtype == torch.float32 and pages.is_contiguous()
+        assert pages.shape == plan.pages_shape and pages.dtype == plan.kv_dtype and pages.is_contiguous()
     out = torch.empty(*plan.q_shape)
     status = _library().paged_attention(
         plan.ref, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
@@ -503,16 +630,16 @@ def paged_attention_ref(
     """The same by indexing: store k/v at the slots, then per request gather its context and attend."""
     tables, starts, q_lens, ctx_lens, slots = plan.tensors
     page_size = plan.struct.page_size
-    k_pages[:, slots] = k.transpose(0, 1)
-    v_pages[:, slots] = v.transpose(0, 1)
+    k_pages[:, slots] = k.transpose(0, 1).to(k_pages.dtype)
+    v_pages[:, slots] = v.transpose(0, 1).to(v_pages.dtype)
     out = torch.empty(q.shape)
     group = plan.num_heads // plan.kv_heads
     for b in range(q_lens.shape[0]):
         n, c, start = int(q_lens[b]), int(ctx_lens[b]), int(starts[b])
         pos = torch.arange(c)
         ctx = tables[b].long()[pos // page_size] * page_size + pos % page_size
-        keys = k_pages[:, ctx].repeat_interleave(group, 0)  # [H, c, D]
-        values = v_pages[:, ctx].repeat_interleave(group, 0)
+        keys = k_pages[:, ctx].float().repeat_interleave(group, 0)  # [H, c, D]
+        values = v_pages[:, ctx].float().repeat_interleave(group, 0)
         scores = torch.einsum("thd,hcd->htc", q[start : start + n], keys) * plan.struct.scale  # [H, n, c]
         seen = pos[None, :] <= (c - n + torch.arange(n))[:, None]  # [n, c]
         probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)

@@ -57,7 +57,7 @@ static int linear(const Weight* w, int rows, const float* x, float* y, int threa
 /* x [T, hidden] -> out [T, hidden]: one block for this step's T tokens (cos/sin [T, head_dim]); the step's keys
    and values go into the pages. Returns 0, or -1 when scratch memory cannot be allocated. */
 int decode_block(const Block* b, const Plan* p, int T, const float* x, const float* cos, const float* sin,
-                 float* k_pages, float* v_pages, float* out, int threads) {
+                 void* k_pages, void* v_pages, float* out, int threads) {
   const int H = b->hidden, Q = b->q_size, KV = b->kv_size, I = b->inter, QKV = Q + 2 * KV;
   const size_t t = (size_t)T;
   float* scratch = malloc(t * (4 * H + QKV + 2 * Q + KV + 3 * I) * sizeof(float));
@@ -181,13 +181,13 @@ def decode_block(
     threads: int,
 ) -> torch.Tensor:
     """x [T, hidden] float32 -> the block's output [T, hidden]; this step's keys/values written into the dense
-    float32 pages [KVH, slots, D] at the plan's slots."""
+    pages [KVH, slots, D] (the plan's kv_dtype: float32, float16 or bfloat16) at the plan's slots."""
     t = plan.tokens
     assert x.shape == (t, weights.hidden) and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu, x.shape
     for rot in (cos, sin):
         assert rot.shape == (t, plan.head_dim) and rot.dtype == torch.float32 and rot.is_contiguous(), rot.shape
     for pages in (k_pages, v_pages):
-        assert pages.shape == plan.pages_shape and pages.dtype == torch.float32 and pages.is_contiguous()
+        assert pages.shape == plan.pages_shape and pages.dtype == plan.kv_dtype and pages.is_contiguous()
     out = torch.empty(t, weights.hidden)
     status = _library().decode_block(
         weights.ref, plan.ref, t, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),

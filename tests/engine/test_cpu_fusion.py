@@ -115,9 +115,14 @@ def with_gguf_blocks(model: Transformer, seed: int = 0) -> Transformer:
     return model
 
 
-def run_steps(model: Transformer, feeds: list[list[int]], cpu_kernels: bool = True) -> tuple[list, KVPool]:
+def run_steps(
+    model: Transformer, feeds: list[list[int]], cpu_kernels: bool = True, kv_format: str = "auto"
+) -> tuple[list, KVPool]:
     """Feed one request's tokens step by step through a KV pool; the logits of each step's rows."""
-    pool = KVPool(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 16, 4, torch.float32, "cpu", cpu_kernels=cpu_kernels)
+    pool = KVPool(
+        CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 16, 4, torch.float32, "cpu", kv_format=kv_format,
+        cpu_kernels=cpu_kernels,
+    )  # fmt: skip
     pool.add(0, [t for feed in feeds for t in feed])
     out, start = [], 0
     with torch.inference_mode():
@@ -151,3 +156,32 @@ def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
     plain, _ = run_steps(model, feeds, cpu_kernels=False)
     for a, b in zip(whole, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "bf16"])
+def test_half_width_pages_take_the_c_kernel_and_match_the_reference(kv_format, monkeypatch):
+    """float16 / bfloat16 pages on the CPU: the whole block in C (the attention widening each element) against the
+    plain modules over pages of the same format. Their keys and values differ by float32 rounding before they are
+    rounded into the pages, so a page element may land one unit of the format apart; the logits stay close.
+    (tests/kernels/test_cpu_ops.py holds the kernel to its reference over the same pages, bit for bit.)"""
+    torch.manual_seed(1)
+    model = with_gguf_blocks(Transformer(CFG).eval(), seed=1)
+    cpu_fusion.fuse(model)
+    feeds = [[3, 14, 15, 9, 26, 5, 35], [8], [9, 7, 9, 3, 2], [3], [8, 4]]
+    calls = []
+    block_call = cpu_block.decode_block
+    monkeypatch.setattr(cpu_block, "decode_block", lambda *a: calls.append(1) or block_call(*a))
+    fused, fused_pool = run_steps(model, feeds, kv_format=kv_format)
+    assert len(calls) == len(feeds) * CFG.num_layers
+    assert fused_pool.store.k[0].data.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_format]
+    cpu_fusion.unfuse(model)
+    plain, plain_pool = run_steps(model, feeds, cpu_kernels=False, kv_format=kv_format)
+    for layer in range(CFG.num_layers):
+        for a, b in (
+            (fused_pool.store.k[layer], plain_pool.store.k[layer]),
+            (fused_pool.store.v[layer], plain_pool.store.v[layer]),
+        ):
+            eps = torch.finfo(a.data.dtype).eps
+            torch.testing.assert_close(a.data[:, :16].float(), b.data[:, :16].float(), rtol=eps, atol=eps)
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)

@@ -63,9 +63,9 @@ def test_silu_mul_matches_reference(rows, n):
     torch.testing.assert_close(cpu_ops.silu_mul(gate_up), cpu_ops.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-7)
 
 
-def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0):
-    """A ragged step over shuffled pages: (plan, q, k, v, k_pages, v_pages, metadata) with the context before
-    this step's tokens already stored."""
+def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0, kv_dtype=torch.float32):
+    """A ragged step over shuffled pages of kv_dtype: (plan, q, k, v, k_pages, v_pages, metadata) with the context
+    before this step's tokens already stored."""
     g = gen(seed)
     tables, next_page = [], 0
     num_pages = sum(-(-c // page_size) for c in ctx_lens) + 3
@@ -75,7 +75,7 @@ def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0):
         tables.append(order[next_page : next_page + count])
         next_page += count
     num_slots = num_pages * page_size
-    k_pages, v_pages = torch.randn(2, kv_heads, num_slots, head_dim, generator=g)
+    k_pages, v_pages = torch.randn(2, kv_heads, num_slots, head_dim, generator=g).to(kv_dtype)
     slots = [
         t[p // page_size] * page_size + p % page_size
         for t, n, c in zip(tables, q_lens, ctx_lens, strict=True)
@@ -89,7 +89,7 @@ def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0):
     meta = AttentionMetadata.build(tables, q_lens, ctx_lens, page_size, "cpu")
     plan = cpu_attention.AttentionPlan(
         meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, torch.tensor(slots), page_size,
-        heads, kv_heads, head_dim, num_slots, head_dim**-0.5,
+        heads, kv_heads, head_dim, num_slots, head_dim**-0.5, kv_dtype,
     )  # fmt: skip
     return plan, q, k, v, k_pages, v_pages, meta
 
@@ -107,9 +107,17 @@ CASES = [  # q_lens, ctx_lens, heads, kv_heads, head_dim, page_size
 ]
 
 
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("q_lens", "ctx_lens", "heads", "kv_heads", "head_dim", "page_size"), CASES)
-def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size):
-    plan, q, k, v, k_pages, v_pages, meta = paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size)
+def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, kv_dtype):
+    """float16 / bfloat16 pages: this step's rows rounded into them as torch rounds (the same bits), every element
+    widened exactly, so the output matches the reference over the same pages as closely as float32 pages do."""
+    plan, q, k, v, k_pages, v_pages, meta = paged_case(
+        q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, kv_dtype=kv_dtype
+    )
     ref_k, ref_v = k_pages.clone(), v_pages.clone()
     want = cpu_attention.paged_attention_ref(plan, q, k, v, ref_k, ref_v)
     got = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages)
@@ -121,20 +129,41 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, he
 
 @pytest.mark.parametrize(("head_dim", "page_size"), [(64, 16), (64, 4), (32, 32), (128, 16), (16, 8), (48, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_prompts_rows_equal_the_same_rows_decoded_one_at_a_time(head_dim, page_size, threads):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_prompts_rows_equal_the_same_rows_decoded_one_at_a_time(head_dim, page_size, threads, kv_dtype):
     """Every row of a step of many (a prompt's, scored in tiles of rows where the build tiles them) is bit-equal to
     that row decoded alone at its position: prefill, chunked prefill, prefix cache and decoding agree."""
     m, c = 23, 37
-    plan, q, k, v, k_pages, v_pages, meta = paged_case([m], [c], 6, 2, head_dim, page_size, seed=2)
+    plan, q, k, v, k_pages, v_pages, meta = paged_case([m], [c], 6, 2, head_dim, page_size, seed=2, kv_dtype=kv_dtype)
     many = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages, threads)
     for i in range(m):
         one = cpu_attention.AttentionPlan(
             meta.block_tables, torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
             torch.tensor([c - m + i + 1], dtype=torch.int32), plan.tensors[4][i : i + 1], page_size, 6, 2, head_dim,
-            plan.num_slots, plan.struct.scale,
+            plan.num_slots, plan.struct.scale, kv_dtype,
         )  # fmt: skip
         row = cpu_attention.paged_attention(one, q[i : i + 1], k[i : i + 1], v[i : i + 1], k_pages, v_pages)
         assert torch.equal(row, many[i : i + 1]), i
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_rows_are_rounded_into_half_pages_as_torch_rounds(kv_dtype):
+    """Ties, subnormals, the largest finite values and overflow: the kernel's store (F16C where the build has it,
+    else its own rounding; head_dim 12 takes both for binary16) writes the bits torch's conversion gives."""
+    info = torch.finfo(kv_dtype)
+    special = [0.0, -0.0, 1.0, info.max, -info.max, info.max * 1.001, 65519.0, 65520.0, info.tiny, info.tiny / 3,
+               info.tiny * 0.75, 2.0**-25, 2.0**-24 * 1.5, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8,
+               float("inf"), -float("inf"), 3.0e-9, -7.7e-6, 12345.678]  # fmt: skip
+    values = torch.tensor(special + torch.randn(46, generator=gen(5)).mul(100).tolist())
+    head_dim = 12
+    rows = values.numel() // head_dim
+    plan, q, k, v, k_pages, v_pages, _ = paged_case([rows], [rows], 2, 1, head_dim, 8, kv_dtype=kv_dtype)
+    k = values[: rows * head_dim].view(rows, 1, head_dim)
+    v = -k
+    cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages)
+    slots = plan.tensors[4]
+    assert torch.equal(k_pages[0, slots].view(torch.int16), k[:, 0].to(kv_dtype).view(torch.int16))
+    assert torch.equal(v_pages[0, slots].view(torch.int16), v[:, 0].to(kv_dtype).view(torch.int16))
 
 
 def test_paged_attention_rows_do_not_depend_on_the_batch():
