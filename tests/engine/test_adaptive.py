@@ -253,7 +253,9 @@ def test_a_seeded_sampled_request_chooses_k_without_step_times(tiny_engine, monk
     texts = [tiny_engine.submit("hello", seeded, SpecParams("fixed-wrong", k=None)).result().token_ids for _ in "ab"]
     assert texts[0] == texts[1] and times and all(t is None for t in times), times
     times.clear()
-    tiny_engine.submit("hello", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("fixed-wrong", k=None)).result()
+    tiny_engine.submit(
+        "hello", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("fixed-wrong", k=None)
+    ).result()
     assert any(t is not None for t in times)  # greedy (and unseeded) requests are timed
 
 
