@@ -31,6 +31,7 @@ TEXTS = {"dev": "dev_queue.txt", "heldout": "heldout_textwrap.txt", "prose": "he
 VARIANTS = {  # name -> (page format, rotate, MXFP4 scale rule)
     "bf16": ("bf16", False, "mse"),
     "fp32": ("fp32", False, "mse"),
+    "fp16": ("fp16", False, "mse"),
     "mxfp4": ("mxfp4", True, "mse"),
     "mxfp4 no-rotation": ("mxfp4", False, "mse"),
     "mxfp4 ocp-rule": ("mxfp4", True, "ocp"),
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--baseline", default="bf16", help="the variant greedy agreement and ratios are counted against"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -92,7 +96,7 @@ def main() -> None:
         for text, ids in texts.items():
             row[f"ppl_{text}"] = perplexity(engine, ids, 1024, 512).ppl
         outputs = greedy_outputs(engine, [m for _, m in prompts], args.tokens)
-        if name == "bf16":
+        if name == args.baseline:
             baseline_tokens = outputs
         if baseline_tokens is not None:
             agree = [agreement(o, b) for o, b in zip(outputs, baseline_tokens, strict=True)]
@@ -107,22 +111,22 @@ def main() -> None:
         results[name] = row
         print(name, json.dumps(row), flush=True)
 
-    bf16 = results.get("bf16")
+    base = results[args.baseline]
     print(
         f"\n{date.today()} · {platform.machine()} {args.device} · commit {commit} · model {c.num_layers} layers, "
         f"{c.num_kv_heads} KV heads, head_dim {c.head_dim} · {len(prompts)} eval prompts x {args.tokens} greedy tokens\n"
     )
-    head = "| KV pages | bytes/token | vs bf16 |"
+    head = f"| KV pages | bytes/token | vs {args.baseline} |"
     for text in texts:
-        head += f" ppl {text} | vs bf16 |"
+        head += f" ppl {text} | vs {args.baseline} |"
     head += " greedy tokens agreeing (mean of 64) | identical outputs |"
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
     for name, row in results.items():
-        line = f"| {name} | {row['bytes_per_token']:,} | {row['bytes_per_token'] / bf16['bytes_per_token'] - 1:+.1%} |"
+        line = f"| {name} | {row['bytes_per_token']:,} | {row['bytes_per_token'] / base['bytes_per_token'] - 1:+.1%} |"
         for text in texts:
             ppl = row[f"ppl_{text}"]
-            line += f" {ppl:.3f} | {ppl / bf16[f'ppl_{text}'] - 1:+.2%} |"
+            line += f" {ppl:.3f} | {ppl / base[f'ppl_{text}'] - 1:+.2%} |"
         line += f" {row.get('agree_mean', float('nan')):.1f} | {row.get('identical', '-')}/{len(prompts)} |"
         print(line)
     if args.json:

@@ -13,7 +13,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)  # auto = bfloat16 on CUDA and on CPUs with na
 HF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # config.json model_type values the model code implements
 DEVICES = ("auto", "cpu", "cuda")
 KV_FORMATS = ("bf16", "fp16", "fp32", "mxfp4", "k8v4")  # KV page formats (engine.kv_pages)
-KV_CHOICES = ("auto", *KV_FORMATS)  # auto = the model dtype's dense format
+KV_CHOICES = ("auto", *KV_FORMATS)  # auto = the model dtype's dense format (fp16 under the CPU attention kernel)
 WEIGHT_FORMATS = ("bf16", "mxfp4")  # bf16 = unquantized, in the model dtype (quant.handler)
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto = as the checkpoint stores them
 # activation rows of the CPU block kernels (engine.cpu_weights.set_activations); auto: int8 where the CPU block

@@ -62,12 +62,13 @@ def default_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def default_engine():
-    """The real default model on CPU in float32 with float activation rows (shared: tests must not leave requests
-    running). fp32 rows, not the default's int8 where the CPU has VNNI: the parity tests hold this path to the eager
-    one and to transformers bit for bit; the int8 rows have their own tests (tests/engine/test_cpu_act.py)."""
+    """The real default model on CPU in float32 with float activation rows and float32 KV pages (shared: tests must
+    not leave requests running). fp32 rows and pages, not the default's int8 rows (where the CPU has VNNI) and
+    float16 pages: the parity tests hold this path to the eager one and to transformers bit for bit; the int8 rows
+    and half-width pages have their own tests (tests/engine/test_cpu_act.py, test_cpu_fusion.py)."""
     from specchat.engine.engine import Engine
 
-    return Engine.load(EngineConfig(device="cpu", dtype="float32", cpu_act="fp32"))
+    return Engine.load(EngineConfig(device="cpu", dtype="float32", cpu_act="fp32", kv_format="fp32"))
 
 
 @pytest.fixture(scope="session")

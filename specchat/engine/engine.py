@@ -25,7 +25,7 @@ from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
 from specchat.engine.kv_cache import KVPool
-from specchat.engine.kv_pages import format_for_dtype
+from specchat.engine.kv_pages import auto_format
 from specchat.engine.loader import Progress
 from specchat.engine.loading import load_parts, make_runner, pack_cpu_weights
 from specchat.engine.model import Transformer
@@ -284,11 +284,11 @@ class Engine:
 
     def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
         """The (weights, KV page format) that settings mean on this model: "auto" weights are the form its file
-        stores (mxfp4 for an MXFP4 checkpoint, else bf16), "auto" KV the model dtype's dense page format."""
+        stores (mxfp4 for an MXFP4 checkpoint, else bf16), "auto" KV the pool's (`kv_pages.auto_format`)."""
         if weights == "auto":
             weights = "mxfp4" if self.weights.sources.checkpoint else "bf16"
         if kv == "auto":
-            kv = format_for_dtype(model_dtype(self.model))
+            kv = auto_format(model_dtype(self.model), self.pool.cpu_kernels)
         return weights, kv
 
     def set_weights(self, fmt: str, progress: Callable[[str, int, int], None] | None = None) -> None:

@@ -454,7 +454,7 @@ def test_a_small_kv_pool_completes_every_prompt_that_fits(tiny_model_dir, tmp_pa
     prompts.write_text("\n".join(lines) + "\n")
     max_tokens = 32
     argv = ["generate", str(tiny_model_dir), "--prompts-file", str(prompts), "--json", "--dtype", "float32"]
-    result = invoke([*argv, "--max-tokens", str(max_tokens), "--kv-memory", "64K"])  # 128 float32 tokens
+    result = invoke([*argv, "--max-tokens", str(max_tokens), "--kv-memory", "64K", "--kv", "fp32"])  # 128 tokens
     out = records(result)
     assert len(out) == 16
     per_token = out[0]["stats"]["memory"]["kv_bytes_per_token"]

@@ -20,7 +20,9 @@ PAGE_BYTES_FP32 = 2 * 2 * 16 * 2 * 4 * 16  # tiny model: layers * kv heads * hea
 def small_pool_engine(tiny_model_dir):
     from specchat.engine.engine import Engine
 
-    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_memory=6 * PAGE_BYTES_FP32)
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", kv_format="fp32", kv_memory=6 * PAGE_BYTES_FP32
+    )
     return Engine.load(config)
 
 

@@ -50,8 +50,8 @@ def logits_of(engine: Engine, ids: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def gqa_pair(tiny_model_dir: Path):
     """The tiny Llama (4 heads, 2 KV heads: one KV head per rank) at TP=1 and TP=2."""
-    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32")
-    one = Engine.load(config)
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_format="fp32")
+    one = Engine.load(config)  # (float32 pages: what the eager TP workers' "auto" is; the C kernels' is float16)
     two = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", tp=2))
     yield one, two
     two.close()
@@ -100,7 +100,7 @@ def test_tp2_with_one_kv_head_and_qkv_bias_mxfp4_equals_the_unsharded_mxfp4_mode
     """Qwen2 (q/k/v biases) with a single KV head, replicated on both ranks; MXFP4 weights (round to nearest over
     the block linears, each rank rounding its own slices) against the same MXFP4 weights unsharded."""
     path = save_tiny_hf(tmp_path_factory.mktemp("tiny-qwen"), {"model_type": "qwen2", "num_key_value_heads": 1})
-    one = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    one = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", kv_format="fp32"))
     swap_modules(one.model, fp4_modules(one.model, round_to_nearest(one.model, select_linears(one.model, FALLBACK_LAYERS), FALLBACK_RULE)))  # fmt: skip
     two = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", weights="mxfp4", tp=2))
     try:

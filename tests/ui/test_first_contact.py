@@ -34,7 +34,7 @@ async def test_the_empty_chat_names_the_model_settings_and_keys(tiny_engine, mak
         welcome = pane.query_one(".welcome")
         await wait_for(pilot, lambda: "weights float32" in text_of(welcome), what="the formats from the engine")
         text = text_of(welcome)
-        for part in ("on cpu", "drafter ngram, K 4", "KV fp32", "F2 drafter", "^↑ K+1", "F3 weights", "^p every"):
+        for part in ("on cpu", "drafter ngram, K 4", "KV fp16", "F2 drafter", "^↑ K+1", "F3 weights", "^p every"):
             assert part in text, (part, text)
         assert not [n for n in app._notifications if n.severity != "information"]  # nothing happened: no warning
         await pilot.press("f5")  # K auto: the welcome follows the settings
