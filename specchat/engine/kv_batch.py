@@ -5,7 +5,8 @@ layer) and handed to the model as its `KVAttention`: each layer writes its new k
 attends over the request's whole context, with the Triton paged-attention kernel on CUDA and the gathered
 reference (`_attend_gathered`) elsewhere; on the CPU, where the pool was built with `cpu_kernels`, decode and
 verification steps (and prompts) over dense pages (float32, float16 or bfloat16) go through
-kernels/cpu_attention.py's C kernel, which stores the step's keys/values and attends over the pages in one call.
+kernels/cpu_attention.py's C kernel, which stores the step's keys/values and attends over the pages in one call;
+over quantized pages (k8v4, mxfp4) the pool's quantizer writes the rows and the same kernel reads the codes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specchat.engine.kv_pages import DENSE_FORMATS
+from specchat.engine.kv_pages import DENSE_FORMATS, QUANTIZED_FORMATS
 from specchat.kernels import cpu_attention
 from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
 
@@ -60,6 +61,9 @@ class KVBatch:
             and store.key_transform is None
             and cpu_attention.available()
         )
+        # quantized pages (k8v4, mxfp4): the pool's quantizer writes them, the C kernel reads them (queries and
+        # outputs rotated around it as for every reader); every row, a prompt's too, as for dense pages
+        self._cpu_quantized = pool.cpu_kernels and store.name in QUANTIZED_FORMATS and cpu_attention.available()
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False
@@ -73,7 +77,11 @@ class KVBatch:
         q, k, v = store.rotate_queries(layer, q), store.rotate_keys(layer, k), store.rotate(v)
         if not written:
             store.write(layer, self.new_slots, k, v)
-        if self.all_fresh:
+        if self._cpu_quantized and q.dtype == torch.float32:
+            plan = self.cpu_plan(q.shape[1], k.shape[1], q.shape[2])
+            threads = torch.get_num_threads()
+            out = cpu_attention.paged_attention_quantized(plan, q, store.k[layer], store.v[layer], threads)
+        elif self.all_fresh:
             out = self._attend_fresh(q, k, v)
         elif self._paged(q, k, max(self.q_lens)):
             out = paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
@@ -176,9 +184,11 @@ class KVBatch:
         """The step as the CPU attention kernel reads it (once a step)."""
         if self._cpu_plan is None:
             meta = self.metadata()
+            name = self.store.name
             self._cpu_plan = cpu_attention.AttentionPlan(
                 meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, self.new_slots, self.pool.page_size,
-                heads, kv_heads, head_dim, self.store.num_slots, self.scale, DENSE_FORMATS[self.store.name],
+                heads, kv_heads, head_dim, self.store.num_slots, self.scale, DENSE_FORMATS.get(name, torch.float32),
+                QUANTIZED_FORMATS.get(name),
             )  # fmt: skip
         return self._cpu_plan
 

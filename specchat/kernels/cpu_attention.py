@@ -23,13 +23,14 @@ import torch
 from specchat.kernels import cpu_build, cpu_ops
 
 MAX_HEAD_DIM = 256  # the kernel keeps a query row's output in registers (16 floats per vector)
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # page element types the kernel reads (kv_type)
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dense page element types the kernel reads
+QUANTIZED_TYPES = {"mxfp8": 3, "mxfp4": 4}  # quantized ones (kernels/kv_quant.py element formats)
 
 C_SOURCE = r"""
 /* The step as the attention kernel sees it (built once per step; AttentionPlan in cpu_attention.py). */
 typedef struct {
   int batch, heads, kv_heads, head_dim, page_size, table_width, tokens;
-  int kv_type;             /* page elements: KV_F32, KV_F16 (IEEE binary16) or KV_BF16 */
+  int k_type, v_type;      /* page elements (KV_F32, KV_F16, KV_BF16, KV_MX8, KV_MX4) of the keys and values */
   long num_slots;
   float scale;
   const int32_t* tables;   /* [batch, table_width] pages of each request */
@@ -42,7 +43,36 @@ typedef struct {
 #define KV_F32 0
 #define KV_F16 1
 #define KV_BF16 2
+#define KV_MX8 3 /* MXFP8 (E4M3) codes, an E8M0 scale per 32 (kernels/kv_quant.py): written by torch */
+#define KV_MX4 4 /* MXFP4 (E2M1) codes, element 2j in the low nibble of byte j, an E8M0 scale per 32 */
 #define KV_BYTES(T) ((T) == KV_F32 ? 4 : 2)
+#define KV_DENSE(T) ((T) <= KV_BF16)
+
+/* One KV head's pages as the kernel reads them: the elements (dense), or the codes and their block scales. */
+typedef struct {
+  const void* data;
+  const uint8_t* scales;
+} Pages;
+
+/* 2^(s - 127) for an E8M0 scale code s (NaN for 0xFF), exactly. */
+INLINE float e8m0_float(uint8_t s) {
+  const uint32_t bits = s == 0xFF ? 0x7FC00000u : s == 0 ? 0x00400000u : (uint32_t)s << 23;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* An E4M3 code as its value: the sign and the 7 magnitude bits placed at float32 bits 31 and 26..20 give the
+   value times 2^-120 (exponent 0 lands on float32 subnormals, which are exactly E4M3's); one exact multiply. */
+INLINE float e4m3_float(uint8_t c) {
+  const uint32_t bits = ((uint32_t)(c & 0x80) << 24) | ((uint32_t)(c & 0x7F) << 20);
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f * 0x1p120f;
+}
+
+static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 /* binary16 -> float32, exact (subnormals: m * 2^-24, exact in float32). */
 INLINE float half_to_float(uint16_t h) {
@@ -90,8 +120,15 @@ INLINE uint16_t float_to_bf16(float f) {
   return (uint16_t)((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
 }
 
-/* Element i of a page array of type T, as float32. */
-INLINE float kv_get(const void* base, size_t i, const int T) {
+/* Element i of a KV head's pages of type T, as float32 (quantized: its code's value times its block's scale,
+   one float32 product, as kv_quant's dequantization computes it). */
+INLINE float kv_get(Pages pg, size_t i, const int T) {
+  if (T == KV_MX8) return e4m3_float(((const uint8_t*)pg.data)[i]) * e8m0_float(pg.scales[i / 32]);
+  if (T == KV_MX4) {
+    const uint8_t byte = ((const uint8_t*)pg.data)[i / 2];
+    return E2M1_VALUES[i % 2 ? byte >> 4 : byte & 0xF] * e8m0_float(pg.scales[i / 32]);
+  }
+  const void* base = pg.data;
   if (T == KV_F32) return ((const float*)base)[i];
   const uint16_t h = ((const uint16_t*)base)[i];
   if (T == KV_F16) return half_to_float(h);
@@ -147,7 +184,7 @@ static void softmax(float* s, int n) {
   for (j = 0; j < n; j++) s[j] *= inv;
 }
 
-INLINE float dot_plain(const float* a, const void* b, size_t at, int D, const int T) {
+INLINE float dot_plain(const float* a, Pages b, size_t at, int D, const int T) {
   float acc[LANES] = {0};
   for (int d = 0; d < D; d++) acc[d % LANES] += a[d] * kv_get(b, at + d, T);
   for (int w = LANES / 2; w > 0; w /= 2)
@@ -162,13 +199,13 @@ INLINE size_t page_at(const Plan* p, const int32_t* table, int j0) {
 
 /* One query row of one head over its n keys: K/V rows of its KV head found through the block table, a page at a
    time (positions j0 .. j0 + len - 1 lie in page table[j0 / ps], consecutive rows: no division per key). */
-INLINE void attend_plain(const int T, const Plan* p, const int32_t* table, int n, const float* q, const void* kp,
-                         const void* vp, float* s, float* out) {
+INLINE void attend_plain(const int TK, const int TV, const Plan* p, const int32_t* table, int n, const float* q,
+                         Pages kp, Pages vp, float* s, float* out) {
   const int D = p->head_dim, ps = p->page_size;
   for (int j0 = 0; j0 < n; j0 += ps) {
     const size_t k = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
-    for (int j = 0; j < len; j++) s[j0 + j] = dot_plain(q, kp, k + (size_t)j * D, D, T) * p->scale;
+    for (int j = 0; j < len; j++) s[j0 + j] = dot_plain(q, kp, k + (size_t)j * D, D, TK) * p->scale;
   }
   softmax(s, n);
   for (int d = 0; d < D; d++) out[d] = 0.0f;
@@ -176,14 +213,30 @@ INLINE void attend_plain(const int T, const Plan* p, const int32_t* table, int n
     const size_t v = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     for (int j = 0; j < len; j++)
-      for (int d = 0; d < D; d++) out[d] += s[j0 + j] * kv_get(vp, v + (size_t)j * D + d, T);
+      for (int d = 0; d < D; d++) out[d] += s[j0 + j] * kv_get(vp, v + (size_t)j * D + d, TV);
   }
 }
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* Elements i .. i + 15 of a page array of type T as floats (binary16 by vcvtph2ps, bfloat16 by a shift). */
-INLINE __m512 kv_load16(const void* base, size_t i, const int T) {
+INLINE __m512 kv_load16(Pages pg, size_t i, const int T) {
+  if (T == KV_MX8) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)pg.data + i)));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24),
+                                         _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20));
+    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+    return _mm512_mul_ps(v, _mm512_set1_ps(e8m0_float(pg.scales[i / 32])));
+  }
+  if (T == KV_MX4) {
+    uint64_t w;
+    memcpy(&w, (const uint8_t*)pg.data + i / 2, sizeof w);
+    const __m128i b = _mm_cvtsi64_si128((long long)w), low = _mm_set1_epi8(0x0F);
+    const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles), _mm512_loadu_ps(E2M1_VALUES));
+    return _mm512_mul_ps(v, _mm512_set1_ps(e8m0_float(pg.scales[i / 32])));
+  }
+  const void* base = pg.data;
   if (T == KV_F32) return _mm512_loadu_ps((const float*)base + i);
   const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
   if (T == KV_F16) return _mm512_cvtph_ps(h);
@@ -209,7 +262,7 @@ INLINE __m512 sum16(const __m512* v) {
 /* Scores of one row (query vectors qv) for keys from..n - 1 (from: a page boundary), page by page as every row of
    this build scores them: in a page, 16 keys at a time (sum16), its keys past the last 16 one at a time. */
 INLINE void score_keys(const int NC, const int T, const Plan* p, const int32_t* table, int from, int n,
-                       const __m512* qv, float* s, const void* kp) {
+                       const __m512* qv, float* s, Pages kp) {
   const int D = p->head_dim, ps = p->page_size;
   for (int j0 = from; j0 < n; j0 += ps) {
     const size_t k = page_at(p, table, j0);
@@ -235,7 +288,7 @@ INLINE void score_keys(const int NC, const int T, const Plan* p, const int32_t* 
 
 /* acc (NC vectors) += sum over keys from..n - 1 of s[j] v_j, in key order. */
 INLINE void add_values(const int NC, const int T, const Plan* p, const int32_t* table, int from, int n,
-                       const float* s, __m512* acc, const void* vp) {
+                       const float* s, __m512* acc, Pages vp) {
   const int D = p->head_dim, ps = p->page_size;
   for (int j = from; j < n;) {
     const int j0 = j - j % ps, end = n < j0 + ps ? n : j0 + ps;
@@ -251,14 +304,14 @@ INLINE void add_values(const int NC, const int T, const Plan* p, const int32_t* 
 /* The same row with NC = D / 16 vectors per key row, a compile-time constant at each call so the output stays
    in registers: per key, one dot product (NC products summed in order), reduced 16 keys at a time (sum16), and
    NC fused adds. */
-INLINE void attend_avx(const int NC, const int T, const Plan* p, const int32_t* table, int n, const float* q,
-                       const void* kp, const void* vp, float* s, float* out) {
+INLINE void attend_avx(const int NC, const int TK, const int TV, const Plan* p, const int32_t* table, int n,
+                       const float* q, Pages kp, Pages vp, float* s, float* out) {
   __m512 qv[16], acc[16];
   for (int c = 0; c < NC; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  score_keys(NC, T, p, table, 0, n, qv, s, kp);
+  score_keys(NC, TK, p, table, 0, n, qv, s, kp);
   softmax(s, n);
   for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
-  add_values(NC, T, p, table, 0, n, s, acc, vp);
+  add_values(NC, TV, p, table, 0, n, s, acc, vp);
   for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
@@ -266,8 +319,8 @@ INLINE void attend_avx(const int NC, const int T, const Plan* p, const int32_t* 
    row, bit for bit: the keys of the pages full for every row are scored for all R at once, so each key row is
    loaded once for R queries (a prompt's rows read their context from L2 R times less); each row's remaining keys,
    its softmax, and its sum of values in key order as attend_avx. R * NC <= 16 keeps the sums in registers. */
-INLINE void attend_tile(const int NC, const int R, const int T, const Plan* p, const int32_t* table, int n,
-                        const float* q, long q_row, const void* kp, const void* vp, float* s, long s_row, float* out,
+INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, const Plan* p, const int32_t* table,
+                        int n, const float* q, long q_row, Pages kp, Pages vp, float* s, long s_row, float* out,
                         long out_row) {
   const int D = p->head_dim, ps = p->page_size, full = n / ps * ps;
   __m512 qv[4][16], acc[4][16];
@@ -281,7 +334,7 @@ INLINE void attend_tile(const int NC, const int R, const int T, const Plan* p, c
       for (int u = 0; u < 16; u++) {
         const size_t kj = k + (size_t)(j + u) * D;
         __m512 kv[16];
-        for (int c = 0; c < NC; c++) kv[c] = kv_load16(kp, kj + 16 * c, T);
+        for (int c = 0; c < NC; c++) kv[c] = kv_load16(kp, kj + 16 * c, TK);
         for (int r = 0; r < R; r++) {
           __m512 d = _mm512_mul_ps(qv[r][0], kv[0]);
           for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], kv[c], d);
@@ -297,14 +350,14 @@ INLINE void attend_tile(const int NC, const int R, const int T, const Plan* p, c
     for (; j < ps; j++) {
       const size_t kj = k + (size_t)j * D;
       for (int r = 0; r < R; r++) {
-        __m512 d = _mm512_mul_ps(qv[r][0], kv_load16(kp, kj, T));
-        for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], kv_load16(kp, kj + 16 * c, T), d);
+        __m512 d = _mm512_mul_ps(qv[r][0], kv_load16(kp, kj, TK));
+        for (int c = 1; c < NC; c++) d = _mm512_fmadd_ps(qv[r][c], kv_load16(kp, kj + 16 * c, TK), d);
         s[r * s_row + j0 + j] = _mm512_reduce_add_ps(d) * p->scale;
       }
     }
   }
   for (int r = 0; r < R; r++) {
-    score_keys(NC, T, p, table, full, n + r, qv[r], s + r * s_row, kp);
+    score_keys(NC, TK, p, table, full, n + r, qv[r], s + r * s_row, kp);
     softmax(s + r * s_row, n + r);
     for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
   }
@@ -313,7 +366,7 @@ INLINE void attend_tile(const int NC, const int R, const int T, const Plan* p, c
     const int len = n - j0 < ps ? n - j0 : ps;
     for (int j = 0; j < len; j++) {
       __m512 vv[16];
-      for (int c = 0; c < NC; c++) vv[c] = kv_load16(vp, v + (size_t)j * D + 16 * c, T);
+      for (int c = 0; c < NC; c++) vv[c] = kv_load16(vp, v + (size_t)j * D + 16 * c, TV);
       for (int r = 0; r < R; r++) {
         const __m512 w = _mm512_set1_ps(s[r * s_row + j0 + j]);
         for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
@@ -321,7 +374,7 @@ INLINE void attend_tile(const int NC, const int R, const int T, const Plan* p, c
     }
   }
   for (int r = 0; r < R; r++) {
-    add_values(NC, T, p, table, n, n + r, s + r * s_row, acc[r], vp);
+    add_values(NC, TV, p, table, n, n + r, s + r * s_row, acc[r], vp);
     for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + r * out_row + 16 * c, acc[r][c]);
   }
 }
@@ -331,7 +384,28 @@ INLINE void attend_tile(const int NC, const int R, const int T, const Plan* p, c
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 /* Elements i .. i + 7 of a page array of type T as floats. */
-INLINE __m256 kv_load8(const void* base, size_t i, const int T) {
+INLINE __m256 kv_load8(Pages pg, size_t i, const int T) {
+  if (T == KV_MX8) {
+    uint64_t w;
+    memcpy(&w, (const uint8_t*)pg.data + i, sizeof w);
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)w));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24),
+                                         _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), 20));
+    const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+    return _mm256_mul_ps(v, _mm256_set1_ps(e8m0_float(pg.scales[i / 32])));
+  }
+  if (T == KV_MX4) {
+    uint32_t w;
+    memcpy(&w, (const uint8_t*)pg.data + i / 2, sizeof w);
+    const __m128i b = _mm_cvtsi32_si128((int)w), low = _mm_set1_epi8(0x0F);
+    const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    const __m256i idx = _mm256_cvtepu8_epi32(nibbles);
+    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1_VALUES), idx); /* uses idx & 7 */
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
+    const __m256 v = _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+    return _mm256_mul_ps(v, _mm256_set1_ps(e8m0_float(pg.scales[i / 32])));
+  }
+  const void* base = pg.data;
   if (T == KV_F32) return _mm256_loadu_ps((const float*)base + i);
   const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + i));
   if (T == KV_F16) return _mm256_cvtph_ps(h);
@@ -347,7 +421,7 @@ INLINE __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /* q . k over NC vectors in two chains (even and odd vectors), so that four keys keep eight fused adds in flight. */
-INLINE __m256 dot8(const int NC, const int T, const __m256* qv, const void* kp, size_t k) {
+INLINE __m256 dot8(const int NC, const int T, const __m256* qv, Pages kp, size_t k) {
   __m256 d0 = _mm256_mul_ps(qv[0], kv_load8(kp, k, T)), d1 = _mm256_setzero_ps();
   if (NC > 1) d1 = _mm256_mul_ps(qv[1], kv_load8(kp, k + 8, T));
   for (int c = 2; c < NC; c += 2) {
@@ -357,8 +431,8 @@ INLINE __m256 dot8(const int NC, const int T, const __m256* qv, const void* kp, 
   return _mm256_add_ps(d0, d1);
 }
 
-INLINE void attend_avx2(const int NC, const int T, const Plan* p, const int32_t* table, int n, const float* q,
-                        const void* kp, const void* vp, float* s, float* out) {
+INLINE void attend_avx2(const int NC, const int TK, const int TV, const Plan* p, const int32_t* table, int n,
+                        const float* q, Pages kp, Pages vp, float* s, float* out) {
   const int D = p->head_dim, ps = p->page_size;
   const __m128 scale = _mm_set1_ps(p->scale);
   __m256 qv[32], acc[32]; /* above 8 vectors the compiler keeps some in memory (L1) */
@@ -369,13 +443,13 @@ INLINE void attend_avx2(const int NC, const int T, const Plan* p, const int32_t*
     int j = 0;
     for (; j + 4 <= len; j += 4) {
       const size_t kj = k + (size_t)j * D;
-      const __m128 d = sum4(dot8(NC, T, qv, kp, kj), dot8(NC, T, qv, kp, kj + D), dot8(NC, T, qv, kp, kj + 2 * D),
-                            dot8(NC, T, qv, kp, kj + 3 * D));
+      const __m128 d = sum4(dot8(NC, TK, qv, kp, kj), dot8(NC, TK, qv, kp, kj + D),
+                            dot8(NC, TK, qv, kp, kj + 2 * D), dot8(NC, TK, qv, kp, kj + 3 * D));
       _mm_storeu_ps(s + j0 + j, _mm_mul_ps(d, scale));
     }
     for (; j < len; j++) {
       const __m256 z = _mm256_setzero_ps();
-      s[j0 + j] = _mm_cvtss_f32(sum4(dot8(NC, T, qv, kp, k + (size_t)j * D), z, z, z)) * p->scale;
+      s[j0 + j] = _mm_cvtss_f32(sum4(dot8(NC, TK, qv, kp, k + (size_t)j * D), z, z, z)) * p->scale;
     }
   }
   softmax(s, n);
@@ -385,7 +459,7 @@ INLINE void attend_avx2(const int NC, const int T, const Plan* p, const int32_t*
     const int len = n - j0 < ps ? n - j0 : ps;
     for (int j = 0; j < len; j++) {
       const __m256 w = _mm256_set1_ps(s[j0 + j]);
-      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(vp, v + (size_t)j * D + 8 * c, T), acc[c]);
+      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(vp, v + (size_t)j * D + 8 * c, TV), acc[c]);
     }
   }
   for (int c = 0; c < NC; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
@@ -394,23 +468,25 @@ INLINE void attend_avx2(const int NC, const int T, const Plan* p, const int32_t*
 #define attend_vec attend_avx2
 #endif
 
-/* The page element type T a compile-time constant at each call of the row's code (KV_TYPES(CALL) expands CALL(T)
-   for the plan's type). */
-#define KV_TYPES(CALL)          \
-  switch (p->kv_type) {         \
-    case KV_F16: CALL(KV_F16)   \
-    case KV_BF16: CALL(KV_BF16) \
-    default: CALL(KV_F32)       \
+/* The key and value element types compile-time constants at each call of the row's code: KV_TYPES(CALL) expands
+   CALL(TK, TV) for the plan's pair (the pool's formats: fp32, fp16, bf16, k8v4 = MXFP8 keys + MXFP4 values, mxfp4). */
+#define KV_TYPES(CALL)                                      \
+  switch (p->k_type * 8 + p->v_type) {                      \
+    case KV_F16 * 8 + KV_F16: CALL(KV_F16, KV_F16)          \
+    case KV_BF16 * 8 + KV_BF16: CALL(KV_BF16, KV_BF16)      \
+    case KV_MX8 * 8 + KV_MX4: CALL(KV_MX8, KV_MX4)          \
+    case KV_MX4 * 8 + KV_MX4: CALL(KV_MX4, KV_MX4)          \
+    default: CALL(KV_F32, KV_F32)                           \
   }
 
 #ifdef VEC_FLOATS
 /* The vector build's row with NC = head_dim / VEC_FLOATS a compile-time constant at each call; other head_dims
    take the plain loops. */
-#define ATTEND_T(T) attend_vec(NC, T, p, table, n, q, kp, vp, s, out); return;
+#define ATTEND_T(TK, TV) attend_vec(NC, TK, TV, p, table, n, q, kp, vp, s, out); return;
 #define ATTEND(D) { const int NC = (D) / VEC_FLOATS; KV_TYPES(ATTEND_T) }
-#define PLAIN_T(T) attend_plain(T, p, table, n, q, kp, vp, s, out); return;
-static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const void* kp,
-                       const void* vp, float* s, float* out) {
+#define PLAIN_T(TK, TV) attend_plain(TK, TV, p, table, n, q, kp, vp, s, out); return;
+static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, Pages kp, Pages vp, float* s,
+                       float* out) {
   switch (p->head_dim) {
     case 16: ATTEND(16)
     case 32: ATTEND(32)
@@ -421,9 +497,9 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
   }
 }
 #else
-#define PLAIN_T(T) attend_plain(T, p, table, n, q, kp, vp, s, out); return;
-static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, const void* kp,
-                       const void* vp, float* s, float* out) {
+#define PLAIN_T(TK, TV) attend_plain(TK, TV, p, table, n, q, kp, vp, s, out); return;
+static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, Pages kp, Pages vp, float* s,
+                       float* out) {
   KV_TYPES(PLAIN_T)
 }
 #endif
@@ -438,10 +514,10 @@ static int tile_rows(int D) {
   return 1;
 }
 
-static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const float* q, long q_row,
-                        const void* kp, const void* vp, float* s, long s_row, float* out, long out_row) {
+static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const float* q, long q_row, Pages kp,
+                        Pages vp, float* s, long s_row, float* out, long out_row) {
 #ifdef HAVE_TILE
-#define TILE_T(T) attend_tile(NC, RR, T, p, table, n, q, q_row, kp, vp, s, s_row, out, out_row); return;
+#define TILE_T(TK, TV) attend_tile(NC, RR, TK, TV, p, table, n, q, q_row, kp, vp, s, s_row, out, out_row); return;
 #define TILE(NC_, RR_) { const int NC = NC_, RR = RR_; KV_TYPES(TILE_T) }
 #define TILES(NC) \
   switch (R) {    \
@@ -470,16 +546,30 @@ static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const
    pairs where the step attends over PARALLEL_KEYS keys or more. Returns 0, or -1 when the scratch rows cannot
    be allocated. */
 #define PARALLEL_KEYS 2048
+/* Bytes of one KV head's element array (codes, for the quantized types) of type T. */
+static size_t head_bytes(int T, long slots, int D) {
+  const size_t n = (size_t)slots * D;
+  return T == KV_F32 ? 4 * n : KV_DENSE(T) ? 2 * n : T == KV_MX8 ? n : n / 2;
+}
+
+/* Keys and values: the pages [KVH, num_slots, ...] of their types (quantized: codes, and E8M0 scales
+   [KVH, num_slots, D / 32]; dense: scales NULL). Dense pages first get this step's rows (k, v [T, KVH, D], row
+   strides k_stride / v_stride); quantized ones hold them already (kernels/kv_quant.py quantizes on append). */
 int paged_attention(const Plan* p, const float* q, long q_stride, const float* k, long k_stride, const float* v,
-                    long v_stride, void* k_pages, void* v_pages, float* out, int threads) {
+                    long v_stride, void* k_pages, const uint8_t* k_scales, void* v_pages, const uint8_t* v_scales,
+                    float* out, int threads) {
   const int D = p->head_dim, H = p->heads, KVH = p->kv_heads, G = H / KVH;
-  const size_t es = KV_BYTES(p->kv_type), head_bytes = (size_t)p->num_slots * D * es;
-  for (int t = 0; t < p->tokens; t++)
-    for (int h = 0; h < KVH; h++) {
-      const size_t dst = ((size_t)h * p->num_slots + (size_t)p->slots[t]) * D * es;
-      kv_put((char*)k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, D, p->kv_type);
-      kv_put((char*)v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, D, p->kv_type);
-    }
+  const size_t k_head = head_bytes(p->k_type, p->num_slots, D), v_head = head_bytes(p->v_type, p->num_slots, D);
+  const size_t scale_head = (size_t)p->num_slots * (D / 32);
+  if (KV_DENSE(p->k_type) && KV_DENSE(p->v_type)) {
+    const size_t es = KV_BYTES(p->k_type);
+    for (int t = 0; t < p->tokens; t++)
+      for (int h = 0; h < KVH; h++) {
+        const size_t dst = ((size_t)h * p->num_slots + (size_t)p->slots[t]) * D * es;
+        kv_put((char*)k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, D, p->k_type);
+        kv_put((char*)v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, D, p->v_type);
+      }
+  }
   /* work: (tile of up to R consecutive rows of one request, query head) */
   const int R = tile_rows(D);
   int tiles = 0, longest = 1;
@@ -514,9 +604,10 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       const int* tile = row_req + 3 * (w / H);
       const int b = tile[0], i = tile[1], hq = (int)(w % H), h = hq / G;
       const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1; /* row i sees n keys */
+      const Pages kp = {(const char*)k_pages + h * k_head, k_scales ? k_scales + h * scale_head : NULL};
+      const Pages vp = {(const char*)v_pages + h * v_head, v_scales ? v_scales + h * scale_head : NULL};
       attend_rows(p, p->tables + (size_t)b * p->table_width, n, tile[2], q + (size_t)t * q_stride + (size_t)hq * D,
-                  q_stride, (const char*)k_pages + h * head_bytes, (const char*)v_pages + h * head_bytes, s, s_row,
-                  out + ((size_t)t * H + hq) * D, (long)H * D);
+                  q_stride, kp, vp, s, s_row, out + ((size_t)t * H + hq) * D, (long)H * D);
     }
     free(s);
   }
@@ -533,7 +624,8 @@ class Plan(ctypes.Structure):
         *((name, ctypes.c_int) for name in ("batch", "heads", "kv_heads", "head_dim", "page_size")),
         ("table_width", ctypes.c_int),
         ("tokens", ctypes.c_int),
-        ("kv_type", ctypes.c_int),
+        ("k_type", ctypes.c_int),
+        ("v_type", ctypes.c_int),
         ("num_slots", ctypes.c_long),
         ("scale", ctypes.c_float),
         *((name, ctypes.c_void_p) for name in ("tables", "q_starts", "q_lens", "ctx_lens", "slots")),
@@ -546,7 +638,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_long
-    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.paged_attention.argtypes += [ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
     return lib
 
@@ -575,7 +668,11 @@ class AttentionPlan:
         num_slots: int,
         scale: float,
         kv_dtype: torch.dtype = torch.float32,
+        quantized: tuple[str, str] | None = None,
     ) -> None:
+        """kv_dtype: the dense pages' element type; quantized: the element formats of the keys' and the values'
+        pages where they are quantized instead ("mxfp8" or "mxfp4" each: kv_quant.PageTensor), read by
+        `paged_attention_quantized`."""
         assert block_tables.dtype == q_starts.dtype == q_lens.dtype == ctx_lens.dtype == torch.int32
         assert slots.dtype == torch.int64 and slots.dim() == 1, (slots.dtype, slots.shape)
         assert num_heads % kv_heads == 0 and head_dim <= MAX_HEAD_DIM, (num_heads, kv_heads, head_dim)
@@ -589,10 +686,11 @@ class AttentionPlan:
         self.q_shape = (self.tokens, num_heads, head_dim)  # what each layer's call must match
         self.kv_shape = (self.tokens, kv_heads, head_dim)
         self.pages_shape = (kv_heads, num_slots, head_dim)
-        self.kv_dtype = kv_dtype  # the pages' element type
+        self.kv_dtype = kv_dtype  # the dense pages' element type
+        self.quantized = quantized
         self.struct = Plan(
-            batch, num_heads, kv_heads, head_dim, page_size, block_tables.shape[1], self.tokens, KV_TYPES[kv_dtype],
-            num_slots, scale,
+            batch, num_heads, kv_heads, head_dim, page_size, block_tables.shape[1], self.tokens,
+            *((QUANTIZED_TYPES[f] for f in quantized) if quantized else (KV_TYPES[kv_dtype],) * 2), num_slots, scale,
             *(t.data_ptr() for t in self.tensors),
         )  # fmt: skip
         self.ref = ctypes.byref(self.struct)
@@ -614,10 +712,32 @@ def paged_attention(
     k_stride, v_stride = cpu_ops.heads_view(k, plan.kv_shape), cpu_ops.heads_view(v, plan.kv_shape)
     for pages in (k_pages, v_pages):
         assert pages.shape == plan.pages_shape and pages.dtype == plan.kv_dtype and pages.is_contiguous()
+    assert plan.quantized is None, "quantized pages: paged_attention_quantized"
     out = torch.empty(*plan.q_shape)
     status = _library().paged_attention(
         plan.ref, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-        k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(), threads,
+        k_pages.data_ptr(), None, v_pages.data_ptr(), None, out.data_ptr(), threads,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("cpu_attention.paged_attention: no memory for a row of scores")
+    return out
+
+
+def paged_attention_quantized(plan: AttentionPlan, q: torch.Tensor, k_pages, v_pages, threads: int = 1) -> torch.Tensor:
+    """[T, H, D]: each new row's causal attention (q [T, H, D] float32) over quantized pages (kv_quant.PageTensor
+    of the plan's `quantized` formats, this step's rows already written by their quantizer), each element read as
+    its code's value times its block's scale (the float32 kv_quant's dequantization gives), then the arithmetic
+    of the dense kernel: a row's bits do not depend on what else the step holds."""
+    q_stride = cpu_ops.heads_view(q, plan.q_shape)
+    assert plan.quantized == (k_pages.fmt, v_pages.fmt), (plan.quantized, k_pages.fmt, v_pages.fmt)
+    for pages in (k_pages, v_pages):
+        assert pages.data.shape[:2] == plan.pages_shape[:2] and pages.data.is_contiguous()
+        assert pages.scales.shape == (*plan.pages_shape[:2], plan.head_dim // 32) and pages.scales.is_contiguous()
+    out = torch.empty(*plan.q_shape)
+    status = _library().paged_attention(
+        plan.ref, q.data_ptr(), q_stride, None, 0, None, 0,
+        k_pages.data.data_ptr(), k_pages.scales.data_ptr(), v_pages.data.data_ptr(), v_pages.scales.data_ptr(),
+        out.data_ptr(), threads,
     )  # fmt: skip
     if status != 0:
         raise MemoryError("cpu_attention.paged_attention: no memory for a row of scores")

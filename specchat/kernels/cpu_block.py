@@ -71,7 +71,7 @@ int decode_block(const Block* b, const Plan* p, int T, const float* x, const flo
       for (size_t i = 0; i < t; i++)
         for (int j = 0; j < QKV; j++) qkv[i * QKV + j] += b->qkv_bias[j];
     rope_qk(T, p->heads, p->kv_heads, p->head_dim, qkv, QKV, qkv + Q, QKV, cos, sin, q, k);
-    status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, v_pages, att, threads);
+    status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, NULL, v_pages, NULL, att, threads);
   }
   if (status == 0) status = linear(&b->wo, T, att, a, threads);
   if (status == 0) {

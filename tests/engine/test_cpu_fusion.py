@@ -6,6 +6,8 @@ The kernels themselves are held to their references in tests/kernels/test_cpu_op
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,15 +121,16 @@ def run_steps(
     model: Transformer, feeds: list[list[int]], cpu_kernels: bool = True, kv_format: str = "auto"
 ) -> tuple[list, KVPool]:
     """Feed one request's tokens step by step through a KV pool; the logits of each step's rows."""
+    cfg = model.cfg
     pool = KVPool(
-        CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 16, 4, torch.float32, "cpu", kv_format=kv_format,
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, torch.float32, "cpu", kv_format=kv_format,
         cpu_kernels=cpu_kernels,
     )  # fmt: skip
     pool.add(0, [t for feed in feeds for t in feed])
     out, start = [], 0
     with torch.inference_mode():
         for feed in feeds:
-            kv = pool.prepare([0], [len(feed)], CFG.head_dim**-0.5)
+            kv = pool.prepare([0], [len(feed)], cfg.head_dim**-0.5)
             positions = torch.arange(start, start + len(feed))
             out.append(model(torch.tensor(feed), positions, kv)[0])
             start += len(feed)
@@ -185,3 +188,36 @@ def test_half_width_pages_take_the_c_kernel_and_match_the_reference(kv_format, m
             torch.testing.assert_close(a.data[:, :16].float(), b.data[:, :16].float(), rtol=eps, atol=eps)
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("kv_format", ["k8v4", "mxfp4"])
+def test_quantized_pages_attend_in_c_as_the_reference_reads_them(kv_format, monkeypatch):
+    """k8v4 / mxfp4 pages on the CPU (rotated; mxfp4 keys transformed): every step, the prompt's too, reads the
+    codes the pool's quantizer wrote through the C kernel, and the logits equal those of the same engine with the
+    kernel swapped for the reference of every page format reading the same pages."""
+    from types import SimpleNamespace
+
+    from specchat.kernels.attention import paged_attention_reference
+
+    torch.manual_seed(2)
+    cfg = dataclasses.replace(CFG, hidden_size=128, head_dim=32)  # (quantized pages: blocks of 32 along head_dim)
+    model = with_gguf_blocks(Transformer(cfg).eval(), seed=2)
+    cpu_fusion.fuse(model)
+    feeds = [[3, 14, 15, 9, 26, 5, 35], [8], [9, 7, 9, 3, 2], [3], [8, 4]]
+    calls = []
+    kernel = cpu_attention.paged_attention_quantized
+    monkeypatch.setattr(cpu_attention, "paged_attention_quantized", lambda *a: calls.append(1) or kernel(*a))
+    fused, _ = run_steps(model, feeds, kv_format=kv_format)
+    assert len(calls) == len(feeds) * cfg.num_layers  # every step, the prompt too
+
+    def reference(plan, q, k_pages, v_pages, threads=1):
+        tables, starts, q_lens, ctx_lens, _ = plan.tensors
+        meta = SimpleNamespace(
+            block_tables=tables, q_starts=starts, q_lens=q_lens, ctx_lens=ctx_lens, page_size=plan.struct.page_size
+        )
+        return paged_attention_reference(q, k_pages, v_pages, meta, plan.struct.scale)
+
+    monkeypatch.setattr(cpu_attention, "paged_attention_quantized", reference)
+    want, _ = run_steps(model, feeds, kv_format=kv_format)
+    for a, b in zip(fused, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -166,6 +166,55 @@ def test_rows_are_rounded_into_half_pages_as_torch_rounds(kv_dtype):
     assert torch.equal(v_pages[0, slots].view(torch.int16), v[:, 0].to(kv_dtype).view(torch.int16))
 
 
+QUANTIZED = [("mxfp8", "mxfp4"), ("mxfp4", "mxfp4")]  # the pools' k8v4 and mxfp4 pages
+
+
+def quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats, seed=0):
+    """paged_case with its whole pages quantized (every slot, this step's too: the pool's quantizer writes them
+    before the kernel reads): (plan, q, k PageTensor, v PageTensor, metadata)."""
+    plan, q, _, _, k_pages, v_pages, meta = paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed)
+    slots = torch.arange(plan.num_slots)
+    pages = []
+    for fmt, dense in zip(formats, (k_pages, v_pages), strict=True):
+        pt = PageTensor.empty(fmt, kv_heads, plan.num_slots, head_dim, torch.float32, "cpu", "mse")
+        pt.write(slots, dense.transpose(0, 1) * 3.0)  # (spread over more binades than randn's)
+        pages.append(pt)
+    qplan = cpu_attention.AttentionPlan(
+        meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, plan.tensors[4], page_size,
+        heads, kv_heads, head_dim, plan.num_slots, head_dim**-0.5, quantized=formats,
+    )  # fmt: skip
+    return qplan, q, *pages, meta
+
+
+@pytest.mark.parametrize("formats", QUANTIZED)
+@pytest.mark.parametrize(("q_lens", "ctx_lens", "heads", "kv_heads", "head_dim", "page_size"), CASES)
+def test_quantized_pages_match_the_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats):
+    """MXFP8 / MXFP4 pages read in C (codes times block scales, as kv_quant dequantizes them) against the
+    reference of every page format over the same pages."""
+    if head_dim % 32:
+        pytest.skip("quantized pages need head_dim a multiple of 32")
+    plan, q, k_pages, v_pages, meta = quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats)
+    got = cpu_attention.paged_attention_quantized(plan, q, k_pages, v_pages)
+    want = paged_attention_reference(q, k_pages, v_pages, meta, plan.struct.scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # (values 3x randn's: float32 sums round at 1e-5)
+
+
+@pytest.mark.parametrize("formats", QUANTIZED)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantized_prompt_rows_equal_the_rows_decoded_alone(formats, threads):
+    m, c = 23, 37
+    plan, q, k_pages, v_pages, meta = quantized_case([m], [c], 6, 2, 64, 16, formats, seed=3)
+    many = cpu_attention.paged_attention_quantized(plan, q, k_pages, v_pages, threads)
+    for i in range(m):
+        one = cpu_attention.AttentionPlan(
+            meta.block_tables, torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([c - m + i + 1], dtype=torch.int32), plan.tensors[4][i : i + 1], 16, 6, 2, 64,
+            plan.num_slots, plan.struct.scale, quantized=formats,
+        )  # fmt: skip
+        row = cpu_attention.paged_attention_quantized(one, q[i : i + 1], k_pages, v_pages)
+        assert torch.equal(row, many[i : i + 1]), i
+
+
 def test_paged_attention_rows_do_not_depend_on_the_batch():
     """A request's rows come out bit-equal alone and beside others (verification equals plain decoding)."""
     plan, q, k, v, k_pages, v_pages, meta = paged_case([1, 5, 3], [9, 40, 12], 9, 3, 64, 4, seed=1)
