@@ -10,7 +10,6 @@ unfused for checking. Besides one kernel per elementwise job, two fusions cut ke
   with the MLP's norm, the MLP's output with the next layer's norm or the final one): two kernels less a layer.
 - `FusedAttention` stores the step's keys and values in dense KV pages from the rotary kernel (the pool's write,
   two index_put kernels a layer, otherwise).
-- `FusedMLP`: an MXFP4 down projection applies SiLU-and-mul as it loads its input (one kernel less a layer).
 
 At batch 1 on a GPU a step is a chain of small launches (a 30-layer model: ~13 kernels a layer), so each kernel
 less is time saved even inside a CUDA graph.
@@ -23,9 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specchat.engine.model import MLP, Attention, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
+from specchat.engine.model import Attention, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
 from specchat.kernels import fused
-from specchat.quant.fp4_linear import Fp4Linear
 
 
 class FusedRMSNorm(RMSNorm):
@@ -49,18 +47,6 @@ class FusedSiluAndMul(SiluAndMul):
         if not fused.silu_mul_supported(x):
             return super().forward(x)
         return fused.silu_mul(x)
-
-
-class FusedMLP(MLP):
-    """MLP whose down projection, where it is an MXFP4 linear on CUDA, applies SiLU-and-mul as its kernel loads
-    the gate_up rows (`Fp4Linear.forward_silu_mul`): one kernel less a layer, the same bits."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.w_gate_up(x)
-        down = self.w_down
-        if isinstance(down, Fp4Linear) and down.fuses_silu_mul(gate_up):
-            return down.forward_silu_mul(gate_up)
-        return down(self.act(gate_up))
 
 
 class FusedAttention(Attention):
@@ -115,7 +101,6 @@ class FusedTransformer(Transformer):
 FUSED = {
     Transformer: FusedTransformer,
     Attention: FusedAttention,
-    MLP: FusedMLP,
     RMSNorm: FusedRMSNorm,
     Rotary: FusedRotary,
     SiluAndMul: FusedSiluAndMul,

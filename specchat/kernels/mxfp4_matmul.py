@@ -20,17 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from specchat.kernels.mxfp4_dequant import DEFAULT_SCRATCH, DequantScratch, dequantize_weight_into
-from specchat.kernels.mxfp4_layout import K_TILE, Mxfp4Weight, prepare_weight, unprepare_weight
+from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight, unprepare_weight
 from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul_triton
 
-__all__ = [
-    "Mxfp4Weight",
-    "mxfp4_linear",
-    "mxfp4_linear_silu_mul",
-    "prepare_weight",
-    "silu_mul_fuses",
-    "unprepare_weight",
-]
+__all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
 SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
 
@@ -58,29 +51,3 @@ def mxfp4_linear(
         dense = dequantize_weight_into(part, scratch.get((r1 - r0, weight.k), x.dtype, x.device))
         y[..., r0:r1] = F.linear(x, dense, None if bias is None else bias[r0:r1])
     return y
-
-
-def silu_mul_fuses(gate_up: torch.Tensor, weight: Mxfp4Weight) -> bool:
-    """Whether `mxfp4_linear_silu_mul` takes these in one kernel: CUDA, the kernel layout, K a multiple of
-    K_TILE (no padding between the gate and up halves of a row)."""
-    return (
-        gate_up.is_cuda
-        and weight.prepared
-        and gate_up.dtype in ACTIVATION_DTYPES
-        and gate_up.shape[-1] == 2 * weight.k
-        and weight.codes.shape[1] * K_TILE == weight.k
-    )
-
-
-def mxfp4_linear_silu_mul(gate_up: torch.Tensor, weight: Mxfp4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """mxfp4_linear(silu(gate) * up) for gate_up [..., 2K] = [gate | up] (an MLP's down projection): on CUDA one
-    kernel that applies the activation as it loads x (`silu_mul_fuses`), else kernels/fused.silu_mul's reference
-    arithmetic and then the linear."""
-    if not silu_mul_fuses(gate_up, weight):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return mxfp4_linear(F.silu(gate) * up, weight, bias)
-    x2 = gate_up.reshape(-1, 2 * weight.k)
-    if x2.stride(1) != 1 or x2.stride(0) != 2 * weight.k:
-        x2 = x2.contiguous()
-    y = mxfp4_matmul_triton(x2, weight, silu_mul=True).reshape(*gate_up.shape[:-1], weight.n)
-    return y if bias is None else y + bias

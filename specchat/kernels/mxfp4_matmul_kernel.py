@@ -44,26 +44,11 @@ _TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per 
 
 
 @triton.jit
-def _load_x(x_ptr, offs, mask, up, SILU: tl.constexpr):
-    """An activation tile; SILU: x_ptr holds [gate | up] rows (up `up` elements after gate) and the tile is
-    silu(gate) * up, rounded as kernels/fused.py's silu_mul rounds it (silu to x's dtype first)."""
-    if SILU:
-        gate = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        upv = tl.load(x_ptr + offs + up, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        return (silu * upv.to(tl.float32)).to(gate.dtype)
-    else:
-        return tl.load(x_ptr + offs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, up, TILES: tl.constexpr,
-               SILU: tl.constexpr):  # fmt: skip
+def _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES: tl.constexpr):
     """Iteration `it`'s raw words [BN, TILES, 16], scale words [BN, TILES] and x^T tile [BK, BM]."""
     words = tl.load(w_ptr + word_offs + it * TILES * _TILE_WORDS)
     scales = tl.load(s_ptr + scale_offs + it * TILES * _ROW_GROUP)
-    xt = _load_x(x_ptr, x_offs + it * TILES * 128, x_mask, up, SILU)
+    xt = tl.load(x_ptr + x_offs + it * TILES * 128, mask=x_mask, other=0.0)
     return words, scales, xt
 
 
@@ -109,7 +94,6 @@ def _mxfp4_matmul_kernel(
     HAS_NAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     PREFETCH: tl.constexpr,  # with PDL: the program's first iterations of weights to prefetch into the L2
-    SILU: tl.constexpr = False,  # x is [M, 2K] = [gate | up]: multiply silu(gate) * up (the MLP's down projection)
 ):
     pid = tl.program_id(0)  # M tile fastest: the M tiles of one weight tile run together and share it in L2
     pid_k = tl.program_id(1)
@@ -135,7 +119,6 @@ def _mxfp4_matmul_kernel(
     xe_offs = offs_e[None, :] * stride_xm + offs_k[:, None]  # [BK, EXTRA]: the second tile's x^T
     xe_mask = offs_e[None, :] < M
 
-    up = num_k_tiles * 128  # SILU: the up half starts K (unpadded: K_TILE divides it) after the gate
     iterations = tl.cdiv(num_k_tiles, TILES)
     per_split = tl.cdiv(iterations, split_k)
     start = pid_k * per_split
@@ -149,13 +132,13 @@ def _mxfp4_matmul_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     acc_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)  # the second tile's
     for it in range(start, stop):
-        words, scales, xt = _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, up, TILES, SILU)
+        words, scales, xt = _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES)
         w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
         if not FAST:
             xt = xt.to(tl.float32)  # the portable path multiplies and sums in float32
         acc = tl.dot(w, xt, acc, input_precision="ieee")
         if EXTRA_M > 0:  # the same decoded weights against the next rows (one decode for TILE_M rows)
-            xe = _load_x(x_ptr, xe_offs + it * BLOCK_K, xe_mask, up, SILU)
+            xe = tl.load(x_ptr + xe_offs + it * BLOCK_K, mask=xe_mask, other=0.0)
             if not FAST:
                 xe = xe.to(tl.float32)
             acc_e = tl.dot(w, xe, acc_e, input_precision="ieee")
@@ -335,24 +318,15 @@ _SPLIT_K_WORKSPACE = _SplitKWorkspace()
 
 
 def mxfp4_matmul_triton(
-    x: torch.Tensor,
-    weight: Mxfp4Weight,
-    config: MatmulConfig | None = None,
-    fast: bool | None = None,
-    silu_mul: bool = False,
+    x: torch.Tensor, weight: Mxfp4Weight, config: MatmulConfig | None = None, fast: bool | None = None
 ) -> torch.Tensor:
     """x [M, K] @ dequant(weight)^T -> [M, N] in x's dtype, by the Triton kernel (CUDA, or the interpreter).
 
     One launch for any M. fast: the inline-assembly bf16 path (default: on CUDA with bf16 x); otherwise the
-    portable float32 path. silu_mul: x is [M, 2K] = [gate | up] and the kernel multiplies silu(gate) * up
-    (kernels/fused.py's silu_mul, the same bits) as it loads it: an MLP's down projection without the kernel
-    between (K a multiple of K_TILE). Not thread-safe with itself across streams: split-K shares one workspace
-    per device.
+    portable float32 path. Not thread-safe with itself across streams: split-K shares one workspace per device.
     """
     assert weight.prepared, "prepare_weight(..., layout='kernel') first"
-    width = 2 * weight.k if silu_mul else weight.k
-    assert x.dim() == 2 and x.shape[1] == width, (x.shape, weight.n, weight.k, silu_mul)
-    assert not silu_mul or weight.codes.shape[1] * K_TILE == weight.k, "silu_mul: K a multiple of K_TILE"
+    assert x.dim() == 2 and x.shape[1] == weight.k, (x.shape, weight.n, weight.k)
     assert x.dtype in ACTIVATION_DTYPES and x.stride(1) == 1, (x.dtype, x.stride())
     assert x.device == weight.codes.device, (x.device, weight.codes.device)
     if fast is None:
@@ -364,13 +338,11 @@ def mxfp4_matmul_triton(
         x = F.pad(x, (0, padded_k - weight.k))
     y = torch.empty((m, weight.n), dtype=x.dtype, device=x.device)
     if m:
-        _launch(x, weight, y, config or choose_config(m, weight), fast, silu_mul)
+        _launch(x, weight, y, config or choose_config(m, weight), fast)
     return y
 
 
-def _launch(
-    x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool, silu_mul: bool = False
-) -> None:
+def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool) -> None:
     m = x.shape[0]
     block_m = config.block_m or default_block_m(m)
     extra_m = config.extra_m
@@ -380,10 +352,9 @@ def _launch(
     tiles, stages = config.tiles, config.num_stages
     while num_k_tiles % tiles:  # an iteration never reads past its row
         tiles //= 2
-    rows = (block_m + extra_m) * (2 if silu_mul else 1)  # silu_mul: gate and up tiles
-    while tiles > 1 and _pipeline_bytes(config.block_n, rows, tiles, stages, x) > SHARED_MEMORY_BUDGET:
+    while tiles > 1 and _pipeline_bytes(config.block_n, block_m + extra_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
         tiles //= 2
-    while stages > 1 and _pipeline_bytes(config.block_n, rows, tiles, stages, x) > SHARED_MEMORY_BUDGET:
+    while stages > 1 and _pipeline_bytes(config.block_n, block_m + extra_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
         stages -= 1
     grid = (m_tiles * rows_padded // config.block_n, config.split_k)
     partial_numel = config.split_k * m_tiles * rows_padded * (block_m + extra_m) if config.split_k > 1 else 1
@@ -394,7 +365,7 @@ def _launch(
         x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
         BLOCK_M=block_m, EXTRA_M=extra_m, BLOCK_N=config.block_n, TILES=tiles,
-        FAST=fast, HAS_NAN=weight.has_nan, PREFETCH=PREFETCH_ITERATIONS, SILU=silu_mul,
+        FAST=fast, HAS_NAN=weight.has_nan, PREFETCH=PREFETCH_ITERATIONS,
         num_warps=config.num_warps, num_stages=stages, **pdl.launch_options(x.device),
     )  # fmt: skip
 

@@ -25,14 +25,7 @@ from torch import nn
 
 from specchat.kernels.mxfp4 import BLOCK_SIZE, Rule, dequantize_mxfp4, quantize_mxfp4
 from specchat.kernels.mxfp4_layout import gather_rows
-from specchat.kernels.mxfp4_matmul import (
-    Mxfp4Weight,
-    mxfp4_linear,
-    mxfp4_linear_silu_mul,
-    prepare_weight,
-    silu_mul_fuses,
-    unprepare_weight,
-)
+from specchat.kernels.mxfp4_matmul import Mxfp4Weight, mxfp4_linear, prepare_weight, unprepare_weight
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -127,15 +120,6 @@ class Fp4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp4_linear(x, self.weight_mxfp4, self.bias)
 
-    def fuses_silu_mul(self, gate_up: torch.Tensor) -> bool:
-        """Whether `forward_silu_mul` runs as one kernel for this input (an MLP's down projection on CUDA)."""
-        return silu_mul_fuses(gate_up, self.weight_mxfp4)
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up [..., 2 in_features] = [gate | up], the activation applied as the
-        kernel loads its input where `fuses_silu_mul` (the same bits as the SiLU-and-mul kernel, then this)."""
-        return mxfp4_linear_silu_mul(gate_up, self.weight_mxfp4, self.bias)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -160,9 +144,6 @@ class RotatedFp4Linear(Fp4Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp4_linear(rotate_blocks(x), self.weight_mxfp4, self.bias)
-
-    def fuses_silu_mul(self, gate_up: torch.Tensor) -> bool:
-        return False  # its input is rotated after the activation
 
 
 class Fp4Embedding(nn.Module):

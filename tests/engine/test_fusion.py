@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from specchat.engine.fusion import (
     FusedAttention,
-    FusedMLP,
     FusedRMSNorm,
     FusedRotary,
     FusedSiluAndMul,
@@ -24,7 +23,7 @@ from specchat.engine.fusion import (
 )
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import PageStore
-from specchat.engine.model import MLP, Attention, ModelConfig, RMSNorm, Rotary, SiluAndMul, Transformer
+from specchat.engine.model import Attention, ModelConfig, RMSNorm, Rotary, SiluAndMul, Transformer
 from tests.kernels.interpreter import DEVICE, INTERPRET, kernel_test, run_under_interpreter, subprocess_test
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -45,7 +44,7 @@ def logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, torch.arange(len(ids), device=ids.device), DenseCausalKV())[0]
 
 
-SWAPPED = 1 + 2 * 6 + 1  # the model; two norms, attention, rotary, MLP, act per layer; the final norm
+SWAPPED = 1 + 2 * 5 + 1  # the model; two norms, attention, rotary, act per layer; the final norm
 
 
 def test_fuse_swaps_every_norm_rotary_and_activation_and_unfuse_swaps_them_back():
@@ -54,13 +53,11 @@ def test_fuse_swaps_every_norm_rotary_and_activation_and_unfuse_swaps_them_back(
     assert fuse(model) == SWAPPED
     assert isinstance(model.norm, FusedRMSNorm) and isinstance(model.layers[1].mlp.act, FusedSiluAndMul)
     assert isinstance(model.layers[0].attn.rotary, FusedRotary) and isinstance(model.layers[0].attn, FusedAttention)
-    assert isinstance(model.layers[0].mlp, FusedMLP)
     assert isinstance(model, FusedTransformer)
     assert fuse(model) == 0  # already fused
     assert unfuse(model) == SWAPPED
     assert type(model.norm) is RMSNorm and type(model.layers[0].attn.rotary) is Rotary
     assert type(model.layers[1].mlp.act) is SiluAndMul and type(model.layers[0].attn) is Attention
-    assert type(model.layers[0].mlp) is MLP
     assert type(model) is Transformer
     assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))  # the same tensors
 

@@ -85,22 +85,6 @@ def test_chosen_launches_for_verification_batches_match_reference(m: int, n: int
 
 
 @kernel_test
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 67, 256), (5, 131, 1024), (160, 70, 256)])
-def test_silu_mul_on_load_equals_the_activation_kernel_then_the_matmul(m: int, n: int, k: int) -> None:
-    """silu_mul=True (an MLP's down projection over [gate | up] rows) against kernels/fused.silu_mul and then
-    the matmul: the same activation bits, so the same output bits (GEMV, split-K, a second M tile)."""
-    from specchat.kernels import fused
-
-    _, codes, scales = random_weight(n, k, seed=m + 7)
-    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), k, layout="kernel")
-    for dtype in (torch.float32, torch.bfloat16):
-        gate_up = (2 * torch.randn(m, 2 * k)).to(dtype).to(DEVICE)
-        want = mxfp4_matmul_triton(fused.silu_mul(gate_up), weight)
-        got = mxfp4_matmul_triton(gate_up, weight, silu_mul=True)
-        assert got.dtype == dtype and torch.equal(got, want), (dtype, (got - want).abs().max())
-
-
-@kernel_test
 def test_split_k_and_m_tiles() -> None:
     _, codes, scales = random_weight(67, 1024)
     weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
