@@ -206,7 +206,8 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option(
     "--kv",
     default=None,
-    help="KV page format; sessions: default auto (the model dtype, as `run`); synthetic: a comma list (default bf16)",
+    help="KV page format; sessions: default auto (as `run`: the model dtype, fp16 for a float32 model on the CPU "
+    "kernels); synthetic: a comma list (default bf16)",
 )
 @click.option("--synthetic", "shape", default=None, help="a random-weight model of this shape, e.g. llama-3.1-8b")
 @click.option("--batch", default="1", show_default=True, help="synthetic: comma-separated batch sizes")

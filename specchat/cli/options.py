@@ -64,8 +64,8 @@ def model_options(func):
         type=click.Choice(KV_CHOICES),
         default="auto",
         show_default=True,
-        help="KV cache pages: auto = model dtype (fp16 on the CPU kernels), mxfp4 (-73% vs bf16), k8v4 = fp8 keys + "
-        "mxfp4 values (-61%)",
+        help="KV cache pages: auto = model dtype (fp16 for a float32 model on the CPU kernels), mxfp4 (-73% vs bf16), "
+        "k8v4 = fp8 keys + mxfp4 values (-61%)",
     )
     @click.option(
         "--kv-memory", default=None, help="KV cache size, e.g. 512M or 8G (default: 1G on CPU, half the free GPU)"

@@ -24,7 +24,8 @@ keeps its own rates, each source drafts up to its own best k (`limit`), and the 
 When no k > 0 pays it stops drafting and probes with k = 1 every `probe_every` steps (a probe whose draft is
 rejected goes straight back to idling), so that a change in the text (say, a code block after prose) is
 noticed. A k the user sets bypasses this controller (the engine keeps it fixed). Step times make k, and so the
-random draws of sampled verification, depend on timing: seeded sampling repeats exactly with a fixed k.
+random draws of sampled verification, depend on timing, so a seeded sampled request gets none (engine/scheduler.py:
+its k follows its acceptance alone and its batch is not gated): seeded sampling repeats exactly, adaptive or not.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class AdaptiveK:
         return cls(k_max, sources={name: [PRIOR_ACCEPTANCE] * k_max for name in sources})
 
     def limit(self, source: str, k: int) -> int:
-        """The most drafts `source` may propose in a step that reserved k: its own best k (all k on a probe)."""
+        """The most drafts `source` may propose in a step that reserved k: its own best k, 1 on its own probe, all
+        k on the controller's probe."""
         if self.probing or source not in self.source_k:
             return k
         return min(k, 1 if source in self.source_probes else self.source_k[source])
@@ -203,11 +205,15 @@ class AdaptiveK:
         Where no source is to draft, the controller idles and its own probes let every source draft."""
         if not any(self.source_k.values()):
             self.source_probes.clear()
+            self.source_idle.clear()
             return
         for name, k in self.source_k.items():
             if k > 0:
                 self.source_idle[name] = 0
                 self.source_probes.discard(name)
+                continue
+            if name in self.source_probes:  # waiting for a step where it drafts: no second count meanwhile
+                self.source_k[name] = 1
                 continue
             idle = self.source_idle.get(name, 0) + 1
             if idle >= self.probe_every:

@@ -126,7 +126,8 @@ class Engine:
         parts = load_parts(config, progress)
         engine = cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
         if config.warm_up:
-            # a chat starts at the default k; wider steps (K raised live) capture their graph at first use, ~65 ms
+            # widths up to k = 4 (what --k auto's gate tries first, and a fixed default); wider steps (a cap of 8
+            # that timed faster, K raised live) capture their graph at first use, ~65 ms
             engine.warm_up(progress, max_k=SpecParams().k)
         return engine
 
@@ -288,7 +289,7 @@ class Engine:
         if weights == "auto":
             weights = "mxfp4" if self.weights.sources.checkpoint else "bf16"
         if kv == "auto":
-            kv = auto_format(model_dtype(self.model), self.pool.cpu_kernels)
+            kv = auto_format(model_dtype(self.model), self.pool.cpu_kernels, self.pool.head_dim)
         return weights, kv
 
     def set_weights(self, fmt: str, progress: Callable[[str, int, int], None] | None = None) -> None:

@@ -54,16 +54,16 @@ class KVBatch:
         # prompt from the prefix cache or in other chunks gives the same bits (under int8 rows a 1e-6 difference
         # in the attention moved activations across a rounding step: greedy texts diverged in 13 of 15 prompts)
         store = self.store
+        takes = pool.cpu_kernels and pool.head_dim <= cpu_attention.MAX_HEAD_DIM and cpu_attention.available()
         self._cpu_kernel = (
-            pool.cpu_kernels
+            takes
             and store.name in DENSE_FORMATS  # float32, float16 or bfloat16 elements
             and store.rotation is None  # keys and values stored as they are
             and store.key_transform is None
-            and cpu_attention.available()
         )
         # quantized pages (k8v4, mxfp4): the pool's quantizer writes them, the C kernel reads them (queries and
         # outputs rotated around it as for every reader); every row, a prompt's too, as for dense pages
-        self._cpu_quantized = pool.cpu_kernels and store.name in QUANTIZED_FORMATS and cpu_attention.available()
+        self._cpu_quantized = takes and store.name in QUANTIZED_FORMATS
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False

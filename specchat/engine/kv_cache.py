@@ -61,9 +61,9 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size = page_size
         self.device = torch.device(device)
-        fmt = auto_format(dtype, cpu_kernels) if kv_format == "auto" else kv_format
+        fmt = auto_format(dtype, cpu_kernels, head_dim) if kv_format == "auto" else kv_format
         self.rotate = rotate
-        self.cpu_kernels = cpu_kernels  # steps attend through kernels/cpu_attention.py (dense pages)
+        self.cpu_kernels = cpu_kernels  # steps attend through kernels/cpu_attention.py (float32 queries)
         self.budget_bytes = num_pages * page_size * bytes_per_token(fmt, num_layers, num_kv_heads, head_dim)
         self._key_transform_source = key_transform  # makes A on first need (kv_transform.load_or_calibrate)
         self._key_transform: torch.Tensor | None = None
@@ -109,7 +109,7 @@ class KVPool:
         key_transform: Callable[[], torch.Tensor] | None = None,
         cpu_kernels: bool = False,
     ) -> KVPool:
-        fmt = auto_format(dtype, cpu_kernels) if kv_format == "auto" else kv_format
+        fmt = auto_format(dtype, cpu_kernels, head_dim) if kv_format == "auto" else kv_format
         num_pages = budget_bytes // (bytes_per_token(fmt, num_layers, num_kv_heads, head_dim) * page_size)
         return cls(
             num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device, fmt, rotate, key_transform,

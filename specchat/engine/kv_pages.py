@@ -41,7 +41,7 @@ def format_for_dtype(dtype: torch.dtype) -> str:
     return {v: k for k, v in DENSE_FORMATS.items()}[dtype]
 
 
-def auto_format(dtype: torch.dtype, cpu_kernels: bool = False) -> str:
+def auto_format(dtype: torch.dtype, cpu_kernels: bool = False, head_dim: int = 0) -> str:
     """What "auto" pages are: the model dtype's dense format, except for a float32 model whose attention runs in
     the CPU's C kernel (a pool with `cpu_kernels`), which takes float16 pages: half the bytes a long context reads
     per token (decode 1.17x faster at 1,391 tokens, 1.25x at 2,751 on a 2-core CPU) and twice the context in the
@@ -49,7 +49,7 @@ def auto_format(dtype: torch.dtype, cpu_kernels: bool = False) -> str:
     if cpu_kernels and dtype == torch.float32:
         from specchat.kernels import cpu_attention
 
-        if cpu_attention.available():
+        if head_dim <= cpu_attention.MAX_HEAD_DIM and cpu_attention.available():
             return "fp16"
     return format_for_dtype(dtype)
 

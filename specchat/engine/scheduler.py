@@ -176,11 +176,12 @@ class Scheduler:
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
         times only steps that did not run ahead), so it kept drafting at 0.77-0.91x plain speed on the H200
         (docs/benchmarks.md, eighth lease); the gate times whole steps. Elsewhere (the CPU) the controller's
-        step times are the whole step's and a gate would only add trials."""
+        step times are the whole step's and a gate would only add trials. A seeded sampled request keeps its
+        batch ungated, as a fixed k does: its k decides its random draws, and the gate's caps come from timings."""
         self._gated = None
         decoding = [s for s in self.running if self._decodes(s)]
         fewest = 1 if self.uniform_widths else 2
-        if len(decoding) < fewest or any(s.adaptive is None for s in decoding):
+        if len(decoding) < fewest or any(s.adaptive is None or _seeded(s) for s in decoding):
             return None
         key = gate_key(s.spec.drafter for s in decoding)
         gate = self.gates.get(key)
@@ -313,7 +314,7 @@ class Scheduler:
                     # sampled request chooses k from its acceptance alone: its k, and so its random draws, must not
                     # depend on how fast the machine ran (the same seed repeats the same text)
                     step_ms = None
-                    if seq.stats.steps > 1 and (seq.sampling.seed is None or seq.sampling.greedy):
+                    if seq.stats.steps > 1 and not _seeded(seq):
                         step_ms = self.costs.symmetric_ms(decoding, rec.k) or rec.draft_ms + rec.verify_ms
                     seq.k = seq.adaptive.update(rec.k, rec.accepted, step_ms, outcome.source)
                 events.append(StepEvent(seq.seq_id, rec, seq.k))
@@ -325,3 +326,8 @@ class Scheduler:
         if not self.running:
             self._timed = None
         return events
+
+
+def _seeded(seq: Sequence) -> bool:
+    """A seeded sampled request: the same seed must give the same text, so nothing timed may choose its k."""
+    return seq.sampling.seed is not None and not seq.sampling.greedy

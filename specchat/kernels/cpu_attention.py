@@ -25,6 +25,7 @@ from specchat.kernels import cpu_build, cpu_ops
 MAX_HEAD_DIM = 256  # the kernel keeps a query row's output in registers (16 floats per vector)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dense page element types the kernel reads
 QUANTIZED_TYPES = {"mxfp8": 3, "mxfp4": 4}  # quantized ones (kernels/kv_quant.py element formats)
+QUANTIZED_PAIRS = (("mxfp8", "mxfp4"), ("mxfp4", "mxfp4"))  # (keys, values) the kernel is built for: k8v4, mxfp4
 
 C_SOURCE = r"""
 /* The step as the attention kernel sees it (built once per step; AttentionPlan in cpu_attention.py). */
@@ -676,6 +677,7 @@ class AttentionPlan:
         assert block_tables.dtype == q_starts.dtype == q_lens.dtype == ctx_lens.dtype == torch.int32
         assert slots.dtype == torch.int64 and slots.dim() == 1, (slots.dtype, slots.shape)
         assert num_heads % kv_heads == 0 and head_dim <= MAX_HEAD_DIM, (num_heads, kv_heads, head_dim)
+        assert quantized is None or quantized in QUANTIZED_PAIRS, quantized
         self.tensors = tuple(t.contiguous() for t in (block_tables, q_starts, q_lens, ctx_lens, slots))
         batch = q_lens.shape[0]
         assert block_tables.shape[0] == q_starts.shape[0] == ctx_lens.shape[0] == batch, block_tables.shape

@@ -494,6 +494,24 @@ def test_a_request_decoding_alone_is_gated_only_where_the_runner_pads_widths(tin
     scheduler.gates.clear()
 
 
+def test_a_seeded_sampled_request_keeps_its_batch_out_of_the_draft_gate(tiny_engine):
+    """The gate's caps come from timings and would choose a seeded request's k, and so its random draws."""
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    spec = SpecParams("fixed-wrong", k=None)
+    scheduler = tiny_engine.scheduler
+    scheduler.uniform_widths = True  # (where a lone request is gated otherwise)
+    scheduler.gates.clear()
+    try:
+        seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
+        tiny_engine.submit("hello", seeded, spec).result()
+        assert not scheduler.gates
+        tiny_engine.submit("hello", SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True), spec).result()
+        assert scheduler.gates  # unseeded: gated as before
+    finally:
+        scheduler.uniform_widths = False
+        scheduler.gates.clear()
+
+
 def _learnt_gate(plain_ms: float, cap_ms: dict[int, float], steps: int = 600) -> DraftGate:
     """A gate driven for `steps` steps where each cap's steps take the given ms per token."""
     gate = DraftGate()
