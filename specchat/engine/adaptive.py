@@ -36,10 +36,15 @@ from dataclasses import dataclass, field
 from specchat.errors import ConfigError
 
 PRIOR_ACCEPTANCE = 0.6  # a_i before any evidence: optimistic enough to start drafting
-EMA_WEIGHT = 0.3  # weight of the newest observation (acceptance of a position, time of a step)
+EMA_WEIGHT = 0.3  # weight of the newest observation (the time of a step; a gate's)
+# A request's controller: the newest acceptance weighs less and idle sources are probed twice as often as at first
+# (0.3, 16): draft heads accept ~45% of drafts on code, in streaks, and at 0.3 three misses in a row took them to 0
+# for 16 steps (CPU, eval code prompts, ngram+heads auto 1.48x against k = 4's 1.65x; 1.63x against 1.64x at
+# 0.15 and 8; docs/benchmarks.md, "Thirteenth session")
+RATE_EMA_WEIGHT = 0.15
 COST_PER_DRAFT = 0.1  # relative step cost of one more draft token where nothing was measured
 MIN_COST_PER_DRAFT = 0.02  # a draft token is never free: the floor under noisy measurements (a busy machine)
-PROBE_EVERY = 16  # idle steps between probes with k = 1
+PROBE_EVERY = 8  # idle steps between probes with k = 1
 REMEASURE_PLAIN_EVERY = 64  # drafting steps between plain steps that refresh the reference time
 SPIKE = 1.5  # a step time above SPIKE x its running estimate counts as SPIKE x: the rest is the machine, not k
 
@@ -48,7 +53,7 @@ SPIKE = 1.5  # a step time above SPIKE x its running estimate counts as SPIKE x:
 class AdaptiveK:
     k_max: int
     prior: float = PRIOR_ACCEPTANCE
-    ema: float = EMA_WEIGHT
+    ema: float = RATE_EMA_WEIGHT
     cost_per_draft: float = COST_PER_DRAFT
     probe_every: int = PROBE_EVERY
     rates: list[float] = field(default_factory=list)  # a_1 .. a_kmax (drafts of the drafter's own source, "")

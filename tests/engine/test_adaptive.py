@@ -47,7 +47,7 @@ def test_rejections_stop_drafting_then_probe_with_one_token():
     for _ in range(30):
         k = ctl.update(k, 0)  # nothing is ever accepted
         ks.append(k)
-    assert 0 in ks[:10]  # gives up quickly
+    assert 0 in ks[:16]  # gives up within a probe interval or two (the rates' EMA weighs each miss 0.15)
     idle_then_probe = ks[ks.index(0) :]
     assert set(idle_then_probe) == {0, 1}
     probes = [i for i, k in enumerate(idle_then_probe) if k == 1]
@@ -135,7 +135,7 @@ def test_a_silent_source_is_probed_while_another_drafts():
     ctl = AdaptiveK.for_sources(4, ("ngram",))
     ctl.probe_every = 4
     k = 4
-    for _ in range(6):
+    for _ in range(20):
         k = ctl.update(k, 0)  # the heads ("") miss
     assert ctl.source_k[""] == 0 and ctl.limit("", k) == 0
     probes = []
