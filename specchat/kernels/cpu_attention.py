@@ -142,7 +142,11 @@ INLINE float kv_get(Pages pg, size_t i, const int T) {
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
-/* n floats -> elements of type T at dst (rounded as torch's conversion rounds them). */
+/* n floats -> elements of type T at dst (rounded as torch's conversion rounds them; binary16 saturates at
+   +-65504 where torch's gives an infinity, which would turn every score over the key into NaN: the CPU's default
+   pages are binary16, and a model with a larger key or value should lose that element's precision, not its
+   answer). */
+#define HALF_MAX 65504.0f
 static void kv_put(void* dst, const float* src, int n, const int T) {
   if (T == KV_F32) {
     memcpy(dst, src, (size_t)n * sizeof(float));
@@ -152,10 +156,16 @@ static void kv_put(void* dst, const float* src, int n, const int T) {
   int i = 0;
   if (T == KV_F16) {
 #ifdef __F16C__
-    for (; i + 8 <= n; i += 8)
-      _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    const __m256 hi = _mm256_set1_ps(HALF_MAX), lo = _mm256_set1_ps(-HALF_MAX);
+    for (; i + 8 <= n; i += 8) { /* max/min return their second operand for a NaN: NaN stays NaN */
+      const __m256 x = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(src + i)));
+      _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
 #endif
-    for (; i < n; i++) out[i] = float_to_half(src[i]);
+    for (; i < n; i++) {
+      const float x = src[i] > HALF_MAX ? HALF_MAX : src[i] < -HALF_MAX ? -HALF_MAX : src[i];
+      out[i] = float_to_half(x);
+    }
   } else {
     for (; i < n; i++) out[i] = float_to_bf16(src[i]);
   }
