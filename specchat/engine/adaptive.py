@@ -217,14 +217,12 @@ class AdaptiveK:
                 self.source_idle[name] = 0
                 self.source_probes.discard(name)
                 continue
-            if name in self.source_probes:  # waiting for a step where it drafts: no second count meanwhile
-                self.source_k[name] = 1
-                continue
-            idle = self.source_idle.get(name, 0) + 1
-            if idle >= self.probe_every:
-                idle = 0
-                self.source_probes.add(name)
-            self.source_idle[name] = idle
+            if name not in self.source_probes:  # (one waiting for a step where it drafts counts no idle steps)
+                idle = self.source_idle.get(name, 0) + 1
+                if idle >= self.probe_every:
+                    idle = 0
+                    self.source_probes.add(name)
+                self.source_idle[name] = idle
             if name in self.source_probes:
                 self.source_k[name] = 1
 

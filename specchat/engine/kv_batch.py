@@ -54,7 +54,7 @@ class KVBatch:
         # prompt from the prefix cache or in other chunks gives the same bits (under int8 rows a 1e-6 difference
         # in the attention moved activations across a rounding step: greedy texts diverged in 13 of 15 prompts)
         store = self.store
-        takes = pool.cpu_kernels and pool.head_dim <= cpu_attention.MAX_HEAD_DIM and cpu_attention.available()
+        takes = pool.cpu_kernels and cpu_attention.supports(pool.head_dim)
         self._cpu_kernel = (
             takes
             and store.name in DENSE_FORMATS  # float32, float16 or bfloat16 elements

@@ -49,7 +49,7 @@ def auto_format(dtype: torch.dtype, cpu_kernels: bool = False, head_dim: int = 0
     if cpu_kernels and dtype == torch.float32:
         from specchat.kernels import cpu_attention
 
-        if head_dim <= cpu_attention.MAX_HEAD_DIM and cpu_attention.available():
+        if cpu_attention.supports(head_dim):
             return "fp16"
     return format_for_dtype(dtype)
 

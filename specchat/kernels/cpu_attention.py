@@ -660,6 +660,11 @@ def available() -> bool:
     return _library() is not None
 
 
+def supports(head_dim: int) -> bool:
+    """Whether the kernel attends at this head_dim here (compiled, and a query row's output fits its registers)."""
+    return head_dim <= MAX_HEAD_DIM and available()
+
+
 class AttentionPlan:
     """One step's requests as the attention kernel reads them, built once per step and used by every layer:
     block tables [B, pages] int32, each request's first query row, new tokens and context length [B] int32,
@@ -718,21 +723,15 @@ def paged_attention(
     threads: int = 1,
 ) -> torch.Tensor:
     """Write k/v [T, KVH, D] (float32) into the dense pages [KVH, slots, D] of the plan's kv_dtype (float32, float16
-    or bfloat16, rounded as torch converts) at the plan's slots, then return [T, H, D]: each new row's causal
-    attention over its request's context (q [T, H, D]), the same bits for any `threads`."""
-    q_stride = cpu_ops.heads_view(q, plan.q_shape)
+    or bfloat16, rounded as torch converts, float16 saturating at +-65504: `to_pages`) at the plan's slots, then
+    return [T, H, D]: each new row's causal attention over its request's context (q [T, H, D]), the same bits for
+    any `threads`."""
     k_stride, v_stride = cpu_ops.heads_view(k, plan.kv_shape), cpu_ops.heads_view(v, plan.kv_shape)
     for pages in (k_pages, v_pages):
         assert pages.shape == plan.pages_shape and pages.dtype == plan.kv_dtype and pages.is_contiguous()
     assert plan.quantized is None, "quantized pages: paged_attention_quantized"
-    out = torch.empty(*plan.q_shape)
-    status = _library().paged_attention(
-        plan.ref, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-        k_pages.data_ptr(), None, v_pages.data_ptr(), None, out.data_ptr(), threads,
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("cpu_attention.paged_attention: no memory for a row of scores")
-    return out
+    rows = (k.data_ptr(), k_stride, v.data_ptr(), v_stride)
+    return _attend(plan, q, rows, (k_pages.data_ptr(), None, v_pages.data_ptr(), None), threads)
 
 
 def paged_attention_quantized(plan: AttentionPlan, q: torch.Tensor, k_pages, v_pages, threads: int = 1) -> torch.Tensor:
@@ -740,20 +739,31 @@ def paged_attention_quantized(plan: AttentionPlan, q: torch.Tensor, k_pages, v_p
     of the plan's `quantized` formats, this step's rows already written by their quantizer), each element read as
     its code's value times its block's scale (the float32 kv_quant's dequantization gives), then the arithmetic
     of the dense kernel: a row's bits do not depend on what else the step holds."""
-    q_stride = cpu_ops.heads_view(q, plan.q_shape)
     assert plan.quantized == (k_pages.fmt, v_pages.fmt), (plan.quantized, k_pages.fmt, v_pages.fmt)
     for pages in (k_pages, v_pages):
         assert pages.data.shape[:2] == plan.pages_shape[:2] and pages.data.is_contiguous()
         assert pages.scales.shape == (*plan.pages_shape[:2], plan.head_dim // 32) and pages.scales.is_contiguous()
+    pages = (k_pages.data.data_ptr(), k_pages.scales.data_ptr(), v_pages.data.data_ptr(), v_pages.scales.data_ptr())
+    return _attend(plan, q, (None, 0, None, 0), pages, threads)
+
+
+def _attend(plan: AttentionPlan, q: torch.Tensor, rows: tuple, pages: tuple, threads: int) -> torch.Tensor:
+    """The C call: rows (k, its row stride, v, its row stride: this step's, to store; None for quantized pages) and
+    pages (key elements, key scales, value elements, value scales; scales None for dense pages)."""
+    q_stride = cpu_ops.heads_view(q, plan.q_shape)
     out = torch.empty(*plan.q_shape)
-    status = _library().paged_attention(
-        plan.ref, q.data_ptr(), q_stride, None, 0, None, 0,
-        k_pages.data.data_ptr(), k_pages.scales.data_ptr(), v_pages.data.data_ptr(), v_pages.scales.data_ptr(),
-        out.data_ptr(), threads,
-    )  # fmt: skip
+    status = _library().paged_attention(plan.ref, q.data_ptr(), q_stride, *rows, *pages, out.data_ptr(), threads)
     if status != 0:
         raise MemoryError("cpu_attention.paged_attention: no memory for a row of scores")
     return out
+
+
+def to_pages(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as the kernel stores them in dense pages of dtype: torch's rounding, float16 saturating at +-65504."""
+    if dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def paged_attention_ref(
@@ -762,8 +772,8 @@ def paged_attention_ref(
     """The same by indexing: store k/v at the slots, then per request gather its context and attend."""
     tables, starts, q_lens, ctx_lens, slots = plan.tensors
     page_size = plan.struct.page_size
-    k_pages[:, slots] = k.transpose(0, 1).to(k_pages.dtype)
-    v_pages[:, slots] = v.transpose(0, 1).to(v_pages.dtype)
+    k_pages[:, slots] = to_pages(k.transpose(0, 1), k_pages.dtype)
+    v_pages[:, slots] = to_pages(v.transpose(0, 1), v_pages.dtype)
     out = torch.empty(q.shape)
     group = plan.num_heads // plan.kv_heads
     for b in range(q_lens.shape[0]):

@@ -22,6 +22,14 @@ from tests.engine.test_fusion import CFG, logits
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the CPU kernels")
 
 PROMPTS = ["hello there", "the quick brown fox jumps over the lazy dog", "a b a b a b a b"]
+FEEDS = [[3, 14, 15, 9, 26, 5, 35], [8], [9, 7, 9, 3, 2], [3], [8, 4]]  # prefill, decode, verify of 5: 16 slots
+
+
+def counted(monkeypatch, owner, name: str) -> list:
+    """owner.name wrapped to count its calls: the list each call appends to."""
+    calls, function = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: calls.append(1) or function(*a))
+    return calls
 
 
 def test_fuse_swaps_blocks_norms_rotary_and_activation_and_unfuse_swaps_them_back():
@@ -71,9 +79,7 @@ def test_default_cpu_engine_is_fused_and_eager_is_not(tiny_engine, tiny_eager):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_eager(tiny_engine, tiny_eager, prompt, monkeypatch):
-    calls = []
-    kernel = cpu_attention.paged_attention
-    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(1) or kernel(*a))
+    calls = counted(monkeypatch, cpu_attention, "paged_attention")
     assert greedy(tiny_engine, prompt) == greedy(tiny_eager, prompt)
     assert len(calls) >= 31 * tiny_engine.model.cfg.num_layers  # every decode step attended in C
 
@@ -143,10 +149,8 @@ def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
     torch.manual_seed(0)
     model = with_gguf_blocks(Transformer(CFG).eval())
     cpu_fusion.fuse(model)
-    feeds = [[3, 14, 15, 9, 26, 5, 35], [8], [9, 7, 9, 3, 2], [3], [8, 4]]  # prefill, decode, verify of 5: 16 slots
-    calls = []
-    block_call = cpu_block.decode_block
-    monkeypatch.setattr(cpu_block, "decode_block", lambda *a: calls.append(1) or block_call(*a))
+    feeds = FEEDS
+    calls = counted(monkeypatch, cpu_block, "decode_block")
     whole, whole_pool = run_steps(model, feeds)
     assert len(calls) == len(feeds) * CFG.num_layers  # every step, the prefill too
     monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
@@ -170,10 +174,8 @@ def test_half_width_pages_take_the_c_kernel_and_match_the_reference(kv_format, m
     torch.manual_seed(1)
     model = with_gguf_blocks(Transformer(CFG).eval(), seed=1)
     cpu_fusion.fuse(model)
-    feeds = [[3, 14, 15, 9, 26, 5, 35], [8], [9, 7, 9, 3, 2], [3], [8, 4]]
-    calls = []
-    block_call = cpu_block.decode_block
-    monkeypatch.setattr(cpu_block, "decode_block", lambda *a: calls.append(1) or block_call(*a))
+    feeds = FEEDS
+    calls = counted(monkeypatch, cpu_block, "decode_block")
     fused, fused_pool = run_steps(model, feeds, kv_format=kv_format)
     assert len(calls) == len(feeds) * CFG.num_layers
     assert fused_pool.store.k[0].data.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_format]
@@ -203,10 +205,8 @@ def test_quantized_pages_attend_in_c_as_the_reference_reads_them(kv_format, monk
     cfg = dataclasses.replace(CFG, hidden_size=128, head_dim=32)  # (quantized pages: blocks of 32 along head_dim)
     model = with_gguf_blocks(Transformer(cfg).eval(), seed=2)
     cpu_fusion.fuse(model)
-    feeds = [[3, 14, 15, 9, 26, 5, 35], [8], [9, 7, 9, 3, 2], [3], [8, 4]]
-    calls = []
-    kernel = cpu_attention.paged_attention_quantized
-    monkeypatch.setattr(cpu_attention, "paged_attention_quantized", lambda *a: calls.append(1) or kernel(*a))
+    feeds = FEEDS
+    calls = counted(monkeypatch, cpu_attention, "paged_attention_quantized")
     fused, _ = run_steps(model, feeds, kv_format=kv_format)
     assert len(calls) == len(feeds) * cfg.num_layers  # every step, the prompt too
 
