@@ -39,8 +39,8 @@ PRIOR_ACCEPTANCE = 0.6  # a_i before any evidence: optimistic enough to start dr
 EMA_WEIGHT = 0.3  # weight of the newest observation (the time of a step; a gate's)
 # A request's controller: the newest acceptance weighs less and idle sources are probed twice as often as at first
 # (0.3, 16): draft heads accept ~45% of drafts on code, in streaks, and at 0.3 three misses in a row took them to 0
-# for 16 steps (CPU, eval code prompts, ngram+heads auto 1.48x against k = 4's 1.65x; 1.63x against 1.64x at
-# 0.15 and 8; docs/benchmarks.md, "Thirteenth session")
+# for 16 steps (CPU, eval code prompts, ngram+heads auto 0.93-0.97x the speed of k = 4, 1.00x at 0.15 and 8;
+# docs/benchmarks.md, "Thirteenth session")
 RATE_EMA_WEIGHT = 0.15
 COST_PER_DRAFT = 0.1  # relative step cost of one more draft token where nothing was measured
 MIN_COST_PER_DRAFT = 0.02  # a draft token is never free: the floor under noisy measurements (a busy machine)
@@ -205,8 +205,9 @@ class AdaptiveK:
     def _probe_idle_sources(self) -> None:
         """A source that is not to draft while another drafts (so the controller as a whole never idles and
         never probes) gets its own probe of one draft every `probe_every` steps: a run of head misses early in
-        a code answer otherwise silenced the heads for the rest of it while the n-grams kept drafting (CPU, eval
-        code prompts: 229 tok/s against 357 at k = 4). The probe waits for a step where that source drafts.
+        a code answer otherwise silenced the heads for the rest of it while the n-grams kept drafting (CPU, with
+        the depth rule in update: ngram+heads auto on chat 1.07x -> 1.40x plain; docs/benchmarks.md, "Thirteenth
+        session"). The probe waits for a step where that source drafts.
         Where no source is to draft, the controller idles and its own probes let every source draft."""
         if not any(self.source_k.values()):
             self.source_probes.clear()

@@ -44,7 +44,7 @@ def format_for_dtype(dtype: torch.dtype) -> str:
 def auto_format(dtype: torch.dtype, cpu_kernels: bool = False, head_dim: int = 0) -> str:
     """What "auto" pages are: the model dtype's dense format, except for a float32 model whose attention runs in
     the CPU's C kernel (a pool with `cpu_kernels`), which takes float16 pages: half the bytes a long context reads
-    per token (decode 1.17x faster at 1,391 tokens, 1.25x at 2,751 on a 2-core CPU) and twice the context in the
+    per token (a decode step 1.31x faster at 1,340 tokens, 1.33x at 2,632 on a 2-core CPU) and twice the context in the
     same memory, for +0.1% perplexity (docs/benchmarks.md, "Thirteenth session")."""
     if cpu_kernels and dtype == torch.float32:
         from specchat.kernels import cpu_attention
