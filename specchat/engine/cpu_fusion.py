@@ -61,9 +61,9 @@ class CpuBlock(Block):
         weights = self.block_weights() if pages is not None else None
         if weights is None or self._modules["mlp"]._modules["w_gate_up"].takes_gemm(x.numel() // x.shape[-1]):
             return self.forward_ops(x, cos, sin, kv)  # (float rows of a long prompt: the GEMM is faster there)
-        plan, k_pages, v_pages = pages
+        plan, k_pages, v_pages, rotation = pages
         return cpu_block.decode_block(
-            weights, plan, x.contiguous(), cos, sin, k_pages, v_pages, torch.get_num_threads()
+            weights, plan, x.contiguous(), cos, sin, k_pages, v_pages, torch.get_num_threads(), rotation
         )
 
     def block_weights(self) -> cpu_block.BlockWeights | None:

@@ -6,7 +6,7 @@ attends over the request's whole context, with the Triton paged-attention kernel
 reference (`_attend_gathered`) elsewhere; on the CPU, where the pool was built with `cpu_kernels`, decode and
 verification steps (and prompts) over dense pages (float32, float16 or bfloat16) go through
 kernels/cpu_attention.py's C kernel, which stores the step's keys/values and attends over the pages in one call;
-over quantized pages (k8v4, mxfp4) the pool's quantizer writes the rows and the same kernel reads the codes.
+over quantized pages (k8v4, mxfp4) the same call also rotates them and quantizes them as kv_quant does.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class KVBatch:
             and store.rotation is None  # keys and values stored as they are
             and store.key_transform is None
         )
-        # quantized pages (k8v4, mxfp4): the pool's quantizer writes them, the C kernel reads them (queries and
-        # outputs rotated around it as for every reader); every row, a prompt's too, as for dense pages
+        # quantized pages (k8v4, mxfp4): the C kernel rotates the step's rows, quantizes them into their slots
+        # (kv_quant's codes, bit for bit) and reads the codes; every row, a prompt's too, as for dense pages
         self._cpu_quantized = takes and store.name in QUANTIZED_FORMATS
 
     def attend(
@@ -73,15 +73,16 @@ class KVBatch:
         store = self.store
         pages = self.cpu_pages(layer, q.shape[1], k.shape[1], q.shape[2]) if q.dtype == torch.float32 else None
         if pages is not None:
-            return cpu_attention.paged_attention(pages[0], q, k, v, pages[1], pages[2], torch.get_num_threads())
+            plan, k_pages, v_pages, rotation = pages
+            if rotation is None:
+                return cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages, torch.get_num_threads())
+            return cpu_attention.paged_attention_quantized(
+                plan, q, k, v, k_pages, v_pages, rotation, torch.get_num_threads()
+            )
         q, k, v = store.rotate_queries(layer, q), store.rotate_keys(layer, k), store.rotate(v)
         if not written:
             store.write(layer, self.new_slots, k, v)
-        if self._cpu_quantized and q.dtype == torch.float32:
-            plan = self.cpu_plan(q.shape[1], k.shape[1], q.shape[2])
-            threads = torch.get_num_threads()
-            out = cpu_attention.paged_attention_quantized(plan, q, store.k[layer], store.v[layer], threads)
-        elif self.all_fresh:
+        if self.all_fresh:
             out = self._attend_fresh(q, k, v)
         elif self._paged(q, k, max(self.q_lens)):
             out = paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
@@ -173,12 +174,17 @@ class KVBatch:
 
     def cpu_pages(
         self, layer: int, heads: int, kv_heads: int, head_dim: int
-    ) -> tuple[cpu_attention.AttentionPlan, torch.Tensor, torch.Tensor] | None:
-        """Where the CPU attention kernel applies to this step (a pool with `cpu_kernels`, dense pages: float32,
-        float16 or bfloat16): the step's plan and the layer's key and value pages [KVH, slots, D]."""
-        if not self._cpu_kernel:
-            return None
-        return self.cpu_plan(heads, kv_heads, head_dim), self.store.k[layer].data, self.store.v[layer].data
+    ) -> tuple[cpu_attention.AttentionPlan, cpu_attention.Pages, cpu_attention.Pages, object] | None:
+        """Where the CPU attention kernel applies to this step (a pool with `cpu_kernels`): the step's plan, the
+        layer's key and value pages and how they are rotated: dense pages (float32, float16 or bfloat16 tensors
+        [KVH, slots, D]) and None, or quantized ones (kv_quant.PageTensor) and their cpu_attention.PageRotation."""
+        store = self.store
+        if self._cpu_kernel:
+            return self.cpu_plan(heads, kv_heads, head_dim), store.k[layer].data, store.v[layer].data, None
+        if self._cpu_quantized:
+            rotation = store.cpu_rotation(layer)
+            return self.cpu_plan(heads, kv_heads, head_dim), store.k[layer], store.v[layer], rotation
+        return None
 
     def cpu_plan(self, heads: int, kv_heads: int, head_dim: int) -> cpu_attention.AttentionPlan:
         """The step as the CPU attention kernel reads it (once a step)."""

@@ -114,6 +114,7 @@ class PageStore:
         self._rotation_in: dict[torch.dtype, torch.Tensor] = {}  # the rotation cast to each activation dtype
         self.key_transform = key_transform  # A [layers, KVH, D, D] or None
         self._kmat = self._qmat = self._kinv = None  # A R, A^-T R and R^T A^-1 (float32, on the device)
+        self._cpu_rotations: dict[int, object] = {}  # layer -> cpu_attention.PageRotation
         if key_transform is not None:
             a = key_transform.double()
             r = (torch.eye(head_dim) if self.rotation is None else self.rotation.cpu()).double()
@@ -158,6 +159,21 @@ class PageStore:
         if self._kinv is None:
             return self.rotate(k)
         return torch.einsum("the,hed->thd", k.float(), self._kinv[layer]).to(k.dtype)
+
+    def cpu_rotation(self, layer: int):
+        """The CPU attention kernel's view of the matrices above for a layer (cpu_attention.PageRotation: the
+        kernel rotates and quantizes the step's rows itself), built once a layer."""
+        rotation = self._cpu_rotations.get(layer)
+        if rotation is None:
+            from specchat.kernels import cpu_attention
+
+            if self._kmat is None:
+                q_mat = k_mat = self.rotation
+            else:
+                q_mat, k_mat = self._qmat[layer], self._kmat[layer]
+            rotation = cpu_attention.PageRotation(q_mat, k_mat, self.rotation, self.rule)
+            self._cpu_rotations[layer] = rotation
+        return rotation
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [T, KVH, D] (already rotated) at slots [T]."""

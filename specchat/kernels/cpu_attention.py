@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from specchat.kernels import cpu_build, cpu_ops
+from specchat.kernels import cpu_build, cpu_ops, kv_quant, mxfp4
 
 MAX_HEAD_DIM = 256  # the kernel keeps a query row's output in registers (16 floats per vector)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dense page element types the kernel reads
@@ -326,13 +326,15 @@ INLINE void attend_avx(const int NC, const int TK, const int TV, const Plan* p, 
   for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
-/* R consecutive rows of one request and head (row r sees n + r keys) with the arithmetic of attend_avx for each
-   row, bit for bit: the keys of the pages full for every row are scored for all R at once, so each key row is
-   loaded once for R queries (a prompt's rows read their context from L2 R times less); each row's remaining keys,
-   its softmax, and its sum of values in key order as attend_avx. R * NC <= 16 keeps the sums in registers. */
+/* R query rows over the same KV head's pages, row r seeing n + dn * r keys: R consecutive rows of one request and
+   head (dn = 1), or one row of R query heads sharing the KV head (dn = 0), with the arithmetic of attend_avx for
+   each row, bit for bit: the keys of the pages full for every row are scored for all R at once, so each key row is
+   loaded (and decoded, for quantized pages) once for R queries (a prompt's rows read their context from L2 R times
+   less); each row's remaining keys, its softmax, and its sum of values in key order as attend_avx. R * NC <= 16
+   keeps the sums in registers. */
 INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, const Plan* p, const int32_t* table,
-                        int n, const float* q, long q_row, Pages kp, Pages vp, float* s, long s_row, float* out,
-                        long out_row) {
+                        int n, int dn, const float* q, long q_row, Pages kp, Pages vp, float* s, long s_row,
+                        float* out, long out_row) {
   const int D = p->head_dim, ps = p->page_size, full = n / ps * ps;
   __m512 qv[4][16], acc[4][16];
   _Alignas(64) float dots[4][16][16];
@@ -368,8 +370,8 @@ INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, c
     }
   }
   for (int r = 0; r < R; r++) {
-    score_keys(NC, TK, p, table, full, n + r, qv[r], s + r * s_row, kp);
-    softmax(s + r * s_row, n + r);
+    score_keys(NC, TK, p, table, full, n + dn * r, qv[r], s + r * s_row, kp);
+    softmax(s + r * s_row, n + dn * r);
     for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
   }
   for (int j0 = 0; j0 < n; j0 += ps) { /* keys every row sees, in order */
@@ -385,7 +387,7 @@ INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, c
     }
   }
   for (int r = 0; r < R; r++) {
-    add_values(NC, TV, p, table, n, n + r, s + r * s_row, acc[r], vp);
+    add_values(NC, TV, p, table, n, n + dn * r, s + r * s_row, acc[r], vp);
     for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + r * out_row + 16 * c, acc[r][c]);
   }
 }
@@ -515,8 +517,9 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 }
 #endif
 
-/* R rows (see paged_attention): where the build tiles rows (AVX-512, head_dim 16..128), attend_tile; else one
-   row at a time. The same bits either way: a tile does each row's arithmetic as attend_row does. */
+/* R rows (see attend_tile; row r at q + r * q_row sees n + dn * r keys): where the build tiles rows (AVX-512,
+   head_dim 16..128), attend_tile; else one row at a time. The same bits either way: a tile does each row's
+   arithmetic as attend_row does. */
 static int tile_rows(int D) {
 #ifdef HAVE_TILE
   if (D == 16 || D == 32 || D == 64) return 4;
@@ -525,10 +528,10 @@ static int tile_rows(int D) {
   return 1;
 }
 
-static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const float* q, long q_row, Pages kp,
-                        Pages vp, float* s, long s_row, float* out, long out_row) {
+static void attend_rows(const Plan* p, const int32_t* table, int n, int R, int dn, const float* q, long q_row,
+                        Pages kp, Pages vp, float* s, long s_row, float* out, long out_row) {
 #ifdef HAVE_TILE
-#define TILE_T(TK, TV) attend_tile(NC, RR, TK, TV, p, table, n, q, q_row, kp, vp, s, s_row, out, out_row); return;
+#define TILE_T(TK, TV) attend_tile(NC, RR, TK, TV, p, table, n, dn, q, q_row, kp, vp, s, s_row, out, out_row); return;
 #define TILE(NC_, RR_) { const int NC = NC_, RR = RR_; KV_TYPES(TILE_T) }
 #define TILES(NC) \
   switch (R) {    \
@@ -546,17 +549,187 @@ static void attend_rows(const Plan* p, const int32_t* table, int n, int R, const
 #undef TILE
 #undef TILE_T
 #endif
-  for (int r = 0; r < R; r++) attend_row(p, table, n + r, q + r * q_row, kp, vp, s, out + r * out_row);
+  for (int r = 0; r < R; r++) attend_row(p, table, n + dn * r, q + r * q_row, kp, vp, s, out + r * out_row);
+}
+
+/* ---- Quantize-on-append: kernels/kv_quant.py's quantize_rows, bit for bit, after the pages' rotation ---- */
+
+/* How quantized pages hold this step's rows (built once a layer: kv_pages.PageStore.cpu_rotation): each row is
+   multiplied by a matrix [D, D] first (the Hadamard rotation, and for keys the calibrated key transform) and the
+   queries alike, so scores are unchanged; the output comes out rotated and is multiplied by r_mat again (R is
+   its own inverse). A NULL matrix: rows as they are. */
+typedef struct {
+  const float* q_mat; /* queries of KV head h's group: q M, M at q_mat + h * q_head (q_head 0: one for all) */
+  long q_head;
+  const float* k_mat; /* keys of KV head h: k M, M at k_mat + h * k_head */
+  long k_head;
+  const float* r_mat; /* values in, outputs out: x R */
+  int rule;           /* MXFP4 scale rule, mxfp4.RULES order: 0 ocp, 1 roundup, 2 mse */
+} Rotation;
+
+#define RULE_ROUNDUP 1
+#define RULE_MSE 2
+
+INLINE uint32_t f32_bits(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+INLINE float bits_f32(uint32_t b) {
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+/* 2^e exactly for e <= 127 (float32 subnormals below 2^-126, 0 below 2^-149, as torch.ldexp gives them). */
+INLINE float pow2f(int e) {
+  return e >= -126 ? bits_f32((uint32_t)(e + 127) << 23) : e >= -149 ? bits_f32(1u << (e + 149)) : 0.0f;
+}
+
+/* floor(log2 a) of a finite a > 0, subnormals included (torch.frexp's exponent - 1). */
+INLINE int floor_log2(float a) {
+  const uint32_t b = f32_bits(a);
+  return b >> 23 ? (int)(b >> 23) - 127 : 31 - __builtin_clz(b) - 149;
+}
+
+/* The largest magnitude in a block of 32, or -1 when the block holds a NaN or an infinity. */
+INLINE float block_amax(const float* x) {
+  float amax = 0.0f;
+  uint32_t bad = 0;
+  for (int i = 0; i < 32; i++) {
+    const uint32_t a = f32_bits(x[i]) & 0x7FFFFFFF;
+    bad |= a >= 0x7F800000;
+    amax = bits_f32(a) > amax ? bits_f32(a) : amax;
+  }
+  return bad ? -1.0f : amax;
+}
+
+/* A float32 already divided by its block scale -> its E2M1 code (mxfp4.round_to_e2m1: the midpoints passed,
+   ties to the even code, saturating at 6; the sign bit as bit 3). */
+INLINE uint8_t e2m1_code(float v) {
+  const uint32_t b = f32_bits(v);
+  const float m = bits_f32(b & 0x7FFFFFFF);
+  const int c = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
+  return (uint8_t)(c | (b >> 31) << 3);
+}
+
+/* |y| <= 448 -> its E4M3 code, rounded to nearest even as torch's float8_e4m3fn conversion: normals by a biased
+   add on the bits, below 2^-6 by adding 2^14, whose ulp is E4M3's subnormal step 2^-9. */
+INLINE uint8_t float_to_e4m3(float y) {
+  const uint32_t b = f32_bits(y), a = b & 0x7FFFFFFF;
+  const uint8_t sign = (uint8_t)((b >> 24) & 0x80);
+  if (a >= 0x3C800000) {
+    const uint32_t r = a - 0x3C000000; /* exponent bias 127 -> 7 */
+    return sign | (uint8_t)((r + 0x7FFFF + ((r >> 20) & 1)) >> 20);
+  }
+  return sign | (uint8_t)(f32_bits(bits_f32(a) + 0x1p14f) - 0x46800000);
+}
+
+/* One block of 32 in MXFP8 (kv_quant.quantize_mxfp8): the round-up exponent 2^ceil(log2(amax / 448)), elements
+   times 2^-e clamped to +-448 and rounded; a NaN or infinity makes the block NaN (scale 0xFF, codes 0). */
+static void quantize_mx8(const float* x, uint8_t* codes, uint8_t* scale) {
+  const float amax = block_amax(x);
+  if (amax < 0.0f) {
+    memset(codes, 0, 32);
+    *scale = 0xFF;
+    return;
+  }
+  int e = -127;
+  if (amax > 0.0f) {
+    e = floor_log2(amax) - 8;
+    e += amax > 448.0f * pow2f(e);
+  }
+  e = e < -127 ? -127 : e > 127 ? 127 : e;
+  const float inv = pow2f(-e);
+  for (int i = 0; i < 32; i++) {
+    const float y = x[i] * inv;
+    codes[i] = float_to_e4m3(y > 448.0f ? 448.0f : y < -448.0f ? -448.0f : y);
+  }
+  *scale = (uint8_t)(e + 127);
+}
+
+/* One block of 32 in MXFP4 (kv_quant.quantize_mxfp4_rows): the OCP exponent floor(log2 amax) - 2, "roundup" one
+   higher where amax / 2^e > 6, "mse" the least squared error (float64, summed in element order) among e, e + 1,
+   e - 1 (the first of equal errors); elements times 2^-e (exact: a division by the power of two), element 2j in
+   the low nibble of byte j. */
+static void quantize_mx4(const float* x, int rule, uint8_t* codes, uint8_t* scale) {
+  static const int offsets[3] = {0, 1, -1};
+  const float amax = block_amax(x);
+  if (amax < 0.0f) {
+    memset(codes, 0, 16);
+    *scale = 0xFF;
+    return;
+  }
+  int ocp = amax > 0.0f ? floor_log2(amax) - 2 : -127;
+  if (rule == RULE_ROUNDUP) ocp += amax > 6.0f * pow2f(ocp < -127 ? -127 : ocp);
+  uint8_t best[32], cand[32];
+  int best_e = 0;
+  double best_err = 0.0;
+  for (int c = 0; c < (rule == RULE_MSE ? 3 : 1); c++) {
+    int e = ocp + offsets[c];
+    e = e < -127 ? -127 : e > 127 ? 127 : e;
+    const float s = pow2f(e), inv = pow2f(-e);
+    for (int i = 0; i < 32; i++) cand[i] = e2m1_code(x[i] * inv);
+    double err = 0.0;
+    if (rule == RULE_MSE)
+      for (int i = 0; i < 32; i++) {
+        const double d = (double)(E2M1_VALUES[cand[i] & 7] * s) - (double)bits_f32(f32_bits(x[i]) & 0x7FFFFFFF);
+        err += d * d;
+      }
+    if (c == 0 || err < best_err) {
+      memcpy(best, cand, 32);
+      best_e = e;
+      best_err = err;
+    }
+  }
+  for (int j = 0; j < 16; j++) codes[j] = (uint8_t)(best[2 * j] | best[2 * j + 1] << 4);
+  *scale = (uint8_t)(best_e + 127);
+}
+
+/* One row x [D] into codes and scales of quantized type T (D a multiple of 32). */
+static void quantize_row(const float* x, int D, int T, int rule, uint8_t* codes, uint8_t* scales) {
+  for (int b = 0; b < D / 32; b++) {
+    if (T == KV_MX8) quantize_mx8(x + 32 * b, codes + 32 * b, scales + b);
+    else quantize_mx4(x + 32 * b, rule, codes + 16 * b, scales + b);
+  }
+}
+
+/* y = x M for one row, M [D, D] row-major: y[e] = x[0] M[0][e] + x[1] M[1][e] + ... in that order, float32
+   products and sums (cpu_attention.rotate_rows_ref, bit for bit); M NULL: y = x. y must not alias x. */
+static void rotate_row(int D, const float* x, const float* m, float* y) {
+  if (m == NULL) {
+    memcpy(y, x, (size_t)D * sizeof(float));
+    return;
+  }
+  for (int e = 0; e < D; e++) y[e] = x[0] * m[e];
+  for (int d = 1; d < D; d++) {
+    const float xd = x[d], *row = m + (size_t)d * D;
+    for (int e = 0; e < D; e++) y[e] += xd * row[e];
+  }
+}
+
+/* Rows [n, D] (row stride `stride`) rotated by M and quantized into type T: the kernel's store, exposed for the
+   tests' bit-for-bit comparison with kv_quant (codes [n, code bytes], scales [n, D / 32]). */
+void quantize_rows(int n, int D, int T, int rule, const float* x, long stride, const float* m, uint8_t* codes,
+                   uint8_t* scales) {
+  float y[256];
+  const size_t row_codes = T == KV_MX8 ? (size_t)D : (size_t)D / 2;
+  for (int i = 0; i < n; i++) {
+    rotate_row(D, x + (size_t)i * stride, m, y);
+    quantize_row(y, D, T, rule, codes + i * row_codes, scales + (size_t)i * (D / 32));
+  }
 }
 
 /* Store this step's keys/values (k/v [T, KVH, D], row strides k_stride / v_stride) at their slots of the pages
-   [KVH, num_slots, D], then out [T, H, D] = causal attention of every new row (q [T, H, D], row stride
+   [KVH, num_slots, ...], then out [T, H, D] = causal attention of every new row (q [T, H, D], row stride
    q_stride) over its request's context: a decode row, a verification's, a prompt's alike (each (row, head) by
    the same loop, so a row's output does not depend on what else the step holds: a prompt prefilled in one
    chunk, in several or taken from the prefix cache gives the same bits). `threads` > 1 splits the (row, head)
-   pairs where the step attends over PARALLEL_KEYS keys or more. Returns 0, or -1 when the scratch rows cannot
-   be allocated. */
+   pairs where the step attends over PARALLEL_KEYS keys or more, and the rows to quantize and rotate where there
+   are PARALLEL_ROWS or more. Returns 0, or -1 when the scratch rows cannot be allocated. */
 #define PARALLEL_KEYS 2048
+#define PARALLEL_ROWS 32
 /* Bytes of one KV head's element array (codes, for the quantized types) of type T. */
 static size_t head_bytes(int T, long slots, int D) {
   const size_t n = (size_t)slots * D;
@@ -564,41 +737,86 @@ static size_t head_bytes(int T, long slots, int D) {
 }
 
 /* Keys and values: the pages [KVH, num_slots, ...] of their types (quantized: codes, and E8M0 scales
-   [KVH, num_slots, D / 32]; dense: scales NULL). Dense pages first get this step's rows (k, v [T, KVH, D], row
-   strides k_stride / v_stride); quantized ones hold them already (kernels/kv_quant.py quantizes on append). */
+   [KVH, num_slots, D / 32]; dense: scales NULL). Dense pages get this step's rows as they are (rounded into
+   half-width elements); quantized ones get them rotated and quantized (`rot`, which also rotates the queries and
+   the outputs; NULL for dense pages). */
 int paged_attention(const Plan* p, const float* q, long q_stride, const float* k, long k_stride, const float* v,
-                    long v_stride, void* k_pages, const uint8_t* k_scales, void* v_pages, const uint8_t* v_scales,
-                    float* out, int threads) {
+                    long v_stride, void* k_pages, uint8_t* k_scales, void* v_pages, uint8_t* v_scales,
+                    const Rotation* rot, float* out, int threads) {
   const int D = p->head_dim, H = p->heads, KVH = p->kv_heads, G = H / KVH;
   const size_t k_head = head_bytes(p->k_type, p->num_slots, D), v_head = head_bytes(p->v_type, p->num_slots, D);
   const size_t scale_head = (size_t)p->num_slots * (D / 32);
+  const long stores = (long)p->tokens * KVH;
   if (KV_DENSE(p->k_type) && KV_DENSE(p->v_type)) {
     const size_t es = KV_BYTES(p->k_type);
-    for (int t = 0; t < p->tokens; t++)
-      for (int h = 0; h < KVH; h++) {
-        const size_t dst = ((size_t)h * p->num_slots + (size_t)p->slots[t]) * D * es;
-        kv_put((char*)k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, D, p->k_type);
-        kv_put((char*)v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, D, p->v_type);
-      }
+    for (long w = 0; w < stores; w++) {
+      const int t = (int)(w / KVH), h = (int)(w % KVH);
+      const size_t dst = ((size_t)h * p->num_slots + (size_t)p->slots[t]) * D * es;
+      kv_put((char*)k_pages + dst, k + (size_t)t * k_stride + (size_t)h * D, D, p->k_type);
+      kv_put((char*)v_pages + dst, v + (size_t)t * v_stride + (size_t)h * D, D, p->v_type);
+    }
+  } else {
+    const size_t k_row = head_bytes(p->k_type, 1, D), v_row = head_bytes(p->v_type, 1, D);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(stores >= PARALLEL_ROWS ? threads : 1) schedule(static)
+#endif
+    for (long w = 0; w < stores; w++) {
+      const int t = (int)(w / KVH), h = (int)(w % KVH);
+      const size_t slot = (size_t)h * p->num_slots + (size_t)p->slots[t];
+      float x[256];
+      rotate_row(D, k + (size_t)t * k_stride + (size_t)h * D, rot->k_mat ? rot->k_mat + h * rot->k_head : NULL, x);
+      quantize_row(x, D, p->k_type, rot->rule, (uint8_t*)k_pages + slot * k_row, k_scales + slot * (D / 32));
+      rotate_row(D, v + (size_t)t * v_stride + (size_t)h * D, rot->r_mat, x);
+      quantize_row(x, D, p->v_type, rot->rule, (uint8_t*)v_pages + slot * v_row, v_scales + slot * (D / 32));
+    }
   }
-  /* work: (tile of up to R consecutive rows of one request, query head) */
-  const int R = tile_rows(D);
+  float* rotated = NULL; /* the queries in the pages' basis */
+  if (rot != NULL && rot->q_mat != NULL) {
+    const long rows = (long)p->tokens * H;
+    rotated = malloc((size_t)rows * D * sizeof(float));
+    if (rotated == NULL) return -1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
+#endif
+    for (long w = 0; w < rows; w++) {
+      const int t = (int)(w / H), hq = (int)(w % H);
+      rotate_row(D, q + (size_t)t * q_stride + (size_t)hq * D, rot->q_mat + hq / G * rot->q_head, rotated + w * D);
+    }
+    q = rotated;
+    q_stride = (long)H * D;
+  }
+  const float* r_out = rot != NULL ? rot->r_mat : NULL;
+  /* work: tiles of up to R query rows over one KV head's pages: R consecutive rows of a request and one query
+     head, or, for a request of one row (a decode step), the row in up to R query heads of one KV group */
+  const int R = tile_rows(D), HR = G < R ? G : R;
   int tiles = 0, longest = 1;
   long keys = 0;
   for (int b = 0; b < p->batch; b++) {
-    tiles += (p->q_lens[b] + R - 1) / R;
+    tiles += p->q_lens[b] == 1 && HR > 1 ? KVH * ((G + HR - 1) / HR) : (p->q_lens[b] + R - 1) / R * H;
     longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
     keys += (long)p->q_lens[b] * p->ctx_lens[b];
   }
-  int* row_req = malloc((size_t)tiles * 3 * sizeof(int)); /* per tile: request, first row, rows */
-  if (row_req == NULL) return -1;
-  for (int b = 0, w = 0; b < p->batch; b++)
-    for (int i = 0; i < p->q_lens[b]; i += R, w++) {
-      row_req[3 * w] = b;
-      row_req[3 * w + 1] = i;
-      row_req[3 * w + 2] = p->q_lens[b] - i < R ? p->q_lens[b] - i : R;
-    }
-  const long pairs = (long)tiles * H, s_row = (longest + 15) / 16 * 16;
+  int* work = malloc((size_t)tiles * 5 * sizeof(int)); /* per tile: request, first row, rows, first head, heads */
+  if (work == NULL) {
+    free(rotated);
+    return -1;
+  }
+  int* w = work;
+  for (int b = 0; b < p->batch; b++) {
+    const int m = p->q_lens[b];
+    if (m == 1 && HR > 1)
+      for (int h = 0; h < KVH; h++)
+        for (int g = 0; g < G; g += HR, w += 5) {
+          w[0] = b, w[1] = 0, w[2] = 1, w[3] = h * G + g;
+          w[4] = G - g < HR ? G - g : HR;
+        }
+    else
+      for (int i = 0; i < m; i += R)
+        for (int hq = 0; hq < H; hq++, w += 5) {
+          w[0] = b, w[1] = i, w[2] = m - i < R ? m - i : R, w[3] = hq, w[4] = 1;
+        }
+  }
+  const long s_row = (longest + 15) / 16 * 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
   int failed = 0;
 #ifdef _OPENMP
@@ -610,19 +828,28 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (long w = 0; w < pairs; w++) {
+    for (long x = 0; x < tiles; x++) {
       if (s == NULL) continue;
-      const int* tile = row_req + 3 * (w / H);
-      const int b = tile[0], i = tile[1], hq = (int)(w % H), h = hq / G;
+      const int* tile = work + 5 * x;
+      const int b = tile[0], i = tile[1], hq = tile[3], h = hq / G, rows = tile[2] * tile[4];
       const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1; /* row i sees n keys */
       const Pages kp = {(const char*)k_pages + h * k_head, k_scales ? k_scales + h * scale_head : NULL};
       const Pages vp = {(const char*)v_pages + h * v_head, v_scales ? v_scales + h * scale_head : NULL};
-      attend_rows(p, p->tables + (size_t)b * p->table_width, n, tile[2], q + (size_t)t * q_stride + (size_t)hq * D,
-                  q_stride, kp, vp, s, s_row, out + ((size_t)t * H + hq) * D, (long)H * D);
+      const long row = tile[4] > 1 ? D : (long)H * D; /* the next head's row, or the next token's */
+      float* o = out + ((size_t)t * H + hq) * D;
+      attend_rows(p, p->tables + (size_t)b * p->table_width, n, rows, tile[4] > 1 ? 0 : 1,
+                  q + (size_t)t * q_stride + (size_t)hq * D, tile[4] > 1 ? D : q_stride, kp, vp, s, s_row, o, row);
+      if (r_out != NULL) /* back from the pages' basis */
+        for (int r = 0; r < rows; r++) {
+          float y[256];
+          rotate_row(D, o + r * row, r_out, y);
+          memcpy(o + r * row, y, (size_t)D * sizeof(float));
+        }
     }
     free(s);
   }
-  free(row_req);
+  free(work);
+  free(rotated);
   return failed ? -1 : 0;
 }
 """
@@ -643,15 +870,49 @@ class Plan(ctypes.Structure):
     ]
 
 
+class Rotation(ctypes.Structure):
+    """How quantized pages hold a layer's rows (the `Rotation` struct of C_SOURCE): see `PageRotation`."""
+
+    _fields_ = [
+        ("q_mat", ctypes.c_void_p),
+        ("q_head", ctypes.c_long),
+        ("k_mat", ctypes.c_void_p),
+        ("k_head", ctypes.c_long),
+        ("r_mat", ctypes.c_void_p),
+        ("rule", ctypes.c_int),
+    ]
+
+
+class PageRotation:
+    """The matrices quantized pages hold a layer's rows in (engine/kv_pages.py's rotation and key transform), and
+    the MXFP4 scale rule: keys are stored as k @ k_mat, values as v @ r_mat, queries attend as q @ q_mat and the
+    output is multiplied by r_mat (symmetric and orthonormal: its own inverse) on the way out. q_mat and k_mat
+    are [D, D] (every KV head alike) or [KVH, D, D] (per KV head: a query head takes its KV head's); None: as
+    they are. Built once a layer (kv_pages.PageStore.cpu_rotation)."""
+
+    def __init__(
+        self, q_mat: torch.Tensor | None, k_mat: torch.Tensor | None, r_mat: torch.Tensor | None, rule: str
+    ) -> None:
+        self.mats = tuple(None if m is None else m.float().contiguous() for m in (q_mat, k_mat, r_mat))
+        self.rule = rule
+        head = [0 if m is None or m.dim() == 2 else m.shape[-1] ** 2 for m in self.mats[:2]]
+        ptrs = [None if m is None else m.data_ptr() for m in self.mats]
+        self.struct = Rotation(ptrs[0], head[0], ptrs[1], head[1], ptrs[2], mxfp4.RULES.index(rule))
+        self.ref = ctypes.byref(self.struct)
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load("cpu_attention", cpu_ops.C_SOURCE + C_SOURCE, cpu_ops.CFLAGS)
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_long
-    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr]
-    lib.paged_attention.argtypes += [ctypes.c_int]
+    lib.paged_attention.argtypes = [ctypes.POINTER(Plan), ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.paged_attention.argtypes += [ctypes.POINTER(Rotation), ptr, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
+    i32 = ctypes.c_int
+    lib.quantize_rows.argtypes = [i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr]
+    lib.quantize_rows.restype = None
     return lib
 
 
@@ -713,6 +974,27 @@ class AttentionPlan:
         self.ref = ctypes.byref(self.struct)
 
 
+Pages = torch.Tensor | kv_quant.PageTensor  # dense pages [KVH, slots, D], or quantized ones
+
+
+def page_pointers(plan: AttentionPlan, k_pages: Pages, v_pages: Pages, rotation: PageRotation | None) -> tuple:
+    """The pages as the C calls take them, checked against the plan: (key elements, key scales, value elements,
+    value scales, rotation); dense pages (tensors of the plan's kv_dtype) have no scales and no rotation,
+    quantized ones (kv_quant.PageTensor of the plan's `quantized` formats) both."""
+    if plan.quantized is None:
+        for pages in (k_pages, v_pages):
+            assert pages.shape == plan.pages_shape and pages.dtype == plan.kv_dtype and pages.is_contiguous()
+        assert rotation is None, "dense pages hold rows as they are"
+        return k_pages.data_ptr(), None, v_pages.data_ptr(), None, None
+    assert plan.quantized == (k_pages.fmt, v_pages.fmt), (plan.quantized, k_pages.fmt, v_pages.fmt)
+    assert k_pages.rule == v_pages.rule == rotation.rule, (k_pages.rule, v_pages.rule, rotation.rule)
+    for pages in (k_pages, v_pages):
+        assert pages.data.shape[:2] == plan.pages_shape[:2] and pages.data.is_contiguous()
+        assert pages.scales.shape == (*plan.pages_shape[:2], plan.head_dim // 32) and pages.scales.is_contiguous()
+    k_ptrs, v_ptrs = ((t.data.data_ptr(), t.scales.data_ptr()) for t in (k_pages, v_pages))
+    return *k_ptrs, *v_ptrs, rotation.ref
+
+
 def paged_attention(
     plan: AttentionPlan,
     q: torch.Tensor,
@@ -726,36 +1008,58 @@ def paged_attention(
     or bfloat16, rounded as torch converts, float16 saturating at +-65504: `to_pages`) at the plan's slots, then
     return [T, H, D]: each new row's causal attention over its request's context (q [T, H, D]), the same bits for
     any `threads`."""
-    k_stride, v_stride = cpu_ops.heads_view(k, plan.kv_shape), cpu_ops.heads_view(v, plan.kv_shape)
-    for pages in (k_pages, v_pages):
-        assert pages.shape == plan.pages_shape and pages.dtype == plan.kv_dtype and pages.is_contiguous()
     assert plan.quantized is None, "quantized pages: paged_attention_quantized"
-    rows = (k.data_ptr(), k_stride, v.data_ptr(), v_stride)
-    return _attend(plan, q, rows, (k_pages.data_ptr(), None, v_pages.data_ptr(), None), threads)
+    return _attend(plan, q, k, v, page_pointers(plan, k_pages, v_pages, None), threads)
 
 
-def paged_attention_quantized(plan: AttentionPlan, q: torch.Tensor, k_pages, v_pages, threads: int = 1) -> torch.Tensor:
-    """[T, H, D]: each new row's causal attention (q [T, H, D] float32) over quantized pages (kv_quant.PageTensor
-    of the plan's `quantized` formats, this step's rows already written by their quantizer), each element read as
-    its code's value times its block's scale (the float32 kv_quant's dequantization gives), then the arithmetic
-    of the dense kernel: a row's bits do not depend on what else the step holds."""
-    assert plan.quantized == (k_pages.fmt, v_pages.fmt), (plan.quantized, k_pages.fmt, v_pages.fmt)
-    for pages in (k_pages, v_pages):
-        assert pages.data.shape[:2] == plan.pages_shape[:2] and pages.data.is_contiguous()
-        assert pages.scales.shape == (*plan.pages_shape[:2], plan.head_dim // 32) and pages.scales.is_contiguous()
-    pages = (k_pages.data.data_ptr(), k_pages.scales.data_ptr(), v_pages.data.data_ptr(), v_pages.scales.data_ptr())
-    return _attend(plan, q, (None, 0, None, 0), pages, threads)
+def paged_attention_quantized(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: kv_quant.PageTensor,
+    v_pages: kv_quant.PageTensor,
+    rotation: PageRotation,
+    threads: int = 1,
+) -> torch.Tensor:
+    """Quantized pages (kv_quant.PageTensor of the plan's `quantized` formats): this step's k/v [T, KVH, D]
+    (float32, as the model computed them) multiplied by the rotation's matrices and quantized into their slots as
+    kv_quant.quantize_rows quantizes (bit for bit: `quantize_rows`), then [T, H, D]: each new row's causal attention
+    (q [T, H, D] float32, rotated alike) over its request's context, each element read as its code's value times its
+    block's scale (the float32 kv_quant's dequantization gives) with the dense kernel's arithmetic, rotated back:
+    a row's bits do not depend on what else the step holds."""
+    assert plan.quantized is not None, "dense pages: paged_attention"
+    return _attend(plan, q, k, v, page_pointers(plan, k_pages, v_pages, rotation), threads)
 
 
-def _attend(plan: AttentionPlan, q: torch.Tensor, rows: tuple, pages: tuple, threads: int) -> torch.Tensor:
-    """The C call: rows (k, its row stride, v, its row stride: this step's, to store; None for quantized pages) and
-    pages (key elements, key scales, value elements, value scales; scales None for dense pages)."""
+def _attend(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: tuple, threads: int):
+    """The C call: this step's rows (stored into the pages) and `page_pointers`."""
     q_stride = cpu_ops.heads_view(q, plan.q_shape)
+    k_stride, v_stride = cpu_ops.heads_view(k, plan.kv_shape), cpu_ops.heads_view(v, plan.kv_shape)
     out = torch.empty(*plan.q_shape)
-    status = _library().paged_attention(plan.ref, q.data_ptr(), q_stride, *rows, *pages, out.data_ptr(), threads)
+    status = _library().paged_attention(
+        plan.ref, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride, *pages, out.data_ptr(),
+        threads,
+    )  # fmt: skip
     if status != 0:
         raise MemoryError("cpu_attention.paged_attention: no memory for a row of scores")
     return out
+
+
+def quantize_rows(x: torch.Tensor, fmt: str, rule: str, mat: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Rows x [n, D] (float32) times mat [D, D] (`rotate_rows_ref`; None: as they are), quantized as the kernel
+    stores them: (codes, scales) of kv_quant.quantize_rows(x @ mat, fmt, rule), which tests hold equal bit for
+    bit."""
+    n, d = x.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and d % 32 == 0, (x.dtype, x.shape)
+    codes = torch.empty(n, kv_quant.code_bytes(fmt, d), dtype=torch.uint8)
+    scales = torch.empty(n, d // 32, dtype=torch.uint8)
+    m = None if mat is None else mat.float().contiguous()
+    _library().quantize_rows(
+        n, d, QUANTIZED_TYPES[fmt], mxfp4.RULES.index(rule), x.data_ptr(), x.stride(0),
+        None if m is None else m.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+    )  # fmt: skip
+    return codes, scales
 
 
 def to_pages(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -766,14 +1070,45 @@ def to_pages(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def paged_attention_ref(
-    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
+def rotate_rows_ref(x: torch.Tensor, mat: torch.Tensor | None) -> torch.Tensor:
+    """x [..., D] @ mat, summed as the kernel sums it: x[..., 0] mat[0] + x[..., 1] mat[1] + ... in that order, float32
+    products and sums (bit for bit). mat [D, D], or [..., D, D] broadcast against x's heads; None: x."""
+    if mat is None:
+        return x
+    y = x[..., 0:1] * mat[..., 0, :]
+    for d in range(1, x.shape[-1]):
+        y = y + x[..., d : d + 1] * mat[..., d, :]
+    return y
+
+
+def paged_attention_quantized_ref(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: kv_quant.PageTensor,
+    v_pages: kv_quant.PageTensor,
+    rotation: PageRotation,
+    threads: int = 1,
 ) -> torch.Tensor:
-    """The same by indexing: store k/v at the slots, then per request gather its context and attend."""
-    tables, starts, q_lens, ctx_lens, slots = plan.tensors
+    """paged_attention_quantized in torch: rotate (`rotate_rows_ref`), quantize into the pages with kv_quant, then
+    attend over the dequantized pages and rotate back."""
+    q_mat, k_mat, r_mat = rotation.mats
+    group = plan.num_heads // plan.kv_heads
+    slots = plan.tensors[4]
+    k_pages.write(slots, rotate_rows_ref(k, k_mat).contiguous())
+    v_pages.write(slots, rotate_rows_ref(v, r_mat).contiguous())
+    if q_mat is not None and q_mat.dim() == 3:
+        q_mat = q_mat.repeat_interleave(group, 0)  # [H, D, D]: each query head its KV head's
+    keys, values = k_pages.read(slice(None), torch.float32), v_pages.read(slice(None), torch.float32)
+    out = _attend_ref(plan, rotate_rows_ref(q, q_mat), keys, values)
+    return rotate_rows_ref(out, r_mat)
+
+
+def _attend_ref(plan: AttentionPlan, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+    """Per request, gather its context from the pages [KVH, slots, D] and attend (every row causal)."""
+    tables, starts, q_lens, ctx_lens, _ = plan.tensors
     page_size = plan.struct.page_size
-    k_pages[:, slots] = to_pages(k.transpose(0, 1), k_pages.dtype)
-    v_pages[:, slots] = to_pages(v.transpose(0, 1), v_pages.dtype)
     out = torch.empty(q.shape)
     group = plan.num_heads // plan.kv_heads
     for b in range(q_lens.shape[0]):
@@ -787,3 +1122,13 @@ def paged_attention_ref(
         probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
         out[start : start + n] = torch.einsum("htc,hcd->thd", probs, values)
     return out
+
+
+def paged_attention_ref(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
+) -> torch.Tensor:
+    """The same by indexing: store k/v at the slots, then per request gather its context and attend."""
+    slots = plan.tensors[4]
+    k_pages[:, slots] = to_pages(k.transpose(0, 1), k_pages.dtype)
+    v_pages[:, slots] = to_pages(v.transpose(0, 1), v_pages.dtype)
+    return _attend_ref(plan, q, k_pages, v_pages)

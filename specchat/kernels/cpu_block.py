@@ -57,7 +57,8 @@ static int linear(const Weight* w, int rows, const float* x, float* y, int threa
 /* x [T, hidden] -> out [T, hidden]: one block for this step's T tokens (cos/sin [T, head_dim]); the step's keys
    and values go into the pages. Returns 0, or -1 when scratch memory cannot be allocated. */
 int decode_block(const Block* b, const Plan* p, int T, const float* x, const float* cos, const float* sin,
-                 void* k_pages, void* v_pages, float* out, int threads) {
+                 void* k_pages, uint8_t* k_scales, void* v_pages, uint8_t* v_scales, const Rotation* rot, float* out,
+                 int threads) {
   const int H = b->hidden, Q = b->q_size, KV = b->kv_size, I = b->inter, QKV = Q + 2 * KV;
   const size_t t = (size_t)T;
   float* scratch = malloc(t * (4 * H + QKV + 2 * Q + KV + 3 * I) * sizeof(float));
@@ -71,7 +72,8 @@ int decode_block(const Block* b, const Plan* p, int T, const float* x, const flo
       for (size_t i = 0; i < t; i++)
         for (int j = 0; j < QKV; j++) qkv[i * QKV + j] += b->qkv_bias[j];
     rope_qk(T, p->heads, p->kv_heads, p->head_dim, qkv, QKV, qkv + Q, QKV, cos, sin, q, k);
-    status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, NULL, v_pages, NULL, att, threads);
+    status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, k_scales, v_pages, v_scales, rot, att,
+                             threads);
   }
   if (status == 0) status = linear(&b->wo, T, att, a, threads);
   if (status == 0) {
@@ -118,7 +120,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.decode_block.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(cpu_attention.Plan), i32, ptr, ptr, ptr]
-    lib.decode_block.argtypes += [ptr, ptr, ptr, i32]
+    lib.decode_block.argtypes += [ptr, ptr, ptr, ptr, ctypes.POINTER(cpu_attention.Rotation), ptr, i32]
     lib.decode_block.restype = ctypes.c_int
     return lib
 
@@ -176,23 +178,23 @@ def decode_block(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    k_pages: cpu_attention.Pages,
+    v_pages: cpu_attention.Pages,
     threads: int,
+    rotation: cpu_attention.PageRotation | None = None,
 ) -> torch.Tensor:
-    """x [T, hidden] float32 -> the block's output [T, hidden]; this step's keys/values written into the dense
-    pages [KVH, slots, D] (the plan's kv_dtype: float32, float16 or bfloat16) at the plan's slots."""
+    """x [T, hidden] float32 -> the block's output [T, hidden]; this step's keys/values written into the pages at
+    the plan's slots: dense pages [KVH, slots, D] of the plan's kv_dtype (float32, float16 or bfloat16), or
+    quantized ones (kv_quant.PageTensor) with their rotation, as cpu_attention stores them."""
     t = plan.tokens
     assert x.shape == (t, weights.hidden) and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu, x.shape
     for rot in (cos, sin):
         assert rot.shape == (t, plan.head_dim) and rot.dtype == torch.float32 and rot.is_contiguous(), rot.shape
-    for pages in (k_pages, v_pages):
-        assert pages.shape == plan.pages_shape and pages.dtype == plan.kv_dtype and pages.is_contiguous()
+    pages = cpu_attention.page_pointers(plan, k_pages, v_pages, rotation)
     out = torch.empty(t, weights.hidden)
     status = _library().decode_block(
-        weights.ref, plan.ref, t, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(), threads,
-    )  # fmt: skip
+        weights.ref, plan.ref, t, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *pages, out.data_ptr(), threads
+    )
     if status != 0:
         raise MemoryError("cpu_block.decode_block: no memory for the block's scratch rows")
     return out

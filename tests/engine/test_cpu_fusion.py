@@ -7,6 +7,7 @@ The kernels themselves are held to their references in tests/kernels/test_cpu_op
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -124,13 +125,13 @@ def with_gguf_blocks(model: Transformer, seed: int = 0) -> Transformer:
 
 
 def run_steps(
-    model: Transformer, feeds: list[list[int]], cpu_kernels: bool = True, kv_format: str = "auto"
+    model: Transformer, feeds: list[list[int]], cpu_kernels: bool = True, kv_format: str = "auto", key_transform=None
 ) -> tuple[list, KVPool]:
     """Feed one request's tokens step by step through a KV pool; the logits of each step's rows."""
     cfg = model.cfg
     pool = KVPool(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, torch.float32, "cpu", kv_format=kv_format,
-        cpu_kernels=cpu_kernels,
+        cpu_kernels=cpu_kernels, key_transform=key_transform,
     )  # fmt: skip
     pool.add(0, [t for feed in feeds for t in feed])
     out, start = [], 0
@@ -193,31 +194,36 @@ def test_half_width_pages_take_the_c_kernel_and_match_the_reference(kv_format, m
 
 
 @pytest.mark.parametrize("kv_format", ["k8v4", "mxfp4"])
-def test_quantized_pages_attend_in_c_as_the_reference_reads_them(kv_format, monkeypatch):
-    """k8v4 / mxfp4 pages on the CPU (rotated; mxfp4 keys transformed): every step, the prompt's too, reads the
-    codes the pool's quantizer wrote through the C kernel, and the logits equal those of the same engine with the
-    kernel swapped for the reference of every page format reading the same pages."""
-    from types import SimpleNamespace
-
-    from specchat.kernels.attention import paged_attention_reference
-
+def test_quantized_pages_take_the_whole_block_in_c_and_match_the_reference(kv_format, monkeypatch):
+    """k8v4 / mxfp4 pages on the CPU (rotated; mxfp4 keys through a key transform per KV head): every step, the
+    prompt's too, is one C call per block that rotates and quantizes its keys and values into the pages and
+    attends over the codes; the same bits as the block one kernel at a time, and the logits of the same engine
+    with the attention call swapped for its torch reference (rotation, kv_quant's quantizer, attention over the
+    dequantized pages) within float32 rounding."""
     torch.manual_seed(2)
     cfg = dataclasses.replace(CFG, hidden_size=128, head_dim=32)  # (quantized pages: blocks of 32 along head_dim)
     model = with_gguf_blocks(Transformer(cfg).eval(), seed=2)
     cpu_fusion.fuse(model)
     feeds = FEEDS
-    calls = counted(monkeypatch, cpu_attention, "paged_attention_quantized")
-    fused, _ = run_steps(model, feeds, kv_format=kv_format)
+    g = torch.Generator().manual_seed(3)
+    a = torch.eye(32) + 0.1 * torch.randn(cfg.num_layers, cfg.num_kv_heads, 32, 32, generator=g)  # invertible
+    steps = functools.partial(run_steps, model, feeds, kv_format=kv_format, key_transform=lambda: a)
+    calls = counted(monkeypatch, cpu_block, "decode_block")
+    whole, whole_pool = steps()
     assert len(calls) == len(feeds) * cfg.num_layers  # every step, the prompt too
-
-    def reference(plan, q, k_pages, v_pages, threads=1):
-        tables, starts, q_lens, ctx_lens, _ = plan.tensors
-        meta = SimpleNamespace(
-            block_tables=tables, q_starts=starts, q_lens=q_lens, ctx_lens=ctx_lens, page_size=plan.struct.page_size
-        )
-        return paged_attention_reference(q, k_pages, v_pages, meta, plan.struct.scale)
-
-    monkeypatch.setattr(cpu_attention, "paged_attention_quantized", reference)
-    want, _ = run_steps(model, feeds, kv_format=kv_format)
-    for a, b in zip(fused, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert (whole_pool.store.key_transform is not None) == (kv_format == "mxfp4")
+    monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
+    calls = counted(monkeypatch, cpu_attention, "paged_attention_quantized")
+    ops, ops_pool = steps()
+    assert len(calls) == len(feeds) * cfg.num_layers
+    assert all(torch.equal(x, y) for x, y in zip(whole, ops, strict=True))
+    for layer in range(cfg.num_layers):
+        for x, y in (
+            (whole_pool.store.k[layer], ops_pool.store.k[layer]),
+            (whole_pool.store.v[layer], ops_pool.store.v[layer]),
+        ):
+            assert torch.equal(x.data[:, :16], y.data[:, :16]) and torch.equal(x.scales[:, :16], y.scales[:, :16])
+    monkeypatch.setattr(cpu_attention, "paged_attention_quantized", cpu_attention.paged_attention_quantized_ref)
+    want, _ = steps()
+    for x, y in zip(whole, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)

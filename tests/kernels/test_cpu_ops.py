@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specchat.engine.kv_pages import rotation_matrix
 from specchat.engine.model import apply_rope
-from specchat.kernels import cpu_attention, cpu_ops
+from specchat.kernels import cpu_attention, cpu_ops, kv_quant
 from specchat.kernels.attention import AttentionMetadata, paged_attention_reference
 from specchat.kernels.kv_quant import PageTensor
 
@@ -172,35 +173,59 @@ def test_rows_are_rounded_into_half_pages_as_torch_rounds(kv_dtype):
 
 
 QUANTIZED = [("mxfp8", "mxfp4"), ("mxfp4", "mxfp4")]  # the pools' k8v4 and mxfp4 pages
+ROTATIONS = ["none", "hadamard", "per-head"]  # no rotation; the pools' rotation; a key transform per KV head
 
 
-def quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats, seed=0):
-    """paged_case with its whole pages quantized (every slot, this step's too: the pool's quantizer writes them
-    before the kernel reads): (plan, q, k PageTensor, v PageTensor, metadata)."""
-    plan, q, _, _, k_pages, v_pages, meta = paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed)
+def page_rotation(kind: str, kv_heads: int, head_dim: int, rule: str = "mse") -> cpu_attention.PageRotation:
+    """The matrices of a pool without rotation, with its Hadamard rotation, or with a (random) key transform per
+    KV head as well (the kernel applies whatever matrices it gets: they need not be inverses here)."""
+    if kind == "none":
+        return cpu_attention.PageRotation(None, None, None, rule)
+    r = rotation_matrix(head_dim)
+    if kind == "hadamard":
+        return cpu_attention.PageRotation(r, r, r, rule)
+    g = gen(kv_heads)
+    q_mat, k_mat = (torch.randn(kv_heads, head_dim, head_dim, generator=g) / head_dim**0.5 for _ in range(2))
+    return cpu_attention.PageRotation(q_mat, k_mat, r, rule)
+
+
+def quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats, seed=0, rule="mse"):
+    """paged_case with quantized pages: every slot already holds a row (this step's are overwritten by the call):
+    (plan, q, k, v, k PageTensor, v PageTensor, metadata)."""
+    plan, q, k, v, k_pages, v_pages, meta = paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed)
     slots = torch.arange(plan.num_slots)
     pages = []
     for fmt, dense in zip(formats, (k_pages, v_pages), strict=True):
-        pt = PageTensor.empty(fmt, kv_heads, plan.num_slots, head_dim, torch.float32, "cpu", "mse")
+        pt = PageTensor.empty(fmt, kv_heads, plan.num_slots, head_dim, torch.float32, "cpu", rule)
         pt.write(slots, dense.transpose(0, 1) * 3.0)  # (spread over more binades than randn's)
         pages.append(pt)
     qplan = cpu_attention.AttentionPlan(
         meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, plan.tensors[4], page_size,
         heads, kv_heads, head_dim, plan.num_slots, head_dim**-0.5, quantized=formats,
     )  # fmt: skip
-    return qplan, q, *pages, meta
+    return qplan, q, k * 3.0, v * 3.0, *pages, meta
 
 
+def clone_pages(pages: PageTensor) -> PageTensor:
+    return PageTensor(pages.fmt, pages.data.clone(), pages.scales.clone(), pages.rule)
+
+
+@pytest.mark.parametrize("rotation", ROTATIONS)
 @pytest.mark.parametrize("formats", QUANTIZED)
 @pytest.mark.parametrize(("q_lens", "ctx_lens", "heads", "kv_heads", "head_dim", "page_size"), CASES)
-def test_quantized_pages_match_the_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats):
-    """MXFP8 / MXFP4 pages read in C (codes times block scales, as kv_quant dequantizes them) against the
-    reference of every page format over the same pages."""
+def test_quantized_pages_match_the_reference(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats, rotation):
+    """MXFP8 / MXFP4 pages: the kernel rotates this step's rows and quantizes them into the same bytes as the
+    torch reference (rotate_rows_ref, then kv_quant), every other slot untouched; it reads the codes as kv_quant
+    dequantizes them, and its output matches the reference's over the same pages."""
     if head_dim % 32:
         pytest.skip("quantized pages need head_dim a multiple of 32")
-    plan, q, k_pages, v_pages, meta = quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats)
-    got = cpu_attention.paged_attention_quantized(plan, q, k_pages, v_pages)
-    want = paged_attention_reference(q, k_pages, v_pages, meta, plan.struct.scale)
+    plan, q, k, v, k_pages, v_pages, _ = quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats)
+    rot = page_rotation(rotation, kv_heads, head_dim)
+    ref_k, ref_v = clone_pages(k_pages), clone_pages(v_pages)
+    want = cpu_attention.paged_attention_quantized_ref(plan, q, k, v, ref_k, ref_v, rot)
+    got = cpu_attention.paged_attention_quantized(plan, q, k, v, k_pages, v_pages, rot)
+    for a, b in ((k_pages, ref_k), (v_pages, ref_v)):
+        assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # (values 3x randn's: float32 sums round at 1e-5)
 
 
@@ -208,16 +233,52 @@ def test_quantized_pages_match_the_reference(q_lens, ctx_lens, heads, kv_heads, 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_quantized_prompt_rows_equal_the_rows_decoded_alone(formats, threads):
     m, c = 23, 37
-    plan, q, k_pages, v_pages, meta = quantized_case([m], [c], 6, 2, 64, 16, formats, seed=3)
-    many = cpu_attention.paged_attention_quantized(plan, q, k_pages, v_pages, threads)
+    plan, q, k, v, k_pages, v_pages, meta = quantized_case([m], [c], 6, 2, 64, 16, formats, seed=3)
+    rot = page_rotation("per-head", 2, 64)
+    many = cpu_attention.paged_attention_quantized(plan, q, k, v, k_pages, v_pages, rot, threads)
     for i in range(m):
         one = cpu_attention.AttentionPlan(
             meta.block_tables, torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
             torch.tensor([c - m + i + 1], dtype=torch.int32), plan.tensors[4][i : i + 1], 16, 6, 2, 64,
             plan.num_slots, plan.struct.scale, quantized=formats,
         )  # fmt: skip
-        row = cpu_attention.paged_attention_quantized(one, q[i : i + 1], k_pages, v_pages)
+        row = cpu_attention.paged_attention_quantized(
+            one, q[i : i + 1], k[i : i + 1], v[i : i + 1], k_pages, v_pages, rot
+        )
         assert torch.equal(row, many[i : i + 1]), i
+
+
+def special_rows(head_dim: int = 64) -> torch.Tensor:
+    """Rows over float32's whole range (subnormals to the largest finite), zeros of both signs, NaN and
+    infinities, values on the E2M1 midpoints and the E4M3 grid's edges."""
+    g = gen(9)
+    x = torch.randn(600, head_dim, generator=g) * torch.logspace(-149, 127, 600, base=2.0)[:, None]
+    x[0], x[1] = 0.0, -0.0
+    x[2, 5], x[3, 40], x[4, 7] = float("nan"), float("inf"), -float("inf")
+    x[5] = 2.0**-149
+    x[6] = 448.0
+    x[7, :3] = torch.tensor([3.4e38, -3.4e38, 1.0])
+    x[8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * (head_dim // 8))
+    x[9] = -x[8] * 2.0**-130
+    x[10] = torch.tensor([464.0, 2.0**-6, 2.0**-7 * 1.0625, 2.0**-10, 2.0**-9 * 1.5, -(2.0**-9) * 2.5, 1.0625, 1.1875]
+                         * (head_dim // 8))  # fmt: skip
+    return x
+
+
+@pytest.mark.parametrize(("fmt", "rule"), [("mxfp8", "mse"), ("mxfp4", "ocp"), ("mxfp4", "roundup"), ("mxfp4", "mse")])
+def test_the_kernels_quantizer_is_kv_quants_bit_for_bit(fmt, rule):
+    """What the kernel stores for a row is kv_quant.quantize_rows of it, every byte (scale rules, special values),
+    and its rotation is rotate_rows_ref's sum, every bit."""
+    x = special_rows()
+    codes, scales = cpu_attention.quantize_rows(x, fmt, rule)
+    want_codes, want_scales = kv_quant.quantize_rows(x, fmt, rule)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    y = torch.randn(50, 64, generator=gen(4)) * 7
+    r = rotation_matrix(64) @ torch.randn(64, 64, generator=gen(5))  # (not only +-1/8 entries)
+    codes, scales = cpu_attention.quantize_rows(y, fmt, rule, r)
+    want_codes, want_scales = kv_quant.quantize_rows(cpu_attention.rotate_rows_ref(y, r), fmt, rule)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    torch.testing.assert_close(cpu_attention.rotate_rows_ref(y, r), y @ r, rtol=1e-5, atol=1e-4)
 
 
 def test_paged_attention_rows_do_not_depend_on_the_batch():
