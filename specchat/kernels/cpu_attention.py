@@ -787,8 +787,10 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   }
   const float* r_out = rot != NULL ? rot->r_mat : NULL;
   /* work: tiles of up to R query rows over one KV head's pages: R consecutive rows of a request and one query
-     head, or, for a request of one row (a decode step), the row in up to R query heads of one KV group */
-  const int R = tile_rows(D), HR = G < R ? G : R;
+     head, or, for a request of one row (a decode step) over quantized pages, the row in up to R query heads of one
+     KV group (each code decoded once for them; over dense pages the loads are cheap, and one head per tile leaves
+     more tiles to share among the threads). Handed out one at a time: a tile of 4 rows costs ~4 of one. */
+  const int R = tile_rows(D), HR = KV_DENSE(p->k_type) ? 1 : G < R ? G : R;
   int tiles = 0, longest = 1;
   long keys = 0;
   for (int b = 0; b < p->batch; b++) {
@@ -826,7 +828,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
     float* s = malloc((size_t)R * s_row * sizeof(float));
     failed = s == NULL;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
 #endif
     for (long x = 0; x < tiles; x++) {
       if (s == NULL) continue;
