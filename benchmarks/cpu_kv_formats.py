@@ -4,7 +4,8 @@
 
 One request: a prompt of about the given length (a sentence repeated) is prefilled into a pool of each format,
 then the same step (1 row, and 5 rows as a k = 4 verification) is timed over and over through
-`ModelRunner.forward` with the pool truncated back after each: median over 5 blocks of --steps steps. The
+`ModelRunner.forward` with the pool truncated back after each: median over 5 blocks of --steps steps. The rows
+"prefill" time the prompt itself (best of --prefills). The
 default engine's weights (GGUF blocks, int8 rows where the CPU has VNNI or AVX2); the formats alternate at
 each context, so a busy machine slows them alike. Ratios are against the first format at the same context.
 """
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="235,1391,2751", help="approximate prompt tokens")
     ap.add_argument("--rows", default="1,5")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefills", type=int, default=2, help="prefills of the prompt per format (the best is shown)")
     args = ap.parse_args()
     engine = Engine.load(EngineConfig(device="cpu"))
     model, c = engine.model, engine.model.cfg
@@ -69,10 +71,16 @@ def main() -> None:
                           cpu_kernels=engine.pool.cpu_kernels)  # fmt: skip
             runner = ModelRunner(model, pool)
             pool.add(0, prompt + [5] * 8)
-            runner.forward(StepBatch([0], [prompt], [0], [n]))
+            prefills = []
+            for _ in range(args.prefills):
+                pool.truncate(0, 0)
+                t0 = time.perf_counter()
+                runner.forward(StepBatch([0], [prompt], [0], [n]))
+                prefills.append((time.perf_counter() - t0) * 1e3)
+            times[(fmt, "prefill")] = min(prefills)
             for rows in rows_list:
                 times[(fmt, rows)] = step_ms(runner, pool, n, rows, args.steps)
-        for rows in rows_list:
+        for rows in [*rows_list, "prefill"]:
             base = times[(formats[0], rows)]
             cells = " | ".join(f"{times[(f, rows)]:.2f}" for f in formats)
             ratios = " | ".join(f"{base / times[(f, rows)]:.2f}x" for f in formats[1:])

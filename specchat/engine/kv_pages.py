@@ -167,11 +167,11 @@ class PageStore:
         if rotation is None:
             from specchat.kernels import cpu_attention
 
-            if self._kmat is None:
-                q_mat = k_mat = self.rotation
-            else:
-                q_mat, k_mat = self._qmat[layer], self._kmat[layer]
-            rotation = cpu_attention.PageRotation(q_mat, k_mat, self.rotation, self.rule)
+            q_mat, k_mat = (None, None) if self._kmat is None else (self._qmat[layer], self._kmat[layer])
+            block, scale = 0, 1.0
+            if self.rotation is not None:  # rotation_matrix's blocks, entries +-scale
+                block, scale = self.head_dim & -self.head_dim, float(self.rotation[0, 0])
+            rotation = cpu_attention.PageRotation(q_mat, k_mat, block, scale, self.rule)
             self._cpu_rotations[layer] = rotation
         return rotation
 

@@ -555,15 +555,16 @@ static void attend_rows(const Plan* p, const int32_t* table, int n, int R, int d
 /* ---- Quantize-on-append: kernels/kv_quant.py's quantize_rows, bit for bit, after the pages' rotation ---- */
 
 /* How quantized pages hold this step's rows (built once a layer: kv_pages.PageStore.cpu_rotation): each row is
-   multiplied by a matrix [D, D] first (the Hadamard rotation, and for keys the calibrated key transform) and the
-   queries alike, so scores are unchanged; the output comes out rotated and is multiplied by r_mat again (R is
-   its own inverse). A NULL matrix: rows as they are. */
+   rotated first (the Hadamard rotation R, and for keys the calibrated key transform A: k A R as one matrix) and
+   the queries alike, so scores are unchanged; the output comes out rotated and is rotated by R again (R is its
+   own inverse). */
 typedef struct {
   const float* q_mat; /* queries of KV head h's group: q M, M at q_mat + h * q_head (q_head 0: one for all) */
   long q_head;
   const float* k_mat; /* keys of KV head h: k M, M at k_mat + h * k_head */
   long k_head;
-  const float* r_mat; /* values in, outputs out: x R */
+  int hadamard;       /* R: the Sylvester-Hadamard rotation in blocks of this many (0: none), for values in, */
+  float scale;        /* outputs out, and queries and keys without a matrix of their own; times this scale */
   int rule;           /* MXFP4 scale rule, mxfp4.RULES order: 0 ocp, 1 roundup, 2 mse */
 } Rotation;
 
@@ -696,12 +697,8 @@ static void quantize_row(const float* x, int D, int T, int rule, uint8_t* codes,
 }
 
 /* y = x M for one row, M [D, D] row-major: y[e] = x[0] M[0][e] + x[1] M[1][e] + ... in that order, float32
-   products and sums (cpu_attention.rotate_rows_ref, bit for bit); M NULL: y = x. y must not alias x. */
+   products and sums (cpu_attention.rotate_rows_ref, bit for bit). y must not alias x. */
 static void rotate_row(int D, const float* x, const float* m, float* y) {
-  if (m == NULL) {
-    memcpy(y, x, (size_t)D * sizeof(float));
-    return;
-  }
   for (int e = 0; e < D; e++) y[e] = x[0] * m[e];
   for (int d = 1; d < D; d++) {
     const float xd = x[d], *row = m + (size_t)d * D;
@@ -709,16 +706,73 @@ static void rotate_row(int D, const float* x, const float* m, float* y) {
   }
 }
 
-/* Rows [n, D] (row stride `stride`) rotated by M and quantized into type T: the kernel's store, exposed for the
-   tests' bit-for-bit comparison with kv_quant (codes [n, code bytes], scales [n, D / 32]). */
-void quantize_rows(int n, int D, int T, int rule, const float* x, long stride, const float* m, uint8_t* codes,
-                   uint8_t* scales) {
+/* y = x R for the Sylvester-Hadamard matrix in blocks of B (a power of two) times `scale`, by butterflies: in
+   each block, for h = 1, 2, 4, ..., B / 2, every pair (j, j + h) of a group of 2h becomes (a + b, a - b); then each
+   element times the scale (cpu_attention.hadamard_rows_ref, bit for bit). B 0: y = x. */
+static void hadamard_row(int D, int B, float scale, const float* x, float* y) {
+  memcpy(y, x, (size_t)D * sizeof(float));
+  if (B == 0) return;
+  for (int o = 0; o < D; o += B)
+    for (int h = 1; h < B; h *= 2)
+      for (int i = o; i < o + B; i += 2 * h)
+        for (int j = i; j < i + h; j++) {
+          const float a = y[j], b = y[j + h];
+          y[j] = a + b;
+          y[j + h] = a - b;
+        }
+  for (int e = 0; e < D; e++) y[e] *= scale;
+}
+
+/* A query or key row into the pages' basis: its own matrix (at m) where there is one, else R. */
+INLINE void rotate_in(int D, const Rotation* rot, const float* m, const float* x, float* y) {
+  if (m != NULL) rotate_row(D, x, m, y);
+  else hadamard_row(D, rot->hadamard, rot->scale, x, y);
+}
+
+/* Rows [n, D] (row stride `stride`) rotated (the matrix m [D, D], or else R in blocks of `hadamard` times `scale`)
+   and quantized into type T: the kernel's store, exposed for the tests' bit-for-bit comparison with kv_quant
+   (codes [n, code bytes], scales [n, D / 32]). */
+void quantize_rows(int n, int D, int T, int rule, const float* x, long stride, const float* m, int hadamard,
+                   float scale, uint8_t* codes, uint8_t* scales) {
+  const Rotation rot = {NULL, 0, NULL, 0, hadamard, scale, rule};
   float y[256];
   const size_t row_codes = T == KV_MX8 ? (size_t)D : (size_t)D / 2;
   for (int i = 0; i < n; i++) {
-    rotate_row(D, x + (size_t)i * stride, m, y);
+    rotate_in(D, &rot, m, x + (size_t)i * stride, y);
     quantize_row(y, D, T, rule, codes + i * row_codes, scales + (size_t)i * (D / 32));
   }
+}
+
+/* count elements of quantized pages from element `at` on, as float32: each its code's value times its block's
+   scale, the values every reader of the pages computes, bit for bit (count a multiple of 16). */
+static void dequantize_span(Pages pg, size_t at, int count, int T, float* dst) {
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(dst + i, kv_load16(pg, at + i, T));
+#elif defined(VEC_FLOATS)
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, kv_load8(pg, at + i, T));
+#endif
+  for (; i < count; i++) dst[i] = kv_get(pg, at + i, T);
+}
+
+/* Requests of at least DEQUANTIZE_ROWS rows (prompts) over quantized pages read their context decoded once into
+   float32 pages: each of their tiles would decode it again (a tile scores 4 rows of one head), which made a
+   prompt's prefill ~15% slower than over float32 pages; a verification's 5 rows gain nothing from it (writing
+   the float32 copy costs what the decoding saves). */
+#define DEQUANTIZE_ROWS 16
+#define MAX_DEQUANTIZED_BYTES (64L << 20)
+
+/* The calling thread's scratch of at least `bytes`, kept and grown (a fresh allocation of this size each call
+   would be a fresh mmap and its page faults), or NULL. */
+static float* dequantized_scratch(size_t bytes) {
+  static __thread float* buffer = NULL;
+  static __thread size_t size = 0;
+  if (bytes > size) {
+    free(buffer);
+    buffer = malloc(bytes);
+    size = buffer != NULL ? bytes : 0;
+  }
+  return buffer;
 }
 
 /* Store this step's keys/values (k/v [T, KVH, D], row strides k_stride / v_stride) at their slots of the pages
@@ -758,34 +812,36 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   } else {
     const size_t k_row = head_bytes(p->k_type, 1, D), v_row = head_bytes(p->v_type, 1, D);
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(stores >= PARALLEL_ROWS ? threads : 1) schedule(static)
+#pragma omp parallel for if(stores >= PARALLEL_ROWS) num_threads(threads) schedule(static)
 #endif
     for (long w = 0; w < stores; w++) {
       const int t = (int)(w / KVH), h = (int)(w % KVH);
       const size_t slot = (size_t)h * p->num_slots + (size_t)p->slots[t];
       float x[256];
-      rotate_row(D, k + (size_t)t * k_stride + (size_t)h * D, rot->k_mat ? rot->k_mat + h * rot->k_head : NULL, x);
+      const float* k_mat = rot->k_mat ? rot->k_mat + h * rot->k_head : NULL;
+      rotate_in(D, rot, k_mat, k + (size_t)t * k_stride + (size_t)h * D, x);
       quantize_row(x, D, p->k_type, rot->rule, (uint8_t*)k_pages + slot * k_row, k_scales + slot * (D / 32));
-      rotate_row(D, v + (size_t)t * v_stride + (size_t)h * D, rot->r_mat, x);
+      hadamard_row(D, rot->hadamard, rot->scale, v + (size_t)t * v_stride + (size_t)h * D, x);
       quantize_row(x, D, p->v_type, rot->rule, (uint8_t*)v_pages + slot * v_row, v_scales + slot * (D / 32));
     }
   }
   float* rotated = NULL; /* the queries in the pages' basis */
-  if (rot != NULL && rot->q_mat != NULL) {
+  if (rot != NULL && (rot->q_mat != NULL || rot->hadamard)) {
     const long rows = (long)p->tokens * H;
     rotated = malloc((size_t)rows * D * sizeof(float));
     if (rotated == NULL) return -1;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
+#pragma omp parallel for if(rows >= PARALLEL_ROWS) num_threads(threads) schedule(static)
 #endif
     for (long w = 0; w < rows; w++) {
       const int t = (int)(w / H), hq = (int)(w % H);
-      rotate_row(D, q + (size_t)t * q_stride + (size_t)hq * D, rot->q_mat + hq / G * rot->q_head, rotated + w * D);
+      const float* q_mat = rot->q_mat ? rot->q_mat + hq / G * rot->q_head : NULL;
+      rotate_in(D, rot, q_mat, q + (size_t)t * q_stride + (size_t)hq * D, rotated + w * D);
     }
     q = rotated;
     q_stride = (long)H * D;
   }
-  const float* r_out = rot != NULL ? rot->r_mat : NULL;
+  const int r_out = rot != NULL ? rot->hadamard : 0;
   /* work: tiles of up to R query rows over one KV head's pages: R consecutive rows of a request and one query
      head, or, for a request of one row (a decode step) over quantized pages, the row in up to R query heads of one
      KV group (each code decoded once for them; over dense pages the loads are cheap, and one head per tile leaves
@@ -820,6 +876,43 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   }
   const long s_row = (longest + 15) / 16 * 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
+  /* the float32 copies (DEQUANTIZE_ROWS): request b's page j at scratch page first_page[b] + j, so its tiles read
+     them through the identity table as dense float32 pages (`dense`), the same values and so the same bits */
+  const int ps = p->page_size;
+  long* first_page = NULL;
+  float* scratch = NULL;
+  int32_t* identity = NULL;
+  long copied = 0, widest = 0; /* pages copied per KV head; the most of one request */
+  if (!KV_DENSE(p->k_type)) {
+    for (int b = 0; b < p->batch; b++)
+      if (p->q_lens[b] >= DEQUANTIZE_ROWS) {
+        const long pages = (p->ctx_lens[b] + ps - 1) / ps;
+        copied += pages;
+        widest = pages > widest ? pages : widest;
+      }
+    const size_t bytes = (size_t)copied * KVH * ps * D * 2 * sizeof(float);
+    if (copied > 0 && bytes <= MAX_DEQUANTIZED_BYTES) {
+      first_page = malloc((size_t)p->batch * sizeof(long));
+      identity = malloc((size_t)widest * sizeof(int32_t));
+      scratch = first_page && identity ? dequantized_scratch(bytes) : NULL;
+      if (scratch == NULL) {
+        free(first_page), free(identity);
+        first_page = NULL, identity = NULL;
+      }
+    }
+  }
+  if (scratch != NULL) {
+    for (long j = 0; j < widest; j++) identity[j] = (int32_t)j;
+    for (int b = 0, next = 0; b < p->batch; b++) {
+      const int copies = p->q_lens[b] >= DEQUANTIZE_ROWS;
+      first_page[b] = copies ? next : -1;
+      next += copies ? (p->ctx_lens[b] + ps - 1) / ps : 0;
+    }
+  }
+  const long units = scratch != NULL ? copied * KVH : 0; /* (KV head, page) to decode */
+  const size_t head_floats = (size_t)copied * ps * D;    /* one KV head's keys (or values) in the scratch */
+  Plan dense = *p;
+  dense.k_type = dense.v_type = KV_F32;
   int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(team) reduction(| : failed)
@@ -828,6 +921,21 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
     float* s = malloc((size_t)R * s_row * sizeof(float));
     failed = s == NULL;
 #ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (long x = 0; x < units; x++) {
+      const int h = (int)(x / copied);
+      const long page = x % copied;
+      int b = 0;
+      while (first_page[b] < 0 || page >= first_page[b] + (p->ctx_lens[b] + ps - 1) / ps) b++;
+      const int j0 = (int)(page - first_page[b]) * ps, len = p->ctx_lens[b] - j0 < ps ? p->ctx_lens[b] - j0 : ps;
+      const size_t at = page_at(p, p->tables + (size_t)b * p->table_width, j0), dst = (size_t)page * ps * D;
+      const Pages kp = {(const char*)k_pages + h * k_head, k_scales + h * scale_head};
+      const Pages vp = {(const char*)v_pages + h * v_head, v_scales + h * scale_head};
+      dequantize_span(kp, at, len * D, p->k_type, scratch + 2 * h * head_floats + dst);
+      dequantize_span(vp, at, len * D, p->v_type, scratch + (2 * h + 1) * head_floats + dst);
+    }
+#ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
     for (long x = 0; x < tiles; x++) {
@@ -835,16 +943,25 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       const int* tile = work + 5 * x;
       const int b = tile[0], i = tile[1], hq = tile[3], h = hq / G, rows = tile[2] * tile[4];
       const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1; /* row i sees n keys */
-      const Pages kp = {(const char*)k_pages + h * k_head, k_scales ? k_scales + h * scale_head : NULL};
-      const Pages vp = {(const char*)v_pages + h * v_head, v_scales ? v_scales + h * scale_head : NULL};
+      Pages kp = {(const char*)k_pages + h * k_head, k_scales ? k_scales + h * scale_head : NULL};
+      Pages vp = {(const char*)v_pages + h * v_head, v_scales ? v_scales + h * scale_head : NULL};
+      const Plan* plan = p;
+      const int32_t* table = p->tables + (size_t)b * p->table_width;
+      if (scratch != NULL && first_page[b] >= 0) { /* its context as float32, decoded above */
+        const size_t from = (size_t)first_page[b] * ps * D;
+        kp = (Pages){scratch + 2 * h * head_floats + from, NULL};
+        vp = (Pages){scratch + (2 * h + 1) * head_floats + from, NULL};
+        plan = &dense;
+        table = identity;
+      }
       const long row = tile[4] > 1 ? D : (long)H * D; /* the next head's row, or the next token's */
       float* o = out + ((size_t)t * H + hq) * D;
-      attend_rows(p, p->tables + (size_t)b * p->table_width, n, rows, tile[4] > 1 ? 0 : 1,
-                  q + (size_t)t * q_stride + (size_t)hq * D, tile[4] > 1 ? D : q_stride, kp, vp, s, s_row, o, row);
-      if (r_out != NULL) /* back from the pages' basis */
+      attend_rows(plan, table, n, rows, tile[4] > 1 ? 0 : 1, q + (size_t)t * q_stride + (size_t)hq * D,
+                  tile[4] > 1 ? D : q_stride, kp, vp, s, s_row, o, row);
+      if (r_out) /* back from the pages' basis */
         for (int r = 0; r < rows; r++) {
           float y[256];
-          rotate_row(D, o + r * row, r_out, y);
+          hadamard_row(D, r_out, rot->scale, o + r * row, y);
           memcpy(o + r * row, y, (size_t)D * sizeof(float));
         }
     }
@@ -852,6 +969,8 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   }
   free(work);
   free(rotated);
+  free(first_page);
+  free(identity);
   return failed ? -1 : 0;
 }
 """
@@ -880,27 +999,35 @@ class Rotation(ctypes.Structure):
         ("q_head", ctypes.c_long),
         ("k_mat", ctypes.c_void_p),
         ("k_head", ctypes.c_long),
-        ("r_mat", ctypes.c_void_p),
+        ("hadamard", ctypes.c_int),
+        ("scale", ctypes.c_float),
         ("rule", ctypes.c_int),
     ]
 
 
 class PageRotation:
-    """The matrices quantized pages hold a layer's rows in (engine/kv_pages.py's rotation and key transform), and
-    the MXFP4 scale rule: keys are stored as k @ k_mat, values as v @ r_mat, queries attend as q @ q_mat and the
-    output is multiplied by r_mat (symmetric and orthonormal: its own inverse) on the way out. q_mat and k_mat
-    are [D, D] (every KV head alike) or [KVH, D, D] (per KV head: a query head takes its KV head's); None: as
-    they are. Built once a layer (kv_pages.PageStore.cpu_rotation)."""
+    """How quantized pages hold a layer's rows (engine/kv_pages.py's rotation and key transform), and the MXFP4
+    scale rule: `hadamard` = R's block (the block-diagonal Sylvester-Hadamard matrix kv_pages.rotation_matrix
+    makes, entries +-`scale`; 0: no rotation). Values are stored as v R, keys as k @ k_mat where a key transform
+    gives one (A R), else k R; queries attend as q @ q_mat, else q R; the output is rotated by R on the way out.
+    q_mat and k_mat: [KVH, D, D] (a query head takes its KV head's) or [D, D] or None. R is applied by
+    butterflies (`hadamard_rows_ref`), the matrices as ordered sums (`rotate_rows_ref`). Built once a layer
+    (kv_pages.PageStore.cpu_rotation)."""
 
     def __init__(
-        self, q_mat: torch.Tensor | None, k_mat: torch.Tensor | None, r_mat: torch.Tensor | None, rule: str
+        self, q_mat: torch.Tensor | None, k_mat: torch.Tensor | None, hadamard: int, scale: float, rule: str
     ) -> None:
-        self.mats = tuple(None if m is None else m.float().contiguous() for m in (q_mat, k_mat, r_mat))
-        self.rule = rule
-        head = [0 if m is None or m.dim() == 2 else m.shape[-1] ** 2 for m in self.mats[:2]]
+        self.mats = tuple(None if m is None else m.float().contiguous() for m in (q_mat, k_mat))
+        self.hadamard, self.scale, self.rule = hadamard, scale, rule
+        head = [0 if m is None or m.dim() == 2 else m.shape[-1] ** 2 for m in self.mats]
         ptrs = [None if m is None else m.data_ptr() for m in self.mats]
-        self.struct = Rotation(ptrs[0], head[0], ptrs[1], head[1], ptrs[2], mxfp4.RULES.index(rule))
+        rule_id = mxfp4.RULES.index(rule)
+        self.struct = Rotation(ptrs[0], head[0], ptrs[1], head[1], hadamard, scale, rule_id)
         self.ref = ctypes.byref(self.struct)
+
+    def rows_ref(self, x: torch.Tensor, mat: torch.Tensor | None) -> torch.Tensor:
+        """x [..., D] into the pages' basis as the kernel computes it: mat where given, else R."""
+        return rotate_rows_ref(x, mat) if mat is not None else hadamard_rows_ref(x, self.hadamard, self.scale)
 
 
 @cache
@@ -913,7 +1040,7 @@ def _library() -> ctypes.CDLL | None:
     lib.paged_attention.argtypes += [ctypes.POINTER(Rotation), ptr, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
     i32 = ctypes.c_int
-    lib.quantize_rows.argtypes = [i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr]
+    lib.quantize_rows.argtypes = [i32, i32, i32, i32, ptr, i64, ptr, i32, ctypes.c_float, ptr, ptr]
     lib.quantize_rows.restype = None
     return lib
 
@@ -1048,10 +1175,12 @@ def _attend(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out
 
 
-def quantize_rows(x: torch.Tensor, fmt: str, rule: str, mat: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Rows x [n, D] (float32) times mat [D, D] (`rotate_rows_ref`; None: as they are), quantized as the kernel
-    stores them: (codes, scales) of kv_quant.quantize_rows(x @ mat, fmt, rule), which tests hold equal bit for
-    bit."""
+def quantize_rows(
+    x: torch.Tensor, fmt: str, rule: str, mat: torch.Tensor | None = None, hadamard: int = 0, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [n, D] (float32) rotated as the kernel rotates a key (mat [D, D], `rotate_rows_ref`; else R in blocks
+    of `hadamard` times `scale`, `hadamard_rows_ref`; 0: as they are) and quantized as it stores them: (codes,
+    scales) of kv_quant.quantize_rows(rotated, fmt, rule), which tests hold equal bit for bit."""
     n, d = x.shape
     assert x.dtype == torch.float32 and x.stride(1) == 1 and d % 32 == 0, (x.dtype, x.shape)
     codes = torch.empty(n, kv_quant.code_bytes(fmt, d), dtype=torch.uint8)
@@ -1059,7 +1188,7 @@ def quantize_rows(x: torch.Tensor, fmt: str, rule: str, mat: torch.Tensor | None
     m = None if mat is None else mat.float().contiguous()
     _library().quantize_rows(
         n, d, QUANTIZED_TYPES[fmt], mxfp4.RULES.index(rule), x.data_ptr(), x.stride(0),
-        None if m is None else m.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+        None if m is None else m.data_ptr(), hadamard, scale, codes.data_ptr(), scales.data_ptr(),
     )  # fmt: skip
     return codes, scales
 
@@ -1072,15 +1201,30 @@ def to_pages(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def rotate_rows_ref(x: torch.Tensor, mat: torch.Tensor | None) -> torch.Tensor:
+def rotate_rows_ref(x: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
     """x [..., D] @ mat, summed as the kernel sums it: x[..., 0] mat[0] + x[..., 1] mat[1] + ... in that order, float32
-    products and sums (bit for bit). mat [D, D], or [..., D, D] broadcast against x's heads; None: x."""
-    if mat is None:
-        return x
+    products and sums (bit for bit). mat [D, D], or [..., D, D] broadcast against x's heads."""
     y = x[..., 0:1] * mat[..., 0, :]
     for d in range(1, x.shape[-1]):
         y = y + x[..., d : d + 1] * mat[..., d, :]
     return y
+
+
+def hadamard_rows_ref(x: torch.Tensor, block: int, scale: float) -> torch.Tensor:
+    """x [..., D] @ R (the block-diagonal Sylvester-Hadamard matrix, blocks of `block`, entries +-scale) by the
+    kernel's butterflies, bit for bit: in each block, for h = 1, 2, ..., block / 2, every pair (j, j + h) of a group
+    of 2h becomes (a + b, a - b); then times the scale. block 0: x."""
+    if block == 0:
+        return x
+    shape = x.shape
+    y = x.reshape(*shape[:-1], shape[-1] // block, block)
+    h = 1
+    while h < block:
+        pairs = y.unflatten(-1, (block // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * torch.tensor(scale, dtype=torch.float32)).reshape(shape)
 
 
 def paged_attention_quantized_ref(
@@ -1095,16 +1239,16 @@ def paged_attention_quantized_ref(
 ) -> torch.Tensor:
     """paged_attention_quantized in torch: rotate (`rotate_rows_ref`), quantize into the pages with kv_quant, then
     attend over the dequantized pages and rotate back."""
-    q_mat, k_mat, r_mat = rotation.mats
+    q_mat, k_mat = rotation.mats
     group = plan.num_heads // plan.kv_heads
     slots = plan.tensors[4]
-    k_pages.write(slots, rotate_rows_ref(k, k_mat).contiguous())
-    v_pages.write(slots, rotate_rows_ref(v, r_mat).contiguous())
+    k_pages.write(slots, rotation.rows_ref(k, k_mat).contiguous())
+    v_pages.write(slots, rotation.rows_ref(v, None).contiguous())
     if q_mat is not None and q_mat.dim() == 3:
         q_mat = q_mat.repeat_interleave(group, 0)  # [H, D, D]: each query head its KV head's
     keys, values = k_pages.read(slice(None), torch.float32), v_pages.read(slice(None), torch.float32)
-    out = _attend_ref(plan, rotate_rows_ref(q, q_mat), keys, values)
-    return rotate_rows_ref(out, r_mat)
+    out = _attend_ref(plan, rotation.rows_ref(q, q_mat), keys, values)
+    return rotation.rows_ref(out, None)
 
 
 def _attend_ref(plan: AttentionPlan, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:

@@ -177,16 +177,16 @@ ROTATIONS = ["none", "hadamard", "per-head"]  # no rotation; the pools' rotation
 
 
 def page_rotation(kind: str, kv_heads: int, head_dim: int, rule: str = "mse") -> cpu_attention.PageRotation:
-    """The matrices of a pool without rotation, with its Hadamard rotation, or with a (random) key transform per
+    """The rotation of a pool without rotation, with its Hadamard rotation, or with a (random) key transform per
     KV head as well (the kernel applies whatever matrices it gets: they need not be inverses here)."""
+    block, scale = head_dim & -head_dim, float(rotation_matrix(head_dim)[0, 0])
     if kind == "none":
-        return cpu_attention.PageRotation(None, None, None, rule)
-    r = rotation_matrix(head_dim)
+        return cpu_attention.PageRotation(None, None, 0, 1.0, rule)
     if kind == "hadamard":
-        return cpu_attention.PageRotation(r, r, r, rule)
+        return cpu_attention.PageRotation(None, None, block, scale, rule)
     g = gen(kv_heads)
     q_mat, k_mat = (torch.randn(kv_heads, head_dim, head_dim, generator=g) / head_dim**0.5 for _ in range(2))
-    return cpu_attention.PageRotation(q_mat, k_mat, r, rule)
+    return cpu_attention.PageRotation(q_mat, k_mat, block, scale, rule)
 
 
 def quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats, seed=0, rule="mse"):
@@ -268,7 +268,7 @@ def special_rows(head_dim: int = 64) -> torch.Tensor:
 @pytest.mark.parametrize(("fmt", "rule"), [("mxfp8", "mse"), ("mxfp4", "ocp"), ("mxfp4", "roundup"), ("mxfp4", "mse")])
 def test_the_kernels_quantizer_is_kv_quants_bit_for_bit(fmt, rule):
     """What the kernel stores for a row is kv_quant.quantize_rows of it, every byte (scale rules, special values),
-    and its rotation is rotate_rows_ref's sum, every bit."""
+    and its rotations are rotate_rows_ref's sum and hadamard_rows_ref's butterflies, every bit."""
     x = special_rows()
     codes, scales = cpu_attention.quantize_rows(x, fmt, rule)
     want_codes, want_scales = kv_quant.quantize_rows(x, fmt, rule)
@@ -281,14 +281,15 @@ def test_the_kernels_quantizer_is_kv_quants_bit_for_bit(fmt, rule):
     torch.testing.assert_close(cpu_attention.rotate_rows_ref(y, r), y @ r, rtol=1e-5, atol=1e-4)
 
 
-def test_paged_attention_rows_do_not_depend_on_the_batch():
-    """A request's rows come out bit-equal alone and beside others (verification equals plain decoding)."""
-    plan, q, k, v, k_pages, v_pages, meta = paged_case([1, 5, 3], [9, 40, 12], 9, 3, 64, 4, seed=1)
-    batch = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages)
-    rows = slice(1, 6)
-    alone = cpu_attention.AttentionPlan(
-        meta.block_tables[1:2], torch.zeros(1, dtype=torch.int32), meta.q_lens[1:2], meta.ctx_lens[1:2],
-        plan.tensors[4][rows], 4, 9, 3, 64, plan.num_slots, plan.struct.scale,
-    )  # fmt: skip
-    out = cpu_attention.paged_attention(alone, q[rows], k[rows], v[rows], k_pages, v_pages)
-    assert torch.equal(out, batch[rows])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_the_hadamard_butterflies_are_the_rotation_matrix(head_dim):
+    """The kernel's R (butterflies in blocks, then the scale) is hadamard_rows_ref's bit for bit, and
+    kv_pages.rotation_matrix's product within float32 rounding (blocks of 32 at head_dim 96; 1/sqrt(128) inexact)."""
+    rotation = rotation_matrix(head_dim)
+    block, scale = head_dim & -head_dim, float(rotation[0, 0])
+    y = torch.randn(40, head_dim, generator=gen(6)) * 5
+    want = cpu_attention.hadamard_rows_ref(y, block, scale)
+    torch.testing.assert_close(want, y @ rotation, rtol=1e-5, atol=1e-5)
+    codes, scales = cpu_attention.quantize_rows(y, "mxfp4", "mse", hadamard=block, scale=scale)
+    want_codes, want_scales = kv_quant.quantize_rows(want, "mxfp4", "mse")
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
