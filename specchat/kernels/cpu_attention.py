@@ -326,20 +326,21 @@ INLINE void attend_avx(const int NC, const int TK, const int TV, const Plan* p, 
   for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
-/* R query rows over the same KV head's pages, row r seeing n + dn * r keys: R consecutive rows of one request and
-   head (dn = 1), or one row of R query heads sharing the KV head (dn = 0), with the arithmetic of attend_avx for
-   each row, bit for bit: the keys of the pages full for every row are scored for all R at once, so each key row is
-   loaded (and decoded, for quantized pages) once for R queries (a prompt's rows read their context from L2 R times
-   less); each row's remaining keys, its softmax, and its sum of values in key order as attend_avx. R * NC <= 16
-   keeps the sums in registers. */
+/* R query rows over the same KV head's pages, row r (query qs[r], output outs[r]) seeing ns[r] keys, ns[0] the
+   fewest: consecutive rows of one request and head, one row of several query heads of the KV group, or both,
+   with the arithmetic of attend_avx for each row, bit for bit: the keys of the pages full for every row are scored
+   for all R at once, so each key row is loaded (and decoded, for quantized pages) once for R queries (a prompt's
+   rows read their context from L2 R times less); each row's remaining keys, its softmax, and its sum of values in
+   key order as attend_avx. R * NC <= 16 keeps the sums in registers. */
 INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, const Plan* p, const int32_t* table,
-                        int n, int dn, const float* q, long q_row, Pages kp, Pages vp, float* s, long s_row,
-                        float* out, long out_row) {
+                        const int* ns, const float* const* qs, Pages kp, Pages vp, float* s, long s_row,
+                        float* const* outs) {
+  const int n = ns[0];
   const int D = p->head_dim, ps = p->page_size, full = n / ps * ps;
   __m512 qv[4][16], acc[4][16];
   _Alignas(64) float dots[4][16][16];
   for (int r = 0; r < R; r++)
-    for (int c = 0; c < NC; c++) qv[r][c] = _mm512_loadu_ps(q + r * q_row + 16 * c);
+    for (int c = 0; c < NC; c++) qv[r][c] = _mm512_loadu_ps(qs[r] + 16 * c);
   for (int j0 = 0; j0 < full; j0 += ps) {
     const size_t k = page_at(p, table, j0);
     int j = 0;
@@ -370,8 +371,8 @@ INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, c
     }
   }
   for (int r = 0; r < R; r++) {
-    score_keys(NC, TK, p, table, full, n + dn * r, qv[r], s + r * s_row, kp);
-    softmax(s + r * s_row, n + dn * r);
+    score_keys(NC, TK, p, table, full, ns[r], qv[r], s + r * s_row, kp);
+    softmax(s + r * s_row, ns[r]);
     for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
   }
   for (int j0 = 0; j0 < n; j0 += ps) { /* keys every row sees, in order */
@@ -387,8 +388,8 @@ INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, c
     }
   }
   for (int r = 0; r < R; r++) {
-    add_values(NC, TV, p, table, n, n + dn * r, s + r * s_row, acc[r], vp);
-    for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + r * out_row + 16 * c, acc[r][c]);
+    add_values(NC, TV, p, table, n, ns[r], s + r * s_row, acc[r], vp);
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(outs[r] + 16 * c, acc[r][c]);
   }
 }
 #define HAVE_TILE 1
@@ -517,9 +518,9 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 }
 #endif
 
-/* R rows (see attend_tile; row r at q + r * q_row sees n + dn * r keys): where the build tiles rows (AVX-512,
-   head_dim 16..128), attend_tile; else one row at a time. The same bits either way: a tile does each row's
-   arithmetic as attend_row does. */
+/* R rows (see attend_tile: row r's query qs[r], output outs[r], ns[r] keys, ns[0] the fewest): where the build
+   tiles rows (AVX-512, head_dim 16..128), attend_tile; else one row at a time. The same bits either way: a tile
+   does each row's arithmetic as attend_row does. */
 static int tile_rows(int D) {
 #ifdef HAVE_TILE
   if (D == 16 || D == 32 || D == 64) return 4;
@@ -528,10 +529,10 @@ static int tile_rows(int D) {
   return 1;
 }
 
-static void attend_rows(const Plan* p, const int32_t* table, int n, int R, int dn, const float* q, long q_row,
-                        Pages kp, Pages vp, float* s, long s_row, float* out, long out_row) {
+static void attend_rows(const Plan* p, const int32_t* table, int R, const int* ns, const float* const* qs, Pages kp,
+                        Pages vp, float* s, long s_row, float* const* outs) {
 #ifdef HAVE_TILE
-#define TILE_T(TK, TV) attend_tile(NC, RR, TK, TV, p, table, n, dn, q, q_row, kp, vp, s, s_row, out, out_row); return;
+#define TILE_T(TK, TV) attend_tile(NC, RR, TK, TV, p, table, ns, qs, kp, vp, s, s_row, outs); return;
 #define TILE(NC_, RR_) { const int NC = NC_, RR = RR_; KV_TYPES(TILE_T) }
 #define TILES(NC) \
   switch (R) {    \
@@ -549,7 +550,7 @@ static void attend_rows(const Plan* p, const int32_t* table, int n, int R, int d
 #undef TILE
 #undef TILE_T
 #endif
-  for (int r = 0; r < R; r++) attend_row(p, table, n + dn * r, q + r * q_row, kp, vp, s, out + r * out_row);
+  for (int r = 0; r < R; r++) attend_row(p, table, ns[r], qs[r], kp, vp, s, outs[r]);
 }
 
 /* ---- Quantize-on-append: kernels/kv_quant.py's quantize_rows, bit for bit, after the pages' rotation ---- */
@@ -712,6 +713,31 @@ static void rotate_row(int D, const float* x, const float* m, float* y) {
 static void hadamard_row(int D, int B, float scale, const float* x, float* y) {
   memcpy(y, x, (size_t)D * sizeof(float));
   if (B == 0) return;
+#ifdef __AVX512F__
+  if (B >= 16) { /* the same operations 16 lanes at a time: lane l pairs with lane l ^ h, the upper one takes b - a */
+    for (int h = 1; h < 16; h *= 2) {
+      const __m512i partner = _mm512_xor_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(h));
+      __mmask16 upper = 0;
+      for (int l = 0; l < 16; l++) upper |= (__mmask16)((l & h) ? 1u << l : 0);
+      for (int e = 0; e < D; e += 16) {
+        const __m512 a = _mm512_loadu_ps(y + e), b = _mm512_permutexvar_ps(partner, a);
+        _mm512_storeu_ps(y + e, _mm512_mask_sub_ps(_mm512_add_ps(a, b), upper, b, a));
+      }
+    }
+    for (int o = 0; o < D; o += B)
+      for (int h = 16; h < B; h *= 2)
+        for (int i = o; i < o + B; i += 2 * h)
+          for (int j = i; j < i + h; j += 16) {
+            const __m512 a = _mm512_loadu_ps(y + j), b = _mm512_loadu_ps(y + j + h);
+            _mm512_storeu_ps(y + j, _mm512_add_ps(a, b));
+            _mm512_storeu_ps(y + j + h, _mm512_sub_ps(a, b));
+          }
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int e = 0; e < D; e += 16) _mm512_storeu_ps(y + e, _mm512_mul_ps(_mm512_loadu_ps(y + e), sv));
+    return;
+  }
+#endif
   for (int o = 0; o < D; o += B)
     for (int h = 1; h < B; h *= 2)
       for (int i = o; i < o + B; i += 2 * h)
@@ -762,18 +788,23 @@ static void dequantize_span(Pages pg, size_t at, int count, int T, float* dst) {
 #define DEQUANTIZE_ROWS 16
 #define MAX_DEQUANTIZED_BYTES (64L << 20)
 
-/* The calling thread's scratch of at least `bytes`, kept and grown (a fresh allocation of this size each call
-   would be a fresh mmap and its page faults), or NULL. */
-static float* dequantized_scratch(size_t bytes) {
-  static __thread float* buffer = NULL;
-  static __thread size_t size = 0;
-  if (bytes > size) {
-    free(buffer);
-    buffer = malloc(bytes);
-    size = buffer != NULL ? bytes : 0;
+/* A scratch buffer of the calling thread of at least `bytes`, kept and grown (a fresh allocation of a prompt's
+   size each call would be a fresh mmap and its page faults), or NULL. */
+typedef struct {
+  float* data;
+  size_t size;
+} Scratch;
+
+static float* scratch_of(Scratch* s, size_t bytes) {
+  if (bytes > s->size) {
+    free(s->data);
+    s->data = malloc(bytes);
+    s->size = s->data != NULL ? bytes : 0;
   }
-  return buffer;
+  return s->data;
 }
+
+static __thread Scratch dequantized, rotated_queries;
 
 /* Store this step's keys/values (k/v [T, KVH, D], row strides k_stride / v_stride) at their slots of the pages
    [KVH, num_slots, ...], then out [T, H, D] = causal attention of every new row (q [T, H, D], row stride
@@ -784,6 +815,13 @@ static float* dequantized_scratch(size_t bytes) {
    are PARALLEL_ROWS or more. Returns 0, or -1 when the scratch rows cannot be allocated. */
 #define PARALLEL_KEYS 2048
 #define PARALLEL_ROWS 32
+/* A tile of paged_attention's work: pairs 0: rows first .. first + count - 1 of request b in query head `head`;
+   pairs 1: (row, query head) pairs first .. first + count - 1 of request b in KV head `head`'s group, pair k being
+   row k / G in query head head * G + k % G. */
+typedef struct {
+  int b, first, count, head, pairs;
+} Tile;
+
 /* Bytes of one KV head's element array (codes, for the quantized types) of type T. */
 static size_t head_bytes(int T, long slots, int D) {
   const size_t n = (size_t)slots * D;
@@ -828,7 +866,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   float* rotated = NULL; /* the queries in the pages' basis */
   if (rot != NULL && (rot->q_mat != NULL || rot->hadamard)) {
     const long rows = (long)p->tokens * H;
-    rotated = malloc((size_t)rows * D * sizeof(float));
+    rotated = scratch_of(&rotated_queries, (size_t)rows * D * sizeof(float));
     if (rotated == NULL) return -1;
 #ifdef _OPENMP
 #pragma omp parallel for if(rows >= PARALLEL_ROWS) num_threads(threads) schedule(static)
@@ -842,37 +880,33 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
     q_stride = (long)H * D;
   }
   const int r_out = rot != NULL ? rot->hadamard : 0;
-  /* work: tiles of up to R query rows over one KV head's pages: R consecutive rows of a request and one query
-     head, or, for a request of one row (a decode step) over quantized pages, the row in up to R query heads of one
-     KV group (each code decoded once for them; over dense pages the loads are cheap, and one head per tile leaves
-     more tiles to share among the threads). Handed out one at a time: a tile of 4 rows costs ~4 of one. */
-  const int R = tile_rows(D), HR = KV_DENSE(p->k_type) ? 1 : G < R ? G : R;
+  /* work: tiles of up to R query rows over one KV head's pages (attend_rows). For a request of fewer than
+     DEQUANTIZE_ROWS rows (a verification; a decode step over quantized pages), R (row, query head) pairs of one KV
+     group, rows outer, so each key is loaded (decoded) once for them: a 5-row step at 1,340 keys over fp16 pages
+     128 -> 112 us a layer, fp32 180 -> 132, k8v4 268 -> 208 (9 heads, 3 KV heads, 2 threads). A decode row over
+     dense pages keeps one query head per tile (its loads are cheap, and 9 tiles share better among the threads
+     than 3), and a prompt R consecutive rows in one query head. Handed out one at a time: a tile of 4 rows costs
+     ~4 of one. */
+  const int R = tile_rows(D), quantized = !KV_DENSE(p->k_type);
   int tiles = 0, longest = 1;
   long keys = 0;
   for (int b = 0; b < p->batch; b++) {
-    tiles += p->q_lens[b] == 1 && HR > 1 ? KVH * ((G + HR - 1) / HR) : (p->q_lens[b] + R - 1) / R * H;
+    const int m = p->q_lens[b];
+    tiles += (quantized || m > 1) && m < DEQUANTIZE_ROWS ? KVH * ((m * G + R - 1) / R) : (m + R - 1) / R * H;
     longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
-    keys += (long)p->q_lens[b] * p->ctx_lens[b];
+    keys += (long)m * p->ctx_lens[b];
   }
-  int* work = malloc((size_t)tiles * 5 * sizeof(int)); /* per tile: request, first row, rows, first head, heads */
-  if (work == NULL) {
-    free(rotated);
-    return -1;
-  }
-  int* w = work;
+  Tile* work = malloc((size_t)tiles * sizeof(Tile));
+  if (work == NULL) return -1;
+  Tile* w = work;
   for (int b = 0; b < p->batch; b++) {
     const int m = p->q_lens[b];
-    if (m == 1 && HR > 1)
+    if ((quantized || m > 1) && m < DEQUANTIZE_ROWS)
       for (int h = 0; h < KVH; h++)
-        for (int g = 0; g < G; g += HR, w += 5) {
-          w[0] = b, w[1] = 0, w[2] = 1, w[3] = h * G + g;
-          w[4] = G - g < HR ? G - g : HR;
-        }
+        for (int i = 0; i < m * G; i += R) *w++ = (Tile){b, i, m * G - i < R ? m * G - i : R, h, 1};
     else
       for (int i = 0; i < m; i += R)
-        for (int hq = 0; hq < H; hq++, w += 5) {
-          w[0] = b, w[1] = i, w[2] = m - i < R ? m - i : R, w[3] = hq, w[4] = 1;
-        }
+        for (int hq = 0; hq < H; hq++) *w++ = (Tile){b, i, m - i < R ? m - i : R, hq, 0};
   }
   const long s_row = (longest + 15) / 16 * 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
@@ -894,7 +928,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
     if (copied > 0 && bytes <= MAX_DEQUANTIZED_BYTES) {
       first_page = malloc((size_t)p->batch * sizeof(long));
       identity = malloc((size_t)widest * sizeof(int32_t));
-      scratch = first_page && identity ? dequantized_scratch(bytes) : NULL;
+      scratch = first_page && identity ? scratch_of(&dequantized, bytes) : NULL;
       if (scratch == NULL) {
         free(first_page), free(identity);
         first_page = NULL, identity = NULL;
@@ -940,9 +974,18 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
 #endif
     for (long x = 0; x < tiles; x++) {
       if (s == NULL) continue;
-      const int* tile = work + 5 * x;
-      const int b = tile[0], i = tile[1], hq = tile[3], h = hq / G, rows = tile[2] * tile[4];
-      const int t = p->q_starts[b] + i, n = p->ctx_lens[b] - p->q_lens[b] + i + 1; /* row i sees n keys */
+      const Tile* tile = work + x;
+      const int b = tile->b, m = p->q_lens[b], h = tile->pairs ? tile->head : tile->head / G;
+      int ns[4];
+      const float* qs[4];
+      float* outs[4];
+      for (int r = 0; r < tile->count; r++) {
+        const int k = tile->first + r, i = tile->pairs ? k / G : k, hq = tile->pairs ? h * G + k % G : tile->head;
+        const size_t t = (size_t)(p->q_starts[b] + i);
+        ns[r] = p->ctx_lens[b] - m + i + 1; /* row i sees its context up to itself */
+        qs[r] = q + t * q_stride + (size_t)hq * D;
+        outs[r] = out + (t * H + hq) * D;
+      }
       Pages kp = {(const char*)k_pages + h * k_head, k_scales ? k_scales + h * scale_head : NULL};
       Pages vp = {(const char*)v_pages + h * v_head, v_scales ? v_scales + h * scale_head : NULL};
       const Plan* plan = p;
@@ -954,21 +997,17 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
         plan = &dense;
         table = identity;
       }
-      const long row = tile[4] > 1 ? D : (long)H * D; /* the next head's row, or the next token's */
-      float* o = out + ((size_t)t * H + hq) * D;
-      attend_rows(plan, table, n, rows, tile[4] > 1 ? 0 : 1, q + (size_t)t * q_stride + (size_t)hq * D,
-                  tile[4] > 1 ? D : q_stride, kp, vp, s, s_row, o, row);
+      attend_rows(plan, table, tile->count, ns, qs, kp, vp, s, s_row, outs);
       if (r_out) /* back from the pages' basis */
-        for (int r = 0; r < rows; r++) {
+        for (int r = 0; r < tile->count; r++) {
           float y[256];
-          hadamard_row(D, r_out, rot->scale, o + r * row, y);
-          memcpy(o + r * row, y, (size_t)D * sizeof(float));
+          hadamard_row(D, r_out, rot->scale, outs[r], y);
+          memcpy(outs[r], y, (size_t)D * sizeof(float));
         }
     }
     free(s);
   }
   free(work);
-  free(rotated);
   free(first_page);
   free(identity);
   return failed ? -1 : 0;
