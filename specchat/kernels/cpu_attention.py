@@ -885,13 +885,17 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
      group, rows outer, so each key is loaded (decoded) once for them: a 5-row step at 1,340 keys over fp16 pages
      128 -> 112 us a layer, fp32 180 -> 132, k8v4 268 -> 208 (9 heads, 3 KV heads, 2 threads). A decode row over
      dense pages keeps one query head per tile (its loads are cheap, and 9 tiles share better among the threads
-     than 3), and a prompt R consecutive rows in one query head. Handed out one at a time: a tile of 4 rows costs
-     ~4 of one. */
+     than 3), and a prompt R consecutive rows in one query head. The threads take contiguous runs of tiles (each
+     core then reads its own KV heads' pages: handing tiles out one at a time made a decode step at 1,340 tokens
+     ~20% slower), except where a prompt is in the step: its later rows see more keys, so tiles go round-robin
+     (a 2,632-token prefill over fp16 pages ~10% faster than in runs). */
   const int R = tile_rows(D), quantized = !KV_DENSE(p->k_type);
   int tiles = 0, longest = 1;
   long keys = 0;
+  int prompt = 0;
   for (int b = 0; b < p->batch; b++) {
     const int m = p->q_lens[b];
+    prompt |= m >= DEQUANTIZE_ROWS;
     tiles += (quantized || m > 1) && m < DEQUANTIZE_ROWS ? KVH * ((m * G + R - 1) / R) : (m + R - 1) / R * H;
     longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
     keys += (long)m * p->ctx_lens[b];
@@ -910,6 +914,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   }
   const long s_row = (longest + 15) / 16 * 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
+  const int chunk = prompt ? 1 : (tiles + team - 1) / team;
   /* the float32 copies (DEQUANTIZE_ROWS): request b's page j at scratch page first_page[b] + j, so its tiles read
      them through the identity table as dense float32 pages (`dense`), the same values and so the same bits */
   const int ps = p->page_size;
@@ -970,7 +975,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       dequantize_span(vp, at, len * D, p->v_type, scratch + (2 * h + 1) * head_floats + dst);
     }
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static, chunk)
 #endif
     for (long x = 0; x < tiles; x++) {
       if (s == NULL) continue;
