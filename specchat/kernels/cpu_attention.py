@@ -783,8 +783,9 @@ static void dequantize_span(Pages pg, size_t at, int count, int T, float* dst) {
 
 /* Requests of at least DEQUANTIZE_ROWS rows (prompts) over quantized pages read their context decoded once into
    float32 pages: each of their tiles would decode it again (a tile scores 4 rows of one head), which made a
-   prompt's prefill ~15% slower than over float32 pages; a verification's 5 rows gain nothing from it (writing
-   the float32 copy costs what the decoding saves). */
+   prompt's prefill 13-15% slower than over float32 pages (cpu_kv_formats.py). A verification's few rows decode
+   in place instead, 4 (row, head) pairs sharing each decoded key: the float32 copy's writes would cost about what
+   they save. */
 #define DEQUANTIZE_ROWS 16
 #define MAX_DEQUANTIZED_BYTES (64L << 20)
 
@@ -882,13 +883,15 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   const int r_out = rot != NULL ? rot->hadamard : 0;
   /* work: tiles of up to R query rows over one KV head's pages (attend_rows). For a request of fewer than
      DEQUANTIZE_ROWS rows (a verification; a decode step over quantized pages), R (row, query head) pairs of one KV
-     group, rows outer, so each key is loaded (decoded) once for them: a 5-row step at 1,340 keys over fp16 pages
-     128 -> 112 us a layer, fp32 180 -> 132, k8v4 268 -> 208 (9 heads, 3 KV heads, 2 threads). A decode row over
+     group, rows outer, so each key is loaded (decoded) once for them: a 5-row step at 2,048 keys over fp16 pages
+     265-268 -> 166-174 us a layer, fp32 322-329 -> 191-197 (benchmarks/cpu_attention.py --threads 2, against
+     c477b7f's one query head per tile; docs/benchmarks.md, "Fourteenth session"). A decode row over
      dense pages keeps one query head per tile (its loads are cheap, and 9 tiles share better among the threads
      than 3), and a prompt R consecutive rows in one query head. The threads take contiguous runs of tiles (each
      core then reads its own KV heads' pages: handing tiles out one at a time made a decode step at 1,340 tokens
      ~20% slower), except where a prompt is in the step: its later rows see more keys, so tiles go round-robin
-     (a 2,632-token prefill over fp16 pages ~10% faster than in runs). */
+     (a 2,632-token prefill over fp16 pages 4,204-4,334 ms against 4,914-5,000 in contiguous runs: cpu_kv_formats.py,
+     docs/benchmarks.md). */
   const int R = tile_rows(D), quantized = !KV_DENSE(p->k_type);
   int tiles = 0, longest = 1;
   long keys = 0;
