@@ -843,23 +843,49 @@ void quantize_rows(int n, int D, int T, int rule, const float* x, long stride, c
   }
 }
 
-/* count elements of quantized pages from element `at` on, as float32: each its code's value times its block's
-   scale, the values every reader of the pages computes, bit for bit (count a multiple of 16). */
-static void dequantize_span(Pages pg, size_t at, int count, int T, float* dst) {
+/* count elements of quantized pages from element `at` on, as float32 (or binary16 where `half`, for values it holds
+   exactly: `fit_half`): each its code's value times its block's scale, the values every reader of the pages
+   computes, bit for bit (count a multiple of 16). */
+static void dequantize_span(Pages pg, size_t at, int count, int T, void* dst, int half) {
+  float* f = dst;
+  uint16_t* h = dst;
   int i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(dst + i, kv_load16(pg, at + i, T));
+  for (; i + 16 <= count; i += 16) {
+    const __m512 v = kv_load16(pg, at + i, T);
+    if (half) _mm256_storeu_si256((__m256i*)(h + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else _mm512_storeu_ps(f + i, v);
+  }
 #elif defined(VEC_FLOATS)
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, kv_load8(pg, at + i, T));
+  for (; i + 8 <= count; i += 8) {
+    const __m256 v = kv_load8(pg, at + i, T);
+    if (half) _mm_storeu_si128((__m128i*)(h + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else _mm256_storeu_ps(f + i, v);
+  }
 #endif
-  for (; i < count; i++) dst[i] = kv_get(pg, at + i, T);
+  for (; i < count; i++) {
+    const float v = kv_get(pg, at + i, T);
+    if (half) h[i] = float_to_half(v);
+    else f[i] = v;
+  }
+}
+
+/* Whether every value of quantized type T under these E8M0 scales is a binary16 exactly: an element's granule
+   (E4M3: 2^-9, E2M1: 0.5) times the scale at least binary16's 2^-24, its largest (448, 6) times the scale at most
+   65504. A NaN block (0xFF) does not fit. */
+static int fit_half(const uint8_t* scales, size_t n, int T) {
+  const int lo = T == KV_MX8 ? 127 - 15 : 127 - 23, hi = T == KV_MX8 ? 127 + 7 : 127 + 13;
+  int fits = 1;
+  for (size_t i = 0; i < n; i++) fits &= scales[i] >= lo && scales[i] <= hi;
+  return fits;
 }
 
 /* Requests of at least DEQUANTIZE_ROWS rows (prompts) over quantized pages read their context decoded once into
-   float32 pages: each of their tiles would decode it again (a tile scores 4 rows of one head), which made a
-   prompt's prefill 13-15% slower than over float32 pages (cpu_kv_formats.py). A verification's few rows decode
-   in place instead, 4 (row, head) pairs sharing each decoded key: the float32 copy's writes would cost about what
-   they save. */
+   dense pages: each of their tiles would decode it again (a tile scores 4 rows of one head), which made a
+   prompt's prefill 13-15% slower than over float32 pages (cpu_kv_formats.py). The copy is binary16 where every
+   copied value fits one exactly (`fit_half`: the usual case; half the bytes to read, as fp16 pages), else
+   float32. A verification's few rows decode in place instead, 4 (row, head) pairs sharing each decoded key: a
+   copy's writes would cost about what they save. */
 #define DEQUANTIZE_ROWS 16
 #define MAX_DEQUANTIZED_BYTES (64L << 20)
 
@@ -992,11 +1018,12 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   const long s_row = (longest + 15) / 16 * 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
   const int chunk = prompt ? 1 : (tiles + team - 1) / team;
-  /* the float32 copies (DEQUANTIZE_ROWS): request b's page j at scratch page first_page[b] + j, so its tiles read
-     them through the identity table as dense float32 pages (`dense`), the same values and so the same bits */
+  /* the dense copies (DEQUANTIZE_ROWS): request b's page j at scratch page first_page[b] + j, so its tiles read
+     them through the identity table as dense pages (`dense`: binary16 where every value fits, else float32), the
+     same values and so the same bits */
   const int ps = p->page_size;
   long* first_page = NULL;
-  float* scratch = NULL;
+  char* scratch = NULL;
   int32_t* identity = NULL;
   long copied = 0, widest = 0; /* pages copied per KV head; the most of one request */
   if (!KV_DENSE(p->k_type)) {
@@ -1010,7 +1037,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
     if (copied > 0 && bytes <= MAX_DEQUANTIZED_BYTES) {
       first_page = malloc((size_t)p->batch * sizeof(long));
       identity = malloc((size_t)widest * sizeof(int32_t));
-      scratch = first_page && identity ? scratch_of(&dequantized, bytes) : NULL;
+      scratch = first_page && identity ? (char*)scratch_of(&dequantized, bytes) : NULL;
       if (scratch == NULL) {
         free(first_page), free(identity);
         first_page = NULL, identity = NULL;
@@ -1025,10 +1052,18 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       next += copies ? (p->ctx_lens[b] + ps - 1) / ps : 0;
     }
   }
+  int half = scratch != NULL;
+  for (int b = 0; half && b < p->batch; b++)
+    for (int h = 0; half && first_page[b] >= 0 && h < KVH; h++)
+      for (int j0 = 0; half && j0 < p->ctx_lens[b]; j0 += ps) {
+        const size_t at = page_at(p, p->tables + (size_t)b * p->table_width, j0) / 32;
+        const size_t n = (size_t)(p->ctx_lens[b] - j0 < ps ? p->ctx_lens[b] - j0 : ps) * (D / 32);
+        half = fit_half(k_scales + h * scale_head + at, n, p->k_type) && fit_half(v_scales + h * scale_head + at, n, p->v_type);
+      }
   const long units = scratch != NULL ? copied * KVH : 0; /* (KV head, page) to decode */
-  const size_t head_floats = (size_t)copied * ps * D;    /* one KV head's keys (or values) in the scratch */
+  const size_t head_bytes_copied = (size_t)copied * ps * D * (half ? 2 : 4); /* one KV head's keys (or values) */
   Plan dense = *p;
-  dense.k_type = dense.v_type = KV_F32;
+  dense.k_type = dense.v_type = half ? KV_F16 : KV_F32;
   int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(team) reduction(| : failed)
@@ -1045,11 +1080,12 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       int b = 0;
       while (first_page[b] < 0 || page >= first_page[b] + (p->ctx_lens[b] + ps - 1) / ps) b++;
       const int j0 = (int)(page - first_page[b]) * ps, len = p->ctx_lens[b] - j0 < ps ? p->ctx_lens[b] - j0 : ps;
-      const size_t at = page_at(p, p->tables + (size_t)b * p->table_width, j0), dst = (size_t)page * ps * D;
+      const size_t at = page_at(p, p->tables + (size_t)b * p->table_width, j0);
+      const size_t dst = (size_t)page * ps * D * (half ? 2 : 4);
       const Pages kp = {(const char*)k_pages + h * k_head, k_scales + h * scale_head};
       const Pages vp = {(const char*)v_pages + h * v_head, v_scales + h * scale_head};
-      dequantize_span(kp, at, len * D, p->k_type, scratch + 2 * h * head_floats + dst);
-      dequantize_span(vp, at, len * D, p->v_type, scratch + (2 * h + 1) * head_floats + dst);
+      dequantize_span(kp, at, len * D, p->k_type, scratch + 2 * h * head_bytes_copied + dst, half);
+      dequantize_span(vp, at, len * D, p->v_type, scratch + (2 * h + 1) * head_bytes_copied + dst, half);
     }
 #ifdef _OPENMP
 #pragma omp for schedule(static, chunk)
@@ -1073,9 +1109,9 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       const Plan* plan = p;
       const int32_t* table = p->tables + (size_t)b * p->table_width;
       if (scratch != NULL && first_page[b] >= 0) { /* its context as float32, decoded above */
-        const size_t from = (size_t)first_page[b] * ps * D;
-        kp = (Pages){scratch + 2 * h * head_floats + from, NULL};
-        vp = (Pages){scratch + (2 * h + 1) * head_floats + from, NULL};
+        const size_t from = (size_t)first_page[b] * ps * D * (half ? 2 : 4);
+        kp = (Pages){scratch + 2 * h * head_bytes_copied + from, NULL};
+        vp = (Pages){scratch + (2 * h + 1) * head_bytes_copied + from, NULL};
         plan = &dense;
         table = identity;
       }

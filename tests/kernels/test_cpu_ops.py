@@ -191,21 +191,21 @@ def page_rotation(kind: str, kv_heads: int, head_dim: int, rule: str = "mse") ->
     return cpu_attention.PageRotation(q_mat, k_mat, block, scale, rule)
 
 
-def quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats, seed=0, rule="mse"):
+def quantized_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, formats, seed=0, rule="mse", magnitude=3.0):
     """paged_case with quantized pages: every slot already holds a row (this step's are overwritten by the call):
-    (plan, q, k, v, k PageTensor, v PageTensor, metadata)."""
+    (plan, q, k, v, k PageTensor, v PageTensor, metadata); keys and values randn's times `magnitude`."""
     plan, q, k, v, k_pages, v_pages, meta = paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed)
     slots = torch.arange(plan.num_slots)
     pages = []
     for fmt, dense in zip(formats, (k_pages, v_pages), strict=True):
         pt = PageTensor.empty(fmt, kv_heads, plan.num_slots, head_dim, torch.float32, "cpu", rule)
-        pt.write(slots, dense.transpose(0, 1) * 3.0)  # (spread over more binades than randn's)
+        pt.write(slots, dense.transpose(0, 1) * magnitude)  # (3: spread over more binades than randn's)
         pages.append(pt)
     qplan = cpu_attention.AttentionPlan(
         meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, plan.tensors[4], page_size,
         heads, kv_heads, head_dim, plan.num_slots, head_dim**-0.5, quantized=formats,
     )  # fmt: skip
-    return qplan, q, k * 3.0, v * 3.0, *pages, meta
+    return qplan, q, k * magnitude, v * magnitude, *pages, meta
 
 
 def clone_pages(pages: PageTensor) -> PageTensor:
@@ -233,10 +233,12 @@ def test_quantized_pages_match_the_reference(q_lens, ctx_lens, heads, kv_heads, 
 
 @pytest.mark.parametrize("formats", QUANTIZED)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("m", [23, 5])
-def test_quantized_prompt_rows_equal_the_rows_decoded_alone(formats, threads, m):
+@pytest.mark.parametrize(("m", "magnitude"), [(23, 3.0), (23, 1e6), (5, 3.0)])
+def test_quantized_prompt_rows_equal_the_rows_decoded_alone(formats, threads, m, magnitude):
+    """A prompt's rows (reading their context as binary16 copies, or float32 ones where the values exceed
+    binary16: magnitude 1e6) and a verification's equal each row decoded alone, bit for bit."""
     c = 37
-    plan, q, k, v, k_pages, v_pages, meta = quantized_case([m], [c], 6, 2, 64, 16, formats, seed=3)
+    plan, q, k, v, k_pages, v_pages, meta = quantized_case([m], [c], 6, 2, 64, 16, formats, seed=3, magnitude=magnitude)
     rot = page_rotation("per-head", 2, 64)
     many = cpu_attention.paged_attention_quantized(plan, q, k, v, k_pages, v_pages, rot, threads)
     for i in range(m):
