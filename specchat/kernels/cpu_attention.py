@@ -681,6 +681,22 @@ static void quantize_mx8(const float* x, uint8_t* codes, uint8_t* scale) {
     const __m512i code = _mm512_or_si512(sign, _mm512_mask_blend_epi32(is_normal, tiny, normal));
     _mm_storeu_si128((__m128i*)(codes + i), _mm512_cvtepi32_epi8(code));
   }
+#elif defined(__AVX2__)
+  for (; i < 32; i += 8) { /* float_to_e4m3 8 lanes at a time (magnitudes' bits: signed compares work) */
+    const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)),
+                                                 _mm256_set1_ps(-448.0f)), _mm256_set1_ps(448.0f));
+    const __m256i b = _mm256_castps_si256(y), a = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(0x80));
+    const __m256i r = _mm256_sub_epi32(a, _mm256_set1_epi32(0x3C000000));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(r, _mm256_set1_epi32(0x7FFFF)), odd), 20);
+    const __m256 biased = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(0x1p14f));
+    const __m256i tiny = _mm256_sub_epi32(_mm256_castps_si256(biased), _mm256_set1_epi32(0x46800000));
+    const __m256i is_normal = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3C7FFFFF));
+    uint32_t lanes[8];
+    _mm256_storeu_si256((__m256i*)lanes, _mm256_or_si256(sign, _mm256_blendv_epi8(tiny, normal, is_normal)));
+    for (int l = 0; l < 8; l++) codes[i + l] = (uint8_t)lanes[l];
+  }
 #endif
   for (; i < 32; i++) {
     const float y = x[i] * inv;
@@ -742,6 +758,38 @@ static void quantize_mx4(const float* x, int rule, uint8_t* codes, uint8_t* scal
       _mm_storeu_si128((__m128i*)(cand + i), _mm512_cvtepi32_epi8(c));
     }
     _mm512_storeu_pd(part, acc);
+#elif defined(__AVX2__)
+    /* the same 8 lanes at a time; the float64 partial sums as two 4-lane halves (lanes 0-3, 4-7) */
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    for (int i = 0; i < 32; i += 8) {
+      const __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)));
+      const __m256 m = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)));
+      __m256i c = _mm256_setzero_si256(); /* each passed midpoint subtracts its all-ones mask: adds 1 */
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(0.25f), _CMP_GT_OQ)));
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(0.75f), _CMP_GE_OQ)));
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(1.25f), _CMP_GT_OQ)));
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(1.75f), _CMP_GE_OQ)));
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(2.5f), _CMP_GT_OQ)));
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(3.5f), _CMP_GE_OQ)));
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_set1_ps(5.0f), _CMP_GT_OQ)));
+      if (rule == RULE_MSE) {
+        const __m256 q = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1_VALUES), c), _mm256_set1_ps(s));
+        const __m256 a = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(x + i)),
+                                                              _mm256_set1_epi32(0x7FFFFFFF)));
+        const __m256d d_lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q)),
+                                           _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+        const __m256d d_hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)),
+                                           _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+        lo = _mm256_add_pd(lo, _mm256_mul_pd(d_lo, d_lo));
+        hi = _mm256_add_pd(hi, _mm256_mul_pd(d_hi, d_hi));
+      }
+      c = _mm256_or_si256(c, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 3));
+      uint32_t lanes[8];
+      _mm256_storeu_si256((__m256i*)lanes, c);
+      for (int l = 0; l < 8; l++) cand[i + l] = (uint8_t)lanes[l];
+    }
+    _mm256_storeu_pd(part, lo);
+    _mm256_storeu_pd(part + 4, hi);
 #else
     for (int i = 0; i < 32; i++) cand[i] = e2m1_code(x[i] * inv);
     if (rule == RULE_MSE)
@@ -809,6 +857,29 @@ static void hadamard_row(int D, int B, float scale, const float* x, float* y) {
           }
     const __m512 sv = _mm512_set1_ps(scale);
     for (int e = 0; e < D; e += 16) _mm512_storeu_ps(y + e, _mm512_mul_ps(_mm512_loadu_ps(y + e), sv));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (B >= 8) { /* 8 lanes at a time: lane l pairs with lane l ^ h, the upper one takes b - a */
+    for (int k = 0, h = 1; h < 8; k++, h *= 2) {
+      const __m256i partner = _mm256_xor_si256(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(h));
+      for (int e = 0; e < D; e += 8) {
+        const __m256 a = _mm256_loadu_ps(y + e), b = _mm256_permutevar8x32_ps(a, partner);
+        const __m256 sum = _mm256_add_ps(a, b), diff = _mm256_sub_ps(b, a);
+        _mm256_storeu_ps(y + e, k == 0 ? _mm256_blend_ps(sum, diff, 0xAA)
+                                       : k == 1 ? _mm256_blend_ps(sum, diff, 0xCC) : _mm256_blend_ps(sum, diff, 0xF0));
+      }
+    }
+    for (int o = 0; o < D; o += B)
+      for (int h = 8; h < B; h *= 2)
+        for (int i = o; i < o + B; i += 2 * h)
+          for (int j = i; j < i + h; j += 8) {
+            const __m256 a = _mm256_loadu_ps(y + j), b = _mm256_loadu_ps(y + j + h);
+            _mm256_storeu_ps(y + j, _mm256_add_ps(a, b));
+            _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, b));
+          }
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int e = 0; e < D; e += 8) _mm256_storeu_ps(y + e, _mm256_mul_ps(_mm256_loadu_ps(y + e), sv));
     return;
   }
 #endif
