@@ -77,9 +77,14 @@ def hadamard(n: int) -> torch.Tensor:
     return (h / n**0.5).float()
 
 
+def hadamard_block(head_dim: int) -> int:
+    """The rotation's block: the largest power of two dividing head_dim."""
+    return head_dim & -head_dim
+
+
 def rotation_matrix(head_dim: int) -> torch.Tensor:
-    """Block-diagonal Hadamard [head_dim, head_dim], blocks of the largest power of two dividing head_dim."""
-    block = head_dim & -head_dim
+    """Block-diagonal Hadamard [head_dim, head_dim], blocks of `hadamard_block(head_dim)`."""
+    block = hadamard_block(head_dim)
     return torch.block_diag(*[hadamard(block)] * (head_dim // block))
 
 
@@ -170,7 +175,7 @@ class PageStore:
             q_mat, k_mat = (None, None) if self._kmat is None else (self._qmat[layer], self._kmat[layer])
             block, scale = 0, 1.0
             if self.rotation is not None:  # rotation_matrix's blocks, entries +-scale
-                block, scale = self.head_dim & -self.head_dim, float(self.rotation[0, 0])
+                block, scale = hadamard_block(self.head_dim), float(self.rotation[0, 0])
             rotation = cpu_attention.PageRotation(q_mat, k_mat, block, scale, self.rule)
             self._cpu_rotations[layer] = rotation
         return rotation

@@ -835,56 +835,38 @@ static void rotate_row(int D, const float* x, const float* m, float* y) {
 static void hadamard_row(int D, int B, float scale, const float* x, float* y) {
   memcpy(y, x, (size_t)D * sizeof(float));
   if (B == 0) return;
+  int h0 = 1; /* the first stage the loop below takes: the stages within a vector run in its lanes first */
 #ifdef __AVX512F__
-  if (B >= 16) { /* the same operations 16 lanes at a time: lane l pairs with lane l ^ h, the upper one takes b - a */
+  if (B >= 16) { /* lane l pairs with lane l ^ h, the upper one takes b - a */
     for (int h = 1; h < 16; h *= 2) {
       const __m512i partner = _mm512_xor_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(h));
-      __mmask16 upper = 0;
-      for (int l = 0; l < 16; l++) upper |= (__mmask16)((l & h) ? 1u << l : 0);
+      const __mmask16 upper = _mm512_test_epi32_mask(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                      1, 0), _mm512_set1_epi32(h));
       for (int e = 0; e < D; e += 16) {
         const __m512 a = _mm512_loadu_ps(y + e), b = _mm512_permutexvar_ps(partner, a);
         _mm512_storeu_ps(y + e, _mm512_mask_sub_ps(_mm512_add_ps(a, b), upper, b, a));
       }
     }
-    for (int o = 0; o < D; o += B)
-      for (int h = 16; h < B; h *= 2)
-        for (int i = o; i < o + B; i += 2 * h)
-          for (int j = i; j < i + h; j += 16) {
-            const __m512 a = _mm512_loadu_ps(y + j), b = _mm512_loadu_ps(y + j + h);
-            _mm512_storeu_ps(y + j, _mm512_add_ps(a, b));
-            _mm512_storeu_ps(y + j + h, _mm512_sub_ps(a, b));
-          }
-    const __m512 sv = _mm512_set1_ps(scale);
-    for (int e = 0; e < D; e += 16) _mm512_storeu_ps(y + e, _mm512_mul_ps(_mm512_loadu_ps(y + e), sv));
-    return;
+    h0 = 16;
   }
 #elif defined(__AVX2__)
-  if (B >= 8) { /* 8 lanes at a time: lane l pairs with lane l ^ h, the upper one takes b - a */
-    for (int k = 0, h = 1; h < 8; k++, h *= 2) {
-      const __m256i partner = _mm256_xor_si256(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(h));
+  if (B >= 8) { /* the same in 8 lanes */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int h = 1; h < 8; h *= 2) {
+      const __m256i partner = _mm256_xor_si256(lane, _mm256_set1_epi32(h));
+      const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(h)),
+                                                                  _mm256_setzero_si256()));
       for (int e = 0; e < D; e += 8) {
         const __m256 a = _mm256_loadu_ps(y + e), b = _mm256_permutevar8x32_ps(a, partner);
-        const __m256 sum = _mm256_add_ps(a, b), diff = _mm256_sub_ps(b, a);
-        _mm256_storeu_ps(y + e, k == 0 ? _mm256_blend_ps(sum, diff, 0xAA)
-                                       : k == 1 ? _mm256_blend_ps(sum, diff, 0xCC) : _mm256_blend_ps(sum, diff, 0xF0));
+        _mm256_storeu_ps(y + e, _mm256_blendv_ps(_mm256_add_ps(a, b), _mm256_sub_ps(b, a), upper));
       }
     }
-    for (int o = 0; o < D; o += B)
-      for (int h = 8; h < B; h *= 2)
-        for (int i = o; i < o + B; i += 2 * h)
-          for (int j = i; j < i + h; j += 8) {
-            const __m256 a = _mm256_loadu_ps(y + j), b = _mm256_loadu_ps(y + j + h);
-            _mm256_storeu_ps(y + j, _mm256_add_ps(a, b));
-            _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, b));
-          }
-    const __m256 sv = _mm256_set1_ps(scale);
-    for (int e = 0; e < D; e += 8) _mm256_storeu_ps(y + e, _mm256_mul_ps(_mm256_loadu_ps(y + e), sv));
-    return;
+    h0 = 8;
   }
 #endif
   for (int o = 0; o < D; o += B)
-    for (int h = 1; h < B; h *= 2)
+    for (int h = h0; h < B; h *= 2)
       for (int i = o; i < o + B; i += 2 * h)
         for (int j = i; j < i + h; j++) {
           const float a = y[j], b = y[j + h];
@@ -958,6 +940,20 @@ static int fit_half(const uint8_t* scales, size_t n, int T) {
    float32. A verification's few rows decode in place instead, 4 (row, head) pairs sharing each decoded key: a
    copy's writes would cost about what they save. */
 #define DEQUANTIZE_ROWS 16
+
+/* Whether every key and value of request b's context (quantized pages: scales [KVH, num_slots, D / 32]) is a
+   binary16 exactly (`fit_half`). */
+static int context_fits_half(const Plan* p, int b, const uint8_t* k_scales, const uint8_t* v_scales) {
+  const int D = p->head_dim, ps = p->page_size, n = p->ctx_lens[b];
+  const size_t scale_head = (size_t)p->num_slots * (D / 32);
+  for (int h = 0; h < p->kv_heads; h++)
+    for (int j0 = 0; j0 < n; j0 += ps) {
+      const size_t at = h * scale_head + page_at(p, p->tables + (size_t)b * p->table_width, j0) / 32;
+      const size_t count = (size_t)(n - j0 < ps ? n - j0 : ps) * (D / 32);
+      if (!fit_half(k_scales + at, count, p->k_type) || !fit_half(v_scales + at, count, p->v_type)) return 0;
+    }
+  return 1;
+}
 #define MAX_DEQUANTIZED_BYTES (64L << 20)
 
 /* A scratch buffer of the calling thread of at least `bytes`, kept and grown (a fresh allocation of a prompt's
@@ -1125,12 +1121,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   }
   int half = scratch != NULL;
   for (int b = 0; half && b < p->batch; b++)
-    for (int h = 0; half && first_page[b] >= 0 && h < KVH; h++)
-      for (int j0 = 0; half && j0 < p->ctx_lens[b]; j0 += ps) {
-        const size_t at = page_at(p, p->tables + (size_t)b * p->table_width, j0) / 32;
-        const size_t n = (size_t)(p->ctx_lens[b] - j0 < ps ? p->ctx_lens[b] - j0 : ps) * (D / 32);
-        half = fit_half(k_scales + h * scale_head + at, n, p->k_type) && fit_half(v_scales + h * scale_head + at, n, p->v_type);
-      }
+    half = first_page[b] < 0 || context_fits_half(p, b, k_scales, v_scales);
   const long units = scratch != NULL ? copied * KVH : 0; /* (KV head, page) to decode */
   const size_t head_bytes_copied = (size_t)copied * ps * D * (half ? 2 : 4); /* one KV head's keys (or values) */
   Plan dense = *p;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specchat.engine.kv_pages import rotation_matrix
+from specchat.engine.kv_pages import hadamard_block, rotation_matrix
 from specchat.engine.model import apply_rope
 from specchat.kernels import cpu_attention, cpu_ops, kv_quant
 from specchat.kernels.attention import AttentionMetadata, paged_attention_reference
@@ -181,7 +181,7 @@ ROTATIONS = ["none", "hadamard", "per-head"]  # no rotation; the pools' rotation
 def page_rotation(kind: str, kv_heads: int, head_dim: int, rule: str = "mse") -> cpu_attention.PageRotation:
     """The rotation of a pool without rotation, with its Hadamard rotation, or with a (random) key transform per
     KV head as well (the kernel applies whatever matrices it gets: they need not be inverses here)."""
-    block, scale = head_dim & -head_dim, float(rotation_matrix(head_dim)[0, 0])
+    block, scale = hadamard_block(head_dim), float(rotation_matrix(head_dim)[0, 0])
     if kind == "none":
         return cpu_attention.PageRotation(None, None, 0, 1.0, rule)
     if kind == "hadamard":
@@ -291,7 +291,7 @@ def test_the_hadamard_butterflies_are_the_rotation_matrix(head_dim):
     """The kernel's R (butterflies in blocks, then the scale) is hadamard_rows_ref's bit for bit, and
     kv_pages.rotation_matrix's product within float32 rounding (blocks of 32 at head_dim 96; 1/sqrt(128) inexact)."""
     rotation = rotation_matrix(head_dim)
-    block, scale = head_dim & -head_dim, float(rotation[0, 0])
+    block, scale = hadamard_block(head_dim), float(rotation[0, 0])
     y = torch.randn(40, head_dim, generator=gen(6)) * 5
     want = cpu_attention.hadamard_rows_ref(y, block, scale)
     torch.testing.assert_close(want, y @ rotation, rtol=1e-5, atol=1e-5)
