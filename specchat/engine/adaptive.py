@@ -47,6 +47,7 @@ MIN_COST_PER_DRAFT = 0.02  # a draft token is never free: the floor under noisy 
 PROBE_EVERY = 8  # idle steps between probes with k = 1
 REMEASURE_PLAIN_EVERY = 64  # drafting steps between plain steps that refresh the reference time
 SPIKE = 1.5  # a step time above SPIKE x its running estimate counts as SPIKE x: the rest is the machine, not k
+MEMORY_WEIGHT = 0.5  # weight of a finished request in what its drafter's next request starts from (RateMemory)
 
 
 @dataclass(slots=True)
@@ -154,6 +155,14 @@ class AdaptiveK:
                 best, best_gain = k, gain
         return best
 
+    def next_k(self) -> int:
+        """The k to draft next from the current rates: the largest of the sources' best k (as `update` ends)."""
+        nxt = self.best_k()
+        if self.sources:
+            self.source_k = {"": nxt} | {name: self.best_k(r) for name, r in self.sources.items()}
+            nxt = max(self.source_k.values())
+        return nxt
+
     def best_k_reference(self) -> int:
         """best_k term by term, from expected_tokens and step_cost (what the tests hold best_k to)."""
         gains = [self.expected_tokens(k) / self.step_cost(k) for k in range(self.k_max + 1)]
@@ -187,10 +196,10 @@ class AdaptiveK:
         if probed and accepted == 0:  # a failed probe: back to idling, not k = 1 until the first rate decays
             self.idle_steps += 1
             return 0
-        nxt = self.best_k()
         if self.sources:
             self.source_probes.discard(source)
-            self.source_k = {"": nxt} | {name: self.best_k(r) for name, r in self.sources.items()}
+        nxt = self.next_k()
+        if self.sources:
             self._probe_idle_sources()
             nxt = max(self.source_k.values())
         if nxt > 0:
@@ -226,6 +235,54 @@ class AdaptiveK:
                 self.source_idle[name] = idle
             if name in self.source_probes:
                 self.source_k[name] = 1
+
+
+@dataclass(slots=True)
+class RateMemory:
+    """What finished requests learnt of each drafter, for its next request to start from: a chat's next turn or a
+    batch's next request would otherwise start at the optimistic prior and draft long until its own misses taught
+    it (CPU, heads alone: a 128-token answer spent its first ~15 steps at k = 2..4 where k = 1 pays). Per drafter
+    and draft source: the acceptance rates, folded over finished requests with MEMORY_WEIGHT on the newest, the
+    deepest position tested, and the newest request's step times. Seeded sampled requests neither teach nor learn
+    from it (their k must not depend on what ran before them: scheduler._seeded)."""
+
+    weight: float = MEMORY_WEIGHT
+    rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (drafter, source) -> a_1 .. a_kmax
+    depths: dict[tuple[str, str], int] = field(default_factory=dict)
+    step_ms: dict[str, list[float | None]] = field(default_factory=dict)  # drafter -> step times at k = 0 .. k_max
+
+    def remember(self, drafter: str, controller: AdaptiveK) -> None:
+        """Fold in what a finished request's controller learnt (only the sources it tested)."""
+        for source, depth in controller.depths.items():
+            rates = controller.rates if source == "" else controller.sources[source]
+            key = (drafter, source)
+            old = self.rates.get(key)
+            if old is None or len(old) != len(rates):
+                self.rates[key] = list(rates)
+            else:
+                self.rates[key] = [o + self.weight * (r - o) for o, r in zip(old, rates, strict=True)]
+            self.depths[key] = max(self.depths.get(key, 0), depth)
+        if any(t is not None for t in controller.step_ms):
+            self.step_ms[drafter] = list(controller.step_ms)
+
+    def start(self, drafter: str, controller: AdaptiveK, k: int) -> int:
+        """Start a request's fresh controller from what its drafter's finished requests learnt; returns its first
+        k (`k`, the caller's default, where nothing was learnt yet)."""
+        learnt = False
+        for source in ("", *controller.sources):
+            rates = self.rates.get((drafter, source))
+            if rates is None or len(rates) != controller.k_max:
+                continue
+            if source:
+                controller.sources[source] = list(rates)
+            else:
+                controller.rates = list(rates)
+            controller.depths[source] = self.depths[(drafter, source)]
+            learnt = True
+        times = self.step_ms.get(drafter)
+        if times is not None and len(times) == controller.k_max + 1:
+            controller.step_ms = list(times)
+        return controller.next_k() if learnt else k
 
 
 @dataclass(slots=True)

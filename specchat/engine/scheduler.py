@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from specchat.engine.adaptive import DraftGate, StepCosts
+from specchat.engine.adaptive import DraftGate, RateMemory, StepCosts
 from specchat.engine.drafters import DrafterCache, NoDrafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
@@ -51,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
+        self.memory = RateMemory()  # what finished adaptive requests learnt, per drafter, for the next ones
         # per (the batch's drafters, its size bucket): the cap on k that pays end to end (auto k)
         self.gates: dict[GateKey, DraftGate] = {}
         # the step being run, where its decoding requests all choose k adaptively: its gate, start, cap on k
@@ -78,6 +79,8 @@ class Scheduler:
                 seq.finish_reason = "cancelled"
 
     def _finish(self, seq: Sequence, events: list[Event]) -> None:
+        if seq.adaptive is not None and not _seeded(seq):
+            self.memory.remember(seq.spec.drafter, seq.adaptive)
         if seq.status is Status.RUNNING:
             self.pool.free(seq.seq_id, seq.all_ids[: seq.num_cached])
             self.drafters.release(seq)
@@ -134,6 +137,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_cached = self.pool.add(seq.seq_id, seq.all_ids)
             seq.status = Status.RUNNING
+            if seq.adaptive is not None and not seq.adaptive.depths and not _seeded(seq):  # fresh, not preempted
+                seq.k = self.memory.start(seq.spec.drafter, seq.adaptive, seq.k)
             self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -18,6 +18,7 @@ from specchat.engine.adaptive import (
     TRIAL_STEPS,
     AdaptiveK,
     DraftGate,
+    RateMemory,
     StepCosts,
 )
 from specchat.engine.drafters import Draft, Drafter
@@ -217,6 +218,7 @@ def test_k_change_takes_effect_next_step(tiny_engine):
 
 
 def test_auto_k_stops_drafting_a_drafter_that_never_pays(tiny_engine):
+    tiny_engine.scheduler.memory = RateMemory()  # a fresh start: no earlier request's rates (see below)
     tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
     sampling = SamplingParams(max_tokens=120, ignore_eos=True)
     events = step_events(tiny_engine.submit("hello", sampling, SpecParams("fixed-wrong", k=None, k_max=6)))
@@ -228,6 +230,47 @@ def test_auto_k_stops_drafting_a_drafter_that_never_pays(tiny_engine):
     # steps remain, with probes (and the odd step a stall misleads).
     late = ks[40:]
     assert late.count(0) > 0.8 * len(late), ks
+
+
+def test_rate_memory_folds_finished_requests_and_starts_the_next_from_them():
+    memory = RateMemory(weight=0.5)
+    fresh = AdaptiveK.for_sources(4, ("ngram",))
+    assert memory.start("d", fresh, 3) == 3 and fresh.rates == [fresh.prior] * 4  # nothing learnt yet: unchanged
+    first = AdaptiveK.for_sources(4, ("ngram",))
+    for _ in range(30):
+        first.update(2, 0, 5.0 + random.random())  # the drafter's own drafts: the first always rejected
+    first.update(3, 3, 6.0, source="ngram")  # the n-grams: all three accepted
+    memory.remember("d", first)
+    assert memory.rates[("d", "")] == first.rates and memory.depths[("d", "ngram")] == 3
+    assert memory.step_ms["d"] == first.step_ms
+    second = AdaptiveK.for_sources(4, ("ngram",))
+    second.rates = [1.0] * 4
+    second.depths[""] = 1
+    memory.remember("d", second)  # folded at weight 0.5 where both tested
+    assert memory.rates[("d", "")] == pytest.approx([(a + 1.0) / 2 for a in first.rates])
+    assert ("d", "") in memory.rates and ("other", "") not in memory.rates
+    nxt = AdaptiveK.for_sources(4, ("ngram",))
+    k = memory.start("d", nxt, 4)
+    assert nxt.rates == memory.rates[("d", "")] and nxt.sources["ngram"] == memory.rates[("d", "ngram")]
+    assert nxt.depths == {"": 1, "ngram": 3} and nxt.step_ms == first.step_ms and k == nxt.next_k()
+    assert memory.start("d", AdaptiveK.for_sources(6, ("ngram",)), 4) == 4  # another k_max: not comparable
+
+
+def test_a_request_starts_from_what_its_drafters_finished_requests_learnt(tiny_engine):
+    """A chat's next turn starts from the acceptance the last ones saw instead of the optimistic prior (CPU,
+    heads alone, 48-token answers: 1.10x -> 1.16x plain decoding; docs/benchmarks.md, "Fifteenth session")."""
+    tiny_engine.scheduler.memory = RateMemory()
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    auto = SpecParams("fixed-wrong", k=None)
+    first = step_events(tiny_engine.submit("hello", SamplingParams(max_tokens=40, ignore_eos=True), auto))
+    assert first[0].record.k > 0  # the prior: drafting pays until the misses show
+    again = step_events(tiny_engine.submit("hello", SamplingParams(max_tokens=8, ignore_eos=True), auto))
+    assert again[0].record.k == 0  # the first request's misses: it starts idle
+    # a seeded sampled request neither starts from the memory (its k must not depend on what ran before it) ...
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    learnt = dict(tiny_engine.scheduler.memory.rates)
+    assert step_events(tiny_engine.submit("hello", seeded, auto))[0].record.k > 0
+    assert tiny_engine.scheduler.memory.rates == learnt  # ... nor teaches it
 
 
 def test_a_requests_first_decode_step_is_not_timed_for_its_controller(tiny_engine, monkeypatch):
