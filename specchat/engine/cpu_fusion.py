@@ -11,13 +11,15 @@ objects. `--eager` never fuses (engine/loading.py): that is the reference the te
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from specchat.engine.cpu_weights import BlockLinear
 from specchat.engine.fusion import swap_classes
 from specchat.engine.kv_batch import KVBatch
-from specchat.engine.model import Block, KVAttention, RMSNorm, Rotary, SiluAndMul
+from specchat.engine.model import Block, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
 from specchat.kernels import cpu_block, cpu_ops
 
 
@@ -52,19 +54,26 @@ class CpuBlock(Block):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
         if not cpu_ops.supported(x):
             return super().forward(x, cos, sin, kv)
-        attn = self.attn
-        pages = (
-            kv.cpu_pages(attn.layer, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            if isinstance(kv, KVBatch)
-            else None
-        )
-        weights = self.block_weights() if pages is not None else None
-        if weights is None or self._modules["mlp"]._modules["w_gate_up"].takes_gemm(x.numel() // x.shape[-1]):
-            return self.forward_ops(x, cos, sin, kv)  # (float rows of a long prompt: the GEMM is faster there)
-        plan, k_pages, v_pages, rotation = pages
+        call = self.one_call(x.numel() // x.shape[-1], kv)
+        if call is None:
+            return self.forward_ops(x, cos, sin, kv)
+        weights, (plan, k_pages, v_pages, rotation) = call
         return cpu_block.decode_block(
             weights, plan, x.contiguous(), cos, sin, k_pages, v_pages, torch.get_num_threads(), rotation
         )
+
+    def one_call(self, rows: int, kv: KVAttention) -> tuple[cpu_block.BlockWeights, tuple] | None:
+        """(bound weights, the step's pages for this layer: KVBatch.cpu_pages) where this block runs as one C call
+        over `rows` float32 rows, else None (the attention is not the CPU kernel's, a linear does not read GGUF
+        blocks, or the rows are a long prompt's, where the float GEMM is faster)."""
+        attn = self.attn
+        if not isinstance(kv, KVBatch):
+            return None
+        pages = kv.cpu_pages(attn.layer, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        weights = self.block_weights() if pages is not None else None
+        if weights is None or self._modules["mlp"]._modules["w_gate_up"].takes_gemm(rows):
+            return None
+        return weights, pages
 
     def block_weights(self) -> cpu_block.BlockWeights | None:
         """The block's weights bound for kernels/cpu_block.py, or None where a linear is not a BlockLinear (HF
@@ -97,7 +106,31 @@ class CpuBlock(Block):
         return x + self.mlp(h)
 
 
-FUSED = {Block: CpuBlock, RMSNorm: CpuRMSNorm, Rotary: CpuRotary, SiluAndMul: CpuSiluAndMul}
+class CpuTransformer(Transformer):
+    """Transformer whose blocks run in one C call (kernels/cpu_block.py `decode_layers`) where each would run as one
+    (`CpuBlock.one_call`): the Python between blocks is left out (default model, int8 rows, 2 threads: a decode step
+    4.07 -> 3.36 ms; docs/benchmarks.md, "Fifteenth session"). Otherwise the blocks one by one."""
+
+    def run_blocks(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention, taps: Sequence[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        rows = x.numel() // x.shape[-1]
+        calls = [b.one_call(rows, kv) if isinstance(b, CpuBlock) else None for b in self._modules["layers"]]
+        if not (cpu_ops.supported(x) and calls and all(c is not None for c in calls)):
+            return super().run_blocks(x, cos, sin, kv, taps)
+        plan = calls[0][1][0]
+        assert all(pages[0] is plan for _, pages in calls), "one plan per step"
+        weights, pages = [w for w, _ in calls], [pages[1:] for _, pages in calls]
+        return cpu_block.decode_layers(weights, plan, x.contiguous(), cos, sin, pages, taps, torch.get_num_threads())
+
+
+FUSED = {
+    Transformer: CpuTransformer,
+    Block: CpuBlock,
+    RMSNorm: CpuRMSNorm,
+    Rotary: CpuRotary,
+    SiluAndMul: CpuSiluAndMul,
+}
 PLAIN = {fused: plain for plain, fused in FUSED.items()}
 
 

@@ -245,14 +245,21 @@ class Transformer(nn.Module):
         """
         x = self.embed(ids)  # [T, hidden]
         cos, sin = self.rope(positions)
+        x, hidden = self.run_blocks(x, cos, sin, kv, taps)
+        if logits_at is not None:
+            x = x[logits_at]
+        return self.lm_head(self.norm(x)).float(), hidden
+
+    def run_blocks(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention, taps: Sequence[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The blocks in turn: (the last one's output, {block i in taps: its output})."""
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, kv)
             if i in taps:
                 hidden[i] = x
-        if logits_at is not None:
-            x = x[logits_at]
-        return self.lm_head(self.norm(x)).float(), hidden
+        return x, hidden
 
 
 def skeleton(cfg: ModelConfig) -> Transformer:

@@ -19,6 +19,7 @@ the two norm weights, and the optional q/k/v bias.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from functools import cache
 
 import torch
@@ -89,6 +90,27 @@ int decode_block(const Block* b, const Plan* p, int T, const float* x, const flo
   free(scratch);
   return status;
 }
+
+/* The step's blocks in turn, x [T, hidden] -> out (one call instead of one per block). Layer l reads pages[5 l ..
+   5 l + 4] (key elements, key scales, value elements, value scales, rotation, as decode_block takes them) and, where
+   taps[l] is not NULL, copies its output there. Returns 0, or -1 when scratch memory cannot be allocated. */
+int decode_layers(const Block* const* blocks, int layers, const Plan* p, int T, const float* x, const float* cos,
+                  const float* sin, void* const* pages, float* const* taps, float* out, int threads) {
+  const size_t n = (size_t)T * blocks[0]->hidden;
+  float* other = malloc(n * sizeof(float));
+  if (other == NULL) return -1;
+  const float* in = x;
+  int status = 0;
+  for (int l = 0; l < layers && status == 0; l++) {
+    float* dst = (layers - l) % 2 ? out : other;  /* the last layer writes out */
+    void* const* pg = pages + 5 * (size_t)l;
+    status = decode_block(blocks[l], p, T, in, cos, sin, pg[0], pg[1], pg[2], pg[3], pg[4], dst, threads);
+    if (taps[l] != NULL) memcpy(taps[l], dst, n * sizeof(float));
+    in = dst;
+  }
+  free(other);
+  return status;
+}
 """
 
 
@@ -122,6 +144,9 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_block.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(cpu_attention.Plan), i32, ptr, ptr, ptr]
     lib.decode_block.argtypes += [ptr, ptr, ptr, ptr, ctypes.POINTER(cpu_attention.Rotation), ptr, i32]
     lib.decode_block.restype = ctypes.c_int
+    lib.decode_layers.argtypes = [ptr, i32, ctypes.POINTER(cpu_attention.Plan), i32, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.decode_layers.argtypes += [i32]
+    lib.decode_layers.restype = ctypes.c_int
     return lib
 
 
@@ -198,3 +223,40 @@ def decode_block(
     if status != 0:
         raise MemoryError("cpu_block.decode_block: no memory for the block's scratch rows")
     return out
+
+
+def decode_layers(
+    weights: list[BlockWeights],
+    plan: cpu_attention.AttentionPlan,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pages: list[tuple[cpu_attention.Pages, cpu_attention.Pages, cpu_attention.PageRotation | None]],
+    taps: Sequence[int],
+    threads: int,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`decode_block` for each block in turn in one C call: x [T, hidden] -> (the last block's output, {layer: its
+    output} for the layers in `taps`); pages[l] = layer l's (key pages, value pages, rotation). The same calls in
+    the same order as block by block, so the same bits (tests/kernels/test_cpu_block.py)."""
+    t, layers = plan.tokens, len(weights)
+    assert layers == len(pages) > 0 and all(w.hidden == weights[0].hidden for w in weights)
+    assert x.shape == (t, weights[0].hidden) and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu, x.shape
+    for rot in (cos, sin):
+        assert rot.shape == (t, plan.head_dim) and rot.dtype == torch.float32 and rot.is_contiguous(), rot.shape
+    pointers = []
+    for k, v, rotation in pages:  # (the rotation by address: page_pointers gives it byref, for a call's argument)
+        pointers += [
+            *cpu_attention.page_pointers(plan, k, v, rotation)[:4],
+            rotation and ctypes.addressof(rotation.struct),
+        ]
+    hidden = {layer: torch.empty(t, weights[0].hidden) for layer in taps if 0 <= layer < layers}
+    tap_ptrs = [hidden[layer].data_ptr() if layer in hidden else None for layer in range(layers)]
+    out = torch.empty(t, weights[0].hidden)
+    status = _library().decode_layers(
+        (ctypes.c_void_p * layers)(*(ctypes.addressof(w.struct) for w in weights)), layers, plan.ref, t,
+        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), (ctypes.c_void_p * (5 * layers))(*pointers),
+        (ctypes.c_void_p * layers)(*tap_ptrs), out.data_ptr(), threads,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("cpu_block.decode_layers: no memory for the blocks' scratch rows")
+    return out, hidden

@@ -36,11 +36,12 @@ def counted(monkeypatch, owner, name: str) -> list:
 def test_fuse_swaps_blocks_norms_rotary_and_activation_and_unfuse_swaps_them_back():
     model = Transformer(CFG)
     parameters = list(model.parameters())
-    assert cpu_fusion.fuse(model) == 2 * 5 + 1  # block, two norms, rotary, act per layer + the final norm
+    assert cpu_fusion.fuse(model) == 2 * 5 + 2  # block, two norms, rotary, act per layer + the final norm, model
     assert isinstance(model.layers[0], cpu_fusion.CpuBlock) and isinstance(model.norm, cpu_fusion.CpuRMSNorm)
+    assert isinstance(model, cpu_fusion.CpuTransformer)
     assert cpu_fusion.fuse(model) == 0  # already fused
-    assert cpu_fusion.unfuse(model) == 11
-    assert type(model.layers[0]) is Block and type(model.norm) is RMSNorm
+    assert cpu_fusion.unfuse(model) == 12
+    assert type(model.layers[0]) is Block and type(model.norm) is RMSNorm and type(model) is Transformer
     assert type(model.layers[1].attn.rotary) is Rotary and type(model.layers[1].mlp.act) is SiluAndMul
     assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))  # the same tensors
 
@@ -125,9 +126,15 @@ def with_gguf_blocks(model: Transformer, seed: int = 0) -> Transformer:
 
 
 def run_steps(
-    model: Transformer, feeds: list[list[int]], cpu_kernels: bool = True, kv_format: str = "auto", key_transform=None
+    model: Transformer,
+    feeds: list[list[int]],
+    cpu_kernels: bool = True,
+    kv_format: str = "auto",
+    key_transform=None,
+    taps: tuple[int, ...] = (),
 ) -> tuple[list, KVPool]:
-    """Feed one request's tokens step by step through a KV pool; the logits of each step's rows."""
+    """Feed one request's tokens step by step through a KV pool; the logits of each step's rows (with `taps`:
+    (logits, {layer: hidden}) each)."""
     cfg = model.cfg
     pool = KVPool(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, torch.float32, "cpu", kv_format=kv_format,
@@ -139,9 +146,34 @@ def run_steps(
         for feed in feeds:
             kv = pool.prepare([0], [len(feed)], cfg.head_dim**-0.5)
             positions = torch.arange(start, start + len(feed))
-            out.append(model(torch.tensor(feed), positions, kv)[0])
+            logits_and_hidden = model(torch.tensor(feed), positions, kv, taps)
+            out.append(logits_and_hidden if taps else logits_and_hidden[0])
             start += len(feed)
     return out, pool
+
+
+def test_all_blocks_in_one_call_equal_one_call_a_block():
+    """decode_layers runs decode_block for each block in turn: bit-equal logits, tapped hidden states and KV pages,
+    for prefill, decode and verification steps."""
+    torch.manual_seed(4)
+    model = with_gguf_blocks(Transformer(CFG).eval(), seed=4)
+    cpu_fusion.fuse(model)
+    taps = (0, CFG.num_layers - 1)
+    with pytest.MonkeyPatch.context() as m:
+        layers = counted(m, cpu_block, "decode_layers")
+        whole, whole_pool = run_steps(model, FEEDS, taps=taps)
+        assert len(layers) == len(FEEDS)  # one call a step, the prefill's too
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cpu_fusion.CpuTransformer, "run_blocks", Transformer.run_blocks)
+        blocks = counted(m, cpu_block, "decode_block")
+        each, each_pool = run_steps(model, FEEDS, taps=taps)
+        assert len(blocks) == len(FEEDS) * CFG.num_layers
+    for (a, hidden_a), (b, hidden_b) in zip(whole, each, strict=True):
+        assert torch.equal(a, b) and hidden_a.keys() == hidden_b.keys() == set(taps)
+        assert all(torch.equal(hidden_a[i], hidden_b[i]) for i in taps)
+    for layer in range(CFG.num_layers):
+        assert torch.equal(whole_pool.store.k[layer].data[:, :16], each_pool.store.k[layer].data[:, :16])
+        assert torch.equal(whole_pool.store.v[layer].data[:, :16], each_pool.store.v[layer].data[:, :16])
 
 
 def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
@@ -151,9 +183,9 @@ def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
     model = with_gguf_blocks(Transformer(CFG).eval())
     cpu_fusion.fuse(model)
     feeds = FEEDS
-    calls = counted(monkeypatch, cpu_block, "decode_block")
+    calls = counted(monkeypatch, cpu_block, "decode_layers")
     whole, whole_pool = run_steps(model, feeds)
-    assert len(calls) == len(feeds) * CFG.num_layers  # every step, the prefill too
+    assert len(calls) == len(feeds)  # every step, the prefill too
     monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
     ops, ops_pool = run_steps(model, feeds)
     assert all(torch.equal(a, b) for a, b in zip(whole, ops, strict=True))
@@ -176,9 +208,9 @@ def test_half_width_pages_take_the_c_kernel_and_match_the_reference(kv_format, m
     model = with_gguf_blocks(Transformer(CFG).eval(), seed=1)
     cpu_fusion.fuse(model)
     feeds = FEEDS
-    calls = counted(monkeypatch, cpu_block, "decode_block")
+    calls = counted(monkeypatch, cpu_block, "decode_layers")
     fused, fused_pool = run_steps(model, feeds, kv_format=kv_format)
-    assert len(calls) == len(feeds) * CFG.num_layers
+    assert len(calls) == len(feeds)
     assert fused_pool.store.k[0].data.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_format]
     cpu_fusion.unfuse(model)
     plain, plain_pool = run_steps(model, feeds, cpu_kernels=False, kv_format=kv_format)
@@ -208,9 +240,9 @@ def test_quantized_pages_take_the_whole_block_in_c_and_match_the_reference(kv_fo
     g = torch.Generator().manual_seed(3)
     a = torch.eye(32) + 0.1 * torch.randn(cfg.num_layers, cfg.num_kv_heads, 32, 32, generator=g)  # invertible
     steps = functools.partial(run_steps, model, feeds, kv_format=kv_format, key_transform=lambda: a)
-    calls = counted(monkeypatch, cpu_block, "decode_block")
+    calls = counted(monkeypatch, cpu_block, "decode_layers")
     whole, whole_pool = steps()
-    assert len(calls) == len(feeds) * cfg.num_layers  # every step, the prompt too
+    assert len(calls) == len(feeds)  # every step, the prompt too
     assert (whole_pool.store.key_transform is not None) == (kv_format == "mxfp4")
     monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
     calls = counted(monkeypatch, cpu_attention, "paged_attention_quantized")
