@@ -196,8 +196,7 @@ class AdaptiveK:
         if probed and accepted == 0:  # a failed probe: back to idling, not k = 1 until the first rate decays
             self.idle_steps += 1
             return 0
-        if self.sources:
-            self.source_probes.discard(source)
+        self.source_probes.discard(source)
         nxt = self.next_k()
         if self.sources:
             self._probe_idle_sources()

@@ -105,7 +105,7 @@ int decode_layers(const Block* const* blocks, int layers, const Plan* p, int T, 
     float* dst = (layers - l) % 2 ? out : other;  /* the last layer writes out */
     void* const* pg = pages + 5 * (size_t)l;
     status = decode_block(blocks[l], p, T, in, cos, sin, pg[0], pg[1], pg[2], pg[3], pg[4], dst, threads);
-    if (taps[l] != NULL) memcpy(taps[l], dst, n * sizeof(float));
+    if (status == 0 && taps[l] != NULL) memcpy(taps[l], dst, n * sizeof(float));
     in = dst;
   }
   free(other);
