@@ -30,7 +30,18 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from tests.kernels.test_cpu_ops import paged_case
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
-CASES = [([1], [1]), ([1], [128]), ([1], [256]), ([2], [256]), ([3], [256]), ([1], [512]), ([5], [512]), ([1] * 8, [256] * 8), ([1], [2048]), ([5], [2048])]
+CASES = [
+    ([1], [1]),
+    ([1], [128]),
+    ([1], [256]),
+    ([2], [256]),
+    ([3], [256]),
+    ([1], [512]),
+    ([5], [512]),
+    ([1] * 8, [256] * 8),
+    ([1], [2048]),
+    ([5], [2048]),
+]
 QUANTIZED = {"k8v4": ("mxfp8", "mxfp4"), "mxfp4": ("mxfp4", "mxfp4")}  # (key, value) element formats
 
 
