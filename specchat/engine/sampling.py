@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specchat.config import SamplingParams
+from specchat.kernels import cpu_ops
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -49,5 +50,5 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """logits [..., V] -> token ids [...]; argmax when greedy."""
     if params.greedy:
-        return logits.argmax(-1)
+        return cpu_ops.argmax(logits)
     return sample_from_probs(probs_from_logits(logits, params), generator)

@@ -24,6 +24,7 @@ import torch
 
 from specchat.config import SamplingParams
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
+from specchat.kernels import cpu_ops
 
 
 def verify(
@@ -88,7 +89,7 @@ def verify_batch(
     recovered token for every position at once (`_sample_on_device`). Everything stays on the device until
     the one `.tolist()` at the end. Returns (accepted, emitted) per request, as `verify` does.
     """
-    argmax = logits.argmax(-1)  # [rows]; the greedy requests' targets
+    argmax = cpu_ops.argmax(logits)  # [rows]; the greedy requests' targets
     sampled, start = [], 0
     for tokens, probs, sp, gen in zip(drafts, draft_probs, params, generators, strict=True):
         rows = logits[start : start + len(tokens) + 1]
@@ -121,7 +122,7 @@ def plain_tokens(
     """The next token of each request of a step without drafts (logits [n, V], one row each), left on the device:
     what `verify_batch` emits for k = 0, by the same operations (the argmax; `_sample_on_device`'s draw), so that
     a step can feed them to the next one before the host reads them (SpecStep's step ahead)."""
-    tokens = logits.argmax(-1)
+    tokens = cpu_ops.argmax(logits)
     if all(sp.greedy for sp in params):
         return tokens
     # row by row, without an index tensor from the host (on a GPU, a host-to-device copy from pageable memory

@@ -155,6 +155,45 @@ void silu_mul(int rows, int n, const float* gate_up, float* out) {
     for (; j < n; j++) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * u[j];
   }
 }
+
+/* Per row of x [rows, n] (n > 0): the index of its largest value, the first where several tie, or of its first NaN
+   where it holds one (torch.argmax's answer). Two passes: the largest value and whether a NaN is there, then the
+   first index holding it (-0.0 and 0.0 compare equal, as in torch). */
+void argmax_rows(int rows, long n, const float* x, int64_t* out) {
+  for (int r = 0; r < rows; r++) {
+    const float* v = x + (size_t)r * n;
+    long j = 0;
+    int nan = 0;
+    float m = -INFINITY;
+#ifdef __AVX2__
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+      const __m256 a = _mm256_loadu_ps(v + j);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      top = _mm256_max_ps(top, a);
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+#endif
+    for (; j < n; j++) {
+      nan |= v[j] != v[j];
+      m = v[j] > m ? v[j] : m;
+    }
+    j = 0;
+#ifdef __AVX2__
+    const __m256 target = _mm256_set1_ps(m);
+    for (; j + 8 <= n; j += 8) {
+      const __m256 a = _mm256_loadu_ps(v + j);
+      const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(a, a, _CMP_UNORD_Q) : _mm256_cmp_ps(a, target, _CMP_EQ_OQ));
+      if (hit) break;
+    }
+#endif
+    while (j < n && !(nan ? v[j] != v[j] : v[j] == m)) j++;
+    out[r] = j;
+  }
+}
 """
 
 # -O3 and the host's vector units; no contraction into fused multiply-adds beyond the ones written, so RoPE and
@@ -172,7 +211,8 @@ def _library() -> ctypes.CDLL | None:
     lib.add_rms_norm.argtypes = [i32, i32, ptr, ptr, ptr, f32, ptr, ptr]
     lib.rope_qk.argtypes = [i32, i32, i32, i32, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]
     lib.silu_mul.argtypes = [i32, i32, ptr, ptr]
-    for fn in (lib.rms_norm, lib.add_rms_norm, lib.rope_qk, lib.silu_mul):
+    lib.argmax_rows.argtypes = [i32, i64, ptr, ptr]
+    for fn in (lib.rms_norm, lib.add_rms_norm, lib.rope_qk, lib.silu_mul, lib.argmax_rows):
         fn.restype = None
     return lib
 
@@ -250,6 +290,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = _rows(gate_up, 2 * n)
     out = torch.empty(*gate_up.shape[:-1], n)
     _library().silu_mul(rows, n, gate_up.data_ptr(), out.data_ptr())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1), in C for a float32 CPU tensor (torch's took ~90 us over a 49,152-entry row of logits inside a
+    decoding step on a 2-core Xeon, ~5% of the step); any other tensor goes to torch."""
+    n = x.shape[-1] if x.dim() else 0
+    if n == 0 or not supported(x) or not x.is_contiguous():
+        return x.argmax(-1)
+    out = torch.empty(x.shape[:-1], dtype=torch.int64)
+    _library().argmax_rows(x.numel() // n, n, x.data_ptr(), out.data_ptr())
     return out
 
 

@@ -64,6 +64,23 @@ def test_silu_mul_matches_reference(rows, n):
     torch.testing.assert_close(cpu_ops.silu_mul(gate_up), cpu_ops.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(1, 49152), (2, 49152), (3, 7), (5, 8), (4, 17), (1, 1), (2, 3, 40)])
+def test_argmax_is_torchs(shape):
+    """The C argmax returns torch.argmax's index: the first of tied maxima, the first NaN where a row holds one,
+    the first -inf of an all -inf row, -0.0 equal to 0.0; any length, leading dims kept."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g).round(decimals=1)  # (rounded: ties)
+    rows = x.view(-1, shape[-1])
+    if rows.shape[0] >= 3 and shape[-1] >= 7:
+        rows[0, shape[-1] // 2] = rows[0, -1] = float("nan")
+        rows[1] = float("-inf")
+        rows[2] = 0.0
+        rows[2, 1] = -0.0
+    with torch.inference_mode():
+        got = cpu_ops.argmax(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+
+
 def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, page_size, seed=0, kv_dtype=torch.float32):
     """A ragged step over shuffled pages of kv_dtype: (plan, q, k, v, k_pages, v_pages, metadata) with the context
     before this step's tokens already stored."""

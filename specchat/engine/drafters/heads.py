@@ -40,6 +40,7 @@ from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.model import RMSNorm, Transformer
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
 from specchat.errors import ConfigError, ModelFormatError
+from specchat.kernels import cpu_ops
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
@@ -174,7 +175,7 @@ def choose_tokens(
 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """Draft logits [B, Vd] over `draft_vocab` (target ids) -> a token per request, and the distribution q it was
     drawn from over the full vocabulary (None for a greedy request: a point mass on the argmax)."""
-    best = draft_vocab[logits.argmax(-1)].tolist()
+    best = draft_vocab[cpu_ops.argmax(logits)].tolist()
     tokens, probs = [], []
     for b, seq in enumerate(seqs):
         if seq.sampling.greedy:
@@ -286,11 +287,11 @@ class HeadsDrafter(Drafter):
         `chain` captures; `draft_steps` is its reference)."""
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
-            return self.draft_vocab[self.output(states).argmax(-1)].T
+            return self.draft_vocab[cpu_ops.argmax(self.output(states))].T
         state, tokens = hidden, []
         for block in self.heads.blocks[:depth]:
             state = block(state, self.embed(prev))
-            prev = self.draft_vocab[self.output(state).argmax(-1)]
+            prev = self.draft_vocab[cpu_ops.argmax(self.output(state))]
             tokens.append(prev)
         return torch.stack(tokens, dim=1)
 
