@@ -156,43 +156,79 @@ void silu_mul(int rows, int n, const float* gate_up, float* out) {
   }
 }
 
-/* Per row of x [rows, n] (n > 0): the index of its largest value, the first where several tie, or of its first NaN
-   where it holds one (torch.argmax's answer). Two passes: the largest value and whether a NaN is there, then the
+/* argmax over v[lo, hi): (*nan = 0) the largest value and the first index holding it, or (*nan = 1) the index of
+   the first NaN; *at = -1 for an empty range. Two passes: the largest value and whether a NaN is there, then the
    first index holding it (-0.0 and 0.0 compare equal, as in torch). */
-void argmax_rows(int rows, long n, const float* x, int64_t* out) {
-  for (int r = 0; r < rows; r++) {
-    const float* v = x + (size_t)r * n;
-    long j = 0;
-    int nan = 0;
-    float m = -INFINITY;
+static void argmax_range(const float* v, long lo, long hi, float* best, long* at, int* nan) {
+  long j = lo;
+  int unordered_seen = 0;
+  float m = -INFINITY;
 #ifdef __AVX2__
-    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) {
-      const __m256 a = _mm256_loadu_ps(v + j);
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-      top = _mm256_max_ps(top, a);
-    }
-    nan = _mm256_movemask_ps(unordered) != 0;
-    float lanes[8];
-    _mm256_storeu_ps(lanes, top);
-    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
-#endif
-    for (; j < n; j++) {
-      nan |= v[j] != v[j];
-      m = v[j] > m ? v[j] : m;
-    }
-    j = 0;
-#ifdef __AVX2__
-    const __m256 target = _mm256_set1_ps(m);
-    for (; j + 8 <= n; j += 8) {
-      const __m256 a = _mm256_loadu_ps(v + j);
-      const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(a, a, _CMP_UNORD_Q) : _mm256_cmp_ps(a, target, _CMP_EQ_OQ));
-      if (hit) break;
-    }
-#endif
-    while (j < n && !(nan ? v[j] != v[j] : v[j] == m)) j++;
-    out[r] = j;
+  __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+  for (; j + 8 <= hi; j += 8) {
+    const __m256 a = _mm256_loadu_ps(v + j);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    top = _mm256_max_ps(top, a);
   }
+  unordered_seen = _mm256_movemask_ps(unordered) != 0;
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+#endif
+  for (; j < hi; j++) {
+    unordered_seen |= v[j] != v[j];
+    m = v[j] > m ? v[j] : m;
+  }
+  j = lo;
+#ifdef __AVX2__
+  const __m256 target = _mm256_set1_ps(m);
+  for (; j + 8 <= hi; j += 8) {
+    const __m256 a = _mm256_loadu_ps(v + j);
+    const __m256 hit = unordered_seen ? _mm256_cmp_ps(a, a, _CMP_UNORD_Q) : _mm256_cmp_ps(a, target, _CMP_EQ_OQ);
+    if (_mm256_movemask_ps(hit)) break;
+  }
+#endif
+  while (j < hi && !(unordered_seen ? v[j] != v[j] : v[j] == m)) j++;
+  *best = m;
+  *at = j < hi ? j : -1;
+  *nan = unordered_seen;
+}
+
+/* Per row of x [rows, n] (n > 0): the index of its largest value, the first where several tie, or of its first NaN
+   where it holds one (torch.argmax's answer). `threads` split each row's columns as the block kernels split a
+   linear's outputs (groups of 16, kernels/cpu_gemv_i8.py), so each thread reads the logits it wrote, from its own
+   cache: read by one thread, a 49,152-entry row cost ~90 us inside a step (~20 us when warm in its cache). Returns
+   0, or -1 without memory for the chunks' results. */
+int argmax_rows(int rows, long n, const float* x, int64_t* out, int threads) {
+  const long groups = (n + 15) / 16;
+  const int team = threads > 1 && n >= 4096 ? threads : 1;
+  float* best = malloc((size_t)rows * team * (sizeof(float) + sizeof(long) + sizeof(int)));
+  if (best == NULL) return -1;
+  long* at = (long*)(best + (size_t)rows * team);
+  int* nan = (int*)(at + (size_t)rows * team);
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int t = 0; t < team; t++) {
+    long lo = 16 * (groups * t / team), hi = 16 * (groups * (t + 1) / team);
+    hi = hi < n ? hi : n;
+    for (int r = 0; r < rows; r++) {
+      const size_t c = (size_t)r * team + t;
+      argmax_range(x + (size_t)r * n, lo, hi, best + c, at + c, nan + c);
+    }
+  }
+  for (int r = 0; r < rows; r++) {  /* the chunks in order: the first NaN, else the largest value's first index */
+    long res = -1;
+    float m = 0.0f;
+    int any_nan = 0;
+    for (int t = 0; t < team; t++) {
+      const size_t c = (size_t)r * team + t;
+      if (at[c] < 0 || any_nan) continue;
+      if (nan[c]) any_nan = 1, res = at[c];
+      else if (res < 0 || best[c] > m) m = best[c], res = at[c];
+    }
+    out[r] = res;
+  }
+  free(best);
+  return 0;
 }
 """
 
@@ -211,8 +247,9 @@ def _library() -> ctypes.CDLL | None:
     lib.add_rms_norm.argtypes = [i32, i32, ptr, ptr, ptr, f32, ptr, ptr]
     lib.rope_qk.argtypes = [i32, i32, i32, i32, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]
     lib.silu_mul.argtypes = [i32, i32, ptr, ptr]
-    lib.argmax_rows.argtypes = [i32, i64, ptr, ptr]
-    for fn in (lib.rms_norm, lib.add_rms_norm, lib.rope_qk, lib.silu_mul, lib.argmax_rows):
+    lib.argmax_rows.argtypes = [i32, i64, ptr, ptr, i32]
+    lib.argmax_rows.restype = ctypes.c_int
+    for fn in (lib.rms_norm, lib.add_rms_norm, lib.rope_qk, lib.silu_mul):
         fn.restype = None
     return lib
 
@@ -294,13 +331,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1), in C for a float32 CPU tensor (torch's took ~90 us over a 49,152-entry row of logits inside a
-    decoding step on a 2-core Xeon, ~5% of the step); any other tensor goes to torch."""
+    """x.argmax(-1), in C for a float32 CPU tensor, each thread over the columns it wrote (torch's took ~90 us over
+    a 49,152-entry row of logits inside a decoding step on a 2-core Xeon); any other tensor goes to torch."""
     n = x.shape[-1] if x.dim() else 0
-    if n == 0 or not supported(x) or not x.is_contiguous():
+    # (grad mode does not matter here, unlike for `supported`'s kernels: an index carries no gradient; the engine
+    # verifies outside inference mode)
+    if n == 0 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or _library() is None:
         return x.argmax(-1)
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
-    _library().argmax_rows(x.numel() // n, n, x.data_ptr(), out.data_ptr())
+    if _library().argmax_rows(x.numel() // n, n, x.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
+        return x.argmax(-1)  # (no memory for the per-thread results)
     return out
 
 
