@@ -196,16 +196,15 @@ static void argmax_range(const float* v, long lo, long hi, float* best, long* at
 
 /* Per row of x [rows, n] (n > 0): the index of its largest value, the first where several tie, or of its first NaN
    where it holds one (torch.argmax's answer). `threads` split each row's columns as the block kernels split a
-   linear's outputs (groups of 16, kernels/cpu_gemv_i8.py), so each thread reads the logits it wrote, from its own
-   cache: read by one thread, a 49,152-entry row cost ~90 us inside a step (~20 us when warm in its cache). Returns
-   0, or -1 without memory for the chunks' results. */
+   linear's outputs (groups of 16, kernels/cpu_gemv_i8.py): each thread reads the logits its GEMV thread wrote.
+   Returns 0, or -1 without memory for the chunks' results. */
 int argmax_rows(int rows, long n, const float* x, int64_t* out, int threads) {
   const long groups = (n + 15) / 16;
   const int team = threads > 1 && n >= 4096 ? threads : 1;
-  float* best = malloc((size_t)rows * team * (sizeof(float) + sizeof(long) + sizeof(int)));
-  if (best == NULL) return -1;
-  long* at = (long*)(best + (size_t)rows * team);
-  int* nan = (int*)(at + (size_t)rows * team);
+  long* at = malloc((size_t)rows * team * (sizeof(long) + sizeof(float) + sizeof(int)));
+  if (at == NULL) return -1;
+  float* best = (float*)(at + (size_t)rows * team);
+  int* nan = (int*)(best + (size_t)rows * team);
 #pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
   for (int t = 0; t < team; t++) {
     long lo = 16 * (groups * t / team), hi = 16 * (groups * (t + 1) / team);
@@ -227,7 +226,7 @@ int argmax_rows(int rows, long n, const float* x, int64_t* out, int threads) {
     }
     out[r] = res;
   }
-  free(best);
+  free(at);
   return 0;
 }
 """
