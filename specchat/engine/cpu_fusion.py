@@ -114,9 +114,14 @@ class CpuTransformer(Transformer):
     def run_blocks(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention, taps: Sequence[int]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        rows = x.numel() // x.shape[-1]
-        calls = [b.one_call(rows, kv) if isinstance(b, CpuBlock) else None for b in self._modules["layers"]]
-        if not (cpu_ops.supported(x) and calls and all(c is not None for c in calls)):
+        layers, rows = self._modules["layers"], x.numel() // x.shape[-1]
+        calls = []
+        for block in layers if cpu_ops.supported(x) else ():
+            call = block.one_call(rows, kv) if isinstance(block, CpuBlock) else None
+            if call is None:  # (a long prompt's rows: the first block says so, the others are not asked)
+                break
+            calls.append(call)
+        if not calls or len(calls) < len(layers):
             return super().run_blocks(x, cos, sin, kv, taps)
         plan = calls[0][1][0]
         assert all(pages[0] is plan for _, pages in calls), "one plan per step"

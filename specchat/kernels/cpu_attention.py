@@ -1170,7 +1170,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       Pages vp = {(const char*)v_pages + h * v_head, v_scales ? v_scales + h * scale_head : NULL};
       const Plan* plan = p;
       const int32_t* table = p->tables + (size_t)b * p->table_width;
-      if (scratch != NULL && first_page[b] >= 0) { /* its context as float32, decoded above */
+      if (scratch != NULL && first_page[b] >= 0) { /* its context as dense pages, decoded above */
         const size_t from = (size_t)first_page[b] * ps * D * (half ? 2 : 4);
         kp = (Pages){scratch + 2 * h * head_bytes_copied + from, NULL};
         vp = (Pages){scratch + (2 * h + 1) * head_bytes_copied + from, NULL};
