@@ -10,7 +10,7 @@ floats (docs/benchmarks.md, issue 20). Here each is one call through ctypes, on 
 - `rope_qk`: rotary embeddings, "rotate half" layout (model.apply_rope): o_i = x_i cos_i - x_{i+D/2} sin_i and
   o_{i+D/2} = x_{i+D/2} cos_{i+D/2} + x_i sin_{i+D/2}: the same products and sums as the torch reference, so
   the same bits (no fused multiply-adds: -ffp-contract=off).
-- `silu_mul`: [gate | up] -> gate / (1 + exp(-gate)) * up.
+- `silu_mul`: [gate | up] -> gate / (1 + exp(-gate)) * up; `silu`: x / (1 + exp(-x)).
 
 exp is Cephes' single-precision polynomial (within ~1 ulp of torch's Sleef exp, not bit-equal), written so the
 compiler vectorizes it; reductions (sums of squares here, dot products and softmax sums in attention) use a fixed
@@ -137,23 +137,34 @@ void rope_qk(int T, int H, int KVH, int D, const float* q, long q_stride, const 
   rope_rows(T, KVH, D, k, k_stride, cos, sin, k_out);
 }
 
-/* gate_up [rows, 2n] = [gate | up] -> out [rows, n]; silu(g) = g / (1 + exp(-g)) as torch computes it. */
+/* o = silu(g) * u, or silu(g) where u is NULL; silu(g) = g / (1 + exp(-g)) as torch computes it. */
+static void silu_row(int n, const float* g, const float* u, float* o) {
+  int j = 0;
+#ifdef HAVE_EXP8
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 gj = _mm256_loadu_ps(g + j);
+    const __m256 s = _mm256_div_ps(gj, _mm256_add_ps(one, exp8(_mm256_xor_ps(gj, sign))));
+    _mm256_storeu_ps(o + j, u != NULL ? _mm256_mul_ps(s, _mm256_loadu_ps(u + j)) : s);
+  }
+#endif
+  for (; j < n; j++) {
+    const float s = g[j] / (1.0f + exp_poly(-g[j]));
+    o[j] = u != NULL ? s * u[j] : s;
+  }
+}
+
+/* gate_up [rows, 2n] = [gate | up] -> out [rows, n]: silu(gate) * up. */
 void silu_mul(int rows, int n, const float* gate_up, float* out) {
   for (int i = 0; i < rows; i++) {
     const float* g = gate_up + (size_t)i * 2 * n;
-    const float* u = g + n;
-    float* o = out + (size_t)i * n;
-    int j = 0;
-#ifdef HAVE_EXP8
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    for (; j + 8 <= n; j += 8) {
-      const __m256 gj = _mm256_loadu_ps(g + j);
-      const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gj, sign)));
-      _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gj, den), _mm256_loadu_ps(u + j)));
-    }
-#endif
-    for (; j < n; j++) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * u[j];
+    silu_row(n, g, g + n, out + (size_t)i * n);
   }
+}
+
+/* x [rows, n] -> out [rows, n]: silu(x) (in place where out == x). */
+void silu(int rows, int n, const float* x, float* out) {
+  for (int i = 0; i < rows; i++) silu_row(n, x + (size_t)i * n, NULL, out + (size_t)i * n);
 }
 
 /* argmax over v[lo, hi): (*nan = 0) the largest value and the first index holding it, or (*nan = 1) the index of
@@ -246,9 +257,10 @@ def _library() -> ctypes.CDLL | None:
     lib.add_rms_norm.argtypes = [i32, i32, ptr, ptr, ptr, f32, ptr, ptr]
     lib.rope_qk.argtypes = [i32, i32, i32, i32, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]
     lib.silu_mul.argtypes = [i32, i32, ptr, ptr]
+    lib.silu.argtypes = [i32, i32, ptr, ptr]
     lib.argmax_rows.argtypes = [i32, i64, ptr, ptr, i32]
     lib.argmax_rows.restype = ctypes.c_int
-    for fn in (lib.rms_norm, lib.add_rms_norm, lib.rope_qk, lib.silu_mul):
+    for fn in (lib.rms_norm, lib.add_rms_norm, lib.rope_qk, lib.silu_mul, lib.silu):
         fn.restype = None
     return lib
 
@@ -326,6 +338,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = _rows(gate_up, 2 * n)
     out = torch.empty(*gate_up.shape[:-1], n)
     _library().silu_mul(rows, n, gate_up.data_ptr(), out.data_ptr())
+    return out
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu(x) for a float32 [..., N] tensor (the draft heads' activation where they read GGUF blocks)."""
+    n = x.shape[-1]
+    rows = _rows(x, n)
+    out = torch.empty_like(x)
+    _library().silu(rows, n, x.data_ptr(), out.data_ptr())
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.config import SamplingParams
+from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import BlockLinear, quantize_q8_0
 from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.heads import DraftHeads, HeadsConfig, HeadsDrafter
@@ -36,12 +37,13 @@ def test_quantize_q8_0_matches_gguf_bytes():
 
 
 def packed_target() -> Transformer:
-    """The tiny model with its lm_head read as Q8_0 blocks (its float weight their dequantization), as
-    cpu_weights.pack_blocks leaves a GGUF model whose output tensor is Q8_0."""
+    """The tiny model with its lm_head read as Q8_0 blocks (its float weight their dequantization) and its norms
+    the C kernel's, as the engine leaves a GGUF model whose output tensor is Q8_0 (pack_blocks, cpu_fusion.fuse)."""
     torch.manual_seed(0)
     model = Transformer(CFG).eval()
     codes, d = quantize_q8_0(model.lm_head.weight)
     model.lm_head = heads_cpu.block_linear(cpu_gemv.q8_dequantize(codes, d), (codes, d), "q8_0")
+    cpu_fusion.fuse(model)
     return model
 
 
@@ -106,17 +108,36 @@ def test_packed_heads_draft_what_their_reference_computes():
 
 
 def test_packed_chain_equals_step_by_step_drafting():
-    """The packed drafter's two paths (the graphed chain, the position-by-position one) share the packed modules."""
+    """The packed drafter's greedy chain runs as one C call (cpu_block.draft_chain); the position-by-position path
+    runs the packed modules. The same calls in the same order: the same drafts at every depth and batch size, and
+    from one position of the modules, taken apart, too."""
     model = packed_target()
     drafter = HeadsDrafter(random_heads(model), model)
-    torch.manual_seed(3)
-    hidden = torch.randn(3, CFG.hidden_size)
-    prev = torch.tensor([5, 17, 33])
-    group = [FakeSeq(i, [1, int(p)], SamplingParams()) for i, p in enumerate(prev)]
+    assert drafter.c_chain is not None
+    calls = []
+    real = heads_cpu.cpu_block.draft_chain
+    heads_cpu.cpu_block.draft_chain = lambda *a: calls.append(a[1]) or real(*a)
+    try:
+        for batch, depth in ((1, 1), (3, 4), (8, 2), (2, 3)):
+            torch.manual_seed(batch + depth)
+            hidden = torch.randn(batch, CFG.hidden_size) * 2
+            prev = torch.randint(0, CFG.vocab_size, (batch,))
+            group = [FakeSeq(i, [1, int(p)], SamplingParams()) for i, p in enumerate(prev)]
+            with torch.inference_mode():
+                chain = drafter.greedy_chain(depth, hidden, prev)
+                steps = drafter.draft_steps(group, hidden, prev, depth)
+            assert chain.shape == (batch, depth) and chain.T.tolist() == [tokens for tokens, _ in steps]
+    finally:
+        heads_cpu.cpu_block.draft_chain = real
+    assert calls == [1, 4, 2, 3]
+    # one position's state from the C kernels' modules (silu in C) against the chain's first draft
     with torch.inference_mode():
-        chain = drafter.greedy_chain(4, hidden, prev)
-        steps = drafter.draft_steps(group, hidden, prev, 4)
-    assert chain.T.tolist() == [tokens for tokens, _ in steps]
+        block, hidden, prev = drafter.heads.blocks[0], torch.randn(4, CFG.hidden_size), torch.arange(4)
+        state = block(hidden, model.embed(prev))
+        first = drafter.draft_vocab[drafter.output(state).argmax(-1)]
+        assert torch.equal(drafter.greedy_chain(1, hidden, prev)[:, 0], first)
+        with pytest.raises(ValueError, match="outside the embedding"):
+            drafter.greedy_chain(1, hidden, torch.tensor([0, 1, 2, CFG.vocab_size]))
 
 
 def test_a_target_without_blocks_keeps_the_float_heads():

@@ -64,6 +64,15 @@ def test_silu_mul_matches_reference(rows, n):
     torch.testing.assert_close(cpu_ops.silu_mul(gate_up), cpu_ops.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(("rows", "n"), [(1, 576), (3, 129)])
+def test_silu_matches_reference(rows, n):
+    x = torch.randn(rows, n, generator=gen(n)) * 6
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -87.5])
+    torch.testing.assert_close(cpu_ops.silu(x), torch.nn.functional.silu(x), rtol=1e-6, atol=1e-7)
+    gate_up = torch.cat([x, torch.ones_like(x)], dim=-1)  # one rounding: silu_mul by ones is silu's bits
+    assert torch.equal(cpu_ops.silu(x), cpu_ops.silu_mul(gate_up))
+
+
 @pytest.mark.parametrize("shape", [(1, 49152), (2, 49152), (3, 7), (5, 8), (4, 17), (1, 1), (2, 3, 40)])
 def test_argmax_is_torchs(shape):
     """The C argmax returns torch.argmax's index: the first of tied maxima, the first NaN where a row holds one,

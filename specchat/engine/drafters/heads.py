@@ -79,6 +79,8 @@ class HeadsConfig:
 class HeadBlock(nn.Module):
     """One draft head: s_prev (+ the previous token's embedding) -> s, a residual SiLU MLP."""
 
+    act = staticmethod(F.silu)  # heads_cpu.pack_heads: the C kernel's, as its draft chain computes it
+
     def __init__(self, cfg: HeadsConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
@@ -93,7 +95,7 @@ class HeadBlock(nn.Module):
         u = self.state_norm(state)
         if self.embed_norm is not None:
             u = torch.cat([u, self.embed_norm(prev_embed)], dim=-1)  # [N, 2d]
-        return state + self.down(F.silu(self.up(u)))
+        return state + self.down(self.act(self.up(u)))
 
 
 class DraftHeads(nn.Module):
@@ -225,6 +227,8 @@ class HeadsDrafter(Drafter):
         self.vocab_size = model.cfg.vocab_size
         self.draft_vocab = self.heads.draft_vocab[:draft_rows]  # [Vd]
         self.output = DraftVocabOutput(model, self.draft_vocab)
+        self.c_chain = None  # the greedy chain as one C call (heads_cpu.chain_weights) and its linears that may
+        self.c_chain_gemms: list[nn.Linear] = []  # take the float GEMM for some row counts instead
         if packed:  # the target reads GGUF blocks on the CPU: so do the heads
             heads_cpu.pack_for_cpu(self, model)
         # greedy drafting: a CUDA graph per batch bucket and depth, over the embedding the model has now
@@ -249,21 +253,27 @@ class HeadsDrafter(Drafter):
             return drafts
         group = [seqs[i] for i in ready]
         depth = min(max(ks[i] for i in ready), self.cfg.num_heads)
-        hidden = torch.stack([seq.hidden[self.cfg.tap][-1] for seq in group]).to(
-            self.output.rows.weight.dtype
-        )  # [B, d]
-        prev = torch.tensor([seq.newest for seq in group], device=hidden.device)  # [B] newest tokens
-        if all(seq.sampling.greedy for seq in group):  # the whole chain in one launch, one read-back
-            chain = self.chain(depth, hidden, prev).tolist()  # [B, depth]
-            steps = [([row[j] for row in chain], [None] * len(group)) for j in range(depth)]
-        else:
-            steps = self.draft_steps(group, hidden, prev, depth)
+        rows = [seq.hidden[self.cfg.tap][-1] for seq in group]  # [d] each: h_t
+        newest = [seq.newest for seq in group]
+        if all(seq.sampling.greedy for seq in group):  # the whole chain in one launch or C call, one read-back
+            chain = heads_cpu.draft_chain(self, depth, rows, newest)
+            if chain is None:
+                chain = self.chain(depth, *self.chain_inputs(rows, newest)).tolist()  # [B, depth]
+            for b, i in enumerate(ready):
+                drafts[i] = Draft(chain[b][: min(ks[i], depth)])
+            return drafts
+        steps = self.draft_steps(group, *self.chain_inputs(rows, newest), depth)
         for b, i in enumerate(ready):
             k = min(ks[i], depth)
             tokens = [steps[j][0][b] for j in range(k)]
             qs = [steps[j][1][b] for j in range(k)]
             drafts[i] = Draft(tokens, None if qs[0] is None else torch.stack(qs))
         return drafts
+
+    def chain_inputs(self, rows: list[torch.Tensor], newest: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's h_t [d] and newest token -> hidden [B, d] in the heads' dtype, prev [B]."""
+        hidden = torch.stack(rows).to(self.output.rows.weight.dtype)
+        return hidden, torch.tensor(newest, device=hidden.device)
 
     def draft_steps(
         self, group: list[Sequence], hidden: torch.Tensor, prev: torch.Tensor, depth: int
@@ -284,7 +294,10 @@ class HeadsDrafter(Drafter):
 
     def greedy_chain(self, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
-        `chain` captures; `draft_steps` is its reference)."""
+        `chain` captures; `draft_steps` is its reference). Packed heads on the CPU: one C call for the chain
+        (heads_cpu.draft_chain), the modules' calls in their order."""
+        if (drafts := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist())) is not None:
+            return torch.tensor(drafts, dtype=torch.long)
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
             return self.draft_vocab[cpu_ops.argmax(self.output(states))].T
