@@ -106,6 +106,19 @@ def add_trimmed_heads(engine: Engine, rows: int) -> None:
     engine.drafters[f"ngram+heads@{rows}"] = NgramThenHeads(drafter)
 
 
+def add_floored_heads(engine: Engine, floor: float) -> None:
+    """Register heads~FLOOR and ngram+heads~FLOOR: the model's shipped heads whose greedy chain stops below chain
+    probability FLOOR instead of heads_cpu.MIN_CONFIDENCE (0: every step drafts its k)."""
+    from specchat.engine.drafters.base import DATA_DIR
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+
+    path = DATA_DIR / engine.model_spec.heads
+    drafter = HeadsDrafter.from_file(path, engine.model, graphs=False, min_confidence=floor)
+    engine.drafters[f"heads~{floor:g}"] = drafter
+    engine.drafters[f"ngram+heads~{floor:g}"] = NgramThenHeads(drafter)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -137,12 +150,20 @@ def main() -> None:
         help="comma list of H: also the drafter ngram+heads/H, whose heads draft at most H tokens where the n-grams "
         "miss (the n-grams up to the step's k)",
     )
+    ap.add_argument(
+        "--heads-floor",
+        default="",
+        help="comma list of F: also the drafters heads~F and ngram+heads~F, whose greedy chains stop below chain "
+        "probability F (0: never) instead of the packed heads' default",
+    )
     args = ap.parse_args()
 
     acts = args.cpu_act.split(",")
     engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, cpu_act=acts[-1]))
     for rows in filter(None, args.heads_rows.split(",")):
         add_trimmed_heads(engine, int(rows))
+    for floor in filter(None, args.heads_floor.split(",")):
+        add_floored_heads(engine, float(floor))
     for heads_k in filter(None, args.hybrid_heads_k.split(",")):
         from specchat.engine.drafters.hybrid import NgramThenHeads
 

@@ -134,12 +134,26 @@ typedef struct {         /* the heads and the target's parts they draft through 
   long embed_rows;
 } Heads;
 
+/* softmax(logits)[best] over n logits, given logits[best] is their largest: 1 / sum_j exp(l_j - l_best) (NaN where
+   that largest is NaN or -inf). */
+static float top_probability(int n, const float* logits, float top) {
+  float acc[LANES] = {0.0f};  /* LANES sums, so that the loop vectorizes */
+  int j = 0;
+  for (; j + LANES <= n; j += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += exp_poly(logits[j + l] - top);
+  for (; j < n; j++) acc[0] += exp_poly(logits[j] - top);
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+  return top == top && top != -INFINITY ? 1.0f / acc[0] : NAN;
+}
+
 /* The heads' greedy chain for B requests: hidden[i] (request i's h_t, [hidden]) and prev [B] (their newest tokens)
-   -> out [B, depth] draft token ids. Per position the calls of HeadBlock.forward and DraftVocabOutput in their order
+   -> out [B, depth] draft token ids and conf [B, depth] the probability each draft had under its head's softmax
+   over the draft vocabulary. Per position the calls of HeadBlock.forward and DraftVocabOutput in their order
    (s = s + down(silu(up([norm(s); norm(E[prev])]))), the draft logits of norm(s), their argmax), so the same
    bits as the packed modules. Returns 0, -1 without memory for its rows, or -2 for a prev outside the embedding. */
 int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, const int64_t* prev, int64_t* out,
-                int threads) {
+                float* conf, int threads) {
   const int H = h->hidden, F = h->ffn, V = h->rows.n;
   const size_t b = (size_t)B;
   for (size_t i = 0; i < b; i++)
@@ -170,7 +184,11 @@ int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, co
     }
     if (status == 0) status = argmax_rows(B, V, logits, best, threads);
     if (status == 0)
-      for (size_t i = 0; i < b; i++) out[i * depth + j] = h->vocab[best[i]];
+      for (size_t i = 0; i < b; i++) {
+        const float* row = logits + i * V;
+        out[i * depth + j] = h->vocab[best[i]];
+        conf[i * depth + j] = top_probability(V, row, row[best[i]]);
+      }
   }
   free(scratch);
   return status;
@@ -228,7 +246,7 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_layers.argtypes = [ptr, i32, ctypes.POINTER(cpu_attention.Plan), i32, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.decode_layers.argtypes += [i32]
     lib.decode_layers.restype = ctypes.c_int
-    lib.draft_chain.argtypes = [ctypes.POINTER(Heads), i32, i32, ptr, ptr, ptr, i32]
+    lib.draft_chain.argtypes = [ctypes.POINTER(Heads), i32, i32, ptr, ptr, ptr, ptr, i32]
     lib.draft_chain.restype = ctypes.c_int
     return lib
 
@@ -381,23 +399,27 @@ class HeadsWeights:
         self.ref = ctypes.byref(self.struct)
 
 
-def draft_chain(weights: HeadsWeights, depth: int, hidden: Sequence[torch.Tensor], prev: Sequence[int], threads: int):
+def draft_chain(
+    weights: HeadsWeights, depth: int, hidden: Sequence[torch.Tensor], prev: Sequence[int], threads: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """The heads' greedy drafts [B][depth] (token ids) from each request's h_t (hidden[i]: [hidden] float32, its
     last dim contiguous, e.g. a row of its tapped states) and newest token prev[i], in one C call: the same calls
     in the same order as the packed HeadsDrafter's modules, so the same drafts (tests/engine/test_heads_cpu.py).
-    Lists in and out: a decode step's drafting takes ~40 us of Python around ~35-100 us of C."""
+    Also each draft's probability under its head's softmax over the draft vocabulary [B][depth] (NaN where the
+    logits were). Lists in and out: a decode step's drafting takes ~40 us of Python around ~35-100 us of C."""
     b = len(hidden)
     assert 1 <= depth <= weights.num_heads and len(prev) == b > 0, (depth, weights.num_heads, len(prev), b)
     for row in hidden:
         assert row.shape == (weights.hidden,) and row.dtype == torch.float32 and row.stride(0) == 1, row.shape
         assert not row.is_cuda
-    out = (ctypes.c_int64 * (b * depth))()
+    out, conf = (ctypes.c_int64 * (b * depth))(), (ctypes.c_float * (b * depth))()
     status = _library().draft_chain(
         weights.ref, b, depth, (ctypes.c_void_p * b)(*(row.data_ptr() for row in hidden)),
-        (ctypes.c_int64 * b)(*prev), out, threads,
+        (ctypes.c_int64 * b)(*prev), out, conf, threads,
     )  # fmt: skip
     if status == -2:
         raise ValueError(f"cpu_block.draft_chain: a token id of {list(prev)} is outside the embedding")
     if status != 0:
         raise MemoryError("cpu_block.draft_chain: no memory for the heads' rows")
-    return [out[i * depth : (i + 1) * depth] for i in range(b)]
+    rows = range(0, b * depth, depth)
+    return [out[i : i + depth] for i in rows], [conf[i : i + depth] for i in rows]

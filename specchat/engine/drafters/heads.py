@@ -211,10 +211,12 @@ class HeadsDrafter(Drafter):
         graphs: bool = True,
         cpu_blocks: bool = True,
         draft_rows: int | None = None,
+        min_confidence: float | None = None,
     ) -> None:
         """draft_rows: draft from the first (most frequent) entries of the heads' draft vocabulary only, fewer
         output rows to read per draft position (default: heads_cpu.DRAFT_ROWS where the heads read GGUF blocks on
-        the CPU, all of them elsewhere)."""
+        the CPU, all of them elsewhere). min_confidence: a greedy chain of packed heads stops before the first
+        draft whose chain probability falls below it (default heads_cpu.MIN_CONFIDENCE; 0: the step's k always)."""
         weight = model.lm_head.weight
         packed = cpu_blocks and heads_cpu.packable(model)
         self.packed = packed  # the heads read GGUF blocks on the CPU (heads_cpu)
@@ -229,6 +231,7 @@ class HeadsDrafter(Drafter):
         self.output = DraftVocabOutput(model, self.draft_vocab)
         self.c_chain = None  # the greedy chain as one C call (heads_cpu.chain_weights) and its linears that may
         self.c_chain_gemms: list[nn.Linear] = []  # take the float GEMM for some row counts instead
+        self.min_confidence = heads_cpu.MIN_CONFIDENCE if min_confidence is None else min_confidence
         if packed:  # the target reads GGUF blocks on the CPU: so do the heads
             heads_cpu.pack_for_cpu(self, model)
         # greedy drafting: a CUDA graph per batch bucket and depth, over the embedding the model has now
@@ -238,11 +241,16 @@ class HeadsDrafter(Drafter):
 
     @classmethod
     def from_file(
-        cls, path: Path, model: Transformer, graphs: bool = True, draft_rows: int | None = None
+        cls,
+        path: Path,
+        model: Transformer,
+        graphs: bool = True,
+        draft_rows: int | None = None,
+        min_confidence: float | None = None,
     ) -> HeadsDrafter:
         heads, _ = DraftHeads.load(path)
         check_compatible(heads.cfg, model, str(path))
-        return cls(heads, model, graphs, draft_rows=draft_rows)
+        return cls(heads, model, graphs, draft_rows=draft_rows, min_confidence=min_confidence)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -256,9 +264,13 @@ class HeadsDrafter(Drafter):
         rows = [seq.hidden[self.cfg.tap][-1] for seq in group]  # [d] each: h_t
         newest = [seq.newest for seq in group]
         if all(seq.sampling.greedy for seq in group):  # the whole chain in one launch or C call, one read-back
-            chain = heads_cpu.draft_chain(self, depth, rows, newest)
-            if chain is None:
+            packed = heads_cpu.draft_chain(self, depth, rows, newest)
+            if packed is None:
                 chain = self.chain(depth, *self.chain_inputs(rows, newest)).tolist()  # [B, depth]
+            else:
+                chain, confidence = packed
+                if self.min_confidence > 0:
+                    chain = [heads_cpu.confident_prefix(c, p, self.min_confidence) for c, p in zip(chain, confidence)]
             for b, i in enumerate(ready):
                 drafts[i] = Draft(chain[b][: min(ks[i], depth)])
             return drafts
@@ -296,8 +308,8 @@ class HeadsDrafter(Drafter):
         """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
         `chain` captures; `draft_steps` is its reference). Packed heads on the CPU: one C call for the chain
         (heads_cpu.draft_chain), the modules' calls in their order."""
-        if (drafts := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist())) is not None:
-            return torch.tensor(drafts, dtype=torch.long)
+        if (packed := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist())) is not None:
+            return torch.tensor(packed[0], dtype=torch.long)
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
             return self.draft_vocab[cpu_ops.argmax(self.output(states))].T

@@ -51,6 +51,10 @@ DRAFT_ROWS = 4096  # draft-vocabulary entries the packed heads draft from (the m
 # where ngram+heads' n-grams miss, the packed heads draft at most this many (ngram+heads 1.57x -> 1.65x plain
 # decoding at k = 4 under int8 rows: docs/benchmarks.md, "The n-grams and the heads each at their own k")
 HYBRID_HEADS_K = 2
+# a greedy chain stops before the first draft whose chain probability (the product of its heads' softmax
+# probabilities over the draft vocabulary) is below this: such a draft is accepted about as often as that
+# probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here)
+MIN_CONFIDENCE = 0.2
 
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
@@ -123,13 +127,26 @@ def chain_weights(drafter: HeadsDrafter, model: Transformer) -> cpu_block.HeadsW
 
 def draft_chain(
     drafter: HeadsDrafter, depth: int, hidden: list[torch.Tensor], prev: list[int]
-) -> list[list[int]] | None:
+) -> tuple[list[list[int]], list[list[float]]] | None:
     """The packed heads' greedy chain in one C call: each request's h_t (hidden[i], [d]) and newest token ->
-    its drafts [B][depth]; None where the modules must run it (no C chain bound, rows on another device or dtype,
-    float rows of a count that takes the float GEMM: BlockLinear.takes_gemm)."""
+    (its drafts [B][depth], each draft's probability under its head [B][depth]); None where the modules must run
+    it (no C chain bound, rows on another device or dtype, float rows of a count that takes the float GEMM:
+    BlockLinear.takes_gemm)."""
     weights = drafter.c_chain
     if weights is None or hidden[0].dtype != torch.float32 or hidden[0].is_cuda:
         return None
     if any(linear.takes_gemm(len(hidden)) for linear in drafter.c_chain_gemms):
         return None
     return cpu_block.draft_chain(weights, depth, hidden, prev, torch.get_num_threads())
+
+
+def confident_prefix(tokens: list[int], confidence: list[float], floor: float) -> list[int]:
+    """The drafts up to the last whose chain probability (the product of the heads' probabilities so far) is at
+    least `floor`: a draft the target is unlikely to reach and accept costs a verification row for little."""
+    reach, n = 1.0, 0
+    for p in confidence:
+        reach *= p
+        if not reach >= floor:  # (NaN stops the chain too)
+            break
+        n += 1
+    return tokens[:n]
