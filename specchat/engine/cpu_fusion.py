@@ -11,6 +11,8 @@ objects. `--eager` never fuses (engine/loading.py): that is the reference the te
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -109,24 +111,65 @@ class CpuBlock(Block):
 class CpuTransformer(Transformer):
     """Transformer whose blocks run in one C call (kernels/cpu_block.py `decode_layers`) where each would run as one
     (`CpuBlock.one_call`): the Python between blocks is left out (default model, int8 rows, 2 threads: a decode step
-    4.07 -> 3.36 ms; docs/benchmarks.md, "Fifteenth session"). Otherwise the blocks one by one."""
+    4.07 -> 3.36 ms; docs/benchmarks.md, "Fifteenth session"). Otherwise the blocks one by one.
+
+    The blocks' weights and pages are bound once (cpu_block.BoundLayers) and kept while `layer_state` finds the same
+    objects in place: asking each block for them every step (`one_call`, ~8 us a block) took ~0.25 ms of a ~3.4 ms
+    decode step."""
 
     def run_blocks(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention, taps: Sequence[int]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        layers, rows = self._modules["layers"], x.numel() // x.shape[-1]
-        calls = []
-        for block in layers if cpu_ops.supported(x) else ():
-            call = block.one_call(rows, kv) if isinstance(block, CpuBlock) else None
-            if call is None:  # (a long prompt's rows: the first block says so, the others are not asked)
-                break
-            calls.append(call)
-        if not calls or len(calls) < len(layers):
+        rows = x.numel() // x.shape[-1]
+        bound = self.bound_layers(rows, kv) if cpu_ops.supported(x) and isinstance(kv, KVBatch) else None
+        if bound is None:
             return super().run_blocks(x, cos, sin, kv, taps)
+        attn = self._modules["layers"][0]._modules["attn"]
+        plan = kv.cpu_plan(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        return cpu_block.decode_layers(bound, plan, x.contiguous(), cos, sin, taps, torch.get_num_threads())
+
+    def bound_layers(self, rows: int, kv: KVBatch) -> cpu_block.BoundLayers | None:
+        """The blocks bound for decode_layers where every block would run as one C call over `rows` rows, else None
+        (a long prompt's rows, where the float GEMM is faster; a block that does not read GGUF blocks; pages the C
+        kernel does not read)."""
+        state = self.layer_state(kv)
+        cached = self.__dict__.get("_bound_layers")
+        if cached is None or len(cached[0]) != len(state) or not all(map(operator.is_, cached[0], state)):
+            cached = self.__dict__["_bound_layers"] = (state, *self._bind_layers(kv))
+        _, bound, gemms = cached
+        if bound is None or any(linear.takes_gemm(rows) for linear in gemms):
+            return None
+        return bound
+
+    def layer_state(self, kv: KVBatch) -> list:
+        """Every object the bound layers depend on, in order: the page store (by weak reference: a KV format change
+        empties the old store while the new one fills, and holding its pages would keep both in memory) and which
+        kernel reads it, and per block its modules, the tensors CpuBlock.block_weights reads and the linears'
+        classes (a rebound linear, a replaced buffer, set_activations or a new store all change it)."""
+        state = [weakref.ref(kv.store), kv._cpu_kernel, kv._cpu_quantized]
+        for block in self._modules["layers"]:
+            modules = block._modules
+            state += (
+                type(block),
+                modules["attn_norm"]._parameters["weight"],
+                modules["mlp_norm"]._parameters["weight"],
+            )
+            attn, mlp = modules["attn"]._modules, modules["mlp"]._modules
+            for linear in (attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"]):
+                state += (linear, type(linear), linear._buffers.get("codes"), linear._parameters.get("bias"))
+        return state
+
+    def _bind_layers(self, kv: KVBatch) -> tuple[cpu_block.BoundLayers | None, list]:
+        """(the blocks bound, the linears whose row count may send them to the float GEMM), or (None, []) where a
+        block cannot run as one call."""
+        layers = self._modules["layers"]
+        calls = [block.one_call(1, kv) if isinstance(block, CpuBlock) else None for block in layers]
+        if not calls or any(call is None for call in calls):
+            return None, []
         plan = calls[0][1][0]
-        assert all(pages[0] is plan for _, pages in calls), "one plan per step"
-        weights, pages = [w for w, _ in calls], [pages[1:] for _, pages in calls]
-        return cpu_block.decode_layers(weights, plan, x.contiguous(), cos, sin, pages, taps, torch.get_num_threads())
+        bound = cpu_block.BoundLayers([w for w, _ in calls], [pages[1:] for _, pages in calls], plan)
+        gemms = [block.mlp.w_gate_up for block in layers if block.mlp.w_gate_up.gemm_for_many_rows]
+        return bound, gemms
 
 
 FUSED = {

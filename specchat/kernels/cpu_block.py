@@ -326,41 +326,68 @@ def decode_block(
     return out
 
 
+def plan_formats(plan: cpu_attention.AttentionPlan) -> tuple:
+    """What BoundLayers checks its pages against: a step's plan must read them in the same formats."""
+    return plan.kv_dtype, plan.quantized, plan.pages_shape, plan.num_heads, plan.head_dim
+
+
+class BoundLayers:
+    """A model's blocks as decode_layers reads them, bound once: each block's weights (BlockWeights) and KV pages
+    (key pages, value pages, rotation: dense pages, or quantized ones and their rotation, as decode_block takes
+    them), checked against the formats of `plan` (any step's plan of the same page store). Holds the weights; the
+    pages stay their store's (the caller binds again once the store or the weights change: engine/cpu_fusion.py),
+    so a store emptied for a new KV format is not kept alive by it."""
+
+    def __init__(
+        self,
+        weights: list[BlockWeights],
+        pages: list[tuple[cpu_attention.Pages, cpu_attention.Pages, cpu_attention.PageRotation | None]],
+        plan: cpu_attention.AttentionPlan,
+    ) -> None:
+        layers = len(weights)
+        assert layers == len(pages) > 0 and all(w.hidden == weights[0].hidden for w in weights)
+        pointers = []
+        for k, v, rotation in pages:  # (the rotation by address: page_pointers gives it byref, for a call's argument)
+            pointers += [
+                *cpu_attention.page_pointers(plan, k, v, rotation)[:4],
+                rotation and ctypes.addressof(rotation.struct),
+            ]
+        self.kept = weights
+        self.layers, self.hidden = layers, weights[0].hidden
+        self.formats = plan_formats(plan)
+        self.weights = (ctypes.c_void_p * layers)(*(ctypes.addressof(w.struct) for w in weights))
+        self.pages = (ctypes.c_void_p * (5 * layers))(*pointers)
+
+
 def decode_layers(
-    weights: list[BlockWeights],
+    bound: BoundLayers,
     plan: cpu_attention.AttentionPlan,
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    pages: list[tuple[cpu_attention.Pages, cpu_attention.Pages, cpu_attention.PageRotation | None]],
     taps: Sequence[int],
     threads: int,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """`decode_block` for each block in turn in one C call: x [T, hidden] -> (the last block's output, {layer: its
-    output} for the layers in `taps`); pages[l] = layer l's (key pages, value pages, rotation). The same calls in
-    the same order as block by block, so the same bits (tests/kernels/test_cpu_block.py)."""
-    t, layers = plan.tokens, len(weights)
-    assert layers == len(pages) > 0 and all(w.hidden == weights[0].hidden for w in weights)
-    assert x.shape == (t, weights[0].hidden) and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu, x.shape
+    """`decode_block` for each bound block in turn in one C call: x [T, hidden] -> (the last block's output, {layer:
+    its output} for the layers in `taps`). The same calls in the same order as block by block, so the same bits
+    (tests/engine/test_cpu_fusion.py)."""
+    t, layers, hidden = plan.tokens, bound.layers, bound.hidden
+    assert plan_formats(plan) == bound.formats, (plan_formats(plan), bound.formats)
+    assert x.shape == (t, hidden) and x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu, x.shape
     for rot in (cos, sin):
         assert rot.shape == (t, plan.head_dim) and rot.dtype == torch.float32 and rot.is_contiguous(), rot.shape
-    pointers = []
-    for k, v, rotation in pages:  # (the rotation by address: page_pointers gives it byref, for a call's argument)
-        pointers += [
-            *cpu_attention.page_pointers(plan, k, v, rotation)[:4],
-            rotation and ctypes.addressof(rotation.struct),
-        ]
-    hidden = {layer: torch.empty(t, weights[0].hidden) for layer in taps if 0 <= layer < layers}
-    tap_ptrs = [hidden[layer].data_ptr() if layer in hidden else None for layer in range(layers)]
-    out = torch.empty(t, weights[0].hidden)
+    tapped = {layer: torch.empty(t, hidden) for layer in taps if 0 <= layer < layers}
+    tap_ptrs = (ctypes.c_void_p * layers)()
+    for layer, out in tapped.items():
+        tap_ptrs[layer] = out.data_ptr()
+    out = torch.empty(t, hidden)
     status = _library().decode_layers(
-        (ctypes.c_void_p * layers)(*(ctypes.addressof(w.struct) for w in weights)), layers, plan.ref, t,
-        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), (ctypes.c_void_p * (5 * layers))(*pointers),
-        (ctypes.c_void_p * layers)(*tap_ptrs), out.data_ptr(), threads,
+        bound.weights, layers, plan.ref, t, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), bound.pages, tap_ptrs,
+        out.data_ptr(), threads,
     )  # fmt: skip
     if status != 0:
         raise MemoryError("cpu_block.decode_layers: no memory for the blocks' scratch rows")
-    return out, hidden
+    return out, tapped
 
 
 class HeadsWeights:

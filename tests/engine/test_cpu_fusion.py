@@ -176,6 +176,56 @@ def test_all_blocks_in_one_call_equal_one_call_a_block():
         assert torch.equal(whole_pool.store.v[layer].data[:, :16], each_pool.store.v[layer].data[:, :16])
 
 
+def test_bound_layers_follow_the_weights_and_the_store(monkeypatch):
+    """CpuTransformer binds the blocks' weights and pages once and binds again when what they point to changes:
+    the linears re-classed for int8 rows, a linear replaced, a new page store. Each step's logits equal the blocks
+    asked one by one (Transformer.run_blocks) over a second pool fed the same tokens, on the same weights."""
+    from specchat.engine.cpu_weights import as_block_linear, set_activations
+    from specchat.kernels import cpu_gemv_i8
+
+    torch.manual_seed(5)
+    model = with_gguf_blocks(Transformer(CFG).eval(), seed=5)
+    cpu_fusion.fuse(model)
+    binds = counted(monkeypatch, cpu_block, "BoundLayers")
+    cfg = model.cfg
+
+    def new_pool() -> KVPool:
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, torch.float32, "cpu", cpu_kernels=True)
+        pool.add(0, [t for feed in FEEDS for t in feed])
+        return pool
+
+    def step(pool: KVPool, feed: list[int], start: int, one_by_one: bool) -> torch.Tensor:
+        with pytest.MonkeyPatch.context() as m, torch.inference_mode():
+            if one_by_one:
+                m.setattr(cpu_fusion.CpuTransformer, "run_blocks", Transformer.run_blocks)
+            kv = pool.prepare([0], [len(feed)], cfg.head_dim**-0.5)
+            return model(torch.tensor(feed), torch.arange(start, start + len(feed)), kv, ())[0]
+
+    def replace_wo() -> None:  # layer 1's output projection: new blocks in a new module
+        old = model.layers[1].attn.wo
+        n, k = old.weight.shape
+        d = torch.full((n, k // 32), 0.01).half().float()
+        blocks = (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), d, -8 * d)
+        linear = torch.nn.Linear(k, n, bias=False)
+        linear.weight.data = cpu_gemv.q4_dequantize(*blocks)
+        model.layers[1].attn.wo = as_block_linear(linear, "q4_1", blocks)
+        set_activations(model.layers[1].attn.wo, activations)
+
+    activations = "fp32"
+    changes = [lambda: None, replace_wo, lambda: None, replace_wo, lambda: None]
+    if cpu_gemv_i8.available():
+        activations = "int8"
+        changes[2] = lambda: set_activations(model, "int8")
+    bound, each, start = new_pool(), new_pool(), 0
+    for feed, change in zip(FEEDS, changes, strict=True):
+        change()
+        assert torch.equal(step(bound, feed, start, False), step(each, feed, start, True))
+        start += len(feed)
+    assert len(binds) == 1 + (2 + cpu_gemv_i8.available()) * 1  # the first step, each replacement, int8 rows
+    step(new_pool(), FEEDS[0], 0, False)  # a new store
+    assert len(binds) == 4 + cpu_gemv_i8.available()
+
+
 def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
     """kernels/cpu_block.py chains the same C kernels in the same order: bit-equal logits and KV pages, for
     prefill, decode and verification steps."""

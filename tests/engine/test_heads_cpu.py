@@ -175,3 +175,39 @@ def test_ngram_then_heads_caps_packed_heads_at_the_cpu_depth():
     assert NgramThenHeads(HeadsDrafter(heads, model)).heads_k == heads_cpu.HYBRID_HEADS_K
     assert NgramThenHeads(HeadsDrafter(heads, model, cpu_blocks=False)).heads_k is None
     assert NgramThenHeads(HeadsDrafter(heads, model), heads_k=4).heads_k == 4
+
+
+def test_confident_prefix_stops_where_the_chain_probability_falls_below_the_floor():
+    assert heads_cpu.confident_prefix([1, 2, 3], [0.9, 0.5, 0.9], 0.4) == [1, 2, 3]  # 0.9, 0.45, 0.405
+    assert heads_cpu.confident_prefix([1, 2, 3], [0.9, 0.5, 0.9], 0.5) == [1]
+    assert heads_cpu.confident_prefix([1, 2], [0.1, 1.0], 0.2) == []
+    assert heads_cpu.confident_prefix([1, 2], [float("nan"), 1.0], 0.0) == []  # NaN logits: no draft
+    assert heads_cpu.confident_prefix([1, 2], [0.3, 0.9], 0.0) == [1, 2]
+
+
+def test_packed_chain_reports_each_drafts_probability_and_propose_keeps_the_confident_ones():
+    """draft_chain's probabilities are the heads' softmax over the draft vocabulary at each draft (the reference
+    chain's logits); a greedy propose keeps each request's drafts while their product stays >= min_confidence."""
+    model = packed_target()
+    heads = random_heads(model)
+    torch.manual_seed(6)
+    hidden = torch.randn(5, CFG.hidden_size) * 2
+    prev = torch.randint(0, CFG.vocab_size, (5,))
+    drafter = HeadsDrafter(heads, model, min_confidence=0.0)
+    with torch.inference_mode():
+        tokens, confidence = heads_cpu.draft_chain(drafter, 4, list(hidden), prev.tolist())
+        want, want_logits = reference_chain(drafter, model, hidden, prev, 4)
+    assert tokens == want.tolist()
+    probs = want_logits.softmax(-1).amax(-1).T  # [B, depth]
+    torch.testing.assert_close(torch.tensor(confidence), probs, rtol=1e-5, atol=1e-6)
+    seqs = [FakeSeq(i, [1, int(p)], SamplingParams(), hidden={CFG.num_layers - 1: hidden[i : i + 1]}) for i, p in
+            enumerate(prev)]  # fmt: skip
+    for floor in (0.0, 0.05, 0.2, 1.01):
+        drafter.min_confidence = floor
+        with torch.inference_mode():
+            drafts = drafter.propose(seqs, [4, 4, 3, 2, 4])
+        for b, draft in enumerate(drafts):
+            kept = heads_cpu.confident_prefix(tokens[b], confidence[b], floor)[: [4, 4, 3, 2, 4][b]]
+            assert draft.tokens == kept and draft.probs is None
+        assert floor < 1.0 or all(d.tokens == [] for d in drafts)
+    assert HeadsDrafter(heads, model).min_confidence == heads_cpu.MIN_CONFIDENCE

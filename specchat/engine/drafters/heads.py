@@ -270,7 +270,8 @@ class HeadsDrafter(Drafter):
             else:
                 chain, confidence = packed
                 if self.min_confidence > 0:
-                    chain = [heads_cpu.confident_prefix(c, p, self.min_confidence) for c, p in zip(chain, confidence)]
+                    floor = self.min_confidence
+                    chain = [heads_cpu.confident_prefix(c, p, floor) for c, p in zip(chain, confidence, strict=True)]
             for b, i in enumerate(ready):
                 drafts[i] = Draft(chain[b][: min(ks[i], depth)])
             return drafts
