@@ -67,6 +67,9 @@ class AdaptiveK:
     idle_steps: int = 0  # steps in a row that chose not to draft
     since_plain: int = 0  # timed drafting steps since the last timed plain step
     probing: bool = False  # the step being observed is a probe
+    # a drafter that decides each step's draft length by its own confidence (Drafter.gated_k): k is always this,
+    # up to which it drafts; the rates are still kept (what the UI shows)
+    fixed: int | None = None
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or not 0.0 < self.ema <= 1.0 or self.cost_per_draft < 0 or self.probe_every < 1:
@@ -75,9 +78,11 @@ class AdaptiveK:
         self.step_ms = self.step_ms or [None] * (self.k_max + 1)
 
     @classmethod
-    def for_sources(cls, k_max: int, sources: tuple[str, ...] = ()) -> AdaptiveK:
-        """A controller for a drafter whose drafts come from the named `sources` besides its own ("")."""
-        return cls(k_max, sources={name: [PRIOR_ACCEPTANCE] * k_max for name in sources})
+    def for_sources(cls, k_max: int, sources: tuple[str, ...] = (), gated_k: int | None = None) -> AdaptiveK:
+        """A controller for a drafter whose drafts come from the named `sources` besides its own (""); `gated_k`:
+        the drafter's own per-step gate decides how many of up to gated_k drafts it proposes (k stays gated_k)."""
+        fixed = None if gated_k is None else min(gated_k, k_max)
+        return cls(k_max, sources={name: [PRIOR_ACCEPTANCE] * k_max for name in sources}, fixed=fixed)
 
     def limit(self, source: str, k: int) -> int:
         """The most drafts `source` may propose in a step that reserved k: its own best k, 1 on its own probe, all
@@ -157,6 +162,8 @@ class AdaptiveK:
 
     def next_k(self) -> int:
         """The k to draft next from the current rates: the largest of the sources' best k (as `update` ends)."""
+        if self.fixed is not None:
+            return self.fixed
         nxt = self.best_k()
         if self.sources:
             self.source_k = {"": nxt} | {name: self.best_k(r) for name, r in self.sources.items()}
@@ -185,6 +192,8 @@ class AdaptiveK:
         self.depths[source] = depth
         if 0 < depth < self.k_max:
             rates[depth:] = [rates[depth - 1]] * (self.k_max - depth)
+        if self.fixed is not None:
+            return self.fixed
         if step_ms is not None and k <= self.k_max:
             old = self.step_ms[k]
             # Another process on the cores stalls a step now and then; such spikes would make one k look cheap
@@ -281,7 +290,7 @@ class RateMemory:
         times = self.step_ms.get(drafter)
         if times is not None and len(times) == controller.k_max + 1:
             controller.step_ms = list(times)
-        return controller.next_k() if learnt else k
+        return controller.next_k() if learnt or controller.fixed is not None else k
 
 
 @dataclass(slots=True)

@@ -221,8 +221,8 @@ class Engine:
             eos_ids=self.tokenizer.stop_token_ids | set(self.model.cfg.eos_token_ids),
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
-            k=spec.k if spec.k is not None else min(4, spec.k_max),
-            adaptive=AdaptiveK.for_sources(spec.k_max, drafter.sources) if spec.k is None else None,
+            k=spec.k if spec.k is not None else min(drafter.gated_k or 4, spec.k_max),
+            adaptive=AdaptiveK.for_sources(spec.k_max, drafter.sources, drafter.gated_k) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id, listen_only)
         with self._lock:
@@ -250,8 +250,10 @@ class Engine:
         def change() -> None:
             for seq in self._running_seqs(request_id):
                 seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
-                sources = self.drafter(seq.spec.drafter).sources
-                seq.adaptive = AdaptiveK.for_sources(seq.spec.k_max, sources) if k is None else None
+                drafter = self.drafter(seq.spec.drafter)
+                seq.adaptive = (
+                    AdaptiveK.for_sources(seq.spec.k_max, drafter.sources, drafter.gated_k) if k is None else None
+                )
                 seq.k = k if k is not None else seq.adaptive.best_k()
 
         self.apply(change)
@@ -265,7 +267,7 @@ class Engine:
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
                 if seq.adaptive is not None:  # what it learnt was another drafter's acceptance
-                    seq.adaptive = AdaptiveK.for_sources(seq.spec.k_max, drafter.sources)
+                    seq.adaptive = AdaptiveK.for_sources(seq.spec.k_max, drafter.sources, drafter.gated_k)
             if request_id is None:
                 self.metrics.observe_drafter_switch()
 

@@ -151,20 +151,26 @@ static float top_probability(int n, const float* logits, float top) {
    -> out [B, depth] draft token ids and conf [B, depth] the probability each draft had under its head's softmax
    over the draft vocabulary. Per position the calls of HeadBlock.forward and DraftVocabOutput in their order
    (s = s + down(silu(up([norm(s); norm(E[prev])]))), the draft logits of norm(s), their argmax), so the same
-   bits as the packed modules. Returns 0, -1 without memory for its rows, or -2 for a prev outside the embedding. */
+   bits as the packed modules. It stops early once every request's chain probability (the product of its drafts'
+   probabilities) is below `floor`. Returns the positions drafted (1..depth; out and conf hold them first in each
+   row), -1 without memory for its rows, or -2 for a prev outside the embedding. */
 int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, const int64_t* prev, int64_t* out,
-                float* conf, int threads) {
+                float* conf, float floor, int threads) {
   const int H = h->hidden, F = h->ffn, V = h->rows.n;
   const size_t b = (size_t)B;
   for (size_t i = 0; i < b; i++)
     if (prev[i] < 0 || prev[i] >= h->embed_rows) return -2;
-  float* scratch = malloc(b * (5 * H + F + V) * sizeof(float) + b * sizeof(int64_t));
+  float* scratch = malloc(b * (5 * H + F + V + 1) * sizeof(float) + b * sizeof(int64_t));
   if (scratch == NULL) return -1;
   float *state = scratch, *u = state + b * H, *act = u + b * 2 * H, *delta = act + b * F, *normed = delta + b * H;
   float* logits = normed + b * H;
-  int64_t* best = (int64_t*)(logits + b * V);
-  for (size_t i = 0; i < b; i++) memcpy(state + i * H, hidden[i], H * sizeof(float));
-  int status = 0;
+  float* reach = logits + b * V;
+  int64_t* best = (int64_t*)(reach + b);
+  for (size_t i = 0; i < b; i++) {
+    memcpy(state + i * H, hidden[i], H * sizeof(float));
+    reach[i] = 1.0f;
+  }
+  int status = 0, drafted = 0;
   for (int j = 0; j < depth && status == 0; j++) {
     const Head* head = h->heads + j;
     for (size_t i = 0; i < b; i++) {
@@ -183,15 +189,20 @@ int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, co
       status = linear(&h->rows, B, normed, logits, threads);
     }
     if (status == 0) status = argmax_rows(B, V, logits, best, threads);
-    if (status == 0)
-      for (size_t i = 0; i < b; i++) {
-        const float* row = logits + i * V;
-        out[i * depth + j] = h->vocab[best[i]];
-        conf[i * depth + j] = top_probability(V, row, row[best[i]]);
-      }
+    if (status != 0) break;
+    int onward = 0;
+    for (size_t i = 0; i < b; i++) {
+      const float* row = logits + i * V;
+      out[i * depth + j] = h->vocab[best[i]];
+      conf[i * depth + j] = top_probability(V, row, row[best[i]]);
+      reach[i] *= conf[i * depth + j];
+      onward |= reach[i] >= floor;
+    }
+    drafted = j + 1;
+    if (!onward) break;
   }
   free(scratch);
-  return status;
+  return status != 0 ? status : drafted;
 }
 """
 
@@ -246,7 +257,7 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_layers.argtypes = [ptr, i32, ctypes.POINTER(cpu_attention.Plan), i32, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.decode_layers.argtypes += [i32]
     lib.decode_layers.restype = ctypes.c_int
-    lib.draft_chain.argtypes = [ctypes.POINTER(Heads), i32, i32, ptr, ptr, ptr, ptr, i32]
+    lib.draft_chain.argtypes = [ctypes.POINTER(Heads), i32, i32, ptr, ptr, ptr, ptr, ctypes.c_float, i32]
     lib.draft_chain.restype = ctypes.c_int
     return lib
 
@@ -427,26 +438,32 @@ class HeadsWeights:
 
 
 def draft_chain(
-    weights: HeadsWeights, depth: int, hidden: Sequence[torch.Tensor], prev: Sequence[int], threads: int
+    weights: HeadsWeights,
+    depth: int,
+    hidden: Sequence[torch.Tensor],
+    prev: Sequence[int],
+    threads: int,
+    floor: float = 0.0,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """The heads' greedy drafts [B][depth] (token ids) from each request's h_t (hidden[i]: [hidden] float32, its
-    last dim contiguous, e.g. a row of its tapped states) and newest token prev[i], in one C call: the same calls
-    in the same order as the packed HeadsDrafter's modules, so the same drafts (tests/engine/test_heads_cpu.py).
-    Also each draft's probability under its head's softmax over the draft vocabulary [B][depth] (NaN where the
-    logits were). Lists in and out: a decode step's drafting takes ~40 us of Python around ~35-100 us of C."""
+    """The heads' greedy drafts [B][n] (token ids) from each request's h_t (hidden[i]: [hidden] float32, its last
+    dim contiguous, e.g. a row of its tapped states) and newest token prev[i], in one C call: the same calls in the
+    same order as the packed HeadsDrafter's modules, so the same drafts (tests/engine/test_heads_cpu.py). Also each
+    draft's probability under its head's softmax over the draft vocabulary [B][n] (NaN where the logits were).
+    n = depth, or fewer where every request's chain probability fell below `floor` before (the positions after
+    are not drafted). Lists in and out: a decode step's drafting takes ~40 us of Python around ~35-100 us of C."""
     b = len(hidden)
     assert 1 <= depth <= weights.num_heads and len(prev) == b > 0, (depth, weights.num_heads, len(prev), b)
     for row in hidden:
         assert row.shape == (weights.hidden,) and row.dtype == torch.float32 and row.stride(0) == 1, row.shape
         assert not row.is_cuda
     out, conf = (ctypes.c_int64 * (b * depth))(), (ctypes.c_float * (b * depth))()
-    status = _library().draft_chain(
+    drafted = _library().draft_chain(
         weights.ref, b, depth, (ctypes.c_void_p * b)(*(row.data_ptr() for row in hidden)),
-        (ctypes.c_int64 * b)(*prev), out, conf, threads,
+        (ctypes.c_int64 * b)(*prev), out, conf, floor, threads,
     )  # fmt: skip
-    if status == -2:
+    if drafted == -2:
         raise ValueError(f"cpu_block.draft_chain: a token id of {list(prev)} is outside the embedding")
-    if status != 0:
+    if drafted < 0:
         raise MemoryError("cpu_block.draft_chain: no memory for the heads' rows")
     rows = range(0, b * depth, depth)
-    return [out[i : i + depth] for i in rows], [conf[i : i + depth] for i in rows]
+    return [out[i : i + drafted] for i in rows], [conf[i : i + drafted] for i in rows]

@@ -192,6 +192,13 @@ class FixedDrafter(Drafter):
         return [Draft([0] * k) for k in ks]
 
 
+class GatedWrong(FixedDrafter):
+    """FixedDrafter as a drafter that gates its own drafts (Drafter.gated_k)."""
+
+    name = "gated-wrong"
+    gated_k = 3
+
+
 def step_events(handle) -> list[StepEvent]:
     return [e for e in handle.events() if isinstance(e, StepEvent)]
 
@@ -230,6 +237,26 @@ def test_auto_k_stops_drafting_a_drafter_that_never_pays(tiny_engine):
     # steps remain, with probes (and the odd step a stall misleads).
     late = ks[40:]
     assert late.count(0) > 0.8 * len(late), ks
+
+
+def test_a_self_gated_drafter_keeps_its_k_and_its_rates_still_learn(tiny_engine):
+    """A drafter with gated_k (the packed CPU heads: their confidence picks each step's length) gets that k every
+    step under auto, whatever it accepts; its rates still follow (what the UI shows); a remembered start too."""
+    controller = AdaptiveK.for_sources(6, (), gated_k=2)
+    assert controller.fixed == 2 and controller.next_k() == 2
+    for _ in range(40):
+        assert controller.update(1, 0, 4.0) == 2  # every draft rejected: an ungated controller would idle
+    assert controller.rates[0] < 0.01
+    assert AdaptiveK.for_sources(1, (), gated_k=3).fixed == 1  # never above k_max
+    memory = RateMemory()
+    memory.remember("heads", controller)
+    assert memory.start("heads", AdaptiveK.for_sources(6, (), gated_k=2), 4) == 2
+    assert memory.start("heads", AdaptiveK.for_sources(6, (), gated_k=2), 4) == 2  # learnt rates: still fixed
+    tiny_engine.drafters["gated-wrong"] = GatedWrong()
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    events = step_events(tiny_engine.submit("hello", sampling, SpecParams("gated-wrong", k=None, k_max=6)))
+    drafted = [e.record.k for e in events]
+    assert {e.k_next for e in events} == {3} and drafted.count(3) > 0.8 * len(drafted), drafted  # (the end: fewer)
 
 
 def test_rate_memory_folds_finished_requests_and_starts_the_next_from_them():

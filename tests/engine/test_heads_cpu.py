@@ -200,6 +200,9 @@ def test_packed_chain_reports_each_drafts_probability_and_propose_keeps_the_conf
     assert tokens == want.tolist()
     probs = want_logits.softmax(-1).amax(-1).T  # [B, depth]
     torch.testing.assert_close(torch.tensor(confidence), probs, rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():  # every chain below the floor after the first draft: one position drafted
+        first, first_conf = heads_cpu.draft_chain(drafter, 4, list(hidden), prev.tolist(), floor=1.01)
+    assert first == [t[:1] for t in tokens] and first_conf == [c[:1] for c in confidence]
     seqs = [FakeSeq(i, [1, int(p)], SamplingParams(), hidden={CFG.num_layers - 1: hidden[i : i + 1]}) for i, p in
             enumerate(prev)]  # fmt: skip
     for floor in (0.0, 0.05, 0.2, 1.01):
@@ -210,4 +213,6 @@ def test_packed_chain_reports_each_drafts_probability_and_propose_keeps_the_conf
             kept = heads_cpu.confident_prefix(tokens[b], confidence[b], floor)[: [4, 4, 3, 2, 4][b]]
             assert draft.tokens == kept and draft.probs is None
         assert floor < 1.0 or all(d.tokens == [] for d in drafts)
-    assert HeadsDrafter(heads, model).min_confidence == heads_cpu.MIN_CONFIDENCE
+    gated = HeadsDrafter(heads, model)
+    assert gated.min_confidence == heads_cpu.MIN_CONFIDENCE and gated.gated_k == heads_cpu.GATED_K
+    assert drafter.gated_k is None and HeadsDrafter(heads, model, cpu_blocks=False).gated_k is None

@@ -38,6 +38,9 @@ class Drafter:
     sources: tuple[str, ...] = ()  # Draft.source names its drafts may carry besides "" (adaptive K keeps them apart)
     taps: tuple[int, ...] = ()
     tap_history = False  # True: seq.hidden keeps every row since the drafter last read (and cleared) it
+    # where set, the drafter decides each step how many of up to gated_k tokens to draft (its own confidence): under
+    # adaptive K a request of it drafts up to gated_k every step instead of following the acceptance it has seen
+    gated_k: int | None = None
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Up to ks[i] draft tokens for seqs[i]."""

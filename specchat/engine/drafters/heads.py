@@ -234,6 +234,8 @@ class HeadsDrafter(Drafter):
         self.min_confidence = heads_cpu.MIN_CONFIDENCE if min_confidence is None else min_confidence
         if packed:  # the target reads GGUF blocks on the CPU: so do the heads
             heads_cpu.pack_for_cpu(self, model)
+        if self.c_chain is not None and self.min_confidence > 0:  # its confidence gate picks each draft's length
+            self.gated_k = min(heads_cpu.GATED_K, self.cfg.num_heads)
         # greedy drafting: a CUDA graph per batch bucket and depth, over the embedding the model has now
         self.chain = GraphedFunction(
             self.greedy_chain, lambda: tuple(p.data_ptr() for p in self.embed.parameters()), enabled=graphs
@@ -309,7 +311,7 @@ class HeadsDrafter(Drafter):
         """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
         `chain` captures; `draft_steps` is its reference). Packed heads on the CPU: one C call for the chain
         (heads_cpu.draft_chain), the modules' calls in their order."""
-        if (packed := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist())) is not None:
+        if (packed := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist(), floor=0.0)) is not None:
             return torch.tensor(packed[0], dtype=torch.long)
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]

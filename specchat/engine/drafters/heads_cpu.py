@@ -55,6 +55,7 @@ HYBRID_HEADS_K = 2
 # probabilities over the draft vocabulary) is below this: such a draft is accepted about as often as that
 # probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here)
 MIN_CONFIDENCE = 0.2
+GATED_K = 2  # what such heads draft up to under adaptive K: their gate, not the controller, picks the length
 
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
@@ -126,18 +127,20 @@ def chain_weights(drafter: HeadsDrafter, model: Transformer) -> cpu_block.HeadsW
 
 
 def draft_chain(
-    drafter: HeadsDrafter, depth: int, hidden: list[torch.Tensor], prev: list[int]
+    drafter: HeadsDrafter, depth: int, hidden: list[torch.Tensor], prev: list[int], floor: float | None = None
 ) -> tuple[list[list[int]], list[list[float]]] | None:
     """The packed heads' greedy chain in one C call: each request's h_t (hidden[i], [d]) and newest token ->
-    (its drafts [B][depth], each draft's probability under its head [B][depth]); None where the modules must run
-    it (no C chain bound, rows on another device or dtype, float rows of a count that takes the float GEMM:
-    BlockLinear.takes_gemm)."""
+    (its drafts [B][n], each draft's probability under its head [B][n]; n < depth where every request's chain
+    fell below `floor` (default: the drafter's min_confidence) before: cpu_block.draft_chain); None where the
+    modules must run it (no C chain bound, rows on another device or dtype, float rows of a count that takes the
+    float GEMM: BlockLinear.takes_gemm)."""
     weights = drafter.c_chain
     if weights is None or hidden[0].dtype != torch.float32 or hidden[0].is_cuda:
         return None
     if any(linear.takes_gemm(len(hidden)) for linear in drafter.c_chain_gemms):
         return None
-    return cpu_block.draft_chain(weights, depth, hidden, prev, torch.get_num_threads())
+    floor = drafter.min_confidence if floor is None else floor
+    return cpu_block.draft_chain(weights, depth, hidden, prev, torch.get_num_threads(), floor)
 
 
 def confident_prefix(tokens: list[int], confidence: list[float], floor: float) -> list[int]:
