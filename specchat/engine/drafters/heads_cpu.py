@@ -55,7 +55,7 @@ HYBRID_HEADS_K = 2
 # probabilities over the draft vocabulary) is below this: such a draft is accepted about as often as that
 # probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here)
 MIN_CONFIDENCE = 0.2
-GATED_K = 2  # what such heads draft up to under adaptive K: their gate, not the controller, picks the length
+GATED_K = 3  # what such heads draft up to under adaptive K: their gate, not the controller, picks the length
 
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
