@@ -311,7 +311,9 @@ class HeadsDrafter(Drafter):
         """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
         `chain` captures; `draft_steps` is its reference). Packed heads on the CPU: one C call for the chain
         (heads_cpu.draft_chain), the modules' calls in their order."""
-        if (packed := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist(), floor=0.0)) is not None:
+        if self.c_chain is not None and (
+            packed := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist(), 0.0)
+        ):
             return torch.tensor(packed[0], dtype=torch.long)
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
