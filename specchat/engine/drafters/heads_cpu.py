@@ -23,7 +23,8 @@ They also draft from the first DRAFT_ROWS entries of the draft vocabulary (its m
 all 8,192 of the shipped heads: the output rows are ~85% of a position's bytes, and the 4,096 most frequent cover
 99.0% of the train split's greedy answer tokens against 99.8% (tokens per step over the eval prompts 1.63 against
 1.64 at k = 2, 1.72 against 1.73 at k = 4; heads 1.29x -> 1.33x and ngram+heads 1.66x -> 1.71x plain decoding
-under int8 rows: docs/benchmarks.md, "Fewer draft-vocabulary rows on the CPU").
+under int8 rows: docs/benchmarks.md, "Fewer draft-vocabulary rows on the CPU"); since the chain runs in C behind the
+confidence gate, the 2,048 most frequent.
 
 So the packed heads may propose other tokens than the float heads where two draft logits nearly tie. That costs
 no exactness: the target verifies every draft (docs/speculative.md). The float heads (`--eager`, or
@@ -47,7 +48,10 @@ if TYPE_CHECKING:
     from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
     from specchat.engine.model import Transformer
 
-DRAFT_ROWS = 4096  # draft-vocabulary entries the packed heads draft from (the most frequent first)
+# draft-vocabulary entries the packed heads draft from (the most frequent first): 4,096 until the chain ran in C
+# behind the confidence gate, where 2,048 drafted as many tokens per step (1.68 against 1.69) and ran 1-2% faster
+# (docs/benchmarks.md, "Sixteenth session")
+DRAFT_ROWS = 2048
 # where ngram+heads' n-grams miss, the packed heads draft at most this many (ngram+heads 1.57x -> 1.65x plain
 # decoding at k = 4 under int8 rows: docs/benchmarks.md, "The n-grams and the heads each at their own k")
 HYBRID_HEADS_K = 2
