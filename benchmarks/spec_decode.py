@@ -29,6 +29,7 @@ from collections import defaultdict
 import torch
 
 from specchat.config import CPU_ACTIVATIONS, EngineConfig, SamplingParams, SpecParams
+from specchat.engine.adaptive import RateMemory, StepCosts
 from specchat.engine.cpu_weights import set_activations
 from specchat.engine.engine import Engine
 from specchat.engine.stats import SpecStats
@@ -77,6 +78,9 @@ def speed_pass(engine: Engine, prompts: list[dict], configs: list[tuple[str, str
     time); `configs` are (activations, configuration) pairs."""
     sampling = SamplingParams(max_tokens=max_tokens)
     runs: dict = defaultdict(list)
+    # what adaptive K learnt in the acceptance pass (every prompt at once: batched steps' costs and rates) must not
+    # set the lone requests' first k here; within this pass requests learn from each other, as a chat's turns do
+    engine.scheduler.costs, engine.scheduler.memory, engine.scheduler.gates = StepCosts(), RateMemory(), {}
     for repeat in range(repeats):
         tokens: dict = defaultdict(int)
         seconds: dict = defaultdict(float)
