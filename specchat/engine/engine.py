@@ -222,7 +222,7 @@ class Engine:
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
             k=spec.k if spec.k is not None else min(drafter.gated_k or 4, spec.k_max),
-            adaptive=AdaptiveK.for_sources(spec.k_max, drafter.sources, drafter.gated_k) if spec.k is None else None,
+            adaptive=_controller(spec.k_max, drafter) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id, listen_only)
         with self._lock:
@@ -250,11 +250,8 @@ class Engine:
         def change() -> None:
             for seq in self._running_seqs(request_id):
                 seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
-                drafter = self.drafter(seq.spec.drafter)
-                seq.adaptive = (
-                    AdaptiveK.for_sources(seq.spec.k_max, drafter.sources, drafter.gated_k) if k is None else None
-                )
-                seq.k = k if k is not None else seq.adaptive.best_k()
+                seq.adaptive = _controller(seq.spec.k_max, self.drafter(seq.spec.drafter)) if k is None else None
+                seq.k = k if k is not None else seq.adaptive.next_k()
 
         self.apply(change)
 
@@ -267,7 +264,7 @@ class Engine:
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
                 if seq.adaptive is not None:  # what it learnt was another drafter's acceptance
-                    seq.adaptive = AdaptiveK.for_sources(seq.spec.k_max, drafter.sources, drafter.gated_k)
+                    seq.adaptive = _controller(seq.spec.k_max, drafter)
             if request_id is None:
                 self.metrics.observe_drafter_switch()
 
@@ -420,3 +417,8 @@ class Engine:
     def memory(self) -> dict:
         """Bytes of weights and KV cache, and what they would be in bf16 (quant.handler, engine.kv_cache)."""
         return {**self.weights.memory(), **self.pool.memory(self.model.cfg.max_position)}
+
+
+def _controller(k_max: int, drafter: Drafter) -> AdaptiveK:
+    """A fresh adaptive-K controller for a request of `drafter` (its draft sources; its own gate's k, if any)."""
+    return AdaptiveK.for_sources(k_max, drafter.sources, drafter.gated_k)

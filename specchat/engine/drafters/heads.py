@@ -229,8 +229,8 @@ class HeadsDrafter(Drafter):
         self.vocab_size = model.cfg.vocab_size
         self.draft_vocab = self.heads.draft_vocab[:draft_rows]  # [Vd]
         self.output = DraftVocabOutput(model, self.draft_vocab)
-        self.c_chain = None  # the greedy chain as one C call (heads_cpu.chain_weights) and its linears that may
-        self.c_chain_gemms: list[nn.Linear] = []  # take the float GEMM for some row counts instead
+        self.c_chain = None  # packed heads bound for the greedy chain as one C call (heads_cpu.chain_weights)
+        self.c_chain_gemms: list[nn.Linear] = []  # its linears that take the float GEMM for some row counts
         self.min_confidence = heads_cpu.MIN_CONFIDENCE if min_confidence is None else min_confidence
         if packed:  # the target reads GGUF blocks on the CPU: so do the heads
             heads_cpu.pack_for_cpu(self, model)
