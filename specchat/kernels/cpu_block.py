@@ -160,12 +160,10 @@ int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, co
   const size_t b = (size_t)B;
   for (size_t i = 0; i < b; i++)
     if (prev[i] < 0 || prev[i] >= h->embed_rows) return -2;
-  float* scratch = malloc(b * (5 * H + F + V + 1) * sizeof(float) + b * sizeof(int64_t));
-  if (scratch == NULL) return -1;
-  float *state = scratch, *u = state + b * H, *act = u + b * 2 * H, *delta = act + b * F, *normed = delta + b * H;
-  float* logits = normed + b * H;
-  float* reach = logits + b * V;
-  int64_t* best = (int64_t*)(reach + b);
+  int64_t* best = malloc(b * sizeof(int64_t) + b * (5 * H + F + V + 1) * sizeof(float));  /* (the longs first) */
+  if (best == NULL) return -1;
+  float *state = (float*)(best + b), *u = state + b * H, *act = u + b * 2 * H, *delta = act + b * F;
+  float *normed = delta + b * H, *logits = normed + b * H, *reach = logits + b * V;
   for (size_t i = 0; i < b; i++) {
     memcpy(state + i * H, hidden[i], H * sizeof(float));
     reach[i] = 1.0f;
@@ -201,7 +199,7 @@ int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, co
     drafted = j + 1;
     if (!onward) break;
   }
-  free(scratch);
+  free(best);
   return status != 0 ? status : drafted;
 }
 """
