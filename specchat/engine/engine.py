@@ -221,8 +221,8 @@ class Engine:
             eos_ids=self.tokenizer.stop_token_ids | set(self.model.cfg.eos_token_ids),
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
-            k=spec.k if spec.k is not None else min(drafter.gated_k or 4, spec.k_max),
-            adaptive=_controller(spec.k_max, drafter) if spec.k is None else None,
+            k=spec.k if spec.k is not None else min(_gated_k(drafter, sampling) or 4, spec.k_max),
+            adaptive=_controller(spec.k_max, drafter, sampling) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id, listen_only)
         with self._lock:
@@ -250,7 +250,8 @@ class Engine:
         def change() -> None:
             for seq in self._running_seqs(request_id):
                 seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
-                seq.adaptive = _controller(seq.spec.k_max, self.drafter(seq.spec.drafter)) if k is None else None
+                drafter = self.drafter(seq.spec.drafter)
+                seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling) if k is None else None
                 seq.k = k if k is not None else seq.adaptive.next_k()
 
         self.apply(change)
@@ -264,7 +265,7 @@ class Engine:
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
                 if seq.adaptive is not None:  # what it learnt was another drafter's acceptance
-                    seq.adaptive = _controller(seq.spec.k_max, drafter)
+                    seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling)
             if request_id is None:
                 self.metrics.observe_drafter_switch()
 
@@ -419,6 +420,12 @@ class Engine:
         return {**self.weights.memory(), **self.pool.memory(self.model.cfg.max_position)}
 
 
-def _controller(k_max: int, drafter: Drafter) -> AdaptiveK:
+def _gated_k(drafter: Drafter, sampling: SamplingParams) -> int | None:
+    """The k a self-gated drafter drafts up to for this request (Drafter.gated_k): greedy requests only (the
+    packed heads gate their greedy chain; sampled drafts are not gated and keep the adaptive controller)."""
+    return drafter.gated_k if sampling.greedy else None
+
+
+def _controller(k_max: int, drafter: Drafter, sampling: SamplingParams) -> AdaptiveK:
     """A fresh adaptive-K controller for a request of `drafter` (its draft sources; its own gate's k, if any)."""
-    return AdaptiveK.for_sources(k_max, drafter.sources, drafter.gated_k)
+    return AdaptiveK.for_sources(k_max, drafter.sources, _gated_k(drafter, sampling))

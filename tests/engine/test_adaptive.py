@@ -257,6 +257,10 @@ def test_a_self_gated_drafter_keeps_its_k_and_its_rates_still_learn(tiny_engine)
     events = step_events(tiny_engine.submit("hello", sampling, SpecParams("gated-wrong", k=None, k_max=6)))
     drafted = [e.record.k for e in events]
     assert {e.k_next for e in events} == {3} and drafted.count(3) > 0.8 * len(drafted), drafted  # (the end: fewer)
+    # a sampled request: its drafts are not gated (the packed heads gate greedy chains), so the controller decides
+    sampled = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=1)
+    events = step_events(tiny_engine.submit("hello", sampled, SpecParams("gated-wrong", k=None, k_max=6)))
+    assert 0 in {e.k_next for e in events}  # never accepted: it idles
 
 
 def test_rate_memory_folds_finished_requests_and_starts_the_next_from_them():

@@ -39,7 +39,8 @@ class Drafter:
     taps: tuple[int, ...] = ()
     tap_history = False  # True: seq.hidden keeps every row since the drafter last read (and cleared) it
     # where set, the drafter decides each step how many of up to gated_k tokens to draft (its own confidence): under
-    # adaptive K a request of it drafts up to gated_k every step instead of following the acceptance it has seen
+    # adaptive K a greedy request of it drafts up to gated_k every step instead of following the acceptance it has
+    # seen (engine._gated_k)
     gated_k: int | None = None
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
