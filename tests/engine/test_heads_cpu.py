@@ -213,6 +213,22 @@ def test_packed_chain_reports_each_drafts_probability_and_propose_keeps_the_conf
             kept = heads_cpu.confident_prefix(tokens[b], confidence[b], floor)[: [4, 4, 3, 2, 4][b]]
             assert draft.tokens == kept and draft.probs is None
         assert floor < 1.0 or all(d.tokens == [] for d in drafts)
+    # a step mixing sampled requests in: the greedy ones still take the gated C chain, the sampled ones draft
+    # position by position with the distribution they were drawn from
+    drafter.min_confidence = 0.2
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    mixed = [
+        seq if b % 2 == 0 else FakeSeq(b, seq.all_ids, sampled, hidden=seq.hidden, generator=torch.Generator().manual_seed(b))
+        for b, seq in enumerate(seqs)
+    ]  # fmt: skip
+    with torch.inference_mode():
+        drafts = drafter.propose(mixed, [4, 4, 3, 2, 4])
+    for b, draft in enumerate(drafts):
+        if b % 2 == 0:
+            assert draft.tokens == heads_cpu.confident_prefix(tokens[b], confidence[b], 0.2)[: [4, 4, 3, 2, 4][b]]
+            assert draft.probs is None
+        else:
+            assert len(draft.tokens) == [4, 4, 3, 2, 4][b] and draft.probs.shape == (len(draft.tokens), CFG.vocab_size)
     gated = HeadsDrafter(heads, model)
     assert gated.min_confidence == heads_cpu.MIN_CONFIDENCE and gated.gated_k == heads_cpu.GATED_K
     assert drafter.gated_k is None and HeadsDrafter(heads, model, cpu_blocks=False).gated_k is None

@@ -261,22 +261,18 @@ class HeadsDrafter(Drafter):
         drafts = [Draft([]) for _ in seqs]
         if not ready:
             return drafts
-        group = [seqs[i] for i in ready]
         depth = min(max(ks[i] for i in ready), self.cfg.num_heads)
-        rows = [seq.hidden[self.cfg.tap][-1] for seq in group]  # [d] each: h_t
-        newest = [seq.newest for seq in group]
-        if all(seq.sampling.greedy for seq in group):  # the whole chain in one launch or C call, one read-back
-            packed = heads_cpu.draft_chain(self, depth, rows, newest)
-            if packed is None:
-                chain = self.chain(depth, *self.chain_inputs(rows, newest)).tolist()  # [B, depth]
-            else:
-                chain, confidence = packed
-                if self.min_confidence > 0:
-                    floor = self.min_confidence
-                    chain = [heads_cpu.confident_prefix(c, p, floor) for c, p in zip(chain, confidence, strict=True)]
-            for b, i in enumerate(ready):
-                drafts[i] = Draft(chain[b][: min(ks[i], depth)])
-            return drafts
+        greedy = [i for i in ready if seqs[i].sampling.greedy]
+        # greedy requests: the whole chain in one launch or C call, one read-back; with packed heads (the C chain
+        # and its gate) also where sampled requests share the step, which then draft on their own
+        if len(greedy) == len(ready) or (self.c_chain is not None and greedy):
+            for i, chain in zip(greedy, self.greedy_drafts([seqs[i] for i in greedy], depth), strict=True):
+                drafts[i] = Draft(chain[: min(ks[i], depth)])
+            ready = [i for i in ready if not seqs[i].sampling.greedy]
+            if not ready:
+                return drafts
+        group = [seqs[i] for i in ready]
+        rows, newest = [seq.hidden[self.cfg.tap][-1] for seq in group], [seq.newest for seq in group]
         steps = self.draft_steps(group, *self.chain_inputs(rows, newest), depth)
         for b, i in enumerate(ready):
             k = min(ks[i], depth)
@@ -284,6 +280,19 @@ class HeadsDrafter(Drafter):
             qs = [steps[j][1][b] for j in range(k)]
             drafts[i] = Draft(tokens, None if qs[0] is None else torch.stack(qs))
         return drafts
+
+    def greedy_drafts(self, group: list[Sequence], depth: int) -> list[list[int]]:
+        """Greedy requests' drafts, up to `depth` each: the packed heads' C chain cut where its confidence falls
+        below min_confidence, else the (graphed) chain."""
+        rows = [seq.hidden[self.cfg.tap][-1] for seq in group]  # [d] each: h_t
+        newest = [seq.newest for seq in group]
+        packed = heads_cpu.draft_chain(self, depth, rows, newest)
+        if packed is None:
+            return self.chain(depth, *self.chain_inputs(rows, newest)).tolist()  # [B, depth]
+        chain, confidence = packed
+        if self.min_confidence <= 0:
+            return chain
+        return [heads_cpu.confident_prefix(c, p, self.min_confidence) for c, p in zip(chain, confidence, strict=True)]
 
     def chain_inputs(self, rows: list[torch.Tensor], newest: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's h_t [d] and newest token -> hidden [B, d] in the heads' dtype, prev [B]."""
