@@ -52,9 +52,10 @@ if TYPE_CHECKING:
 # behind the confidence gate, where 2,048 drafted as many tokens per step (1.68 against 1.69) and ran 1-2% faster
 # (docs/benchmarks.md, "Sixteenth session")
 DRAFT_ROWS = 2048
-# where ngram+heads' n-grams miss, the packed heads draft at most this many (ngram+heads 1.57x -> 1.65x plain
-# decoding at k = 4 under int8 rows: docs/benchmarks.md, "The n-grams and the heads each at their own k")
-HYBRID_HEADS_K = 2
+# where ngram+heads' n-grams miss, the packed heads draft at most this many (2: ngram+heads 1.57x -> 1.65x plain
+# decoding at k = 4 under int8 rows: docs/benchmarks.md, "The n-grams and the heads each at their own k"; 3 since
+# their chain is gated by confidence and stops early: auto 1.59x / 1.55x -> 1.62x / 1.57x, "Sixteenth session")
+HYBRID_HEADS_K = 3
 # a greedy chain stops before the first draft whose chain probability (the product of its heads' softmax
 # probabilities over the draft vocabulary) is below this: such a draft is accepted about as often as that
 # probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here)
