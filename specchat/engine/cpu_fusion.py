@@ -82,15 +82,12 @@ class CpuBlock(Block):
         weights, MXFP4) or has a bias other than q/k/v's. Bound once and kept while the same tensors are in place:
         the check is the ids of the tensors it reads (alive while kept, so an id cannot be reused by a new one),
         ~2 us a call where reading them through the modules' attributes took ~20."""
-        attn, mlp = self._modules["attn"], self._modules["mlp"]
-        linears = (attn._modules["wqkv"], attn._modules["wo"], mlp._modules["w_gate_up"], mlp._modules["w_down"])
-        norms = (self._modules["attn_norm"]._parameters["weight"], self._modules["mlp_norm"]._parameters["weight"])
-        state = (*(m._buffers.get("codes") for m in linears), *norms, *(m._parameters.get("bias") for m in linears))
-        state += tuple(type(m) for m in linears)  # BlockLinear or Int8BlockLinear: which kernels read the blocks
+        state = self.weight_state()
         key = tuple(map(id, state))
         cached = self.__dict__.get("_block_weights")
         if cached is not None and cached[0] == key:
             return cached[1]
+        attn, linears, norms = self.attn, state[:4], state[-2:]
         weights = None
         plain = all(isinstance(m, BlockLinear) for m in linears) and all(m.bias is None for m in linears[1:])
         if plain and cpu_block.available() and self.attn_norm.eps == self.mlp_norm.eps:
@@ -99,6 +96,19 @@ class CpuBlock(Block):
             )
         self.__dict__["_block_weights"] = (key, weights, state)  # state: keeps the tensors whose ids make the key
         return weights
+
+    def weight_state(self) -> tuple:
+        """What the bound weights are made of: the four linears, their classes (BlockLinear or Int8BlockLinear:
+        which kernels read the blocks), their codes and biases, then the two norms' weights."""
+        modules = self._modules
+        attn, mlp = modules["attn"]._modules, modules["mlp"]._modules
+        q, o, g, d = attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"]  # (spelt out: it runs every step)
+        return (
+            q, o, g, d, type(q), type(o), type(g), type(d),
+            q._buffers.get("codes"), o._buffers.get("codes"), g._buffers.get("codes"), d._buffers.get("codes"),
+            q._parameters.get("bias"), o._parameters.get("bias"), g._parameters.get("bias"), d._parameters.get("bias"),
+            modules["attn_norm"]._parameters["weight"], modules["mlp_norm"]._parameters["weight"],
+        )  # fmt: skip
 
     def forward_ops(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
         """The block one kernel call at a time (any linear modules, any KV attention)."""
@@ -145,18 +155,11 @@ class CpuTransformer(Transformer):
         """Every object the bound layers depend on, in order: the page store (by weak reference: a KV format change
         empties the old store while the new one fills, and holding its pages would keep both in memory) and which
         kernel reads it, and per block its modules, the tensors CpuBlock.block_weights reads and the linears'
-        classes (a rebound linear, a replaced buffer, set_activations or a new store all change it)."""
+        classes (CpuBlock.weight_state: a rebound linear, a replaced buffer, set_activations or a new store all
+        change it)."""
         state = [weakref.ref(kv.store), kv._cpu_kernel, kv._cpu_quantized]
         for block in self._modules["layers"]:
-            modules = block._modules
-            state += (
-                type(block),
-                modules["attn_norm"]._parameters["weight"],
-                modules["mlp_norm"]._parameters["weight"],
-            )
-            attn, mlp = modules["attn"]._modules, modules["mlp"]._modules
-            for linear in (attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"]):
-                state += (linear, type(linear), linear._buffers.get("codes"), linear._parameters.get("bias"))
+            state += (block, *block.weight_state()) if isinstance(block, CpuBlock) else (block,)
         return state
 
     def _bind_layers(self, kv: KVBatch) -> tuple[cpu_block.BoundLayers | None, list]:

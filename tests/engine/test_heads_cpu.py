@@ -82,6 +82,12 @@ def reference_chain(drafter: HeadsDrafter, model: Transformer, hidden: torch.Ten
     return torch.stack(tokens, dim=1), torch.stack(logits)
 
 
+def c_chain(drafter: HeadsDrafter, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """The packed drafter's greedy chain as its C call runs it for propose (ungated: every position) [B, depth]."""
+    tokens, _ = heads_cpu.draft_chain(drafter, depth, list(hidden), prev.tolist(), floor=0.0)
+    return torch.tensor(tokens, dtype=torch.long)
+
+
 def test_packed_heads_draft_what_their_reference_computes():
     model = packed_target()
     heads = random_heads(model)
@@ -97,7 +103,8 @@ def test_packed_heads_draft_what_their_reference_computes():
     hidden = torch.randn(8, CFG.hidden_size) * 2
     prev = torch.randint(0, CFG.vocab_size, (8,))
     with torch.inference_mode():
-        chain = packed.greedy_chain(4, hidden, prev)
+        chain = c_chain(packed, 4, hidden, prev)
+        assert torch.equal(packed.greedy_chain(4, hidden, prev), chain)  # the modules' chain (the graphed path's)
         want, want_logits = reference_chain(packed, model, hidden, prev, 4)
         state = packed.heads.blocks[0](hidden, model.embed(prev))
         torch.testing.assert_close(packed.output(state), want_logits[0], rtol=1e-4, atol=1e-4)
@@ -108,9 +115,9 @@ def test_packed_heads_draft_what_their_reference_computes():
 
 
 def test_packed_chain_equals_step_by_step_drafting():
-    """The packed drafter's greedy chain runs as one C call (cpu_block.draft_chain); the position-by-position path
-    runs the packed modules. The same calls in the same order: the same drafts at every depth and batch size, and
-    from one position of the modules, taken apart, too."""
+    """The packed drafter's greedy chain runs as one C call (cpu_block.draft_chain); greedy_chain and the
+    position-by-position path run the packed modules. The same calls in the same order: the same drafts at every
+    depth and batch size, and from one position of the modules, taken apart, too."""
     model = packed_target()
     drafter = HeadsDrafter(random_heads(model), model)
     assert drafter.c_chain is not None
@@ -124,9 +131,11 @@ def test_packed_chain_equals_step_by_step_drafting():
             prev = torch.randint(0, CFG.vocab_size, (batch,))
             group = [FakeSeq(i, [1, int(p)], SamplingParams()) for i, p in enumerate(prev)]
             with torch.inference_mode():
-                chain = drafter.greedy_chain(depth, hidden, prev)
+                chain = c_chain(drafter, depth, hidden, prev)
+                modules = drafter.greedy_chain(depth, hidden, prev)
                 steps = drafter.draft_steps(group, hidden, prev, depth)
             assert chain.shape == (batch, depth) and chain.T.tolist() == [tokens for tokens, _ in steps]
+            assert torch.equal(chain, modules)
     finally:
         heads_cpu.cpu_block.draft_chain = real
     assert calls == [1, 4, 2, 3]
@@ -135,9 +144,9 @@ def test_packed_chain_equals_step_by_step_drafting():
         block, hidden, prev = drafter.heads.blocks[0], torch.randn(4, CFG.hidden_size), torch.arange(4)
         state = block(hidden, model.embed(prev))
         first = drafter.draft_vocab[drafter.output(state).argmax(-1)]
-        assert torch.equal(drafter.greedy_chain(1, hidden, prev)[:, 0], first)
+        assert torch.equal(c_chain(drafter, 1, hidden, prev)[:, 0], first)
         with pytest.raises(ValueError, match="outside the embedding"):
-            drafter.greedy_chain(1, hidden, torch.tensor([0, 1, 2, CFG.vocab_size]))
+            c_chain(drafter, 1, hidden, torch.tensor([0, 1, 2, CFG.vocab_size]))
 
 
 def test_a_target_without_blocks_keeps_the_float_heads():

@@ -318,12 +318,8 @@ class HeadsDrafter(Drafter):
 
     def greedy_chain(self, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
-        `chain` captures; `draft_steps` is its reference). Packed heads on the CPU: one C call for the chain
-        (heads_cpu.draft_chain), the modules' calls in their order."""
-        if self.c_chain is not None and (
-            packed := heads_cpu.draft_chain(self, depth, list(hidden), prev.tolist(), 0.0)
-        ):
-            return torch.tensor(packed[0], dtype=torch.long)
+        `chain` captures; `draft_steps` is its reference). Packed heads on the CPU run it as one C call instead
+        (`greedy_drafts`: heads_cpu.draft_chain, the same calls in the same order)."""
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
             return self.draft_vocab[cpu_ops.argmax(self.output(states))].T
