@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -123,6 +124,17 @@ def add_floored_heads(engine: Engine, floor: float) -> None:
     engine.drafters[f"ngram+heads~{floor:g}"] = NgramThenHeads(drafter)
 
 
+def add_heads_file(engine: Engine, name: str, path: str) -> None:
+    """Register heads#NAME and ngram+heads#NAME: heads from another file (e.g. a `train-heads` output) beside the
+    shipped ones, drafting as the shipped ones do."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+
+    drafter = HeadsDrafter.from_file(Path(path), engine.model, graphs=False)
+    engine.drafters[f"heads#{name}"] = drafter
+    engine.drafters[f"ngram+heads#{name}"] = NgramThenHeads(drafter)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -160,6 +172,13 @@ def main() -> None:
         help="comma list of F: also the drafters heads~F and ngram+heads~F, whose greedy chains stop below chain "
         "probability F (0: never) instead of the packed heads' default",
     )
+    ap.add_argument(
+        "--heads-file",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also the drafters heads#NAME and ngram+heads#NAME: the heads in PATH (repeatable)",
+    )
     args = ap.parse_args()
 
     acts = args.cpu_act.split(",")
@@ -168,6 +187,9 @@ def main() -> None:
         add_trimmed_heads(engine, int(rows))
     for floor in filter(None, args.heads_floor.split(",")):
         add_floored_heads(engine, float(floor))
+    for item in args.heads_file:
+        name, _, path = item.partition("=")
+        add_heads_file(engine, name, path)
     for heads_k in filter(None, args.hybrid_heads_k.split(",")):
         from specchat.engine.drafters.hybrid import NgramThenHeads
 

@@ -53,6 +53,14 @@ class LineProgress:
 )
 @click.option("--max-tokens", type=int, default=384, show_default=True, help="per generated answer")
 @click.option("--samples", type=int, default=2, show_default=True, help="sampled answers per prompt besides greedy")
+@click.option(
+    "--labels",
+    type=click.Choice(["greedy", "text"]),
+    default="greedy",
+    show_default=True,
+    help="heads: learn the target's greedy choice after each prefix (what greedy verification accepts) or the "
+    "answers' own tokens (sampled answers' tokens are often not the greedy choice)",
+)
 @click.option("--epochs", type=int, default=None, help="default: 4 (heads), 6 (eagle)")
 @click.option("--batch-size", type=int, default=512, show_default=True, help="heads: positions per step")
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="eagle: padded tokens per step")
@@ -76,6 +84,7 @@ def train_heads(
     draft_vocab,
     max_tokens,
     samples,
+    labels,
     epochs,
     batch_size,
     batch_tokens,
@@ -113,6 +122,7 @@ def train_heads(
             num_heads=num_heads,
             tap=tap,
             sequential=not parallel,
+            labels=labels,
             epochs=epochs or 4,
             batch_size=batch_size,
             lr=lr or 2e-3,

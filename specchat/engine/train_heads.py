@@ -7,10 +7,14 @@ directory beside the output file so that a run interrupted anywhere resumes wher
 1. answers:  the engine answers every `train` prompt (all submitted at once; the scheduler batches them):
              one greedy answer each, plus `samples_per_prompt` sampled ones for variety.
 2. features: one teacher-forced target forward per answer captures h_t at the tap layer for every position t
-             whose next token x_{t+1} the target wrote, and the window x_{t+1} .. x_{t+1+K}.
-3. train:    head i learns x_{t+1+i} from h_t (and, sequential heads, x_{t+1} .. x_{t+i}) with cross-entropy
-             over the draft vocabulary; head i's loss weighs depth_decay^(i-1) (Medusa's 0.8^i). Checkpoints
-             every `checkpoint_every` steps.
+             whose next token x_{t+1} the target wrote, the window x_{t+1} .. x_{t+1+K}, and the target's greedy
+             next token g_j = argmax p(. | x_1 .. x_j) at j = t .. t+K (the same forward's logits).
+3. train:    head i learns, from h_t (and, sequential heads, x_{t+1} .. x_{t+i}), the target's greedy choice
+             g_{t+i} after that prefix (labels "greedy", the default) or the answer's own token x_{t+1+i}
+             ("text"), with cross-entropy over the draft vocabulary; head i's loss weighs depth_decay^(i-1)
+             (Medusa's 0.8^i). Checkpoints every `checkpoint_every` steps. Greedy verification accepts a draft
+             exactly when it is g: in a sampled answer (temperature 0.8) about 28% of the tokens are not the
+             greedy choice after their own prefix (docs/speculative.md), and "text" labels teach the heads those.
 4. report:   per-head top-1 accuracy on held-out answers (teacher-forced) and the chain estimate of tokens per
              step at k = 1..K (head i counts only where heads 1..i are all right), then the heads file.
 """
@@ -48,6 +52,7 @@ SYSTEM_VARIANTS = (
     "You are a patient teacher.",
     "You are a precise assistant; keep answers short and correct.",
 )
+LABELS = ("greedy", "text")
 MAX_HEADS = 16  # features keep the next MAX_HEADS + 1 tokens of every position, so any head count reuses them
 FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 WARMUP_STEPS = 50
@@ -86,6 +91,7 @@ class TrainConfig:
     batch_size: int = 512
     lr: float = 2e-3
     depth_decay: float = 0.8
+    labels: str = "greedy"  # "greedy": the target's argmax after each prefix; "text": the answer's own next token
     checkpoint_every: int = 200
     seed: int = 0
 
@@ -96,6 +102,8 @@ class TrainConfig:
             raise ConfigError("draft vocab, samples per prompt must be >= 0; epochs, batch size >= 1")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.labels not in LABELS:
+            raise ConfigError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
 
     def data_key(self) -> dict:
         keys = ("tap", "max_tokens", "samples_per_prompt", "temperature", "eval_fraction", "max_prompts", "seed")
@@ -130,10 +138,12 @@ class HeadTrainer:
         if path.is_file():
             from safetensors.torch import load_file
 
-            return load_file(str(path))
+            feats = load_file(str(path))
+            if "greedy" in feats:  # features of an older version lack the greedy labels: made again below
+                return feats
         K = MAX_HEADS
         held_out = self._held_out_ids(records)
-        hidden, windows, is_eval = [], [], []
+        hidden, windows, greedy, is_eval = [], [], [], []
         runner, pool = self.engine.runner, self.engine.pool
         batch: list[dict] = []
         for n, record in enumerate(records):
@@ -147,8 +157,10 @@ class HeadTrainer:
             ids = [-(i + 1) for i in range(len(batch))]  # ids no live request uses
             for seq_id in ids:
                 pool.add(seq_id, [])  # no prefix reuse: every position is fed and tapped
-            out = runner.forward(StepBatch(ids, seqs, [0] * len(seqs), [0] * len(seqs)), taps=[self.tap])
-            for seq_id, r, seq, h in zip(ids, batch, seqs, out.hidden, strict=True):
+            # logits from position P-1 on (each request's trailing T-P+1 rows): the greedy choice at every t
+            logit_rows = [len(s) - len(r["prompt_ids"]) + 1 for r, s in zip(batch, seqs, strict=True)]
+            out = runner.forward(StepBatch(ids, seqs, [0] * len(seqs), logit_rows), taps=[self.tap])
+            for seq_id, r, seq, h, logits in zip(ids, batch, seqs, out.hidden, out.logits, strict=True):
                 pool.free(seq_id)
                 # h_t for t = P-1 .. T-2: the positions whose next token x_{t+1} the target wrote.
                 first, last = len(r["prompt_ids"]) - 1, len(seq) - 1
@@ -157,6 +169,9 @@ class HeadTrainer:
                 padded = torch.tensor(seq + [IGNORE] * (K + 1))
                 starts = torch.arange(first + 1, last + 1)  # t + 1
                 windows.append(padded[starts[:, None] + torch.arange(K + 1)])  # [n, K+1]: x_{t+1} .. x_{t+1+K}
+                # g_j for j = P-1 .. T-2 (g_{T-1} would guess past the answer): [n, K+1] windows g_t .. g_{t+K}
+                g = torch.cat((logits[: last - first].argmax(-1).cpu(), torch.full((K + 1,), IGNORE)))
+                greedy.append(g[(starts - first - 1)[:, None] + torch.arange(K + 1)])
                 hidden.append(h[self.tap][first:last].float().cpu())  # [n, d]
                 is_eval.append(torch.full((last - first,), r["id"] in held_out, dtype=torch.bool))
             batch = []
@@ -164,6 +179,7 @@ class HeadTrainer:
         feats = {
             "hidden": torch.cat(hidden).contiguous(),
             "windows": torch.cat(windows).contiguous(),
+            "greedy": torch.cat(greedy).contiguous(),
             "is_eval": torch.cat(is_eval),
         }
         from safetensors.torch import save_file
@@ -188,7 +204,9 @@ class HeadTrainer:
         output = DraftVocabOutput(self.model, heads.draft_vocab)
         hidden = feats["hidden"].to(self.device)
         windows = feats["windows"][:, : cfg.num_heads + 1].to(self.device)  # [N, K+1]
-        labels = self._draft_labels(windows[:, 1:], heads.draft_vocab)  # [N, K] indices into the draft vocab
+        # [N, K] indices into the draft vocab: head i's label is g_{t+i} (greedy) or x_{t+1+i} (text)
+        targets = feats["greedy" if cfg.labels == "greedy" else "windows"][:, 1:]
+        labels = self._draft_labels(targets[:, : cfg.num_heads].to(self.device), heads.draft_vocab)
         train_rows = (~feats["is_eval"]).nonzero().squeeze(-1)
         steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
         total = cfg.epochs * steps_per_epoch

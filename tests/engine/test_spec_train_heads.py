@@ -107,3 +107,37 @@ def test_draft_labels_map_tokens_into_the_draft_vocab(tiny_engine, tmp_path):
     vocab = torch.tensor([7, 3, 11])
     targets = torch.tensor([[3, 11], [5, IGNORE]])
     assert trainer._draft_labels(targets, vocab).tolist() == [[1, 2], [IGNORE, IGNORE]]
+
+
+def test_greedy_labels_are_the_targets_argmax_after_each_prefix(tiny_engine, tmp_path):
+    """features()' greedy windows: row t, column i holds argmax p(. | x_1 .. x_{t+i}) of a lone teacher-forced
+    forward, IGNORE exactly where the answer has no token x_{t+1+i}; training takes columns 1.. as labels."""
+    from specchat.engine.runner import StepBatch
+    from specchat.engine.train_heads import IGNORE, HeadTrainer
+
+    cfg = TrainConfig(num_heads=2, max_prompts=3, max_tokens=10, samples_per_prompt=1, epochs=1, batch_size=16)
+    trainer = HeadTrainer(tiny_engine, cfg, tmp_path, lambda *a: None, lambda line: None)
+    records = trainer.answers()
+    feats = trainer.features(records)
+    greedy, windows = feats["greedy"], feats["windows"]
+    assert greedy.shape == windows.shape
+    assert torch.equal(greedy >= 0, windows >= 0)
+    held_out = trainer._held_out_ids(records)
+    row = 0
+    for r in records:
+        if not (r["greedy"] or r["id"] not in held_out):
+            continue
+        seq = r["prompt_ids"] + r["output_ids"]
+        first, last = len(r["prompt_ids"]) - 1, len(seq) - 1
+        tiny_engine.pool.add(-1, [])
+        logits = tiny_engine.runner.forward(StepBatch([-1], [seq], [0], [len(seq)])).logits[0]
+        tiny_engine.pool.free(-1)
+        expected = logits.argmax(-1)
+        for t in range(first, last):
+            for i in range(greedy.shape[1]):
+                want = int(expected[t + i]) if t + i <= last - 1 else IGNORE
+                assert int(greedy[row, i]) == want, (r["id"], t, i)
+            row += 1
+    assert row == len(greedy)
+    with pytest.raises(ConfigError, match="labels"):
+        TrainConfig(labels="soft")
