@@ -55,11 +55,12 @@ class LineProgress:
 @click.option("--samples", type=int, default=2, show_default=True, help="sampled answers per prompt besides greedy")
 @click.option(
     "--labels",
-    type=click.Choice(["greedy", "text"]),
+    type=click.Choice(["greedy", "text", "soft"]),
     default="greedy",
     show_default=True,
-    help="heads: learn the target's greedy choice after each prefix (what greedy verification accepts) or the "
-    "answers' own tokens (sampled answers' tokens are often not the greedy choice)",
+    help="heads: learn the target's greedy choice after each prefix (what greedy verification accepts), the "
+    "answers' own tokens (sampled answers' tokens are often not the greedy choice), or the target's whole "
+    "distribution after each prefix (soft)",
 )
 @click.option("--epochs", type=int, default=None, help="default: 4 (heads), 6 (eagle)")
 @click.option("--batch-size", type=int, default=512, show_default=True, help="heads: positions per step")

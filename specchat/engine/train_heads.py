@@ -52,7 +52,7 @@ SYSTEM_VARIANTS = (
     "You are a patient teacher.",
     "You are a precise assistant; keep answers short and correct.",
 )
-LABELS = ("greedy", "text")
+LABELS = ("greedy", "text", "soft")
 MAX_HEADS = 16  # features keep the next MAX_HEADS + 1 tokens of every position, so any head count reuses them
 FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 WARMUP_STEPS = 50
@@ -91,7 +91,9 @@ class TrainConfig:
     batch_size: int = 512
     lr: float = 2e-3
     depth_decay: float = 0.8
-    labels: str = "greedy"  # "greedy": the target's argmax after each prefix; "text": the answer's own next token
+    # "greedy": the target's argmax after each prefix; "text": the answer's own next token; "soft": the target's
+    # whole distribution (over the draft vocabulary) after each prefix, from the tapped h of the last layer
+    labels: str = "greedy"
     checkpoint_every: int = 200
     seed: int = 0
 
@@ -122,6 +124,8 @@ class HeadTrainer:
         self.model = engine.model
         self.tap = self.model.cfg.num_layers - 1 if cfg.tap is None else cfg.tap
         self.device = engine.device
+        if cfg.labels == "soft" and self.tap != self.model.cfg.num_layers - 1:
+            raise ConfigError("--labels soft reads the target's logits from the tapped layer: it needs the last one")
         work.mkdir(parents=True, exist_ok=True)
         key_file = work / "config.json"
         if key_file.is_file() and json.loads(key_file.read_text()) != cfg.data_key():
@@ -204,9 +208,10 @@ class HeadTrainer:
         output = DraftVocabOutput(self.model, heads.draft_vocab)
         hidden = feats["hidden"].to(self.device)
         windows = feats["windows"][:, : cfg.num_heads + 1].to(self.device)  # [N, K+1]
-        # [N, K] indices into the draft vocab: head i's label is g_{t+i} (greedy) or x_{t+1+i} (text)
+        # [N, K] indices into the draft vocab: head i's label is g_{t+i} (greedy) or x_{t+1+i} (text, soft's mask)
         targets = feats["greedy" if cfg.labels == "greedy" else "windows"][:, 1:]
         labels = self._draft_labels(targets[:, : cfg.num_heads].to(self.device), heads.draft_vocab)
+        offsets = torch.arange(1, cfg.num_heads + 1, device=self.device)
         train_rows = (~feats["is_eval"]).nonzero().squeeze(-1)
         steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
         total = cfg.epochs * steps_per_epoch
@@ -224,7 +229,15 @@ class HeadTrainer:
                 group["lr"] = lr
             with torch.autocast(self.device.type, dtype=model_dtype, enabled=model_dtype != torch.float32):
                 logits = self._forward(heads, output, hidden[rows], windows[rows])  # [K, B, Vd]
-                loss = per_head_loss(logits.float(), labels[rows]) @ weights / weights.sum()
+                if cfg.labels == "soft":  # row t + i of the same answer holds h_{t+i}: the target's own logits
+                    with torch.no_grad():
+                        ahead = (rows[:, None] + offsets).clamp_max(len(hidden) - 1)  # [B, K]
+                        teacher = output(hidden[ahead]).transpose(0, 1)  # [K, B, Vd]
+                    valid = windows[rows, 1:] >= 0  # [B, K]: x_{t+1+i} exists, so h_{t+i} is this answer's
+                    per_head = per_head_soft_loss(logits.float(), teacher.float(), valid)
+                else:
+                    per_head = per_head_loss(logits.float(), labels[rows])
+                loss = per_head @ weights / weights.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -379,6 +392,14 @@ def with_system(messages: list[dict], text: str) -> list[dict]:
 def per_head_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """logits [K, B, Vd], labels [B, K] -> mean cross-entropy per head [K]."""
     return torch.stack([F.cross_entropy(logits[i], labels[:, i], ignore_index=IGNORE) for i in range(logits.shape[0])])
+
+
+def per_head_soft_loss(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """logits, teacher logits [K, B, Vd], valid [B, K] -> mean cross-entropy per head [K] of the heads' draft
+    distributions against the target's (both over the draft vocabulary), over the valid rows."""
+    ce = -(teacher.softmax(-1) * logits.log_softmax(-1)).sum(-1)  # [K, B]
+    mask = valid.T.float()
+    return (ce * mask).sum(-1) / mask.sum(-1).clamp_min(1)
 
 
 def lr_factor(step: int, total: int) -> float:

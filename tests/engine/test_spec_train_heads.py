@@ -140,4 +140,47 @@ def test_greedy_labels_are_the_targets_argmax_after_each_prefix(tiny_engine, tmp
             row += 1
     assert row == len(greedy)
     with pytest.raises(ConfigError, match="labels"):
-        TrainConfig(labels="soft")
+        TrainConfig(labels="bogus")
+
+
+def test_soft_labels_are_the_targets_distribution_and_train(tiny_engine, tmp_path):
+    """--labels soft: the teacher of head i at row t is the draft-vocabulary logits of h_{t+i} (row t + i of the
+    same answer), whose argmax is the greedy label; the loss skips rows past the answer; training runs."""
+    from specchat.engine.drafters.heads import DraftVocabOutput
+    from specchat.engine.train_heads import HeadTrainer, per_head_soft_loss
+
+    cfg = TrainConfig(num_heads=2, max_prompts=3, max_tokens=10, samples_per_prompt=1, epochs=1, batch_size=16)
+    trainer = HeadTrainer(tiny_engine, cfg, tmp_path, lambda *a: None, lambda line: None)
+    feats = trainer.features(trainer.answers())
+    vocab = torch.arange(tiny_engine.model.cfg.vocab_size)
+    output = DraftVocabOutput(tiny_engine.model, vocab)
+    n = len(feats["hidden"])
+    for i in (1, 2):
+        valid = feats["windows"][:, i] >= 0
+        rows = valid.nonzero().squeeze(-1)
+        with torch.no_grad():
+            teacher = output(feats["hidden"][rows + i])
+        assert torch.equal(teacher.argmax(-1), feats["greedy"][rows, i])
+        assert int(rows.max()) + i < n
+
+    logits = torch.randn(2, 3, 5)
+    peaked = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3], [0, 4, 4]]), 5).float() * 1e4
+    valid = torch.tensor([[True, True], [True, False], [False, False]])
+    soft = per_head_soft_loss(logits, peaked, valid)
+    hard = torch.stack(
+        [
+            torch.nn.functional.cross_entropy(logits[0, :2], torch.tensor([1, 2])),
+            torch.nn.functional.cross_entropy(logits[1, :1], torch.tensor([0])),
+        ]
+    )
+    assert torch.allclose(soft, hard)
+
+    soft_cfg = TrainConfig(
+        num_heads=2, max_prompts=3, max_tokens=10, samples_per_prompt=1, epochs=1, batch_size=16, labels="soft"
+    )
+    report = train_heads(
+        tiny_engine, soft_cfg, tmp_path / "soft.safetensors", lambda *a: None, lambda line: None, tmp_path
+    )
+    assert len(report["top1"]) == 2
+    with pytest.raises(ConfigError, match="last"):
+        HeadTrainer(tiny_engine, TrainConfig(labels="soft", tap=0), tmp_path / "x", lambda *a: None, print)
