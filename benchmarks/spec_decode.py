@@ -124,15 +124,17 @@ def add_floored_heads(engine: Engine, floor: float) -> None:
     engine.drafters[f"ngram+heads~{floor:g}"] = NgramThenHeads(drafter)
 
 
-def add_heads_file(engine: Engine, name: str, path: str) -> None:
+def add_heads_file(engine: Engine, name: str, path: str, floors: list[float]) -> None:
     """Register heads#NAME and ngram+heads#NAME: heads from another file (e.g. a `train-heads` output) beside the
-    shipped ones, drafting as the shipped ones do."""
+    shipped ones, drafting as the shipped ones do; and heads#NAME~F, ngram+heads#NAME~F for each floor F."""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.drafters.hybrid import NgramThenHeads
 
-    drafter = HeadsDrafter.from_file(Path(path), engine.model, graphs=False)
-    engine.drafters[f"heads#{name}"] = drafter
-    engine.drafters[f"ngram+heads#{name}"] = NgramThenHeads(drafter)
+    for floor in [None, *floors]:
+        drafter = HeadsDrafter.from_file(Path(path), engine.model, graphs=False, min_confidence=floor)
+        suffix = "" if floor is None else f"~{floor:g}"
+        engine.drafters[f"heads#{name}{suffix}"] = drafter
+        engine.drafters[f"ngram+heads#{name}{suffix}"] = NgramThenHeads(drafter)
 
 
 def main() -> None:
@@ -177,7 +179,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="also the drafters heads#NAME and ngram+heads#NAME: the heads in PATH (repeatable)",
+        help="also the drafters heads#NAME and ngram+heads#NAME: the heads in PATH (repeatable); with --heads-floor "
+        "also heads#NAME~F and ngram+heads#NAME~F",
     )
     args = ap.parse_args()
 
@@ -189,7 +192,7 @@ def main() -> None:
         add_floored_heads(engine, float(floor))
     for item in args.heads_file:
         name, _, path = item.partition("=")
-        add_heads_file(engine, name, path)
+        add_heads_file(engine, name, path, [float(f) for f in filter(None, args.heads_floor.split(","))])
     for heads_k in filter(None, args.hybrid_heads_k.split(",")):
         from specchat.engine.drafters.hybrid import NgramThenHeads
 

@@ -7,6 +7,8 @@
 # greedy one; or ANSWERS=FILE... made elsewhere) and trains the MLP heads; `eagle` trains the EAGLE-3 head (a
 # directory) on the same answers, so run it on the same machine after `heads`. The answers come back gzipped in
 # $OUT, to train other variants later without generating again. Each stage is bounded by `timeout` and logs to $OUT.
+# Answers, features and 8 epochs of the heads take ~9 minutes on an H200: if `heads` stops at its timeout, run it
+# again in the next call on the same machine (within 30 s): train-heads resumes from its work directory.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -24,7 +26,7 @@ for part in "${parts[@]}"; do
       # ANSWERS=FILE...: answers generated elsewhere (train_heads.generate_answers records), used instead of generating
       [ -n "${ANSWERS:-}" ] && zcat -f $ANSWERS > "$HOME/heads.work/answers.jsonl"
       timeout ${HEADS_TIMEOUT:-540} python -m specchat train-heads --arch heads --heads 5 "${common[@]}" \
-        --epochs "${HEADS_EPOCHS:-4}" --batch-size "${HEADS_BATCH:-1024}" --draft-vocab 8192 \
+        --epochs "${HEADS_EPOCHS:-8}" --batch-size "${HEADS_BATCH:-1024}" --draft-vocab 8192 --labels "${LABELS:-soft}" \
         --out "$OUT/heads-smollm2-135m.safetensors" --work "$HOME/heads.work" 2>&1 | tee -a "$OUT/train_heads.log"
       gzip -c "$HOME/heads.work/answers.jsonl" > "$OUT/answers.jsonl.gz" ;;
     eagle)

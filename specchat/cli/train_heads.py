@@ -55,12 +55,10 @@ class LineProgress:
 @click.option("--samples", type=int, default=2, show_default=True, help="sampled answers per prompt besides greedy")
 @click.option(
     "--labels",
-    type=click.Choice(["greedy", "text", "soft"]),
-    default="greedy",
-    show_default=True,
-    help="heads: learn the target's greedy choice after each prefix (what greedy verification accepts), the "
-    "answers' own tokens (sampled answers' tokens are often not the greedy choice), or the target's whole "
-    "distribution after each prefix (soft)",
+    type=click.Choice(["soft", "greedy", "text"]),
+    default=None,
+    help="heads: learn the target's whole distribution after each prefix (soft; the default with the last layer "
+    "tapped), its greedy choice there (greedy; the default with --tap), or the answers' own tokens (text)",
 )
 @click.option("--epochs", type=int, default=None, help="default: 4 (heads), 6 (eagle)")
 @click.option("--batch-size", type=int, default=512, show_default=True, help="heads: positions per step")
@@ -123,7 +121,7 @@ def train_heads(
             num_heads=num_heads,
             tap=tap,
             sequential=not parallel,
-            labels=labels,
+            labels=labels or ("soft" if tap is None else "greedy"),
             epochs=epochs or 4,
             batch_size=batch_size,
             lr=lr or 2e-3,

@@ -9,12 +9,15 @@ directory beside the output file so that a run interrupted anywhere resumes wher
 2. features: one teacher-forced target forward per answer captures h_t at the tap layer for every position t
              whose next token x_{t+1} the target wrote, the window x_{t+1} .. x_{t+1+K}, and the target's greedy
              next token g_j = argmax p(. | x_1 .. x_j) at j = t .. t+K (the same forward's logits).
-3. train:    head i learns, from h_t (and, sequential heads, x_{t+1} .. x_{t+i}), the target's greedy choice
-             g_{t+i} after that prefix (labels "greedy", the default) or the answer's own token x_{t+1+i}
-             ("text"), with cross-entropy over the draft vocabulary; head i's loss weighs depth_decay^(i-1)
-             (Medusa's 0.8^i). Checkpoints every `checkpoint_every` steps. Greedy verification accepts a draft
-             exactly when it is g: in a sampled answer (temperature 0.8) about 28% of the tokens are not the
-             greedy choice after their own prefix (docs/speculative.md), and "text" labels teach the heads those.
+3. train:    head i learns, from h_t (and, sequential heads, x_{t+1} .. x_{t+i}), what the target does after
+             that prefix, by cross-entropy over the draft vocabulary: labels "soft" (the default) its whole
+             distribution there (h_{t+i} through the final norm and the draft rows: row t+i of the same
+             answer's features), "greedy" its choice g_{t+i}, "text" the answer's own token x_{t+1+i}. In a
+             sampled answer (temperature 0.8) 28% of the tokens are not the target's greedy choice after their
+             own prefix, yet "text" labels teach them as the answer; the soft labels carry the target's whole
+             distribution at every position, of greedy and sampled answers alike (docs/speculative.md compares
+             the three by real runs). Head i's loss weighs
+             depth_decay^(i-1) (Medusa's 0.8^i). Checkpoints every `checkpoint_every` steps.
 4. report:   per-head top-1 accuracy on held-out answers (teacher-forced) and the chain estimate of tokens per
              step at k = 1..K (head i counts only where heads 1..i are all right), then the heads file.
 """
@@ -93,7 +96,7 @@ class TrainConfig:
     depth_decay: float = 0.8
     # "greedy": the target's argmax after each prefix; "text": the answer's own next token; "soft": the target's
     # whole distribution (over the draft vocabulary) after each prefix, from the tapped h of the last layer
-    labels: str = "greedy"
+    labels: str = "soft"
     checkpoint_every: int = 200
     seed: int = 0
 
