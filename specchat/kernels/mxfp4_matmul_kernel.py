@@ -76,7 +76,7 @@ def _mxfp4_matmul_kernel(
     w_ptr,  # [Np/64, Kt/128, 64, 16] int32 prepared words
     s_ptr,  # [Np/64, Kt/128, 64] int32: each the 4 uint8 kernel scale bytes of a row's k-tile
     y_ptr,  # [M, N] output, x's dtype
-    partial_ptr,  # [split_k, m_tiles * (BLOCK_M + EXTRA_M), Np] float32 split-K partials (unused when split_k == 1)
+    partial_ptr,  # [split_k, m_tiles, Np, BLOCK_M + EXTRA_M] float32 split-K partials (unused when split_k == 1)
     counter_ptr,  # [m_tiles * Np / BLOCK_N] int32 split-K arrivals, zero between launches
     M,
     N,
@@ -155,39 +155,25 @@ def _mxfp4_matmul_kernel(
         if EXTRA_M > 0:
             tl.store(ye_ptrs, (acc_e * out_scale).to(y_ptr.dtype.element_ty), mask=ye_mask)
     else:
-        # Publish this split's partial; the last split to arrive at the tile sums all of them. Partials are
-        # [split, activation row, weight row]: only the M live activation rows are written and read back (one of
-        # a 16-row tile's at a decode step), each a contiguous run of BLOCK_N floats.
+        # Publish this split's partial; the last split to arrive at the tile sums all of them.
         rows = tl.num_programs(0) // m_tiles * BLOCK_N
-        partial_offs = offs_m[None, :] * rows + offs_n[:, None]
-        partial_mask = offs_m[None, :] < M
-        partial_e = offs_e[None, :] * rows + offs_n[:, None]
-        partial_e_mask = offs_e[None, :] < M
-        split_stride = m_tiles * TILE_M * rows
-        tl.store(partial_ptr + pid_k * split_stride + partial_offs, acc, mask=partial_mask)
+        partial_offs = (pid_m * rows + offs_n[:, None]) * TILE_M + tl.arange(0, BLOCK_M)[None, :]
+        partial_e = (pid_m * rows + offs_n[:, None]) * TILE_M + BLOCK_M + tl.arange(0, EXTRA_COLS)[None, :]
+        split_stride = m_tiles * rows * TILE_M
+        tl.store(partial_ptr + pid_k * split_stride + partial_offs, acc)
         if EXTRA_M > 0:
-            tl.store(partial_ptr + pid_k * split_stride + partial_e, acc_e, mask=partial_e_mask)
+            tl.store(partial_ptr + pid_k * split_stride + partial_e, acc_e)
         tl.debug_barrier()  # every thread's partial is written before the (release) arrival below
         arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         if arrived == split_k - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for split in range(split_k):
-                total += tl.load(
-                    partial_ptr + split * split_stride + partial_offs,
-                    mask=partial_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
+                total += tl.load(partial_ptr + split * split_stride + partial_offs, cache_modifier=".cg")
             tl.store(y_ptrs, (total * out_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
             if EXTRA_M > 0:
                 total_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)
                 for split in range(split_k):
-                    total_e += tl.load(
-                        partial_ptr + split * split_stride + partial_e,
-                        mask=partial_e_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
+                    total_e += tl.load(partial_ptr + split * split_stride + partial_e, cache_modifier=".cg")
                 tl.store(ye_ptrs, (total_e * out_scale).to(y_ptr.dtype.element_ty), mask=ye_mask)
             tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
 
