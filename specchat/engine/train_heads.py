@@ -16,8 +16,8 @@ directory beside the output file so that a run interrupted anywhere resumes wher
              sampled answer (temperature 0.8) 28% of the tokens are not the target's greedy choice after their
              own prefix, yet "text" labels teach them as the answer; the soft labels carry the target's whole
              distribution at every position, of greedy and sampled answers alike (docs/speculative.md compares
-             the three by real runs). Head i's loss weighs
-             depth_decay^(i-1) (Medusa's 0.8^i). Checkpoints every `checkpoint_every` steps.
+             the three by real runs). Head i's loss weighs depth_decay^(i-1) (Medusa's 0.8^i). Checkpoints
+             every `checkpoint_every` steps.
 4. report:   per-head top-1 accuracy on held-out answers (teacher-forced) and the chain estimate of tokens per
              step at k = 1..K (head i counts only where heads 1..i are all right), then the heads file.
 """
@@ -211,9 +211,10 @@ class HeadTrainer:
         output = DraftVocabOutput(self.model, heads.draft_vocab)
         hidden = feats["hidden"].to(self.device)
         windows = feats["windows"][:, : cfg.num_heads + 1].to(self.device)  # [N, K+1]
-        # [N, K] indices into the draft vocab: head i's label is g_{t+i} (greedy) or x_{t+1+i} (text, soft's mask)
-        targets = feats["greedy" if cfg.labels == "greedy" else "windows"][:, 1:]
-        labels = self._draft_labels(targets[:, : cfg.num_heads].to(self.device), heads.draft_vocab)
+        labels = None  # [N, K] indices into the draft vocab: head i's label is g_{t+i} (greedy) or x_{t+1+i} (text)
+        if cfg.labels != "soft":
+            targets = feats["greedy" if cfg.labels == "greedy" else "windows"][:, 1 : cfg.num_heads + 1]
+            labels = self._draft_labels(targets.to(self.device), heads.draft_vocab)
         offsets = torch.arange(1, cfg.num_heads + 1, device=self.device)
         train_rows = (~feats["is_eval"]).nonzero().squeeze(-1)
         steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
@@ -232,11 +233,11 @@ class HeadTrainer:
                 group["lr"] = lr
             with torch.autocast(self.device.type, dtype=model_dtype, enabled=model_dtype != torch.float32):
                 logits = self._forward(heads, output, hidden[rows], windows[rows])  # [K, B, Vd]
-                if cfg.labels == "soft":  # row t + i of the same answer holds h_{t+i}: the target's own logits
+                if labels is None:  # soft: row t + i of the same answer holds h_{t+i}, the target's own logits
                     with torch.no_grad():
                         ahead = (rows[:, None] + offsets).clamp_max(len(hidden) - 1)  # [B, K]
                         teacher = output(hidden[ahead]).transpose(0, 1)  # [K, B, Vd]
-                    valid = windows[rows, 1:] >= 0  # [B, K]: x_{t+1+i} exists, so h_{t+i} is this answer's
+                    valid = windows[rows, 1:] >= 0  # [B, K]: x_{t+1+i} exists, so row t + i is this answer's
                     per_head = per_head_soft_loss(logits.float(), teacher.float(), valid)
                 else:
                     per_head = per_head_loss(logits.float(), labels[rows])
