@@ -182,5 +182,6 @@ def test_soft_labels_are_the_targets_distribution_and_train(tiny_engine, tmp_pat
         tiny_engine, soft_cfg, tmp_path / "soft.safetensors", lambda *a: None, lambda line: None, tmp_path
     )
     assert len(report["top1"]) == 2
+    assert DraftHeads.load(tmp_path / "soft.safetensors")[1]["train"]["labels"] == "soft"  # the recipe travels
     with pytest.raises(ConfigError, match="last"):
         HeadTrainer(tiny_engine, TrainConfig(labels="soft", tap=0), tmp_path / "x", lambda *a: None, print)
