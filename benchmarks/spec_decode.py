@@ -99,42 +99,17 @@ def speed_pass(engine: Engine, prompts: list[dict], configs: list[tuple[str, str
     return {key: statistics.median(values) for key, values in runs.items()}
 
 
-def add_trimmed_heads(engine: Engine, rows: int) -> None:
-    """Register heads@ROWS and ngram+heads@ROWS: the model's shipped heads drafting from their ROWS most frequent
-    draft-vocabulary entries (fewer output rows read per draft position)."""
+def add_heads(engine: Engine, suffix: str, path: Path | None = None, **options) -> None:
+    """Register heads{SUFFIX} and ngram+heads{SUFFIX}: the heads in `path` (default: the model's shipped ones),
+    drafting with HeadsDrafter.from_file's `options` (draft_rows, min_confidence)."""
     from specchat.engine.drafters.base import DATA_DIR
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.drafters.hybrid import NgramThenHeads
 
-    drafter = HeadsDrafter.from_file(DATA_DIR / engine.model_spec.heads, engine.model, graphs=False, draft_rows=rows)
-    engine.drafters[f"heads@{rows}"] = drafter
-    engine.drafters[f"ngram+heads@{rows}"] = NgramThenHeads(drafter)
-
-
-def add_floored_heads(engine: Engine, floor: float) -> None:
-    """Register heads~FLOOR and ngram+heads~FLOOR: the model's shipped heads whose greedy chain stops below chain
-    probability FLOOR instead of heads_cpu.MIN_CONFIDENCE (0: every step drafts its k)."""
-    from specchat.engine.drafters.base import DATA_DIR
-    from specchat.engine.drafters.heads import HeadsDrafter
-    from specchat.engine.drafters.hybrid import NgramThenHeads
-
-    path = DATA_DIR / engine.model_spec.heads
-    drafter = HeadsDrafter.from_file(path, engine.model, graphs=False, min_confidence=floor)
-    engine.drafters[f"heads~{floor:g}"] = drafter
-    engine.drafters[f"ngram+heads~{floor:g}"] = NgramThenHeads(drafter)
-
-
-def add_heads_file(engine: Engine, name: str, path: str, floors: list[float]) -> None:
-    """Register heads#NAME and ngram+heads#NAME: heads from another file (e.g. a `train-heads` output) beside the
-    shipped ones, drafting as the shipped ones do; and heads#NAME~F, ngram+heads#NAME~F for each floor F."""
-    from specchat.engine.drafters.heads import HeadsDrafter
-    from specchat.engine.drafters.hybrid import NgramThenHeads
-
-    for floor in [None, *floors]:
-        drafter = HeadsDrafter.from_file(Path(path), engine.model, graphs=False, min_confidence=floor)
-        suffix = "" if floor is None else f"~{floor:g}"
-        engine.drafters[f"heads#{name}{suffix}"] = drafter
-        engine.drafters[f"ngram+heads#{name}{suffix}"] = NgramThenHeads(drafter)
+    path = path or DATA_DIR / engine.model_spec.heads
+    drafter = HeadsDrafter.from_file(path, engine.model, graphs=False, **options)
+    engine.drafters[f"heads{suffix}"] = drafter
+    engine.drafters[f"ngram+heads{suffix}"] = NgramThenHeads(drafter)
 
 
 def main() -> None:
@@ -186,13 +161,18 @@ def main() -> None:
 
     acts = args.cpu_act.split(",")
     engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, cpu_act=acts[-1]))
+    # heads@ROWS: the shipped heads drafting from their ROWS most frequent draft-vocabulary entries; heads~F: their
+    # greedy chains stopping below chain probability F (0: never) instead of heads_cpu.MIN_CONFIDENCE; heads#NAME
+    # (and heads#NAME~F): the heads of another file
+    floors = [float(f) for f in filter(None, args.heads_floor.split(","))]
     for rows in filter(None, args.heads_rows.split(",")):
-        add_trimmed_heads(engine, int(rows))
-    for floor in filter(None, args.heads_floor.split(",")):
-        add_floored_heads(engine, float(floor))
+        add_heads(engine, f"@{rows}", draft_rows=int(rows))
+    for floor in floors:
+        add_heads(engine, f"~{floor:g}", min_confidence=floor)
     for item in args.heads_file:
         name, _, path = item.partition("=")
-        add_heads_file(engine, name, path, [float(f) for f in filter(None, args.heads_floor.split(","))])
+        for floor in [None, *floors]:
+            add_heads(engine, f"#{name}" + ("" if floor is None else f"~{floor:g}"), Path(path), min_confidence=floor)
     for heads_k in filter(None, args.hybrid_heads_k.split(",")):
         from specchat.engine.drafters.hybrid import NgramThenHeads
 
