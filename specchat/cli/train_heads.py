@@ -58,7 +58,7 @@ class LineProgress:
     type=click.Choice(["soft", "greedy", "text"]),
     default=None,
     help="heads: learn the target's whole distribution after each prefix (soft; the default with the last layer "
-    "tapped), its greedy choice there (greedy; the default with --tap), or the answers' own tokens (text)",
+    "tapped), its greedy choice there (greedy; the default with another --tap), or the answers' own tokens (text)",
 )
 @click.option("--epochs", type=int, default=None, help="default: 4 (heads), 6 (eagle)")
 @click.option("--batch-size", type=int, default=512, show_default=True, help="heads: positions per step")
@@ -121,7 +121,7 @@ def train_heads(
             num_heads=num_heads,
             tap=tap,
             sequential=not parallel,
-            labels=labels or ("soft" if tap is None else "greedy"),
+            labels=labels,
             epochs=epochs or 4,
             batch_size=batch_size,
             lr=lr or 2e-3,

@@ -30,7 +30,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -95,8 +95,9 @@ class TrainConfig:
     lr: float = 2e-3
     depth_decay: float = 0.8
     # "greedy": the target's argmax after each prefix; "text": the answer's own next token; "soft": the target's
-    # whole distribution (over the draft vocabulary) after each prefix, from the tapped h of the last layer
-    labels: str = "soft"
+    # whole distribution (over the draft vocabulary) after each prefix, from the tapped h of the last layer;
+    # None: soft where the last layer is tapped, else greedy (HeadTrainer decides, knowing the layer count)
+    labels: str | None = None
     checkpoint_every: int = 200
     seed: int = 0
 
@@ -107,7 +108,7 @@ class TrainConfig:
             raise ConfigError("draft vocab, samples per prompt must be >= 0; epochs, batch size >= 1")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.labels not in LABELS:
+        if self.labels is not None and self.labels not in LABELS:
             raise ConfigError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
 
     def data_key(self) -> dict:
@@ -123,12 +124,14 @@ class HeadTrainer:
     """Runs the four stages for `engine`'s model; `work` holds everything needed to resume."""
 
     def __init__(self, engine, cfg: TrainConfig, work: Path, progress: Progress, log: Callable[[str], None]):
-        self.engine, self.cfg, self.work, self.progress, self.log = engine, cfg, work, progress, log
         self.model = engine.model
-        self.tap = self.model.cfg.num_layers - 1 if cfg.tap is None else cfg.tap
-        self.device = engine.device
-        if cfg.labels == "soft" and self.tap != self.model.cfg.num_layers - 1:
+        last = self.model.cfg.num_layers - 1
+        self.tap = last if cfg.tap is None else cfg.tap
+        if cfg.labels == "soft" and self.tap != last:
             raise ConfigError("--labels soft reads the target's logits from the tapped layer: it needs the last one")
+        cfg = replace(cfg, labels=cfg.labels or ("soft" if self.tap == last else "greedy"))
+        self.engine, self.cfg, self.work, self.progress, self.log = engine, cfg, work, progress, log
+        self.device = engine.device
         work.mkdir(parents=True, exist_ok=True)
         key_file = work / "config.json"
         if key_file.is_file() and json.loads(key_file.read_text()) != cfg.data_key():
@@ -426,7 +429,7 @@ def train_heads(
     heads = trainer.train(records, feats)
     report = trainer.report(heads, feats)
     spec = engine.model_spec
-    target = {"model": spec.alias if spec else "", "train": asdict(cfg), "report": report}
+    target = {"model": spec.alias if spec else "", "train": asdict(trainer.cfg), "report": report}
     out.parent.mkdir(parents=True, exist_ok=True)
     heads.save(out, target)
     return report

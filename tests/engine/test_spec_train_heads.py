@@ -183,5 +183,8 @@ def test_soft_labels_are_the_targets_distribution_and_train(tiny_engine, tmp_pat
     )
     assert len(report["top1"]) == 2
     assert DraftHeads.load(tmp_path / "soft.safetensors")[1]["train"]["labels"] == "soft"  # the recipe travels
+    # unset labels: soft where the last layer is tapped, greedy elsewhere
+    assert HeadTrainer(tiny_engine, TrainConfig(), tmp_path / "a", lambda *a: None, print).cfg.labels == "soft"
+    assert HeadTrainer(tiny_engine, TrainConfig(tap=0), tmp_path / "b", lambda *a: None, print).cfg.labels == "greedy"
     with pytest.raises(ConfigError, match="last"):
         HeadTrainer(tiny_engine, TrainConfig(labels="soft", tap=0), tmp_path / "x", lambda *a: None, print)
