@@ -175,9 +175,22 @@ class CudaGraphRunner(ModelRunner):
         ctx = _bucket(max(s + q for s in batch.start_positions), CTX_BUCKETS)
         return None if b is None or ctx is None else (b, q, ctx, tuple(sorted(set(taps))))
 
-    def can_run_ahead(self, batch: StepBatch) -> bool:
+    def can_run_ahead(self, batch: StepBatch, taps: Seq[int] = ()) -> bool:
         """Only where the step's graph is captured already: a capture mid-pipeline would stall it."""
-        return self._state_signature() == self._signature and self._graph_key(batch, ()) in self.graphs
+        return self._state_signature() == self._signature and self._graph_key(batch, taps) in self.graphs
+
+    def forward_advanced(
+        self, batch: StepBatch, ids: torch.Tensor, advance: torch.Tensor, taps: Seq[int] = ()
+    ) -> StepOutput:
+        """ModelRunner.forward_advanced on graphs: the pool reserves q more positions per request (room for any
+        advance), the host writes the metadata of advance 0, and a few device ops move each request's positions,
+        context length and slots by its advance before the replay, so nothing waits for the host."""
+        self._check_signature()
+        q = len(batch.feeds[0])
+        furthest = [s + q - 1 for s in batch.start_positions]
+        key = self._graph_key(StepBatch(batch.seq_ids, batch.feeds, furthest, batch.logit_rows), taps)
+        with pdl.scope(self._pdl):
+            return self._replay(self.graphs[key], batch, q, ids, advance)
 
     def forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
         self._check_signature()
@@ -355,15 +368,26 @@ class CudaGraphRunner(ModelRunner):
         return _Prefill(graph, staging, last, logits, hidden)
 
     @torch.inference_mode()
-    def _replay(self, g: _Graph, batch: StepBatch, q: int, ids: torch.Tensor | None = None) -> StepOutput:
-        """One replay of g for batch; ids (q = 1): the fed tokens, already on the device (batch.feeds' are not read)."""
+    def _replay(
+        self,
+        g: _Graph,
+        batch: StepBatch,
+        q: int,
+        ids: torch.Tensor | None = None,
+        advance: torch.Tensor | None = None,
+    ) -> StepOutput:
+        """One replay of g for batch; ids: the fed tokens, already on the device (batch.feeds' are not read);
+        advance [n]: each request's start moves by it on the device (forward_advanced)."""
         n = len(batch.feeds)
         tables, ctx_lens, slots = self.pool.reserve(batch.seq_ids, [q] * n)  # bookkeeping: pages, slots, tables
         rows, big = n * q, g.batch * q
+        if advance is not None:  # (the slots are computed on the device)
+            ctx_lens = [s + q for s in batch.start_positions]
         h64, h32 = g.staging.begin()
         h64[:rows] = [t for f in batch.feeds for t in f]
         h64[big : big + rows] = [p for s in batch.start_positions for p in range(s, s + q)]
-        h64[2 * big : 2 * big + rows] = slots
+        if advance is None:
+            h64[2 * big : 2 * big + rows] = slots
         h32[:n] = ctx_lens
         for i, table in enumerate(tables):
             start = g.batch + i * g.width
@@ -371,12 +395,26 @@ class CudaGraphRunner(ModelRunner):
         g.staging.send()
         if ids is not None:
             g.staging.dev64[:rows].copy_(ids)  # after the metadata's copy, in stream order
+        if advance is not None:
+            self._advance(g, n, q, advance)
         g.graph.replay()
         logits = g.logits[:rows]
         # Tapped states are copied out: the next replay overwrites the static buffers, and drafters read them later.
         hidden = {layer: h[:rows].clone().split([q] * n) for layer, h in g.hidden.items()}
         per_request = [{layer: parts[i] for layer, parts in hidden.items()} for i in range(n)]
-        return StepOutput(logits, list(logits.split([q] * n)), per_request)
+        # (ids: the staged tokens, valid until the graph's next replay, like the logits)
+        return StepOutput(logits, list(logits.split([q] * n)), per_request, g.staging.dev64[:rows])
+
+    def _advance(self, g: _Graph, n: int, q: int, advance: torch.Tensor) -> None:
+        """Move the staged positions and context lengths of the first n requests by advance [n], and make their
+        slots again from the staged block tables (slot = table[position // page] * page + position % page)."""
+        ps, big = self.pool.page_size, g.batch * q
+        positions = g.staging.dev64[big : big + n * q].view(n, q)
+        positions += advance[:, None]
+        g.staging.dev32[:n] += advance.to(torch.int32)
+        tables = g.staging.dev32[g.batch :].view(g.batch, g.width)[:n]
+        pages = tables.gather(1, positions // ps).long()
+        g.staging.dev64[2 * big : 2 * big + n * q] = (pages * ps + positions % ps).view(-1)
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:

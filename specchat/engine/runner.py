@@ -33,6 +33,8 @@ class StepOutput:
     flat_logits: torch.Tensor  # [sum(logit_rows), vocab] fp32, the requests' rows one after another
     logits: list[torch.Tensor]  # per request: [logit_rows, vocab], views of flat_logits
     hidden: list[dict[int, torch.Tensor]]  # per request: {layer: [len(feed), hidden]}
+    # [rows] the fed tokens on the device, for a step that ran as one forward (on graphs: until the next replay)
+    ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -55,10 +57,26 @@ class ModelRunner:
         batch as it is; a CUDA-graph runner replays one graph for a uniform width (cuda_graph.py)."""
         return None
 
-    def can_run_ahead(self, batch: StepBatch) -> bool:
-        """Whether `forward(batch, ids=...)` runs this plain decode step without capturing or compiling anything
-        (a step launched ahead of the host must not stall it)."""
+    def can_run_ahead(self, batch: StepBatch, taps: Seq[int] = ()) -> bool:
+        """Whether `forward(batch, ids=...)` (a plain decode step) or `forward_advanced` (batch: its furthest
+        start positions) runs without capturing or compiling anything (a step launched ahead of the host must not
+        stall it)."""
         return True
+
+    def forward_advanced(
+        self, batch: StepBatch, ids: torch.Tensor, advance: torch.Tensor, taps: Seq[int] = ()
+    ) -> StepOutput:
+        """A step of q tokens per request whose fed tokens (ids [n*q]) and start positions (batch.start_positions
+        + advance [n], 0 <= advance < q) are on the device, not known to the host yet: the step after a drafting
+        step, launched before the host reads how many drafts it accepted (SpecStep). The pool holds each request's
+        positions up to batch.start_positions + q - 1 (the drafting step's); afterwards it holds at least the
+        step's own (the caller truncates to start + q once it knows the start). This reference reads both to
+        the host, which on the CPU costs nothing; the CUDA-graph runner moves the step's metadata on the device."""
+        starts = [s + a for s, a in zip(batch.start_positions, advance.tolist(), strict=True)]
+        for seq_id, start in zip(batch.seq_ids, starts, strict=True):
+            self.pool.truncate(seq_id, start)
+        feeds = ids.view(len(starts), -1).tolist()
+        return self.forward(StepBatch(batch.seq_ids, feeds, starts, batch.logit_rows), taps)
 
     def forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
         """The target over `batch`. ids: the fed tokens as a device tensor (the previous step's, not read back
@@ -107,7 +125,7 @@ class ModelRunner:
         lens = [len(f) for f in batch.feeds]
         split_hidden = {layer: h.split(lens) for layer, h in hidden.items()}
         per_seq_hidden = [{layer: parts[i] for layer, parts in split_hidden.items()} for i in range(len(lens))]
-        return StepOutput(logits, per_seq_logits, per_seq_hidden)
+        return StepOutput(logits, per_seq_logits, per_seq_hidden, ids)
 
 
 def sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:

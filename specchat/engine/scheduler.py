@@ -300,8 +300,8 @@ class Scheduler:
                 continue
             was_decode = len(item.feed) == 1 and seq.output_ids
             seq.num_cached = seq.num_tokens + outcome.accepted  # rejected drafts' keys/values are dropped
-            # (a request whose next step runs ahead keeps the position that step writes)
-            keep = seq.num_cached + (seq.seq_id in result.ahead)
+            # (a request whose next step runs ahead keeps the positions that step writes)
+            keep = seq.num_cached + result.ahead.get(seq.seq_id, 0)
             if self.pool.lengths[seq.seq_id] != keep:  # (a step without drafts reserved just what it keeps)
                 self.pool.truncate(seq.seq_id, keep)
             kept = seq.append_tokens(outcome.emitted)

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.engine.drafters import Draft, DrafterCache, NoDrafter
+from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
 from specchat.engine.runner import ModelRunner, StepBatch, StepOutput
 from specchat.engine.sequence import Sequence
-from specchat.engine.verify import plain_tokens, verify_batch
+from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 
 PAD_TOKEN = 0  # fills a padded request's rows past its drafts; their logits are never read
 
@@ -80,7 +80,9 @@ class StepResult:
     verify_ms: float
     decode_rows: int | None = None  # rows the target verified in a step of decoding only (padding included)
     decoding: bool = False  # every request of the step decoded (no prompt chunk)
-    ahead: frozenset[int] = frozenset()  # requests whose next step is in flight: the pool holds one more position
+    # requests whose next step is in flight: {seq_id: positions past num_cached the pool holds for it (its fed
+    # tokens: 1 for a plain step, 1 + k for a drafting one)}
+    ahead: dict[int, int] = field(default_factory=dict)
 
 
 class _Tokens:
@@ -121,6 +123,17 @@ class _Ahead:
     tokens: _Tokens  # [n] the tokens it draws
     states: list[torch.Tensor | None]  # each request's generator state before the step's draw
 
+    def take_back(self, pool, used: set[int]) -> None:
+        """Undo the step for its requests (rows) not in `used` that still run: the KV position it reserved, the
+        draw it made from their generators."""
+        for row, (seq, start, state) in enumerate(zip(self.seqs, self.starts, self.states, strict=True)):
+            if row in used or seq.finished:
+                continue
+            if pool.lengths.get(seq.seq_id) == start + 1:  # (a request preempted meanwhile has no pages left)
+                pool.truncate(seq.seq_id, start)
+            if state is not None:
+                seq.generator.set_state(state)
+
     def rows(self, plan: StepPlan) -> dict[int, int]:
         """{plan item: row of this step} for the items it ran: a request decoding from the same position, no drafts."""
         where = {seq.seq_id: row for row, seq in enumerate(self.seqs)}
@@ -132,6 +145,34 @@ class _Ahead:
         return rows
 
 
+@dataclass(slots=True)
+class _DraftAhead:
+    """A drafting step launched before the host read the verdicts of the drafting step before it (greedy requests
+    whose drafter drafts on the device): each request feeds its bonus or recovered token and k drafts, from
+    wherever the step before left it."""
+
+    seqs: list[Sequence]
+    k: int
+    out: StepOutput  # the step's target forward, in flight
+    feeds: list[list[int]]  # each request's fed tokens (read back with the step before's verdicts)
+    starts: list[int]  # each request's first fed position (known once those verdicts are read)
+
+    def covers(self, plan: StepPlan) -> bool:
+        """Whether the step is the plan's, as the plan would run it but for k: the same requests in the same order,
+        each decoding from the position and token the step fed, and drafting (its verdicts hold for any k)."""
+        return len(plan.items) == len(self.seqs) and all(
+            item.seq is seq and item.k > 0 and item.feed == feed[:1] and item.seq.num_cached == start
+            for item, seq, feed, start in zip(plan.items, self.seqs, self.feeds, self.starts, strict=True)
+        )
+
+    def take_back(self, pool) -> None:
+        """Undo the step for its requests that still run: the positions it reserved."""
+        for seq, start in zip(self.seqs, self.starts, strict=True):
+            held = pool.lengths.get(seq.seq_id)  # (a request preempted meanwhile has no pages left)
+            if not seq.finished and held is not None and held > start:
+                pool.truncate(seq.seq_id, start)
+
+
 class SpecStep:
     """Drafts, runs the target and verifies, for every request of a plan at once."""
 
@@ -140,36 +181,34 @@ class SpecStep:
         self.drafters = drafters
         # run plain steps ahead (default: where the runner overlaps the host's work with the device's)
         self.runs_ahead = runner.overlaps if ahead is None else ahead
-        self._ahead: _Ahead | None = None
+        self._ahead: _Ahead | _DraftAhead | None = None
         self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
+        self.drafted_ahead = 0  # of them, drafting steps
         self.waited_s = 0.0  # time plain steps spent waiting to read their tokens back (profiles: the device's lead)
 
     def run(self, plan: StepPlan) -> StepResult:
         ahead, self._ahead = self._ahead, None
-        if ahead is not None:
+        if isinstance(ahead, _DraftAhead):
+            if ahead.covers(plan):
+                self.continued += 1
+                self.drafted_ahead += 1
+                t0 = time.perf_counter()
+                return self._verdicts_ahead(plan, ahead.out, ahead.k, self._drafts_ahead(plan, ahead.k), t0, t0)
+            ahead.take_back(self.runner.pool)
+        elif ahead is not None:
             rows = ahead.rows(plan)
-            self._take_back(ahead, set(rows.values()))
+            ahead.take_back(self.runner.pool, set(rows.values()))
             if rows:
                 return self._continue(plan, ahead, rows)
         return self._run(plan)
 
     def drop_ahead(self) -> None:
         """Forget a step launched ahead (before the engine changes weights, KV format or drafters under it)."""
-        if self._ahead is not None:
-            self._take_back(self._ahead, set())
-            self._ahead = None
-
-    def _take_back(self, ahead: _Ahead, used: set[int]) -> None:
-        """Undo the step ahead for its requests (rows) not in `used` that still run: the KV position it reserved,
-        the draw it made from their generators."""
-        pool = self.runner.pool
-        for row, (seq, start, state) in enumerate(zip(ahead.seqs, ahead.starts, ahead.states, strict=True)):
-            if row in used or seq.finished:
-                continue
-            if pool.lengths.get(seq.seq_id) == start + 1:  # (a request preempted meanwhile has no pages left)
-                pool.truncate(seq.seq_id, start)
-            if state is not None:
-                seq.generator.set_state(state)
+        if isinstance(self._ahead, _DraftAhead):
+            self._ahead.take_back(self.runner.pool)
+        elif self._ahead is not None:
+            self._ahead.take_back(self.runner.pool, set())
+        self._ahead = None
 
     def _continue(self, plan: StepPlan, ahead: _Ahead, rows: dict[int, int]) -> StepResult:
         """The step whose requests (those in `rows`) ran ahead: launch the next one, then read the tokens; the
@@ -253,6 +292,11 @@ class SpecStep:
         out = self.runner.forward(batch, taps=plan.taps)
         if width is None and all(decoding) and all(n == 1 for n in rows):
             return self._plain(plan, out, t0, t1)
+        k = len(drafts[0].tokens)
+        if out.ids is not None and all(len(d.tokens) == k for d in drafts):
+            drafter = self._drafts_ahead(plan, k)
+            if drafter is not None:
+                return self._verdicts_ahead(plan, out, k, drafter, t0, t1)
         logits = out.flat_logits
         if width is not None:  # the rows verification reads: each request's first 1 + k of its logit rows
             starts = list(itertools.accumulate(logit_rows, initial=0))[:-1]
@@ -289,12 +333,82 @@ class SpecStep:
         result = StepResult(outcomes, hidden, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, rows, decoding=True)
         return self._hold(launched, result)
 
-    def _hold(self, launched: _Ahead | None, result: StepResult) -> StepResult:
-        """Keep the step launched ahead (if any) for the next run; the result says whose pool holds its position."""
+    def _hold(self, launched: _Ahead | _DraftAhead | None, result: StepResult) -> StepResult:
+        """Keep the step launched ahead (if any) for the next run; the result says whose pool holds its positions."""
         if launched is not None:
             self._ahead = launched
-            result.ahead = frozenset(seq.seq_id for seq in launched.seqs)
+            held = 1 + launched.k if isinstance(launched, _DraftAhead) else 1
+            result.ahead = dict.fromkeys((seq.seq_id for seq in launched.seqs), held)
         return result
+
+    def _drafts_ahead(self, plan: StepPlan, k: int) -> Drafter | None:
+        """The drafter that drafts the step after `plan` (a drafting step, k drafts each) on the device, if that
+        step may be launched before the host reads this one's verdicts: every request greedy, decoding with the
+        same drafter, which can (`Drafter.draft_on_device`), and drafting again next step with room for k more
+        drafts; None otherwise (this step is then verified as any other)."""
+        if not (self.runs_ahead and plan.ahead and k > 0) or plan.gated_next:
+            return None
+        names = {item.seq.spec.drafter for item in plan.items}
+        if len(names) != 1:
+            return None
+        drafter = self.drafters.get(names.pop())
+        q = k + 1
+        for item in plan.items:
+            seq = item.seq
+            if not (item.samples and len(item.feed) == 1 and item.k == k and seq.sampling.greedy):
+                return None
+            if not self._drafts_next(seq, plan):
+                return None
+            # after this step up to q more tokens; the next must still draft k (Scheduler._draft_len)
+            if len(seq.output_ids) + 2 * q > seq.sampling.max_tokens or seq.num_tokens + 2 * q > seq.max_position:
+                return None
+        seq_ids = [item.seq.seq_id for item in plan.items]
+        furthest = StepBatch(seq_ids, [[PAD_TOKEN] * q] * len(seq_ids), [i.seq.num_cached + q for i in plan.items],
+                             [q] * len(seq_ids))  # fmt: skip
+        if not self.runner.pool.can_append(dict.fromkeys(seq_ids, q)) or not self.runner.can_run_ahead(
+            furthest, plan.taps
+        ):
+            return None
+        return drafter if type(drafter).draft_on_device is not Drafter.draft_on_device else None
+
+    def _verdicts_ahead(
+        self, plan: StepPlan, out: StepOutput, k: int, drafter: Drafter | None, t0: float, t1: float
+    ) -> StepResult:
+        """A drafting step of greedy requests (`out`: its target forward, each request's newest token and k
+        drafts) verified on the device (`greedy_verdicts`), and where `_drafts_ahead` allows, the next drafting
+        step launched before the host reads the verdicts: its drafts drafted on the device from the hidden rows at
+        each request's last accepted position and its bonus or recovered token, its start moved on the device.
+        drafter: `_drafts_ahead(plan, k)`, None to launch nothing."""
+        q, n = k + 1, len(plan.items)
+        assert out.ids is not None
+        accepted, target = greedy_verdicts(out.flat_logits, out.ids, q)
+        launched = None
+        if drafter is None:
+            verdicts = _Tokens(torch.cat([accepted[:, None], target], 1))
+        else:
+            rows = torch.arange(n, device=accepted.device)
+            newest = target[rows, accepted]  # [n] the bonus or recovered tokens
+            hidden = {layer: torch.stack([h[layer] for h in out.hidden])[rows, accepted] for layer in plan.taps}
+            chain = drafter.draft_on_device(k, hidden, newest)
+            fed = torch.cat([newest[:, None], chain], 1)  # [n, q]
+            verdicts = _Tokens(torch.cat([accepted[:, None], target, fed], 1))
+            seqs = [item.seq for item in plan.items]
+            batch = StepBatch([s.seq_id for s in seqs], [[PAD_TOKEN] * q] * n, [s.num_cached + 1 for s in seqs],
+                              [q] * n)  # fmt: skip
+            launched = _DraftAhead(seqs, k, self.runner.forward_advanced(batch, fed.view(-1), accepted, plan.taps),
+                                   [], [])  # fmt: skip
+        host = self._read(verdicts)
+        outcomes: list[Outcome | None] = []
+        hidden_kept: list[dict[int, torch.Tensor]] = []
+        for item, row, taps in zip(plan.items, host, out.hidden, strict=True):
+            a = row[0]
+            outcomes.append(Outcome(k, a, row[1 : a + 2]))
+            hidden_kept.append({layer: h[: a + 1] for layer, h in taps.items()})
+            if launched is not None:
+                launched.feeds.append(row[1 + q :])
+                launched.starts.append(item.seq.num_cached + a + 1)
+        result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, decoding=True)
+        return self._hold(launched, result)
 
     def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:
         """The width the runner wants the decoding requests (newest token + drafts) padded to, if their padding

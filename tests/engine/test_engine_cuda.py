@@ -193,3 +193,37 @@ def test_prompts_after_cached_context_replay_together_and_equal_eager(cuda_tiny_
             graphs = set(engine.runner.graphs)
     assert outputs[False] == outputs[True]
     assert any(key[0] > 1 and key[1] in PROMPT_WIDTHS for key in graphs), "the prompts did not replay together"
+
+
+def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_model_dir):
+    """Greedy drafting steps on CUDA graphs launch the next drafting step before reading their verdicts (its
+    drafts drafted on the device, its positions, context lengths and slots moved on the device by what was
+    accepted): a drafter accepted often (a table of the plain run's next tokens) and the heads' chain from the
+    hidden row at the last accepted position give the eager runner's plain greedy tokens, and the heads the drafts
+    and acceptances of the same engine with steps ahead off."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.engine import Engine
+    from tests.engine.test_drafters import random_heads
+    from tests.engine.test_step_ahead import BigramDrafter, _bigram
+
+    prompts = ["Hi", "Tell me about the sea and the ships on it.", "1 2 3 4 5 6 7 8 9 10 11 12"]
+    sampling = SamplingParams(max_tokens=60, ignore_eos=True)
+    eager = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=True))
+    plain = [h.result().token_ids for h in [eager.submit(p, sampling) for p in prompts]]
+    engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
+    torch.manual_seed(0)
+    engine.drafters["bigram"] = BigramDrafter(_bigram(engine, plain).cuda(), taps=(1,))
+    engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model)
+    stats = {}
+    for name, k in (("bigram", 3), ("heads:random", 4)):
+        for ahead in (False, True):
+            engine.spec_step.runs_ahead = ahead
+            before = engine.spec_step.drafted_ahead
+            handles = [engine.submit(p, sampling, SpecParams(name, k=k)) for p in prompts]
+            ends = [h.result() for h in handles]
+            assert [e.token_ids for e in ends] == plain, (name, ahead)
+            stats[name, ahead] = [(e.stats.drafted, e.stats.accepted) for e in ends]
+            assert (engine.spec_step.drafted_ahead - before > 10) == ahead, (name, ahead)
+            assert engine.pool.used_pages == 1
+    assert stats["heads:random", True] == stats["heads:random", False]
+    assert stats["bigram", True] == stats["bigram", False]

@@ -7,9 +7,13 @@ same code (turned on here with `runs_ahead`); tests/engine/test_cuda_graph.py ru
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import torch
 
 from specchat.config import SamplingParams, SpecParams
+from specchat.engine.drafters import Draft, Drafter
 from specchat.engine.sequence import Finished
 
 PROMPTS = ["Hi", "def fib(n):", "List three colors.", "What is 12 * 12?", "Tell me a fact about the moon."]
@@ -117,3 +121,124 @@ def test_adaptive_requests_that_their_gate_keeps_plain_run_ahead(tiny_engine):
     assert ahead == plain
     assert continued > 20
     assert any(end.stats.drafted for end in ends)  # the gate's trial drafted (its step ahead taken back)
+
+
+class BigramDrafter(Drafter):
+    """Drafts by a fixed table of next tokens (what followed each token in a plain run), on the host and on the
+    device alike; with `taps` it asks for hidden rows, and checks that the device chain gets one per request."""
+
+    name = "bigram"
+
+    def __init__(self, table: torch.Tensor, taps: tuple[int, ...] = ()) -> None:
+        self.table, self.taps = table, taps
+
+    def propose(self, seqs, ks):
+        drafts = []
+        for seq, k in zip(seqs, ks, strict=True):
+            token, tokens = seq.newest, []
+            for _ in range(k):
+                token = int(self.table[token])
+                tokens.append(token)
+            drafts.append(Draft(tokens))
+        return drafts
+
+    def draft_on_device(self, depth, hidden, newest):
+        assert set(hidden) == set(self.taps) and all(h.shape[0] == len(newest) for h in hidden.values())
+        tokens, token = [], newest
+        for _ in range(depth):
+            token = self.table[token]
+            tokens.append(token)
+        return torch.stack(tokens, 1)
+
+
+def _bigram(engine, outputs: list[list[int]]) -> torch.Tensor:
+    table = torch.zeros(engine.model.cfg.vocab_size, dtype=torch.long)
+    for tokens in outputs:
+        for a, b in itertools.pairwise(tokens):
+            table[a] = b
+    return table
+
+
+def _with_drafter(engine, name: str, drafter, k: int | None):
+    """engine.submit with `name` (registered as `drafter`) at k for every request."""
+    engine.drafters[name] = drafter
+    original = engine.submit
+
+    def submit(prompt, sampling, spec=None, **kw):
+        return original(prompt, sampling, SpecParams(drafter=name, k=k), **kw)
+
+    return original, submit
+
+
+@pytest.mark.parametrize(("k", "taps"), [(3, ()), (2, (1,)), (1, ())])
+def test_drafting_steps_launched_ahead_give_plain_greedy_tokens(tiny_engine, k, taps):
+    """Greedy requests whose drafter drafts on the device: each drafting step's next one is launched before the
+    host reads its verdicts (start moved by what it accepted), through requests ending at a stop token, arriving
+    late and running alone; the tokens are plain greedy decoding's and the drafts and acceptances those of the
+    same run without steps ahead; no KV page left behind."""
+    jobs = [(p, SamplingParams(max_tokens=48 + 6 * i)) for i, p in enumerate(PROMPTS[:3])]
+    late = [(PROMPTS[4], SamplingParams(max_tokens=40))]
+    plain, _, _ = _run(tiny_engine, False, jobs, late)
+    stop = {1: plain[1][13]}
+    plain, _, _ = _run(tiny_engine, False, jobs, late, stop_after=stop)
+    original, submit = _with_drafter(tiny_engine, "bigram", BigramDrafter(_bigram(tiny_engine, plain), taps), k)
+    tiny_engine.submit = submit
+    try:
+        one_by_one, _, ends = _run(tiny_engine, False, jobs, late, stop_after=stop)
+        before = tiny_engine.spec_step.drafted_ahead
+        ahead, _, ends_ahead = _run(tiny_engine, True, jobs, late, stop_after=stop)
+        drafted_ahead = tiny_engine.spec_step.drafted_ahead - before
+    finally:
+        tiny_engine.submit = original
+    assert ahead == one_by_one == plain
+    assert [(e.stats.drafted, e.stats.accepted) for e in ends_ahead] == [
+        (e.stats.drafted, e.stats.accepted) for e in ends
+    ]
+    assert sum(e.stats.accepted for e in ends) > sum(e.stats.drafted for e in ends) / 2  # drafts mostly accepted
+    assert drafted_ahead > 5
+
+
+def test_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine):
+    """The heads' chain on the device, from the hidden row at each request's last accepted position, drafts what
+    `propose` drafts from the rows the scheduler keeps: the same drafts and acceptances with steps ahead."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from tests.engine.test_drafters import random_heads
+
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=4), tiny_engine.model, cpu_blocks=False)
+    jobs = [(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS[:2]]
+    plain, _, _ = _run(tiny_engine, False, jobs)
+    original, submit = _with_drafter(tiny_engine, "heads:random", heads, 4)
+    tiny_engine.submit = submit
+    try:
+        one_by_one, _, ends = _run(tiny_engine, False, jobs)
+        before = tiny_engine.spec_step.drafted_ahead
+        ahead, _, ends_ahead = _run(tiny_engine, True, jobs)
+        drafted_ahead = tiny_engine.spec_step.drafted_ahead - before
+    finally:
+        tiny_engine.submit = original
+    assert ahead == one_by_one == plain
+    stats = [(e.stats.drafted, e.stats.accepted) for e in ends]
+    assert [(e.stats.drafted, e.stats.accepted) for e in ends_ahead] == stats
+    assert drafted_ahead > 3
+
+
+def test_sampled_or_adaptive_requests_draft_as_before(tiny_engine):
+    """A sampled request in the batch keeps every drafting step on the host (its verdicts draw from its
+    generator); adaptive k launches ahead only while the next k is this step's; outputs as without steps ahead."""
+    jobs = [(PROMPTS[1], SamplingParams(max_tokens=30)), (PROMPTS[2], SamplingParams(temperature=0.8, seed=5))]
+    plain, _, _ = _run(tiny_engine, False, jobs)
+    table = _bigram(tiny_engine, plain)
+    for k, expect_ahead in ((3, False), (None, None)):
+        original, submit = _with_drafter(tiny_engine, "bigram", BigramDrafter(table), k)
+        tiny_engine.submit = submit
+        try:
+            one_by_one, _, _ = _run(tiny_engine, False, jobs)
+            before = tiny_engine.spec_step.drafted_ahead
+            ahead, _, _ = _run(tiny_engine, True, jobs)
+            drafted_ahead = tiny_engine.spec_step.drafted_ahead - before
+        finally:
+            tiny_engine.submit = original
+        assert ahead == one_by_one
+        assert ahead[0] == plain[0]  # greedy: lossless
+        if expect_ahead is False:
+            assert drafted_ahead == 0
