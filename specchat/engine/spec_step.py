@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
 from specchat.engine.runner import ModelRunner, StepBatch, StepOutput
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
+from specchat.kernels import cpu_ops
 
 PAD_TOKEN = 0  # fills a padded request's rows past its drafts; their logits are never read
 
@@ -181,6 +183,12 @@ class SpecStep:
         self.drafters = drafters
         # run plain steps ahead (default: where the runner overlaps the host's work with the device's)
         self.runs_ahead = runner.overlaps if ahead is None else ahead
+        # a drafting step's verdicts and the next step's drafts, one CUDA graph per batch bucket, drafter and k
+        self._verdicts = GraphedFunction(
+            self._verdicts_and_drafts,
+            lambda: tuple(p.data_ptr() for p in runner.model.embed.parameters()),
+            enabled=runner.overlaps,
+        )
         self._ahead: _Ahead | _DraftAhead | None = None
         self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
         self.drafted_ahead = 0  # of them, drafting steps
@@ -381,22 +389,21 @@ class SpecStep:
         drafter: `_drafts_ahead(plan, k)`, None to launch nothing."""
         q, n = k + 1, len(plan.items)
         assert out.ids is not None
-        accepted, target = greedy_verdicts(out.flat_logits, out.ids, q)
+        target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
         launched = None
         if drafter is None:
-            verdicts = _Tokens(torch.cat([accepted[:, None], target], 1))
+            verdicts = _Tokens(torch.cat([greedy_verdicts(target, fed)[:, None], target], 1))
         else:
-            rows = torch.arange(n, device=accepted.device)
-            newest = target[rows, accepted]  # [n] the bonus or recovered tokens
-            hidden = {layer: torch.stack([h[layer] for h in out.hidden])[rows, accepted] for layer in plan.taps}
-            chain = drafter.draft_on_device(k, hidden, newest)
-            fed = torch.cat([newest[:, None], chain], 1)  # [n, q]
-            verdicts = _Tokens(torch.cat([accepted[:, None], target, fed], 1))
+            name = plan.items[0].seq.spec.drafter
+            hidden = [torch.stack([h[layer] for h in out.hidden]) for layer in drafter.taps]  # [n, q, d] each
+            packed = self._verdicts((name, id(drafter), k), target, fed, *hidden)  # [n, 1 + 2q]
+            verdicts = _Tokens(packed)
             seqs = [item.seq for item in plan.items]
             batch = StepBatch([s.seq_id for s in seqs], [[PAD_TOKEN] * q] * n, [s.num_cached + 1 for s in seqs],
                               [q] * n)  # fmt: skip
-            launched = _DraftAhead(seqs, k, self.runner.forward_advanced(batch, fed.view(-1), accepted, plan.taps),
-                                   [], [])  # fmt: skip
+            advance = packed[:, 0].contiguous()
+            forward = self.runner.forward_advanced(batch, packed[:, 1 + q :].reshape(-1), advance, plan.taps)
+            launched = _DraftAhead(seqs, k, forward, [], [])
         host = self._read(verdicts)
         outcomes: list[Outcome | None] = []
         hidden_kept: list[dict[int, torch.Tensor]] = []
@@ -409,6 +416,21 @@ class SpecStep:
                 launched.starts.append(item.seq.num_cached + a + 1)
         result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, decoding=True)
         return self._hold(launched, result)
+
+    def _verdicts_and_drafts(self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor):
+        """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
+        step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> [B, 1 + 2q]: the accepted count, the
+        targets, and the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the
+        last accepted position). Device ops only: captured per batch bucket (`self._verdicts`)."""
+        name, _, k = key
+        drafter = self.drafters.get(name)
+        accepted = greedy_verdicts(target, fed)
+        rows = torch.arange(len(target), device=target.device)
+        newest = target[rows, accepted]  # the bonus or recovered tokens
+        chain = drafter.draft_on_device(
+            k, {t: h[rows, accepted] for t, h in zip(drafter.taps, hidden, strict=True)}, newest
+        )
+        return torch.cat([accepted[:, None], target, newest[:, None], chain], 1)
 
     def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:
         """The width the runner wants the decoding requests (newest token + drafts) padded to, if their padding

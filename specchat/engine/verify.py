@@ -116,14 +116,12 @@ def verify_batch(
     return results
 
 
-def greedy_verdicts(logits: torch.Tensor, fed: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification of a uniform step left on the device: logits [B*q, V] at each request's q fed tokens
-    (its newest token and k = q - 1 drafts), fed [B*q] those tokens -> (accepted [B], target [B, q]), the argmax
-    at every row. Request b emits target[b, :accepted[b] + 1], what `verify_batch` returns for greedy requests, so
-    that a drafting step's next one can be launched before the host reads the verdicts (SpecStep)."""
-    target = cpu_ops.argmax(logits).view(-1, q)
-    accepted = (target[:, :-1] == fed.view(-1, q)[:, 1:]).long().cumprod(1).sum(1)
-    return accepted, target
+def greedy_verdicts(target: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of a uniform step left on the device: target [B, q], the argmax at each request's q
+    rows (its newest token and k = q - 1 drafts), fed [B, q] those tokens -> accepted [B]. Request b emits
+    target[b, :accepted[b] + 1], what `verify_batch` returns for greedy requests, so that a drafting step's next
+    one can be launched before the host reads the verdicts (SpecStep)."""
+    return (target[:, :-1] == fed[:, 1:]).long().cumprod(1).sum(1)
 
 
 def plain_tokens(

@@ -256,3 +256,46 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_mul_supported(x: torch.Tensor) -> bool:
     """Whether `silu_mul` takes x: a Triton device, not float64."""
     return _runs_on(x) and x.dtype != torch.float64
+
+
+# --- a step's metadata moved on the device -------------------------------------------------------------------
+
+
+@triton.jit
+def _advance_kernel(pos_ptr, slot_ptr, ctx_ptr, table_ptr, adv_ptr, q, width, page, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    a = tl.load(adv_ptr + b)
+    j = tl.arange(0, BLOCK)
+    m = j < q
+    pos = tl.load(pos_ptr + b * q + j, mask=m) + a
+    tl.store(pos_ptr + b * q + j, pos, mask=m)
+    blocks = tl.load(table_ptr + b * width + pos // page, mask=m)
+    tl.store(slot_ptr + b * q + j, blocks.to(tl.int64) * page + pos % page, mask=m)
+    tl.store(ctx_ptr + b, tl.load(ctx_ptr + b) + a.to(tl.int32))
+
+
+def advance_step(
+    positions: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor, tables: torch.Tensor, advance: torch.Tensor,
+    page_size: int,
+) -> None:  # fmt: skip
+    """Move a staged step's requests by advance [n] (int64) in place, in one launch: positions [n, q] (int64) +=
+    advance, context lengths [n] (int32) += advance, and the slots [n * q] (int64) made again from the block tables
+    [n, W] (int32): table[position // page_size] * page_size + position % page_size. `advance_step_ref` is the
+    reference; a CUDA-graph step launched before the host knows how far its requests moved uses it (cuda_graph.py)."""
+    n, q = positions.shape
+    assert positions.is_contiguous() and slots.is_contiguous() and tables.stride(1) == 1
+    assert advance.shape == (n,) and advance.is_contiguous()
+    assert positions.dtype == slots.dtype == advance.dtype == torch.int64 and ctx_lens.dtype == tables.dtype
+    _advance_kernel[(n,)](
+        positions, slots, ctx_lens, tables, advance, q, tables.stride(0), page_size, BLOCK=triton.next_power_of_2(q)
+    )
+
+
+def advance_step_ref(
+    positions: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor, tables: torch.Tensor, advance: torch.Tensor,
+    page_size: int,
+) -> None:  # fmt: skip
+    positions += advance[:, None]
+    ctx_lens += advance.to(ctx_lens.dtype)
+    pages = tables.gather(1, positions // page_size).long()
+    slots.copy_((pages * page_size + positions % page_size).view(-1))

@@ -164,3 +164,21 @@ def test_plain_tokens_draw_what_verification_emits_without_drafts():
         gens_b = [None if p.greedy else torch.Generator().manual_seed(draw * 10 + i) for i, p in enumerate(params)]
         verified = verify_batch(logits, [[]] * 5, [None] * 5, params, gens_a)
         assert plain_tokens(logits, params, gens_b).tolist() == [emitted[0] for _, emitted in verified]
+
+
+def test_greedy_verdicts_on_the_device_are_verify_batchs():
+    """Per request, the accepted count of `greedy_verdicts` and target[:accepted + 1] are what `verify_batch`
+    returns for greedy requests: drafts that match the argmax for 0..k positions."""
+    from specchat.engine.verify import greedy_verdicts
+
+    torch.manual_seed(0)
+    n, q, vocab = 6, 5, 50
+    logits = torch.randn(n * q, vocab)
+    target = logits.argmax(-1).view(n, q)
+    fed = torch.randint(0, vocab, (n, q))
+    for b in range(n):  # request b's first b drafts (up to k) match
+        fed[b, 1 : 1 + min(b, q - 1)] = target[b, : min(b, q - 1)]
+    accepted = greedy_verdicts(target, fed)
+    want = verify_batch(logits, [f[1:].tolist() for f in fed], [None] * n, [SamplingParams()] * n, [None] * n)
+    assert accepted.tolist() == [a for a, _ in want] and accepted.tolist()[:5] == [0, 1, 2, 3, 4]
+    assert [target[b, : a + 1].tolist() for b, a in enumerate(accepted.tolist())] == [e for _, e in want]

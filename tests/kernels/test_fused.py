@@ -130,3 +130,25 @@ def test_kernels_are_not_supported_where_they_cannot_run():
 @subprocess_test
 def test_kernels_under_interpreter():
     run_under_interpreter([__file__], "kernel")
+
+
+@kernel_test
+def test_advance_kernel_moves_positions_context_and_slots_as_the_reference():
+    """Three requests of q = 5 staged at advance 0, moved by 0, 3 and 4 (one across a page boundary, one on a
+    page of its table that is not the next in the pool)."""
+    from specchat.kernels.fused import advance_step, advance_step_ref
+
+    n, q, width, page = 3, 5, 6, 16
+    starts = torch.tensor([1, 12, 40])
+    positions = (starts[:, None] + torch.arange(q)).to(DEVICE)
+    tables = torch.randperm(64, generator=gen(5))[: n * width].view(n, width).to(DEVICE, torch.int32)
+    ctx = (starts + q).to(DEVICE, torch.int32)
+    advance = torch.tensor([0, 3, 4], device=DEVICE)
+    got = [positions.clone(), torch.zeros(n * q, dtype=torch.long, device=DEVICE), ctx.clone()]
+    want = [positions.clone(), torch.zeros(n * q, dtype=torch.long, device=DEVICE), ctx.clone()]
+    advance_step(*got[:2], got[2], tables, advance, page)
+    advance_step_ref(*want[:2], want[2], tables, advance, page)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert want[0][1, 0] == 15 and want[0][1, 1] == 16  # request 1 crosses into its table's second page
+    assert want[1][q + 1] == tables[1, 1] * page

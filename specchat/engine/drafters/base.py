@@ -50,8 +50,9 @@ class Drafter:
     def draft_on_device(self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor) -> torch.Tensor | None:
         """The greedy drafts [B, depth] of greedy requests from device tensors alone (hidden: {tap: [B, d]} at
         each request's newest token, newest [B]), the tokens `propose` gives them at k = depth, without a read to
-        the host: what lets a drafting step's next one launch before the host reads its verdicts (SpecStep).
-        None where the drafter cannot (it needs host state, or runs on the host)."""
+        the host: what lets a drafting step's next one launch before the host reads its verdicts (SpecStep, which
+        captures it in a CUDA graph with the verdicts: it must read nothing from the host). None where the drafter
+        cannot (it needs host state, or runs on the host)."""
         return None
 
     def release(self, seq: Sequence) -> None:

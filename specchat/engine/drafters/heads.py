@@ -295,10 +295,10 @@ class HeadsDrafter(Drafter):
         return [heads_cpu.confident_prefix(c, p, self.min_confidence) for c, p in zip(chain, confidence, strict=True)]
 
     def draft_on_device(self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor) -> torch.Tensor | None:
-        """The (graphed) chain, where greedy_drafts takes it: not for packed heads, whose C chain runs on the host."""
+        """The chain greedy_drafts replays (`greedy_chain`); not for packed heads, whose C chain runs on the host."""
         if self.packed or depth > self.cfg.num_heads:
             return None
-        return self.chain(depth, hidden[self.cfg.tap].to(self.output.rows.weight.dtype), newest)
+        return self.greedy_chain(depth, hidden[self.cfg.tap].to(self.output.rows.weight.dtype), newest)
 
     def chain_inputs(self, rows: list[torch.Tensor], newest: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's h_t [d] and newest token -> hidden [B, d] in the heads' dtype, prev [B]."""
