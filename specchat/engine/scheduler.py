@@ -151,16 +151,16 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def _draft_len(self, seq: Sequence) -> int:
-        """k for this step, clipped so that the step cannot overrun max tokens or the context (0 without a
-        drafter: nothing to reserve room for)."""
+    def _draft_len(self, seq: Sequence, k: int | None = None) -> int:
+        """k (default: the request's own) for this step, clipped so that the step cannot overrun max tokens or the
+        context (0 without a drafter: nothing to reserve room for)."""
         if isinstance(self.drafters.get(seq.spec.drafter), NoDrafter):
             return 0
         room = min(
             seq.sampling.max_tokens - len(seq.output_ids) - 1,
             seq.max_position - seq.num_tokens - 1,
         )
-        return max(0, min(seq.k, room))
+        return max(0, min(seq.k if k is None else k, room))
 
     @property
     def _gated_off(self) -> bool:
@@ -174,8 +174,11 @@ class Scheduler:
 
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests all choose k adaptively, a cap on their k: the one their batch
-        size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the widest, at most
-        the median of their k.
+        size's DraftGate allows (0 where drafting does not pay). Where the runner pads to the widest (CUDA graphs)
+        it is every request's k (room allowing), at most the median of their own k but at least 1: the padded
+        rows cost the same, one k lets the next drafting step launch ahead of the host (SpecStep), and a cap the
+        gate allows or tries is drafted at, not vetoed by the requests' own controllers (on the H200 they held
+        k = 0 at one session, so each trial of drafting timed plain steps and drafting never came back on).
 
         A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
@@ -198,7 +201,7 @@ class Scheduler:
             return 0
         if not self.uniform_widths:
             return limit
-        return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
+        return min(limit, max(1, int(statistics.median_low(self._draft_len(s) for s in decoding))))
 
     def _new_gate(self, key: GateKey) -> DraftGate:
         """The DraftGate of a batch not seen yet: following the neighbouring bucket of the same drafters (half or
@@ -219,7 +222,7 @@ class Scheduler:
                 if self._decodes(seq):
                     k = self._draft_len(seq)
                     if cap is not None and seq.adaptive is not None:
-                        k = min(k, cap)
+                        k = self._draft_len(seq, cap) if self.uniform_widths else min(k, cap)
                     items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
                     budget -= 1 + k
             for seq in self.running:  # prompts (all but their last token may come from the prefix cache)

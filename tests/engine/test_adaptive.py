@@ -485,7 +485,8 @@ def test_draft_gate_compares_steps_by_what_each_request_waits():
 
 def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
     """Where the runner pads every decoding request to the widest (CUDA graphs), one request's k = 8 would make
-    the whole batch verify 9 rows each: adaptive requests' k is capped at the median of theirs."""
+    the whole batch verify 9 rows each: adaptive requests draft the median of their k (the padded rows cost the
+    same), and a cap the gate tries is drafted at even where their controllers chose k = 0."""
     tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
     spec = SpecParams("fixed-wrong", k=None, k_max=8)
     handles = [tiny_engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True), spec) for p in ("a", "b", "c")]
@@ -497,11 +498,15 @@ def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
     scheduler.gates[("fixed-wrong",), 4] = DraftGate(
         ms_per_token={8: 1.0, 0: 2.0}
     )  # k <= 8 timed faster than plain decoding
-    for uniform, want in ((False, [1, 4, 8]), (True, [1, 4, 4])):
+    for uniform, want in ((False, [1, 4, 8]), (True, [4, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
     # a trial of drafting while plain decoding is preferred: of cap 1, nobody drafts more than one token
     scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={1: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
+    assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
+    for seq in scheduler.running:
+        seq.k = 0
+    scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={2: 1.0, 0: 2.0})
     assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
     scheduler.uniform_widths = False
     for handle in handles:
