@@ -159,20 +159,37 @@ class _DraftAhead:
     feeds: list[list[int]]  # each request's fed tokens (read back with the step before's verdicts)
     starts: list[int]  # each request's first fed position (known once those verdicts are read)
 
-    def covers(self, plan: StepPlan) -> bool:
-        """Whether the step is the plan's, as the plan would run it but for k: the same requests in the same order,
-        each decoding from the position and token the step fed, and drafting (its verdicts hold for any k)."""
-        return len(plan.items) == len(self.seqs) and all(
-            item.seq is seq and item.k > 0 and item.feed == feed[:1] and item.seq.num_cached == start
-            for item, seq, feed, start in zip(plan.items, self.seqs, self.feeds, self.starts, strict=True)
-        )
+    def rows(self, plan: StepPlan) -> dict[int, int]:
+        """{plan item: row of this step} for the items it ran as the plan would but for k: each decoding from the
+        position and token the step fed, drafting (its verdicts hold for any k)."""
+        where = {seq.seq_id: row for row, seq in enumerate(self.seqs)}
+        rows = {}
+        for i, item in enumerate(plan.items):
+            row = where.get(item.seq.seq_id)
+            if row is None or item.k == 0 or item.seq.num_cached != self.starts[row]:
+                continue
+            if item.feed == self.feeds[row][:1]:
+                rows[i] = row
+        return rows
 
-    def take_back(self, pool) -> None:
-        """Undo the step for its requests that still run: the positions it reserved."""
-        for seq, start in zip(self.seqs, self.starts, strict=True):
+    def take_back(self, pool, used: set[int]) -> None:
+        """Undo the step for its requests (rows) not in `used` that still run: the positions it reserved."""
+        for row, (seq, start) in enumerate(zip(self.seqs, self.starts, strict=True)):
             held = pool.lengths.get(seq.seq_id)  # (a request preempted meanwhile has no pages left)
-            if not seq.finished and held is not None and held > start:
+            if row not in used and not seq.finished and held is not None and held > start:
                 pool.truncate(seq.seq_id, start)
+
+    def output(self, index: list[int]) -> StepOutput:
+        """The step's output for these rows (all of them: as it is)."""
+        if index == list(range(len(self.seqs))):
+            return self.out
+        assert self.out.ids is not None
+        logits = torch.cat([self.out.logits[r] for r in index])
+        ids = self.out.ids.view(len(self.seqs), -1)
+        q = ids.shape[1]
+        return StepOutput(
+            logits, list(logits.split(q)), [self.out.hidden[r] for r in index], torch.cat([ids[r] for r in index])
+        )
 
 
 class SpecStep:
@@ -196,14 +213,7 @@ class SpecStep:
 
     def run(self, plan: StepPlan) -> StepResult:
         ahead, self._ahead = self._ahead, None
-        if isinstance(ahead, _DraftAhead):
-            if ahead.covers(plan):
-                self.continued += 1
-                self.drafted_ahead += 1
-                t0 = time.perf_counter()
-                return self._verdicts_ahead(plan, ahead.out, ahead.k, self._drafts_ahead(plan, ahead.k), t0, t0)
-            ahead.take_back(self.runner.pool)
-        elif ahead is not None:
+        if ahead is not None:
             rows = ahead.rows(plan)
             ahead.take_back(self.runner.pool, set(rows.values()))
             if rows:
@@ -212,41 +222,42 @@ class SpecStep:
 
     def drop_ahead(self) -> None:
         """Forget a step launched ahead (before the engine changes weights, KV format or drafters under it)."""
-        if isinstance(self._ahead, _DraftAhead):
-            self._ahead.take_back(self.runner.pool)
-        elif self._ahead is not None:
+        if self._ahead is not None:
             self._ahead.take_back(self.runner.pool, set())
         self._ahead = None
 
-    def _continue(self, plan: StepPlan, ahead: _Ahead, rows: dict[int, int]) -> StepResult:
-        """The step whose requests (those in `rows`) ran ahead: launch the next one, then read the tokens; the
-        plan's other requests (a prompt admitted meanwhile) run now, after."""
+    def _continue(self, plan: StepPlan, ahead: _Ahead | _DraftAhead, rows: dict[int, int]) -> StepResult:
+        """The step whose requests (those in `rows`) ran ahead: launch the next one, then read the verdicts or
+        tokens; the plan's other requests (a prompt admitted meanwhile) run now, after."""
         t0 = time.perf_counter()
         self.continued += 1
-        covered = [plan.items[i] for i in rows]
+        covered = StepPlan([plan.items[i] for i in rows], plan.taps, plan.ahead, plan.gated_next)
         index = list(rows.values())
         rest = [i for i in range(len(plan.items)) if i not in rows]
-        launched = None
+        if isinstance(ahead, _DraftAhead):
+            self.drafted_ahead += 1
+            drafter = None if rest else self._drafts_ahead(covered, ahead.k)
+            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, drafter, t0, t0)
+        else:
+            launched = None if rest else self._launch_ahead(covered, ahead.tokens.rows(index))
+            drawn = self._read(ahead.tokens)
+            # no decode_rows: the time from here is not what one step costs (StepCosts would learn it as such)
+            outcomes = [Outcome(0, 0, [drawn[r]]) for r in index]
+            result = self._hold(launched, StepResult(outcomes, [{} for _ in index], 0.0, 0.0, decoding=True))
+            result.verify_ms = (time.perf_counter() - t0) * 1e3
         if not rest:
-            launched = self._launch_ahead(
-                StepPlan(covered, plan.taps, plan.ahead, plan.gated_next), ahead.tokens.rows(index)
-            )
-        drawn = self._read(ahead.tokens)
-        host = [drawn[r] for r in index]
-        t1 = time.perf_counter()
-        outcomes: list[Outcome | None] = [None] * len(plan.items)
+            return result
+        full: list[Outcome | None] = [None] * len(plan.items)
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
-        for i, token in zip(rows, host, strict=True):
-            outcomes[i] = Outcome(0, 0, [token])
-        # no decode_rows: the time from here is not what one step costs (StepCosts would learn it as such)
-        result = StepResult(outcomes, hidden, 0.0, (t1 - t0) * 1e3, decoding=True)
-        if rest:
-            others = self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
-            for j, i in enumerate(rest):
-                outcomes[i], hidden[i] = others.outcomes[j], others.hidden[j]
-            result.draft_ms, result.verify_ms = others.draft_ms, others.verify_ms + result.verify_ms
-            result.decoding = others.decoding
-        return self._hold(launched, result)
+        for j, i in enumerate(rows):
+            full[i], hidden[i] = result.outcomes[j], result.hidden[j]
+        others = self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
+        for j, i in enumerate(rest):
+            full[i], hidden[i] = others.outcomes[j], others.hidden[j]
+        return StepResult(
+            full, hidden, others.draft_ms + result.draft_ms, others.verify_ms + result.verify_ms,
+            decoding=others.decoding,
+        )  # fmt: skip
 
     def _read(self, tokens: _Tokens) -> list[int]:
         t = time.perf_counter()
