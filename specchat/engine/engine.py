@@ -155,6 +155,7 @@ class Engine:
         capture(range(1, (SpecParams().k_max if max_k is None else max_k) + 2), sessions, taps, progress)
         for name in drafters:
             self.drafter(name).warm_up(sessions)
+        self.spec_step.warm_up(sessions, drafters, SpecParams().k_max if max_k is None else max_k)
         with self._lock:
             self.pool.clear_prefix_cache()
         self.reset_metrics()

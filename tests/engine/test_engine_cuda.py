@@ -200,7 +200,7 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
     drafts drafted on the device, its positions, context lengths and slots moved on the device by what was
     accepted): a drafter accepted often (a table of the plain run's next tokens) and the heads' chain from the
     hidden row at the last accepted position give the eager runner's plain greedy tokens, and the heads the drafts
-    and acceptances of the same engine with steps ahead off."""
+    and acceptances of the same engine with steps ahead off; warm-up captured every graph of the heads' steps."""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.engine import Engine
     from tests.engine.test_drafters import random_heads
@@ -214,6 +214,13 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
     torch.manual_seed(0)
     engine.drafters["bigram"] = BigramDrafter(_bigram(engine, plain).cuda(), taps=(1,))
     engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model)
+    engine.warm_up(sessions=4, drafters=["heads:random"], max_k=4)  # (a wider k than the heads: not captured)
+
+    def heads_graphs() -> set:
+        return {key for key in engine.spec_step._verdicts.graphs if key[1][0] == "heads:random"}
+
+    warm = heads_graphs()
+    assert {(b, k) for b, (_, _, k) in warm} == {(b, k) for b in (1, 2, 4) for k in range(1, 5)}
     stats = {}
     for name, k in (("bigram", 3), ("heads:random", 4)):
         for ahead in (False, True):
@@ -226,4 +233,5 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
             assert (engine.spec_step.drafted_ahead - before > 10) == ahead, (name, ahead)
             assert engine.pool.used_pages == 1
     assert stats["heads:random", True] == stats["heads:random", False]
+    assert heads_graphs() == warm, "a drafting-ahead graph was captured mid-run"
     assert stats["bigram", True] == stats["bigram", False]
