@@ -174,11 +174,13 @@ class Scheduler:
 
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests all choose k adaptively, a cap on their k: the one their batch
-        size's DraftGate allows (0 where drafting does not pay). Where the runner pads to the widest (CUDA graphs)
-        it is every request's k (room allowing), at most the median of their own k but at least 1: the padded
-        rows cost the same, one k lets the next drafting step launch ahead of the host (SpecStep), and a cap the
-        gate allows or tries is drafted at, not vetoed by the requests' own controllers (on the H200 they held
-        k = 0 at one session, so each trial of drafting timed plain steps and drafting never came back on).
+        size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the widest, at most
+        the median of their k. A request decoding alone there drafts the cap itself (room allowing), whatever
+        its own controller chose: on the H200 the controller held k = 0 at one session, so every trial of
+        drafting timed plain steps and drafting never came back on (1.00x plain where k = 4 ran 1.39x; drafting
+        at least 1 at the cap, it ran 1.02-1.06x). Batches keep the median: drafting at least 1 at the gate's
+        cap there too, the gate chose drafting at 32 sessions that ran 0.74x plain (docs/benchmarks.md,
+        eighteenth session).
 
         A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
@@ -199,9 +201,9 @@ class Scheduler:
         self._gated = (gate, now, limit)
         if not limit:
             return 0
-        if not self.uniform_widths:
+        if not self.uniform_widths or len(decoding) == 1:
             return limit
-        return min(limit, max(1, int(statistics.median_low(self._draft_len(s) for s in decoding))))
+        return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
 
     def _new_gate(self, key: GateKey) -> DraftGate:
         """The DraftGate of a batch not seen yet: following the neighbouring bucket of the same drafters (half or
@@ -216,13 +218,15 @@ class Scheduler:
     def _plan(self, events: list[Event], now: float) -> list[Scheduled]:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""
         cap = self._adaptive_cap(now)
+        # a request decoding alone on CUDA graphs drafts its gate's cap (_adaptive_cap)
+        lone = self.uniform_widths and sum(map(self._decodes, self.running)) == 1
         while self.running:
             items, budget = [], self.max_batch_tokens
             for seq in self.running:  # decode first: their latency matters most
                 if self._decodes(seq):
                     k = self._draft_len(seq)
                     if cap is not None and seq.adaptive is not None:
-                        k = self._draft_len(seq, cap) if self.uniform_widths else min(k, cap)
+                        k = self._draft_len(seq, cap) if lone else min(k, cap)
                     items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
                     budget -= 1 + k
             for seq in self.running:  # prompts (all but their last token may come from the prefix cache)

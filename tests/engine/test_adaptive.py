@@ -485,8 +485,7 @@ def test_draft_gate_compares_steps_by_what_each_request_waits():
 
 def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
     """Where the runner pads every decoding request to the widest (CUDA graphs), one request's k = 8 would make
-    the whole batch verify 9 rows each: adaptive requests draft the median of their k (the padded rows cost the
-    same), and a cap the gate tries is drafted at even where their controllers chose k = 0."""
+    the whole batch verify 9 rows each: adaptive requests' k is capped at the median of theirs."""
     tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
     spec = SpecParams("fixed-wrong", k=None, k_max=8)
     handles = [tiny_engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True), spec) for p in ("a", "b", "c")]
@@ -498,19 +497,39 @@ def test_padded_runner_caps_adaptive_k_at_the_batch_median(tiny_engine):
     scheduler.gates[("fixed-wrong",), 4] = DraftGate(
         ms_per_token={8: 1.0, 0: 2.0}
     )  # k <= 8 timed faster than plain decoding
-    for uniform, want in ((False, [1, 4, 8]), (True, [4, 4, 4])):
+    for uniform, want in ((False, [1, 4, 8]), (True, [1, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
     # a trial of drafting while plain decoding is preferred: of cap 1, nobody drafts more than one token
     scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={1: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
     assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
-    for seq in scheduler.running:
-        seq.k = 0
-    scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={2: 1.0, 0: 2.0})
-    assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
     scheduler.uniform_widths = False
     for handle in handles:
         handle.result()
+
+
+def test_a_request_alone_on_a_padded_runner_drafts_its_gates_cap(tiny_engine):
+    """Decoding alone where the runner pads widths (CUDA graphs), an adaptive request drafts the cap its gate
+    allows or tries even where its own controller chose k = 0 (the gate times whole steps, which the controller
+    cannot: otherwise every trial of drafting timed plain steps); elsewhere it keeps its controller's k."""
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    spec = SpecParams("fixed-wrong", k=None, k_max=8)
+    handle = tiny_engine.submit("a", SamplingParams(max_tokens=30, ignore_eos=True), spec)
+    scheduler = tiny_engine.scheduler
+    while not scheduler.running or scheduler.running[0].num_cached != scheduler.running[0].num_tokens - 1:
+        tiny_engine.step()
+    scheduler.running[0].k = 0
+    for uniform, gate, want in (
+        (False, DraftGate(ms_per_token={2: 1.0, 0: 2.0}), [0]),
+        (True, DraftGate(ms_per_token={2: 1.0, 0: 2.0}), [2]),  # the gate prefers 2
+        (True, DraftGate(ms_per_token={0: 1.0}, since_trial=TRIAL_EVERY), [1]),  # its trial of cap 1
+    ):
+        scheduler.uniform_widths = uniform
+        scheduler.gates[("fixed-wrong",), 1] = gate
+        assert [item.k for item in scheduler._plan([], 0.0)] == want
+    scheduler.uniform_widths = False
+    scheduler.gates.clear()
+    handle.result()
 
 
 def test_best_k_in_one_pass_equals_the_term_by_term_reference():
