@@ -219,7 +219,7 @@ class Scheduler:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""
         cap = self._adaptive_cap(now)
         # a request decoding alone on CUDA graphs drafts its gate's cap (_adaptive_cap)
-        lone = self.uniform_widths and sum(map(self._decodes, self.running)) == 1
+        lone = cap is not None and self.uniform_widths and sum(map(self._decodes, self.running)) == 1
         while self.running:
             items, budget = [], self.max_batch_tokens
             for seq in self.running:  # decode first: their latency matters most

@@ -222,7 +222,7 @@ class SpecStep:
         d, dtype, device = model.cfg.hidden_size, model.embed.weight.dtype, self.runner.device
         for name in drafters:
             drafter = self.drafters.get(name)
-            if type(drafter).draft_on_device is Drafter.draft_on_device:
+            if not drafter.drafts_on_device():
                 continue
             for k in range(1, max_k + 1):
                 taps = {t: torch.zeros(1, d, dtype=dtype, device=device) for t in drafter.taps}
@@ -392,6 +392,8 @@ class SpecStep:
         if len(names) != 1:
             return None
         drafter = self.drafters.get(names.pop())
+        if not drafter.drafts_on_device():
+            return None
         q = k + 1
         for item in plan.items:
             seq = item.seq
@@ -409,7 +411,7 @@ class SpecStep:
             furthest, plan.taps
         ):
             return None
-        return drafter if type(drafter).draft_on_device is not Drafter.draft_on_device else None
+        return drafter
 
     def _verdicts_ahead(
         self, plan: StepPlan, out: StepOutput, k: int, drafter: Drafter | None, t0: float, t1: float

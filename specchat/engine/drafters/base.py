@@ -55,6 +55,10 @@ class Drafter:
         cannot (it needs host state, or runs on the host)."""
         return None
 
+    def drafts_on_device(self) -> bool:
+        """Whether the drafter implements `draft_on_device` (which may still decline a depth)."""
+        return type(self).draft_on_device is not Drafter.draft_on_device
+
     def release(self, seq: Sequence) -> None:
         """Forget any per-request state (the request finished)."""
 
