@@ -184,8 +184,8 @@ class CudaGraphRunner(ModelRunner):
         self, batch: StepBatch, ids: torch.Tensor, advance: torch.Tensor, taps: Seq[int] = ()
     ) -> StepOutput:
         """ModelRunner.forward_advanced on graphs: the pool reserves q more positions per request (room for any
-        advance), the host writes the metadata of advance 0, and a few device ops move each request's positions,
-        context length and slots by its advance before the replay, so nothing waits for the host."""
+        advance), the host writes the metadata of advance 0, and one kernel moves each request's positions, context
+        length and slots by its advance before the replay (`_advance`), so nothing waits for the host."""
         self._check_signature()
         q = len(batch.feeds[0])
         furthest = [s + q - 1 for s in batch.start_positions]
