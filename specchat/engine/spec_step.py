@@ -138,7 +138,11 @@ class _Ahead:
                 seq.generator.set_state(state)
 
     def rows(self, plan: StepPlan) -> dict[int, int]:
-        """{plan item: row of this step} for the items it ran: a request decoding from the same position, no drafts."""
+        """{plan item: row of this step} for the items it ran: a request decoding from the same position, no drafts.
+        None where the plan taps hidden states: the step ran without (it was launched while the gate held drafting
+        off, and this is the step before a trial, whose first drafting step drafts from the rows tapped now)."""
+        if plan.taps:
+            return {}
         where = {seq.seq_id: row for row, seq in enumerate(self.seqs)}
         rows = {}
         for i, item in enumerate(plan.items):

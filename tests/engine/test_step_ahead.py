@@ -242,3 +242,37 @@ def test_sampled_or_adaptive_requests_draft_as_before(tiny_engine):
         assert ahead[0] == plain[0]  # greedy: lossless
         if expect_ahead is False:
             assert drafted_ahead == 0
+
+
+def test_a_trial_of_drafting_drafts_from_its_first_step(tiny_engine):
+    """A lone adaptive request on a padded runner (CUDA graphs' bookkeeping, steps ahead on), its gate holding
+    drafting off: plain steps run ahead without taps; the step before a trial taps, so it is not taken from the
+    step ahead (which has no rows) and the trial's first step drafts like the others."""
+    from specchat.engine.adaptive import TRIAL_STEPS, DraftGate
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from tests.engine.test_drafters import random_heads
+
+    tiny_engine.drafters["heads:trial"] = HeadsDrafter(
+        random_heads(tiny_engine.model), tiny_engine.model, cpu_blocks=False
+    )
+    scheduler = tiny_engine.scheduler
+    scheduler.gates[("heads:trial",), 1] = DraftGate(ms_per_token={0: 1.0, 1: 3.0}, since_trial=200)
+    scheduler.uniform_widths, tiny_engine.spec_step.runs_ahead = True, True
+    drafted = []
+    original = tiny_engine.spec_step.run
+
+    def run(plan):
+        result = original(plan)
+        if scheduler._gated is not None and scheduler._gated[2]:  # a step of the trial
+            drafted.extend(o.drafted for o in result.outcomes if o is not None)
+        return result
+
+    tiny_engine.spec_step.run = run
+    try:
+        spec = SpecParams("heads:trial", k=None)
+        tiny_engine.submit("Hi", SamplingParams(max_tokens=120, ignore_eos=True), spec).result()
+    finally:
+        del tiny_engine.spec_step.run
+        scheduler.uniform_widths, tiny_engine.spec_step.runs_ahead = False, tiny_engine.runner.overlaps
+        scheduler.gates.clear()
+    assert len(drafted) >= TRIAL_STEPS and all(drafted), drafted
