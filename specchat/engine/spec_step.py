@@ -218,8 +218,8 @@ class SpecStep:
 
     def warm_up(self, sessions: int, drafters: Iterable[str], max_k: int) -> None:
         """Capture the graphs of drafting ahead (verdicts and next drafts) for every batch bucket up to `sessions`'
-        and each k up to max_k that each of `drafters` drafts on the device: captured mid-run, each took tens of
-        milliseconds, about what a whole 32-session run of the default model takes on the H200."""
+        and each k up to max_k that each of `drafters` drafts on the device, so that a server's first requests
+        capture none (a capture stalls the steps launched ahead: each is the function run twice, then recorded)."""
         if not self._verdicts.enabled:
             return
         model = self.runner.model
