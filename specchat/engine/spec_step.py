@@ -388,8 +388,10 @@ class SpecStep:
     def _drafts_ahead(self, plan: StepPlan, k: int) -> Drafter | None:
         """The drafter that drafts the step after `plan` (a drafting step, k drafts each) on the device, if that
         step may be launched before the host reads this one's verdicts: every request greedy, decoding with the
-        same drafter, which can (`Drafter.draft_on_device`), and drafting again next step with room for k more
-        drafts; None otherwise (this step is then verified as any other)."""
+        same drafter, which can (`Drafter.draft_on_device`), drafting again next step and with room in its context
+        for k more drafts; None otherwise (this step is then verified as any other). A request near its max tokens
+        does not hold the others back: the step drafts k for it too, and its verdicts are cut to its room
+        (`_verdicts_ahead`), where it ends."""
         if not (self.runs_ahead and plan.ahead and k > 0) or plan.gated_next:
             return None
         names = {item.seq.spec.drafter for item in plan.items}
@@ -401,12 +403,10 @@ class SpecStep:
         q = k + 1
         for item in plan.items:
             seq = item.seq
-            if not (item.samples and len(item.feed) == 1 and item.k == k and seq.sampling.greedy):
+            if not (item.samples and len(item.feed) == 1 and item.k > 0 and seq.sampling.greedy):
                 return None
-            if not self._drafts_next(seq, plan):
-                return None
-            # after this step up to q more tokens; the next must still draft k (Scheduler._draft_len)
-            if len(seq.output_ids) + 2 * q > seq.sampling.max_tokens or seq.num_tokens + 2 * q > seq.max_position:
+            # after this step up to q more tokens, then the next step's q positions
+            if not self._drafts_next(seq, plan) or seq.num_tokens + 2 * q > seq.max_position:
                 return None
         seq_ids = [item.seq.seq_id for item in plan.items]
         furthest = StepBatch(seq_ids, [[PAD_TOKEN] * q] * len(seq_ids), [i.seq.num_cached + q for i in plan.items],
@@ -446,12 +446,15 @@ class SpecStep:
         outcomes: list[Outcome | None] = []
         hidden_kept: list[dict[int, torch.Tensor]] = []
         for item, row, taps in zip(plan.items, host, out.hidden, strict=True):
-            a = row[0]
-            outcomes.append(Outcome(k, a, row[1 : a + 2]))
+            seq = item.seq
+            # the drafts that fit its max tokens count (what the scheduler would have let it draft): it ends here
+            room = min(k, seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_position - seq.num_tokens - 1)
+            a = min(row[0], room)
+            outcomes.append(Outcome(room, a, row[1 : a + 2]))
             hidden_kept.append({layer: h[: a + 1] for layer, h in taps.items()})
             if launched is not None:
                 launched.feeds.append(row[1 + q :])
-                launched.starts.append(item.seq.num_cached + a + 1)
+                launched.starts.append(seq.num_cached + row[0] + 1)  # where the device moved it
         result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, decoding=True)
         return self._hold(launched, result)
 
