@@ -176,9 +176,17 @@ class CudaGraphRunner(ModelRunner):
         ctx = _bucket(max(s + q for s in batch.start_positions), CTX_BUCKETS)
         return None if b is None or ctx is None else (b, q, ctx, tuple(sorted(set(taps))))
 
-    def can_run_ahead(self, batch: StepBatch, taps: Seq[int] = ()) -> bool:
+    def can_run_ahead(self, batch: StepBatch, taps: Seq[int] = (), advanced: bool = False) -> bool:
         """Only where the step's graph is captured already: a capture mid-pipeline would stall it."""
-        return self._state_signature() == self._signature and self._graph_key(batch, taps) in self.graphs
+        key = self._advanced_key(batch, taps) if advanced else self._graph_key(batch, taps)
+        return self._state_signature() == self._signature and key in self.graphs
+
+    def _advanced_key(self, batch: StepBatch, taps: Seq[int]) -> tuple | None:
+        """The graph of a forward_advanced step: the one of its furthest start (advance q - 1), whose context
+        bucket holds every advance."""
+        q = len(batch.feeds[0])
+        furthest = [s + q - 1 for s in batch.start_positions]
+        return self._graph_key(StepBatch(batch.seq_ids, batch.feeds, furthest, batch.logit_rows), taps)
 
     def forward_advanced(
         self, batch: StepBatch, ids: torch.Tensor, advance: torch.Tensor, taps: Seq[int] = ()
@@ -187,11 +195,8 @@ class CudaGraphRunner(ModelRunner):
         advance), the host writes the metadata of advance 0, and one kernel moves each request's positions, context
         length and slots by its advance before the replay (`_advance`), so nothing waits for the host."""
         self._check_signature()
-        q = len(batch.feeds[0])
-        furthest = [s + q - 1 for s in batch.start_positions]
-        key = self._graph_key(StepBatch(batch.seq_ids, batch.feeds, furthest, batch.logit_rows), taps)
         with pdl.scope(self._pdl):
-            return self._replay(self.graphs[key], batch, q, ids, advance)
+            return self._replay(self.graphs[self._advanced_key(batch, taps)], batch, len(batch.feeds[0]), ids, advance)
 
     def forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
         self._check_signature()

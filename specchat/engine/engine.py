@@ -151,11 +151,13 @@ class Engine:
             progress("warming up the GPU", 0, 1)
         prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog.")
         self.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0), SpecParams(drafter="none", k=0)).result()
+        drafters = list(drafters)
         taps = [(), *(self.drafter(name).taps for name in drafters)]
-        capture(range(1, (SpecParams().k_max if max_k is None else max_k) + 2), sessions, taps, progress)
+        max_k = SpecParams().k_max if max_k is None else max_k
+        capture(range(1, max_k + 2), sessions, taps, progress)
         for name in drafters:
             self.drafter(name).warm_up(sessions)
-        self.spec_step.warm_up(sessions, drafters, SpecParams().k_max if max_k is None else max_k)
+        self.spec_step.warm_up(sessions, drafters, max_k)
         with self._lock:
             self.pool.clear_prefix_cache()
         self.reset_metrics()

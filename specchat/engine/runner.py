@@ -57,10 +57,10 @@ class ModelRunner:
         batch as it is; a CUDA-graph runner replays one graph for a uniform width (cuda_graph.py)."""
         return None
 
-    def can_run_ahead(self, batch: StepBatch, taps: Seq[int] = ()) -> bool:
-        """Whether `forward(batch, ids=...)` (a plain decode step) or `forward_advanced` (batch: its furthest
-        start positions) runs without capturing or compiling anything (a step launched ahead of the host must not
-        stall it)."""
+    def can_run_ahead(self, batch: StepBatch, taps: Seq[int] = (), advanced: bool = False) -> bool:
+        """Whether `forward(batch, ids=...)` (a plain decode step), or with `advanced` `forward_advanced(batch,
+        ...)` for any advance, runs without capturing or compiling anything (a step launched ahead of the host
+        must not stall it)."""
         return True
 
     def forward_advanced(

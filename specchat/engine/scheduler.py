@@ -156,11 +156,7 @@ class Scheduler:
         context (0 without a drafter: nothing to reserve room for)."""
         if isinstance(self.drafters.get(seq.spec.drafter), NoDrafter):
             return 0
-        room = min(
-            seq.sampling.max_tokens - len(seq.output_ids) - 1,
-            seq.max_position - seq.num_tokens - 1,
-        )
-        return max(0, min(seq.k if k is None else k, room))
+        return max(0, min(seq.k if k is None else k, seq.draft_room))
 
     @property
     def _gated_off(self) -> bool:

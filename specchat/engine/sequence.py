@@ -114,6 +114,12 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def draft_room(self) -> int:
+        """Drafts a step may verify without overrunning max tokens or the context (its emitted tokens are the
+        accepted drafts plus one)."""
+        return min(self.sampling.max_tokens - len(self.output_ids) - 1, self.max_position - self.num_tokens - 1)
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_cached < len(self.prompt_ids)
 

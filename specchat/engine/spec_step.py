@@ -197,6 +197,14 @@ class _DraftAhead:
         )
 
 
+def _advanced_batch(plan: StepPlan, q: int) -> StepBatch:
+    """The step after a drafting step of `plan` as the host stages it for `forward_advanced`: each request's q
+    tokens from the position after its newest, as if it accepted no draft (the device moves it by what it did)."""
+    seq_ids = [item.seq.seq_id for item in plan.items]
+    starts = [item.seq.num_cached + 1 for item in plan.items]
+    return StepBatch(seq_ids, [[PAD_TOKEN] * q] * len(seq_ids), starts, [q] * len(seq_ids))
+
+
 class SpecStep:
     """Drafts, runs the target and verifies, for every request of a plan at once."""
 
@@ -408,14 +416,10 @@ class SpecStep:
             # after this step up to q more tokens, then the next step's q positions
             if not self._drafts_next(seq, plan) or seq.num_tokens + 2 * q > seq.max_position:
                 return None
-        seq_ids = [item.seq.seq_id for item in plan.items]
-        furthest = StepBatch(seq_ids, [[PAD_TOKEN] * q] * len(seq_ids), [i.seq.num_cached + q for i in plan.items],
-                             [q] * len(seq_ids))  # fmt: skip
-        if not self.runner.pool.can_append(dict.fromkeys(seq_ids, q)) or not self.runner.can_run_ahead(
-            furthest, plan.taps
-        ):
+        batch = _advanced_batch(plan, q)
+        if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, q)):
             return None
-        return drafter
+        return drafter if self.runner.can_run_ahead(batch, plan.taps, advanced=True) else None
 
     def _verdicts_ahead(
         self, plan: StepPlan, out: StepOutput, k: int, drafter: Drafter | None, t0: float, t1: float
@@ -436,19 +440,18 @@ class SpecStep:
             hidden = [torch.stack([h[layer] for h in out.hidden]) for layer in drafter.taps]  # [n, q, d] each
             packed = self._verdicts((name, id(drafter), k), target, fed, *hidden)  # [n, 1 + 2q]
             verdicts = _Tokens(packed)
-            seqs = [item.seq for item in plan.items]
-            batch = StepBatch([s.seq_id for s in seqs], [[PAD_TOKEN] * q] * n, [s.num_cached + 1 for s in seqs],
-                              [q] * n)  # fmt: skip
             advance = packed[:, 0].contiguous()
-            forward = self.runner.forward_advanced(batch, packed[:, 1 + q :].reshape(-1), advance, plan.taps)
-            launched = _DraftAhead(seqs, k, forward, [], [])
+            forward = self.runner.forward_advanced(
+                _advanced_batch(plan, q), packed[:, 1 + q :].reshape(-1), advance, plan.taps
+            )
+            launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
         host = self._read(verdicts)
         outcomes: list[Outcome | None] = []
         hidden_kept: list[dict[int, torch.Tensor]] = []
         for item, row, taps in zip(plan.items, host, out.hidden, strict=True):
             seq = item.seq
             # the drafts that fit its max tokens count (what the scheduler would have let it draft): it ends here
-            room = min(k, seq.sampling.max_tokens - len(seq.output_ids) - 1, seq.max_position - seq.num_tokens - 1)
+            room = min(k, seq.draft_room)
             a = min(row[0], room)
             outcomes.append(Outcome(room, a, row[1 : a + 2]))
             hidden_kept.append({layer: h[: a + 1] for layer, h in taps.items()})

@@ -159,15 +159,27 @@ def _bigram(engine, outputs: list[list[int]]) -> torch.Tensor:
     return table
 
 
-def _with_drafter(engine, name: str, drafter, k: int | None):
-    """engine.submit with `name` (registered as `drafter`) at k for every request."""
+def _drafting_both_ways(engine, name: str, drafter, k: int | None, jobs, *run_args, **run_kw):
+    """`_run` with every request drafting with `drafter` (registered as `name`) at k, one by one and then with
+    steps ahead -> (tokens one by one, their Finished events, tokens ahead, theirs, drafting steps run ahead)."""
     engine.drafters[name] = drafter
     original = engine.submit
 
     def submit(prompt, sampling, spec=None, **kw):
         return original(prompt, sampling, SpecParams(drafter=name, k=k), **kw)
 
-    return original, submit
+    engine.submit = submit
+    try:
+        one_by_one, _, ends = _run(engine, False, jobs, *run_args, **run_kw)
+        before = engine.spec_step.drafted_ahead
+        ahead, _, ends_ahead = _run(engine, True, jobs, *run_args, **run_kw)
+        return one_by_one, ends, ahead, ends_ahead, engine.spec_step.drafted_ahead - before
+    finally:
+        engine.submit = original
+
+
+def _drafts(ends) -> list[tuple[int, int]]:
+    return [(end.stats.drafted, end.stats.accepted) for end in ends]
 
 
 @pytest.mark.parametrize(("k", "taps"), [(3, ()), (2, (1,)), (1, ())])
@@ -181,19 +193,12 @@ def test_drafting_steps_launched_ahead_give_plain_greedy_tokens(tiny_engine, k, 
     plain, _, _ = _run(tiny_engine, False, jobs, late)
     stop = {1: plain[1][13]}
     plain, _, _ = _run(tiny_engine, False, jobs, late, stop_after=stop)
-    original, submit = _with_drafter(tiny_engine, "bigram", BigramDrafter(_bigram(tiny_engine, plain), taps), k)
-    tiny_engine.submit = submit
-    try:
-        one_by_one, _, ends = _run(tiny_engine, False, jobs, late, stop_after=stop)
-        before = tiny_engine.spec_step.drafted_ahead
-        ahead, _, ends_ahead = _run(tiny_engine, True, jobs, late, stop_after=stop)
-        drafted_ahead = tiny_engine.spec_step.drafted_ahead - before
-    finally:
-        tiny_engine.submit = original
+    drafter = BigramDrafter(_bigram(tiny_engine, plain), taps)
+    one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
+        tiny_engine, "bigram", drafter, k, jobs, late, stop_after=stop
+    )
     assert ahead == one_by_one == plain
-    assert [(e.stats.drafted, e.stats.accepted) for e in ends_ahead] == [
-        (e.stats.drafted, e.stats.accepted) for e in ends
-    ]
+    assert _drafts(ends_ahead) == _drafts(ends)
     assert sum(e.stats.accepted for e in ends) > sum(e.stats.drafted for e in ends) / 2  # drafts mostly accepted
     assert drafted_ahead > 5
 
@@ -207,18 +212,11 @@ def test_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine):
     heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=4), tiny_engine.model, cpu_blocks=False)
     jobs = [(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS[:2]]
     plain, _, _ = _run(tiny_engine, False, jobs)
-    original, submit = _with_drafter(tiny_engine, "heads:random", heads, 4)
-    tiny_engine.submit = submit
-    try:
-        one_by_one, _, ends = _run(tiny_engine, False, jobs)
-        before = tiny_engine.spec_step.drafted_ahead
-        ahead, _, ends_ahead = _run(tiny_engine, True, jobs)
-        drafted_ahead = tiny_engine.spec_step.drafted_ahead - before
-    finally:
-        tiny_engine.submit = original
+    one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
+        tiny_engine, "heads:random", heads, 4, jobs
+    )
     assert ahead == one_by_one == plain
-    stats = [(e.stats.drafted, e.stats.accepted) for e in ends]
-    assert [(e.stats.drafted, e.stats.accepted) for e in ends_ahead] == stats
+    assert _drafts(ends_ahead) == _drafts(ends)
     assert drafted_ahead > 3
 
 
@@ -229,15 +227,9 @@ def test_sampled_or_adaptive_requests_draft_as_before(tiny_engine):
     plain, _, _ = _run(tiny_engine, False, jobs)
     table = _bigram(tiny_engine, plain)
     for k, expect_ahead in ((3, False), (None, None)):
-        original, submit = _with_drafter(tiny_engine, "bigram", BigramDrafter(table), k)
-        tiny_engine.submit = submit
-        try:
-            one_by_one, _, _ = _run(tiny_engine, False, jobs)
-            before = tiny_engine.spec_step.drafted_ahead
-            ahead, _, _ = _run(tiny_engine, True, jobs)
-            drafted_ahead = tiny_engine.spec_step.drafted_ahead - before
-        finally:
-            tiny_engine.submit = original
+        one_by_one, _, ahead, _, drafted_ahead = _drafting_both_ways(
+            tiny_engine, "bigram", BigramDrafter(table), k, jobs
+        )
         assert ahead == one_by_one
         assert ahead[0] == plain[0]  # greedy: lossless
         if expect_ahead is False:
