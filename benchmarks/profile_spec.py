@@ -13,6 +13,7 @@ host functions with the most own time over the plain pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -212,6 +213,20 @@ class SlowSteps:
         return "\n".join(lines)
 
 
+def kernel_table(profile: torch.profiler.profile, steps: int, n: int) -> str:
+    """The n kernels with the most device time over the plain pass, per step (graph replays' kernels included)."""
+    events = [e for e in profile.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    lines = [
+        f"  device time {total / 1e3:.1f} ms over {steps} steps ({total / max(1, steps):.1f} us/step); top kernels:"
+    ]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:n]:
+        lines.append(
+            f"    {e.self_device_time_total / max(1, steps):7.1f} us/step {e.count / max(1, steps):6.1f}/step  {e.key[:90]}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -221,6 +236,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=32, help="requests per run, cycled over the prompts (as bench)")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument(
+        "--kernels", type=int, default=0, help="print the N kernels with the most device time (torch profiler)"
+    )
     args = parser.parse_args()
     engine = Engine.load(EngineConfig(model=args.model, device=args.device))
     prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
@@ -235,7 +253,9 @@ def main() -> None:
     for sessions in map(int, args.sessions.split(",")):
         for config in configs:
             profiler = cProfile.Profile() if args.cprofile else None
-            with SlowSteps(engine) as slow:
+            activity = getattr(torch.profiler.ProfilerActivity, engine.device.type.upper())  # CUDA or CPU
+            kernels = torch.profiler.profile(activities=[activity]) if args.kernels else None
+            with SlowSteps(engine) as slow, kernels or contextlib.nullcontext():
                 if profiler:
                     profiler.enable()
                 plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config), requests=args.requests)
@@ -269,6 +289,8 @@ def main() -> None:
             if gates:
                 print(f"  draft gates after the timed pass, ms per emitted token: {gates}", flush=True)
                 print(f"  steps of the timed pass by the cap its gate allowed: {caps}", flush=True)
+            if kernels:
+                print(kernel_table(kernels, steps, args.kernels), flush=True)
             if profiler:
                 out = io.StringIO()
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
