@@ -176,7 +176,9 @@ class Scheduler:
         drafting timed plain steps and drafting never came back on (1.00x plain where k = 4 ran 1.39x; drafting
         at least 1 at the cap, it ran 1.02-1.06x). Batches keep the median: drafting at least 1 at the gate's
         cap there too, the gate chose drafting at 32 sessions that ran 0.74x plain (docs/benchmarks.md,
-        eighteenth session).
+        eighteenth session). Every adaptive request of a batch there drafts the cap, not less: a step of mixed
+        widths cannot run ahead of the host (docs/gpu.md), and with each request's own k under the median the
+        heads ran 0.82x plain at 8 sessions where k = 4 for all ran 1.00x (nineteenth session).
 
         A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
@@ -214,15 +216,16 @@ class Scheduler:
     def _plan(self, events: list[Event], now: float) -> list[Scheduled]:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""
         cap = self._adaptive_cap(now)
-        # a request decoding alone on CUDA graphs drafts its gate's cap (_adaptive_cap)
-        lone = cap is not None and self.uniform_widths and sum(map(self._decodes, self.running)) == 1
+        # on CUDA graphs every adaptive request of the step drafts its cap (_adaptive_cap): one width, so the step
+        # can run ahead of the host
+        uniform = cap is not None and self.uniform_widths
         while self.running:
             items, budget = [], self.max_batch_tokens
             for seq in self.running:  # decode first: their latency matters most
                 if self._decodes(seq):
                     k = self._draft_len(seq)
                     if cap is not None and seq.adaptive is not None:
-                        k = self._draft_len(seq, cap) if lone else min(k, cap)
+                        k = self._draft_len(seq, cap) if uniform else min(k, cap)
                     items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
                     budget -= 1 + k
             for seq in self.running:  # prompts (all but their last token may come from the prefix cache)
