@@ -26,6 +26,7 @@ File format: a safetensors file with the head weights and `draft_vocab` (token i
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,7 +42,7 @@ from specchat.engine.fusion import fuse
 from specchat.engine.model import RMSNorm, Transformer
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
 from specchat.errors import ConfigError, ModelFormatError
-from specchat.kernels import cpu_ops
+from specchat.kernels import cpu_ops, draft_heads
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
@@ -239,6 +240,8 @@ class HeadsDrafter(Drafter):
             self.gated_k = min(heads_cpu.GATED_K, self.cfg.num_heads)
         if graphs and weight.is_cuda:  # the heads' norms as the target's fused kernel: 10 launches less a head
             fuse(self.heads)
+        # the greedy chain's fused kernels where they run (SPECCHAT_FUSED_HEADS=0: the plain chain, for A/B runs)
+        self.fused_chain = os.environ.get("SPECCHAT_FUSED_HEADS", "1") != "0"
         # greedy drafting: a CUDA graph per batch bucket and depth, over the embedding the model has now
         self.chain = GraphedFunction(
             self.greedy_chain, lambda: tuple(p.data_ptr() for p in self.embed.parameters()), enabled=graphs
@@ -327,8 +330,17 @@ class HeadsDrafter(Drafter):
 
     def greedy_chain(self, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
-        `chain` captures; `draft_steps` is its reference). Packed heads on the CPU run it as one C call instead
-        (`greedy_drafts`: heads_cpu.draft_chain, the same calls in the same order)."""
+        `chain` captures): on a Triton device in five launches a head (kernels/draft_heads.py), else
+        `plain_chain`. Packed heads on the CPU run it as one C call instead (`greedy_drafts`:
+        heads_cpu.draft_chain, the same calls in the same order)."""
+        blocks, rows = self.heads.blocks[:depth], self.output.rows.weight
+        if self.fused_chain and draft_heads.supported(hidden, blocks, self.embed.weight, rows):
+            return draft_heads.greedy_chain(blocks, self.embed.weight, self.output.norm, rows, self.draft_vocab,
+                                            hidden, prev)  # fmt: skip
+        return self.plain_chain(depth, hidden, prev)
+
+    def plain_chain(self, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """`greedy_chain` in plain PyTorch, the fused chain's reference (`draft_steps` is this one's)."""
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
             return self.draft_vocab[cpu_ops.argmax(self.output(states))].T
