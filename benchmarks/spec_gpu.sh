@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
-#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost ahead profile (default: tests sessions
-#                                             auto cost)
+#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost ahead profile chain kernels
+#                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
 # beside the shipped one; COMMIT names the tree measured (the device's .git may be stale). Each part is bounded by
@@ -21,7 +21,7 @@ for part in "${parts[@]}"; do
   case $part in
     tests)
       timeout 200 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_cuda.py tests/engine/test_cuda_graph.py \
-        tests/engine/test_step_ahead.py \
+        tests/engine/test_step_ahead.py tests/engine/test_adaptive.py tests/kernels/test_draft_heads.py \
         2>&1 | tail -15 | tee -a "$log" ;;
     sessions)
       timeout 420 "${bench[@]}" --drafter "$drafters" --k 4 2>&1 | tee -a "$log" ;;
@@ -32,6 +32,14 @@ for part in "${parts[@]}"; do
       timeout 120 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch 1,8 2>&1 | tee -a "$log" ;;
     ahead)  # plain steps launched ahead of the host, on and off, alternating (docs/gpu.md)
       timeout 200 python benchmarks/step_ahead_gpu.py --sessions 1,8,32 --reps 3 --max-tokens 64 2>&1 | tee -a "$log" ;;
+    chain)  # the heads' fused greedy chain (kernels/draft_heads.py) against the plain one, each beside plain decoding
+      for fused in 1 0; do
+        echo "--- SPECCHAT_FUSED_HEADS=$fused" | tee -a "$log"
+        SPECCHAT_FUSED_HEADS=$fused timeout 200 "${bench[@]}" --drafter none,heads --k 4 2>&1 | tee -a "$log"
+      done ;;
+    kernels)  # where a step's device time goes, plain and heads, by kernel (torch profiler)
+      timeout 300 python benchmarks/profile_spec.py --sessions 1,8,32 --configs none,heads:4 --kernels 25 \
+        2>&1 | grep -v USDT | tee -a "$log" ;;
     profile)
       timeout 200 python benchmarks/profile_spec.py --sessions 1,8,32 --configs none,ngram:4,ngram:auto --cprofile \
         2>&1 | tee -a "$log" ;;
