@@ -41,11 +41,12 @@ def print_table(headers: list[str], rows: list[list]) -> None:
 
 
 def bench_sessions(
-    config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json, rounds=None, step_ahead="on"
-) -> None:
+    config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json, rounds=None, step_ahead="on",
+    temperature=0.0,
+) -> None:  # fmt: skip
     """The grid of session counts x drafters (x steps ahead on / off), `rounds` times (the last reported): on a GPU
     the first round still meets first-time shapes (an eager prefill step beside drafting requests compiles its
-    kernels once)."""
+    kernels once). Requests are greedy, or sampled at `temperature` (unseeded, as API clients send them)."""
     from specchat.bench.sessions import run_sessions
     from specchat.config import SamplingParams
     from specchat.engine.engine import Engine
@@ -54,7 +55,9 @@ def bench_sessions(
     counts = int_list(sessions, "--sessions")
     if min(counts) < 1:
         raise ConfigError(f"--sessions must list counts >= 1, got {sessions!r}")
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
     modes = [{"on": True, "off": False}.get(m.strip()) for m in step_ahead.split(",")]
     if None in modes:
@@ -231,9 +234,12 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     show_default=True,
     help="sessions: launch plain decode steps before reading the last one's tokens (CUDA graphs): on, off, or on,off",
 )
+@click.option(
+    "--temperature", type=float, default=0.0, show_default=True, help="sessions: 0 = greedy, else sampled (unseeded)"
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
 def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
-          acceptance, context, steps, eager, cpu_act, tp, rounds, step_ahead, as_json) -> None:  # fmt: skip
+          acceptance, context, steps, eager, cpu_act, tp, rounds, step_ahead, temperature, as_json) -> None:  # fmt: skip
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
@@ -257,7 +263,9 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
         model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights or "auto", kv_format=kv or "auto",
         eager=eager, tp=tp, cpu_act=cpu_act,
     )  # fmt: skip
-    bench_sessions(config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds, step_ahead)
+    bench_sessions(
+        config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds, step_ahead, temperature
+    )
 
 
 def register(group: click.Group) -> None:

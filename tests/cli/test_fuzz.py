@@ -197,6 +197,11 @@ FLAG_CASES = [
     ("bench --sessions 0", ["bench", "{tiny}", "--sessions", "0", "--prompts", "{text}/ok.txt"], ["--sessions"]),
     ("bench --sessions abc", ["bench", "{tiny}", "--sessions", "abc", "--prompts", "{text}/ok.txt"], ["--sessions"]),
     (
+        "bench --temperature -1",
+        ["bench", "{tiny}", "--sessions", "1", "--prompts", "{text}/ok.txt", "--temperature", "-1"],
+        ["--temperature"],
+    ),
+    (
         "bench --sessions --drafter bogus",
         ["bench", "{tiny}", "--sessions", "1", "--prompts", "{text}/ok.txt", "--drafter", "none,bogus"],
         ["bogus"],

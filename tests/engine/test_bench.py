@@ -43,3 +43,15 @@ def test_synthetic_bench_json_rows():
 def test_bench_flags_fail_with_one_line():
     run = CliRunner().invoke(main, ["bench", "--synthetic", "llama-9000"])
     assert run.exit_code != 0 and "unknown synthetic shape" in run.output
+
+
+def test_bench_sessions_sample_at_a_temperature(tiny_model_dir, tmp_path):
+    """--temperature T runs the sessions sampled (each drafter's row measured), the way API clients send requests."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a b c\nhello there\n")
+    args = ["bench", str(tiny_model_dir), "--device", "cpu", "--sessions", "1,2", "--prompts", str(prompts),
+            "--max-tokens", "6", "--drafter", "none,ngram", "--temperature", "0.8", "--json"]  # fmt: skip
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    rows = [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
+    assert sorted((r["sessions"], r["drafter"]) for r in rows) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
