@@ -25,6 +25,7 @@ DRAFTER_ARGS = {"heads": "FILE", "ngram+heads": "FILE", "eagle": "DIR", "draft-m
 DRAFTER_CHOICES = (*DRAFTERS, "default")
 DRAFTER_SYNTAX = " | ".join(f"{d}[:{DRAFTER_ARGS[d]}]" if d in DRAFTER_ARGS else d for d in DRAFTER_CHOICES)
 SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed takes a 64-bit seed
+WHOLE_HEAD_DRAFTERS = ("heads", "ngram+heads")  # they read rows of the target's whole output head (not under --tp)
 
 
 def check_drafter_name(name: str) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specchat.config import check_drafter_name
+from specchat.config import WHOLE_HEAD_DRAFTERS, check_drafter_name
 from specchat.errors import ConfigError, ModelNotFoundError, OfflineError
 
 Progress = Callable[[str, int, int], None]  # (what, done, total); total 0 = unknown
@@ -72,10 +72,10 @@ class ModelSpec:
 
     def default_drafter(self, device: str | None, tp: int = 1) -> str:
         """What `--drafter default` means for this model on `device` ("cpu" | "cuda"; None where not known yet):
-        `cpu_drafter` on the CPU where set (not under --tp, which takes no heads drafter), else `drafter`."""
-        if device == "cpu" and tp == 1 and self.cpu_drafter:
-            return self.cpu_drafter
-        return self.drafter or "none"
+        `cpu_drafter` on the CPU where set, else `drafter`; plain decoding in place of a heads drafter under --tp,
+        which splits the output head those read."""
+        name = self.cpu_drafter if device == "cpu" and tp == 1 and self.cpu_drafter else self.drafter or "none"
+        return "none" if tp > 1 and name.partition(":")[0] in WHOLE_HEAD_DRAFTERS else name
 
     def default_drafter_varies(self) -> bool:
         """Whether the default drafter depends on the device (resolve it once the device is known)."""

@@ -158,7 +158,7 @@ class TPEngine(Engine):
         tokenizer = load_tokenizer(spec, path)
         engine = cls(model, tokenizer, pool, dataclasses.replace(config, eager=True), spec, weights)
         engine.workers = workers
-        engine.drafters.build = tp_drafter_check(engine.drafters.build, spec)
+        engine.drafters.build = tp_drafter_check(engine.drafters.build, spec, config.tp)
         return engine
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from specchat.config import WHOLE_HEAD_DRAFTERS
 from specchat.engine.drafters import Drafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import PageStore
@@ -28,7 +29,6 @@ from specchat.quant.handler import Progress, WeightSwitch
 from specchat.registry import ModelSpec, resolve
 
 FORWARD = inspect.signature(Transformer.forward)
-WHOLE_HEAD_DRAFTERS = ("heads", "ngram+heads")  # they read rows of the target's whole output head
 
 
 def send_forwards(model: Transformer, group: TPGroup, pool: KVPool) -> None:
@@ -91,13 +91,13 @@ class FixedWeights(WeightSwitch):
             )
 
 
-def tp_drafter_check(build: Callable[[str], Drafter], target: ModelSpec | None) -> Callable[[str], Drafter]:
-    """`build` (a DrafterCache's), refusing in one line the drafters a sharded target cannot serve."""
+def tp_drafter_check(build: Callable[[str], Drafter], target: ModelSpec | None, tp: int) -> Callable[[str], Drafter]:
+    """`build` (a DrafterCache's), refusing in one line the drafters a target sharded over `tp` GPUs cannot serve."""
 
     def checked(name: str) -> Drafter:
         kind, _, arg = name.partition(":")
         if kind == "default":
-            kind, _, arg = (target.default_drafter(None) if target else "none").partition(":")
+            kind, _, arg = (target.default_drafter("cuda", tp) if target else "none").partition(":")
         if kind in WHOLE_HEAD_DRAFTERS:
             raise ConfigError(
                 f"--tp: the {kind} drafter reads the target's whole output head, which --tp splits over the "
