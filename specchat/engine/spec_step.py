@@ -197,12 +197,11 @@ class _DraftAhead:
         )
 
 
-def _advanced_batch(items: list[Scheduled], q: int) -> StepBatch:
-    """The step after a drafting step of `items` (and prompts run beside it) as the host stages it for
-    `forward_advanced`: each request's q tokens from the position after the ones it fed, as if it accepted no
-    draft (the device moves it by what it did)."""
-    seq_ids = [item.seq.seq_id for item in items]
-    starts = [item.seq.num_cached + len(item.feed) for item in items]
+def _advanced_batch(plan: StepPlan, q: int) -> StepBatch:
+    """The step after a drafting step of `plan` as the host stages it for `forward_advanced`: each request's q
+    tokens from the position after its newest, as if it accepted no draft (the device moves it by what it did)."""
+    seq_ids = [item.seq.seq_id for item in plan.items]
+    starts = [item.seq.num_cached + 1 for item in plan.items]
     return StepBatch(seq_ids, [[PAD_TOKEN] * q] * len(seq_ids), starts, [q] * len(seq_ids))
 
 
@@ -223,7 +222,6 @@ class SpecStep:
         self._ahead: _Ahead | _DraftAhead | None = None
         self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
         self.drafted_ahead = 0  # of them, drafting steps
-        self.joined_ahead = 0  # prompts run beside a drafting step ahead that joined the next one
         self.waited_s = 0.0  # time plain steps spent waiting to read their tokens back (profiles: the device's lead)
 
     def warm_up(self, sessions: int, drafters: Iterable[str], max_k: int) -> None:
@@ -263,23 +261,16 @@ class SpecStep:
 
     def _continue(self, plan: StepPlan, ahead: _Ahead | _DraftAhead, rows: dict[int, int]) -> StepResult:
         """The step whose requests (those in `rows`) ran ahead: launch the next one, then read the verdicts or
-        tokens; the plan's other requests (a prompt admitted meanwhile) run now, after, or for a drafting step
-        ahead where they may, beside it, joining the next step ahead (`_join`)."""
+        tokens; the plan's other requests (a prompt admitted meanwhile) run now, after."""
         t0 = time.perf_counter()
         self.continued += 1
         covered = StepPlan([plan.items[i] for i in rows], plan.taps, plan.ahead, plan.gated_next)
         index = list(rows.values())
         rest = [i for i in range(len(plan.items)) if i not in rows]
-        done = list(rows)  # the plan's items `result` holds, in its order
         if isinstance(ahead, _DraftAhead):
             self.drafted_ahead += 1
-            joining = [plan.items[i] for i in rest]
-            drafter = self._drafts_ahead(covered, ahead.k, joining)
-            joining = joining if drafter is not None else []
-            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, drafter, t0, t0, joining)
-            if joining:
-                self.joined_ahead += len(joining)
-                done, rest = done + rest, []
+            drafter = None if rest else self._drafts_ahead(covered, ahead.k)
+            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, drafter, t0, t0)
         else:
             launched = None if rest else self._launch_ahead(covered, ahead.tokens.rows(index))
             drawn = self._read(ahead.tokens)
@@ -287,15 +278,12 @@ class SpecStep:
             outcomes = [Outcome(0, 0, [drawn[r]]) for r in index]
             result = self._hold(launched, StepResult(outcomes, [{} for _ in index], 0.0, 0.0, decoding=True))
             result.verify_ms = (time.perf_counter() - t0) * 1e3
-        if not rest and done == list(range(len(plan.items))):
+        if not rest:
             return result
         full: list[Outcome | None] = [None] * len(plan.items)
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
-        for j, i in enumerate(done):
+        for j, i in enumerate(rows):
             full[i], hidden[i] = result.outcomes[j], result.hidden[j]
-        if not rest:
-            result.outcomes, result.hidden = full, hidden
-            return result
         others = self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
         for j, i in enumerate(rest):
             full[i], hidden[i] = others.outcomes[j], others.hidden[j]
@@ -405,82 +393,62 @@ class SpecStep:
             result.ahead = dict.fromkeys((seq.seq_id for seq in launched.seqs), held)
         return result
 
-    def _drafts_ahead(self, plan: StepPlan, k: int, joining: list[Scheduled] = ()) -> Drafter | None:
+    def _drafts_ahead(self, plan: StepPlan, k: int) -> Drafter | None:
         """The drafter that drafts the step after `plan` (a drafting step, k drafts each) on the device, if that
         step may be launched before the host reads this one's verdicts: every request greedy, decoding with the
         same drafter, which can (`Drafter.draft_on_device`), drafting again next step and with room in its context
         for k more drafts; None otherwise (this step is then verified as any other). A request near its max tokens
         does not hold the others back: the step drafts k for it too, and its verdicts are cut to its room
-        (`_verdicts_ahead`), where it ends. `joining`: fresh prompts (their whole rest) to run beside the step and
-        draft from the next one on, which must fit the same terms, or None."""
+        (`_verdicts_ahead`), where it ends."""
         if not (self.runs_ahead and plan.ahead and k > 0) or plan.gated_next:
             return None
-        names = {item.seq.spec.drafter for item in (*plan.items, *joining)}
+        names = {item.seq.spec.drafter for item in plan.items}
         if len(names) != 1:
             return None
         drafter = self.drafters.get(names.pop())
         if not drafter.drafts_on_device():
             return None
         q = k + 1
-        needs = {}  # positions each request's pool must take: the next step's q (and a joining prompt's own)
-        for item, joins in [(item, False) for item in plan.items] + [(item, True) for item in joining]:
+        for item in plan.items:
             seq = item.seq
-            if joins:  # its first token and k drafts come from this step: its first drafting step is the next
-                fits = item.samples and item.k == 0 and not seq.output_ids and seq.draft_room > 1
-            else:
-                fits = item.samples and len(item.feed) == 1 and item.k > 0
+            if not (item.samples and len(item.feed) == 1 and item.k > 0 and seq.sampling.greedy):
+                return None
             # after this step up to q more tokens, then the next step's q positions
-            if not (fits and seq.sampling.greedy and self._drafts_next(seq, plan)):
+            if not self._drafts_next(seq, plan) or seq.num_tokens + 2 * q > seq.max_position:
                 return None
-            if seq.num_tokens + 2 * q > seq.max_position:
-                return None
-            needs[seq.seq_id] = q + (len(item.feed) if joins else 0)
-        batch = _advanced_batch([*plan.items, *joining], q)
-        if not self.runner.pool.can_append(needs):
+        batch = _advanced_batch(plan, q)
+        if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, q)):
             return None
         return drafter if self.runner.can_run_ahead(batch, plan.taps, advanced=True) else None
 
     def _verdicts_ahead(
-        self,
-        plan: StepPlan,
-        out: StepOutput,
-        k: int,
-        drafter: Drafter | None,
-        t0: float,
-        t1: float,
-        joining: list[Scheduled] = (),
+        self, plan: StepPlan, out: StepOutput, k: int, drafter: Drafter | None, t0: float, t1: float
     ) -> StepResult:
         """A drafting step of greedy requests (`out`: its target forward, each request's newest token and k
         drafts) verified on the device (`greedy_verdicts`), and where `_drafts_ahead` allows, the next drafting
         step launched before the host reads the verdicts: its drafts drafted on the device from the hidden rows at
         each request's last accepted position and its bonus or recovered token, its start moved on the device.
-        drafter: `_drafts_ahead(plan, k, joining)`, None to launch nothing. joining: fresh prompts run now, beside
-        it (`_join`), whose first drafting step is the one launched; the result holds the plan's items, then
-        theirs."""
+        drafter: `_drafts_ahead(plan, k)`, None to launch nothing."""
         q, n = k + 1, len(plan.items)
         assert out.ids is not None
         target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
-        launched, prompts = None, None
+        launched = None
         if drafter is None:
             verdicts = _Tokens(torch.cat([greedy_verdicts(target, fed)[:, None], target], 1))
         else:
             name = plan.items[0].seq.spec.drafter
             hidden = [torch.stack([h[layer] for h in out.hidden]) for layer in drafter.taps]  # [n, q, d] each
             packed = self._verdicts((name, id(drafter), k), target, fed, *hidden)  # [n, 1 + 2q]
-            advance = packed[:, 0]
-            if joining:
-                prompts, rows = self._join(joining, drafter, q, plan.taps)
-                packed, advance = torch.cat([packed, rows]), torch.cat([advance, rows[:, 0]])
             verdicts = _Tokens(packed)
+            advance = packed[:, 0].contiguous()
             forward = self.runner.forward_advanced(
-                _advanced_batch([*plan.items, *joining], q), packed[:, 1 + q :].reshape(-1), advance.contiguous(),
-                plan.taps,
-            )  # fmt: skip
-            launched = _DraftAhead([item.seq for item in (*plan.items, *joining)], k, forward, [], [])
+                _advanced_batch(plan, q), packed[:, 1 + q :].reshape(-1), advance, plan.taps
+            )
+            launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
         host = self._read(verdicts)
         outcomes: list[Outcome | None] = []
         hidden_kept: list[dict[int, torch.Tensor]] = []
-        for item, row, taps in zip(plan.items, host[:n], out.hidden, strict=True):
+        for item, row, taps in zip(plan.items, host, out.hidden, strict=True):
             seq = item.seq
             # the drafts that fit its max tokens count (what the scheduler would have let it draft): it ends here
             room = min(k, seq.draft_room)
@@ -490,36 +458,8 @@ class SpecStep:
             if launched is not None:
                 launched.feeds.append(row[1 + q :])
                 launched.starts.append(seq.num_cached + row[0] + 1)  # where the device moved it
-        for item, row, taps in zip(joining, host[n:], prompts.hidden if prompts else (), strict=True):
-            outcomes.append(Outcome(0, 0, [row[1 + q]]))  # its first token, as `_run` gives a prompt's
-            hidden_kept.append({layer: h[: len(item.feed)] for layer, h in taps.items()})
-            launched.feeds.append(row[1 + q :])
-            launched.starts.append(item.seq.num_cached + len(item.feed))
-        result = StepResult(
-            outcomes, hidden_kept, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, decoding=not joining
-        )
+        result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, decoding=True)
         return self._hold(launched, result)
-
-    def _join(
-        self, items: list[Scheduled], drafter: Drafter, q: int, taps: tuple[int, ...]
-    ) -> tuple[StepOutput, torch.Tensor]:
-        """Fresh prompts admitted while a drafting step ran ahead, run beside it before the host reads its
-        verdicts: each one's first token (greedy) and its q - 1 drafts from the hidden row of its last prompt
-        token, on the device, as rows shaped like `_verdicts_and_drafts`' [m, 1 + 2q] (nothing accepted, no
-        targets; then the tokens its first drafting step feeds). So a request that arrives while the others draft
-        ahead joins their next step ahead: its prompt and its first drafting step no longer hold the batch's
-        steps back (on the H200 at 8 sessions such steps took 135 of 441 ms; docs/benchmarks.md, nineteenth
-        session). The forward and the chain are `_run`'s and `propose`'s for a greedy request."""
-        batch = StepBatch(
-            [item.seq.seq_id for item in items], [item.feed for item in items],
-            [item.seq.num_cached for item in items], [1] * len(items),
-        )  # fmt: skip
-        out = self.runner.forward(batch, taps=taps)
-        newest = cpu_ops.argmax(out.flat_logits)  # [m]
-        rows = {t: torch.stack([h[t][-1] for h in out.hidden]) for t in drafter.taps}  # [m, d] each
-        chain = drafter.draft_on_device(q - 1, rows, newest)  # [m, q - 1]
-        head = torch.zeros(len(items), 1 + q, dtype=newest.dtype, device=newest.device)
-        return out, torch.cat([head, newest[:, None], chain.to(newest.dtype)], 1)
 
     def _verdicts_and_drafts(self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor):
         """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting

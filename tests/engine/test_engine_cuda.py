@@ -247,10 +247,10 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
     assert stats["bigram", True] == stats["bigram", False]
 
 
-def test_prompts_arriving_mid_run_join_the_drafting_steps_ahead_on_graphs(cuda_tiny_model_dir):
-    """Prompts admitted while the heads' drafting steps run ahead on CUDA graphs run beside them and join the next
-    step ahead (their first token and drafts made on the device): the eager runner's greedy tokens, and the drafts
-    and acceptances of the same engine one step at a time."""
+def test_prompts_arriving_mid_run_beside_drafting_steps_ahead_on_graphs(cuda_tiny_model_dir):
+    """Prompts admitted while the heads' drafting steps run ahead on CUDA graphs (the step ahead kept for the
+    others, the prompts run after it): the eager runner's greedy tokens, and the drafts and acceptances of the same
+    engine one step at a time."""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.engine import Engine
     from tests.engine.test_drafters import random_heads
@@ -264,11 +264,9 @@ def test_prompts_arriving_mid_run_join_the_drafting_steps_ahead_on_graphs(cuda_t
     torch.manual_seed(0)
     heads = engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model)
     engine.warm_up(sessions=8, drafters=["heads:random"], max_k=4)
-    joined = engine.spec_step.joined_ahead
     one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
         engine, "heads:random", heads, 4, jobs, late, at_step=6
     )
     assert ahead == one_by_one == plain
     assert _drafts(ends_ahead) == _drafts(ends)
     assert drafted_ahead > 10
-    assert engine.spec_step.joined_ahead - joined == 2
