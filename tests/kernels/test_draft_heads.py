@@ -64,7 +64,8 @@ def test_fused_chain_drafts_what_the_plain_chain_does(dtype, rows, depth):
         assert torch.equal(fused, plain)
         return
     logits = forced_logits(d, hidden, prev, fused)  # [depth, B, Vd]
-    at = torch.searchsorted(d.draft_vocab.sort().values, fused.T)  # the drafts' places in the draft vocabulary
+    # the drafts' places in the draft vocabulary
+    at = torch.searchsorted(d.draft_vocab.sort().values, fused.T.contiguous())
     order = d.draft_vocab.sort().indices
     chosen = logits.gather(2, order[at].unsqueeze(-1)).squeeze(-1)
     assert (chosen >= logits.max(-1).values - 0.05 * logits.abs().max()).all()
