@@ -55,8 +55,6 @@ def bench_sessions(
     counts = int_list(sessions, "--sessions")
     if min(counts) < 1:
         raise ConfigError(f"--sessions must list counts >= 1, got {sessions!r}")
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
     modes = [{"on": True, "off": False}.get(m.strip()) for m in step_ahead.split(",")]

@@ -171,14 +171,13 @@ class Scheduler:
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests all choose k adaptively, a cap on their k: the one their batch
         size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the widest, at most
-        the median of their k. A request decoding alone there drafts the cap itself (room allowing), whatever
-        its own controller chose: on the H200 the controller held k = 0 at one session, so every trial of
-        drafting timed plain steps and drafting never came back on (1.00x plain where k = 4 ran 1.39x; drafting
-        at least 1 at the cap, it ran 1.02-1.06x). Batches keep the median: drafting at least 1 at the gate's
-        cap there too, the gate chose drafting at 32 sessions that ran 0.74x plain (docs/benchmarks.md,
-        eighteenth session). Every adaptive request of a batch there drafts the cap, not less: a step of mixed
-        widths cannot run ahead of the host (docs/gpu.md), and with each request's own k under the median the
-        heads ran 0.82x plain at 8 sessions where k = 4 for all ran 1.00x (nineteenth session).
+        the median of their k, a request decoding alone excepted; there every adaptive request drafts the cap
+        itself (room allowing, `_plan`), whatever its own controller chose, so the step has one width and can run
+        ahead of the host (docs/gpu.md). Measured on the H200: a lone request's controller held k = 0, so every
+        trial of drafting timed plain steps and drafting never came back on (1.00x plain where k = 4 ran 1.39x);
+        a batch drafting at least 1 at the gate's cap let the gate choose drafting at 32 sessions that ran 0.74x
+        plain (eighteenth session), hence the median; each request drafting its own k under the median ran 0.82x
+        plain at 8 sessions where k = 4 for all ran 1.00x (nineteenth session; docs/benchmarks.md).
 
         A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
@@ -223,9 +222,10 @@ class Scheduler:
             items, budget = [], self.max_batch_tokens
             for seq in self.running:  # decode first: their latency matters most
                 if self._decodes(seq):
-                    k = self._draft_len(seq)
-                    if cap is not None and seq.adaptive is not None:
-                        k = self._draft_len(seq, cap) if uniform else min(k, cap)
+                    if cap is None or seq.adaptive is None:
+                        k = self._draft_len(seq)
+                    else:
+                        k = self._draft_len(seq, cap) if uniform else min(self._draft_len(seq), cap)
                     items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
                     budget -= 1 + k
             for seq in self.running:  # prompts (all but their last token may come from the prefix cache)

@@ -139,7 +139,7 @@ class _Ahead:
 
     def rows(self, plan: StepPlan) -> dict[int, int]:
         """{plan item: row of this step} for the items it ran: a request decoding from the same position, no drafts.
-        None where the plan taps hidden states: the step ran without (it was launched while the gate held drafting
+        None of them where the plan taps hidden states: the step ran without (it was launched while the gate held drafting
         off, and this is the step before a trial, whose first drafting step drafts from the rows tapped now)."""
         if plan.taps:
             return {}

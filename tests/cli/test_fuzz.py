@@ -199,7 +199,7 @@ FLAG_CASES = [
     (
         "bench --temperature -1",
         ["bench", "{tiny}", "--sessions", "1", "--prompts", "{text}/ok.txt", "--temperature", "-1"],
-        ["--temperature"],
+        ["temperature must be a finite number >= 0"],
     ),
     (
         "bench --sessions --drafter bogus",
