@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specchat.kernels.fused import INTERPRET, _runs_on
+from specchat.kernels.fused import INTERPRET, _runs_on, rms_normed
 
 BLOCK_V = 64  # draft rows per program of the argmax kernel: 128 programs over the default model's 8,192
 BLOCK_B = 16  # requests per program (tl.dot's smallest M)
@@ -59,13 +59,11 @@ def _head_input_kernel(
         live = cols < d
         dtype = u_ptr.dtype.element_ty
         s = tl.load(state_ptr + row * stride_state + cols, mask=live, other=0.0).to(tl.float32)
-        ns = (s * (1.0 / tl.sqrt(tl.sum(s * s, axis=0) / d + eps))).to(dtype).to(tl.float32)
         ws = tl.load(ws_ptr + cols, mask=live, other=0.0).to(tl.float32)
-        tl.store(u_ptr + row * 2 * d + cols, (ws * ns).to(dtype), mask=live)
+        tl.store(u_ptr + row * 2 * d + cols, rms_normed(s, ws, d, eps, dtype), mask=live)
         e = tl.load(embed_ptr + token.to(tl.int64) * d + cols, mask=live, other=0.0).to(tl.float32)
-        ne = (e * (1.0 / tl.sqrt(tl.sum(e * e, axis=0) / d + eps))).to(dtype).to(tl.float32)
         we = tl.load(we_ptr + cols, mask=live, other=0.0).to(tl.float32)
-        tl.store(u_ptr + row * 2 * d + d + cols, (we * ne).to(dtype), mask=live)
+        tl.store(u_ptr + row * 2 * d + d + cols, rms_normed(e, we, d, eps, dtype), mask=live)
 
 
 @triton.jit

@@ -37,6 +37,14 @@ def _runs_on(x: torch.Tensor) -> bool:
 
 
 @triton.jit
+def rms_normed(x, w, n, eps, dtype):
+    """One row's RMSNorm as the plain module rounds it: x and w [BLOCK] in fp32 (zeros past n) -> w * (x
+    normalised in fp32, cast to dtype), cast to dtype (the row kernels here and in kernels/draft_heads.py)."""
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    return (w * (x * r).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, stride_x, stride_y, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -44,10 +52,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, stride_x, stride_y, eps, BLOCK: tl.
     cols = tl.arange(0, BLOCK)
     live = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    normed = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)  # the reference casts back before the weight
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=live)
+    tl.store(y_ptr + row * stride_y + cols, rms_normed(x, w, n, eps, y_ptr.dtype.element_ty), mask=live)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,11 +101,8 @@ def _add_rms_norm_kernel(
     h = tl.load(h_ptr + row * stride_h + cols, mask=live, other=0.0).to(tl.float32)
     s = (x + h).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + row * stride_s + cols, s, mask=live)
-    s = s.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / n + eps)
-    normed = (s * r).to(y_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=live)
+    tl.store(y_ptr + row * stride_y + cols, rms_normed(s.to(tl.float32), w, n, eps, y_ptr.dtype.element_ty), mask=live)
 
 
 def add_rms_norm(
