@@ -161,15 +161,33 @@ class SlowSteps:
 
             return around
 
+        def phase(name):
+            def around(original):
+                def call(*args, **kwargs):
+                    t0 = time.perf_counter()
+                    result = original(*args, **kwargs)
+                    self.phase_ms[name] += (time.perf_counter() - t0) * 1e3
+                    return result
+
+                return call
+
+            return around
+
         self.plan, self.kind, self.calls = "", "", []
         self.kinds: dict[str, list[float]] = defaultdict(list)  # kind of step -> its steps' ms
+        self.phase_ms: dict[str, float] = defaultdict(float)  # host time in each part of the step, unsynced
+        self.waited0 = self.engine.spec_step.waited_s
         self._wrap(self.engine, "step", step)
+        for owner, name in ((self.engine.scheduler, "postprocess"), (self.engine.spec_step, "run")):
+            self._wrap(owner, name, phase(name))
+        self._wrap(self.engine, "_deliver", phase("deliver"))
         # the runner's ways to run a forward, host time of each (an eager forward's is its kernel launches)
         for name in ("_prefill", "_cached_prompts", "_replay"):
             if hasattr(self.engine.runner, name):
                 self._wrap(self.engine.runner, name, timed(name.strip("_")))
         self._wrap(ModelRunner, "forward", timed("eager"))
         self._wrap(self.engine.scheduler, "schedule", schedule)
+        self._wrap(self.engine.scheduler, "schedule", phase("schedule"))
         runner = self.engine.runner
         for name in ("_capture", "_capture_prefill"):
             if hasattr(runner, name):
@@ -206,6 +224,12 @@ class SlowSteps:
             f"{self.captures}"
         ]
         lines += [f"    {ms:7.2f} ms  {what}" for ms, what in sorted(self.steps, reverse=True)[:n]]
+        waited = (self.engine.spec_step.waited_s - self.waited0) * 1e3
+        parts = {**self.phase_ms, "run": self.phase_ms["run"] - waited, "waited on the device": waited}
+        lines.append(
+            "  host ms per step (no sync; run less its wait to read the device's output): "
+            + ", ".join(f"{name} {ms / len(times):.3f}" for name, ms in parts.items())
+        )
         by_total = sorted(self.kinds.items(), key=lambda kv: -sum(kv[1]))
         lines.append("  by kind (steps, total ms, median ms): " + "; ".join(
             f"{kind}: {len(ms)}, {sum(ms):.1f}, {sorted(ms)[len(ms) // 2]:.2f}" for kind, ms in by_total
@@ -238,6 +262,9 @@ def main() -> None:
     parser.add_argument(
         "--kernels", type=int, default=0, help="print the N kernels with the most device time (torch profiler)"
     )
+    parser.add_argument(
+        "--host-ops", type=int, default=0, help="print the N torch ops with the most host time, calls per step"
+    )
     args = parser.parse_args()
     engine = Engine.load(EngineConfig(model=args.model, device=args.device))
     prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
@@ -253,7 +280,8 @@ def main() -> None:
         for config in configs:
             profiler = cProfile.Profile() if args.cprofile else None
             activity = getattr(torch.profiler.ProfilerActivity, engine.device.type.upper())  # CUDA or CPU
-            kernels = torch.profiler.profile(activities=[activity]) if args.kernels else None
+            activities = [activity] * bool(args.kernels) + [torch.profiler.ProfilerActivity.CPU] * bool(args.host_ops)
+            kernels = torch.profiler.profile(activities=list(set(activities))) if activities else None
             with SlowSteps(engine) as slow, kernels or contextlib.nullcontext():
                 if profiler:
                     profiler.enable()
@@ -288,11 +316,15 @@ def main() -> None:
             if gates:
                 print(f"  draft gates after the timed pass, ms per emitted token: {gates}", flush=True)
                 print(f"  steps of the timed pass by the cap its gate allowed: {caps}", flush=True)
-            if kernels:
+            if args.kernels:
                 print(kernel_table(kernels, steps, args.kernels, engine.device.type == "cuda"), flush=True)
+            if args.host_ops:
+                print(kernel_table(kernels, steps, args.host_ops, cuda=False), flush=True)
             if profiler:
                 out = io.StringIO()
-                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+                stats = pstats.Stats(profiler, stream=out)
+                stats.sort_stats("tottime").print_stats(18)
+                stats.sort_stats("cumtime").print_stats("specchat", 30)  # where each step's host time goes, by caller
                 print("\n".join(out.getvalue().splitlines()[6:]), flush=True)
 
 
