@@ -237,6 +237,74 @@ class SlowSteps:
         return "\n".join(lines)
 
 
+# What --host-calls times (inclusive host time, unsynced): the parts of a step on the GPU's path whose host work
+# grows with the batch. Entries: (module, attribute path).
+HOST_CALLS = [
+    ("specchat.engine.spec_step", "SpecStep._drafts_ahead"),
+    ("specchat.engine.spec_step", "SpecStep._verdicts_ahead"),
+    ("specchat.engine.spec_step", "SpecStep._read"),
+    ("specchat.engine.spec_step", "_DraftAhead.rows"),
+    ("specchat.engine.spec_step", "_DraftAhead.take_back"),
+    ("specchat.engine.cuda_graph", "GraphedFunction.__call__"),
+    ("specchat.engine.cuda_graph", "CudaGraphRunner.forward_advanced"),
+    ("specchat.engine.cuda_graph", "CudaGraphRunner._replay"),
+    ("specchat.engine.cuda_graph", "CudaGraphRunner._advance"),
+    ("specchat.engine.cuda_graph", "_Staging.begin"),
+    ("specchat.engine.cuda_graph", "_Staging.send"),
+    ("specchat.engine.kv_cache", "KVPool.reserve"),
+    ("specchat.engine.kv_cache", "KVPool.truncate"),
+    ("specchat.engine.kv_cache", "KVPool.can_append"),
+    ("specchat.kernels.cpu_ops", "argmax"),
+    ("torch", "stack"),
+    ("torch.cuda", "CUDAGraph.replay"),
+    ("specchat.engine.scheduler", "Scheduler._keep_hidden"),
+    ("specchat.engine.sequence", "Sequence.append_tokens"),
+    ("specchat.engine.stats", "SpecStats.observe_step"),
+    ("specchat.engine.telemetry", "EngineMetrics.observe_events"),
+]
+
+
+class HostCalls:
+    """Wraps HOST_CALLS with perf_counter timers for one pass (each call's time includes the calls inside it)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+        self.calls: Counter = Counter()
+        self.saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> HostCalls:
+        import importlib
+
+        for module, path in HOST_CALLS:
+            owner = importlib.import_module(module)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+            def timed(*args, _original=original, _path=path, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.ms[_path] += (time.perf_counter() - t0) * 1e3
+                    self.calls[_path] += 1
+
+            self.saved.append((owner, name, original))
+            setattr(owner, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self.saved):
+            setattr(owner, name, original)
+
+    def report(self, steps: int) -> str:
+        rows = sorted(self.ms.items(), key=lambda kv: -kv[1])
+        return "  host us per step by call (inclusive): " + "; ".join(
+            f"{path} {ms * 1e3 / steps:.0f} ({self.calls[path] / steps:.1f}x)" for path, ms in rows
+        )
+
+
 def kernel_table(profile: torch.profiler.profile, steps: int, n: int, cuda: bool = True) -> str:
     """The n kernels (on the CPU: ops) with the most own time over the plain pass, per step (graph replays'
     kernels included)."""
@@ -259,6 +327,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=32, help="requests per run, cycled over the prompts (as bench)")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--host-calls", action="store_true", help="host time per step of HOST_CALLS (unsynced)")
     parser.add_argument(
         "--kernels", type=int, default=0, help="print the N kernels with the most device time (torch profiler)"
     )
@@ -282,7 +351,8 @@ def main() -> None:
             activity = getattr(torch.profiler.ProfilerActivity, engine.device.type.upper())  # CUDA or CPU
             activities = [activity] * bool(args.kernels) + [torch.profiler.ProfilerActivity.CPU] * bool(args.host_ops)
             kernels = torch.profiler.profile(activities=list(set(activities))) if activities else None
-            with SlowSteps(engine) as slow, kernels or contextlib.nullcontext():
+            calls = HostCalls() if args.host_calls else contextlib.nullcontext()
+            with SlowSteps(engine) as slow, kernels or contextlib.nullcontext(), calls:
                 if profiler:
                     profiler.enable()
                 plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config), requests=args.requests)
@@ -318,6 +388,8 @@ def main() -> None:
                 print(f"  steps of the timed pass by the cap its gate allowed: {caps}", flush=True)
             if args.kernels:
                 print(kernel_table(kernels, steps, args.kernels, engine.device.type == "cuda"), flush=True)
+            if args.host_calls:
+                print(calls.report(steps), flush=True)
             if args.host_ops:
                 print(kernel_table(kernels, steps, args.host_ops, cuda=False), flush=True)
             if profiler:

@@ -456,7 +456,11 @@ class CudaGraphRunner(ModelRunner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits, hidden = self.model(ids, positions, kv, taps=taps)
-        return _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
+        g = _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
+        if q > 1:  # a verification width, which forward_advanced may take: its kernel compiles now, not mid-run (an
+            # unseen launch of it compiled in a step on the H200, ~60 ms); every replay sends its staging afresh
+            self._advance(g, b, q, torch.zeros(b, dtype=torch.long, device=dev))
+        return g
 
 
 def split_mixed_step(

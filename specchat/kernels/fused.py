@@ -264,7 +264,7 @@ def silu_mul_supported(x: torch.Tensor) -> bool:
 # --- a step's metadata moved on the device -------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q", "width"])  # one compile for every graph's widths
 def _advance_kernel(pos_ptr, slot_ptr, ctx_ptr, table_ptr, adv_ptr, q, width, page, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     a = tl.load(adv_ptr + b)
