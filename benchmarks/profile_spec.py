@@ -248,7 +248,6 @@ HOST_CALLS = [
     ("specchat.engine.cuda_graph", "GraphedFunction.__call__"),
     ("specchat.engine.cuda_graph", "CudaGraphRunner.forward_advanced"),
     ("specchat.engine.cuda_graph", "CudaGraphRunner._replay"),
-    ("specchat.engine.cuda_graph", "CudaGraphRunner._advance"),
     ("specchat.engine.cuda_graph", "_Staging.begin"),
     ("specchat.engine.cuda_graph", "_Staging.send"),
     ("specchat.engine.kv_cache", "KVPool.reserve"),

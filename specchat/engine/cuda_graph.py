@@ -36,7 +36,7 @@ import torch
 from specchat.engine.kv_batch import KVBatch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
-from specchat.engine.runner import ModelRunner, StepBatch, StepOutput, joined, sub_batch
+from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, joined, sub_batch
 from specchat.kernels import pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 from specchat.kernels.fused import advance_step
@@ -122,7 +122,7 @@ class _Prefill:
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    staging: _Staging  # int64 [R ids | R positions | R slots]; int32 [B ctx lens | B x W block tables]
+    staging: _Staging  # int64 [R ids | R positions | R slots | B advance]; int32 [B ctx lens | B x W block tables]
     batch: int  # B
     width: int  # W, block table entries per request
     logits: torch.Tensor  # [B*q, vocab] output
@@ -192,8 +192,10 @@ class CudaGraphRunner(ModelRunner):
         self, batch: StepBatch, ids: torch.Tensor, advance: torch.Tensor, taps: Seq[int] = ()
     ) -> StepOutput:
         """ModelRunner.forward_advanced on graphs: the pool reserves q more positions per request (room for any
-        advance), the host writes the metadata of advance 0, and one kernel moves each request's positions, context
-        length and slots by its advance before the replay (`_advance`), so nothing waits for the host."""
+        advance), the host writes the metadata of advance 0, and the graph's first kernel (`advance_step`, in every
+        graph of a verification width) moves each request's positions, context length and slots by its advance,
+        copied on the device into the graph's staging, so nothing waits for the host. (Launched on its own before
+        the replay, that kernel cost ~60 us of host time a step on the H200.)"""
         self._check_signature()
         with pdl.scope(self._pdl):
             return self._replay(self.graphs[self._advanced_key(batch, taps)], batch, len(batch.feeds[0]), ids, advance)
@@ -401,35 +403,25 @@ class CudaGraphRunner(ModelRunner):
         g.staging.send()
         if ids is not None:
             g.staging.dev64[:rows].copy_(ids)  # after the metadata's copy, in stream order
-        if advance is not None:
-            self._advance(g, n, q, advance)
+        if advance is not None:  # the graph's first kernel moves the requests by it (the staged advance is 0)
+            g.staging.dev64[3 * big : 3 * big + n].copy_(advance)
         g.graph.replay()
         logits = g.logits[:rows]
         # Tapped states are copied out: the next replay overwrites the static buffers, and drafters read them later.
-        hidden = {layer: h[:rows].clone().split([q] * n) for layer, h in g.hidden.items()}
-        per_request = [{layer: parts[i] for layer, parts in hidden.items()} for i in range(n)]
+        hidden = {layer: h[:rows].clone() for layer, h in g.hidden.items()}
         # (ids: the staged tokens, valid until the graph's next replay, like the logits)
-        return StepOutput(logits, list(logits.split([q] * n)), per_request, g.staging.dev64[:rows])
-
-    def _advance(self, g: _Graph, n: int, q: int, advance: torch.Tensor) -> None:
-        """Move the staged positions and context lengths of the first n requests by advance [n], and make their
-        slots again from the staged block tables (slot = table[position // page] * page + position % page): one
-        kernel (kernels/fused.py), where the same torch ops took ~185 us of host time a step."""
-        big = g.batch * q
-        positions = g.staging.dev64[big : big + n * q].view(n, q)
-        slots = g.staging.dev64[2 * big : 2 * big + n * q]
-        tables = g.staging.dev32[g.batch :].view(g.batch, g.width)[:n]
-        advance_step(positions, slots, g.staging.dev32[:n], tables, advance, self.pool.page_size)
+        sizes = [q] * n
+        return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), g.staging.dev64[:rows], hidden)
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:
         dev, ps = self.device, self.pool.page_size
         rows, width = b * q, -(-ctx // ps)
         staging = _Staging(
-            torch.zeros(3 * rows, dtype=torch.long, device=dev),
+            torch.zeros(3 * rows + b, dtype=torch.long, device=dev),
             torch.zeros(b + b * width, dtype=torch.int32, device=dev),
         )
-        ids, positions, new_slots = staging.dev64.split(rows)
+        ids, positions, new_slots, advance = staging.dev64.split([rows, rows, rows, b])
         ctx_lens, tables = staging.dev32[:b], staging.dev32[b:].view(b, width)
         # Padding requests (and the warm-up) see q tokens of the scratch page, at positions 0..q-1.
         positions.copy_(torch.arange(q, device=dev).repeat(b))
@@ -447,20 +439,22 @@ class CudaGraphRunner(ModelRunner):
             page_size=ps,
         )
         kv = StaticKVBatch(self.pool, meta, new_slots, q, self.scale)
+
+        def forward():
+            if q > 1:  # a width forward_advanced may take: its requests moved by `advance` first (0 elsewhere)
+                advance_step(positions.view(b, q), new_slots, ctx_lens, tables, advance, ps)
+            return self.model(ids, positions, kv, taps=taps)
+
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model(ids, positions, kv, taps=taps)
+                forward()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = self.model(ids, positions, kv, taps=taps)
-        g = _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
-        if q > 1:  # a verification width, which forward_advanced may take: its kernel compiles now, not mid-run (an
-            # unseen launch of it compiled in a step on the H200, ~60 ms); every replay sends its staging afresh
-            self._advance(g, b, q, torch.zeros(b, dtype=torch.long, device=dev))
-        return g
+            logits, hidden = forward()
+        return _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
 
 
 def split_mixed_step(
@@ -494,8 +488,8 @@ class GraphedFunction:
     called directly elsewhere: what a drafter's k-token chain uses, so that drafting costs one launch and one
     read-back per step instead of a few dozen kernels and a host sync per draft position.
 
-    `fn(key, *inputs)` must take inputs whose first dimension is the batch, return one tensor whose first
-    dimension is the batch, read nothing from the host and keep every row independent of the others (padding rows,
+    `fn(key, *inputs)` must take inputs whose first dimension is the batch, return a tensor or a tuple of tensors
+    whose first dimension is the batch, read nothing from the host and keep every row independent of the others (padding rows,
     filled with `pads` or zeros, are computed and dropped). The tensors it reads are baked into the graphs:
     `signature()` names them (e.g. the data pointers of its weights), and the graphs are dropped when it changes.
     """
@@ -512,10 +506,10 @@ class GraphedFunction:
         self.signature = signature
         self._baked = signature()
         self.pads = tuple(pads)  # per input, what its padding rows hold (default 0): e.g. a scratch slot to write to
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor | tuple]] = {}
 
     @torch.inference_mode()  # the graphs' static buffers are inference tensors
-    def __call__(self, key: Hashable, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, key: Hashable, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         n = inputs[0].shape[0]
         bucket = _bucket(n, BATCH_BUCKETS)
         if not self.enabled or inputs[0].device.type != "cuda" or bucket is None:
@@ -530,7 +524,7 @@ class GraphedFunction:
             if n < bucket:
                 buf[n:].fill_(self._pad(i))
         graph_.replay()
-        return static_out[:n]
+        return tuple(out[:n] for out in static_out) if isinstance(static_out, tuple) else static_out[:n]
 
     def warm_up(self, sessions: int, keys: Iterable[Hashable], row: Callable[[Hashable], Seq[torch.Tensor]]) -> None:
         """Capture now the graph of each key for every batch bucket up to `sessions`' (`row(key)`: one row of each

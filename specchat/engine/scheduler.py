@@ -298,7 +298,10 @@ class Scheduler:
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:
-                self._keep_hidden(seq, hidden)
+                if result.newest_hidden:  # the row of its newest token alone, what its drafter keeps
+                    seq.hidden = hidden
+                else:
+                    self._keep_hidden(seq, hidden)
             elif self._gated_off and seq.hidden:  # not tapped this step: the row it holds is no longer the newest
                 seq.hidden = {}
             if outcome is None:  # a chunk of a long prompt: cached, nothing to sample yet

@@ -86,6 +86,8 @@ class StepResult:
     # requests whose next step is in flight: {seq_id: positions past num_cached the pool holds for it (its fed
     # tokens: 1 for a plain step, 1 + k for a drafting one)}
     ahead: dict[int, int] = field(default_factory=dict)
+    # `hidden` holds each request's row at its newest token alone (what a drafter without tap_history keeps)
+    newest_hidden: bool = False
 
 
 class _Tokens:
@@ -192,9 +194,9 @@ class _DraftAhead:
         logits = torch.cat([self.out.logits[r] for r in index])
         ids = self.out.ids.view(len(self.seqs), -1)
         q = ids.shape[1]
-        return StepOutput(
-            logits, list(logits.split(q)), [self.out.hidden[r] for r in index], torch.cat([ids[r] for r in index])
-        )
+        hidden = [self.out.hidden[r] for r in index]
+        flat = {layer: torch.cat([h[layer] for h in hidden]) for layer in hidden[0]} if hidden else {}
+        return StepOutput(logits, list(logits.split(q)), hidden, torch.cat([ids[r] for r in index]), flat)
 
 
 def _advanced_batch(plan: StepPlan, q: int) -> StepBatch:
@@ -432,49 +434,62 @@ class SpecStep:
         q, n = k + 1, len(plan.items)
         assert out.ids is not None
         target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
-        launched = None
+        launched, kept_rows = None, None
         if drafter is None:
             verdicts = _Tokens(torch.cat([greedy_verdicts(target, fed)[:, None], target], 1))
         else:
             name = plan.items[0].seq.spec.drafter
-            hidden = [torch.stack([h[layer] for h in out.hidden]) for layer in drafter.taps]  # [n, q, d] each
-            packed = self._verdicts((name, id(drafter), k), target, fed, *hidden)  # [n, 1 + 2q]
+            assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
+            hidden = [out.flat_hidden[layer].view(n, q, -1) for layer in drafter.taps]
+            # [n, 1 + 2q] verdicts and next drafts; [n, d] each tap's row at the last accepted position
+            packed, *rows = self._verdicts((name, id(drafter), k), target, fed, *hidden)
             verdicts = _Tokens(packed)
             advance = packed[:, 0].contiguous()
             forward = self.runner.forward_advanced(
                 _advanced_batch(plan, q), packed[:, 1 + q :].reshape(-1), advance, plan.taps
             )
             launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
+            if not drafter.tap_history:  # what the request keeps is that row alone: one copy and one split a tap
+                # (copied: the graph's next replay overwrites it)
+                views = zip(*(r.clone().split(1) for r in rows), strict=True) if rows else [()] * n
+                kept_rows = [dict(zip(drafter.taps, v, strict=True)) for v in views]
         host = self._read(verdicts)
         outcomes: list[Outcome | None] = []
-        hidden_kept: list[dict[int, torch.Tensor]] = []
-        for item, row, taps in zip(plan.items, host, out.hidden, strict=True):
+        for item, row in zip(plan.items, host, strict=True):
             seq = item.seq
             # the drafts that fit its max tokens count (what the scheduler would have let it draft): it ends here
             room = min(k, seq.draft_room)
             a = min(row[0], room)
             outcomes.append(Outcome(room, a, row[1 : a + 2]))
-            hidden_kept.append({layer: h[: a + 1] for layer, h in taps.items()})
             if launched is not None:
                 launched.feeds.append(row[1 + q :])
                 launched.starts.append(seq.num_cached + row[0] + 1)  # where the device moved it
-        result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, decoding=True)
+        if kept_rows is None:  # the rows up to the last accepted draft (one that ends here may accept fewer)
+            hidden_kept = [
+                {layer: h[: o.accepted + 1] for layer, h in taps.items()}
+                for taps, o in zip(out.hidden, outcomes, strict=True)
+            ]
+        else:  # a request's accepted count differs from the device's only where it ends here
+            hidden_kept = kept_rows
+        t2 = time.perf_counter()
+        result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decoding=True)
+        result.newest_hidden = kept_rows is not None
         return self._hold(launched, result)
 
     def _verdicts_and_drafts(self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor):
         """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
-        step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> [B, 1 + 2q]: the accepted count, the
+        step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 1 + 2q]: the accepted count, the
         targets, and the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the
-        last accepted position). Device ops only: captured per batch bucket (`self._verdicts`)."""
+        last accepted position); then that row [B, d] of each tap). Device ops only: captured per batch bucket
+        (`self._verdicts`)."""
         name, _, k = key
         drafter = self.drafters.get(name)
         accepted = greedy_verdicts(target, fed)
         rows = torch.arange(len(target), device=target.device)
         newest = target[rows, accepted]  # the bonus or recovered tokens
-        chain = drafter.draft_on_device(
-            k, {t: h[rows, accepted] for t, h in zip(drafter.taps, hidden, strict=True)}, newest
-        )
-        return torch.cat([accepted[:, None], target, newest[:, None], chain], 1)
+        at_newest = [h[rows, accepted] for h in hidden]
+        chain = drafter.draft_on_device(k, dict(zip(drafter.taps, at_newest, strict=True)), newest)
+        return (torch.cat([accepted[:, None], target, newest[:, None], chain], 1), *at_newest)
 
     def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:
         """The width the runner wants the decoding requests (newest token + drafts) padded to, if their padding
