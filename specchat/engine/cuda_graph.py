@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -128,6 +128,9 @@ class _Graph:
     logits: torch.Tensor  # [B*q, vocab] output
     hidden: dict[int, torch.Tensor]  # {tap layer: [B*q, hidden]} outputs
     keep: tuple  # what else the graph reads (the metadata's fixed tensors): it must live as long as the graph
+    # graphs that read this one's outputs (`CudaGraphRunner.replay_after`): key -> (what they baked in, the
+    # graph, its outputs)
+    after: dict = field(default_factory=dict)
 
 
 class CudaGraphRunner(ModelRunner):
@@ -141,6 +144,7 @@ class CudaGraphRunner(ModelRunner):
         self.graphs: dict[tuple, _Graph] = {}
         self.prefills: dict[tuple[int, tuple[int, ...]], _Prefill] = {}  # (bucket, taps) ->
         self.mempool = torch.cuda.graph_pool_handle()
+        self.after_pool = torch.cuda.graph_pool_handle()  # replay_after's graphs
         pool.add(SCRATCH_SEQ, [])
         pool.append(SCRATCH_SEQ, pool.page_size)
         self.scratch_page = pool.tables[SCRATCH_SEQ][0]
@@ -411,7 +415,50 @@ class CudaGraphRunner(ModelRunner):
         hidden = {layer: h[:rows].clone() for layer, h in g.hidden.items()}
         # (ids: the staged tokens, valid until the graph's next replay, like the logits)
         sizes = [q] * n
-        return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), g.staging.dev64[:rows], hidden)
+        return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), g.staging.dev64[:rows], hidden, g)
+
+    @torch.inference_mode()
+    def replay_after(
+        self, out: StepOutput, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], baked: Hashable = None
+    ) -> tuple[torch.Tensor, ...] | None:
+        """`fn(key, logits [R, vocab], ids [R], hidden {tap layer: [R, d]})` -> tensors [B, ...], over the rows of
+        the graph replay that made `out` (R = B x q, its batch bucket's: the rows past out's requests are the
+        padding's), replayed as a CUDA graph that reads that replay's outputs where they are: no copies in, no
+        launches of its own (as a GraphedFunction, a drafting step's argmax, verdicts and next drafts cost ~200 us
+        of host time a step at 32 sessions on the H200). Captured on first use for that graph and key (again where
+        `baked`, what fn reads besides its inputs, changed); graphs of this kind share one memory pool (each one's
+        outputs must be used before the next one runs). None where `out` is not a whole graph replay; valid until
+        that graph's next replay, like `out`."""
+        g = out.source
+        if not isinstance(g, _Graph):
+            return None
+        _, graph, outs = self._bound(g, key, fn, baked)
+        graph.replay()
+        n = len(out.logits)
+        return tuple(o[:n] for o in outs)
+
+    def bind_after(
+        self, q: int, taps: Seq[int], key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], baked: Hashable = None
+    ) -> None:
+        """Capture now `replay_after`'s graph of fn for every step graph of width q that taps `taps` (warm-up)."""
+        for (_, width, _, tapped), g in self.graphs.items():
+            if width == q and set(taps) <= set(tapped):
+                self._bound(g, key, fn, baked)
+
+    def _bound(self, g: _Graph, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], baked: Hashable) -> tuple:
+        entry = g.after.get(key)
+        if entry is None or entry[0] != baked:
+            inputs = (key, g.logits, g.staging.dev64[: len(g.logits)], g.hidden)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                fn(*inputs)  # kernels compile outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.after_pool):
+                outs = fn(*inputs)
+            entry = g.after[key] = (baked, graph, outs)
+        return entry
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:

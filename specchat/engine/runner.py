@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class StepOutput:
     ids: torch.Tensor | None = None
     # {layer: [rows, hidden]} every request's tapped rows one after another, where the step ran as one forward
     flat_hidden: dict[int, torch.Tensor] | None = None
+    source: object = None  # the CUDA graph whose outputs these are, where the step was one replay (cuda_graph.py)
 
 
 class ModelRunner:
@@ -90,6 +92,18 @@ class ModelRunner:
         ...)` for any advance, runs without capturing or compiling anything (a step launched ahead of the host
         must not stall it)."""
         return True
+
+    def replay_after(
+        self, out: StepOutput, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], baked: Hashable = None
+    ) -> tuple[torch.Tensor, ...] | None:
+        """fn over a step's outputs as one graph replay bound to them (CudaGraphRunner); None here: the caller runs
+        its own way."""
+        return None
+
+    def bind_after(
+        self, q: int, taps: Seq[int], key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], baked: Hashable = None
+    ) -> None:
+        """Prepare `replay_after` of fn for steps of width q that tap `taps` (nothing to prepare here)."""
 
     def forward_advanced(
         self, batch: StepBatch, ids: torch.Tensor, advance: torch.Tensor, taps: Seq[int] = ()

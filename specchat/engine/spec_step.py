@@ -244,7 +244,9 @@ class SpecStep:
                     break
                 ids = torch.zeros(1, k + 1, dtype=torch.long, device=device)
                 hidden = [torch.zeros(1, k + 1, d, dtype=dtype, device=device) for _ in drafter.taps]
-                self._verdicts.warm_up(sessions, [(name, id(drafter), k)], lambda key, i=ids, h=hidden: (i, i, *h))
+                key = (name, id(drafter), k)
+                self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
+                self.runner.bind_after(k + 1, drafter.taps, key, self._verdicts_of_forward, self._verdicts.signature())
 
     def run(self, plan: StepPlan) -> StepResult:
         ahead, self._ahead = self._ahead, None
@@ -433,16 +435,21 @@ class SpecStep:
         drafter: `_drafts_ahead(plan, k)`, None to launch nothing."""
         q, n = k + 1, len(plan.items)
         assert out.ids is not None
-        target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
         launched, kept_rows = None, None
         if drafter is None:
+            target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
             verdicts = _Tokens(torch.cat([greedy_verdicts(target, fed)[:, None], target], 1))
         else:
-            name = plan.items[0].seq.spec.drafter
-            assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
-            hidden = [out.flat_hidden[layer].view(n, q, -1) for layer in drafter.taps]
-            # [n, 1 + 2q] verdicts and next drafts; [n, d] each tap's row at the last accepted position
-            packed, *rows = self._verdicts((name, id(drafter), k), target, fed, *hidden)
+            key = (plan.items[0].seq.spec.drafter, id(drafter), k)
+            # [n, 1 + 2q] verdicts and next drafts; [n, d] each tap's row at the last accepted position: one replay
+            # bound to the forward's outputs where it was one (graphs), else one GraphedFunction call
+            outs = self.runner.replay_after(out, key, self._verdicts_of_forward, self._verdicts.signature())
+            if outs is None:
+                assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
+                hidden = [out.flat_hidden[layer].view(n, q, -1) for layer in drafter.taps]
+                target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
+                outs = self._verdicts(key, target, fed, *hidden)
+            packed, *rows = outs
             verdicts = _Tokens(packed)
             advance = packed[:, 0].contiguous()
             forward = self.runner.forward_advanced(
@@ -475,6 +482,16 @@ class SpecStep:
         result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decoding=True)
         result.newest_hidden = kept_rows is not None
         return self._hold(launched, result)
+
+    def _verdicts_of_forward(
+        self, key: tuple, logits: torch.Tensor, ids: torch.Tensor, hidden: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """`_verdicts_and_drafts` from a drafting step's forward as it left it: logits [B*q, vocab], fed ids [B*q],
+        the tapped rows {layer: [B*q, d]} (runner.replay_after)."""
+        q = key[2] + 1
+        taps = self.drafters.get(key[0]).taps
+        target = cpu_ops.argmax(logits).view(-1, q)
+        return self._verdicts_and_drafts(key, target, ids.view(-1, q), *(hidden[t].unflatten(0, (-1, q)) for t in taps))
 
     def _verdicts_and_drafts(self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor):
         """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
