@@ -6,8 +6,9 @@ On the H200 at 32 sessions both plain and drafting steps are host-bound (docs/be
 a heads step ~2.4 ms against ~1.2 ms of kernels), so the Python work per request per step is what limits them.
 This runs a tiny random model on the CPU with the GPU's step path forced on (steps launched ahead, every request
 padded to one width, drafts made and verified "on the device" by a table drafter that taps a hidden row, as the
-heads do) and reports wall time per step less the time in the model's forward and the argmax: the host's own
-work, which on a GPU runs beside the kernels. Configurations: `none` (plain decoding) and `table` (drafting k = 4).
+heads do) and reports wall time per step less the time in the model's forward, the argmax and the drafting step's
+verdicts and next drafts (one graph replay on a GPU): the host's own work, which on a GPU runs beside the kernels.
+Configurations: `none` (plain decoding) and `table` (drafting k = 4).
 glibc's allocator is told to keep large blocks (mallopt): a step's logits (160 rows of the vocabulary at 32
 sessions drafting, 31 MB) would otherwise be mapped and unmapped every step, ~0.8 ms a step that a GPU, whose
 graphs keep their buffers, does not pay (and that came and went from run to run).
@@ -63,6 +64,8 @@ def main() -> None:
 
     engine.runner._forward = timed(engine.runner._forward)
     cpu_ops.argmax = timed(cpu_ops.argmax)  # (spec_step and verify read it from the module)
+    verdicts = engine.spec_step._verdicts  # verdicts and next drafts: one graph replay on a GPU
+    verdicts.fn = timed(verdicts.fn)
 
     def run(sessions: int, spec: SpecParams) -> tuple[int, float]:
         sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -53,6 +53,25 @@ class Rows(Seq):
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+
+class RowOf(Mapping):
+    """{tap layer: [1, d]}: row i of each of a step's per-request rows {tap layer: [n, d]}, sliced where read (what a
+    request keeps of a drafting step run ahead, whose next step drafts on the device and reads none of it)."""
+
+    __slots__ = ("i", "rows")
+
+    def __init__(self, rows: dict[int, torch.Tensor], i: int) -> None:
+        self.rows, self.i = rows, i
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.rows[layer][self.i : self.i + 1]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ import torch
 
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
-from specchat.engine.runner import ModelRunner, StepBatch, StepOutput
+from specchat.engine.runner import ModelRunner, RowOf, StepBatch, StepOutput
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 from specchat.kernels import cpu_ops
@@ -456,10 +456,10 @@ class SpecStep:
                 _advanced_batch(plan, q), packed[:, 1 + q :].reshape(-1), advance, plan.taps
             )
             launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
-            if not drafter.tap_history:  # what the request keeps is that row alone: one copy and one split a tap
-                # (copied: the graph's next replay overwrites it)
-                views = zip(*(r.clone().split(1) for r in rows), strict=True) if rows else [()] * n
-                kept_rows = [dict(zip(drafter.taps, v, strict=True)) for v in views]
+            if not drafter.tap_history:  # what a request keeps is that row alone, sliced where read (copied: the
+                # graph's next replay overwrites it)
+                kept = {layer: r.clone() for layer, r in zip(drafter.taps, rows, strict=True)}
+                kept_rows = [RowOf(kept, i) for i in range(n)]
         host = self._read(verdicts)
         outcomes: list[Outcome | None] = []
         for item, row in zip(plan.items, host, strict=True):
