@@ -34,7 +34,7 @@ from specchat.engine.scheduler import Scheduler
 from specchat.engine.sequence import Event, Finished, Sequence
 from specchat.engine.spec_step import SpecStep
 from specchat.engine.telemetry import EngineMetrics, Snapshot
-from specchat.engine.tokenizer import StreamDecoder, Tokenizer
+from specchat.engine.tokenizer import Tokenizer
 from specchat.errors import ConfigError, PromptError
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.quant.modules import model_dtype
@@ -220,7 +220,7 @@ class Engine:
             prompt_ids=ids,
             sampling=sampling,
             spec=spec,
-            detok=StreamDecoder(self.tokenizer, ids),
+            detok=self.tokenizer.stream(ids),
             eos_ids=self.tokenizer.stop_token_ids | set(self.model.cfg.eos_token_ids),
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),

@@ -11,7 +11,7 @@ import torch
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.stats import SpecStats, StepRecord
-from specchat.engine.tokenizer import StreamDecoder
+from specchat.engine.tokenizer import ByteStreamDecoder, StreamDecoder
 
 
 class Status(enum.Enum):
@@ -68,7 +68,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     spec: SpecParams
-    detok: StreamDecoder
+    detok: StreamDecoder | ByteStreamDecoder
     eos_ids: frozenset[int]
     max_position: int
     generator: torch.Generator | None = None

@@ -9,6 +9,7 @@ if that copy is damaged.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import logging
@@ -21,6 +22,7 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from specchat.errors import ModelFormatError, PromptError
 from specchat.safetensors_io import read_json_object
@@ -74,6 +76,7 @@ class Tokenizer:
         extra_eos_ids: tuple[int, ...] = (),
     ) -> None:
         self.backend = backend
+        self._bytes: list[bytes] | None = None  # `_byte_table`, made on first use ([] where there is none)
         self.chat_template_source = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -123,6 +126,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def stream(self, prompt_ids: list[int]) -> StreamDecoder | ByteStreamDecoder:
+        """A decoder of the text that tokens after `prompt_ids` add, as they come (special tokens skipped)."""
+        if self._bytes is None:
+            self._bytes = _byte_table(self.backend) or []
+        return ByteStreamDecoder(self._bytes) if self._bytes else StreamDecoder(self, prompt_ids)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         """The chat template applied to messages, as text."""
         if self._template is None:
@@ -143,6 +152,48 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
         # The rendered template already holds the BOS token where the model wants one.
         return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+
+def _byte_table(backend: HFTokenizer) -> list[bytes] | None:
+    """Each token id's bytes, where the tokenizer decodes by GPT-2's byte-level mapping (a ByteLevel decoder, no
+    added token but special ones, which decoding skips): then the text of any ids is their bytes joined, read as
+    UTF-8. None for any other tokenizer (SentencePiece's spaces, byte fallback...)."""
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    added = backend.get_added_tokens_decoder()
+    if any(not token.special for token in added.values()):
+        return None
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    to_byte = {chr(b): b for b in printable}  # GPT-2's bytes_to_unicode, inverted: the others from U+0100 on
+    to_byte.update((chr(256 + i), b) for i, b in enumerate(sorted(set(range(256)) - set(printable))))
+    size = backend.get_vocab_size(with_added_tokens=True)
+    table = [b""] * size
+    for token, i in backend.get_vocab(with_added_tokens=False).items():
+        if i in added:
+            continue
+        try:
+            table[i] = bytes(to_byte[c] for c in token)
+        except KeyError:  # a token outside the byte alphabet: not a byte-level vocabulary after all
+            return None
+    return table
+
+
+class ByteStreamDecoder:
+    """StreamDecoder for byte-level tokenizers (`_byte_table`): each new token's bytes into one incremental UTF-8
+    decoder, which holds back an incomplete character by itself. The same text as decoding the ids whole, for a
+    fraction of the host time: two decodes per request a step were ~12% of a drafting step's host work at 32
+    sessions (benchmarks/host_loop.py)."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self.table = table
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, new_ids: list[int]) -> str:
+        table, n = self.table, len(self.table)
+        return self.utf8.decode(b"".join(table[i] for i in new_ids if 0 <= i < n))
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)
 
 
 class StreamDecoder:
