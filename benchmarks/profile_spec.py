@@ -189,7 +189,7 @@ class SlowSteps:
         self._wrap(self.engine.scheduler, "schedule", schedule)
         self._wrap(self.engine.scheduler, "schedule", phase("schedule"))
         runner = self.engine.runner
-        for name in ("_capture", "_capture_prefill"):
+        for name in ("_capture", "_capture_prefill", "_capture_after"):
             if hasattr(runner, name):
                 self._wrap(runner, name, counted)
         self._wrap(GraphedFunction, "capture", counted)

@@ -391,14 +391,15 @@ class CudaGraphRunner(ModelRunner):
         """One replay of g for batch; ids: the fed tokens, already on the device (batch.feeds' are not read);
         advance [n]: each request's start moves by it on the device (forward_advanced)."""
         n = len(batch.feeds)
-        tables, ctx_lens, slots = self.pool.reserve(batch.seq_ids, [q] * n)  # bookkeeping: pages, slots, tables
+        # bookkeeping: pages, tables, and where the graph does not make them from the tables (`_capture`), slots
+        tables, ctx_lens, slots = self.pool.reserve(batch.seq_ids, [q] * n, slots=q == 1)
         rows, big = n * q, g.batch * q
-        if advance is not None:  # (the slots are computed on the device)
+        if advance is not None:
             ctx_lens = [s + q for s in batch.start_positions]
         h64, h32 = g.staging.begin()
         h64[:rows] = [t for f in batch.feeds for t in f]
         h64[big : big + rows] = [p for s in batch.start_positions for p in range(s, s + q)]
-        if advance is None:
+        if q == 1:
             h64[2 * big : 2 * big + rows] = slots
         h32[:n] = ctx_lens
         for i, table in enumerate(tables):
@@ -448,17 +449,20 @@ class CudaGraphRunner(ModelRunner):
     def _bound(self, g: _Graph, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], baked: Hashable) -> tuple:
         entry = g.after.get(key)
         if entry is None or entry[0] != baked:
-            inputs = (key, g.logits, g.staging.dev64[: len(g.logits)], g.hidden)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                fn(*inputs)  # kernels compile outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.after_pool):
-                outs = fn(*inputs)
-            entry = g.after[key] = (baked, graph, outs)
+            entry = g.after[key] = (baked, *self._capture_after(g, key, fn))
         return entry
+
+    def _capture_after(self, g: _Graph, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]]) -> tuple:
+        inputs = (key, g.logits, g.staging.dev64[: len(g.logits)], g.hidden)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn(*inputs)  # kernels compile outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.after_pool):
+            outs = fn(*inputs)
+        return graph, outs
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:
@@ -488,7 +492,8 @@ class CudaGraphRunner(ModelRunner):
         kv = StaticKVBatch(self.pool, meta, new_slots, q, self.scale)
 
         def forward():
-            if q > 1:  # a width forward_advanced may take: its requests moved by `advance` first (0 elsewhere)
+            if q > 1:  # a width forward_advanced may take: its requests moved by `advance` first (0 elsewhere), and
+                # every replay's slots made from the tables here (`_replay` stages none)
                 advance_step(positions.view(b, q), new_slots, ctx_lens, tables, advance, ps)
             return self.model(ids, positions, kv, taps=taps)
 

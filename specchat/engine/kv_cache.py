@@ -331,20 +331,24 @@ class KVPool:
         pages = torch.tensor(table, dtype=torch.long)[pos // ps]
         return (pages * ps + pos % ps).to(self.device)
 
-    def reserve(self, seq_ids: list[int], num_new: list[int]) -> tuple[list[list[int]], list[int], list[int]]:
+    def reserve(
+        self, seq_ids: list[int], num_new: list[int], slots: bool = True
+    ) -> tuple[list[list[int]], list[int], list[int]]:
         """Room for each request's new tokens: (block tables, context lengths, the new tokens' slots in order),
-        all on the host (what a step's metadata is built from)."""
+        all on the host (what a step's metadata is built from); `slots` False: no slots (the caller's device
+        makes them from the tables), an empty list."""
         if not self.can_append(dict(zip(seq_ids, num_new, strict=True))):
             raise KVCacheFullError("KV cache full: not enough free pages for this step")
-        tables, ctx_lens, slots, ps = [], [], [], self.page_size
+        tables, ctx_lens, new_slots, ps = [], [], [], self.page_size
         for seq_id, n in zip(seq_ids, num_new, strict=True):
             start = self.lengths[seq_id]
             self.append(seq_id, n)
             table = self.tables[seq_id]
             tables.append(list(table))
             ctx_lens.append(start + n)
-            slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
-        return tables, ctx_lens, slots
+            if slots:
+                new_slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
+        return tables, ctx_lens, new_slots
 
     def prepare(self, seq_ids: list[int], num_new: list[int], scale: float) -> KVBatch:
         """Reserve room for each request's new tokens and return the step's view of the cache."""
