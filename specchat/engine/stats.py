@@ -50,25 +50,30 @@ class SpecStats:
     recent: deque[StepRecord] = field(default_factory=deque)
 
     def observe_step(self, rec: StepRecord) -> None:
+        """(Run twice per request a step, the request's and the engine's: kept to plain local arithmetic.)"""
+        k, accepted, emitted = rec.k, rec.accepted, rec.emitted
         self.steps += 1
-        self.emitted += rec.emitted
+        self.emitted += emitted
         self.draft_ms += rec.draft_ms
         self.verify_ms += rec.verify_ms
-        if rec.k > 0:
+        if k > 0:
             self.drafts += 1
-            self.drafted += rec.k
-            self.accepted += rec.accepted
-            _grow(self.drafted_per_position, rec.k)
-            _grow(self.accepted_per_position, rec.k)
-            for i in range(rec.k):
-                self.drafted_per_position[i] += 1
-                if i < rec.accepted:
-                    self.accepted_per_position[i] += 1
-        _grow(self.emitted_histogram, rec.emitted + 1)
-        self.emitted_histogram[rec.emitted] += 1
-        self.recent.append(rec)
-        while len(self.recent) > self.window:
-            self.recent.popleft()
+            self.drafted += k
+            self.accepted += accepted
+            drafted_at, accepted_at = self.drafted_per_position, self.accepted_per_position
+            _grow(drafted_at, k)
+            _grow(accepted_at, k)
+            for i in range(k):
+                drafted_at[i] += 1
+            for i in range(min(accepted, k)):
+                accepted_at[i] += 1
+        histogram = self.emitted_histogram
+        _grow(histogram, emitted + 1)
+        histogram[emitted] += 1
+        recent = self.recent
+        recent.append(rec)
+        while len(recent) > self.window:
+            recent.popleft()
 
     def merge(self, other: SpecStats) -> None:
         """Add another request's totals (for engine-wide aggregates)."""

@@ -37,4 +37,5 @@ class DrafterCache:
 
     def taps(self, seqs: Iterable[Sequence]) -> tuple[int, ...]:
         """Target layers whose hidden states the requests' drafters read, sorted."""
-        return tuple(sorted({tap for seq in seqs for tap in self.get(seq.spec.drafter).taps}))
+        names = {seq.spec.drafter for seq in seqs}
+        return tuple(sorted({tap for name in names for tap in self.get(name).taps}))
