@@ -189,8 +189,12 @@ class ByteStreamDecoder:
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, new_ids: list[int]) -> str:
-        table, n = self.table, len(self.table)
-        return self.utf8.decode(b"".join(table[i] for i in new_ids if 0 <= i < n))
+        table = self.table
+        try:
+            data = b"".join([table[i] for i in new_ids])
+        except IndexError:  # an id past the tokenizer's vocabulary (a model's padded rows): no text, as decode
+            data = b"".join([table[i] for i in new_ids if 0 <= i < len(table)])
+        return self.utf8.decode(data)
 
     def flush(self) -> str:
         return self.utf8.decode(b"", final=True)
