@@ -477,9 +477,10 @@ class SpecStep:
             ]
         else:  # a request's accepted count differs from the device's only where it ends here
             hidden_kept = kept_rows
-        t2 = time.perf_counter()
-        result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (t2 - t1) * 1e3, decoding=True)
-        result.newest_hidden = kept_rows is not None
+        verify_ms = (time.perf_counter() - t1) * 1e3
+        result = StepResult(
+            outcomes, hidden_kept, (t1 - t0) * 1e3, verify_ms, decoding=True, newest_hidden=kept_rows is not None
+        )
         return self._hold(launched, result)
 
     def _verdicts_of_forward(
