@@ -223,6 +223,44 @@ def test_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine):
     assert drafted_ahead > 3
 
 
+def test_heads_draft_on_the_host_from_the_rows_kept_of_a_dropped_step_ahead(tiny_engine, monkeypatch):
+    """A step ahead dropped mid-run (as a live setting does): the next step drafts on the host (`propose`) from the
+    row each request kept of the last drafting step run ahead (a `RowOf`, sliced where read), and drafts what the
+    run without steps ahead drafts from the rows it kept."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.runner import RowOf
+    from tests.engine.test_drafters import random_heads
+
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=4), tiny_engine.model, cpu_blocks=False)
+    drafted: dict[tuple, list[int]] = {}  # (prompt, position) -> drafts, from the run one by one (it runs first)
+    from_rows_ahead = []  # drafts on the host from a RowOf: (their drafts, the run one by one's there)
+    propose = heads.propose
+
+    def recording(seqs, ks):
+        drafts = propose(seqs, ks)
+        for seq, draft in zip(seqs, drafts, strict=True):
+            key = (tuple(seq.prompt_ids), seq.num_tokens)
+            if isinstance(seq.hidden, RowOf):
+                from_rows_ahead.append((draft.tokens, drafted.get(key)))
+            else:
+                drafted.setdefault(key, draft.tokens)
+        return drafts
+
+    monkeypatch.setattr(heads, "propose", recording)
+    jobs = [(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS[:3]]
+    plain, _, _ = _run(tiny_engine, False, jobs)
+
+    def drop(engine, handles):
+        engine.spec_step.drop_ahead()
+
+    one_by_one, ends, ahead, ends_ahead, _ = _drafting_both_ways(
+        tiny_engine, "heads:random", heads, 4, jobs, at_step=8, switch=drop
+    )
+    assert ahead == one_by_one == plain
+    assert _drafts(ends_ahead) == _drafts(ends)
+    assert from_rows_ahead and all(mine == theirs for mine, theirs in from_rows_ahead)
+
+
 def test_sampled_or_adaptive_requests_draft_as_before(tiny_engine):
     """A sampled request in the batch keeps every drafting step on the host (its verdicts draw from its
     generator); adaptive k launches ahead only while the next k is this step's; outputs as without steps ahead."""
