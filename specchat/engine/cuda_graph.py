@@ -368,15 +368,9 @@ class CudaGraphRunner(ModelRunner):
         new_slots.copy_(self.scratch_page * ps + torch.arange(bucket, device=dev) % ps)  # padding: the scratch page
         staging.seal()
         kv = StaticKVBatch(self.pool, None, new_slots, bucket, self.scale)
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model(ids, positions, kv, taps=taps, logits_at=last)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = self.model(ids, positions, kv, taps=taps, logits_at=last)
+        graph, (logits, hidden) = capture_graph(
+            lambda: self.model(ids, positions, kv, taps=taps, logits_at=last), dev, self.mempool, warm_ups=2
+        )
         return _Prefill(graph, staging, last, logits, hidden)
 
     @torch.inference_mode()
@@ -454,15 +448,7 @@ class CudaGraphRunner(ModelRunner):
 
     def _capture_after(self, g: _Graph, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]]) -> tuple:
         inputs = (key, g.logits, g.staging.dev64[: len(g.logits)], g.hidden)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            fn(*inputs)  # kernels compile outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.after_pool):
-            outs = fn(*inputs)
-        return graph, outs
+        return capture_graph(lambda: fn(*inputs), self.device, self.after_pool)
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:
@@ -497,16 +483,23 @@ class CudaGraphRunner(ModelRunner):
                 advance_step(positions.view(b, q), new_slots, ctx_lens, tables, advance, ps)
             return self.model(ids, positions, kv, taps=taps)
 
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                forward()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = forward()
+        graph, (logits, hidden) = capture_graph(forward, dev, self.mempool, warm_ups=2)
         return _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
+
+
+def capture_graph(fn: Callable[[], object], device: torch.device, pool=None, warm_ups: int = 1) -> tuple:
+    """(a CUDA graph of fn(), what fn returned in it): fn runs `warm_ups` times first on a side stream, so that
+    Triton compiles and autotunes outside the capture; `pool`: a memory pool the graph shares with others."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warm_ups):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def split_mixed_step(
@@ -541,8 +534,8 @@ class GraphedFunction:
     read-back per step instead of a few dozen kernels and a host sync per draft position.
 
     `fn(key, *inputs)` must take inputs whose first dimension is the batch, return a tensor or a tuple of tensors
-    whose first dimension is the batch, read nothing from the host and keep every row independent of the others (padding rows,
-    filled with `pads` or zeros, are computed and dropped). The tensors it reads are baked into the graphs:
+    whose first dimension is the batch, read nothing from the host and keep every row independent of the others
+    (padding rows, filled with `pads` or zeros, are computed and dropped). The tensors it reads are baked into the graphs:
     `signature()` names them (e.g. the data pointers of its weights), and the graphs are dropped when it changes.
     """
 
@@ -597,14 +590,7 @@ class GraphedFunction:
         static_in = tuple(
             torch.full((bucket, *x.shape[1:]), self._pad(i), dtype=x.dtype, device=x.device) for i, x in enumerate(like)
         )
-        stream = torch.cuda.Stream(like[0].device)
-        stream.wait_stream(torch.cuda.current_stream(like[0].device))
-        with torch.cuda.stream(stream):
-            self.fn(key, *static_in)  # kernels compile and autotune outside the capture
-        torch.cuda.current_stream(like[0].device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = self.fn(key, *static_in)
+        graph, static_out = capture_graph(lambda: self.fn(key, *static_in), like[0].device)
         self.graphs[(bucket, key)] = (graph, static_in, static_out)
         return self.graphs[(bucket, key)]
 

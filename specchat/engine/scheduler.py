@@ -19,6 +19,7 @@ import torch
 from specchat.engine.adaptive import DraftGate, RateMemory, StepCosts
 from specchat.engine.drafters import DrafterCache, NoDrafter
 from specchat.engine.kv_cache import KVPool
+from specchat.engine.runner import RowOf
 from specchat.engine.sequence import Event, Sequence, Status, StepEvent, TextDelta
 from specchat.engine.spec_step import Scheduled, StepPlan, StepResult
 from specchat.engine.stats import StepRecord
@@ -264,8 +265,10 @@ class Scheduler:
     # --- postprocess ------------------------------------------------------------------------------------
     def _keep_hidden(self, seq: Sequence, hidden: dict) -> None:
         """Add the step's tapped rows to those the request's drafter has not read yet (only the newest row for a
-        drafter without `tap_history`)."""
-        if not self.drafters.get(seq.spec.drafter).tap_history:
+        drafter without `tap_history`; a `RowOf` is that row already, kept as it is)."""
+        if isinstance(hidden, RowOf):  # (made only for drafters without tap_history: SpecStep._verdicts_ahead)
+            seq.hidden = hidden
+        elif not self.drafters.get(seq.spec.drafter).tap_history:
             seq.hidden = {layer: h[-1:] for layer, h in hidden.items()}
         elif seq.hidden.keys() == hidden.keys():
             seq.hidden = {layer: torch.cat([seq.hidden[layer], h]) for layer, h in hidden.items()}
@@ -298,10 +301,7 @@ class Scheduler:
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:
-                if result.newest_hidden:  # the row of its newest token alone, what its drafter keeps
-                    seq.hidden = hidden
-                else:
-                    self._keep_hidden(seq, hidden)
+                self._keep_hidden(seq, hidden)
             elif self._gated_off and seq.hidden:  # not tapped this step: the row it holds is no longer the newest
                 seq.hidden = {}
             if outcome is None:  # a chunk of a long prompt: cached, nothing to sample yet

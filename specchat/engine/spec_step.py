@@ -86,8 +86,6 @@ class StepResult:
     # requests whose next step is in flight: {seq_id: positions past num_cached the pool holds for it (its fed
     # tokens: 1 for a plain step, 1 + k for a drafting one)}
     ahead: dict[int, int] = field(default_factory=dict)
-    # `hidden` holds each request's row at its newest token alone (what a drafter without tap_history keeps)
-    newest_hidden: bool = False
 
 
 class _Tokens:
@@ -273,8 +271,8 @@ class SpecStep:
         rest = [i for i in range(len(plan.items)) if i not in rows]
         if isinstance(ahead, _DraftAhead):
             self.drafted_ahead += 1
-            drafter = None if rest else self._drafts_ahead(covered, ahead.k)
-            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, drafter, t0, t0)
+            following = None if rest else self._drafts_ahead(covered, ahead.k)
+            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, following, t0, t0)
         else:
             launched = None if rest else self._launch_ahead(covered, ahead.tokens.rows(index))
             drawn = self._read(ahead.tokens)
@@ -350,9 +348,9 @@ class SpecStep:
             return self._plain(plan, out, t0, t1)
         k = len(drafts[0].tokens)
         if out.ids is not None and all(len(d.tokens) == k for d in drafts):
-            drafter = self._drafts_ahead(plan, k)
-            if drafter is not None:
-                return self._verdicts_ahead(plan, out, k, drafter, t0, t1)
+            following = self._drafts_ahead(plan, k)
+            if following is not None:
+                return self._verdicts_ahead(plan, out, k, following, t0, t1)
         logits = out.flat_logits
         if width is not None:  # the rows verification reads: each request's first 1 + k of its logit rows
             starts = list(itertools.accumulate(logit_rows, initial=0))[:-1]
@@ -397,13 +395,13 @@ class SpecStep:
             result.ahead = dict.fromkeys((seq.seq_id for seq in launched.seqs), held)
         return result
 
-    def _drafts_ahead(self, plan: StepPlan, k: int) -> Drafter | None:
-        """The drafter that drafts the step after `plan` (a drafting step, k drafts each) on the device, if that
-        step may be launched before the host reads this one's verdicts: every request greedy, decoding with the
-        same drafter, which can (`Drafter.draft_on_device`), drafting again next step and with room in its context
-        for k more drafts; None otherwise (this step is then verified as any other). A request near its max tokens
-        does not hold the others back: the step drafts k for it too, and its verdicts are cut to its room
-        (`_verdicts_ahead`), where it ends."""
+    def _drafts_ahead(self, plan: StepPlan, k: int) -> tuple[Drafter, StepBatch] | None:
+        """The drafter that drafts the step after `plan` (a drafting step, k drafts each) on the device, and that
+        step as the host stages it (`_advanced_batch`), if it may be launched before the host reads this one's
+        verdicts: every request greedy, decoding with the same drafter, which can (`Drafter.draft_on_device`),
+        drafting again next step and with room in its context for k more drafts; None otherwise (this step is then
+        verified as any other). A request near its max tokens does not hold the others back: the step drafts k for
+        it too, and its verdicts are cut to its room (`_verdicts_ahead`), where it ends."""
         if not (self.runs_ahead and plan.ahead and k > 0) or plan.gated_next:
             return None
         names = {item.seq.spec.drafter for item in plan.items}
@@ -423,23 +421,28 @@ class SpecStep:
         batch = _advanced_batch(plan, q)
         if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, q)):
             return None
-        return drafter if self.runner.can_run_ahead(batch, plan.taps, advanced=True) else None
+        return (drafter, batch) if self.runner.can_run_ahead(batch, plan.taps, advanced=True) else None
 
     def _verdicts_ahead(
-        self, plan: StepPlan, out: StepOutput, k: int, drafter: Drafter | None, t0: float, t1: float
+        self, plan: StepPlan, out: StepOutput, k: int, following: tuple[Drafter, StepBatch] | None, t0: float, t1: float
     ) -> StepResult:
         """A drafting step of greedy requests (`out`: its target forward, each request's newest token and k
         drafts) verified on the device (`greedy_verdicts`), and where `_drafts_ahead` allows, the next drafting
         step launched before the host reads the verdicts: its drafts drafted on the device from the hidden rows at
         each request's last accepted position and its bonus or recovered token, its start moved on the device.
-        drafter: `_drafts_ahead(plan, k)`, None to launch nothing."""
+        following: `_drafts_ahead(plan, k)`, None to launch nothing."""
         q, n = k + 1, len(plan.items)
         assert out.ids is not None
+
+        def targets() -> tuple[torch.Tensor, torch.Tensor]:  # each request's argmax rows and fed tokens [n, q]
+            return cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
+
         launched, kept_rows = None, None
-        if drafter is None:
-            target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
+        if following is None:
+            target, fed = targets()
             verdicts = _Tokens(torch.cat([greedy_verdicts(target, fed)[:, None], target], 1))
         else:
+            drafter, batch = following
             key = (plan.items[0].seq.spec.drafter, id(drafter), k)
             # [n, 1 + 2q] verdicts and next drafts; [n, d] each tap's row at the last accepted position: one replay
             # bound to the forward's outputs where it was one (graphs), else one GraphedFunction call
@@ -447,14 +450,11 @@ class SpecStep:
             if outs is None:
                 assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
                 hidden = [out.flat_hidden[layer].view(n, q, -1) for layer in drafter.taps]
-                target, fed = cpu_ops.argmax(out.flat_logits).view(n, q), out.ids.view(n, q)
-                outs = self._verdicts(key, target, fed, *hidden)
+                outs = self._verdicts(key, *targets(), *hidden)
             packed, *rows = outs
             verdicts = _Tokens(packed)
             advance = packed[:, 0].contiguous()
-            forward = self.runner.forward_advanced(
-                _advanced_batch(plan, q), packed[:, 1 + q :].reshape(-1), advance, plan.taps
-            )
+            forward = self.runner.forward_advanced(batch, packed[:, 1 + q :].reshape(-1), advance, plan.taps)
             launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
             if not drafter.tap_history:  # what a request keeps is that row alone, sliced where read (copied: the
                 # graph's next replay overwrites it)
@@ -477,10 +477,7 @@ class SpecStep:
             ]
         else:  # a request's accepted count differs from the device's only where it ends here
             hidden_kept = kept_rows
-        verify_ms = (time.perf_counter() - t1) * 1e3
-        result = StepResult(
-            outcomes, hidden_kept, (t1 - t0) * 1e3, verify_ms, decoding=True, newest_hidden=kept_rows is not None
-        )
+        result = StepResult(outcomes, hidden_kept, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, decoding=True)
         return self._hold(launched, result)
 
     def _verdicts_of_forward(
