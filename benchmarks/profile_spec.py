@@ -161,33 +161,19 @@ class SlowSteps:
 
             return around
 
-        def phase(name):
-            def around(original):
-                def call(*args, **kwargs):
-                    t0 = time.perf_counter()
-                    result = original(*args, **kwargs)
-                    self.phase_ms[name] += (time.perf_counter() - t0) * 1e3
-                    return result
-
-                return call
-
-            return around
-
         self.plan, self.kind, self.calls = "", "", []
         self.kinds: dict[str, list[float]] = defaultdict(list)  # kind of step -> its steps' ms
-        self.phase_ms: dict[str, float] = defaultdict(float)  # host time in each part of the step, unsynced
         self.waited0 = self.engine.spec_step.waited_s
         self._wrap(self.engine, "step", step)
-        for owner, name in ((self.engine.scheduler, "postprocess"), (self.engine.spec_step, "run")):
-            self._wrap(owner, name, phase(name))
-        self._wrap(self.engine, "_deliver", phase("deliver"))
         # the runner's ways to run a forward, host time of each (an eager forward's is its kernel launches)
         for name in ("_prefill", "_cached_prompts", "_replay"):
             if hasattr(self.engine.runner, name):
                 self._wrap(self.engine.runner, name, timed(name.strip("_")))
         self._wrap(ModelRunner, "forward", timed("eager"))
         self._wrap(self.engine.scheduler, "schedule", schedule)
-        self._wrap(self.engine.scheduler, "schedule", phase("schedule"))
+        scheduler = self.engine.scheduler  # host time in each part of the step, unsynced
+        parts = ((scheduler, "schedule"), (self.engine.spec_step, "run"), (scheduler, "postprocess"))
+        self.phases = HostCalls([*((o, n, n) for o, n in parts), (self.engine, "_deliver", "deliver")]).__enter__()
         runner = self.engine.runner
         for name in ("_capture", "_capture_prefill", "_capture_after"):
             if hasattr(runner, name):
@@ -206,6 +192,7 @@ class SlowSteps:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.phases.__exit__()
         for owner, name, original in reversed(self.saved):
             if isinstance(owner, type):
                 setattr(owner, name, original)
@@ -225,7 +212,8 @@ class SlowSteps:
         ]
         lines += [f"    {ms:7.2f} ms  {what}" for ms, what in sorted(self.steps, reverse=True)[:n]]
         waited = (self.engine.spec_step.waited_s - self.waited0) * 1e3
-        parts = {**self.phase_ms, "run": self.phase_ms["run"] - waited, "waited on the device": waited}
+        ms = self.phases.ms
+        parts = {**ms, "run": ms["run"] - waited, "waited on the device": waited}
         lines.append(
             "  host ms per step (no sync; run less its wait to read the device's output): "
             + ", ".join(f"{name} {ms / len(times):.3f}" for name, ms in parts.items())
@@ -263,39 +251,54 @@ HOST_CALLS = [
 ]
 
 
-class HostCalls:
-    """Wraps HOST_CALLS with perf_counter timers for one pass (each call's time includes the calls inside it)."""
+def host_calls() -> list[tuple[object, str, str]]:
+    """HOST_CALLS as HostCalls' targets."""
+    import importlib
 
-    def __init__(self) -> None:
+    targets = []
+    for module, path in HOST_CALLS:
+        owner = importlib.import_module(module)
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        targets.append((owner, name, path))
+    return targets
+
+
+class HostCalls:
+    """Wraps calls with perf_counter timers for one pass (each call's time includes the calls inside it): targets
+    (owner, attribute, label), the owner a module, a class or an instance; `host_calls()` names HOST_CALLS'."""
+
+    def __init__(self, targets: list[tuple[object, str, str]]) -> None:
+        self.targets = targets
         self.ms: dict[str, float] = defaultdict(float)
         self.calls: Counter = Counter()
-        self.saved: list[tuple[object, str, object]] = []
+        self.saved: list[tuple[object, str, object, bool]] = []
 
     def __enter__(self) -> HostCalls:
-        import importlib
+        for owner, name, label in self.targets:
+            own = name in vars(owner)  # restored as it was: the owner's own attribute, or none (a class's method)
+            original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
 
-        for module, path in HOST_CALLS:
-            owner = importlib.import_module(module)
-            *outer, name = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-
-            def timed(*args, _original=original, _path=path, **kwargs):
+            def timed(*args, _original=original, _label=label, **kwargs):
                 t0 = time.perf_counter()
                 try:
                     return _original(*args, **kwargs)
                 finally:
-                    self.ms[_path] += (time.perf_counter() - t0) * 1e3
-                    self.calls[_path] += 1
+                    self.ms[_label] += (time.perf_counter() - t0) * 1e3
+                    self.calls[_label] += 1
 
-            self.saved.append((owner, name, original))
+            self.saved.append((owner, name, vars(owner).get(name), own))
             setattr(owner, name, timed)
         return self
 
     def __exit__(self, *exc) -> None:
-        for owner, name, original in reversed(self.saved):
-            setattr(owner, name, original)
+        for owner, name, original, own in reversed(self.saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self.saved.clear()
 
     def report(self, steps: int) -> str:
         rows = sorted(self.ms.items(), key=lambda kv: -kv[1])
@@ -350,7 +353,7 @@ def main() -> None:
             activity = getattr(torch.profiler.ProfilerActivity, engine.device.type.upper())  # CUDA or CPU
             activities = [activity] * bool(args.kernels) + [torch.profiler.ProfilerActivity.CPU] * bool(args.host_ops)
             kernels = torch.profiler.profile(activities=list(set(activities))) if activities else None
-            calls = HostCalls() if args.host_calls else contextlib.nullcontext()
+            calls = HostCalls(host_calls()) if args.host_calls else contextlib.nullcontext()
             with SlowSteps(engine) as slow, kernels or contextlib.nullcontext(), calls:
                 if profiler:
                     profiler.enable()
