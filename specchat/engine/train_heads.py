@@ -154,7 +154,6 @@ class HeadTrainer:
         K = MAX_HEADS
         held_out = self._held_out_ids(records)
         hidden, windows, greedy, is_eval = [], [], [], []
-        runner, pool = self.engine.runner, self.engine.pool
         batch: list[dict] = []
         for n, record in enumerate(records):
             # Held-out prompts keep only their greedy answer: the report measures agreement with greedy decoding.
@@ -164,14 +163,10 @@ class HeadTrainer:
             if not batch or (tokens < FEATURE_BATCH_TOKENS and n + 1 < len(records)):
                 continue
             seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
-            ids = [-(i + 1) for i in range(len(batch))]  # ids no live request uses
-            for seq_id in ids:
-                pool.add(seq_id, [])  # no prefix reuse: every position is fed and tapped
             # logits from position P-1 on (each request's trailing T-P+1 rows): the greedy choice at every t
             logit_rows = [len(s) - len(r["prompt_ids"]) + 1 for r, s in zip(batch, seqs, strict=True)]
-            out = runner.forward(StepBatch(ids, seqs, [0] * len(seqs), logit_rows), taps=[self.tap])
-            for seq_id, r, seq, h, logits in zip(ids, batch, seqs, out.hidden, out.logits, strict=True):
-                pool.free(seq_id)
+            out = tapped_forward(self.engine, seqs, logit_rows, self.tap)
+            for r, seq, h, logits in zip(batch, seqs, out.hidden, out.logits, strict=True):
                 # h_t for t = P-1 .. T-2: the positions whose next token x_{t+1} the target wrote.
                 first, last = len(r["prompt_ids"]) - 1, len(seq) - 1
                 if last <= first:
@@ -368,6 +363,19 @@ def generate_answers(engine, cfg, path: Path, progress: Progress) -> list[dict]:
     records.sort(key=lambda r: (r["id"], len(r["output_ids"])))
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return records
+
+
+def tapped_forward(engine, seqs: list[list[int]], logit_rows: list[int], tap: int):
+    """One teacher-forced forward of whole token sequences, each under an id no live request uses and without
+    prefix reuse, so that every position is fed and its hidden state at layer `tap` kept (StepOutput.hidden)."""
+    ids = [-(i + 1) for i in range(len(seqs))]
+    for seq_id in ids:
+        engine.pool.add(seq_id, [])
+    try:
+        return engine.runner.forward(StepBatch(ids, seqs, [0] * len(seqs), logit_rows), taps=[tap])
+    finally:
+        for seq_id in ids:
+            engine.pool.free(seq_id)
 
 
 def held_out_ids(records: list[dict], fraction: float, seed: int) -> set[str]:
