@@ -100,6 +100,9 @@ def main() -> None:
     for d in range(heads.cfg.num_heads):
         shares = " | ".join(f"{float((every[:, d] < n).float().mean()):.3f}" for n in (1, 2, 3, 5))
         print(f"| {d + 1} | {shares} |")
+    right = (every < 1).long().cumprod(-1).sum(0).tolist()  # positions whose chain is right through head d
+    rates = [right[d] / max(1, right[d - 1] if d else len(every)) for d in range(len(right))]
+    print("chain acceptance by depth (`bench --synthetic --acceptance`):", ",".join(f"{r:.3f}" for r in rates))
     print("\n| widths | draft rows | tokens per step |\n| --- | ---: | ---: |")
     for spec in args.widths:
         widths = [int(n) for n in spec.split(",")]

@@ -6,9 +6,11 @@ weights where it runs. Each configuration prefills `batch` requests with `contex
 
 Speculative rows use a benchmark-only drafter of set acceptance rate: every step feeds [last token + k random
 drafts] per request through the real target forward and greedy verification (argmax over all k + 1 rows),
-then keeps a accepted drafts, a drawn from the chain-acceptance distribution with per-token rate `acceptance`
-(P(a = j) = acceptance^j (1 - acceptance) for j < k, P(a = k) = acceptance^k), and truncates the KV of the
-rest. Real drafters cost extra drafting time; this measures the target side only, and says so in its label.
+then keeps a accepted drafts, a drawn from the chain-acceptance distribution of the per-position rates
+`acceptance` (r_1, r_2, ...: draft j is accepted with probability r_j once drafts 1 .. j-1 were, the last rate
+standing for every later position; one rate r gives P(a = j) = r^j (1 - r) for j < k, P(a = k) = r^k), and
+truncates the KV of the rest. Per-position rates measured on a real model and drafter
+(benchmarks/tree_estimate.py prints the heads') carry its acceptance to another model's shape. Real drafters cost extra drafting time; this measures the target side only, and says so in its label.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class SyntheticCase:
     weights: str = "bf16"  # "mxfp4", "int4" (gpt-fast's), or the dtype of unquantized weights ("float32", ...)
     kv: str = "bf16"
     k: int = 0  # drafts per step (0 = plain decode)
-    acceptance: float = 0.0  # per-token acceptance of the benchmark-only drafter
+    acceptance: tuple[float, ...] = (0.0,)  # per-position acceptance of the benchmark-only drafter
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -87,8 +89,14 @@ class SyntheticCase:
             raise ConfigError(f"--kv takes KV formats among {', '.join(KV_FORMATS)}, got {self.kv!r}")
         if self.k < 0:
             raise ConfigError(f"--k must list draft counts >= 0, got {self.k}")
-        if not 0.0 <= self.acceptance <= 1.0:
-            raise ConfigError(f"--acceptance must be in [0, 1], got {self.acceptance}")
+        if isinstance(self.acceptance, int | float):
+            self.acceptance = (float(self.acceptance),)
+        if not self.acceptance or not all(0.0 <= r <= 1.0 for r in self.acceptance):
+            raise ConfigError(f"--acceptance rates must be in [0, 1], got {self.acceptance}")
+
+    @property
+    def acceptance_label(self) -> str:
+        return ",".join(f"{r:g}" for r in self.acceptance)
 
 
 @dataclass(slots=True)
@@ -148,9 +156,11 @@ def quantize_all(model: Transformer) -> None:
     swap_modules(model, fp4_modules(model, round_to_nearest(model, names, "ocp")))
 
 
-def sample_accepted(rng: random.Random, k: int, acceptance: float) -> int:
+def sample_accepted(rng: random.Random, k: int, rates: tuple[float, ...]) -> int:
+    """Accepted drafts of k: draft j + 1 is accepted at rate rates[j] (the last rate for every later one) while
+    every draft before it was."""
     a = 0
-    while a < k and rng.random() < acceptance:
+    while a < k and rng.random() < rates[min(a, len(rates) - 1)]:
         a += 1
     return a
 

@@ -108,7 +108,9 @@ def bench_sessions(
     print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
 
 
-def synthetic_cases(weights: str, kv: str, batch: str, k: str, acceptance: float, label: str) -> list[SyntheticCase]:
+def synthetic_cases(
+    weights: str, kv: str, batch: str, k: str, acceptance: tuple[float, ...], label: str
+) -> list[SyntheticCase]:
     """Every combination of the comma lists, in run order (weight format outermost: one model per format)."""
     from specchat.bench.synthetic import SyntheticCase
 
@@ -117,12 +119,23 @@ def synthetic_cases(weights: str, kv: str, batch: str, k: str, acceptance: float
         if fmt not in SYNTHETIC_WEIGHTS:
             raise ConfigError(f"--weights takes {', '.join(SYNTHETIC_WEIGHTS)} with --synthetic, got {fmt!r}")
     return [
-        SyntheticCase(b, label if fmt == "bf16" else fmt, kv_fmt.strip(), kk, acceptance if kk else 0.0)
+        SyntheticCase(b, label if fmt == "bf16" else fmt, kv_fmt.strip(), kk, acceptance if kk else (0.0,))
         for fmt in formats
         for kv_fmt in kv.split(",")
         for b in int_list(batch, "--batch")
         for kk in int_list(k, "--k")
     ]
+
+
+def acceptance_rates(text: str) -> tuple[float, ...]:
+    """--acceptance: one rate, or per-position rates, each in [0, 1]."""
+    try:
+        rates = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--acceptance takes rates in [0, 1] (e.g. 0.8 or 0.53,0.75,0.86), got {text!r}") from None
+    if not all(0.0 <= r <= 1.0 for r in rates):
+        raise ConfigError(f"--acceptance rates must be in [0, 1], got {text!r}")
+    return rates
 
 
 def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, steps, eager, as_json) -> None:
@@ -136,8 +149,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
         raise ConfigError(f"unknown synthetic shape {shape!r} (available: {', '.join(SHAPES)})")
     if context < 1 or steps < 1:
         raise ConfigError(f"--context and --steps must be >= 1, got {context} and {steps}")
-    if not 0.0 <= acceptance <= 1.0:
-        raise ConfigError(f"--acceptance must be in [0, 1], got {acceptance}")
+    acceptance = acceptance_rates(acceptance)
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cases = synthetic_cases(weights, kv, batch, k, acceptance, str(dtype).removeprefix("torch."))
@@ -166,7 +178,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     for r in results:
         c = r.case
         base = plain.get((c.batch, c.weights, c.kv))
-        spec = f"k={c.k}, a={c.acceptance} (benchmark drafter)" if c.k else "plain"
+        spec = f"k={c.k}, a={c.acceptance_label} (benchmark drafter)" if c.k else "plain"
         ratio = f"{r.tok_per_s / base:.2f}x" if base else "-"
         rows.append(
             [
@@ -212,7 +224,13 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 )
 @click.option("--synthetic", "shape", default=None, help="a random-weight model of this shape, e.g. llama-3.1-8b")
 @click.option("--batch", default="1", show_default=True, help="synthetic: comma-separated batch sizes")
-@click.option("--acceptance", type=float, default=0.8, show_default=True, help="synthetic: benchmark drafter rate")
+@click.option(
+    "--acceptance",
+    default="0.8",
+    show_default=True,
+    help="synthetic: the benchmark drafter's acceptance rate, or a comma list of per-position rates (draft j "
+    "accepted at rate j once those before it were; benchmarks/tree_estimate.py measures the heads')",
+)
 @click.option("--context", type=int, default=512, show_default=True, help="synthetic: tokens per request")
 @click.option("--steps", type=int, default=64, show_default=True, help="synthetic: timed steps")
 @click.option("--eager", is_flag=True, help="plain PyTorch modules, no CUDA graphs (the reference path)")

@@ -55,3 +55,23 @@ def test_bench_sessions_sample_at_a_temperature(tiny_model_dir, tmp_path):
     assert run.exit_code == 0, run.output
     rows = [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
     assert sorted((r["sessions"], r["drafter"]) for r in rows) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
+
+
+def test_synthetic_drafter_accepts_at_per_position_rates():
+    """--acceptance r1,r2,..: draft j is accepted at rate r_j once those before it were (the last rate after)."""
+    import random
+
+    from specchat.bench.synthetic import sample_accepted
+
+    rng = random.Random(0)
+    draws = [sample_accepted(rng, 4, (1.0, 0.5, 0.0)) for _ in range(4000)]
+    assert set(draws) == {1, 2}  # the first always, the second half the time, never a third
+    assert abs(draws.count(2) / len(draws) - 0.5) < 0.05
+    assert {sample_accepted(rng, 3, (1.0,)) for _ in range(50)} == {3}  # one rate: every position
+    run = CliRunner().invoke(main, ["bench", "--synthetic", "tiny", "--device", "cpu", "--k", "2", "--steps", "2",
+                                    "--context", "8", "--acceptance", "1,0", "--json"])  # fmt: skip
+    assert run.exit_code == 0, run.output
+    (row,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert row["case"]["acceptance"] == [1.0, 0.0] and row["tokens_per_step"] == 2.0
+    bad = CliRunner().invoke(main, ["bench", "--synthetic", "tiny", "--acceptance", "0.5,x"])
+    assert bad.exit_code != 0 and "--acceptance" in bad.output
