@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
-#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost ahead profile chain kernels
+#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost rates ahead profile chain kernels
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
@@ -30,6 +30,10 @@ for part in "${parts[@]}"; do
         | tee -a "$log" ;;
     cost)
       timeout 120 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch 1,8 2>&1 | tee -a "$log" ;;
+    rates)  # synthetic 8B MXFP4 at k = 4 with the heads' per-position acceptance (RATES: benchmarks/tree_estimate.py
+      # --prompts eval, the chain acceptance by depth of the shipped heads); the head's own cost is `cost`'s
+      timeout 240 python -m specchat bench --synthetic llama-3.1-8b --device cuda --weights mxfp4 --batch 1,8 --k 0,4 \
+        --acceptance "${RATES:-0.533,0.515,0.542,0.571}" 2>&1 | grep -v "^done:" | tee -a "$log" ;;
     ahead)  # plain steps launched ahead of the host, on and off, alternating (docs/gpu.md)
       timeout 200 python benchmarks/step_ahead_gpu.py --sessions 1,8,32 --reps 3 --max-tokens 64 2>&1 | tee -a "$log" ;;
     chain)  # the heads' fused greedy chain (kernels/draft_heads.py) against the plain one, each beside plain decoding
