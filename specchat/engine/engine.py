@@ -19,11 +19,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 
 from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
+from specchat.engine.drafters.base import default_drafter_name
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import auto_format
 from specchat.engine.loader import Progress
@@ -127,8 +129,11 @@ class Engine:
         engine = cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
         if config.warm_up:
             # widths up to k = 4 (what --k auto's gate tries first, and a fixed default); wider steps (a cap of 8
-            # that timed faster, K raised live) capture their graph at first use, ~65 ms
-            engine.warm_up(progress, max_k=SpecParams().k)
+            # that timed faster, K raised live) capture their graph at first use, ~65 ms. With the model's default
+            # drafter on this device (what a chat drafts with unless told otherwise): its tapped step graphs and
+            # drafting graphs too, so that a chat's first answer captures none (another drafter's, at first use)
+            default = engine._drafter_name("default")
+            engine.warm_up(progress, max_k=SpecParams().k, drafters=[] if default == "none" else [default])
         return engine
 
     def warm_up(
@@ -166,6 +171,11 @@ class Engine:
     def max_position(self) -> int:
         """Tokens the model's context holds (prompt + completion)."""
         return self.model.cfg.max_position
+
+    def _drafter_name(self, name: str) -> str:
+        """The name a request's drafter goes by: `default` as the drafter it stands for on this engine, so that
+        both names share one drafter and the graphs warm-up captured for it."""
+        return default_drafter_name(self) if name == "default" else name
 
     def drafter(self, name: str) -> Drafter:
         """The drafter called `name` (built on first use; an unknown name raises ConfigError)."""
@@ -213,6 +223,7 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecParams(drafter="none")
+        spec = replace(spec, drafter=self._drafter_name(spec.drafter))
         ids = self.encode_prompt(prompt, system=system, raw=raw, tools=tools)
         drafter = self.drafter(spec.drafter)  # unknown drafters fail now, in the caller
         seq = Sequence(
@@ -261,6 +272,7 @@ class Engine:
 
     def set_drafter(self, name: str, request_id: int | None = None) -> None:
         """Switch the drafter of one request (or all live ones) from the next step on."""
+        name = self._drafter_name(name)
         drafter = self.drafter(name)  # unknown names fail here, in the caller
 
         def change() -> None:

@@ -102,6 +102,23 @@ def test_the_default_drafter_follows_the_device(tiny_engine, monkeypatch):
     assert make_drafter("default", tiny_engine).name == "ngram"
 
 
+def test_load_warms_up_the_default_drafter(tiny_model_dir, monkeypatch):
+    """Engine.load warms up the model's default drafter on its device beside plain decoding (on CUDA its tapped
+    step graphs and drafting graphs: a chat's first answer captures none); nothing more where it names none."""
+    from specchat.config import EngineConfig
+    from specchat.engine import engine as engine_module
+
+    asked = []
+    monkeypatch.setattr(engine_module.Engine, "warm_up", lambda self, progress, **kw: asked.append(kw["drafters"]))
+    load_parts = engine_module.load_parts
+    for spec in (ModelSpec("tiny", "dir", path="x", drafter="ngram", cpu_drafter="draft-model"), None):
+        monkeypatch.setattr(
+            engine_module, "load_parts", lambda config, progress, s=spec: replace(load_parts(config, progress), spec=s)
+        )
+        engine_module.Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    assert asked == [["draft-model"], []]  # the CPU's default; a model outside models.toml drafts with none
+
+
 def random_heads(model, sequential: bool = True, num_heads: int = 3, draft_vocab: int = 0) -> DraftHeads:
     """Heads whose blocks are random (the trained init leaves W_down at zero), so drafts vary."""
     cfg = HeadsConfig.for_model(model, num_heads, sequential=sequential)

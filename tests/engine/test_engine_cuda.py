@@ -145,6 +145,40 @@ def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir,
     assert not cold.runner.graphs
 
 
+def test_load_warms_up_the_default_drafter_so_its_first_answer_captures_nothing(
+    cuda_tiny_model_dir, tmp_path, monkeypatch
+):
+    """A model whose models.toml entry names heads: Engine.load captures their tapped step graphs and drafting
+    graphs too, and a first answer drafted by the default drafter replays without capturing."""
+    from dataclasses import replace
+
+    from specchat.engine import engine as engine_module
+    from specchat.registry import ModelSpec
+    from tests.engine.test_drafters import random_heads
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    host = engine_module.Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cpu", dtype="float32"))
+    heads_file = tmp_path / "heads.safetensors"
+    random_heads(host.model, num_heads=4).save(heads_file, {"model": "tiny"})
+    spec = ModelSpec("tiny", "dir", path=str(cuda_tiny_model_dir), drafter=f"heads:{heads_file}")
+    load_parts = engine_module.load_parts
+    monkeypatch.setattr(engine_module, "load_parts", lambda c, p: replace(load_parts(c, p), spec=spec))
+    engine = engine_module.Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
+    taps = engine.drafter(f"heads:{heads_file}").taps
+    assert any(key[3] == tuple(taps) for key in engine.runner.graphs), "no graph of the heads' taps was captured"
+
+    def captured() -> tuple[set, set, set]:  # step graphs, the verdicts' graphs bound to them, their fallbacks
+        bound = {(key, after) for key, g in engine.runner.graphs.items() for after in g.after}
+        return set(engine.runner.graphs), bound, set(engine.spec_step._verdicts.graphs)
+
+    warm = captured()
+    assert warm[1], "no drafting-ahead graphs were captured at load"
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    end = engine.submit("Hi there", sampling, SpecParams("default", k=4)).result()
+    assert end.stats.drafted > 0 and engine.spec_step.drafted_ahead > 0
+    assert captured() == warm, "the first answer captured a graph"
+
+
 def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
     """Fresh prompts replay prefill graphs, prompts after cached context step graphs of their width, and steps that
     admit prompts beside decoding requests are split (decoding requests padded to one width replay their graph,
