@@ -32,7 +32,9 @@ DEFAULT_CASES = (
 def parse_case(spec: str) -> tuple[str, SyntheticCase]:
     shape, weights, kv, batch, *k = spec.split(":")
     drafts = int(k[0]) if k else 0
-    return shape, SyntheticCase(batch=int(batch), weights=weights, kv=kv, k=drafts, acceptance=0.8 if drafts else 0.0)
+    return shape, SyntheticCase(
+        batch=int(batch), weights=weights, kv=kv, k=drafts, acceptance=(0.8,) if drafts else (0.0,)
+    )
 
 
 def main() -> None:

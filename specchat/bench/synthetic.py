@@ -10,7 +10,8 @@ then keeps a accepted drafts, a drawn from the chain-acceptance distribution of 
 `acceptance` (r_1, r_2, ...: draft j is accepted with probability r_j once drafts 1 .. j-1 were, the last rate
 standing for every later position; one rate r gives P(a = j) = r^j (1 - r) for j < k, P(a = k) = r^k), and
 truncates the KV of the rest. Per-position rates measured on a real model and drafter
-(benchmarks/tree_estimate.py prints the heads') carry its acceptance to another model's shape. Real drafters cost extra drafting time; this measures the target side only, and says so in its label.
+(benchmarks/tree_estimate.py prints the heads') carry its acceptance to another model's shape. Real drafters
+cost extra drafting time; this measures the target side only, and says so in its label.
 """
 
 from __future__ import annotations
@@ -89,8 +90,6 @@ class SyntheticCase:
             raise ConfigError(f"--kv takes KV formats among {', '.join(KV_FORMATS)}, got {self.kv!r}")
         if self.k < 0:
             raise ConfigError(f"--k must list draft counts >= 0, got {self.k}")
-        if isinstance(self.acceptance, int | float):
-            self.acceptance = (float(self.acceptance),)
         if not self.acceptance or not all(0.0 <= r <= 1.0 for r in self.acceptance):
             raise ConfigError(f"--acceptance rates must be in [0, 1], got {self.acceptance}")
 
