@@ -10,9 +10,9 @@ hidden state at every answer position t. Head d, fed the true tokens before it (
 kept on its right branch), ranks the target's token x_{t+1+d}; a tree of widths (n_1 .. n_k) accepts depth d
 where every head up to d ranked its token below n_d. Tokens per step are those of a greedy run over each answer
 (`greedy_run_tokens_per_step`: a step at position i emits its accepted drafts + 1 and the next starts after them);
-draft rows are what a step verifies per request beyond its newest token (n_1 + n_1 n_2 + ...). This is an
-upper bound for a real tree only in that a real one is cut to a row budget; the chain's row (widths 1, ...) is
-what the shipped chain drafts ungated.
+draft rows are what a step verifies per request beyond its newest token (n_1 + n_1 n_2 + ...). On the branch
+a greedy run accepts, every draft so far equals the true token, so this is what a tree of full widths accepts
+(one cut to a row budget accepts less); widths 1,1,... are the shipped chain, ungated.
 """
 
 from __future__ import annotations
