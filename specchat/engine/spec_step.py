@@ -31,7 +31,7 @@ import torch
 
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
-from specchat.engine.runner import ModelRunner, RowOf, StepBatch, StepOutput
+from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 from specchat.kernels import cpu_ops
@@ -188,13 +188,17 @@ class _DraftAhead:
         """The step's output for these rows (all of them: as it is)."""
         if index == list(range(len(self.seqs))):
             return self.out
-        assert self.out.ids is not None
-        logits = torch.cat([self.out.logits[r] for r in index])
-        ids = self.out.ids.view(len(self.seqs), -1)
-        q = ids.shape[1]
-        hidden = [self.out.hidden[r] for r in index]
-        flat = {layer: torch.cat([h[layer] for h in hidden]) for layer in hidden[0]} if hidden else {}
-        return StepOutput(logits, list(logits.split(q)), hidden, torch.cat([ids[r] for r in index]), flat)
+        out = self.out
+        assert out.ids is not None and out.flat_hidden is not None
+        n, q = len(self.seqs), len(out.ids) // len(self.seqs)
+        picked = torch.tensor(index, device=out.ids.device)
+
+        def rows(flat: torch.Tensor) -> torch.Tensor:  # the picked requests' q rows each, one after another
+            return flat.view(n, q, *flat.shape[1:])[picked].flatten(0, 1)
+
+        logits, hidden = rows(out.flat_logits), {layer: rows(h) for layer, h in out.flat_hidden.items()}
+        sizes = [q] * len(index)
+        return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), rows(out.ids), hidden)
 
 
 def _advanced_batch(plan: StepPlan, q: int) -> StepBatch:
