@@ -42,15 +42,6 @@ GEMV_SWEEP = (  # M <= 16: (block_n, tiles, num_warps, num_stages, block_m) x sp
     (64, 2, 4, 3, 8),
     (128, 2, 4, 3, 16),
     (128, 2, 8, 3, 16),
-    (32, 2, 2, 4, 16),  # narrow weight tiles (mma.sync): more programs without split-K
-    (32, 2, 1, 4, 16),
-    (32, 4, 2, 3, 16),
-    (32, 2, 2, 4, 8),
-    (32, 2, 2, 6, 16),
-    (16, 2, 1, 4, 16),
-    (16, 4, 1, 3, 16),
-    (16, 2, 1, 4, 8),
-    (16, 2, 1, 6, 8),
 )
 MATMUL_SWEEP = (  # M > 16 (block_m 0: choose_config's), split_k 1, 2, 4
     (64, 2, 4, 3, 0),

@@ -35,7 +35,6 @@ from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float, word_by
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
 
 BLOCK_MS = (8, 16, 32, 64, 128, 256)  # activation rows per program (the MMA's n)
-BLOCK_NS = (16, 32, 64, 128)  # weight rows per program (the MMA's m; below 64: mma.sync instead of wgmma)
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # the range choose_config picks from (8, 128, 256 measured no better)
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipeline buffers per program (the H200 has 227 KB per SM)
 MAX_SPLIT_K = 16
@@ -198,7 +197,7 @@ class MatmulConfig:
     extra_m: int = 0
 
     def __post_init__(self) -> None:
-        assert self.block_n in BLOCK_NS and N_TILE % self.block_n == 0, self
+        assert self.block_n in (64, 128) and N_TILE % self.block_n == 0, self
         assert self.tiles in (1, 2, 4) and 1 <= self.split_k <= MAX_SPLIT_K, self
         assert self.block_m == 0 or self.block_m in BLOCK_MS, self
         assert self.extra_m == 0 or (self.block_m and self.extra_m in BLOCK_MS and self.extra_m >= 16), self
