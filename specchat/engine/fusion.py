@@ -10,9 +10,6 @@ unfused for checking. Besides one kernel per elementwise job, two fusions cut ke
   with the MLP's norm, the MLP's output with the next layer's norm or the final one): two kernels less a layer.
 - `FusedAttention` stores the step's keys and values in dense KV pages from the rotary kernel (the pool's write,
   two index_put kernels a layer, otherwise).
-- Where the attention's output projection and the MLP's down projection are MXFP4 kernels (`Fp4Linear` on CUDA),
-  they leave their split-K partial products for that add-and-norm kernel to sum (`PartialProducts`): the same
-  bits, without the matmul's last program waiting for the other splits' partials to reach the L2 and back.
 
 At batch 1 on a GPU a step is a chain of small launches (a 30-layer model: ~13 kernels a layer), so each kernel
 less is time saved even inside a CUDA graph.
@@ -25,10 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specchat.engine.model import MLP, Attention, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
+from specchat.engine.model import Attention, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
 from specchat.kernels import fused
-from specchat.kernels.mxfp4_matmul import PartialProducts
-from specchat.quant.fp4_linear import Fp4Linear
 
 
 class FusedRMSNorm(RMSNorm):
@@ -59,10 +54,6 @@ class FusedAttention(Attention):
     (`KVBatch.dense_pages`); elsewhere (quantized or rotated pages, other KV views) the plain forward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
-        return self.wo(self.heads(x, cos, sin, kv))
-
-    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
-        """The attention heads' output [T, q_size], before the output projection."""
         dense_pages = getattr(kv, "dense_pages", None)
         pages = dense_pages(self.layer) if dense_pages is not None else None
         q, k, v = self.project(x)
@@ -72,7 +63,7 @@ class FusedAttention(Attention):
         else:
             q, k = fused.rope_qk(q, k, cos, sin, v=v, pages=pages)
             out = kv.attend(self.layer, q, k, v, written=True)
-        return out.reshape(x.shape[0], self.q_size)
+        return self.wo(out.reshape(x.shape[0], self.q_size))
 
 
 class FusedTransformer(Transformer):
@@ -96,37 +87,15 @@ class FusedTransformer(Transformer):
         normed = layers[0].attn_norm(x) if len(layers) else self.norm(x)
         for i, block in enumerate(layers):
             x, normed = fused.add_rms_norm(
-                x, _attention(block.attn, normed, cos, sin, kv), block.mlp_norm.weight, block.mlp_norm.eps
+                x, block.attn(normed, cos, sin, kv), block.mlp_norm.weight, block.mlp_norm.eps
             )
             after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            x, normed = fused.add_rms_norm(x, _mlp(block.mlp, normed), after.weight, after.eps)
+            x, normed = fused.add_rms_norm(x, block.mlp(normed), after.weight, after.eps)
             if i in taps:
                 hidden[i] = x
         if logits_at is not None:
             normed = normed[logits_at]
         return self.lm_head(normed).float(), hidden
-
-
-def _projected(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | PartialProducts:
-    """linear(x), or its split-K partial products where it is an MXFP4 kernel that leaves them (for add_rms_norm)."""
-    parts = linear.partial_products(x) if isinstance(linear, Fp4Linear) else None
-    return linear(x) if parts is None else parts
-
-
-def _attention(
-    attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
-) -> torch.Tensor | PartialProducts:
-    """A layer's attention output for the add-and-norm after it (FusedAttention: its projection's partials)."""
-    if type(attn) is FusedAttention:
-        return _projected(attn.wo, attn.heads(x, cos, sin, kv))
-    return attn(x, cos, sin, kv)
-
-
-def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | PartialProducts:
-    """A layer's MLP output for the add-and-norm after it (the plain SwiGLU MLP: its down projection's partials)."""
-    if type(mlp) is MLP:
-        return _projected(mlp.w_down, mlp.act(mlp.w_gate_up(x)))
-    return mlp(x)
 
 
 FUSED = {

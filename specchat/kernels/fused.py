@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from specchat.kernels import pdl
-from specchat.kernels.mxfp4_matmul_kernel import PartialProducts
 
 SILU_BLOCK = 1024
 
@@ -89,25 +88,17 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, n, stride_x, stride_h, stride_part, stride_s, stride_y, eps,
-    BLOCK: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, n, stride_x, stride_h, stride_s, stride_y, eps, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """s = x + h rounded to the dtype (as torch's add), then the RMSNorm of s: one pass over the row. PARTS > 0: h
-    is that many float32 partial products (a matmul's split-K, `PartialProducts`), summed in order from zero and
-    rounded to the dtype first, as the matmul would have."""
+    """s = x + h rounded to the dtype (as torch's add), then the RMSNorm of s: one pass over the row."""
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     live = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-    if PARTS > 0:
-        h = tl.zeros([BLOCK], dtype=tl.float32)
-        for part in tl.static_range(PARTS):
-            h += tl.load(h_ptr + part * stride_part + row * stride_h + cols, mask=live, other=0.0)
-        h = h.to(s_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        h = tl.load(h_ptr + row * stride_h + cols, mask=live, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + cols, mask=live, other=0.0).to(tl.float32)
     s = (x + h).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + row * stride_s + cols, s, mask=live)
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
@@ -115,25 +106,21 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm(
-    x: torch.Tensor, h: torch.Tensor | PartialProducts, weight: torch.Tensor, eps: float
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + h, weight * normalise(x + h)) for x, h [T, D] of one dtype: a residual add and the norm after it in one
-    kernel (two tensors, both new: x may be a tapped state that must not change). h may be a matmul's split-K
-    partial products (`PartialProducts` [S, T, D]), which the kernel sums: the same bits as their sum first."""
-    parts = h.parts if isinstance(h, PartialProducts) else None
-    h_rows = h.parts[0] if parts is not None else h
-    assert x.shape == h_rows.shape and x.dtype == h.dtype == weight.dtype and x.dim() == 2, (x.shape, h_rows.shape)
-    assert x.stride(-1) == 1 and h_rows.stride(-1) == 1, (x.stride(), h_rows.stride())
+    kernel (two tensors, both new: x may be a tapped state that must not change)."""
+    assert x.shape == h.shape and x.dtype == h.dtype == weight.dtype and x.dim() == 2, (x.shape, h.shape)
+    assert x.stride(-1) == 1 and h.stride(-1) == 1, (x.stride(), h.stride())
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = x.shape[1]
     block = triton.next_power_of_2(n)
     if x.shape[0]:
         _add_rms_norm_kernel[(x.shape[0],)](
-            x, h_rows if parts is None else parts, weight, s, y, n,
-            x.stride(0), h_rows.stride(0), parts.stride(0) if parts is not None else 0, s.stride(0), y.stride(0),
-            eps, BLOCK=block, PARTS=parts.shape[0] if parts is not None else 0,
-            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False, **pdl.launch_options(x.device),
+            x, h, weight, s, y, n, x.stride(0), h.stride(0), s.stride(0), y.stride(0), eps,
+            BLOCK=block, num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+            **pdl.launch_options(x.device),
         )  # fmt: skip
     return s, y
 

@@ -21,14 +21,9 @@ import torch.nn.functional as F
 
 from specchat.kernels.mxfp4_dequant import DEFAULT_SCRATCH, DequantScratch, dequantize_weight_into
 from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight, unprepare_weight
-from specchat.kernels.mxfp4_matmul_kernel import (
-    ACTIVATION_DTYPES,
-    PartialProducts,
-    mxfp4_matmul_parts,
-    mxfp4_matmul_triton,
-)
+from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul_triton
 
-__all__ = ["Mxfp4Weight", "PartialProducts", "mxfp4_linear", "mxfp4_linear_parts", "prepare_weight", "unprepare_weight"]
+__all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
 SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
 
@@ -56,10 +51,3 @@ def mxfp4_linear(
         dense = dequantize_weight_into(part, scratch.get((r1 - r0, weight.k), x.dtype, x.device))
         y[..., r0:r1] = F.linear(x, dense, None if bias is None else bias[r0:r1])
     return y
-
-
-def mxfp4_linear_parts(x: torch.Tensor, weight: Mxfp4Weight) -> PartialProducts:
-    """`mxfp4_linear` without a bias for x [T, K] on CUDA, its split-K sum left to the kernel that reads it next
-    (`PartialProducts`; kernels/fused.py's add_rms_norm sums them)."""
-    assert x.is_cuda and x.dim() == 2 and x.dtype in ACTIVATION_DTYPES, (x.device, x.shape, x.dtype)
-    return mxfp4_matmul_parts(x if x.stride(1) == 1 else x.contiguous(), weight)

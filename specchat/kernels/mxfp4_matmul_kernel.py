@@ -76,8 +76,7 @@ def _mxfp4_matmul_kernel(
     w_ptr,  # [Np/64, Kt/128, 64, 16] int32 prepared words
     s_ptr,  # [Np/64, Kt/128, 64] int32: each the 4 uint8 kernel scale bytes of a row's k-tile
     y_ptr,  # [M, N] output, x's dtype
-    partial_ptr,  # [split_k, m_tiles, Np, BLOCK_M + EXTRA_M] float32 split-K partials (unused when split_k == 1);
-    # DEFER: the output, [split_k, M, N] float32 partial products for the next kernel to sum
+    partial_ptr,  # [split_k, m_tiles, Np, BLOCK_M + EXTRA_M] float32 split-K partials (unused when split_k == 1)
     counter_ptr,  # [m_tiles * Np / BLOCK_N] int32 split-K arrivals, zero between launches
     M,
     N,
@@ -95,7 +94,6 @@ def _mxfp4_matmul_kernel(
     HAS_NAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     PREFETCH: tl.constexpr,  # with PDL: the program's first iterations of weights to prefetch into the L2
-    DEFER: tl.constexpr,  # store each split's partial product (scaled) in partial_ptr, no sum here (parts)
 ):
     pid = tl.program_id(0)  # M tile fastest: the M tiles of one weight tile run together and share it in L2
     pid_k = tl.program_id(1)
@@ -152,12 +150,7 @@ def _mxfp4_matmul_kernel(
     y_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
     ye_ptrs = y_ptr + offs_e[None, :] * stride_ym + offs_n[:, None]
     ye_mask = (offs_e[None, :] < M) & (offs_n[:, None] < N)
-    if DEFER:  # the consumer sums the splits in order: the same sum, without the last program's round trips
-        part_ptr = partial_ptr + pid_k * M * N
-        tl.store(part_ptr + offs_m[None, :] * N + offs_n[:, None], acc * out_scale, mask=y_mask)
-        if EXTRA_M > 0:
-            tl.store(part_ptr + offs_e[None, :] * N + offs_n[:, None], acc_e * out_scale, mask=ye_mask)
-    elif split_k == 1:
+    if split_k == 1:
         tl.store(y_ptrs, (acc * out_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
         if EXTRA_M > 0:
             tl.store(ye_ptrs, (acc_e * out_scale).to(y_ptr.dtype.element_ty), mask=ye_mask)
@@ -332,48 +325,6 @@ def mxfp4_matmul_triton(
     One launch for any M. fast: the inline-assembly bf16 path (default: on CUDA with bf16 x); otherwise the
     portable float32 path. Not thread-safe with itself across streams: split-K shares one workspace per device.
     """
-    x, fast = _kernel_input(x, weight, fast)
-    y = torch.empty((x.shape[0], weight.n), dtype=x.dtype, device=x.device)
-    if x.shape[0]:
-        _launch(x, weight, y, config or choose_config(x.shape[0], weight), fast)
-    return y
-
-
-@dataclass(frozen=True, slots=True)
-class PartialProducts:
-    """A product left as its split-K partial products: `parts` [S, M, N] float32 (each already times the
-    weight's 2^c), to be summed in order s = 0..S-1 from zero and rounded to `dtype` by the kernel that reads
-    it next (kernels/fused.py's add_rms_norm); `sum` is that sum in torch, the reference."""
-
-    parts: torch.Tensor
-    dtype: torch.dtype
-
-    def sum(self) -> torch.Tensor:
-        total = torch.zeros_like(self.parts[0])
-        for part in self.parts:
-            total += part
-        return total.to(self.dtype)
-
-
-def mxfp4_matmul_parts(
-    x: torch.Tensor, weight: Mxfp4Weight, config: MatmulConfig | None = None, fast: bool | None = None
-) -> PartialProducts:
-    """`mxfp4_matmul_triton`'s product with the split-K sum left to its reader: the same launch, but each split
-    stores its partial product and no program waits for the others' (the last program to arrive at a tile
-    would otherwise store, signal, and read back every split's partial before it writes the output: ~2.3 us on
-    each 4096-row GEMV of an 8B decode step on the H200, benchmarks/gemv_floor.py). `sum()` equals
-    `mxfp4_matmul_triton`'s output bit for bit: the same partials summed in the same order (the 2^c scale is
-    exact either side of the sum)."""
-    x, fast = _kernel_input(x, weight, fast)
-    config = config or choose_config(x.shape[0], weight)
-    parts = torch.empty((config.split_k, x.shape[0], weight.n), dtype=torch.float32, device=x.device)
-    if x.shape[0]:
-        _launch(x, weight, parts, config, fast, defer=True)
-    return PartialProducts(parts, x.dtype)
-
-
-def _kernel_input(x: torch.Tensor, weight: Mxfp4Weight, fast: bool | None) -> tuple[torch.Tensor, bool]:
-    """x checked against the weight and padded to its K tiles, and whether the launch takes the fast path."""
     assert weight.prepared, "prepare_weight(..., layout='kernel') first"
     assert x.dim() == 2 and x.shape[1] == weight.k, (x.shape, weight.n, weight.k)
     assert x.dtype in ACTIVATION_DTYPES and x.stride(1) == 1, (x.dtype, x.stride())
@@ -381,16 +332,17 @@ def _kernel_input(x: torch.Tensor, weight: Mxfp4Weight, fast: bool | None) -> tu
     if fast is None:
         fast = x.is_cuda and x.dtype == torch.bfloat16
     assert not fast or x.dtype == torch.bfloat16, "the fast path takes bf16 activations"
+    m = x.shape[0]
     padded_k = weight.codes.shape[1] * K_TILE
     if padded_k != weight.k:  # K % K_TILE != 0: the kernel reads whole tiles of x
         x = F.pad(x, (0, padded_k - weight.k))
-    return x, fast
+    y = torch.empty((m, weight.n), dtype=x.dtype, device=x.device)
+    if m:
+        _launch(x, weight, y, config or choose_config(m, weight), fast)
+    return y
 
 
-def _launch(
-    x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool, defer: bool = False
-) -> None:
-    """One launch into y: [M, N] in x's dtype, or with `defer` [split_k, M, N] float32 partial products."""
+def _launch(x: torch.Tensor, weight: Mxfp4Weight, y: torch.Tensor, config: MatmulConfig, fast: bool) -> None:
     m = x.shape[0]
     block_m = config.block_m or default_block_m(m)
     extra_m = config.extra_m
@@ -405,18 +357,15 @@ def _launch(
     while stages > 1 and _pipeline_bytes(config.block_n, block_m + extra_m, tiles, stages, x) > SHARED_MEMORY_BUDGET:
         stages -= 1
     grid = (m_tiles * rows_padded // config.block_n, config.split_k)
-    if defer:
-        partials, counters = y, y  # the partials are the output; no arrivals are counted
-    else:
-        partial_numel = config.split_k * m_tiles * rows_padded * (block_m + extra_m) if config.split_k > 1 else 1
-        partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
+    partial_numel = config.split_k * m_tiles * rows_padded * (block_m + extra_m) if config.split_k > 1 else 1
+    partials, counters = _SPLIT_K_WORKSPACE.get(x.device, partial_numel, grid[0])
     _mxfp4_matmul_kernel[grid](
         x, weight.codes, weight.scales.view(torch.int32), y, partials, counters,
         m, weight.n, num_k_tiles, m_tiles,
-        x.stride(0), y.stride(-2),
+        x.stride(0), y.stride(0),
         float(2.0**weight.exp_offset), config.split_k,
         BLOCK_M=block_m, EXTRA_M=extra_m, BLOCK_N=config.block_n, TILES=tiles,
-        FAST=fast, HAS_NAN=weight.has_nan, PREFETCH=PREFETCH_ITERATIONS, DEFER=defer,
+        FAST=fast, HAS_NAN=weight.has_nan, PREFETCH=PREFETCH_ITERATIONS,
         num_warps=config.num_warps, num_stages=stages, **pdl.launch_options(x.device),
     )  # fmt: skip
 

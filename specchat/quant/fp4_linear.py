@@ -25,14 +25,7 @@ from torch import nn
 
 from specchat.kernels.mxfp4 import BLOCK_SIZE, Rule, dequantize_mxfp4, quantize_mxfp4
 from specchat.kernels.mxfp4_layout import gather_rows
-from specchat.kernels.mxfp4_matmul import (
-    Mxfp4Weight,
-    PartialProducts,
-    mxfp4_linear,
-    mxfp4_linear_parts,
-    prepare_weight,
-    unprepare_weight,
-)
+from specchat.kernels.mxfp4_matmul import Mxfp4Weight, mxfp4_linear, prepare_weight, unprepare_weight
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -124,20 +117,8 @@ class Fp4Linear(nn.Module):
         """Resident bytes of the packed weight (codes + scales, with any kernel-layout padding)."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
-    def _input(self, x: torch.Tensor) -> torch.Tensor:
-        """What the packed weight multiplies: x itself (RotatedFp4Linear rotates it)."""
-        return x
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4_linear(self._input(x), self.weight_mxfp4, self.bias)
-
-    def partial_products(self, x: torch.Tensor) -> PartialProducts | None:
-        """The layer's output for x [T, in_features] left as split-K partial products, for a kernel that sums them
-        as it reads them (kernels/fused.py's add_rms_norm): where the Triton kernel runs it (CUDA) and there is no
-        bias; None elsewhere."""
-        if not x.is_cuda or x.dim() != 2 or self.bias is not None:
-            return None
-        return mxfp4_linear_parts(self._input(x), self.weight_mxfp4)
+        return mxfp4_linear(x, self.weight_mxfp4, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -161,8 +142,8 @@ class RotatedFp4Linear(Fp4Linear):
         """Rows `index` [R] of the effective weight: the stored rows of W R, times R."""
         return rotate_blocks(super().rows(index, torch.float32)).to(dtype)
 
-    def _input(self, x: torch.Tensor) -> torch.Tensor:
-        return rotate_blocks(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mxfp4_linear(rotate_blocks(x), self.weight_mxfp4, self.bias)
 
 
 class Fp4Embedding(nn.Module):

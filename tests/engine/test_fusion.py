@@ -24,8 +24,6 @@ from specchat.engine.fusion import (
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import PageStore
 from specchat.engine.model import Attention, ModelConfig, RMSNorm, Rotary, SiluAndMul, Transformer
-from specchat.kernels.mxfp4_matmul import PartialProducts
-from specchat.quant.fp4_linear import Fp4Linear
 from tests.kernels.interpreter import DEVICE, INTERPRET, kernel_test, run_under_interpreter, subprocess_test
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -90,8 +88,7 @@ def test_fuse_keeps_the_model_output_and_unfuse_restores_it():
 def paged_steps(model: Transformer, feeds: list[list[int]], kv_format: str, taps: tuple[int, ...] = (0,)):
     """One request fed step by step through a KV pool: each step's logits and tapped states, and the pool."""
     c = model.cfg
-    dtype = model.norm.weight.dtype
-    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4, dtype, DEVICE, kv_format=kv_format)
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4, torch.float32, DEVICE, kv_format=kv_format)
     pool.add(0, [t for feed in feeds for t in feed])
     out, start = [], 0
     with torch.inference_mode():
@@ -132,41 +129,6 @@ def test_fused_layers_write_the_kv_pages_and_keep_logits_and_taps(kv_format, mon
             used = slice(0, sum(map(len, feeds)))  # one request from page 0 on: slots 0..n-1
             got_rows, want_rows = got_pages[layer].data[:, used], want_pages[layer].data[:, used]
             torch.testing.assert_close(got_rows.float(), want_rows.float(), atol=1e-5, rtol=1e-5)
-
-
-@kernel_test
-def test_mxfp4_projections_leave_partial_products_for_the_add_and_norm(monkeypatch):
-    """Where the output and down projections are MXFP4 (Fp4Linear), the fused layer loop takes their split-K
-    partial products and the add-and-norm kernel sums them: the logits and taps equal, bit for bit, the same fused
-    model's with every product summed first. On CUDA (bf16) the kernel's partials; under the interpreter, where
-    Fp4Linear runs the CPU path, a stand-in of two halves that sum to its output exactly."""
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    model = Transformer(CFG).to(DEVICE, dtype).eval()
-    for block in model.layers:
-        block.attn.wo = Fp4Linear.from_linear(block.attn.wo)
-        block.mlp.w_down = Fp4Linear.from_linear(block.mlp.w_down)
-    fuse(model)
-    feeds = [[3, 9, 1, 7, 22, 5], [11], [2]]
-    products = Fp4Linear.partial_products
-    monkeypatch.setattr(Fp4Linear, "partial_products", lambda self, x: None)
-    want, _ = paged_steps(model, feeds, "fp32")
-    taken = []
-
-    def partial_products(self, x):
-        if x.is_cuda:
-            product = products(self, x)
-        else:
-            half = self(x).float() / 2
-            product = PartialProducts(torch.stack([half, half]), x.dtype)
-        taken.append(product.parts.shape[0])
-        return product
-
-    monkeypatch.setattr(Fp4Linear, "partial_products", partial_products)
-    got, _ = paged_steps(model, feeds, "fp32")
-    assert len(taken) == 2 * CFG.num_layers * len(feeds)
-    for (got_logits, got_taps), (want_logits, want_taps) in zip(got, want, strict=True):
-        assert torch.equal(got_logits, want_logits) and torch.equal(got_taps[0], want_taps[0])
 
 
 @subprocess_test

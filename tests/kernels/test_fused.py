@@ -19,7 +19,6 @@ from specchat.kernels.fused import (
     silu_mul,
     silu_mul_supported,
 )
-from specchat.kernels.mxfp4_matmul import PartialProducts
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -66,22 +65,6 @@ def test_add_rms_norm_kernel_is_the_residual_add_then_the_norm(dtype, rows, dim)
     assert torch.equal(s, x + h)  # the add rounds as torch's does: the residual stream keeps its bits
     assert_equal_within_rounding(y, plain(x + h))
     assert torch.equal(x, x_before)  # x untouched: it may be a tapped hidden state
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 3])
-def test_add_rms_norm_sums_partial_products_as_the_matmul_would(dtype, splits):
-    """h given as a matmul's split-K partial products (float32 [S, T, D]): the kernel sums them in order and
-    rounds to the dtype, then adds and normalises: the same bits as with their sum (`PartialProducts.sum`)."""
-    plain = plain_norm(576, dtype)
-    x = (torch.randn(3, 576, generator=gen(2)) * 3).to(DEVICE, dtype)
-    parts = (torch.randn(splits, 3, 576, generator=gen(8)) * 2).to(DEVICE)
-    product = PartialProducts(parts, dtype)
-    s, y = add_rms_norm(x, product, plain.weight, plain.eps)
-    want_s, want_y = add_rms_norm(x, product.sum(), plain.weight, plain.eps)
-    assert torch.equal(s, want_s) and torch.equal(y, want_y)
-    assert torch.equal(s, x + product.sum())
 
 
 @kernel_test

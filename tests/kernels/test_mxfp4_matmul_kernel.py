@@ -18,7 +18,6 @@ from specchat.kernels.mxfp4_matmul_kernel import (
     MatmulConfig,
     choose_config,
     default_block_m,
-    mxfp4_matmul_parts,
     mxfp4_matmul_triton,
 )
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
@@ -102,34 +101,6 @@ def test_split_k_and_m_tiles() -> None:
     ):
         for _ in range(2):  # the arrival counters reset for the next launch
             assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight, config), ref) < 1e-5, config
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-def test_partial_products_sum_to_the_product_bit_for_bit(dtype) -> None:
-    """The deferred launch's split partials, summed in order (`PartialProducts.sum`, what add_rms_norm does),
-    are the plain launch's output bit for bit: every split count, a second M tile, empty splits, and a weight with
-    block scales above 2 (the 2^c scale applied to each partial instead of to their sum)."""
-    w = torch.randn(67, 1024)
-    w[5, 64:96] *= 2.0**60  # exponent offset c > 0
-    codes, scales = quantize_mxfp4(w)
-    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
-    assert weight.exp_offset > 0
-    x = torch.randn(MAX_BLOCK_M + 6, 1024).to(DEVICE, dtype)  # bf16 (CUDA only): the fast path
-    for config in (
-        MatmulConfig(tiles=2, split_k=1),
-        MatmulConfig(tiles=2, split_k=4),
-        MatmulConfig(tiles=2, split_k=3, block_m=16),  # split 3 of 4 steps is empty
-        MatmulConfig(tiles=1, split_k=4, block_m=64, extra_m=16),  # the second tile's partials too
-        None,  # choose_config's
-    ):
-        want = mxfp4_matmul_triton(x, weight, config)
-        product = mxfp4_matmul_parts(x, weight, config)
-        splits = (config or choose_config(x.shape[0], weight)).split_k
-        assert product.parts.shape == (splits, x.shape[0], 67) and product.parts.dtype == torch.float32, config
-        assert product.dtype == dtype and torch.equal(product.sum(), want), config
-    empty = mxfp4_matmul_parts(x[:0], weight)
-    assert empty.parts.shape[1:] == (0, 67) and empty.sum().shape == (0, 67)
 
 
 def test_block_m_follows_m() -> None:
