@@ -1,9 +1,13 @@
 """Where one decode step's GPU time goes: torch profiler over eager steps of a synthetic model (CUDA).
 
     PYTHONPATH=. python benchmarks/profile_step.py [--shape llama-3.1-8b] [--weights bf16|mxfp4] [--fused]
+                                                   [--graph [--pdl on|off]]
 
-Kernels are grouped by name and sorted by total GPU time per step; the step runs eagerly (no CUDA graph), so
-the GPU time of each kernel is what a graph replay would spend on it, launch gaps aside.
+Kernels are grouped by name and sorted by total GPU time per step. By default the step runs eagerly (no CUDA
+graph), so the GPU time of each kernel is what a graph replay would spend on it, launch gaps aside. --graph
+replays the CUDA-graph runner's step (PDL as the runner chooses, or forced by --pdl) and also times whole steps:
+with PDL off the step's wall time less its kernels' sum is the gaps between them; with PDL on a kernel launched
+early counts its wait for the one before as its own time, so the sum can exceed the wall time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from specchat.bench.synthetic import SHAPES, quantize_all, random_model
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.runner import ModelRunner, StepBatch
+from specchat.kernels import pdl
 
 
 def main() -> None:
@@ -25,7 +30,14 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--graph", action="store_true", help="replay the CUDA-graph runner's steps")
+    parser.add_argument("--pdl", choices=("auto", "on", "off"), default="auto", help="with --graph")
     args = parser.parse_args()
+    with pdl.override({"auto": None, "on": True, "off": False}[args.pdl]):
+        profile_steps(args)
+
+
+def profile_steps(args: argparse.Namespace) -> None:
     cfg = SHAPES[args.shape]
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     if args.weights == "mxfp4":
@@ -35,7 +47,12 @@ def main() -> None:
 
         fuse(model)
     pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, 16, torch.bfloat16, "cuda")
-    runner = ModelRunner(model, pool)
+    if args.graph:
+        from specchat.engine.cuda_graph import CudaGraphRunner
+
+        runner = CudaGraphRunner(model, pool)
+    else:
+        runner = ModelRunner(model, pool)
     prompt = list(range(args.context))
     pool.add(0, prompt)
     runner.forward(StepBatch([0], [prompt], [0], [1]))
@@ -49,6 +66,15 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    wall = ""
+    if args.graph:
+        start, end, timed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 50
+        start.record()
+        for _ in range(timed):
+            step()
+        end.record()
+        end.synchronize()
+        wall = f", {start.elapsed_time(end) / timed:.3f} ms wall per step (PDL {args.pdl}, the runner's choice {runner._pdl})"
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
@@ -56,8 +82,8 @@ def main() -> None:
     rows = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows) / args.steps
-    print(f"{args.shape} {args.weights} fused={args.fused}: {total / 1e3:.2f} ms GPU per step, "
-          f"{sum(e.count for e in rows) / args.steps:.0f} kernels per step")  # fmt: skip
+    print(f"{args.shape} {args.weights} fused={args.fused} graph={args.graph}: {total / 1e3:.2f} ms GPU per step, "
+          f"{sum(e.count for e in rows) / args.steps:.0f} kernels per step{wall}")  # fmt: skip
     print("| us per step | calls per step | kernel |\n|---:|---:|---|")
     for e in rows[:25]:
         print(f"| {e.device_time_total / args.steps:.1f} | {e.count / args.steps:.0f} | {e.key[:90]} |")
