@@ -75,16 +75,21 @@ def test_fused_chain_drafts_what_the_plain_chain_does(dtype, rows, depth):
 @kernel_test
 @torch.inference_mode()
 def test_fused_chain_takes_the_first_of_tied_logits():
-    """Two draft rows with the same logits (identical rows, in different argmax programs): the first is drafted, as
-    torch.argmax takes the first."""
+    """Draft rows with the same logits (identical rows, in different argmax programs): the first is drafted, as
+    torch.argmax takes the first. The tie is exact in any summation order: every row is zero but the tied ones,
+    each a single +-1 (a dense row's logits differ in their last bits by where the row sits in a matmul's tile,
+    under the interpreter's numpy as in a GPU's dot)."""
     d = drafter(torch.float32, num_heads=1)
     rows = d.output.rows.weight
     hidden = torch.randn(2, WIDE.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     prev = torch.tensor([1, 2], device=DEVICE)
-    best = int(d.plain_chain(1, hidden, prev)[0, 0])
-    with torch.no_grad():  # the best row copied to the first row (block 0) and the last (a partial block)
-        rows[-1].copy_(rows[int((d.draft_vocab == best).nonzero())])
-        rows[0].copy_(rows[-1])
+    tied = (0, 64, rows.shape[0] - 1)  # block 0, the next block, and a partial block's last row
+    with torch.no_grad():
+        rows.zero_()
+        for sign in (1.0, -1.0):  # the sign whose logit beats the zero rows' 0 for request 0
+            rows[tied, 0] = sign
+            if int(d.plain_chain(1, hidden, prev)[0, 0]) == int(d.draft_vocab[0]):
+                break
     fused, plain = d.greedy_chain(1, hidden, prev), d.plain_chain(1, hidden, prev)
     assert torch.equal(fused, plain) and int(fused[0, 0]) == int(d.draft_vocab[0])
 
