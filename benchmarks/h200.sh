@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
-#   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep goals attention batch1 sessions profile kv
-#                                          fusion pdl
+#   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep floor goals attention batch1 sessions
+#                                          profile kv fusion pdl
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -33,6 +33,8 @@ for part in "${parts[@]}"; do
         2>&1 | tee -a "$log" ;;
     sweep)  # launch configs around choose_config (what chose it)
       timeout 500 python benchmarks/mxfp4_matmul.py --sweep --ms ${SWEEP_MS:-1,16,64,256} 2>&1 | tee -a "$log" ;;
+    floor)  # a bare read of each 8B linear's bytes beside the MXFP4 GEMV, with and without PDL (issue 14's floor)
+      timeout 300 python benchmarks/gemv_floor.py 2>&1 | tee -a "$log" ;;
     goals)  # issue 14's end-to-end goals: batch 1, and 32 sessions with k = 4, MXFP4 against bf16
       timeout 240 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1,32 --k 0,4 2>&1 | tee -a "$log" ;;
     attention)
@@ -45,6 +47,9 @@ for part in "${parts[@]}"; do
     profile)
       for w in bf16 mxfp4; do
         timeout 120 python benchmarks/profile_step.py --weights $w --fused 2>&1 | tee -a "$log"
+      done
+      for p in auto off; do  # the CUDA-graph runner's step: its kernels and wall time, PDL on and off
+        timeout 120 python benchmarks/profile_step.py --weights mxfp4 --fused --graph --pdl $p 2>&1 | tee -a "$log"
       done
       timeout 120 python benchmarks/profile_step.py --weights bf16 2>&1 | tee -a "$log" ;;
     fusion)  # the layer fusions (add + norm, KV write in the rotary kernel) against the elementwise ones alone
