@@ -17,7 +17,6 @@ The % column is of the 4.28 TB/s copy ceiling (docs/GPU.md). Prints one table; $
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import subprocess
@@ -29,7 +28,14 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mxfp4_matmul import COPY_CEILING_TBPS, L2_DEFEAT_BYTES, LLAMA_8B_SHAPES, graph_time_us, random_weight
+from mxfp4_matmul import (
+    COPY_CEILING_TBPS,
+    LLAMA_8B_SHAPES,
+    graph_time_us,
+    l2_defeat_copies,
+    random_weight,
+    weight_copies,
+)
 
 from specchat.kernels import mxfp4_matmul_kernel as mm
 from specchat.kernels import pdl
@@ -98,18 +104,14 @@ def main() -> None:
     for n, k in shapes:
         _, codes, scales, weight = random_weight(n, k)
         nbytes = codes.numel() + scales.numel()
-        copies = max(1, -(-L2_DEFEAT_BYTES // nbytes))
         buffers = [torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
-                   for _ in range(copies)]  # fmt: skip
+                   for _ in range(l2_defeat_copies(nbytes))]  # fmt: skip
         stream = {}
         for block, warps, per_sm in STREAM_LAUNCHES:
             calls = [stream_call(b, out, block, warps, per_sm) for b in buffers]
             stream[(block, warps, per_sm)] = graph_time_us(calls)
         best = min(stream, key=stream.get)
-        weights = [weight] + [
-            dataclasses.replace(weight, codes=torch.randint_like(weight.codes, -(2**31), 2**31 - 1))
-            for _ in range(copies - 1)
-        ]
+        weights = weight_copies(weight, nbytes)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         gemv = graph_time_us([lambda w=w, x=x: mm.mxfp4_matmul_triton(x, w) for w in weights])
         with pdl.override(True):

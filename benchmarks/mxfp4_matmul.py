@@ -163,6 +163,19 @@ def check_matmul(weight, codes, scales, k: int, m: int) -> float:
     return error
 
 
+def l2_defeat_copies(nbytes: int) -> int:
+    """How many copies of `nbytes` of weights the timing cycles through so that they do not stay in the L2."""
+    return max(1, -(-L2_DEFEAT_BYTES // nbytes))
+
+
+def weight_copies(weight, nbytes: int) -> list:
+    """The prepared MXFP4 weight and random-code copies of it (same scales), `l2_defeat_copies` in all."""
+    return [weight] + [
+        dataclasses.replace(weight, codes=torch.randint_like(weight.codes, -(2**31), 2**31 - 1))
+        for _ in range(l2_defeat_copies(nbytes) - 1)
+    ]
+
+
 def int4_copies(n: int, k: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random int4 tinygemm weights (packed, scales-and-zeros [K/32, N, 2] bf16), as gpt-fast int4 packs them."""
     copies = []
@@ -196,12 +209,9 @@ def bench_shape(
         error = check_matmul(weight, codes, scales, k, m)
         print(f"  check N={n} K={k} M={m}: rel err {error:.2e}", flush=True)
     mx_bytes = codes.numel() + scales.numel()
-    mx_copies = [weight] + [
-        dataclasses.replace(weight, codes=torch.randint_like(weight.codes, -(2**31), 2**31 - 1))
-        for _ in range(max(0, -(-L2_DEFEAT_BYTES // mx_bytes) - 1))
-    ]
-    bf_copies = [w] + [torch.randn_like(w) for _ in range(max(0, -(-L2_DEFEAT_BYTES // w.nbytes) - 1))]
-    int4 = int4_copies(n, k, max(1, -(-L2_DEFEAT_BYTES // (n * k // 2 + n * k // INT4_GROUP * 4))))
+    mx_copies = weight_copies(weight, mx_bytes)
+    bf_copies = [w] + [torch.randn_like(w) for _ in range(l2_defeat_copies(w.nbytes) - 1)]
+    int4 = int4_copies(n, k, l2_defeat_copies(n * k // 2 + n * k // INT4_GROUP * 4))
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         bf16_us = graph_time_us([lambda x=x, wc=wc: F.linear(x, wc) for wc in bf_copies])
