@@ -36,11 +36,10 @@ def main() -> None:
     for drafter in args.drafters.split(","):
         steps = tokens = 0
         for messages in prompts:
-            engine.submit(messages, SamplingParams(max_tokens=args.max_tokens), SpecParams(drafter=drafter, k=args.k))
-            while engine.scheduler.has_work():
-                for event in engine.step():
-                    if isinstance(event, StepEvent):
-                        steps, tokens = steps + 1, tokens + event.record.emitted
+            spec = SpecParams(drafter=drafter, k=args.k)
+            for event in engine.generate(messages, SamplingParams(max_tokens=args.max_tokens), spec=spec):
+                if isinstance(event, StepEvent):
+                    steps, tokens = steps + 1, tokens + event.record.emitted
         print(f"| {drafter} | {tokens / steps:.2f} |")
 
 
