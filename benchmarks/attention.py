@@ -144,24 +144,38 @@ def main() -> None:
                         flush=True,
                     )
                 if args.sweep and q_len == 1 and ctx == 32768:
-                    for fmt in ("bf16", "mxfp4"):
+                    for fmt in FORMATS:
                         k, v, _ = pages[fmt]
-                        for block_n in (32, 64, 128):
-                            for warps in (4, 8):
-                                for parts_scale in (0.5, 1, 2):
-                                    parts = max(1, round(parts_scale * 4 * 132 / (batch * KV_HEADS)))
-                                    t = bench_paged(
-                                        q, k, v, meta, scale, num_partitions=parts, block_n=block_n, num_warps=warps
-                                    )
-                                    sweep_rows.append((batch, fmt, block_n, warps, parts, t))
+                        for launch in sweep_launches(batch):
+                            t = bench_paged(q, k, v, meta, scale, **launch)
+                            sweep_rows.append((batch, fmt, launch, t))
             del pages
             torch.cuda.empty_cache()
     if sweep_rows:
-        print("\nLaunch sweep at context 32768 (defaults: block_n 64, 4 warps, 4 programs per SM):\n")
-        print("| batch | pages | block_n | warps | partitions | time (us) |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for batch, fmt, block_n, warps, parts, t in sweep_rows:
-            print(f"| {batch} | {fmt} | {block_n} | {warps} | {parts} | {t * 1e6:.1f} |")
+        print("\nLaunch sweep at context 32768 (`paged_attention`'s launch settings; stages - = triton's default):\n")
+        print("| batch | pages | key rows | block_n | warps | stages | partitions | time (us) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for batch, fmt, launch, t in sweep_rows:
+            print(
+                f"| {batch} | {fmt} | {launch['key_rows']} | {launch['block_n']} | {launch['num_warps']} | "
+                f"{launch.get('num_stages', '-')} | {launch['num_partitions']} | {t * 1e6:.1f} |"
+            )
+
+
+def sweep_launches(batch: int) -> list[dict]:
+    """Launch settings around the defaults: MMA orientation x tile x warps x partitions (4 or 8 programs per
+    SM), and the pipeline depth at 128-key tiles."""
+    launches = []
+    for key_rows in (False, True):
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for per_sm in (4, 8):
+                    parts = max(1, round(per_sm * 132 / (batch * KV_HEADS)))
+                    launch = dict(key_rows=key_rows, block_n=block_n, num_warps=warps, num_partitions=parts)
+                    launches.append(launch)
+                    if block_n == 128 and warps == 4 and per_sm == 8:
+                        launches += [{**launch, "num_stages": stages} for stages in (2, 4)]
+    return launches
 
 
 if __name__ == "__main__":

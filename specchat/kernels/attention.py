@@ -14,10 +14,14 @@ the partitions. Quantized tiles are decoded in registers, never written back:
 - MXFP4 / MXFP8 codes become fp16 by placing their bits: an E2M1 nibble (sign, 2 exponent bits, mantissa)
   moved to fp16 bits 15 and 11..9 is its value times 2^-14 (exponent 0 lands on fp16 subnormals, which is
   exactly E2M1's 0 and 0.5); an E4M3 byte moved to bits 15 and 14..7 is its value times 2^-8.
-- One fp16 multiply per element applies 2^(s - s_tile + 14) (or + 8), where s is the element's E8M0 block
-  scale and s_tile the largest in the tile; 2^(s_tile - 127) multiplies the scores (keys) or the tile's
-  contribution to the output (values) in fp32. Elements more than 2^24 below their tile's largest block
-  round to zero: a negligible term in a dot product over head_dim and a softmax-weighted sum.
+- One fp16 multiply per element applies 2^(s - r + 14) (or + 8), where s is the element's E8M0 block scale
+  and r a reference: for keys the largest scale of the element's row, and 2^(r - 127) multiplies that key's
+  scores in fp32; for values the largest in the tile, and 2^(r - 127) multiplies the tile's contribution to
+  the output. Elements more than 2^24 below their reference round to zero: a negligible term in a dot product
+  over head_dim and a softmax-weighted sum.
+- Quantized pages put the keys on the MMA's rows (`KEY_ROWS`): scores^T = K Q^T and out^T = V^T P^T, so the
+  decoded tiles are the register operand of Hopper's warpgroup MMA with M = 128 keys, and the group's few query
+  rows its N (H200, 32k context, batch 16: 527 -> 452 us; dense pages stay query-rows, 504 against 540 us).
 - MXFP4 packs elements 2j and 2j + 1 in byte j, so its tiles are split into even and odd columns, and the
   query (keys) or the output (values) is split alike; dense and MXFP8 tiles are split into two halves.
 - Quantized codes are read as int32 words and the scales as 2- or 4-byte words (`_kernel_views`): loads wide
@@ -158,7 +162,7 @@ def _f16x2_pow2(k):
     """int32 k <= 15 -> the bits of the fp16x2 pair (2^k, 2^k); 0 below fp16's smallest subnormal 2^-24."""
     e = k + 15
     h = tl.where(e >= 1, e << 10, tl.where(k >= -24, 1 << tl.maximum(k + 24, 0), 0))
-    return h | (h << 16)
+    return h * 0x10001  # both halves: one IMAD
 
 
 def _f16x2_word_asm(word: int, mult: int, pairs: tuple[tuple[int, int, int, int, int], ...]) -> str:
@@ -275,8 +279,11 @@ def _load_tile(
     DOT_DTYPE: tl.constexpr,
     SB: tl.constexpr,  # quantized: data_ptr is int32 words, scale_ptr SB-byte words (see `_kernel_views`)
     FAST: tl.constexpr,
+    ROWWISE: tl.constexpr = False,
 ):
-    """A key or value tile as two column halves [BLOCK_N, HEAD_DIM / 2] and a scalar factor (see the docstring)."""
+    """A key or value tile as two column halves [BLOCK_N, HEAD_DIM / 2] and its factor (see the docstring): a
+    scalar, the tile's largest scale, or with ROWWISE (keys: the factor scales a score column) [BLOCK_N], each
+    row's largest, which needs no reduction across the tile."""
     HALF: tl.constexpr = HEAD_DIM // 2
     NB: tl.constexpr = HEAD_DIM // 32
     rows = data_ptr + slots[:, None] * stride_s  # [BLOCK_N, 1]
@@ -288,8 +295,13 @@ def _load_tile(
     else:
         # int32 words of codes (16-byte loads) and SB-byte words of scales: both wide enough for cp.async
         s = _scale_bytes(scale_ptr, slots, valid, stride_ss, NB, SB, BLOCK_N)  # [BLOCK_N, NB]
-        s_tile = tl.max(tl.max(s, axis=1), axis=0)
-        factor = pow2(s_tile - 127)
+        if ROWWISE:
+            s_row = tl.max(s, axis=1)  # [BLOCK_N]
+            s_tile = s_row[:, None]
+            factor = pow2(s_row - 127)
+        else:
+            s_tile = tl.max(tl.max(s, axis=1), axis=0)
+            factor = pow2(s_tile - 127)
         if FMT == 1 and NB == 1:
             # head_dim 32 (one block a row): byte by byte (the word path below measured wrong at this width on
             # the H200 under triton 3.6, while right under the interpreter)
@@ -369,6 +381,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,  # bytes per scale word: 4, 2 or 1 (HEAD_DIM / 32 of them per row)
     FAST: tl.constexpr,  # inline PTX decode (CUDA; not under TRITON_INTERPRET=1)
+    KEY_ROWS: tl.constexpr,  # keys as the MMA's rows (see `paged_attention`)
+    OFFSETS: tl.constexpr,  # tl.int32 where every page tensor has fewer than 2^31 elements (cheaper addresses)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait(PDL)
@@ -401,8 +415,14 @@ def _paged_attention_kernel(
 
     m_i = tl.full((BLOCK_M,), _NEG_BIG, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc_a = tl.zeros((BLOCK_M, HALF), tl.float32)
-    acc_b = tl.zeros((BLOCK_M, HALF), tl.float32)
+    if KEY_ROWS:  # scores^T = K Q^T and out^T = V^T P^T: keys are the MMA's rows, the query rows its columns
+        acc_a = tl.zeros((HALF, BLOCK_M), tl.float32)
+        acc_b = tl.zeros((HALF, BLOCK_M), tl.float32)
+        q_a = tl.trans(q_a)
+        q_b = tl.trans(q_b)
+    else:
+        acc_a = tl.zeros((BLOCK_M, HALF), tl.float32)
+        acc_b = tl.zeros((BLOCK_M, HALF), tl.float32)
     k_head = k_ptr + kv_head * stride_kh
     k_scale_head = k_scale_ptr + kv_head * stride_ksh
     v_head = v_ptr + kv_head * stride_vh
@@ -411,28 +431,42 @@ def _paged_attention_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         page = tl.load(tables_ptr + req * stride_tb + pos // PAGE_SIZE, mask=valid, other=0)
-        slots = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N]
+        slots = page.to(OFFSETS) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N]
 
         k_a, k_b, k_factor = _load_tile(
             k_head, k_scale_head, slots, valid, stride_ks, stride_kss, K_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE,
-            SB, FAST,
+            SB, FAST, K_FMT != 0,
         )  # fmt: skip
-        scores = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
-        scores = tl.dot(q_b, tl.trans(k_b), scores, input_precision=PRECISION) * k_factor  # [BLOCK_M, BLOCK_N]
-        visible = (pos[None, :] <= last_key[:, None]) & valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
         v_a, v_b, v_factor = _load_tile(
             v_head, v_scale_head, slots, valid, stride_vs, stride_vss, V_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE,
             SB, FAST,
         )  # fmt: skip
-        p = p.to(DOT_DTYPE)
-        acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision=PRECISION) * v_factor
-        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision=PRECISION) * v_factor
+        if KEY_ROWS:
+            scores = tl.dot(k_a, q_a, input_precision=PRECISION)
+            scores = tl.dot(k_b, q_b, scores, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            scores *= k_factor[:, None] if K_FMT != 0 else k_factor
+            visible = (pos[:, None] <= last_key[None, :]) & valid[:, None]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            p = p.to(DOT_DTYPE)
+            acc_a = acc_a * alpha[None, :] + tl.dot(tl.trans(v_a), p, input_precision=PRECISION) * v_factor
+            acc_b = acc_b * alpha[None, :] + tl.dot(tl.trans(v_b), p, input_precision=PRECISION) * v_factor
+        else:
+            scores = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
+            scores = tl.dot(q_b, tl.trans(k_b), scores, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            scores *= k_factor[None, :] if K_FMT != 0 else k_factor
+            visible = (pos[None, :] <= last_key[:, None]) & valid[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p = p.to(DOT_DTYPE)
+            acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision=PRECISION) * v_factor
+            acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision=PRECISION) * v_factor
         m_i = m_new
     pdl.launch_dependents(PDL)  # the merge launches as the partitions finish (kernels/pdl.py)
 
@@ -441,6 +475,9 @@ def _paged_attention_kernel(
     else:
         oa_col, ob_col = d, HALF + d
     out_row = part_out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + part * stride_op
+    if KEY_ROWS:
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
     tl.store(out_row + oa_col[None, :], acc_a, mask=row_valid[:, None])
     tl.store(out_row + ob_col[None, :], acc_b, mask=row_valid[:, None])
     stat = token * stride_mt + head * stride_mh + part
@@ -505,12 +542,14 @@ def paged_attention(
     num_partitions: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
+    key_rows: bool | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
     num_partitions: how many slices the longest context is split into (default: enough to fill the GPU);
-    block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages) and num_warps are launch
-    settings for benchmarks to sweep.
+    block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages), num_warps, key_rows (keys as
+    the MMA's rows; default: for quantized pages) and num_stages are launch settings for benchmarks to sweep.
     """
     quantized = k_pages.fmt != DENSE
     if block_n is None:
@@ -593,7 +632,10 @@ def paged_attention(
         BLOCK_N=block_n,
         SB=_scale_word_bytes(head_dim),
         FAST=not _interpreting(),
+        KEY_ROWS=quantized if key_rows is None else key_rows,
+        OFFSETS=tl.int32 if max(t.numel() for t in (k_data, k_scales, v_data, v_scales)) < 2**31 else tl.int64,
         num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
         **launch,
     )
     out = torch.empty_like(q)

@@ -147,15 +147,16 @@ CASES = {
 
 
 @kernel_test
+@pytest.mark.parametrize("key_rows", [False, True], ids=["query-rows", "key-rows"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_equals_reference(case):
+def test_kernel_equals_reference(case, key_rows):
     page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, parts = CASES[case]
     q, k_pages, v_pages, meta, _ = random_paged_batch(
         page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, seed=len(case), device=DEVICE
     )
     scale = head_dim**-0.5
     expected = paged_attention_reference(q, k_pages, v_pages, meta, scale).float()
-    got = paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=parts).float()
+    got = paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=parts, key_rows=key_rows).float()
     # dense fp32 is exact up to summation order; 16-bit pages and decoded tiles go through fp16/bf16 dots
     tol = 1e-5 if page_format == "fp32" else (2e-2 if page_format == "bf16" else 4e-3)
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
