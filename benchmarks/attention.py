@@ -153,18 +153,19 @@ def main() -> None:
             torch.cuda.empty_cache()
     if sweep_rows:
         print("\nLaunch sweep at context 32768 (`paged_attention`'s launch settings; stages - = triton's default):\n")
-        print("| batch | pages | key rows | block_n | warps | stages | partitions | time (us) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| batch | pages | key rows | block_n | warps | stages | registers | partitions | time (us) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for batch, fmt, launch, t in sweep_rows:
             print(
                 f"| {batch} | {fmt} | {launch['key_rows']} | {launch['block_n']} | {launch['num_warps']} | "
-                f"{launch.get('num_stages', '-')} | {launch['num_partitions']} | {t * 1e6:.1f} |"
+                f"{launch.get('num_stages', '-')} | {launch.get('max_registers', '-')} | {launch['num_partitions']} | "
+                f"{t * 1e6:.1f} |"
             )
 
 
 def sweep_launches(batch: int) -> list[dict]:
     """Launch settings around the defaults: MMA orientation x tile x warps x partitions (4 or 8 programs per
-    SM), and the pipeline depth at 128-key tiles."""
+    SM), and at 128-key tiles the pipeline depth and a 128-register cap (four programs per SM instead of three)."""
     launches = []
     for key_rows in (False, True):
         for block_n in (64, 128):
@@ -174,7 +175,11 @@ def sweep_launches(batch: int) -> list[dict]:
                     launch = dict(key_rows=key_rows, block_n=block_n, num_warps=warps, num_partitions=parts)
                     launches.append(launch)
                     if block_n == 128 and warps == 4 and per_sm == 8:
-                        launches += [{**launch, "num_stages": stages} for stages in (2, 4)]
+                        launches += [{**launch, "num_stages": stages} for stages in (2, 3, 4)]
+                        launches += [
+                            {**launch, "num_stages": 2, "max_registers": 128, "num_partitions": p}
+                            for p in (parts, 2 * parts)
+                        ]
     return launches
 
 

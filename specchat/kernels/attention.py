@@ -55,6 +55,7 @@ PROGRAMS_PER_SM = 4  # split the context until the grid covers the GPU this many
 # 505 us for bf16 pages at their defaults; docs/benchmarks.md, "Seventh lease")
 QUANT_BLOCK_N = 128
 QUANT_PROGRAMS_PER_SM = 8
+QUANT_NUM_STAGES = 2  # keys as rows, 32k, batch 16: k8v4 562 -> 483 us, MXFP4 452 -> 450 (3 stages -> 2)
 INTERPRETER_PROGRAMS = 4  # the same target under TRITON_INTERPRET=1 (no SMs to fill; keep it fast)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FMT_IDS = {DENSE: 0, MXFP4: 1, MXFP8: 2}
@@ -544,12 +545,14 @@ def paged_attention(
     num_warps: int = 4,
     key_rows: bool | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
     num_partitions: how many slices the longest context is split into (default: enough to fill the GPU);
     block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages), num_warps, key_rows (keys as
-    the MMA's rows; default: for quantized pages) and num_stages are launch settings for benchmarks to sweep.
+    the MMA's rows; default: for quantized pages), num_stages and max_registers (per thread) are launch settings
+    for benchmarks to sweep.
     """
     quantized = k_pages.fmt != DENSE
     if block_n is None:
@@ -635,7 +638,8 @@ def paged_attention(
         KEY_ROWS=quantized if key_rows is None else key_rows,
         OFFSETS=tl.int32 if max(t.numel() for t in (k_data, k_scales, v_data, v_scales)) < 2**31 else tl.int64,
         num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        num_stages=num_stages or (QUANT_NUM_STAGES if quantized else 3),
+        **({"maxnreg": max_registers} if max_registers else {}),
         **launch,
     )
     out = torch.empty_like(q)
