@@ -11,23 +11,25 @@ online softmax (Milakov & Gimelshein 2018) over one slice of the context for all
 (q_len tokens x H/KVH heads, so each key tile is read once for the whole group), and a second kernel merges
 the partitions. Quantized tiles are decoded in registers, never written back:
 
-- MXFP4 / MXFP8 codes become fp16 by placing their bits: an E2M1 nibble (sign, 2 exponent bits, mantissa)
-  moved to fp16 bits 15 and 11..9 is its value times 2^-14 (exponent 0 lands on fp16 subnormals, which is
-  exactly E2M1's 0 and 0.5); an E4M3 byte moved to bits 15 and 14..7 is its value times 2^-8.
-- One fp16 multiply per element applies 2^(s - r + 14) (or + 8), where s is the element's E8M0 block scale
-  and r a reference: for keys the largest scale of the element's row, and 2^(r - 127) multiplies that key's
-  scores in fp32; for values the largest in the tile, and 2^(r - 127) multiplies the tile's contribution to
-  the output. Elements more than 2^24 below their reference round to zero: a negligible term in a dot product
-  over head_dim and a softmax-weighted sum.
+- MXFP8 codes are E4M3 bytes, which sm_89+ converts to fp16 two at a time (`cvt.rn.f16x2.e4m3x2`). An MXFP4
+  code (E2M1: sign, 2 exponent bits, mantissa) becomes an E4M3 byte by placing its bits, the sign at bit 7 and
+  the rest at bits 2..4: its value times 2^-6 (exponent 0 lands on E4M3 subnormals, which are exactly E2M1's 0
+  and 0.5 times 2^-6), so a word of 8 nibbles takes ~7 logic ops and 4 conversions. (Head_dim 32 reads bytes and
+  places each nibble straight into fp16 bits 15 and 11..9: its value times 2^-14.)
+- One fp16 multiply per element applies 2^(s - r + e), where s is the element's E8M0 block scale, e the decode's
+  exponent (6 for MXFP4, 0 for MXFP8) and r a reference: for keys the largest scale of the element's row, and
+  2^(r - 127) multiplies that key's scores in fp32; for values the largest in the tile, and 2^(r - 127)
+  multiplies the tile's contribution to the output. Elements more than 2^24 below their reference round to
+  zero: a negligible term in a dot product over head_dim and a softmax-weighted sum.
 - Quantized pages put the keys on the MMA's rows (`KEY_ROWS`): scores^T = K Q^T and out^T = V^T P^T, so the
   decoded tiles are the register operand of Hopper's warpgroup MMA with M = 128 keys, and the group's few query
   rows its N (H200, 32k context, batch 16: 527 -> 452 us; dense pages stay query-rows, 504 against 540 us).
 - MXFP4 packs elements 2j and 2j + 1 in byte j, so its tiles are split into even and odd columns, and the
   query (keys) or the output (values) is split alike; dense and MXFP8 tiles are split into two halves.
 - Quantized codes are read as int32 words and the scales as 2- or 4-byte words (`_kernel_views`): loads wide
-  enough for cp.async to pipeline. On CUDA inline PTX decodes a word with byte permutes, two elements per
-  f16x2 op (`_fp4_words`, `_fp8_words`); the interpreter runs the same per element. Quantized pages take
-  longer tiles and more partitions (QUANT_BLOCK_N, QUANT_PROGRAMS_PER_SM: measured on the H200).
+  enough for cp.async to pipeline. On CUDA inline PTX decodes a word, two elements per conversion and f16x2
+  multiply (`_fp4_words`, `_fp8_words`); the interpreter computes the same values per element. Quantized pages
+  take longer tiles, more partitions and two pipeline stages (QUANT_*: measured on the H200).
 """
 
 from __future__ import annotations
@@ -166,57 +168,64 @@ def _f16x2_pow2(k):
     return h * 0x10001  # both halves: one IMAD
 
 
-def _f16x2_word_asm(word: int, mult: int, pairs: tuple[tuple[int, int, int, int, int], ...]) -> str:
-    """PTX that turns the code word in operand $word into fp16 pairs. For each (byte selector, sign shift, magnitude
-    shift, magnitude mask, first output): `prmt` moves two of the word's bytes to the top byte of each 16-bit half,
-    the sign bits and the magnitude bits are shifted into their fp16 places (a positive shift is to the left), and
-    one f16x2 multiply by operand $mult scales the pair into outputs first and first + 1."""
-
-    def shift(dst: str, n: int) -> str:
-        return f"shl.b32 {dst}, y, {n};" if n > 0 else f"shr.b32 {dst}, y, {-n};" if n < 0 else f"mov.b32 {dst}, y;"
-
-    lines, selector = [".reg .b32 z, y, t, u;", "mov.b32 z, 0;"], None
-    for sel, sign, magnitude, mask, first in pairs:
-        if sel != selector:
-            lines.append(f"prmt.b32 y, ${word}, z, {sel:#06x};")
-            selector = sel
-        lines += [
-            shift("t", sign),
-            "and.b32 t, t, 0x80008000;",
-            shift("u", magnitude),
-            f"and.b32 u, u, {mask:#010x};",
-            "or.b32 t, t, u;",
-            f"mul.rn.f16x2 t, t, ${mult};",
-            f"mov.b32 {{${first}, ${first + 1}}}, t;",
-        ]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-# E2M1 nibbles: bytes 0, 1 (selector 0x1404) then 2, 3 (0x3424); the low nibble's sign (bit 11 of its half) moves
-# up 4 and its magnitude (bits 8..10) up 1 to bits 9..11, the high nibble's sign stays at 15 and its magnitude
-# (12..14) moves down 3. Outputs $0..$3 the low nibbles of bytes 0..3, $4..$7 the high ones.
+# E2M1 nibble -> E4M3 byte: the sign to bit 7 and the 3 magnitude bits to bits 2..4 is the nibble's value times
+# 2^-6 (E2M1's exponent lands on E4M3's low exponent bits; exponent 0 on E4M3's subnormals, which are exactly 0 and
+# 0.5 times 2^-6). Bytes' low nibbles: sign up 4, magnitude up 2; high nibbles: sign in place, magnitude down 2.
+# Then sm_89's `cvt.rn.f16x2.e4m3x2` turns two E4M3 bytes into an fp16 pair, and one f16x2 multiply by operand
+# $9 scales it. Outputs $0..$3 the low nibbles of bytes 0..3, $4..$7 the high ones.
 _ASM_FP4_WORD = tl.constexpr(
-    _f16x2_word_asm(
-        8,
-        9,
-        (
-            (0x1404, 4, 1, 0x0E000E00, 0),
-            (0x1404, 0, -3, 0x0E000E00, 4),
-            (0x3424, 4, 1, 0x0E000E00, 2),
-            (0x3424, 0, -3, 0x0E000E00, 6),
-        ),
-    )
+    """{
+.reg .b32 t, u, e, o, p;
+.reg .b16 e0, e1, o0, o1;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, $8, 2;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 e, t, u;
+shr.b32 u, $8, 2;
+and.b32 u, u, 0x1C1C1C1C;
+and.b32 t, $8, 0x80808080;
+or.b32 o, t, u;
+mov.b32 {e0, e1}, e;
+mov.b32 {o0, o1}, o;
+cvt.rn.f16x2.e4m3x2 p, e0;
+mul.rn.f16x2 p, p, $9;
+mov.b32 {$0, $1}, p;
+cvt.rn.f16x2.e4m3x2 p, e1;
+mul.rn.f16x2 p, p, $9;
+mov.b32 {$2, $3}, p;
+cvt.rn.f16x2.e4m3x2 p, o0;
+mul.rn.f16x2 p, p, $9;
+mov.b32 {$4, $5}, p;
+cvt.rn.f16x2.e4m3x2 p, o1;
+mul.rn.f16x2 p, p, $9;
+mov.b32 {$6, $7}, p;
+}"""
 )
-# E4M3 bytes: the sign stays at bit 15, the 7 magnitude bits (8..14) move down 1 to 7..13. Outputs $0..$3.
-_ASM_FP8_WORD = tl.constexpr(_f16x2_word_asm(4, 5, ((0x1404, 0, -1, 0x3F803F80, 0), (0x3424, 0, -1, 0x3F803F80, 2))))
+# E4M3 bytes convert as they are: outputs $0..$3 bytes 0..3 of word $4, scaled by $5.
+_ASM_FP8_WORD = tl.constexpr(
+    """{
+.reg .b16 l, h;
+.reg .b32 p;
+mov.b32 {l, h}, $4;
+cvt.rn.f16x2.e4m3x2 p, l;
+mul.rn.f16x2 p, p, $5;
+mov.b32 {$0, $1}, p;
+cvt.rn.f16x2.e4m3x2 p, h;
+mul.rn.f16x2 p, p, $5;
+mov.b32 {$2, $3}, p;
+}"""
+)
+FP4_WORD_EXPONENT = tl.constexpr(6)  # what a decoded code word's multiplier adds: E2M1 via E4M3 is the value times 2^-6
+FP8_WORD_EXPONENT = tl.constexpr(0)
 
 
 @triton.jit
 def _fp4_words(words, mult, FAST: tl.constexpr):
     """MXFP4 code words (int32: bytes 0..3, each element 2j low and 2j + 1 high nibble) and their fp16x2
     multipliers -> 8 fp16 tensors: a0..a3 the low nibbles of bytes 0..3 (even elements), b0..b3 the high ones
-    (odd), each value x 2^-14 x the multiplier. FAST (CUDA): inline PTX, a byte permute moves two bytes to the
-    top of each fp16 half and ~3 logic ops + one f16x2 multiply make each pair; otherwise the same per element."""
+    (odd), each value x 2^-6 x the multiplier. FAST (CUDA): inline PTX, ~7 logic ops make a word's E4M3 bytes
+    and one conversion + one f16x2 multiply each pair (`_ASM_FP4_WORD`); otherwise the same per element."""
     if FAST:
         return tl.inline_asm_elementwise(
             _ASM_FP4_WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 8, True, 1
@@ -224,30 +233,30 @@ def _fp4_words(words, mult, FAST: tl.constexpr):
     else:
         rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
         return (
-            _fp4_to_f16(words & 0xF) * rel,
-            _fp4_to_f16((words >> 8) & 0xF) * rel,
-            _fp4_to_f16((words >> 16) & 0xF) * rel,
-            _fp4_to_f16((words >> 24) & 0xF) * rel,
-            _fp4_to_f16((words >> 4) & 0xF) * rel,
-            _fp4_to_f16((words >> 12) & 0xF) * rel,
-            _fp4_to_f16((words >> 20) & 0xF) * rel,
-            _fp4_to_f16((words >> 28) & 0xF) * rel,
+            _fp4_to_f16(words & 0xF) * 256.0 * rel,
+            _fp4_to_f16((words >> 8) & 0xF) * 256.0 * rel,
+            _fp4_to_f16((words >> 16) & 0xF) * 256.0 * rel,
+            _fp4_to_f16((words >> 24) & 0xF) * 256.0 * rel,
+            _fp4_to_f16((words >> 4) & 0xF) * 256.0 * rel,
+            _fp4_to_f16((words >> 12) & 0xF) * 256.0 * rel,
+            _fp4_to_f16((words >> 20) & 0xF) * 256.0 * rel,
+            _fp4_to_f16((words >> 28) & 0xF) * 256.0 * rel,
         )
 
 
 @triton.jit
 def _fp8_words(words, mult, FAST: tl.constexpr):
     """MXFP8 (E4M3) code words and their fp16x2 multipliers -> 4 fp16 tensors, bytes 0..3 of each word, each
-    value x 2^-8 x the multiplier (FAST: inline PTX as in `_fp4_words`)."""
+    value x the multiplier (FAST: one conversion and one f16x2 multiply a pair, `_ASM_FP8_WORD`)."""
     if FAST:
         return tl.inline_asm_elementwise(_ASM_FP8_WORD, "=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 4, True, 1)
     else:
         rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
         return (
-            _fp8_to_f16(words & 0xFF) * rel,
-            _fp8_to_f16((words >> 8) & 0xFF) * rel,
-            _fp8_to_f16((words >> 16) & 0xFF) * rel,
-            _fp8_to_f16((words >> 24) & 0xFF) * rel,
+            _fp8_to_f16(words & 0xFF) * 256.0 * rel,
+            _fp8_to_f16((words >> 8) & 0xFF) * 256.0 * rel,
+            _fp8_to_f16((words >> 16) & 0xFF) * 256.0 * rel,
+            _fp8_to_f16((words >> 24) & 0xFF) * 256.0 * rel,
         )
 
 
@@ -315,7 +324,7 @@ def _load_tile(
             # word w: bytes 4 w .. 4 w + 3, elements 2 j (low nibble, -> a) and 2 j + 1 (high, -> b); block w // 4
             NW: tl.constexpr = HEAD_DIM // 8
             words = tl.load(rows + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, NW]
-            mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + 14)  # [BLOCK_N, NB]
+            mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + FP4_WORD_EXPONENT)  # [BLOCK_N, NB]
             mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
             a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, FAST)
             a = join4(a0, a1, a2, a3).reshape(BLOCK_N, HALF)
@@ -325,8 +334,8 @@ def _load_tile(
             HB: tl.constexpr = NB // 2
             NW: tl.constexpr = HEAD_DIM // 8  # words per half
             s_a, s_b = tl.split(tl.permute(s.reshape(BLOCK_N, 2, HB), (0, 2, 1)))  # [BLOCK_N, HB] each
-            mult_a = _f16x2_pow2(tl.maximum(s_a - s_tile, -40) + 8)
-            mult_b = _f16x2_pow2(tl.maximum(s_b - s_tile, -40) + 8)
+            mult_a = _f16x2_pow2(tl.maximum(s_a - s_tile, -40) + FP8_WORD_EXPONENT)
+            mult_b = _f16x2_pow2(tl.maximum(s_b - s_tile, -40) + FP8_WORD_EXPONENT)
             mult_a = tl.broadcast_to(mult_a[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
             mult_b = tl.broadcast_to(mult_b[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
             w = tl.arange(0, NW)[None, :]
