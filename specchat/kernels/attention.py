@@ -34,6 +34,7 @@ the partitions. Quantized tiles are decoded in registers, never written back:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -168,12 +169,16 @@ def _f16x2_pow2(k):
     return h * 0x10001  # both halves: one IMAD
 
 
+# Decoding a code word on CUDA (`DECODE`): sm_89 and newer convert E4M3 to fp16 in one instruction; before that
+# the codes' bits are moved into fp16 places. The portable path (the interpreter) computes the same values.
+DECODE_PORTABLE, DECODE_BITS, DECODE_E4M3 = 0, 1, 2
+
 # E2M1 nibble -> E4M3 byte: the sign to bit 7 and the 3 magnitude bits to bits 2..4 is the nibble's value times
 # 2^-6 (E2M1's exponent lands on E4M3's low exponent bits; exponent 0 on E4M3's subnormals, which are exactly 0 and
 # 0.5 times 2^-6). Bytes' low nibbles: sign up 4, magnitude up 2; high nibbles: sign in place, magnitude down 2.
-# Then sm_89's `cvt.rn.f16x2.e4m3x2` turns two E4M3 bytes into an fp16 pair, and one f16x2 multiply by operand
-# $9 scales it. Outputs $0..$3 the low nibbles of bytes 0..3, $4..$7 the high ones.
-_ASM_FP4_WORD = tl.constexpr(
+# Then `cvt.rn.f16x2.e4m3x2` turns two E4M3 bytes into an fp16 pair, and one f16x2 multiply by operand $9 scales
+# it. Outputs $0..$3 the low nibbles of bytes 0..3, $4..$7 the high ones.
+_ASM_FP4_E4M3 = tl.constexpr(
     """{
 .reg .b32 t, u, e, o, p;
 .reg .b16 e0, e1, o0, o1;
@@ -203,7 +208,7 @@ mov.b32 {$6, $7}, p;
 }"""
 )
 # E4M3 bytes convert as they are: outputs $0..$3 bytes 0..3 of word $4, scaled by $5.
-_ASM_FP8_WORD = tl.constexpr(
+_ASM_FP8_E4M3 = tl.constexpr(
     """{
 .reg .b16 l, h;
 .reg .b32 p;
@@ -216,47 +221,107 @@ mul.rn.f16x2 p, p, $5;
 mov.b32 {$2, $3}, p;
 }"""
 )
-FP4_WORD_EXPONENT = tl.constexpr(6)  # what a decoded code word's multiplier adds: E2M1 via E4M3 is the value times 2^-6
-FP8_WORD_EXPONENT = tl.constexpr(0)
+
+
+def _f16x2_word_asm(word: int, mult: int, pairs: tuple[tuple[int, int, int, int, int], ...]) -> str:
+    """PTX (any sm_80+) that turns the code word in operand $word into fp16 pairs. For each (byte selector, sign
+    shift, magnitude shift, magnitude mask, first output): `prmt` moves two of the word's bytes to the top byte of
+    each 16-bit half, the sign bits and the magnitude bits are shifted into their fp16 places (a positive shift is
+    to the left), and one f16x2 multiply by operand $mult scales the pair into outputs first and first + 1."""
+
+    def shift(dst: str, n: int) -> str:
+        return f"shl.b32 {dst}, y, {n};" if n > 0 else f"shr.b32 {dst}, y, {-n};" if n < 0 else f"mov.b32 {dst}, y;"
+
+    lines, selector = [".reg .b32 z, y, t, u;", "mov.b32 z, 0;"], None
+    for sel, sign, magnitude, mask, first in pairs:
+        if sel != selector:
+            lines.append(f"prmt.b32 y, ${word}, z, {sel:#06x};")
+            selector = sel
+        lines += [
+            shift("t", sign),
+            "and.b32 t, t, 0x80008000;",
+            shift("u", magnitude),
+            f"and.b32 u, u, {mask:#010x};",
+            "or.b32 t, t, u;",
+            f"mul.rn.f16x2 t, t, ${mult};",
+            f"mov.b32 {{${first}, ${first + 1}}}, t;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# E2M1 nibbles into fp16 bits 15 and 11..9 (the value times 2^-14): bytes 0, 1 (selector 0x1404) then 2, 3
+# (0x3424); the low nibble's sign (bit 11 of its half) moves up 4 and its magnitude (bits 8..10) up 1, the high
+# nibble's sign stays at 15 and its magnitude (12..14) moves down 3. Outputs as `_ASM_FP4_E4M3`'s.
+_ASM_FP4_BITS = tl.constexpr(
+    _f16x2_word_asm(
+        8,
+        9,
+        (
+            (0x1404, 4, 1, 0x0E000E00, 0),
+            (0x1404, 0, -3, 0x0E000E00, 4),
+            (0x3424, 4, 1, 0x0E000E00, 2),
+            (0x3424, 0, -3, 0x0E000E00, 6),
+        ),
+    )
+)
+# E4M3 bytes into fp16 bits 15 and 13..7 (the value times 2^-8): the 7 magnitude bits (8..14) move down 1.
+_ASM_FP8_BITS = tl.constexpr(_f16x2_word_asm(4, 5, ((0x1404, 0, -1, 0x3F803F80, 0), (0x3424, 0, -1, 0x3F803F80, 2))))
 
 
 @triton.jit
-def _fp4_words(words, mult, FAST: tl.constexpr):
+def _word_exponent(FMT: tl.constexpr, DECODE: tl.constexpr):
+    """What a decoded code word's multiplier must add: the decode gives each MXFP4 (FMT 1) / MXFP8 (FMT 2) value
+    times 2^-6 / 2^0 through E4M3 (and in the portable path), 2^-14 / 2^-8 by bit placement."""
+    if DECODE == 1:
+        return 14 if FMT == 1 else 8
+    else:
+        return 6 if FMT == 1 else 0
+
+
+@triton.jit
+def _fp4_words(words, mult, DECODE: tl.constexpr):
     """MXFP4 code words (int32: bytes 0..3, each element 2j low and 2j + 1 high nibble) and their fp16x2
     multipliers -> 8 fp16 tensors: a0..a3 the low nibbles of bytes 0..3 (even elements), b0..b3 the high ones
-    (odd), each value x 2^-6 x the multiplier. FAST (CUDA): inline PTX, ~7 logic ops make a word's E4M3 bytes
-    and one conversion + one f16x2 multiply each pair (`_ASM_FP4_WORD`); otherwise the same per element."""
-    if FAST:
+    (odd), each value x 2^-`_word_exponent` x the multiplier, by inline PTX on CUDA (DECODE_E4M3: ~7 logic ops
+    make a word's E4M3 bytes, one conversion + one f16x2 multiply each pair; DECODE_BITS: a byte permute and ~4
+    logic ops + one multiply a pair), else element by element."""
+    if DECODE == 2:
         return tl.inline_asm_elementwise(
-            _ASM_FP4_WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 8, True, 1
+            _ASM_FP4_E4M3, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 8, True, 1
+        )
+    elif DECODE == 1:
+        return tl.inline_asm_elementwise(
+            _ASM_FP4_BITS, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 8, True, 1
         )
     else:
-        rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) * 256.0  # the codes are values x 2^-14
         return (
-            _fp4_to_f16(words & 0xF) * 256.0 * rel,
-            _fp4_to_f16((words >> 8) & 0xF) * 256.0 * rel,
-            _fp4_to_f16((words >> 16) & 0xF) * 256.0 * rel,
-            _fp4_to_f16((words >> 24) & 0xF) * 256.0 * rel,
-            _fp4_to_f16((words >> 4) & 0xF) * 256.0 * rel,
-            _fp4_to_f16((words >> 12) & 0xF) * 256.0 * rel,
-            _fp4_to_f16((words >> 20) & 0xF) * 256.0 * rel,
-            _fp4_to_f16((words >> 28) & 0xF) * 256.0 * rel,
+            _fp4_to_f16(words & 0xF) * rel,
+            _fp4_to_f16((words >> 8) & 0xF) * rel,
+            _fp4_to_f16((words >> 16) & 0xF) * rel,
+            _fp4_to_f16((words >> 24) & 0xF) * rel,
+            _fp4_to_f16((words >> 4) & 0xF) * rel,
+            _fp4_to_f16((words >> 12) & 0xF) * rel,
+            _fp4_to_f16((words >> 20) & 0xF) * rel,
+            _fp4_to_f16((words >> 28) & 0xF) * rel,
         )
 
 
 @triton.jit
-def _fp8_words(words, mult, FAST: tl.constexpr):
-    """MXFP8 (E4M3) code words and their fp16x2 multipliers -> 4 fp16 tensors, bytes 0..3 of each word, each
-    value x the multiplier (FAST: one conversion and one f16x2 multiply a pair, `_ASM_FP8_WORD`)."""
-    if FAST:
-        return tl.inline_asm_elementwise(_ASM_FP8_WORD, "=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 4, True, 1)
+def _fp8_words(words, mult, DECODE: tl.constexpr):
+    """MXFP8 (E4M3) code words and their fp16x2 multipliers -> 4 fp16 tensors, bytes 0..3 of each word, as
+    `_fp4_words` (DECODE_E4M3: one conversion and one f16x2 multiply a pair)."""
+    if DECODE == 2:
+        return tl.inline_asm_elementwise(_ASM_FP8_E4M3, "=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 4, True, 1)
+    elif DECODE == 1:
+        return tl.inline_asm_elementwise(_ASM_FP8_BITS, "=h,=h,=h,=h,r,r", [words, mult], (tl.float16,) * 4, True, 1)
     else:
-        rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        rel = (mult & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) * 256.0  # the codes are values x 2^-8
         return (
-            _fp8_to_f16(words & 0xFF) * 256.0 * rel,
-            _fp8_to_f16((words >> 8) & 0xFF) * 256.0 * rel,
-            _fp8_to_f16((words >> 16) & 0xFF) * 256.0 * rel,
-            _fp8_to_f16((words >> 24) & 0xFF) * 256.0 * rel,
+            _fp8_to_f16(words & 0xFF) * rel,
+            _fp8_to_f16((words >> 8) & 0xFF) * rel,
+            _fp8_to_f16((words >> 16) & 0xFF) * rel,
+            _fp8_to_f16((words >> 24) & 0xFF) * rel,
         )
 
 
@@ -288,7 +353,7 @@ def _load_tile(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SB: tl.constexpr,  # quantized: data_ptr is int32 words, scale_ptr SB-byte words (see `_kernel_views`)
-    FAST: tl.constexpr,
+    DECODE: tl.constexpr,
     ROWWISE: tl.constexpr = False,
 ):
     """A key or value tile as two column halves [BLOCK_N, HEAD_DIM / 2] and its factor (see the docstring): a
@@ -324,9 +389,9 @@ def _load_tile(
             # word w: bytes 4 w .. 4 w + 3, elements 2 j (low nibble, -> a) and 2 j + 1 (high, -> b); block w // 4
             NW: tl.constexpr = HEAD_DIM // 8
             words = tl.load(rows + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, NW]
-            mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + FP4_WORD_EXPONENT)  # [BLOCK_N, NB]
+            mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + _word_exponent(1, DECODE))  # [BLOCK_N, NB]
             mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
-            a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, FAST)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, DECODE)
             a = join4(a0, a1, a2, a3).reshape(BLOCK_N, HALF)
             b = join4(b0, b1, b2, b3).reshape(BLOCK_N, HALF)
         else:
@@ -334,15 +399,15 @@ def _load_tile(
             HB: tl.constexpr = NB // 2
             NW: tl.constexpr = HEAD_DIM // 8  # words per half
             s_a, s_b = tl.split(tl.permute(s.reshape(BLOCK_N, 2, HB), (0, 2, 1)))  # [BLOCK_N, HB] each
-            mult_a = _f16x2_pow2(tl.maximum(s_a - s_tile, -40) + FP8_WORD_EXPONENT)
-            mult_b = _f16x2_pow2(tl.maximum(s_b - s_tile, -40) + FP8_WORD_EXPONENT)
+            mult_a = _f16x2_pow2(tl.maximum(s_a - s_tile, -40) + _word_exponent(2, DECODE))
+            mult_b = _f16x2_pow2(tl.maximum(s_b - s_tile, -40) + _word_exponent(2, DECODE))
             mult_a = tl.broadcast_to(mult_a[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
             mult_b = tl.broadcast_to(mult_b[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
             w = tl.arange(0, NW)[None, :]
             words_a = tl.load(rows + w, mask=valid[:, None], other=0)
             words_b = tl.load(rows + NW + w, mask=valid[:, None], other=0)
-            a0, a1, a2, a3 = _fp8_words(words_a, mult_a, FAST)
-            b0, b1, b2, b3 = _fp8_words(words_b, mult_b, FAST)
+            a0, a1, a2, a3 = _fp8_words(words_a, mult_a, DECODE)
+            b0, b1, b2, b3 = _fp8_words(words_b, mult_b, DECODE)
             a = join4(a0, a1, a2, a3).reshape(BLOCK_N, HALF)
             b = join4(b0, b1, b2, b3).reshape(BLOCK_N, HALF)
     return a, b, factor
@@ -390,7 +455,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SB: tl.constexpr,  # bytes per scale word: 4, 2 or 1 (HEAD_DIM / 32 of them per row)
-    FAST: tl.constexpr,  # inline PTX decode (CUDA; not under TRITON_INTERPRET=1)
+    DECODE: tl.constexpr,  # DECODE_*: how code words become fp16 (the GPU's; portable under TRITON_INTERPRET=1)
     KEY_ROWS: tl.constexpr,  # keys as the MMA's rows (see `paged_attention`)
     OFFSETS: tl.constexpr,  # tl.int32 where every page tensor has fewer than 2^31 elements (cheaper addresses)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
@@ -445,11 +510,11 @@ def _paged_attention_kernel(
 
         k_a, k_b, k_factor = _load_tile(
             k_head, k_scale_head, slots, valid, stride_ks, stride_kss, K_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE,
-            SB, FAST, K_FMT != 0,
+            SB, DECODE, K_FMT != 0,
         )  # fmt: skip
         v_a, v_b, v_factor = _load_tile(
             v_head, v_scale_head, slots, valid, stride_vs, stride_vss, V_FMT, HEAD_DIM, BLOCK_N, DOT_DTYPE,
-            SB, FAST,
+            SB, DECODE,
         )  # fmt: skip
         if KEY_ROWS:
             scores = tl.dot(k_a, q_a, input_precision=PRECISION)
@@ -555,13 +620,14 @@ def paged_attention(
     key_rows: bool | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
+    decode: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
     num_partitions: how many slices the longest context is split into (default: enough to fill the GPU);
     block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages), num_warps, key_rows (keys as
     the MMA's rows; default: for quantized pages), num_stages and max_registers (per thread) are launch settings
-    for benchmarks to sweep.
+    for benchmarks to sweep; decode (DECODE_*; default: the device's best) lets tests run each decode.
     """
     quantized = k_pages.fmt != DENSE
     if block_n is None:
@@ -643,7 +709,7 @@ def paged_attention(
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(group * meta.max_q_len)),
         BLOCK_N=block_n,
         SB=_scale_word_bytes(head_dim),
-        FAST=not _interpreting(),
+        DECODE=decode if decode is not None else _decode(q.device),
         KEY_ROWS=quantized if key_rows is None else key_rows,
         OFFSETS=tl.int32 if max(t.numel() for t in (k_data, k_scales, v_data, v_scales)) < 2**31 else tl.int64,
         num_warps=num_warps,
@@ -688,6 +754,15 @@ def _kernel_views(pages: PageTensor) -> tuple[torch.Tensor, torch.Tensor]:
         return pages.data, pages.data
     scale_dtype = _WORD_DTYPES[_scale_word_bytes(pages.scales.shape[-1] * 32)]
     return pages.data.view(torch.int32), pages.scales.view(scale_dtype)
+
+
+@functools.cache
+def _decode(device: torch.device) -> int:
+    """DECODE_E4M3 from sm_89 (which converts E4M3 in one instruction), DECODE_BITS on older GPUs, and the
+    portable decode under the interpreter."""
+    if _interpreting() or device.type != "cuda":
+        return DECODE_PORTABLE
+    return DECODE_E4M3 if torch.cuda.get_device_capability(device) >= (8, 9) else DECODE_BITS
 
 
 def _sm_count(device: torch.device) -> int:

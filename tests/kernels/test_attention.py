@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from specchat.kernels.attention import (
+    DECODE_BITS,
+    DECODE_E4M3,
     MAX_BLOCK_M,
     AttentionMetadata,
     causal_attention,
@@ -160,6 +162,24 @@ def test_kernel_equals_reference(case, key_rows):
     # dense fp32 is exact up to summation order; 16-bit pages and decoded tiles go through fp16/bf16 dots
     tol = 1e-5 if page_format == "fp32" else (2e-2 if page_format == "bf16" else 4e-3)
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA sm_89+"
+)
+@pytest.mark.parametrize("case", ["mxfp4-verify", "k8v4-d128", "mxfp4-d256"])
+def test_decodes_agree_on_the_gpu(case):
+    """Codes converted through E4M3 (sm_89+) give the same tiles, so the same output bit for bit, as codes whose
+    bits are placed into fp16 (the decode of older GPUs)."""
+    page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, parts = CASES[case]
+    q, k_pages, v_pages, meta, _ = random_paged_batch(
+        page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, seed=3, device="cuda"
+    )
+    runs = [
+        paged_attention(q, k_pages, v_pages, meta, head_dim**-0.5, num_partitions=parts, decode=decode)
+        for decode in (DECODE_BITS, DECODE_E4M3)
+    ]
+    assert torch.equal(runs[0], runs[1])
 
 
 @subprocess_test
