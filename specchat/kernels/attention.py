@@ -490,6 +490,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full((BLOCK_M,), _NEG_BIG, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
+    KEYS: tl.constexpr = 0 if KEY_ROWS else 1  # the scores' axis of keys
     if KEY_ROWS:  # scores^T = K Q^T and out^T = V^T P^T: keys are the MMA's rows, the query rows its columns
         acc_a = tl.zeros((HALF, BLOCK_M), tl.float32)
         acc_b = tl.zeros((HALF, BLOCK_M), tl.float32)
@@ -519,29 +520,26 @@ def _paged_attention_kernel(
         if KEY_ROWS:
             scores = tl.dot(k_a, q_a, input_precision=PRECISION)
             scores = tl.dot(k_b, q_b, scores, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-            scores *= k_factor[:, None] if K_FMT != 0 else k_factor
             visible = (pos[:, None] <= last_key[None, :]) & valid[:, None]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            p = p.to(DOT_DTYPE)
-            acc_a = acc_a * alpha[None, :] + tl.dot(tl.trans(v_a), p, input_precision=PRECISION) * v_factor
-            acc_b = acc_b * alpha[None, :] + tl.dot(tl.trans(v_b), p, input_precision=PRECISION) * v_factor
         else:
             scores = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
             scores = tl.dot(q_b, tl.trans(k_b), scores, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            scores *= k_factor[None, :] if K_FMT != 0 else k_factor
             visible = (pos[None, :] <= last_key[:, None]) & valid[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p = p.to(DOT_DTYPE)
-            acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a, input_precision=PRECISION) * v_factor
-            acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b, input_precision=PRECISION) * v_factor
+        scores *= tl.expand_dims(k_factor, 1 - KEYS) if K_FMT != 0 else k_factor
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=KEYS))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - tl.expand_dims(m_new, KEYS))
+        l_i = l_i * alpha + tl.sum(p, axis=KEYS)
+        p = p.to(DOT_DTYPE)
+        if KEY_ROWS:
+            pv_a = tl.dot(tl.trans(v_a), p, input_precision=PRECISION)
+            pv_b = tl.dot(tl.trans(v_b), p, input_precision=PRECISION)
+        else:
+            pv_a = tl.dot(p, v_a, input_precision=PRECISION)
+            pv_b = tl.dot(p, v_b, input_precision=PRECISION)
+        acc_a = acc_a * tl.expand_dims(alpha, KEYS) + pv_a * v_factor
+        acc_b = acc_b * tl.expand_dims(alpha, KEYS) + pv_b * v_factor
         m_i = m_new
     pdl.launch_dependents(PDL)  # the merge launches as the partitions finish (kernels/pdl.py)
 
