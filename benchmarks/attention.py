@@ -7,7 +7,8 @@ shuffled order (as a busy pool hands them out). Times are medians of `triton.tes
 before every run), of the whole `paged_attention` call (attention kernel + partition merge). Bandwidth counts
 the KV bytes the call must read (keys + values, block scales included) over that time; the ceiling is the
 H200's measured 4.28 TB/s device copy (../shared/GPU.md). Rows with q=5 are speculative verification (4
-drafts + 1 per request, causal among them). --sweep also times launch settings around the defaults.
+drafts + 1 per request, causal among them). --sweep also times launch settings around the defaults at the
+longest context given.
 """
 
 from __future__ import annotations
@@ -116,11 +117,13 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     sweep_rows = []
-    for ctx in map(int, args.contexts.split(",")):
+    contexts = [int(c) for c in args.contexts.split(",")]
+    longest = max(contexts)
+    for ctx in contexts:
         for batch in map(int, args.batches.split(",")):
             pages = {fmt: make_pages(fmt, batch, ctx, gen) for fmt in FORMATS}
             for q_len in map(int, args.q_lens.split(",")):
-                if q_len > 1 and ctx != max(map(int, args.contexts.split(","))):
+                if q_len > 1 and ctx != longest:
                     continue  # verification: the longest context only
                 tables = pages["bf16"][2]
                 meta = AttentionMetadata.build(tables, [q_len] * batch, [ctx] * batch, PAGE, "cuda")
@@ -143,7 +146,7 @@ def main() -> None:
                         f"{nbytes / t / 1e9:.0f} | {nbytes / t / COPY_CEILING:.0%} | {times['bf16'] / t:.2f}x | - |",
                         flush=True,
                     )
-                if args.sweep and q_len == 1 and ctx == 32768:
+                if args.sweep and q_len == 1 and ctx == longest:
                     for fmt in FORMATS:
                         k, v, _ = pages[fmt]
                         for launch in sweep_launches(batch):
@@ -152,7 +155,7 @@ def main() -> None:
             del pages
             torch.cuda.empty_cache()
     if sweep_rows:
-        print("\nLaunch sweep at context 32768 (`paged_attention`'s launch settings; stages - = triton's default):\n")
+        print(f"\nLaunch sweep at context {longest} (`paged_attention`'s launch settings; stages - = the default):\n")
         print("| batch | pages | key rows | block_n | warps | stages | registers | partitions | time (us) |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for batch, fmt, launch, t in sweep_rows:
