@@ -71,7 +71,7 @@ TWO_TILE_SWEEP = (  # M > 64, programs that reuse their decoded weights on a sec
     (64, 1, 4, 2, 128, 128),
     (128, 1, 8, 2, 128, 128),
 )
-SPLITS = (1, 2, 4, 8, 16)
+SPLITS = (1, 2, 4, 8, 16, 32)  # M <= 16; M > 16 takes the first three
 INT4_GROUP = 32  # gpt-fast int4 g32
 INT4_INNER_K_TILES = 8
 
@@ -196,7 +196,8 @@ def sweep_configs(m: int, weight, two_tile: bool = False) -> set:
         grid = [(*c, 0) for c in (GEMV_SWEEP if m <= 16 else MATMUL_SWEEP)]
     for block_n, tiles, warps, stages, block_m, extra_m in grid:
         for split in SPLITS if m <= 16 else SPLITS[:3]:
-            if split == 1 or iterations // (tiles * split) >= 2:
+            # M <= 16 down to one k-step per program (what a bare read of the weights prefers), else two
+            if split == 1 or iterations // (tiles * split) >= (1 if m <= 16 else 2):
                 configs.add(mm.MatmulConfig(block_n, tiles, split, warps, stages, block_m, extra_m))
     return configs
 

@@ -37,7 +37,8 @@ from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS,
 BLOCK_MS = (8, 16, 32, 64, 128, 256)  # activation rows per program (the MMA's n)
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # the range choose_config picks from (8, 128, 256 measured no better)
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipeline buffers per program (the H200 has 227 KB per SM)
-MAX_SPLIT_K = 16
+MAX_SPLIT_K = 32  # what a launch may ask for (benchmarks sweep up to one k-step per program)
+CHOSEN_MAX_SPLIT_K = 16  # what choose_config picks from (the H200 sweeps' range)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_GROUP = tl.constexpr(ROW_GROUP)
 _TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per (row group, k-tile): 4 KB
@@ -289,7 +290,7 @@ def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     programs = weight.codes.shape[0] * ROW_GROUP // block_n * -(-m // block_m)
     target = SPLIT_K_WAVES * (1 if m <= 32 else 0.5) * _sm_count(weight.codes.device)
     split_k = 1
-    while split_k * 2 <= MAX_SPLIT_K and k_tiles // (tiles * split_k * 2) >= 2:
+    while split_k * 2 <= CHOSEN_MAX_SPLIT_K and k_tiles // (tiles * split_k * 2) >= 2:
         wide_enough = programs * split_k * 2 <= target or k_tiles // (split_k * 2) >= SPLIT_K_MIN_TILES
         if not wide_enough:
             break

@@ -15,6 +15,7 @@ from specchat.kernels.mxfp4 import quantize_mxfp4
 from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight
 from specchat.kernels.mxfp4_matmul_kernel import (
     MAX_BLOCK_M,
+    MAX_SPLIT_K,
     MatmulConfig,
     choose_config,
     default_block_m,
@@ -101,6 +102,17 @@ def test_split_k_and_m_tiles() -> None:
     ):
         for _ in range(2):  # the arrival counters reset for the next launch
             assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight, config), ref) < 1e-5, config
+
+
+@kernel_test
+def test_split_k_up_to_one_step_per_program() -> None:
+    """MAX_SPLIT_K splits of 32 k-tiles: every program one k-step of one or two tiles (what the launch sweep tries)."""
+    _, codes, scales = random_weight(67, 4096)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
+    x = torch.randn(3, 4096)
+    ref = reference(x, codes, scales, 4096)
+    for config in (MatmulConfig(tiles=1, split_k=MAX_SPLIT_K), MatmulConfig(tiles=2, split_k=MAX_SPLIT_K // 2)):
+        assert relative_error(mxfp4_matmul_triton(x.to(DEVICE), weight, config), ref) < 1e-5, config
 
 
 def test_block_m_follows_m() -> None:
