@@ -173,54 +173,47 @@ def _f16x2_pow2(k):
 # the codes' bits are moved into fp16 places. The portable path (the interpreter) computes the same values.
 DECODE_PORTABLE, DECODE_BITS, DECODE_E4M3 = 0, 1, 2
 
+
+def _e4m3_word_asm(setup: tuple[str, ...], halves: tuple[str, ...], mult: int) -> str:
+    """PTX (sm_89+): `setup` leaves two E4M3 bytes in each 16-bit register of `halves`; each pair converts to fp16
+    (`cvt.rn.f16x2.e4m3x2`) and one f16x2 multiply by operand $mult scales it into outputs 2i and 2i + 1."""
+    lines = [".reg .b32 p;", *setup]
+    for i, half in enumerate(halves):
+        lines += [
+            f"cvt.rn.f16x2.e4m3x2 p, {half};",
+            f"mul.rn.f16x2 p, p, ${mult};",
+            f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 # E2M1 nibble -> E4M3 byte: the sign to bit 7 and the 3 magnitude bits to bits 2..4 is the nibble's value times
 # 2^-6 (E2M1's exponent lands on E4M3's low exponent bits; exponent 0 on E4M3's subnormals, which are exactly 0 and
-# 0.5 times 2^-6). Bytes' low nibbles: sign up 4, magnitude up 2; high nibbles: sign in place, magnitude down 2.
-# Then `cvt.rn.f16x2.e4m3x2` turns two E4M3 bytes into an fp16 pair, and one f16x2 multiply by operand $9 scales
-# it. Outputs $0..$3 the low nibbles of bytes 0..3, $4..$7 the high ones.
+# 0.5 times 2^-6). Bytes' low nibbles (e): sign up 4, magnitude up 2; high nibbles (o): sign in place, magnitude
+# down 2. Word $8, multiplier $9; outputs $0..$3 the low nibbles of bytes 0..3, $4..$7 the high ones.
 _ASM_FP4_E4M3 = tl.constexpr(
-    """{
-.reg .b32 t, u, e, o, p;
-.reg .b16 e0, e1, o0, o1;
-shl.b32 t, $8, 4;
-and.b32 t, t, 0x80808080;
-shl.b32 u, $8, 2;
-and.b32 u, u, 0x1C1C1C1C;
-or.b32 e, t, u;
-shr.b32 u, $8, 2;
-and.b32 u, u, 0x1C1C1C1C;
-and.b32 t, $8, 0x80808080;
-or.b32 o, t, u;
-mov.b32 {e0, e1}, e;
-mov.b32 {o0, o1}, o;
-cvt.rn.f16x2.e4m3x2 p, e0;
-mul.rn.f16x2 p, p, $9;
-mov.b32 {$0, $1}, p;
-cvt.rn.f16x2.e4m3x2 p, e1;
-mul.rn.f16x2 p, p, $9;
-mov.b32 {$2, $3}, p;
-cvt.rn.f16x2.e4m3x2 p, o0;
-mul.rn.f16x2 p, p, $9;
-mov.b32 {$4, $5}, p;
-cvt.rn.f16x2.e4m3x2 p, o1;
-mul.rn.f16x2 p, p, $9;
-mov.b32 {$6, $7}, p;
-}"""
+    _e4m3_word_asm(
+        (
+            ".reg .b32 t, u, e, o;",
+            ".reg .b16 e0, e1, o0, o1;",
+            "shl.b32 t, $8, 4;",
+            "and.b32 t, t, 0x80808080;",
+            "shl.b32 u, $8, 2;",
+            "and.b32 u, u, 0x1C1C1C1C;",
+            "or.b32 e, t, u;",
+            "shr.b32 u, $8, 2;",
+            "and.b32 u, u, 0x1C1C1C1C;",
+            "and.b32 t, $8, 0x80808080;",
+            "or.b32 o, t, u;",
+            "mov.b32 {e0, e1}, e;",
+            "mov.b32 {o0, o1}, o;",
+        ),
+        ("e0", "e1", "o0", "o1"),
+        9,
+    )
 )
 # E4M3 bytes convert as they are: outputs $0..$3 bytes 0..3 of word $4, scaled by $5.
-_ASM_FP8_E4M3 = tl.constexpr(
-    """{
-.reg .b16 l, h;
-.reg .b32 p;
-mov.b32 {l, h}, $4;
-cvt.rn.f16x2.e4m3x2 p, l;
-mul.rn.f16x2 p, p, $5;
-mov.b32 {$0, $1}, p;
-cvt.rn.f16x2.e4m3x2 p, h;
-mul.rn.f16x2 p, p, $5;
-mov.b32 {$2, $3}, p;
-}"""
-)
+_ASM_FP8_E4M3 = tl.constexpr(_e4m3_word_asm((".reg .b16 l, h;", "mov.b32 {l, h}, $4;"), ("l", "h"), 5))
 
 
 def _f16x2_word_asm(word: int, mult: int, pairs: tuple[tuple[int, int, int, int, int], ...]) -> str:
@@ -372,15 +365,15 @@ def _load_tile(
         s = _scale_bytes(scale_ptr, slots, valid, stride_ss, NB, SB, BLOCK_N)  # [BLOCK_N, NB]
         if ROWWISE:
             s_row = tl.max(s, axis=1)  # [BLOCK_N]
-            s_tile = s_row[:, None]
+            s_ref = s_row[:, None]
             factor = pow2(s_row - 127)
         else:
-            s_tile = tl.max(tl.max(s, axis=1), axis=0)
-            factor = pow2(s_tile - 127)
+            s_ref = tl.max(tl.max(s, axis=1), axis=0)
+            factor = pow2(s_ref - 127)
         if FMT == 1 and NB == 1:
             # head_dim 32 (one block a row): byte by byte (the word path below measured wrong at this width on
             # the H200 under triton 3.6, while right under the interpreter)
-            rel = pow2(tl.maximum(s - s_tile, -40) + 14).to(tl.float16)  # [BLOCK_N, 1]
+            rel = pow2(tl.maximum(s - s_ref, -40) + 14).to(tl.float16)  # [BLOCK_N, 1]
             byte_rows = data_ptr.to(tl.pointer_type(tl.uint8)) + slots[:, None] * (stride_s * 4)
             codes = tl.load(byte_rows + tl.arange(0, HALF)[None, :], mask=valid[:, None], other=0).to(tl.int32)
             a = _fp4_to_f16(codes) * rel
@@ -389,7 +382,7 @@ def _load_tile(
             # word w: bytes 4 w .. 4 w + 3, elements 2 j (low nibble, -> a) and 2 j + 1 (high, -> b); block w // 4
             NW: tl.constexpr = HEAD_DIM // 8
             words = tl.load(rows + tl.arange(0, NW)[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, NW]
-            mult = _f16x2_pow2(tl.maximum(s - s_tile, -40) + _word_exponent(1, DECODE))  # [BLOCK_N, NB]
+            mult = _f16x2_pow2(tl.maximum(s - s_ref, -40) + _word_exponent(1, DECODE))  # [BLOCK_N, NB]
             mult = tl.broadcast_to(mult[:, :, None], (BLOCK_N, NB, 4)).reshape(BLOCK_N, NW)
             a0, a1, a2, a3, b0, b1, b2, b3 = _fp4_words(words, mult, DECODE)
             a = join4(a0, a1, a2, a3).reshape(BLOCK_N, HALF)
@@ -399,8 +392,8 @@ def _load_tile(
             HB: tl.constexpr = NB // 2
             NW: tl.constexpr = HEAD_DIM // 8  # words per half
             s_a, s_b = tl.split(tl.permute(s.reshape(BLOCK_N, 2, HB), (0, 2, 1)))  # [BLOCK_N, HB] each
-            mult_a = _f16x2_pow2(tl.maximum(s_a - s_tile, -40) + _word_exponent(2, DECODE))
-            mult_b = _f16x2_pow2(tl.maximum(s_b - s_tile, -40) + _word_exponent(2, DECODE))
+            mult_a = _f16x2_pow2(tl.maximum(s_a - s_ref, -40) + _word_exponent(2, DECODE))
+            mult_b = _f16x2_pow2(tl.maximum(s_b - s_ref, -40) + _word_exponent(2, DECODE))
             mult_a = tl.broadcast_to(mult_a[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
             mult_b = tl.broadcast_to(mult_b[:, :, None], (BLOCK_N, HB, 8)).reshape(BLOCK_N, NW)
             w = tl.arange(0, NW)[None, :]
