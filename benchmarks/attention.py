@@ -11,7 +11,7 @@ medians of eager calls, which put the host's launch work into the short rows (8k
 the KV bytes the call must read (keys + values, block scales included) over that time; the ceiling is the
 H200's measured 4.28 TB/s device copy (../shared/GPU.md). Rows with q=5 are speculative verification (4
 drafts + 1 per request, causal among them). --sweep also times launch settings around the defaults at the
-longest context given.
+longest context given (every q given), then prints the best three of each case beside the default.
 """
 
 from __future__ import annotations
@@ -165,34 +165,54 @@ def main() -> None:
                         f"{nbytes / t / 1e9:.0f} | {nbytes / t / COPY_CEILING:.0%} | {times['bf16'] / t:.2f}x | - |",
                         flush=True,
                     )
-                if args.sweep and q_len == 1 and ctx == longest:
+                if args.sweep and ctx == longest:
                     for fmt in FORMATS:
+                        default = times[fmt]
                         for launch in sweep_launches(batch):
-                            t = bench_paged(q, copies[fmt], meta, scale, **launch)
-                            sweep_rows.append((batch, fmt, launch, t))
+                            try:
+                                t = bench_paged(q, copies[fmt], meta, scale, **launch)
+                            except Exception as error:  # a launch that does not compile or fit: report, go on
+                                print(f"{fmt} q={q_len} {launch}: {type(error).__name__}: {error}"[:300], flush=True)
+                                continue
+                            sweep_rows.append((batch, q_len, fmt, launch, t, default))
             del pages, copies
             torch.cuda.empty_cache()
     if sweep_rows:
         print(f"\nLaunch sweep at context {longest} (`paged_attention`'s launch settings; stages - = the default):\n")
-        print("| batch | pages | key rows | block_n | warps | stages | registers | partitions | time (us) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for batch, fmt, launch, t in sweep_rows:
-            print(
-                f"| {batch} | {fmt} | {launch['key_rows']} | {launch['block_n']} | {launch['num_warps']} | "
-                f"{launch.get('num_stages', '-')} | {launch.get('max_registers', '-')} | {launch['num_partitions']} | "
-                f"{t * 1e6:.1f} |"
-            )
+        print("| batch | q | pages | key rows | block_n | warps | stages | registers | partitions | time (us) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for batch, q_len, fmt, launch, t, _ in sweep_rows:
+            print(f"| {batch} | {q_len} | {fmt} | {_launch_cells(launch)} | {t * 1e6:.1f} |")
+        print("\nBest launches against the default (the table above):\n")
+        print(
+            "| batch | q | pages | default (us) | best (us) | key rows | block_n | warps | stages | registers | partitions |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        cases = dict.fromkeys((batch, q_len, fmt) for batch, q_len, fmt, *_ in sweep_rows)
+        for case in cases:
+            rows = sorted((r for r in sweep_rows if r[:3] == case), key=lambda r: r[4])
+            for *_, launch, t, default in rows[:3]:
+                print(
+                    f"| {' | '.join(map(str, case))} | {default * 1e6:.1f} | {t * 1e6:.1f} | {_launch_cells(launch)} |"
+                )
+
+
+def _launch_cells(launch: dict) -> str:
+    return (
+        f"{launch['key_rows']} | {launch['block_n']} | {launch['num_warps']} | {launch.get('num_stages', '-')} | "
+        f"{launch.get('max_registers', '-')} | {launch['num_partitions']}"
+    )
 
 
 def sweep_launches(batch: int) -> list[dict]:
-    """Launch settings around the defaults: MMA orientation x tile x warps x partitions (2, 4, 8 or 16 programs
-    per SM), and at 128-key tiles the pipeline depth and a 128-register cap (four programs per SM instead of
+    """Launch settings around the defaults: MMA orientation x tile x warps x partitions (1 to 16 programs per
+    SM), and at 128-key tiles the pipeline depth and a 128-register cap (four programs per SM instead of
     three)."""
     launches = []
     for key_rows in (False, True):
         for block_n in (64, 128):
             for warps in (4, 8):
-                for per_sm in (2, 4, 8, 16):
+                for per_sm in (1, 2, 4, 8, 16):
                     parts = max(1, round(per_sm * 132 / (batch * KV_HEADS)))
                     launch = dict(key_rows=key_rows, block_n=block_n, num_warps=warps, num_partitions=parts)
                     launches.append(launch)
