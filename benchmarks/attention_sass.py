@@ -32,7 +32,7 @@ from specchat.kernels import attention
 
 FORMATS = {"bf16": (0, 0), "mxfp4": (1, 1), "k8v4": (2, 1)}  # key format, value format (attention._FMT_IDS)
 DIVISIBLE = ("stride_qt", "stride_qh", "stride_kh", "stride_ks", "stride_ksh", "stride_vh", "stride_vs")
-DIVISIBLE += ("stride_vsh", "stride_tb", "stride_ot", "stride_oh", "stride_op", "partition_tokens")
+DIVISIBLE += ("stride_vsh", "stride_tb", "stride_ot", "stride_oh", "stride_op")
 _OP = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);")
 
 

@@ -406,7 +406,8 @@ def _load_tile(
     return a, b, factor
 
 
-@triton.jit
+# the partials' strides follow the partition count: unspecialised, every count runs one compiled kernel
+@triton.jit(do_not_specialize=["stride_mt", "stride_mh"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     part_out_ptr,  # [T, H, P, D] fp32: unnormalised partial outputs
@@ -421,7 +422,6 @@ def _paged_attention_kernel(
     q_lens_ptr,
     ctx_lens_ptr,
     qk_scale,  # softmax scale * log2(e)
-    partition_tokens,
     stride_qt,
     stride_qh,
     stride_kh,
@@ -461,8 +461,11 @@ def _paged_attention_kernel(
     ctx_len = tl.load(ctx_lens_ptr + req)
     q_len = tl.load(q_lens_ptr + req)
     q_start = tl.load(q_starts_ptr + req)
-    start = part * partition_tokens
-    end = tl.minimum(start + partition_tokens, ctx_len)
+    # each request's own context split evenly over the partitions, in whole tiles (not the batch's longest or a
+    # CUDA graph's context bucket: a 32k context in the 64k bucket would leave half the partitions empty)
+    span = tl.cdiv(tl.cdiv(ctx_len, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+    start = part * span
+    end = tl.minimum(start + span, ctx_len)
 
     # query rows: row r is new token r // GROUP of the request, query head kv_head * GROUP + r % GROUP
     r = tl.arange(0, BLOCK_M)
@@ -646,50 +649,9 @@ def paged_attention(
         dot_dtype = torch.float16  # decoded codes are exact fp16 (see the module docstring)
 
     batch = meta.batch_size
-    if num_partitions is None:
-        per_sm = QUANT_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
-        target = INTERPRETER_PROGRAMS if _interpreting() else per_sm * _sm_count(q.device)
-        num_partitions = triton.cdiv(target, batch * kv_heads)
-    num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, block_n)))
-    partition_tokens = triton.cdiv(triton.cdiv(meta.max_ctx_len, num_partitions), block_n) * block_n
-
-    part_out = torch.empty(t, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(t, num_heads, num_partitions, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
     k_data, k_scales = _kernel_views(k_pages)
     v_data, v_scales = _kernel_views(v_pages)
-    launch = pdl.launch_options(q.device)
-    _paged_attention_kernel[(num_partitions, kv_heads, batch)](
-        q,
-        part_out,
-        part_max,
-        part_sum,
-        k_data,
-        k_scales,
-        v_data,
-        v_scales,
-        meta.block_tables,
-        meta.q_starts,
-        meta.q_lens,
-        meta.ctx_lens,
-        scale * math.log2(math.e),
-        partition_tokens,
-        q.stride(0),
-        q.stride(1),
-        k_data.stride(0),
-        k_data.stride(1),
-        k_scales.stride(0),
-        k_scales.stride(1),
-        v_data.stride(0),
-        v_data.stride(1),
-        v_scales.stride(0),
-        v_scales.stride(1),
-        meta.block_tables.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_max.stride(0),
-        part_max.stride(1),
+    constexprs = dict(
         K_FMT=_FMT_IDS[k_pages.fmt],
         V_FMT=_FMT_IDS[v_pages.fmt],
         DOT_DTYPE=_TL_DTYPES[dot_dtype],
@@ -706,8 +668,61 @@ def paged_attention(
         num_warps=num_warps,
         num_stages=num_stages or (QUANT_NUM_STAGES if quantized else 3),
         **({"maxnreg": max_registers} if max_registers else {}),
-        **launch,
+        **pdl.launch_options(q.device),
     )
+
+    def launch(partitions: int, warmup: bool = False):
+        """The attention kernel over `partitions` slices of the context (warmup: compile only, return it)."""
+        part_out = torch.empty(t, num_heads, partitions, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(t, num_heads, partitions, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        grid = (partitions, kv_heads, batch)
+        kernel = _paged_attention_kernel.warmup if warmup else _paged_attention_kernel[grid]
+        compiled = kernel(
+            q,
+            part_out,
+            part_max,
+            part_sum,
+            k_data,
+            k_scales,
+            v_data,
+            v_scales,
+            meta.block_tables,
+            meta.q_starts,
+            meta.q_lens,
+            meta.ctx_lens,
+            scale * math.log2(math.e),
+            q.stride(0),
+            q.stride(1),
+            k_data.stride(0),
+            k_data.stride(1),
+            k_scales.stride(0),
+            k_scales.stride(1),
+            v_data.stride(0),
+            v_data.stride(1),
+            v_scales.stride(0),
+            v_scales.stride(1),
+            meta.block_tables.stride(0),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_max.stride(0),
+            part_max.stride(1),
+            **constexprs,
+            **({"grid": grid} if warmup else {}),
+        )
+        return compiled if warmup else (part_out, part_max, part_sum)
+
+    if num_partitions is None:
+        if _interpreting():
+            num_partitions = triton.cdiv(INTERPRETER_PROGRAMS, batch * kv_heads)
+        else:
+            key = (q.device, *constexprs.values())
+            resident = _resident_programs(q.device, key, lambda: launch(2, warmup=True))
+            per_sm = QUANT_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
+            num_partitions = fill_partitions(batch * kv_heads, _sm_count(q.device), resident, per_sm, meta.max_q_len)
+    num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, block_n)))
+    part_out, part_max, part_sum = launch(num_partitions)
     out = torch.empty_like(q)
     _merge_partitions_kernel[(t, num_heads)](
         part_out,
@@ -724,7 +739,7 @@ def paged_attention(
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_P=triton.next_power_of_2(num_partitions),
-        **launch,
+        **pdl.launch_options(q.device),
     )
     return out
 
@@ -758,3 +773,41 @@ def _decode(device: torch.device) -> int:
 
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fill_partitions(batch_heads: int, sms: int, resident: int, per_sm: int, max_q_len: int) -> int:
+    """Context slices per (request, KV head) for a grid that fills whole waves of the GPU.
+
+    A wave is every SM holding `resident` programs (what its registers and shared memory allow). Decode
+    (one query row per request) aims at `per_sm` programs per SM, rounded to whole waves; verification (more
+    rows) at one wave. H200, 32k context (docs/benchmarks.md, twenty-fourth session): a grid 9% past a wave
+    runs its last programs as a second wave of their own (bf16 pages, q = 5, batch 8: 9 partitions 338 us, 8
+    partitions 257), and verification rows over MXFP4 pages ran 1.5x faster in one wave than in four (batch 1:
+    80 -> 54 us).
+    """
+    slots = resident * sms
+    waves = 1 if max_q_len > 1 else max(1, round(per_sm / resident))
+    return max(1, waves * slots // batch_heads)
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident_programs(device: torch.device, key: tuple, compile_kernel) -> int:
+    """Programs of one attention kernel config an SM holds at once, from its compiled registers and shared
+    memory (as Triton's tutorials compute occupancy), cached by config."""
+    if key not in _RESIDENT:
+        kernel = compile_kernel()
+        kernel._init_handles()  # loads the binary, which sets n_regs
+        sm = torch.cuda.get_device_properties(device)
+        sm_registers = triton.runtime.driver.active.utils.get_device_properties(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )["max_num_regs"]
+        warps = kernel.metadata.num_warps
+        registers = -(-kernel.n_regs * 32 // 256) * 256 * warps  # allocated per warp in units of 256
+        shared = kernel.metadata.shared + 1024  # the driver reserves 1 KB a program
+        by_threads = sm.max_threads_per_multi_processor // (32 * warps)
+        _RESIDENT[key] = max(
+            1, min(sm_registers // registers, sm.shared_memory_per_multiprocessor // shared, by_threads)
+        )
+    return _RESIDENT[key]

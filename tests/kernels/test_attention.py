@@ -17,6 +17,7 @@ from specchat.kernels.attention import (
     MAX_BLOCK_M,
     AttentionMetadata,
     causal_attention,
+    fill_partitions,
     paged_attention,
     paged_attention_reference,
     paged_attention_supported,
@@ -180,6 +181,36 @@ def test_decodes_agree_on_the_gpu(case):
         for decode in (DECODE_BITS, DECODE_E4M3)
     ]
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the default partition count is CUDA's")
+@pytest.mark.parametrize(
+    ("page_format", "q_lens", "ctx_lens"),
+    [("mxfp4", [5], [3000]), ("k8v4", [1] * 8, [1500] * 8), ("bf16", [5] * 4, [2100, 700, 64, 1300])],
+)
+def test_default_partitions_on_the_gpu(page_format, q_lens, ctx_lens):
+    """The partition count the kernel's measured occupancy picks (compiled once, unspecialised partials'
+    strides) gives the reference's output, long contexts split into many slices."""
+    q, k_pages, v_pages, meta, _ = random_paged_batch(page_format, q_lens, ctx_lens, 32, 8, 128, seed=5, device="cuda")
+    expected = paged_attention_reference(q, k_pages, v_pages, meta, 128**-0.5).float()
+    got = paged_attention(q, k_pages, v_pages, meta, 128**-0.5).float()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_fill_partitions_fills_whole_waves():
+    """H200 (132 SMs): decode grids round per_sm to whole waves of resident programs, verification grids take one
+    wave; never a partial wave past the last whole one."""
+    assert fill_partitions(64, 132, resident=3, per_sm=8, max_q_len=1) == 18  # 3 waves of 396: 1,152 programs
+    assert fill_partitions(8, 132, resident=2, per_sm=8, max_q_len=5) == 33  # one wave of 264
+    assert fill_partitions(64, 132, resident=4, per_sm=4, max_q_len=5) == 8  # 512 of 528 (9 ran 1.3x slower)
+    assert fill_partitions(64, 132, resident=5, per_sm=4, max_q_len=1) == 10  # 4 / 5 rounds to one wave
+    assert fill_partitions(2048, 132, resident=3, per_sm=8, max_q_len=1) == 1  # more heads than slots
+    for batch_heads in (1, 3, 8, 24, 64, 200, 500):
+        for resident in (1, 2, 3, 5):
+            for per_sm, q in ((8, 1), (4, 1), (8, 5)):
+                parts = fill_partitions(batch_heads, 132, resident, per_sm, q)
+                waves = 1 if q > 1 else max(1, round(per_sm / resident))
+                assert parts * batch_heads <= max(batch_heads, waves * resident * 132) < (parts + 1) * batch_heads
 
 
 @subprocess_test
