@@ -53,9 +53,9 @@ MIN_BLOCK_M = 16  # query rows per program are padded to a tensor-core tile
 MAX_BLOCK_M = 128  # query rows per program: q_len x (H / KVH) must fit
 MAX_HEAD_DIM = 256
 MAX_GROUPED_Q = 32  # the reference attends with plain matmuls up to this many new tokens (decode, verification)
-PROGRAMS_PER_SM = 4  # split the context until the grid covers the GPU this many times over
+PROGRAMS_PER_SM = 4  # decode grids aim at this many programs per SM, rounded to whole waves (`fill_partitions`)
 # Quantized pages: longer tiles and twice the partitions (H200, 32k context, batch 16: 964 -> 488 us, against
-# 505 us for bf16 pages at their defaults; docs/benchmarks.md, "Seventh lease")
+# 505 us for bf16 pages at their defaults; docs/benchmarks.md, "Seventh lease"); 8 = 3 waves of 3 programs an SM
 QUANT_BLOCK_N = 128
 QUANT_PROGRAMS_PER_SM = 8
 QUANT_NUM_STAGES = 2  # keys as rows, 32k, batch 16: k8v4 562 -> 483 us, MXFP4 452 -> 450 (3 stages -> 2)
@@ -618,7 +618,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
-    num_partitions: how many slices the longest context is split into (default: enough to fill the GPU);
+    num_partitions: how many slices each request's context is split into (default: `fill_partitions`);
     block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages), num_warps, key_rows (keys as
     the MMA's rows; default: for quantized pages), num_stages and max_registers (per thread) are launch settings
     for benchmarks to sweep; decode (DECODE_*; default: the device's best) lets tests run each decode.
