@@ -651,6 +651,7 @@ def paged_attention(
     batch = meta.batch_size
     k_data, k_scales = _kernel_views(k_pages)
     v_data, v_scales = _kernel_views(v_pages)
+    pdl_options = pdl.launch_options(q.device)
     constexprs = dict(
         K_FMT=_FMT_IDS[k_pages.fmt],
         V_FMT=_FMT_IDS[v_pages.fmt],
@@ -668,7 +669,7 @@ def paged_attention(
         num_warps=num_warps,
         num_stages=num_stages or (QUANT_NUM_STAGES if quantized else 3),
         **({"maxnreg": max_registers} if max_registers else {}),
-        **pdl.launch_options(q.device),
+        **pdl_options,
     )
 
     def launch(partitions: int, warmup: bool = False):
@@ -739,7 +740,7 @@ def paged_attention(
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_P=triton.next_power_of_2(num_partitions),
-        **pdl.launch_options(q.device),
+        **pdl_options,
     )
     return out
 
