@@ -35,6 +35,7 @@ from specchat.engine.cpu_weights import set_activations
 from specchat.engine.engine import Engine
 from specchat.engine.stats import SpecStats
 from specchat.engine.train_heads import CATEGORIES, load_prompt_set
+from specchat.kernels import cpu_gemv_i8
 
 DEFAULT_CONFIGS = "none,ngram:2,ngram:4,ngram:6,ngram:auto,heads:1,heads:2,heads:3,heads:4,heads:5,heads:auto"
 DEFAULT_TIMED = "none,ngram:4,heads:4,heads:auto"
@@ -159,7 +160,8 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    acts = args.cpu_act.split(",")
+    # auto: what the engine picks on this CPU (int8 rows where the int8 kernels run), named as it is run
+    acts = [("int8" if cpu_gemv_i8.available() else "fp32") if a == "auto" else a for a in args.cpu_act.split(",")]
     engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, cpu_act=acts[-1]))
     # heads@ROWS: the shipped heads drafting from their ROWS most frequent draft-vocabulary entries; heads~F: their
     # greedy chains stopping below chain probability F (0: never) instead of heads_cpu.MIN_CONFIDENCE; heads#NAME
