@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
-#   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep floor goals attention batch1 sessions
-#                                          profile kv fusion pdl
+#   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep floor goals attention attention-sweep
+#                                          batch1 sessions profile kv fusion pdl
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -39,6 +39,9 @@ for part in "${parts[@]}"; do
       timeout 240 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1,32 --k 0,4 2>&1 | tee -a "$log" ;;
     attention)
       timeout 150 python benchmarks/attention.py 2>&1 | tee -a "$log" ;;
+    attention-sweep)  # launch settings around paged_attention's defaults at every q (CONTEXT, BATCHES pick the case)
+      timeout 400 python benchmarks/attention.py --contexts "${CONTEXT:-32768}" --batches "${BATCHES:-1,8}" --q-lens 1,5 \
+        --sweep 2>&1 | tee -a "$log" | sed -n '/Best launches/,$p' ;;
     batch1)
       timeout 200 "${synthetic[@]}" --weights bf16,int4,mxfp4 --batch 1 --k 0,4 --steps 128 2>&1 | tee -a "$log"
       timeout 150 "${synthetic[@]}" --weights bf16,mxfp4 --batch 1 --k 0,4 --steps 32 --eager 2>&1 | tee -a "$log" ;;
