@@ -672,58 +672,34 @@ def paged_attention(
         **pdl_options,
     )
 
-    def launch(partitions: int, warmup: bool = False):
-        """The attention kernel over `partitions` slices of the context (warmup: compile only, return it)."""
+    def kernel_args(partitions: int) -> tuple:
+        """The kernel's arguments for `partitions` slices of the context, the partials' buffers first."""
         part_out = torch.empty(t, num_heads, partitions, head_dim, dtype=torch.float32, device=q.device)
         part_max = torch.empty(t, num_heads, partitions, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-        grid = (partitions, kv_heads, batch)
-        kernel = _paged_attention_kernel.warmup if warmup else _paged_attention_kernel[grid]
-        compiled = kernel(
-            q,
-            part_out,
-            part_max,
-            part_sum,
-            k_data,
-            k_scales,
-            v_data,
-            v_scales,
-            meta.block_tables,
-            meta.q_starts,
-            meta.q_lens,
-            meta.ctx_lens,
-            scale * math.log2(math.e),
-            q.stride(0),
-            q.stride(1),
-            k_data.stride(0),
-            k_data.stride(1),
-            k_scales.stride(0),
-            k_scales.stride(1),
-            v_data.stride(0),
-            v_data.stride(1),
-            v_scales.stride(0),
-            v_scales.stride(1),
-            meta.block_tables.stride(0),
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            part_max.stride(0),
-            part_max.stride(1),
-            **constexprs,
-            **({"grid": grid} if warmup else {}),
-        )
-        return compiled if warmup else (part_out, part_max, part_sum)
+        return (
+            q, part_out, part_max, part_sum, k_data, k_scales, v_data, v_scales,
+            meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, scale * math.log2(math.e),
+            q.stride(0), q.stride(1), k_data.stride(0), k_data.stride(1), k_scales.stride(0), k_scales.stride(1),
+            v_data.stride(0), v_data.stride(1), v_scales.stride(0), v_scales.stride(1), meta.block_tables.stride(0),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
+        )  # fmt: skip
 
     if num_partitions is None:
         if _interpreting():
             num_partitions = triton.cdiv(INTERPRETER_PROGRAMS, batch * kv_heads)
         else:
             key = (q.device, *constexprs.values())
-            resident = _resident_programs(q.device, key, lambda: launch(2, warmup=True))
+            grid = (2, kv_heads, batch)  # compiled only: the partition count specialises nothing
+            resident = _resident_programs(
+                q.device, key, lambda: _paged_attention_kernel.warmup(*kernel_args(2), grid=grid, **constexprs)
+            )
             per_sm = QUANT_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
             num_partitions = fill_partitions(batch * kv_heads, _sm_count(q.device), resident, per_sm, meta.max_q_len)
     num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, block_n)))
-    part_out, part_max, part_sum = launch(num_partitions)
+    args = kernel_args(num_partitions)
+    _paged_attention_kernel[(num_partitions, kv_heads, batch)](*args, **constexprs)
+    part_out, part_max, part_sum = args[1:4]
     out = torch.empty_like(q)
     _merge_partitions_kernel[(t, num_heads)](
         part_out,
