@@ -36,7 +36,7 @@ import torch
 from specchat.engine.kv_batch import KVBatch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
-from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, joined, sub_batch
+from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, TokenContext, joined, sub_batch
 from specchat.kernels import pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 from specchat.kernels.fused import advance_step
@@ -128,6 +128,7 @@ class _Graph:
     logits: torch.Tensor  # [B*q, vocab] output
     hidden: dict[int, torch.Tensor]  # {tap layer: [B*q, hidden]} outputs
     keep: tuple  # what else the graph reads (the metadata's fixed tensors): it must live as long as the graph
+    context: TokenContext  # where its requests' tokens are (static views of its staging)
     # graphs that read this one's outputs (`CudaGraphRunner.replay_after`): key -> (what they baked in, the
     # graph, its outputs)
     after: dict = field(default_factory=dict)
@@ -368,9 +369,12 @@ class CudaGraphRunner(ModelRunner):
         new_slots.copy_(self.scratch_page * ps + torch.arange(bucket, device=dev) % ps)  # padding: the scratch page
         staging.seal()
         kv = StaticKVBatch(self.pool, None, new_slots, bucket, self.scale)
-        graph, (logits, hidden) = capture_graph(
-            lambda: self.model(ids, positions, kv, taps=taps, logits_at=last), dev, self.mempool, warm_ups=2
-        )
+
+        def prefill():
+            kv.record(ids)
+            return self.model(ids, positions, kv, taps=taps, logits_at=last)
+
+        graph, (logits, hidden) = capture_graph(prefill, dev, self.mempool, warm_ups=2)
         return _Prefill(graph, staging, last, logits, hidden)
 
     @torch.inference_mode()
@@ -410,15 +414,17 @@ class CudaGraphRunner(ModelRunner):
         hidden = {layer: h[:rows].clone() for layer, h in g.hidden.items()}
         # (ids: the staged tokens, valid until the graph's next replay, like the logits)
         sizes = [q] * n
-        return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), g.staging.dev64[:rows], hidden, g)
+        return StepOutput(
+            logits, Rows(logits, sizes), Rows(hidden, sizes), g.staging.dev64[:rows], hidden, g, lambda: g.context
+        )
 
     @torch.inference_mode()
     def replay_after(
         self, out: StepOutput, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], baked: Hashable = None
     ) -> tuple[torch.Tensor, ...] | None:
-        """`fn(key, logits [R, vocab], ids [R], hidden {tap layer: [R, d]})` -> tensors [B, ...], over the rows of
-        the graph replay that made `out` (R = B x q, its batch bucket's: the rows past out's requests are the
-        padding's), replayed as a CUDA graph that reads that replay's outputs where they are: no copies in, no
+        """`fn(key, logits [R, vocab], ids [R], hidden {tap layer: [R, d]}, context)` -> tensors [B, ...], over the
+        rows of the graph replay that made `out` (R = B x q, its batch bucket's: the rows past out's requests are the
+        padding's; context: where its requests' tokens are, a `TokenContext` of B rows), replayed as a CUDA graph that reads that replay's outputs where they are: no copies in, no
         launches of its own (as a GraphedFunction, a drafting step's argmax, verdicts and next drafts cost ~200 us
         of host time a step at 32 sessions on the H200). Captured on first use for that graph and key (again where
         `baked`, what fn reads besides its inputs, changed); graphs of this kind share one memory pool (each one's
@@ -447,7 +453,7 @@ class CudaGraphRunner(ModelRunner):
         return entry
 
     def _capture_after(self, g: _Graph, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]]) -> tuple:
-        inputs = (key, g.logits, g.staging.dev64[: len(g.logits)], g.hidden)
+        inputs = (key, g.logits, g.staging.dev64[: len(g.logits)], g.hidden, g.context)
         return capture_graph(lambda: fn(*inputs), self.device, self.after_pool)
 
     @torch.inference_mode()
@@ -481,10 +487,12 @@ class CudaGraphRunner(ModelRunner):
             if q > 1:  # a width forward_advanced may take: its requests moved by `advance` first (0 elsewhere), and
                 # every replay's slots made from the tables here (`_replay` stages none)
                 advance_step(positions.view(b, q), new_slots, ctx_lens, tables, advance, ps)
+            kv.record(ids)
             return self.model(ids, positions, kv, taps=taps)
 
         graph, (logits, hidden) = capture_graph(forward, dev, self.mempool, warm_ups=2)
-        return _Graph(graph, staging, b, width, logits, hidden, (meta, kv))
+        context = TokenContext(self.pool.store.ids, tables, positions.view(b, q)[:, 0], ps)
+        return _Graph(graph, staging, b, width, logits, hidden, (meta, kv), context)
 
 
 def capture_graph(fn: Callable[[], object], device: torch.device, pool=None, warm_ups: int = 1) -> tuple:

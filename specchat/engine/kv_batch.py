@@ -65,6 +65,10 @@ class KVBatch:
         # (kv_quant's codes, bit for bit) and reads the codes; every row, a prompt's too, as for dense pages
         self._cpu_quantized = takes and store.name in QUANTIZED_FORMATS
 
+    def record(self, ids: torch.Tensor) -> None:
+        """Write the step's fed tokens [T] into their slots' ids (`PageStore.ids`), once a forward."""
+        self.store.ids[self.new_slots] = ids
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False
     ) -> torch.Tensor:

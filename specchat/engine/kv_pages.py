@@ -112,6 +112,9 @@ class PageStore:
         self.num_kv_heads, self.head_dim, self.num_slots, self.device = num_kv_heads, head_dim, num_slots, device
         self.k: list[PageTensor | None] = []
         self.v: list[PageTensor | None] = []
+        # the token whose keys and values each slot holds (every forward writes them: `KVBatch.record`), so that a
+        # drafter on the device reads a request's context through its page table (kernels/ngram.py)
+        self.ids = torch.zeros(num_slots, dtype=torch.long, device=device)
         for _ in range(num_layers):
             self._add_layer()
         quantized = fmt in QUANTIZED_FORMATS
@@ -192,6 +195,7 @@ class PageStore:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in (*self.k, *self.v):
             t.copy_slots(src, dst)
+        self.ids[dst] = self.ids[src]
 
     def reencode(
         self,
@@ -217,4 +221,5 @@ class PageStore:
                 v = other.rotate(self.rotate(v)).transpose(0, 1)
                 other.write(layer, d, k.contiguous(), v.contiguous())
             self.k[layer] = self.v[layer] = None
+        other.ids[dst] = self.ids[src]
         return other

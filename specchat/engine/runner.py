@@ -75,6 +75,17 @@ class RowOf(Mapping):
 
 
 @dataclass(slots=True)
+class TokenContext:
+    """Where a step's requests' tokens are on the device, for a drafter that reads them there (kernels/ngram.py):
+    every forward writes its fed tokens into the KV pool's slots beside their keys (`PageStore.ids`)."""
+
+    ids: torch.Tensor  # [slots] the token at each slot of the pool
+    tables: torch.Tensor  # [B, W] int32 each request's pages
+    positions: torch.Tensor  # [B] int64 in a StepOutput each request's first fed position; for a drafter its newest
+    page_size: int
+
+
+@dataclass(slots=True)
 class StepOutput:
     flat_logits: torch.Tensor  # [sum(logit_rows), vocab] fp32, the requests' rows one after another
     logits: Seq[torch.Tensor]  # per request: [logit_rows, vocab], views of flat_logits
@@ -84,6 +95,7 @@ class StepOutput:
     # {layer: [rows, hidden]} every request's tapped rows one after another, where the step ran as one forward
     flat_hidden: dict[int, torch.Tensor] | None = None
     source: object = None  # the CUDA graph whose outputs these are, where the step was one replay (cuda_graph.py)
+    context: Callable[[], TokenContext] | None = None  # where a step that ran as one forward has its tokens
 
 
 class ModelRunner:
@@ -176,6 +188,7 @@ class ModelRunner:
             device=self.device,
         )
         kv = self.pool.prepare(batch.seq_ids, [len(f) for f in batch.feeds], self.scale)
+        kv.record(ids)
         rows, start = [], 0
         for feed, n in zip(batch.feeds, batch.logit_rows, strict=True):
             start += len(feed)
@@ -183,7 +196,12 @@ class ModelRunner:
         logits_at = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits, hidden = self.model(ids, positions, kv, taps=taps, logits_at=logits_at)
         lens = [len(f) for f in batch.feeds]
-        return StepOutput(logits, Rows(logits, batch.logit_rows), Rows(hidden, lens), ids, hidden)
+
+        def context() -> TokenContext:
+            starts = torch.tensor(batch.start_positions, device=self.device)
+            return TokenContext(self.pool.store.ids, kv.metadata().block_tables, starts, self.pool.page_size)
+
+        return StepOutput(logits, Rows(logits, batch.logit_rows), Rows(hidden, lens), ids, hidden, context=context)
 
 
 def sub_batch(batch: StepBatch, rows: list[int]) -> StepBatch:

@@ -22,6 +22,7 @@ tokens. Both are measured once per step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
@@ -31,7 +32,7 @@ import torch
 
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
-from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput
+from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput, TokenContext
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 from specchat.kernels import cpu_ops
@@ -247,7 +248,8 @@ class SpecStep:
                 ids = torch.zeros(1, k + 1, dtype=torch.long, device=device)
                 hidden = [torch.zeros(1, k + 1, d, dtype=dtype, device=device) for _ in drafter.taps]
                 key = (name, id(drafter), k)
-                self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
+                if not drafter.reads_context:  # (one that does runs its fallback directly: `_verdicts_ahead`)
+                    self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
                 self.runner.bind_after(k + 1, drafter.taps, key, self._verdicts_of_forward, self._verdicts.signature())
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -454,7 +456,11 @@ class SpecStep:
             if outs is None:
                 assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
                 hidden = [out.flat_hidden[layer].view(n, q, -1) for layer in drafter.taps]
-                outs = self._verdicts(key, *targets(), *hidden)
+                if drafter.reads_context:  # (its inputs would include the step's page tables, of varying width)
+                    context = None if out.context is None else out.context()
+                    outs = self._verdicts_and_drafts(key, *targets(), *hidden, context=context)
+                else:
+                    outs = self._verdicts(key, *targets(), *hidden)
             packed, *rows = outs
             verdicts = _Tokens(packed)
             advance = packed[:, 0].contiguous()
@@ -485,28 +491,41 @@ class SpecStep:
         return self._hold(launched, result)
 
     def _verdicts_of_forward(
-        self, key: tuple, logits: torch.Tensor, ids: torch.Tensor, hidden: dict[int, torch.Tensor]
+        self,
+        key: tuple,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        hidden: dict[int, torch.Tensor],
+        context: TokenContext,
     ) -> tuple[torch.Tensor, ...]:
         """`_verdicts_and_drafts` from a drafting step's forward as it left it: logits [B*q, vocab], fed ids [B*q],
-        the tapped rows {layer: [B*q, d]} (runner.replay_after)."""
+        the tapped rows {layer: [B*q, d]}, where its requests' tokens are (runner.replay_after)."""
         q = key[2] + 1
-        taps = self.drafters.get(key[0]).taps
+        drafter = self.drafters.get(key[0])
         target = cpu_ops.argmax(logits).view(-1, q)
-        return self._verdicts_and_drafts(key, target, ids.view(-1, q), *(hidden[t].unflatten(0, (-1, q)) for t in taps))
+        rows = (hidden[t].unflatten(0, (-1, q)) for t in drafter.taps)
+        return self._verdicts_and_drafts(key, target, ids.view(-1, q), *rows, context=context)
 
-    def _verdicts_and_drafts(self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor):
+    def _verdicts_and_drafts(
+        self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor, context: TokenContext | None = None
+    ):  # fmt: skip
         """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
         step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 1 + 2q]: the accepted count, the
         targets, and the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the
-        last accepted position); then that row [B, d] of each tap). Device ops only: captured per batch bucket
-        (`self._verdicts`)."""
+        last accepted position); then that row [B, d] of each tap). context: where the step's requests' tokens are,
+        for a drafter that `reads_context` (None: it drafts without). Device ops only: captured per batch bucket
+        (`self._verdicts`, or bound to the step's graph)."""
         name, _, k = key
         drafter = self.drafters.get(name)
         accepted = greedy_verdicts(target, fed)
         rows = torch.arange(len(target), device=target.device)
         newest = target[rows, accepted]  # the bonus or recovered tokens
         at_newest = [h[rows, accepted] for h in hidden]
-        chain = drafter.draft_on_device(k, dict(zip(drafter.taps, at_newest, strict=True)), newest)
+        if context is not None and drafter.reads_context:  # the newest token's position: after the accepted drafts
+            context = dataclasses.replace(context, positions=context.positions + accepted + 1)
+        else:
+            context = None
+        chain = drafter.draft_on_device(k, dict(zip(drafter.taps, at_newest, strict=True)), newest, context)
         return (torch.cat([accepted[:, None], target, newest[:, None], chain], 1), *at_newest)
 
     def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:

@@ -31,7 +31,8 @@ def lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3) -> list[in
         ([5, 6, 7, 5, 6, 8, 5, 6], 2, [8, 5]),  # two earlier matches: the most recent wins
         ([1, 2, 7, 3, 9, 8, 2, 3], 2, [9, 8]),  # [2, 3] absent before, [3] present: fall back to n = 1
         ([1, 2, 3, 4], 3, []),  # nothing repeats
-        ([4, 4, 4], 5, [4]),  # the continuation stops at the end of the context
+        ([4, 4, 4], 5, [4] * 5),  # the continuation reaches the newest token: its period (1) continues
+        ([1, 2, 3, 1, 2], 4, [3, 1, 2, 3]),  # period 3
     ],
 )
 def test_ngram_lookup_cases(tokens, k, expected):

@@ -304,3 +304,31 @@ def test_prompts_arriving_mid_run_beside_drafting_steps_ahead_on_graphs(cuda_tin
     assert ahead == one_by_one == plain
     assert _drafts(ends_ahead) == _drafts(ends)
     assert drafted_ahead > 10
+
+
+def test_ngram_then_heads_draft_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_model_dir):
+    """The hybrid drafting ahead on CUDA graphs (the lookup kernel over the pool's token ids, bound to the step's
+    graph, the heads' chain where it misses): the eager runner's plain greedy tokens, and the drafts and
+    acceptances of the same engine with steps ahead off, on a model whose text repeats (so the lookup matches)."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+    from specchat.engine.engine import Engine
+    from tests.engine.test_drafters import random_heads
+    from tests.engine.test_step_ahead import PROMPTS, _drafting_both_ways, _drafts, _run, repeating
+
+    jobs = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:3]]
+    late = [(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in PROMPTS[3:]]
+    eager = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=True))
+    repeating(eager.model)
+    plain, _, _ = _run(eager, False, jobs, late, at_step=6)
+    engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
+    repeating(engine.model)  # (in place: the graphs captured at load read it)
+    torch.manual_seed(0)
+    hybrid = NgramThenHeads(HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model))
+    one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
+        engine, "ngram+heads:random", hybrid, 4, jobs, late, at_step=6
+    )
+    assert ahead == one_by_one == plain
+    assert _drafts(ends_ahead) == _drafts(ends)
+    assert drafted_ahead > 10
+    assert sum(a for _, a in _drafts(ends)) > sum(d for d, _ in _drafts(ends)) / 3  # the lookup's drafts accepted

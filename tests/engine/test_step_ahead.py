@@ -142,7 +142,7 @@ class BigramDrafter(Drafter):
             drafts.append(Draft(tokens))
         return drafts
 
-    def draft_on_device(self, depth, hidden, newest):
+    def draft_on_device(self, depth, hidden, newest, context=None):
         assert set(hidden) == set(self.taps) and all(h.shape[0] == len(newest) for h in hidden.values())
         tokens, token = [], newest
         for _ in range(depth):
@@ -221,6 +221,53 @@ def test_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine):
     assert ahead == one_by_one == plain
     assert _drafts(ends_ahead) == _drafts(ends)
     assert drafted_ahead > 3
+
+
+def test_ngram_then_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine, monkeypatch):
+    """The hybrid on the device: the prompt lookup over each request's tokens in the pool's pages (every forward
+    writes them there: prompts, and the steps run ahead) where it matches, the heads' chain elsewhere, drafts what
+    `propose` drafts on the host: the same drafts and acceptances with steps ahead, and each lookup reads the
+    request's own tokens up to its newest."""
+    from specchat.engine.drafters import hybrid
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.kernels.ngram import context_window
+    from tests.engine.test_drafters import random_heads
+
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=4), tiny_engine.model, cpu_blocks=False)
+    windows, found = [], []  # each device lookup's view of its requests' tokens, and whether it matched
+    lookup = hybrid.ngram_kernels.lookup
+
+    def recording(ids, tables, positions, newest, page_size, *args):
+        window = context_window(ids, tables, positions, newest, page_size, 256)
+        windows.extend([t for t in row if t >= 0] for row in window.tolist())
+        drafts, hits = lookup(ids, tables, positions, newest, page_size, *args)
+        found.extend(hits.tolist())
+        return drafts, hits
+
+    monkeypatch.setattr(hybrid.ngram_kernels, "lookup", recording)
+    head = tiny_engine.model.lm_head
+    monkeypatch.setattr(head, "weight", torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False))
+    repeating(tiny_engine.model)
+    jobs = [(p, SamplingParams(max_tokens=28, ignore_eos=True)) for p in PROMPTS[:3]]
+    late = [(PROMPTS[3], SamplingParams(max_tokens=20, ignore_eos=True))]
+    plain, _, _ = _run(tiny_engine, False, jobs, late, at_step=5)
+    one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
+        tiny_engine, "ngram+heads:random", hybrid.NgramThenHeads(heads), 4, jobs, late, at_step=5
+    )
+    assert ahead == one_by_one == plain
+    assert _drafts(ends_ahead) == _drafts(ends)
+    assert drafted_ahead > 3
+    texts = [tiny_engine.encode_prompt(p) + out for (p, _), out in zip(jobs + late, plain, strict=True)]
+    assert windows and all(any(t[: len(w)] == w for t in texts) for w in windows)
+    assert any(found) and not all(found)  # both sources drafted on the device
+
+
+def repeating(model) -> None:
+    """Make the tiny random model's output head (in place) its embedding plus 1.3x its own: greedy text then
+    repeats its newest token for a while and moves to a new one now and then (a random model's text never
+    repeats, so a lookup would never match)."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.3).add_(model.embed.weight)
 
 
 def test_heads_draft_on_the_host_from_the_rows_kept_of_a_dropped_step_ahead(tiny_engine, monkeypatch):

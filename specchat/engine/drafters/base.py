@@ -20,6 +20,7 @@ from specchat.config import check_drafter_name
 from specchat.errors import ConfigError
 
 if TYPE_CHECKING:
+    from specchat.engine.runner import TokenContext
     from specchat.engine.sequence import Sequence
 
 
@@ -42,14 +43,18 @@ class Drafter:
     # adaptive K a greedy request of it drafts up to gated_k every step instead of following the acceptance it has
     # seen (engine._gated_k)
     gated_k: int | None = None
+    reads_context = False  # whether draft_on_device reads the requests' tokens (its `context`)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Up to ks[i] draft tokens for seqs[i]."""
         return [Draft([]) for _ in seqs]
 
-    def draft_on_device(self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor) -> torch.Tensor | None:
+    def draft_on_device(
+        self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor, context: TokenContext | None = None
+    ) -> torch.Tensor | None:
         """The greedy drafts [B, depth] of greedy requests from device tensors alone (hidden: {tap: [B, d]} at
-        each request's newest token, newest [B]), the tokens `propose` gives them at k = depth, without a read to
+        each request's newest token, newest [B]; for a drafter that `reads_context`, where each request's tokens
+        are, its positions the newest token's), the tokens `propose` gives them at k = depth, without a read to
         the host: what lets a drafting step's next one launch before the host reads its verdicts (SpecStep, which
         captures it in a CUDA graph with the verdicts: it must read nothing from the host). None where the drafter
         cannot (it needs host state, or runs on the host)."""

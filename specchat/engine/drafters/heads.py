@@ -45,6 +45,7 @@ from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels import cpu_ops, draft_heads
 
 if TYPE_CHECKING:
+    from specchat.engine.runner import TokenContext
     from specchat.engine.sequence import Sequence
 
 HEADS_FORMAT = "specchat-draft-heads-v1"
@@ -300,7 +301,9 @@ class HeadsDrafter(Drafter):
             return chain
         return [heads_cpu.confident_prefix(c, p, self.min_confidence) for c, p in zip(chain, confidence, strict=True)]
 
-    def draft_on_device(self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor) -> torch.Tensor | None:
+    def draft_on_device(
+        self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor, context: TokenContext | None = None
+    ) -> torch.Tensor | None:
         """The chain greedy_drafts replays (`greedy_chain`); not for packed heads, whose C chain runs on the host."""
         if self.packed or depth > self.cfg.num_heads:
             return None

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.drafters.heads import HeadsDrafter
 from specchat.engine.drafters.ngram import DEFAULT_MIN_N, NgramDrafter
+from specchat.kernels import ngram as ngram_kernels
 
 if TYPE_CHECKING:
+    from specchat.engine.runner import TokenContext
     from specchat.engine.sequence import Sequence
 
 MIN_NGRAM = DEFAULT_MIN_N  # a one-token match says too little to beat the heads (or plain decoding)
@@ -25,6 +29,7 @@ MIN_NGRAM = DEFAULT_MIN_N  # a one-token match says too little to beat the heads
 class NgramThenHeads(Drafter):
     name = "ngram+heads"
     sources = ("ngram",)  # the heads' drafts are the drafter's own ("")
+    reads_context = True  # drafting on the device: the lookup reads each request's tokens from the pool
 
     def __init__(self, heads: HeadsDrafter, min_n: int = MIN_NGRAM, heads_k: int | None = None) -> None:
         """heads_k: the most drafts the heads propose where the n-grams miss (default: heads_cpu.HYBRID_HEADS_K
@@ -49,6 +54,20 @@ class NgramThenHeads(Drafter):
             ):
                 drafts[i] = draft
         return drafts
+
+    def draft_on_device(
+        self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor, context: TokenContext | None = None
+    ) -> torch.Tensor | None:
+        """The lookup's drafts where it matches (kernels/ngram.py, over the context's pages), the heads' greedy
+        chain elsewhere; the chain alone without a context. None where the heads cannot draft on the device."""
+        chain = self.heads.draft_on_device(depth, hidden, newest)
+        if chain is None or context is None:
+            return chain
+        ngram, found = ngram_kernels.lookup(
+            context.ids, context.tables, context.positions, newest, context.page_size, depth, self.ngram.min_n,
+            self.ngram.max_n,
+        )  # fmt: skip
+        return torch.where(found[:, None], ngram, chain)
 
     def release(self, seq: Sequence) -> None:
         self.ngram.release(seq)

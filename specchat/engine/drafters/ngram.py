@@ -3,7 +3,8 @@
 Take the last n tokens of prompt + output; if the same n tokens occurred earlier, propose the tokens that
 followed that occurrence. n runs from `max_n` down to `min_n` (longer matches are more specific), and the most
 recent earlier occurrence wins (in code edits and agent loops the latest copy is usually the one being
-repeated). Costs no model call at all: strong where the output repeats its context, silent elsewhere.
+repeated). A match within k of the end (a loop of a few tokens) continues its period to k drafts, as the device's
+lookup does (kernels/ngram.py). Costs no model call at all: strong where the output repeats its context, silent elsewhere.
 
 Each request keeps an index {n-gram: position just after its latest occurrence}, extended incrementally as
 tokens arrive; a request's tokens only ever grow (rejected drafts never enter them), so the index never needs
@@ -55,15 +56,19 @@ class NgramIndex:
     def lookup(
         self, tokens: list[int], k: int, offset: int = 0, read: Callable[[int, int], list[int]] | None = None
     ) -> list[int]:
-        """Up to k tokens that followed the longest earlier match of the context's tail. With `offset` > 0,
-        `tokens` start at that position and read(start, stop) gives any earlier ones."""
+        """The k tokens that followed the longest earlier match of the context's tail; where they would run past
+        the newest token (the match is within k of the end: the text repeats with a period shorter than k), the
+        period continued. With `offset` > 0, `tokens` start at that position and read(start, stop) gives any
+        earlier ones."""
         total = offset + len(tokens)
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
             start = self.follows.get(tuple(tokens[len(tokens) - n :]))
             if start is not None:
                 if start >= offset or read is None:
-                    return tokens[start - offset : start - offset + k]
-                return read(start, start + k)
+                    draft = tokens[start - offset : start - offset + k]
+                else:
+                    draft = read(start, min(start + k, total))
+                return draft if len(draft) == k else [draft[i % len(draft)] for i in range(k)]
         return []
 
 
