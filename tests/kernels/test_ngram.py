@@ -86,7 +86,8 @@ def test_reference_searches_its_window_only():
 @kernel_test
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize(
-    ("min_n", "max_n", "window"), [(2, 4, 64), (2, 4, 9), (2, 4, 4096), (3, 4, 64), (2, 2, 64), (2, 3, 5), (1, 3, 64), (1, 1, 9)]
+    ("min_n", "max_n", "window"),
+    [(2, 4, 64), (2, 4, 9), (2, 4, 4096), (3, 4, 64), (2, 2, 64), (2, 3, 5), (1, 3, 64), (1, 1, 9)],
 )
 def test_kernel_matches_reference(k, min_n, max_n, window):
     requests = cases(k + window, count=40) + [[random.Random(s).randrange(4) for _ in range(3000)] for s in range(2)]
