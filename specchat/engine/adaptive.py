@@ -67,6 +67,11 @@ class AdaptiveK:
     idle_steps: int = 0  # steps in a row that chose not to draft
     since_plain: int = 0  # timed drafting steps since the last timed plain step
     probing: bool = False  # the step being observed is a probe
+    # the step's k is its batch's gate's cap, which every request of the step drafts (CUDA graphs: one width, so
+    # the step runs ahead of the host and its successor drafts on the device): every source drafts all of it.
+    # (Per-source limits there let the request's own rates, which do not see steps run ahead, veto the gate's
+    # trials: ngram+heads under --k auto drafted nothing on the H200, 1.00x plain where k = 4 ran 1.62x.)
+    capped: bool = False
     # a drafter that decides each step's draft length by its own confidence (Drafter.gated_k): k is always this,
     # up to which it drafts; the rates are still kept (what the UI shows)
     fixed: int | None = None
@@ -86,8 +91,8 @@ class AdaptiveK:
 
     def limit(self, source: str, k: int) -> int:
         """The most drafts `source` may propose in a step that reserved k: its own best k, 1 on its own probe, all
-        k on the controller's probe."""
-        if self.probing or source not in self.source_k:
+        k on the controller's probe or where k is its batch's cap (`capped`)."""
+        if self.probing or self.capped or source not in self.source_k:
             return k
         return min(k, 1 if source in self.source_probes else self.source_k[source])
 

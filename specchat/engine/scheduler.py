@@ -223,6 +223,8 @@ class Scheduler:
             items, budget = [], self.max_batch_tokens
             for seq in self.running:  # decode first: their latency matters most
                 if self._decodes(seq):
+                    if seq.adaptive is not None:
+                        seq.adaptive.capped = uniform
                     if cap is None or seq.adaptive is None:
                         k = self._draft_len(seq)
                     else:

