@@ -123,9 +123,9 @@ def test_the_panel_says_which_model_drafts():
     assert drafter_description("draft-model", None) == f"draft-model: {default.alias} drafts"
     assert drafter_description("ngram", default) == "ngram"
     assert model_drafter("default", default, "cuda") == (default.drafter or "none")
-    # the default model's default drafter depends on the device: named once the device is known
-    assert default.default_drafter_varies() and model_drafter("default", default) == "default"
-    assert model_drafter("default", default, "cpu") == default.cpu_drafter
+    # the default model's default drafter is the same on either device: named before the device is known
+    assert not default.default_drafter_varies() and model_drafter("default", default) == default.drafter
+    assert model_drafter("default", default, "cpu") == default.drafter
     assert model_drafter("default", None) == "none" and model_drafter("heads", default) == "heads"
 
 
