@@ -391,7 +391,9 @@ class DraftGate:
     """
 
     ema: float = EMA_WEIGHT
-    ms_per_token: dict[int, float] = field(default_factory=dict)  # cap -> EMA
+    ms_per_token: dict[int, float] = field(default_factory=dict)  # cap -> EMA of the time over EMA of the tokens
+    # cap -> (EMA of a step's milliseconds x requests, EMA of its tokens): what ms_per_token divides
+    sums: dict[int, tuple[float, float]] = field(default_factory=dict)
     since_trial: int = 0  # steps at the preferred cap since the last trial
     trial_left: int = 0  # steps of the running trial
     trial_cap: int = 0  # the cap of the running trial
@@ -484,9 +486,22 @@ class DraftGate:
         step_ms, host work included, for `tokens` in all."""
         if tokens <= 0:
             return
-        per = step_ms * requests / tokens
-        old = self.ms_per_token.get(cap)
-        self.ms_per_token[cap] = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)
+        # A ratio of averages, not an average of each step's ratio: a drafting step emits 1..k + 1 tokens per
+        # request, and the mean of time / tokens over such steps exceeds their mean time over their mean tokens
+        # (at one session with ~1.9 tokens a step by ~20%), which priced drafting caps above what they cost
+        # against plain steps (always one token) and held the gate at smaller caps than k = 4 (H200, one
+        # session: --k auto 1.38x plain where k = 4 ran 1.62x; docs/benchmarks.md, twenty-fifth session).
+        ms = step_ms * requests
+        if cap not in self.sums:
+            old = self.ms_per_token.get(cap)
+            self.sums[cap] = (ms, tokens) if old is None else (old * tokens, tokens)  # (a time set directly)
+        else:
+            old_ms, old_tokens = self.sums[cap]
+            self.sums[cap] = (
+                old_ms + self.ema * (min(ms, SPIKE * old_ms) - old_ms),
+                old_tokens + self.ema * (tokens - old_tokens),
+            )
+        self.ms_per_token[cap] = self.sums[cap][0] / self.sums[cap][1]
         self.steps += 1
         if cap in self.prior:  # the neighbour's other caps, in proportion to this one's first time here
             scale = self.ms_per_token[cap] / self.prior[cap]

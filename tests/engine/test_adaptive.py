@@ -408,6 +408,17 @@ def test_draft_gate_turns_drafting_off_where_plain_steps_emit_tokens_faster():
     assert late.count(False) <= len(late) * TRIAL_STEPS / TRIAL_EVERY + TRIAL_STEPS
 
 
+def test_draft_gate_times_a_cap_by_its_total_time_over_its_total_tokens():
+    """One request drafting: its steps emit 1, 1 and 7 tokens in turn in 1.8 ms each (0.6 ms a token) against
+    plain steps' 1.0 ms for one. Averaging each step's time per token (1.8, 1.8, 0.26: ~1.3) would price drafting
+    above plain decoding; the gate divides the time by the tokens and prefers drafting."""
+    gate = DraftGate()
+    for i in range(60):
+        gate.observe(0, 1.0, 1)
+        gate.observe(4, 1.8, (1, 1, 7)[i % 3])
+    assert gate.ms_per_token[4] == pytest.approx(0.6, rel=0.25) and gate.preferred() == 4
+
+
 def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
     """A new batch size starts with plain steps (on CUDA graphs they run ahead; a batch drafting where it does not
     pay runs at up to half speed); the first trial, of cap 1, comes after FIRST_TRIAL_AFTER steps. A trial whose
