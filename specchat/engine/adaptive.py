@@ -36,10 +36,7 @@ from dataclasses import dataclass, field
 from specchat.errors import ConfigError
 
 PRIOR_ACCEPTANCE = 0.6  # a_i before any evidence: optimistic enough to start drafting
-EMA_WEIGHT = 0.3  # weight of the newest observation (the time of a step)
-# a DraftGate's, once a cap has this many steps' worth: a drafting step at one session emits 1..k + 1 tokens, so the
-# time per token of a few steps swings by tens of percent and flipped the gate between caps 2 and 4 (H200)
-GATE_EMA_WEIGHT = 0.1
+EMA_WEIGHT = 0.3  # weight of the newest observation (the time of a step; a gate's)
 # A request's controller: the newest acceptance weighs less and idle sources are probed twice as often as at first
 # (0.3, 16): draft heads accept ~45% of drafts on code, in streaks, and at 0.3 three misses in a row took them to 0
 # for 16 steps (CPU, eval code prompts, ngram+heads auto 0.93-0.97x the speed of k = 4, 1.00x at 0.15 and 8;
@@ -372,9 +369,8 @@ class DraftGate:
     when requests end at different steps, and on CUDA graphs the plain steps that run ahead of the host, which a
     drafting step cannot — is what makes a batch of requests that each "pay" slower than plain decoding (on the
     H200 at 32 sessions: 0.56x). So the scheduler also times whole steps of decoding requests alone (no prompt fed
-    beside them), from one schedule to the next, and keeps milliseconds per emitted token for the steps run under
-    each cap (their average time over their average tokens: plain means of a cap's first 1 / GATE_EMA_WEIGHT
-    steps, EMAs after), per batch size bucket and set of drafters (`scheduler.gate_key`):
+    beside them), from one schedule to the next, and keeps an EMA of milliseconds per emitted token for the steps
+    run under each cap, per batch size bucket and set of drafters (`scheduler.gate_key`):
     milliseconds per token *of one request* (step time over tokens per request), so that steps of 17 and of 32
     requests in one bucket compare by what each request waits, not by how many requests shared the step. A step
     is timed under the cap it was allowed, whether or not its requests drafted: allowed to draft, it could not
@@ -394,10 +390,10 @@ class DraftGate:
     the same kind under the same cap.)
     """
 
-    ema: float = GATE_EMA_WEIGHT
-    ms_per_token: dict[int, float] = field(default_factory=dict)  # cap -> average time over average tokens
-    # cap -> (average of a step's milliseconds x requests, of its tokens, steps seen): what ms_per_token divides
-    sums: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    ema: float = EMA_WEIGHT
+    ms_per_token: dict[int, float] = field(default_factory=dict)  # cap -> EMA of the time over EMA of the tokens
+    # cap -> (EMA of a step's milliseconds x requests, EMA of its tokens): what ms_per_token divides
+    sums: dict[int, tuple[float, float]] = field(default_factory=dict)
     since_trial: int = 0  # steps at the preferred cap since the last trial
     trial_left: int = 0  # steps of the running trial
     trial_cap: int = 0  # the cap of the running trial
@@ -496,14 +492,15 @@ class DraftGate:
         # against plain steps (always one token) and held the gate at smaller caps than k = 4 (H200, one
         # session: --k auto 1.38x plain where k = 4 ran 1.62x; docs/benchmarks.md, twenty-fifth session).
         ms = step_ms * requests
-        ms_avg, tokens_avg, n = self.sums.get(cap, (0.0, 0.0, 0))
-        if n == 0 and cap in self.ms_per_token:  # a time set directly (from a neighbour, `follow`): one step's worth
-            ms_avg, tokens_avg, n = self.ms_per_token[cap] * tokens, tokens, 1
-        n += 1
-        # the plain mean of a cap's first steps (a trial's eight weigh alike), an EMA after 1 / ema of them
-        weight = max(1 / n, self.ema)
-        ms = ms if n == 1 else min(ms, SPIKE * ms_avg)
-        self.sums[cap] = (ms_avg + weight * (ms - ms_avg), tokens_avg + weight * (tokens - tokens_avg), n)
+        if cap not in self.sums:
+            old = self.ms_per_token.get(cap)
+            self.sums[cap] = (ms, tokens) if old is None else (old * tokens, tokens)  # (a time set directly)
+        else:
+            old_ms, old_tokens = self.sums[cap]
+            self.sums[cap] = (
+                old_ms + self.ema * (min(ms, SPIKE * old_ms) - old_ms),
+                old_tokens + self.ema * (tokens - old_tokens),
+            )
         self.ms_per_token[cap] = self.sums[cap][0] / self.sums[cap][1]
         self.steps += 1
         if cap in self.prior:  # the neighbour's other caps, in proportion to this one's first time here
