@@ -492,11 +492,10 @@ class DraftGate:
         # against plain steps (always one token) and held the gate at smaller caps than k = 4 (H200, one
         # session: --k auto 1.38x plain where k = 4 ran 1.62x; docs/benchmarks.md, twenty-fifth session).
         ms = step_ms * requests
-        if cap not in self.sums:
-            old = self.ms_per_token.get(cap)
-            self.sums[cap] = (ms, tokens) if old is None else (old * tokens, tokens)  # (a time set directly)
-        else:
-            old_ms, old_tokens = self.sums[cap]
+        if cap not in self.sums and cap not in self.ms_per_token:
+            self.sums[cap] = (ms, tokens)
+        else:  # (a time set directly, from a neighbour's: as one step of this one's tokens)
+            old_ms, old_tokens = self.sums.get(cap) or (self.ms_per_token[cap] * tokens, tokens)
             self.sums[cap] = (
                 old_ms + self.ema * (min(ms, SPIKE * old_ms) - old_ms),
                 old_tokens + self.ema * (tokens - old_tokens),
