@@ -68,8 +68,8 @@ def test_run_follows_the_models_drafter(tiny_model_dir: Path, tmp_path: Path):
 
 def test_the_default_model_drafts_where_drafting_measured_faster():
     """docs/benchmarks.md: ngram+heads on the CPU (1.66x plain decoding under int8 rows, fifth lease) and on the
-    H200, where its steps run ahead of the host since the twenty-fifth session (1.38x plain decoding at one session
-    with --k auto, the heads alone 1.21x in the same run); under --tp, which splits the output head the heads
+    H200, where its steps run ahead of the host since the twenty-fifth session (1.38-1.55x plain decoding at one session
+    with --k auto over four runs, 1.62x at k = 4; the heads alone 1.46x there); under --tp, which splits the output head the heads
     read, plain decoding."""
     spec = resolve(None)
     assert spec.default_drafter("cpu") == spec.default_drafter("cuda") == "ngram+heads"
