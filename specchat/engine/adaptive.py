@@ -369,8 +369,9 @@ class DraftGate:
     when requests end at different steps, and on CUDA graphs the plain steps that run ahead of the host, which a
     drafting step cannot — is what makes a batch of requests that each "pay" slower than plain decoding (on the
     H200 at 32 sessions: 0.56x). So the scheduler also times whole steps of decoding requests alone (no prompt fed
-    beside them), from one schedule to the next, and keeps an EMA of milliseconds per emitted token for the steps
-    run under each cap, per batch size bucket and set of drafters (`scheduler.gate_key`):
+    beside them), from one schedule to the next, and keeps milliseconds per emitted token for the steps run under
+    each cap (an EMA of their time over an EMA of their tokens), per batch size bucket and set of drafters
+    (`scheduler.gate_key`):
     milliseconds per token *of one request* (step time over tokens per request), so that steps of 17 and of 32
     requests in one bucket compare by what each request waits, not by how many requests shared the step. A step
     is timed under the cap it was allowed, whether or not its requests drafted: allowed to draft, it could not
