@@ -4,7 +4,8 @@ Take the last n tokens of prompt + output; if the same n tokens occurred earlier
 followed that occurrence. n runs from `max_n` down to `min_n` (longer matches are more specific), and the most
 recent earlier occurrence wins (in code edits and agent loops the latest copy is usually the one being
 repeated). A match within k of the end (a loop of a few tokens) continues its period to k drafts, as the device's
-lookup does (kernels/ngram.py). Costs no model call at all: strong where the output repeats its context, silent elsewhere.
+lookup does (kernels/ngram.py). Costs no model call at all: strong where the output repeats its context, silent
+elsewhere.
 
 Each request keeps an index {n-gram: position just after its latest occurrence}, extended incrementally as
 tokens arrive; a request's tokens only ever grow (rejected drafts never enter them), so the index never needs
