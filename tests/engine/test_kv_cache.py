@@ -20,12 +20,19 @@ def make_pool(num_pages: int = 8, kv_format: str = "fp32", rotate: bool = True) 
 
 def feed(pool: KVPool, seq_id: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Append n tokens with random keys/values to every layer, as a forward would; returns layer 0's k, v."""
+    start = pool.lengths.get(seq_id, 0)
     batch = pool.prepare([seq_id], [n], 1.0)
+    batch.record(1000 * seed + torch.arange(start, start + n))  # the tokens: what a drafter on the device reads
     gen = torch.Generator().manual_seed(seed)
     k, v = torch.randn(2, n, KV_HEADS, HEAD_DIM, generator=gen)
     for layer in range(LAYERS):
         pool.store.write(layer, batch.new_slots, pool.store.rotate(k), pool.store.rotate(v))
     return k, v
+
+
+def tokens(pool: KVPool, seq_id: int) -> list[int]:
+    """A request's token ids read back from its pages' slots."""
+    return pool.store.ids[pool.slots(pool.tables[seq_id], 0, pool.lengths[seq_id])].tolist()
 
 
 def context(pool: KVPool, seq_id: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +107,7 @@ def test_fork_shares_full_pages_and_copies_the_last():
     kb, _ = feed(pool, 2, 1, seed=2)
     torch.testing.assert_close(context(pool, 1)[0], torch.cat([k, ka]))
     torch.testing.assert_close(context(pool, 2)[0], torch.cat([k, kb]))
+    assert tokens(pool, 1) == [*range(6), 1006] and tokens(pool, 2) == [*range(6), 2006]  # the copied page's too
     pool.free(1)
     assert pool.refcount[pool.tables[2][0]] == 1
     pool.free(2)
@@ -217,6 +225,7 @@ def test_convert_moves_pages_past_the_end_of_a_smaller_pool():
     pool.convert("fp32")
     assert pool.num_pages == 2 and sorted(pool.tables[2]) == [0, 1]
     torch.testing.assert_close(context(pool, 2), before)
+    assert tokens(pool, 2) == [3000 + i for i in range(7)]  # the token ids moved with the pages
 
 
 def test_the_split_of_a_mixed_step_equals_reading_every_context_back(tmp_path, monkeypatch):
