@@ -164,6 +164,7 @@ class _DraftAhead:
     out: StepOutput  # the step's target forward, in flight
     feeds: list[list[int]]  # each request's fed tokens (read back with the step before's verdicts)
     starts: list[int]  # each request's first fed position (known once those verdicts are read)
+    sources: list[str] = field(default_factory=list)  # each request's drafts' Draft.source (read back with them)
 
     def rows(self, plan: StepPlan) -> dict[int, int]:
         """{plan item: row of this step} for the items it ran as the plan would but for k: each decoding from the
@@ -278,7 +279,8 @@ class SpecStep:
         if isinstance(ahead, _DraftAhead):
             self.drafted_ahead += 1
             following = None if rest else self._drafts_ahead(covered, ahead.k)
-            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, following, t0, t0)
+            sources = [ahead.sources[r] for r in index]
+            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, sources, following, t0, t0)
         else:
             launched = None if rest else self._launch_ahead(covered, ahead.tokens.rows(index))
             drawn = self._read(ahead.tokens)
@@ -356,7 +358,7 @@ class SpecStep:
         if out.ids is not None and all(len(d.tokens) == k for d in drafts):
             following = self._drafts_ahead(plan, k)
             if following is not None:
-                return self._verdicts_ahead(plan, out, k, following, t0, t1)
+                return self._verdicts_ahead(plan, out, k, [d.source for d in drafts], following, t0, t1)
         logits = out.flat_logits
         if width is not None:  # the rows verification reads: each request's first 1 + k of its logit rows
             starts = list(itertools.accumulate(logit_rows, initial=0))[:-1]
@@ -430,13 +432,20 @@ class SpecStep:
         return (drafter, batch) if self.runner.can_run_ahead(batch, plan.taps, advanced=True) else None
 
     def _verdicts_ahead(
-        self, plan: StepPlan, out: StepOutput, k: int, following: tuple[Drafter, StepBatch] | None, t0: float, t1: float
+        self,
+        plan: StepPlan,
+        out: StepOutput,
+        k: int,
+        sources: list[str],
+        following: tuple[Drafter, StepBatch] | None,
+        t0: float,
+        t1: float,
     ) -> StepResult:
         """A drafting step of greedy requests (`out`: its target forward, each request's newest token and k
         drafts) verified on the device (`greedy_verdicts`), and where `_drafts_ahead` allows, the next drafting
         step launched before the host reads the verdicts: its drafts drafted on the device from the hidden rows at
         each request's last accepted position and its bonus or recovered token, its start moved on the device.
-        following: `_drafts_ahead(plan, k)`, None to launch nothing."""
+        sources: each request's drafts' Draft.source; following: `_drafts_ahead(plan, k)`, None to launch nothing."""
         q, n = k + 1, len(plan.items)
         assert out.ids is not None
 
@@ -450,7 +459,7 @@ class SpecStep:
         else:
             drafter, batch = following
             key = (plan.items[0].seq.spec.drafter, id(drafter), k)
-            # [n, 1 + 2q] verdicts and next drafts; [n, d] each tap's row at the last accepted position: one replay
+            # [n, 2 + 2q] verdicts, next drafts and their source; [n, d] each tap's row at the last accepted position: one replay
             # bound to the forward's outputs where it was one (graphs), else one GraphedFunction call
             outs = self.runner.replay_after(out, key, self._verdicts_of_forward, self._verdicts.signature())
             if outs is None:
@@ -464,7 +473,7 @@ class SpecStep:
             packed, *rows = outs
             verdicts = _Tokens(packed)
             advance = packed[:, 0].contiguous()
-            forward = self.runner.forward_advanced(batch, packed[:, 1 + q :].reshape(-1), advance, plan.taps)
+            forward = self.runner.forward_advanced(batch, packed[:, 1 + q : 1 + 2 * q].reshape(-1), advance, plan.taps)
             launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
             if not drafter.tap_history:  # what a request keeps is that row alone, sliced where read (copied: the
                 # graph's next replay overwrites it)
@@ -472,13 +481,15 @@ class SpecStep:
                 kept_rows = [RowOf(kept, i) for i in range(n)]
         host = self._read(verdicts)
         outcomes: list[Outcome | None] = []
-        for item, row in zip(plan.items, host, strict=True):
+        for item, row, source in zip(plan.items, host, sources, strict=True):
             # the drafts that fit its max tokens count (what the scheduler would have let it draft): it ends here
             room = min(k, item.seq.draft_room)
             a = min(row[0], room)
-            outcomes.append(Outcome(room, a, row[1 : a + 2]))
+            outcomes.append(Outcome(room, a, row[1 : a + 2], source))
         if launched is not None:  # what the next step feeds, from where the device moved each request
-            launched.feeds = [row[1 + q :] for row in host]
+            names = ("", *following[0].sources)
+            launched.feeds = [row[1 + q : 1 + 2 * q] for row in host]
+            launched.sources = [names[row[-1]] for row in host]
             launched.starts = [item.seq.num_cached + row[0] + 1 for item, row in zip(plan.items, host, strict=True)]
         if kept_rows is None:  # the rows up to the last accepted draft (one that ends here may accept fewer)
             hidden_kept = [
@@ -510,9 +521,10 @@ class SpecStep:
         self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor, context: TokenContext | None = None
     ):  # fmt: skip
         """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
-        step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 1 + 2q]: the accepted count, the
-        targets, and the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the
-        last accepted position); then that row [B, d] of each tap). context: where the step's requests' tokens are,
+        step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 2 + 2q]: the accepted count, the
+        targets, the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the last
+        accepted position) and their source (0: the drafter's own, i: its i-th of `sources`); then that row [B, d]
+        of each tap). context: where the step's requests' tokens are,
         for a drafter that `reads_context` (None: it drafts without). Device ops only: captured per batch bucket
         (`self._verdicts`, or bound to the step's graph)."""
         name, _, k = key
@@ -525,8 +537,9 @@ class SpecStep:
             context = dataclasses.replace(context, positions=context.positions + accepted + 1)
         else:
             context = None
-        chain = drafter.draft_on_device(k, dict(zip(drafter.taps, at_newest, strict=True)), newest, context)
-        return (torch.cat([accepted[:, None], target, newest[:, None], chain], 1), *at_newest)
+        drafted = drafter.draft_on_device(k, dict(zip(drafter.taps, at_newest, strict=True)), newest, context)
+        chain, source = drafted if isinstance(drafted, tuple) else (drafted, torch.zeros_like(newest))
+        return (torch.cat([accepted[:, None], target, newest[:, None], chain, source[:, None]], 1), *at_newest)
 
     def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:
         """The width the runner wants the decoding requests (newest token + drafts) padded to, if their padding

@@ -8,6 +8,7 @@ same code (turned on here with `runs_ahead`); tests/engine/test_cuda_graph.py ru
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -245,6 +246,15 @@ def test_ngram_then_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_e
         return drafts, hits
 
     monkeypatch.setattr(hybrid.ngram_kernels, "lookup", recording)
+    sources = {False: Counter(), True: Counter()}  # each step's drafts' sources, with and without steps ahead
+    run = tiny_engine.spec_step.run
+
+    def counting(plan):
+        result = run(plan)
+        sources[tiny_engine.spec_step.runs_ahead].update(o.source for o in result.outcomes if o and o.drafted)
+        return result
+
+    monkeypatch.setattr(tiny_engine.spec_step, "run", counting)
     head = tiny_engine.model.lm_head
     monkeypatch.setattr(head, "weight", torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False))
     repeating(tiny_engine.model)
@@ -260,6 +270,7 @@ def test_ngram_then_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_e
     texts = [tiny_engine.encode_prompt(p) + out for (p, _), out in zip(jobs + late, plain, strict=True)]
     assert windows and all(any(t[: len(w)] == w for t in texts) for w in windows)
     assert any(found) and not all(found)  # both sources drafted on the device
+    assert sources[True] == sources[False] and sources[True]["ngram"] > 0  # and each is told apart on the host
 
 
 def repeating(model) -> None:

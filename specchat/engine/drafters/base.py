@@ -51,13 +51,14 @@ class Drafter:
 
     def draft_on_device(
         self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor, context: TokenContext | None = None
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The greedy drafts [B, depth] of greedy requests from device tensors alone (hidden: {tap: [B, d]} at
         each request's newest token, newest [B]; for a drafter that `reads_context`, where each request's tokens
         are, its positions the newest token's), the tokens `propose` gives them at k = depth, without a read to
         the host: what lets a drafting step's next one launch before the host reads its verdicts (SpecStep, which
-        captures it in a CUDA graph with the verdicts: it must read nothing from the host). None where the drafter
-        cannot (it needs host state, or runs on the host)."""
+        captures it in a CUDA graph with the verdicts: it must read nothing from the host). A drafter of several
+        `sources` returns (drafts, [B] int64: 0 where they are its own, i where its i-th source's). None where the
+        drafter cannot (it needs host state, or runs on the host)."""
         return None
 
     def drafts_on_device(self) -> bool:

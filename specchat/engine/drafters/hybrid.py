@@ -57,9 +57,10 @@ class NgramThenHeads(Drafter):
 
     def draft_on_device(
         self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor, context: TokenContext | None = None
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The lookup's drafts where it matches (kernels/ngram.py, over the context's pages), the heads' greedy
-        chain elsewhere; the chain alone without a context. None where the heads cannot draft on the device."""
+        chain elsewhere, and which drafted (1: the n-grams); the chain alone without a context. None where the heads
+        cannot draft on the device."""
         chain = self.heads.draft_on_device(depth, hidden, newest)
         if chain is None or context is None:
             return chain
@@ -67,7 +68,7 @@ class NgramThenHeads(Drafter):
             context.ids, context.tables, context.positions, newest, context.page_size, depth, self.ngram.min_n,
             self.ngram.max_n,
         )  # fmt: skip
-        return torch.where(found[:, None], ngram, chain)
+        return torch.where(found[:, None], ngram, chain), found.long()
 
     def release(self, seq: Sequence) -> None:
         self.ngram.release(seq)
