@@ -424,9 +424,10 @@ class CudaGraphRunner(ModelRunner):
     ) -> tuple[torch.Tensor, ...] | None:
         """`fn(key, logits [R, vocab], ids [R], hidden {tap layer: [R, d]}, context)` -> tensors [B, ...], over the
         rows of the graph replay that made `out` (R = B x q, its batch bucket's: the rows past out's requests are the
-        padding's; context: where its requests' tokens are, a `TokenContext` of B rows), replayed as a CUDA graph that reads that replay's outputs where they are: no copies in, no
-        launches of its own (as a GraphedFunction, a drafting step's argmax, verdicts and next drafts cost ~200 us
-        of host time a step at 32 sessions on the H200). Captured on first use for that graph and key (again where
+        padding's; context: where its requests' tokens are, a `TokenContext` of B rows), replayed as a CUDA graph
+        that reads that replay's outputs where they are: no copies in, no launches of its own (as a GraphedFunction,
+        a drafting step's argmax, verdicts and next drafts cost ~200 us of host time a step at 32 sessions on the
+        H200). Captured on first use for that graph and key (again where
         `baked`, what fn reads besides its inputs, changed); graphs of this kind share one memory pool (each one's
         outputs must be used before the next one runs). None where `out` is not a whole graph replay; valid until
         that graph's next replay, like `out`."""

@@ -459,8 +459,9 @@ class SpecStep:
         else:
             drafter, batch = following
             key = (plan.items[0].seq.spec.drafter, id(drafter), k)
-            # [n, 2 + 2q] verdicts, next drafts and their source; [n, d] each tap's row at the last accepted position: one replay
-            # bound to the forward's outputs where it was one (graphs), else one GraphedFunction call
+            # [n, 2 + 2q] verdicts, next drafts and their source; [n, d] each tap's row at the last accepted
+            # position: one replay bound to the forward's outputs where it was one (graphs), else one GraphedFunction
+            # call
             outs = self.runner.replay_after(out, key, self._verdicts_of_forward, self._verdicts.signature())
             if outs is None:
                 assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
@@ -473,7 +474,8 @@ class SpecStep:
             packed, *rows = outs
             verdicts = _Tokens(packed)
             advance = packed[:, 0].contiguous()
-            forward = self.runner.forward_advanced(batch, packed[:, 1 + q : 1 + 2 * q].reshape(-1), advance, plan.taps)
+            fed_next = packed[:, 1 + q : 1 + 2 * q].reshape(-1)  # each request's bonus or recovered token and drafts
+            forward = self.runner.forward_advanced(batch, fed_next, advance, plan.taps)
             launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
             if not drafter.tap_history:  # what a request keeps is that row alone, sliced where read (copied: the
                 # graph's next replay overwrites it)
@@ -518,15 +520,20 @@ class SpecStep:
         return self._verdicts_and_drafts(key, target, ids.view(-1, q), *rows, context=context)
 
     def _verdicts_and_drafts(
-        self, key: tuple, target: torch.Tensor, fed: torch.Tensor, *hidden: torch.Tensor, context: TokenContext | None = None
-    ):  # fmt: skip
+        self,
+        key: tuple,
+        target: torch.Tensor,
+        fed: torch.Tensor,
+        *hidden: torch.Tensor,
+        context: TokenContext | None = None,
+    ):
         """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
         step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 2 + 2q]: the accepted count, the
         targets, the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the last
         accepted position) and their source (0: the drafter's own, i: its i-th of `sources`); then that row [B, d]
-        of each tap). context: where the step's requests' tokens are,
-        for a drafter that `reads_context` (None: it drafts without). Device ops only: captured per batch bucket
-        (`self._verdicts`, or bound to the step's graph)."""
+        of each tap). context: where the step's requests' tokens are, for a drafter that `reads_context` (None: it
+        drafts without). Device ops only: captured per batch bucket (`self._verdicts`, or bound to the step's
+        graph)."""
         name, _, k = key
         drafter = self.drafters.get(name)
         accepted = greedy_verdicts(target, fed)

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from specchat.engine.drafters.ngram import NgramIndex
 from specchat.kernels import ngram
+from tests.engine.test_drafters import lookup
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 PAGE = 4
@@ -36,9 +36,7 @@ def paged(requests: list[list[int]], seed: int = 0) -> tuple[torch.Tensor, torch
 
 def host_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int] | None:
     """NgramIndex's draft; None without a match."""
-    index = NgramIndex(min_n, max_n)
-    index.extend(tokens)
-    return index.lookup(tokens, k) or None
+    return lookup(tokens, k, min_n, max_n) or None
 
 
 def test_a_match_near_the_end_continues_its_period():
