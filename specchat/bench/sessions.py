@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.engine import Engine
@@ -27,6 +28,7 @@ class SessionsResult:
     kv_used_tokens_peak: int
     memory: dict
     step_ahead: bool = True  # plain steps launched ahead of the host (where the runner overlaps: CUDA graphs)
+    gate_caps: dict[int, int] = field(default_factory=dict)  # steps the draft gates allowed at each cap (--k auto)
 
 
 def run_sessions(
@@ -44,6 +46,7 @@ def run_sessions(
     """
     assert not engine.running_in_background, "the benchmark drives the engine's steps itself"
     engine.reset_metrics()
+    caps_before = gate_caps(engine)
     peak = 0
     todo = list(range(requests or sessions))
     in_flight, finished = [], []
@@ -78,4 +81,13 @@ def run_sessions(
         kv_used_tokens_peak=peak,
         memory=snap.memory,
         step_ahead=engine.spec_step.runs_ahead,
+        gate_caps=dict(sorted((gate_caps(engine) - caps_before).items())),
     )
+
+
+def gate_caps(engine: Engine) -> Counter:
+    """Steps the engine's draft gates (one per batch size and drafters) allowed at each cap, so far."""
+    total = Counter()
+    for gate in engine.scheduler.gates.values():
+        total.update(gate.allowed)
+    return total

@@ -91,6 +91,7 @@ def bench_sessions(
             r.acceptance_rate,
             r.tokens_per_step,
             r.kv_used_tokens_peak,
+            cap_shares(r.gate_caps) if r.drafter != "none" else "-",
         ]
         for r in results
     ]
@@ -105,7 +106,13 @@ def bench_sessions(
         "ITL P99 ms",
         "TTFT P50 ms",
     ]
-    print_table([*headers, "acceptance", "tokens/step", "KV tokens peak"], rows)
+    print_table([*headers, "acceptance", "tokens/step", "KV tokens peak", "gate caps"], rows)
+
+
+def cap_shares(caps: dict[int, int]) -> str:
+    """`k=share` of the gated steps at each cap the draft gates allowed ("-" where none was gated)."""
+    total = sum(caps.values())
+    return " ".join(f"{cap}={n / total:.0%}" for cap, n in caps.items()) if total else "-"
 
 
 def synthetic_cases(

@@ -31,6 +31,7 @@ its k follows its acceptance alone and its batch is not gated): seeded sampling 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from specchat.errors import ConfigError
@@ -357,6 +358,7 @@ TRIAL_EVERY = 256  # steps at the preferred cap between trials of another, after
 MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to this
 TRIAL_STEPS = 8  # steps of a trial
 TRIAL_SHARE = 0.01  # after a trial that confirmed the choice: at most this share of the time goes to the next
+ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
 
 @dataclass(slots=True)
@@ -373,7 +375,9 @@ class DraftGate:
     each cap (an EMA of their time over an EMA of their tokens), per batch size bucket and set of drafters
     (`scheduler.gate_key`):
     milliseconds per token *of one request* (step time over tokens per request), so that steps of 17 and of 32
-    requests in one bucket compare by what each request waits, not by how many requests shared the step. A step
+    requests in one bucket compare by what each request waits, not by how many requests shared the step. The
+    tokens are those the step's drafts emit on average by the acceptance this bucket measured at each draft
+    position (`expected_tokens`), not those it emitted: steps are timed one by one, tokens need many. A step
     is timed under the cap it was allowed, whether or not its requests drafted: allowed to draft, it could not
     run ahead.
 
@@ -403,6 +407,10 @@ class DraftGate:
     toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
     prior: dict[int, float] = field(default_factory=dict)  # cap -> time relative to the best, from a neighbour
     steps: int = 0  # steps observed
+    allowed: dict[int, int] = field(default_factory=dict)  # cap -> steps it was allowed (what benchmarks report)
+    # position i (from 1) -> decayed counts of the drafts there and of those accepted (drafts 1..i all kept)
+    drafted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
+    accepted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
 
     def follow(self) -> DraftGate:
         """A gate for a new batch-size bucket next to this one, starting from what this one learnt: its preferred
@@ -417,6 +425,8 @@ class DraftGate:
             ema=self.ema,
             toward_plain=self.toward_plain,
             prior={cap: ms / best for cap, ms in self.ms_per_token.items()},
+            drafted=list(self.drafted),
+            accepted=list(self.accepted),
         )
 
     def preferred(self) -> int:
@@ -470,6 +480,11 @@ class DraftGate:
 
     def allow(self) -> int:
         """The cap on the k of the adaptive requests of the next step, 0 for none (advances the trial schedule)."""
+        cap = self._allow()
+        self.allowed[cap] = self.allowed.get(cap, 0) + 1
+        return cap
+
+    def _allow(self) -> int:
         if self.trial_left > 0:
             self.trial_left -= 1
             return self.trial_cap
@@ -482,9 +497,35 @@ class DraftGate:
         self.since_trial, self.trial_left, self.trial_cap, self.before_trial = 0, TRIAL_STEPS - 1, trial, preferred
         return trial
 
-    def observe(self, cap: int, step_ms: float, tokens: int, requests: int = 1) -> None:
+    def observe_drafts(self, drafts: Iterable[tuple[int, int]]) -> None:
+        """A step of this bucket's requests drafted and kept (drafted, accepted) tokens per request."""
+        drafts = [(min(d, len(self.drafted)), a) for d, a in drafts if d > 0]
+        if not drafts:
+            return
+        keep = 1.0 - ACCEPT_DECAY
+        self.drafted = [n * keep for n in self.drafted]
+        self.accepted = [n * keep for n in self.accepted]
+        for depth, kept in drafts:
+            for i in range(depth):
+                self.drafted[i] += 1.0
+                self.accepted[i] += i < kept
+
+    def expected_tokens(self, depths: Iterable[int]) -> float:
+        """The tokens a step whose requests drafted `depths` emits on average, from the drafts this bucket kept:
+        per request 1 + the sum over its draft positions i of the share of drafts at i accepted (with i - 1
+        before them), a prior of PRIOR_ACCEPTANCE weighing as one draft.
+
+        The gate prices a cap with this, not with the tokens its steps happened to emit: those vary from 1 to
+        k + 1 a request, so at one session a cap's time per token swung by ~25% over a trial, the preferred cap
+        followed whichever cap had been lucky, and a cap that stopped being preferred kept its unlucky time
+        (simulated at one session, drafting 1.6x faster than plain at k = 4: the gate ran 1.09x plain, mostly
+        plain decoding). The counts pool every drafting step's positions, at whatever cap."""
+        shares = [(a + PRIOR_ACCEPTANCE) / (n + 1.0) for a, n in zip(self.accepted, self.drafted, strict=True)]
+        return sum(1.0 + sum(shares[: min(d, len(shares))]) for d in depths)
+
+    def observe(self, cap: int, step_ms: float, tokens: float, requests: int = 1) -> None:
         """A decode step of `requests` requests in this bucket, allowed to draft up to `cap` tokens each, took
-        step_ms, host work included, for `tokens` in all."""
+        step_ms, host work included, for `tokens` in all (`expected_tokens`)."""
         if tokens <= 0:
             return
         # A ratio of averages, not an average of each step's ratio: a drafting step emits 1..k + 1 tokens per

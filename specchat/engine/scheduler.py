@@ -57,8 +57,8 @@ class Scheduler:
         self.gates: dict[GateKey, DraftGate] = {}
         # the step being run, where its decoding requests all choose k adaptively: its gate, start, cap on k
         self._gated: tuple[DraftGate, float, int] | None = None
-        # the last step to time: gate, cap on k, tokens, requests, start
-        self._timed: tuple[DraftGate, int, int, int, float] | None = None
+        # the last step to time: gate, cap on k, its expected tokens (DraftGate.expected_tokens), requests, start
+        self._timed: tuple[DraftGate, int, float, int, float] | None = None
         # the gate and cap of the last step of decoding requests alone (None after any other step)
         self._steady: tuple[DraftGate, int] | None = None
 
@@ -291,11 +291,14 @@ class Scheduler:
             # and only one that follows a step of the same kind under the same cap: the first step after a
             # prompt or after a change of cap (a trial's first and the one after it) could not have been
             # launched ahead of the host, so it shows what neither steady plain decoding nor drafting costs
+            drafts = [(o.drafted, o.accepted) for o in result.outcomes if o is not None]
+            if self._gated is not None:
+                self._gated[0].observe_drafts(drafts)
             alone = self._gated is not None and all(len(item.feed) == 1 for item in plan.items)
             steady = (self._gated[0], self._gated[2]) if alone else None
             if alone and steady == self._steady:
-                tokens = sum(len(o.emitted) for o in result.outcomes if o is not None)
                 gate, start, limit = self._gated
+                tokens = gate.expected_tokens(drafted for drafted, _ in drafts)
                 self._timed = (gate, limit, tokens, decoding, start)
             self._steady = steady
         else:
