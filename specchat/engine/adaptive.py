@@ -358,6 +358,7 @@ TRIAL_EVERY = 256  # steps at the preferred cap between trials of another, after
 MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to this
 TRIAL_STEPS = 8  # steps of a trial
 TRIAL_SHARE = 0.01  # after a trial that confirmed the choice: at most this share of the time goes to the next
+CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower than plain is worth twice it
 ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
 
@@ -382,7 +383,8 @@ class DraftGate:
     run ahead.
 
     The preferred cap is the one timed fastest, plain decoding until another is (ties go to the smaller cap).
-    Trials of TRIAL_STEPS steps time the others: from plain decoding, cap 1 after FIRST_TRIAL_AFTER steps; from
+    Trials of TRIAL_STEPS steps time the others: from plain decoding, cap 1 after FIRST_TRIAL_AFTER steps (then
+    twice the largest cap timed, RAMP_AFTER steps on, while drafting more got faster: `_from_plain`); from
     a cap c > 0, twice c after RAMP_AFTER steps while that is untimed (so a batch where drafting pays climbs
     1 -> 2 -> 4 -> 8 in a few dozen steps), then, every TRIAL_EVERY steps, plain decoding and twice c in turn.
     The interval doubles after each trial that leaves the choice as it was (up to MAX_TRIAL_EVERY), and is at
@@ -440,14 +442,31 @@ class DraftGate:
         """(the cap the next trial tries, steps at the preferred cap before it starts, `every` if timed)."""
         up = min(2 * preferred, GATE_CAPS[-1])
         if preferred == 0:
-            target = GATE_CAPS[1]
+            target = self._from_plain()
         elif up == preferred:  # the top cap: only plain decoding is left to try
             target = 0
         else:  # twice the cap while untimed, then plain decoding and twice the cap in turn
             target = up if up not in self.ms_per_token or not self.toward_plain else 0
         if target in self.ms_per_token:
             return target, every
-        return target, FIRST_TRIAL_AFTER if preferred == 0 else RAMP_AFTER
+        return target, FIRST_TRIAL_AFTER if target == GATE_CAPS[1] else RAMP_AFTER
+
+    def _from_plain(self) -> int:
+        """The cap a trial from plain decoding tries: cap 1 first; twice the largest cap timed while drafting
+        more got faster (cap 1 within CLIMB_MARGIN of plain decoding, each larger cap faster than half it): a
+        batch where one draft barely pays but four do (the H200 at 8 sessions: a first trial at cap 1 timed a
+        little slower than plain held some runs at plain decoding, 0.95x where k = 4 ran 1.06-1.16x); else the
+        fastest cap timed."""
+        times = self.ms_per_token
+        drafting = [cap for cap in GATE_CAPS[1:] if cap in times]
+        if not drafting:
+            return GATE_CAPS[1]
+        top = drafting[-1]
+        below = times.get(top // 2 if top > 1 else 0)
+        faster = below is not None and times[top] < below * (1.0 + CLIMB_MARGIN if top == 1 else 1.0)
+        if faster and top < GATE_CAPS[-1] and 2 * top not in times:
+            return 2 * top
+        return min(drafting, key=lambda cap: (times[cap], cap))
 
     def _next(self) -> tuple[int, int, int | None]:
         """The next step's (preferred cap, trial interval, cap of a trial that starts or None), outside a running

@@ -470,16 +470,31 @@ def test_draft_gate_prices_caps_by_the_tokens_their_drafts_keep_on_average():
 
 def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
     """A new batch size starts with plain steps (on CUDA graphs they run ahead; a batch drafting where it does not
-    pay runs at up to half speed); the first trial, of cap 1, comes after FIRST_TRIAL_AFTER steps. A trial whose
-    steps are no faster than plain ones (each controller chose k = 0, say) confirms plain decoding: the next
-    waits twice TRIAL_EVERY."""
+    pay runs at up to half speed); the first trial, of cap 1, comes after FIRST_TRIAL_AFTER steps. Cap 1 timed
+    within CLIMB_MARGIN of plain decoding, cap 2 gets a trial RAMP_AFTER steps later (one draft may barely pay
+    where more do); where that is no faster either (each controller chose k = 0, say), plain decoding stays and
+    each trial that confirmed it doubled the wait for the next."""
     gate, caps = DraftGate(), []
-    for _ in range(FIRST_TRIAL_AFTER + TRIAL_STEPS + 2 * TRIAL_EVERY):
+    for _ in range(FIRST_TRIAL_AFTER + 2 * TRIAL_STEPS + RAMP_AFTER + 4 * TRIAL_EVERY):
         caps.append(gate.allow())
         gate.observe(caps[-1], 4.0, 4)  # as fast as plain steps, whatever the gate allowed
-    assert not any(caps[:FIRST_TRIAL_AFTER]) and caps[FIRST_TRIAL_AFTER : FIRST_TRIAL_AFTER + TRIAL_STEPS] == [1] * 8
-    assert not any(caps[FIRST_TRIAL_AFTER + TRIAL_STEPS :]) and gate.preferred() == 0
-    assert gate.every == 2 * TRIAL_EVERY
+    runs = [(cap, len(list(steps))) for cap, steps in itertools.groupby(caps)]
+    assert runs[:4] == [(0, FIRST_TRIAL_AFTER), (1, TRIAL_STEPS), (0, RAMP_AFTER), (2, TRIAL_STEPS)]
+    assert runs[4][0] == 0 and len(runs) == 5 and gate.preferred() == 0
+    assert gate.every == 4 * TRIAL_EVERY
+
+
+def test_draft_gate_climbs_from_plain_decoding_while_drafting_more_gets_faster():
+    """Per token, plain decoding 1.0 ms; cap 1 1.03 ms (within CLIMB_MARGIN), cap 2 0.95, cap 4 0.9: the trials
+    climb past the cap that barely lost to plain decoding and settle at 4. Where cap 2 is slower than cap 1 (1.1
+    against 1.03), the climb stops there and plain decoding stays."""
+    for ms_per_token, preferred in (({0: 1.0, 1: 1.03, 2: 0.95, 4: 0.9, 8: 0.92}, 4), ({0: 1.0, 1: 1.03, 2: 1.1}, 0)):
+        gate, caps = DraftGate(), []
+        for _ in range(400):
+            caps.append(gate.allow())
+            gate.observe(caps[-1], 4 * ms_per_token[caps[-1]], 4)
+        assert gate.preferred() == preferred
+        assert 4 not in caps if preferred == 0 else caps[-100:].count(4) > 90
 
 
 def test_draft_gate_climbs_caps_while_each_is_faster():
@@ -539,8 +554,8 @@ def test_draft_gate_spaces_trials_by_what_the_last_one_cost():
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     least = math.ceil(TRIAL_STEPS * (3.0 - 1.0) / TRIAL_SHARE)
     assert 2 * TRIAL_EVERY < least <= MAX_TRIAL_EVERY and gaps and all(gap >= least for gap in gaps)
-    # where drafting was barely slower, doubling sets the pace as before
-    modes = drive_gate({True: 1.05, False: 1.0}, steps=3000)
+    # where drafting was barely slower (but not within CLIMB_MARGIN), doubling sets the pace as before
+    modes = drive_gate({True: 1.08, False: 1.0}, steps=3000)
     starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
     assert starts[1] - starts[0] == 2 * TRIAL_EVERY + TRIAL_STEPS
 
