@@ -224,6 +224,20 @@ def test_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine):
     assert drafted_ahead > 3
 
 
+@pytest.fixture
+def repeating_tiny_model(tiny_engine):
+    """tiny_engine's model with its output head made to repeat (`repeating`) on an untied copy of the weight, the
+    original put back after the test. (Not monkeypatch: pytest 9 deletes on undo an attribute that is not in the
+    object's __dict__, as a module's parameters are not, which took the head's weight from later tests.)"""
+    head = tiny_engine.model.lm_head
+    original = head.weight
+    head.weight = torch.nn.Parameter(original.detach().clone(), requires_grad=False)
+    repeating(tiny_engine.model)
+    yield
+    head.weight = original
+
+
+@pytest.mark.usefixtures("repeating_tiny_model")
 def test_ngram_then_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine, monkeypatch):
     """The hybrid on the device: the prompt lookup over each request's tokens in the pool's pages (every forward
     writes them there: prompts, and the steps run ahead) where it matches, the heads' chain elsewhere, drafts what
@@ -255,9 +269,6 @@ def test_ngram_then_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_e
         return result
 
     monkeypatch.setattr(tiny_engine.spec_step, "run", counting)
-    head = tiny_engine.model.lm_head
-    monkeypatch.setattr(head, "weight", torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False))
-    repeating(tiny_engine.model)
     jobs = [(p, SamplingParams(max_tokens=28, ignore_eos=True)) for p in PROMPTS[:3]]
     late = [(PROMPTS[3], SamplingParams(max_tokens=20, ignore_eos=True))]
     plain, _, _ = _run(tiny_engine, False, jobs, late, at_step=5)
