@@ -286,14 +286,13 @@ class Scheduler:
             # and only one that follows a step of the same kind under the same cap: the first step after a
             # prompt or after a change of cap (a trial's first and the one after it) could not have been
             # launched ahead of the host, so it shows what neither steady plain decoding nor drafting costs
-            drafts = [(o.drafted, o.accepted) for o in result.outcomes if o is not None]
             if self._gated is not None:
-                self._gated[0].observe_drafts(drafts)
+                self._gated[0].observe_drafts((o.drafted, o.accepted) for o in result.outcomes if o is not None)
             alone = self._gated is not None and all(len(item.feed) == 1 for item in plan.items)
             steady = (self._gated[0], self._gated[2]) if alone else None
             if alone and steady == self._steady:
                 gate, start, limit = self._gated
-                tokens = gate.expected_tokens(drafted for drafted, _ in drafts)
+                tokens = gate.expected_tokens(o.drafted for o in result.outcomes if o is not None)
                 self._timed = (gate, limit, tokens, decoding, start)
             self._steady = steady
         else:
