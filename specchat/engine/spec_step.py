@@ -243,8 +243,7 @@ class SpecStep:
             if not drafter.drafts_on_device():
                 continue
             for k in range(1, max_k + 1):
-                taps = {t: torch.zeros(1, d, dtype=dtype, device=device) for t in drafter.taps}
-                if drafter.draft_on_device(k, taps, torch.zeros(1, dtype=torch.long, device=device)) is None:
+                if not drafter.drafts_on_device(k):
                     break
                 ids = torch.zeros(1, k + 1, dtype=torch.long, device=device)
                 hidden = [torch.zeros(1, k + 1, d, dtype=dtype, device=device) for _ in drafter.taps]
@@ -416,7 +415,7 @@ class SpecStep:
         if len(names) != 1:
             return None
         drafter = self.drafters.get(names.pop())
-        if not drafter.drafts_on_device():
+        if not drafter.drafts_on_device(k):
             return None
         q = k + 1
         for item in plan.items:

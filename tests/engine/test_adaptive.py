@@ -571,10 +571,10 @@ def test_draft_gate_compares_steps_by_what_each_request_waits():
     assert gate.preferred()
 
 
-def test_padded_runner_drafts_the_gates_cap_for_all(tiny_engine):
-    """Where the runner pads every decoding request to the widest (CUDA graphs), every adaptive request drafts
-    its gate's cap, whatever its own controller chose (a step of one width can run ahead of the host; one of
-    mixed widths cannot); elsewhere each drafts its own k up to the cap."""
+def test_padded_runner_drafts_the_batch_median_for_all(tiny_engine):
+    """Where the runner pads every decoding request to the widest (CUDA graphs), one request's k = 8 would make
+    the whole batch verify 9 rows each: adaptive requests' k is capped at the median of theirs, and each drafts
+    that (a step of one width can run ahead of the host; one of mixed widths cannot)."""
     tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
     spec = SpecParams("fixed-wrong", k=None, k_max=8)
     handles = [tiny_engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True), spec) for p in ("a", "b", "c")]
@@ -586,7 +586,7 @@ def test_padded_runner_drafts_the_gates_cap_for_all(tiny_engine):
     scheduler.gates[("fixed-wrong",), 4] = DraftGate(
         ms_per_token={8: 1.0, 0: 2.0}
     )  # k <= 8 timed faster than plain decoding
-    for uniform, want in ((False, [1, 4, 8]), (True, [8, 8, 8])):
+    for uniform, want in ((False, [1, 4, 8]), (True, [4, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
     # a trial of drafting while plain decoding is preferred: of cap 1, nobody drafts more than one token

@@ -224,6 +224,39 @@ def test_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_engine):
     assert drafted_ahead > 3
 
 
+class ShallowBigram(BigramDrafter):
+    """BigramDrafter that drafts at most two tokens on the device (as two heads do) and any number on the host
+    (as the hybrid's lookup does)."""
+
+    def drafts_on_device(self, depth=None):
+        return depth is None or depth <= 2
+
+    def draft_on_device(self, depth, hidden, newest, context=None):
+        return super().draft_on_device(depth, hidden, newest) if self.drafts_on_device(depth) else None
+
+
+def test_drafts_deeper_than_the_device_chain_are_not_drafted_ahead(tiny_engine):
+    """A step wider than its drafter drafts on the device (`drafts_on_device(k)`, as the hybrid's lookup drafting
+    8 beside four heads) is verified on the host and not followed ahead (on the H200 it was, and failed): the
+    tokens stay plain greedy decoding's; at k = 2 the same drafter runs ahead."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+    from tests.engine.test_drafters import random_heads
+
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=2), tiny_engine.model, cpu_blocks=False)
+    assert all(d.drafts_on_device(2) and not d.drafts_on_device(4) for d in (heads, NgramThenHeads(heads)))
+    jobs = [(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS[:2]]
+    plain, _, _ = _run(tiny_engine, False, jobs)
+    drafter = ShallowBigram(_bigram(tiny_engine, plain))
+    for k, runs_ahead in ((4, False), (2, True)):
+        one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
+            tiny_engine, "shallow", drafter, k, jobs
+        )
+        assert ahead == one_by_one == plain
+        assert _drafts(ends_ahead) == _drafts(ends)
+        assert (drafted_ahead > 0) == runs_ahead
+
+
 @pytest.fixture
 def repeating_tiny_model(tiny_engine):
     """tiny_engine's model with its output head made to repeat (`repeating`) on an untied copy of the weight, the

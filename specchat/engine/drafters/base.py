@@ -61,8 +61,8 @@ class Drafter:
         drafter cannot (it needs host state, or runs on the host)."""
         return None
 
-    def drafts_on_device(self) -> bool:
-        """Whether the drafter implements `draft_on_device` (which may still decline a depth)."""
+    def drafts_on_device(self, depth: int | None = None) -> bool:
+        """Whether `draft_on_device` drafts (depth: that many tokens; None: any it can)."""
         return type(self).draft_on_device is not Drafter.draft_on_device
 
     def release(self, seq: Sequence) -> None:

@@ -305,9 +305,13 @@ class HeadsDrafter(Drafter):
         self, depth: int, hidden: dict[int, torch.Tensor], newest: torch.Tensor, context: TokenContext | None = None
     ) -> torch.Tensor | None:
         """The chain greedy_drafts replays (`greedy_chain`); not for packed heads, whose C chain runs on the host."""
-        if self.packed or depth > self.cfg.num_heads:
+        if not self.drafts_on_device(depth):
             return None
         return self.greedy_chain(depth, hidden[self.cfg.tap].to(self.output.rows.weight.dtype), newest)
+
+    def drafts_on_device(self, depth: int | None = None) -> bool:
+        """Heads draft on the device up to one token a head, where they are not packed."""
+        return not self.packed and (depth is None or depth <= self.cfg.num_heads)
 
     def chain_inputs(self, rows: list[torch.Tensor], newest: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's h_t [d] and newest token -> hidden [B, d] in the heads' dtype, prev [B]."""

@@ -70,6 +70,9 @@ class NgramThenHeads(Drafter):
         )  # fmt: skip
         return torch.where(found[:, None], ngram, chain), found.long()
 
+    def drafts_on_device(self, depth: int | None = None) -> bool:
+        return self.heads.drafts_on_device(depth)
+
     def release(self, seq: Sequence) -> None:
         self.ngram.release(seq)
         self.heads.release(seq)
