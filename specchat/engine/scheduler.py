@@ -292,10 +292,15 @@ class Scheduler:
             # steps, mostly under plain decoding, made plain look 1.7x slower than it ran, and drafting win);
             # and only one that follows a step of the same kind under the same cap: the first step after a
             # prompt or after a change of cap (a trial's first and the one after it) could not have been
-            # launched ahead of the host, so it shows what neither steady plain decoding nor drafting costs
+            # launched ahead of the host, so it shows what neither steady plain decoding nor drafting costs;
+            # nor the step before a trial of drafting, which taps hidden rows and cannot run ahead: its cost is the
+            # trial's, and timed as plain decoding's it was the freshest plain time whenever a trial was judged
+            # (on the H200 plain decoding was then priced ~15% above its steady steps: 1.08 / 1.25 ms per token
+            # where its steps took 0.93 / 0.99 at 8 / 32 sessions; twenty-seventh session)
             if self._gated is not None:
                 self._gated[0].observe_drafts((o.drafted, o.accepted) for o in result.outcomes if o is not None)
-            alone = self._gated is not None and all(len(item.feed) == 1 for item in plan.items)
+            before_trial = self._gated_off and not plan.gated_next
+            alone = self._gated is not None and not before_trial and all(len(item.feed) == 1 for item in plan.items)
             steady = (self._gated[0], self._gated[2]) if alone else None
             if alone and steady == self._steady:
                 gate, start, limit = self._gated

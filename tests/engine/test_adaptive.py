@@ -813,6 +813,31 @@ def test_a_step_that_feeds_a_prompt_is_not_timed_for_the_gate(tiny_engine):
             handle.result()
 
 
+def test_the_step_before_a_trial_of_drafting_is_not_timed_for_the_gate(tiny_engine):
+    """From plain decoding, the step before a trial taps hidden rows for the trial's first drafts and cannot run
+    ahead: its time is the trial's, not plain decoding's (it was the freshest plain time whenever a trial was
+    judged, pricing plain ~15% high on the H200); the plain steps around it are timed."""
+    spec = SpecParams("ngram", k=None)
+    sampling = SamplingParams(max_tokens=60, ignore_eos=True)
+    handles = [tiny_engine.submit(prompt, sampling, spec) for prompt in ("hello", "hi there")]
+    scheduler = tiny_engine.scheduler
+    steps = []  # (the gate held drafting off, the next step may draft, the step is timed)
+    try:
+        while len(scheduler.running) < 2 or any(not scheduler._decodes(s) for s in scheduler.running):
+            tiny_engine.step()
+        for _ in range(FIRST_TRIAL_AFTER + 4):
+            plan, _ = scheduler.schedule()
+            scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
+            steps.append((scheduler._gated_off, not plan.gated_next, scheduler._timed is not None))
+    finally:
+        for handle in handles:
+            handle.result()
+    before_trial = [timed for off, next_drafts, timed in steps if off and next_drafts]
+    plain = [timed for off, next_drafts, timed in steps if off and not next_drafts]
+    assert before_trial == [False]
+    assert sum(plain) >= FIRST_TRIAL_AFTER - 4  # the other plain steps are (all but the first few)
+
+
 def test_draft_gate_peek_tells_what_allow_will_say():
     """`peek` (what a step launched ahead relies on) is the next `allow`, through trials and changes of mind."""
     gate = DraftGate()
