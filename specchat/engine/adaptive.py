@@ -490,11 +490,6 @@ class DraftGate:
             every = max(every, math.ceil(TRIAL_STEPS * (tried / best - 1) / TRIAL_SHARE))
         return min(every, MAX_TRIAL_EVERY)
 
-    @property
-    def in_trial(self) -> bool:
-        """Whether the cap `allow` last gave is a trial's."""
-        return self.before_trial is not None
-
     def peek(self) -> bool:
         """Whether the next step may draft, as `allow` will say, as far as the timings known now tell."""
         if self.trial_left > 0:

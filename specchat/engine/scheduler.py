@@ -172,10 +172,7 @@ class Scheduler:
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests all choose k adaptively, a cap on their k: the one their batch
         size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the widest, at most
-        the median of their k, a request decoding alone and a trial's steps excepted (a trial times the cap it
-        tries: under the median, a trial of cap 1 where the requests' own k were 0 timed plain steps that tapped
-        and could not run ahead, priced cap 1 at 1.7x plain and held 8 sessions at plain decoding; H200,
-        twenty-seventh session); there every adaptive request drafts the cap
+        the median of their k, a request decoding alone excepted; there every adaptive request drafts the cap
         itself (room allowing, `_plan`), whatever its own controller chose, so the step has one width and can run
         ahead of the host (docs/gpu.md). Measured on the H200: a lone request's controller held k = 0, so every
         trial of drafting timed plain steps and drafting never came back on (1.00x plain where k = 4 ran 1.39x);
@@ -204,7 +201,7 @@ class Scheduler:
         self._gated = (gate, now, limit)
         if not limit:
             return 0
-        if not self.uniform_widths or len(decoding) == 1 or gate.in_trial:
+        if not self.uniform_widths or len(decoding) == 1:
             return limit
         return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
 
