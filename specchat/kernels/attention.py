@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from specchat.kernels import pdl
+from specchat.kernels.device import sm_count
 from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor, pow2
 from specchat.kernels.mxfp4_decode import join4, word_bytes
 
@@ -695,7 +696,7 @@ def paged_attention(
                 q.device, key, lambda: _paged_attention_kernel.warmup(*kernel_args(2), grid=grid, **constexprs)
             )
             per_sm = QUANT_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
-            num_partitions = fill_partitions(batch * kv_heads, _sm_count(q.device), resident, per_sm, meta.max_q_len)
+            num_partitions = fill_partitions(batch * kv_heads, sm_count(q.device), resident, per_sm, meta.max_q_len)
     num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, block_n)))
     args = kernel_args(num_partitions)
     _paged_attention_kernel[(num_partitions, kv_heads, batch)](*args, **constexprs)
@@ -746,10 +747,6 @@ def _decode(device: torch.device) -> int:
     if _interpreting() or device.type != "cuda":
         return DECODE_PORTABLE
     return DECODE_E4M3 if torch.cuda.get_device_capability(device) >= (8, 9) else DECODE_BITS
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fill_partitions(batch_heads: int, sms: int, resident: int, per_sm: int, max_q_len: int) -> int:

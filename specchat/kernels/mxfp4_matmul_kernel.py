@@ -21,7 +21,6 @@ x @ dequantize_mxfp4(W)^T (kernels/mxfp4.py); tests/kernels/test_mxfp4_matmul_ke
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ import triton
 import triton.language as tl
 
 from specchat.kernels import pdl
+from specchat.kernels.device import sm_count
 from specchat.kernels.mxfp4 import BLOCK_SIZE
 from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float, word_bytes
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
@@ -213,11 +213,6 @@ MAX_REUSE_SPLIT_K = 4
 PREFETCH_ITERATIONS = 2  # with PDL: weight iterations per program prefetched into the L2 before the wait
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def default_block_m(m: int) -> int:
     """The smallest BLOCK_MS entry from MIN_BLOCK_M on that holds M rows, at most MAX_BLOCK_M (more: M tiles)."""
     return next((b for b in BLOCK_MS if MIN_BLOCK_M <= b <= MAX_BLOCK_M and m <= b), MAX_BLOCK_M)
@@ -257,7 +252,7 @@ def _reuse_config(m: int, weight: Mxfp4Weight) -> MatmulConfig | None:
     warpgroups = programs * warps // 4
     split_k = 1
     while (
-        warpgroups * split_k < MIN_WARPGROUP_WAVES * _sm_count(weight.codes.device)
+        warpgroups * split_k < MIN_WARPGROUP_WAVES * sm_count(weight.codes.device)
         and split_k < MAX_REUSE_SPLIT_K
         and k_tiles // (split_k * 2) >= 2
     ):
@@ -288,7 +283,7 @@ def choose_config(m: int, weight: Mxfp4Weight) -> MatmulConfig:
     tiles = tiles if k_tiles % tiles == 0 else 1
     block_m = default_block_m(m)
     programs = weight.codes.shape[0] * ROW_GROUP // block_n * -(-m // block_m)
-    target = SPLIT_K_WAVES * (1 if m <= 32 else 0.5) * _sm_count(weight.codes.device)
+    target = SPLIT_K_WAVES * (1 if m <= 32 else 0.5) * sm_count(weight.codes.device)
     split_k = 1
     while split_k * 2 <= CHOSEN_MAX_SPLIT_K and k_tiles // (tiles * split_k * 2) >= 2:
         wide_enough = programs * split_k * 2 <= target or k_tiles // (split_k * 2) >= SPLIT_K_MIN_TILES
