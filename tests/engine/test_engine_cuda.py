@@ -332,3 +332,26 @@ def test_ngram_then_heads_draft_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_
     assert _drafts(ends_ahead) == _drafts(ends)
     assert drafted_ahead > 5  # (most steps accept all four drafts: 40 tokens take ~10)
     assert sum(a for _, a in _drafts(ends)) > sum(d for d, _ in _drafts(ends)) / 3  # the lookup's drafts accepted
+
+
+def test_ngram_then_two_heads_at_k_4_on_graphs_give_the_eager_tokens(cuda_tiny_model_dir):
+    """The lookup drafts 4 where it matches, two heads at most 2: a step of width 4 is verified without a step
+    ahead (the heads' chain cannot draft 4 on the device; such a step ahead failed on the H200 at k = 8 with four
+    heads) and the tokens stay the eager runner's plain greedy ones, with steps ahead on and off."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.drafters.hybrid import NgramThenHeads
+    from specchat.engine.engine import Engine
+    from tests.engine.test_drafters import random_heads
+    from tests.engine.test_step_ahead import PROMPTS, _drafting_both_ways, _run, repeating
+
+    jobs = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:3]]
+    eager = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=True))
+    repeating(eager.model)
+    plain, _, _ = _run(eager, False, jobs)
+    engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
+    repeating(engine.model)
+    torch.manual_seed(0)
+    hybrid = NgramThenHeads(HeadsDrafter(random_heads(engine.model, num_heads=2), engine.model))
+    one_by_one, ends, ahead, _, _ = _drafting_both_ways(engine, "ngram+heads:two", hybrid, 4, jobs)
+    assert ahead == one_by_one == plain
+    assert max(end.stats.drafted for end in ends) > 0
