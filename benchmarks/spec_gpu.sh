@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
-#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost rates ahead profile chain kernels
+#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost rates ahead profile chain kernels gate
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
@@ -47,6 +47,10 @@ for part in "${parts[@]}"; do
     profile)
       timeout 200 python benchmarks/profile_spec.py --sessions 1,8,32 --configs none,ngram:4,ngram:auto --cprofile \
         2>&1 | tee -a "$log" ;;
+    gate)  # what the draft gates priced each cap at (ms per token) against what each kind of step took, --k auto
+      configs=$(echo "${DRAFTERS:-ngram+heads}" | tr , '\n' | grep -v '^none$' | sed 's/$/:auto/' | paste -sd,)
+      timeout 250 python benchmarks/profile_spec.py --sessions 8,32 --configs "none,$configs" 2>&1 \
+        | grep -E "^ +[0-9]+ |by kind|draft gates|steps of the timed" | tee -a "$log" ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done
