@@ -821,6 +821,7 @@ def test_the_step_before_a_trial_of_drafting_is_not_timed_for_the_gate(tiny_engi
     sampling = SamplingParams(max_tokens=60, ignore_eos=True)
     handles = [tiny_engine.submit(prompt, sampling, spec) for prompt in ("hello", "hi there")]
     scheduler = tiny_engine.scheduler
+    scheduler.gates.clear()  # a fresh gate: FIRST_TRIAL_AFTER plain steps, then a trial of cap 1
     steps = []  # (the gate held drafting off, the next step may draft, the step is timed)
     try:
         while len(scheduler.running) < 2 or any(not scheduler._decodes(s) for s in scheduler.running):
@@ -835,7 +836,7 @@ def test_the_step_before_a_trial_of_drafting_is_not_timed_for_the_gate(tiny_engi
     before_trial = [timed for off, next_drafts, timed in steps if off and next_drafts]
     plain = [timed for off, next_drafts, timed in steps if off and not next_drafts]
     assert before_trial == [False]
-    assert sum(plain) >= FIRST_TRIAL_AFTER - 4  # the other plain steps are (all but the first few)
+    assert len(plain) >= FIRST_TRIAL_AFTER - 2 and sum(plain) >= len(plain) - 2  # the others are, but the first
 
 
 def test_draft_gate_peek_tells_what_allow_will_say():
