@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
-#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto cost rates ahead profile chain kernels gate
+#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto long cost rates ahead profile chain kernels gate
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
@@ -28,6 +28,11 @@ for part in "${parts[@]}"; do
     auto)
       timeout 300 "${bench[@]}" --drafter "${DRAFTERS:-ngram,heads,eagle}${EAGLE:+,eagle:$EAGLE}" --k auto 2>&1 \
         | tee -a "$log" ;;
+    long)  # --k auto at 8 and 32 sessions over 128 requests (slots refilled: no batch that ends on its slowest
+      # request, and runs ~4x longer than `auto`'s at 32 sessions, whose plain decoding varied 23-30k tok/s)
+      timeout 300 python -m specchat bench smollm2-135m --device cuda --sessions 8,32 --requests 128 \
+        --prompts benchmarks/session_prompts.txt --max-tokens 128 --drafter "${DRAFTERS:-none,heads,ngram+heads}" \
+        --k auto 2>&1 | tee -a "$log" ;;
     cost)
       timeout 120 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch 1,8 2>&1 | tee -a "$log" ;;
     rates)  # synthetic 8B MXFP4 at k = 4 with the heads' per-position acceptance (RATES: benchmarks/tree_estimate.py

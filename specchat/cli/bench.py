@@ -42,11 +42,12 @@ def print_table(headers: list[str], rows: list[list]) -> None:
 
 def bench_sessions(
     config: EngineConfig, prompts_file, sessions, max_tokens, drafter, k, as_json, rounds=None, step_ahead="on",
-    temperature=0.0,
+    temperature=0.0, requests=None,
 ) -> None:  # fmt: skip
     """The grid of session counts x drafters (x steps ahead on / off), `rounds` times (the last reported): on a GPU
     the first round still meets first-time shapes (an eager prefill step beside drafting requests compiles its
-    kernels once). Requests are greedy, or sampled at `temperature` (unseeded, as API clients send them)."""
+    kernels once). Requests are greedy, or sampled at `temperature` (unseeded, as API clients send them);
+    `requests` per run (default: the largest session count), the prompts cycled."""
     from specchat.bench.sessions import run_sessions
     from specchat.config import SamplingParams
     from specchat.engine.engine import Engine
@@ -64,7 +65,7 @@ def bench_sessions(
     modes = list(dict.fromkeys(m and engine.runner.overlaps for m in modes))  # nothing runs ahead without overlap
     # the graphs of every batch bucket and drafter's taps: none captured mid-run
     engine.warm_up(StderrProgress(), sessions=max(counts), drafters=[spec.drafter for spec in specs])
-    requests = max(counts)  # every count runs the same requests, so their throughputs compare
+    requests = requests or max(counts)  # every count runs the same requests, so their throughputs compare
     for _ in range(rounds or (2 if engine.device.type == "cuda" else 1)):
         results = []
         for n in counts:
@@ -257,14 +258,24 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.option(
     "--temperature", type=float, default=0.0, show_default=True, help="sessions: 0 = greedy, else sampled (unseeded)"
 )
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="sessions: requests per run, the prompts cycled (default: the largest --sessions count); more than the "
+    "sessions refill each finished one's slot",
+)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
 def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, weights, kv, shape, batch,
-          acceptance, context, steps, eager, cpu_act, tp, rounds, step_ahead, temperature, as_json) -> None:  # fmt: skip
+          acceptance, context, steps, eager, cpu_act, tp, rounds, step_ahead, temperature, requests,
+          as_json) -> None:  # fmt: skip
     """Throughput and latency: --sessions N --prompts FILE [MODEL], or --synthetic SHAPE."""
     if (sessions is None) == (shape is None):
         raise click.UsageError("give either --sessions (with --prompts) or --synthetic")
     if shape is not None and model is not None:
         raise click.UsageError(f"--synthetic {shape} builds its own model; leave out MODEL ({model})")
+    if shape is not None and requests is not None:
+        raise click.UsageError("--requests works with --sessions; --synthetic times --steps steps of --batch requests")
     if shape is not None and tp != 1:
         raise click.UsageError("--tp works with --sessions; --synthetic builds one unsharded model")
     if shape is not None and cpu_act == "int8":
@@ -284,8 +295,9 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
         eager=eager, tp=tp, cpu_act=cpu_act,
     )  # fmt: skip
     bench_sessions(
-        config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds, step_ahead, temperature
-    )
+        config, prompts_file, sessions, max_tokens, drafter, k or "4", as_json, rounds, step_ahead, temperature,
+        requests,
+    )  # fmt: skip
 
 
 def register(group: click.Group) -> None:

@@ -57,6 +57,21 @@ def test_bench_sessions_sample_at_a_temperature(tiny_model_dir, tmp_path):
     assert sorted((r["sessions"], r["drafter"]) for r in rows) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
 
 
+def test_bench_sessions_run_the_requests_asked(tiny_model_dir, tmp_path):
+    """--requests N: every session count runs N requests (the prompts cycled; the slots refilled as they end),
+    not the default of the largest count; with --synthetic it is a usage error."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a b c\nhello there\n")
+    args = ["bench", str(tiny_model_dir), "--device", "cpu", "--sessions", "1,2", "--prompts", str(prompts),
+            "--max-tokens", "4", "--drafter", "none", "--requests", "5", "--json"]  # fmt: skip
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    rows = [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
+    assert [(r["sessions"], r["requests"], r["completion_tokens"]) for r in rows] == [(1, 5, 20), (2, 5, 20)]
+    bad = CliRunner().invoke(main, ["bench", "--synthetic", "tiny", "--requests", "3"])
+    assert bad.exit_code != 0 and "--requests" in bad.output
+
+
 def test_synthetic_drafter_accepts_at_per_position_rates():
     """--acceptance r1,r2,..: draft j is accepted at rate r_j once those before it were (the last rate after)."""
     import random
