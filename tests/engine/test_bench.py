@@ -57,13 +57,31 @@ def test_bench_sessions_sample_at_a_temperature(tiny_model_dir, tmp_path):
     assert sorted((r["sessions"], r["drafter"]) for r in rows) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
 
 
+def test_bench_reports_each_configurations_median_warm_run():
+    """Of a configuration's runs over the rounds after the first, the one of median throughput (the lower middle
+    of an even count); one round: its run."""
+    from specchat.bench.sessions import SessionsResult
+    from specchat.cli.bench import median_run
+
+    def run(tok_per_s):
+        return SessionsResult(
+            sessions=1, requests=1, drafter="none", k="0", completion_tokens=1, wall_s=1.0, tok_per_s=tok_per_s,
+            itl_p50_ms=None, itl_p99_ms=None, ttft_p50_ms=None, acceptance_rate=0.0, tokens_per_step=1.0,
+            kv_used_tokens_peak=0, memory={}, step_ahead=False,
+        )  # fmt: skip
+
+    assert median_run([run(3.0), run(1.0), run(2.0)]).tok_per_s == 2.0
+    assert median_run([run(3.0), run(1.0)]).tok_per_s == 1.0
+    assert median_run([run(5.0)]).tok_per_s == 5.0
+
+
 def test_bench_sessions_run_the_requests_asked(tiny_model_dir, tmp_path):
     """--requests N: every session count runs N requests (the prompts cycled; the slots refilled as they end),
     not the default of the largest count; with --synthetic it is a usage error."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a b c\nhello there\n")
     args = ["bench", str(tiny_model_dir), "--device", "cpu", "--sessions", "1,2", "--prompts", str(prompts),
-            "--max-tokens", "4", "--drafter", "none", "--requests", "5", "--json"]  # fmt: skip
+            "--max-tokens", "4", "--drafter", "none", "--requests", "5", "--rounds", "3", "--json"]  # fmt: skip
     run = CliRunner().invoke(main, args)
     assert run.exit_code == 0, run.output
     rows = [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
