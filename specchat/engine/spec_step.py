@@ -240,8 +240,6 @@ class SpecStep:
         d, dtype, device = model.cfg.hidden_size, model.embed.weight.dtype, self.runner.device
         for name in drafters:
             drafter = self.drafters.get(name)
-            if not drafter.drafts_on_device():
-                continue
             for k in range(1, max_k + 1):
                 if not drafter.drafts_on_device(k):
                     break
