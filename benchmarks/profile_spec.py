@@ -7,7 +7,8 @@ at most `sessions` in flight, twice: once plain, for tok/s and ms per step; once
 (schedule, draft, forward, verify, postprocess) wrapped in a device synchronize and timed, and the forwards
 counted as CUDA-graph replays or eager runs. The synchronized pass costs overlap, so its phases add up to more
 than the plain step; they say where the time goes, the plain pass says how much there is. --cprofile adds the
-host functions with the most own time over the plain pass.
+host functions with the most own time over the plain pass. Requests run to their max tokens past the end-of-text
+token, as `specchat bench` runs them (--stop-at-eos ends them there, as this profile did before 2026-12-04).
 """
 
 from __future__ import annotations
@@ -328,6 +329,11 @@ def main() -> None:
     parser.add_argument("--configs", default="none,ngram:4")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=32, help="requests per run, cycled over the prompts (as bench)")
+    parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end requests at the model's end-of-text token (default: max tokens each, as `specchat bench`)",
+    )
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--host-calls", action="store_true", help="host time per step of HOST_CALLS (unsynced)")
     parser.add_argument(
@@ -339,7 +345,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine.load(EngineConfig(model=args.model, device=args.device))
     prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
-    sampling = SamplingParams(max_tokens=args.max_tokens)
+    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     configs = args.configs.split(",")
     drafters = [spec_of(c).drafter for c in args.configs.split(",")]
     engine.warm_up(sessions=max(map(int, args.sessions.split(","))), drafters=drafters)  # every graph replayed
