@@ -111,11 +111,16 @@ class _Tokens:
         return self.host.tolist()
 
     def rows(self, index: list[int]) -> torch.Tensor:
-        """The tokens of these rows, on the device (gathered without an index tensor from the host: a copy from
-        pageable memory would wait for the stream)."""
-        if index == list(range(len(self.device))):
-            return self.device
-        return torch.stack([self.device[r] for r in index])
+        """The tokens of these rows, on the device."""
+        return _picked(self.device, index)
+
+
+def _picked(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """These rows of a device tensor (all of them: as it is), gathered without an index tensor from the host: a copy
+    from pageable memory would wait for the stream."""
+    if index == list(range(len(rows))):
+        return rows
+    return torch.stack([rows[r] for r in index])
 
 
 @dataclass(slots=True)
@@ -168,12 +173,13 @@ class _DraftAhead:
 
     def rows(self, plan: StepPlan) -> dict[int, int]:
         """{plan item: row of this step} for the items it ran as the plan would but for k: each decoding from the
-        position and token the step fed, drafting (its verdicts hold for any k)."""
+        position and token the step fed, drafting (its verdicts hold for any k), or at its last token (no room for
+        drafts: the plan's k = 0; its verdict is cut to its room, the token plain decoding gives)."""
         where = {seq.seq_id: row for row, seq in enumerate(self.seqs)}
         rows = {}
         for i, item in enumerate(plan.items):
             row = where.get(item.seq.seq_id)
-            if row is None or item.k == 0 or item.seq.num_cached != self.starts[row]:
+            if row is None or (item.k == 0 and item.seq.draft_room > 0) or item.seq.num_cached != self.starts[row]:
                 continue
             if item.feed == self.feeds[row][:1]:
                 rows[i] = row
@@ -193,22 +199,65 @@ class _DraftAhead:
         out = self.out
         assert out.ids is not None and out.flat_hidden is not None
         n, q = len(self.seqs), len(out.ids) // len(self.seqs)
-        picked = torch.tensor(index, device=out.ids.device)
 
         def rows(flat: torch.Tensor) -> torch.Tensor:  # the picked requests' q rows each, one after another
-            return flat.view(n, q, *flat.shape[1:])[picked].flatten(0, 1)
+            return _picked(flat.view(n, q, *flat.shape[1:]), index).flatten(0, 1)
 
         logits, hidden = rows(out.flat_logits), {layer: rows(h) for layer, h in out.flat_hidden.items()}
         sizes = [q] * len(index)
         return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), rows(out.ids), hidden)
 
 
-def _advanced_batch(plan: StepPlan, q: int) -> StepBatch:
-    """The step after a drafting step of `plan` as the host stages it for `forward_advanced`: each request's q
+def _advanced_batch(seqs: list[Sequence], q: int) -> StepBatch:
+    """The step after a drafting step of these requests as the host stages it for `forward_advanced`: each one's q
     tokens from the position after its newest, as if it accepted no draft (the device moves it by what it did)."""
-    seq_ids = [item.seq.seq_id for item in plan.items]
-    starts = [item.seq.num_cached + 1 for item in plan.items]
+    seq_ids = [seq.seq_id for seq in seqs]
+    starts = [seq.num_tokens for seq in seqs]  # (num_cached + 1: each decodes its newest token)
     return StepBatch(seq_ids, [[PAD_TOKEN] * q] * len(seq_ids), starts, [q] * len(seq_ids))
+
+
+def _going_on(plan: StepPlan) -> list[int]:
+    """The items of a decoding step that may go on after it: all but those at their last token (no room for
+    another: they end with this step, and a step launched ahead leaves them out)."""
+    return [i for i, item in enumerate(plan.items) if item.seq.draft_room > 0]
+
+
+@dataclass(slots=True)
+class _Joining:
+    """Prompts admitted beside a step that ran ahead (`SpecStep._join`): their forward launched before the host
+    reads that step's tokens or verdicts, their first tokens drawn on the device, so that the next step, launched
+    ahead, can take them beside the others instead of every request waiting for a step run on the host."""
+
+    items: list[Scheduled]
+    out: StepOutput  # their forward
+    tokens: _Tokens  # [m] each one's first token
+    # for greedy requests whose drafter drafts on the device: [m, q] what each feeds the next drafting step (its
+    # first token and k drafts), and on their way to the host, with the drafts' source (`_first_drafts`)
+    fed: torch.Tensor | None = None
+    drafts: _Tokens | None = None
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [item.seq for item in self.items]
+
+    def result(self, read) -> StepResult:
+        """What the step gave them (`read`: SpecStep._read): each one's first token, its rows tapped."""
+        outcomes: list[Outcome | None] = [Outcome(0, 0, [token]) for token in read(self.tokens)]
+        hidden = [{layer: h[: len(item.feed)] for layer, h in taps.items()}
+                  for taps, item in zip(self.out.hidden, self.items, strict=True)]  # fmt: skip
+        return StepResult(outcomes, hidden, 0.0, 0.0)
+
+
+@dataclass(slots=True)
+class _Following:
+    """The drafting step to launch after a drafting step (`SpecStep._drafts_ahead`): its drafter, the items of the
+    step before that it continues (`_going_on`), the prompts that join it (if any) and its batch as the host stages
+    it (`_advanced_batch`)."""
+
+    drafter: Drafter
+    going_on: list[int]
+    joining: _Joining | None
+    batch: StepBatch
 
 
 class SpecStep:
@@ -248,6 +297,9 @@ class SpecStep:
                 key = (name, id(drafter), k)
                 if not drafter.reads_context:  # (one that does runs its fallback directly: `_verdicts_ahead`)
                     self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
+                    # and the drafts of prompts joining a step ahead (`_first_drafts`), from one row each
+                    first = (ids[:, :1], ids[:, :1], *(h[:, :1] for h in hidden))
+                    self._verdicts.warm_up(sessions, [(*key, "first")], lambda key, f=first: f)
                 self.runner.bind_after(k + 1, drafter.taps, key, self._verdicts_of_forward, self._verdicts.signature())
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -267,19 +319,23 @@ class SpecStep:
 
     def _continue(self, plan: StepPlan, ahead: _Ahead | _DraftAhead, rows: dict[int, int]) -> StepResult:
         """The step whose requests (those in `rows`) ran ahead: launch the next one, then read the verdicts or
-        tokens; the plan's other requests (a prompt admitted meanwhile) run now, after."""
+        tokens. The plan's other requests: prompts admitted meanwhile run first and join the next step where it may
+        take them (`_join`); any other (one whose step ahead was taken back) runs after, and then nothing runs
+        ahead."""
         t0 = time.perf_counter()
         self.continued += 1
         covered = StepPlan([plan.items[i] for i in rows], plan.taps, plan.ahead, plan.gated_next)
         index = list(rows.values())
         rest = [i for i in range(len(plan.items)) if i not in rows]
+        joining = self._join(plan, [plan.items[i] for i in rest], ahead) if rest else None
+        ahead_next = not rest or joining is not None  # whether the next step may be launched ahead
         if isinstance(ahead, _DraftAhead):
             self.drafted_ahead += 1
-            following = None if rest else self._drafts_ahead(covered, ahead.k)
+            following = self._drafts_ahead(covered, ahead.k, joining) if ahead_next else None
             sources = [ahead.sources[r] for r in index]
             result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, sources, following, t0, t0)
         else:
-            launched = None if rest else self._launch_ahead(covered, ahead.tokens.rows(index))
+            launched = self._launch_ahead(covered, ahead.tokens.rows(index), joining) if ahead_next else None
             drawn = self._read(ahead.tokens)
             # no decode_rows: the time from here is not what one step costs (StepCosts would learn it as such)
             outcomes = [Outcome(0, 0, [drawn[r]]) for r in index]
@@ -291,12 +347,70 @@ class SpecStep:
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
         for j, i in enumerate(rows):
             full[i], hidden[i] = result.outcomes[j], result.hidden[j]
-        others = self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
+        others = (
+            joining.result(self._read) if joining else self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
+        )
         for j, i in enumerate(rest):
             full[i], hidden[i] = others.outcomes[j], others.hidden[j]
         return StepResult(
             full, hidden, others.draft_ms + result.draft_ms, others.verify_ms + result.verify_ms,
-            decoding=others.decoding,
+            decoding=others.decoding, ahead=result.ahead,
+        )  # fmt: skip
+
+    def _join(self, plan: StepPlan, items: list[Scheduled], ahead: _Ahead | _DraftAhead) -> _Joining | None:
+        """Run now the prompts admitted beside a step that ran ahead (`items`: the plan's requests it did not run),
+        before the host reads that step's output, where each one is a prompt (or its last chunk) that draws its first
+        token now: the tokens drawn on the device (`plain_tokens`, what verification draws at k = 0) and, after a
+        step of drafting, each greedy one's drafts after its token (`_first_drafts`), so that the next step may be
+        launched ahead with them too (`_launch_ahead`, `_drafts_ahead`). None, with nothing run, otherwise (a request
+        whose step ahead was taken back): they then run after the others, as any step. (Measured on the H200 at 8
+        sessions: each request admitted meanwhile cost a step that fed its prompt and could not overlap the host,
+        then a step that could not run ahead, ~4.5 ms where two steps of drafting ahead took 2.2.)"""
+        if not (self.runs_ahead and plan.ahead):
+            return None
+        for item in items:
+            if not item.samples or item.k or (len(item.feed) == 1 and item.seq.output_ids):
+                return None  # (not a prompt: a decoding request, k = 0, whose step ahead was taken back)
+        seqs = [item.seq for item in items]
+        feeds, starts = [item.feed for item in items], [seq.num_cached for seq in seqs]
+        out = self.runner.forward(StepBatch([s.seq_id for s in seqs], feeds, starts, [1] * len(items)), plan.taps)
+        tokens = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        joining = _Joining(items, out, _Tokens(tokens))
+        if isinstance(ahead, _DraftAhead) and all(seq.sampling.greedy for seq in seqs):
+            self._first_drafts(joining, ahead.seqs[0].spec.drafter, ahead.k)
+        return joining
+
+    def _first_drafts(self, joining: _Joining, name: str, k: int) -> None:
+        """Each joining prompt's k drafts after its first token, drafted on the device from its last tapped row by
+        drafter `name` (`_verdicts_and_drafts` over one row each: nothing to verify), for the next drafting step;
+        nothing where that drafter does not draft k on the device or a row was not tapped."""
+        drafter = self.drafters.get(name)
+        hidden = joining.out.hidden
+        if not drafter.drafts_on_device(k) or any(tap not in rows for rows in hidden for tap in drafter.taps):
+            return
+        first = joining.tokens.device[:, None]
+        rows = [torch.stack([h[tap][-1] for h in hidden])[:, None] for tap in drafter.taps]
+        key = (name, id(drafter), k, "first")
+        if drafter.reads_context:  # (the lookup reads each prompt's tokens where the forward wrote them)
+            packed, *_ = self._verdicts_and_drafts(key, first, first, *rows, context=self._context(joining.seqs))
+        else:
+            packed, *_ = self._verdicts(key, first, first, *rows)
+        joining.fed = packed[:, 2 : 3 + k]  # [accepted (0), target, its first token, k drafts, their source]
+        joining.drafts = _Tokens(packed)
+
+    def _context(self, seqs: list[Sequence]) -> TokenContext:
+        """Where these requests' tokens are in the pool, for a drafter that reads them (`reads_context`), positioned
+        before each one's newest token (`_verdicts_and_drafts` moves it on by the accepted drafts and one), staged
+        through pinned memory so that nothing waits for the device."""
+        pool, device = self.runner.pool, self.runner.device
+        tables = [pool.tables[seq.seq_id] for seq in seqs]
+        width = max(map(len, tables))
+        pinned = device.type == "cuda"
+        staged = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, pin_memory=pinned)
+        positions = torch.tensor([seq.num_tokens - 1 for seq in seqs], pin_memory=pinned)
+        return TokenContext(
+            pool.store.ids, staged.to(device, non_blocking=True), positions.to(device, non_blocking=True),
+            pool.page_size,
         )  # fmt: skip
 
     def _read(self, tokens: _Tokens) -> list[int]:
@@ -305,18 +419,20 @@ class SpecStep:
         self.waited_s += time.perf_counter() - t
         return host
 
-    def _launch_ahead(self, plan: StepPlan, tokens: torch.Tensor) -> _Ahead | None:
+    def _launch_ahead(self, plan: StepPlan, tokens: torch.Tensor, joining: _Joining | None = None) -> _Ahead | None:
         """Launch the step after `plan` (a plain decode step whose tokens are `tokens`, on the device) if every
-        request will continue decoding plainly, room allowing; None otherwise."""
+        request that goes on after it (`_going_on`: one at its last token is left out), and every prompt joining it,
+        will decode plainly, room allowing; None otherwise."""
         if not (self.runs_ahead and plan.ahead and not plan.taps):
             return None
-        seqs = [item.seq for item in plan.items]
-        for seq in seqs:  # after this step: one more token, and the next decodes plainly too
-            if self._drafts_next(seq, plan):
-                return None
-            if len(seq.output_ids) + 2 > seq.sampling.max_tokens or seq.num_tokens + 2 > seq.max_position:
-                return None
-        starts = [seq.num_cached + 1 for seq in seqs]
+        going_on = _going_on(plan)
+        seqs = [plan.items[i].seq for i in going_on] + (joining.seqs if joining else [])
+        if not seqs or any(self._drafts_next(seq, plan) or seq.draft_room <= 0 for seq in seqs):
+            return None  # (the next step decodes plainly too; a prompt at its last token ends with its first)
+        tokens = _picked(tokens, going_on)
+        if joining is not None:
+            tokens = torch.cat([tokens, joining.tokens.device])
+        starts = [seq.num_tokens for seq in seqs]  # (num_cached + 1: each decodes its newest token)
         batch = StepBatch([seq.seq_id for seq in seqs], [[PAD_TOKEN]] * len(seqs), starts, [1] * len(seqs))
         if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, 2)) or not self.runner.can_run_ahead(batch):
             return None
@@ -351,8 +467,10 @@ class SpecStep:
         out = self.runner.forward(batch, taps=plan.taps)
         if width is None and all(decoding) and all(n == 1 for n in rows):
             return self._plain(plan, out, t0, t1)
-        k = len(drafts[0].tokens)
-        if out.ids is not None and all(len(d.tokens) == k for d in drafts):
+        # every request drafted k (one at its last token drafts none, padded to the others' width)
+        k = max(len(d.tokens) for d in drafts)
+        full = all(len(d.tokens) == k or item.seq.draft_room <= 0 for d, item in zip(drafts, plan.items, strict=True))
+        if out.ids is not None and full and all(n == k + 1 for n in logit_rows):
             following = self._drafts_ahead(plan, k)
             if following is not None:
                 return self._verdicts_ahead(plan, out, k, [d.source for d in drafts], following, t0, t1)
@@ -400,13 +518,16 @@ class SpecStep:
             result.ahead = dict.fromkeys((seq.seq_id for seq in launched.seqs), held)
         return result
 
-    def _drafts_ahead(self, plan: StepPlan, k: int) -> tuple[Drafter, StepBatch] | None:
-        """The drafter that drafts the step after `plan` (a drafting step, k drafts each) on the device, and that
-        step as the host stages it (`_advanced_batch`), if it may be launched before the host reads this one's
-        verdicts: every request greedy, decoding with the same drafter, which can (`Drafter.draft_on_device`),
-        drafting again next step and with room in its context for k more drafts; None otherwise (this step is then
-        verified as any other). A request near its max tokens does not hold the others back: the step drafts k for
-        it too, and its verdicts are cut to its room (`_verdicts_ahead`), where it ends."""
+    def _drafts_ahead(self, plan: StepPlan, k: int, joining: _Joining | None = None) -> _Following | None:
+        """The step after `plan` (a drafting step, k drafts each), if it may be launched before the host reads this
+        one's verdicts: every request greedy, decoding with the same drafter, which drafts on the device
+        (`Drafter.draft_on_device`), and each one that goes on (`_going_on`) drafting again next step with room in
+        its context for k more drafts; None otherwise (this step is then verified as any other). A request near its
+        max tokens does not hold the others back: the step drafts k for it too, and its verdicts are cut to its room
+        (`_verdicts_ahead`), where it ends; one at its last token is left out of the step ahead. (Measured on the
+        H200, 8 sessions: such a request's last step ran apart from the step ahead and launched none, so each
+        request's end cost the batch about three steps that could not run ahead.) Prompts joining (`_join`) draft
+        from their first token, greedy requests of the same drafter with room for a drafting step."""
         if not (self.runs_ahead and plan.ahead and k > 0) or plan.gated_next:
             return None
         names = {item.seq.spec.drafter for item in plan.items}
@@ -416,17 +537,27 @@ class SpecStep:
         if not drafter.drafts_on_device(k):
             return None
         q = k + 1
-        for item in plan.items:
-            seq = item.seq
-            if not (item.samples and len(item.feed) == 1 and item.k > 0 and seq.sampling.greedy):
-                return None
+        if not all(item.samples and len(item.feed) == 1 and item.seq.sampling.greedy for item in plan.items):
+            return None
+        going_on = _going_on(plan)
+        for seq in (plan.items[i].seq for i in going_on):
             # after this step up to q more tokens, then the next step's q positions
             if not self._drafts_next(seq, plan) or seq.num_tokens + 2 * q > seq.max_position:
                 return None
-        batch = _advanced_batch(plan, q)
-        if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, q)):
+        joiners = joining.seqs if joining else []
+        if joining is not None and (joining.fed is None or len(joining.fed[0]) != q):
             return None
-        return (drafter, batch) if self.runner.can_run_ahead(batch, plan.taps, advanced=True) else None
+        for seq in joiners:
+            if seq.spec.drafter != plan.items[0].seq.spec.drafter or not seq.sampling.greedy or seq.draft_room <= 0:
+                return None
+            if not self._drafts_next(seq, plan) or seq.num_tokens + 2 * q > seq.max_position:
+                return None
+        batch = _advanced_batch([plan.items[i].seq for i in going_on] + joiners, q)
+        if not batch.seq_ids or not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, q)):
+            return None
+        if not self.runner.can_run_ahead(batch, plan.taps, advanced=True):
+            return None
+        return _Following(drafter, going_on, joining, batch)
 
     def _verdicts_ahead(
         self,
@@ -434,7 +565,7 @@ class SpecStep:
         out: StepOutput,
         k: int,
         sources: list[str],
-        following: tuple[Drafter, StepBatch] | None,
+        following: _Following | None,
         t0: float,
         t1: float,
     ) -> StepResult:
@@ -454,7 +585,7 @@ class SpecStep:
             target, fed = targets()
             verdicts = _Tokens(torch.cat([greedy_verdicts(target, fed)[:, None], target], 1))
         else:
-            drafter, batch = following
+            drafter = following.drafter
             key = (plan.items[0].seq.spec.drafter, id(drafter), k)
             # [n, 2 + 2q] verdicts, next drafts and their source; [n, d] each tap's row at the last accepted
             # position: one replay bound to the forward's outputs where it was one (graphs), else one GraphedFunction
@@ -470,10 +601,18 @@ class SpecStep:
                     outs = self._verdicts(key, *targets(), *hidden)
             packed, *rows = outs
             verdicts = _Tokens(packed)
-            advance = packed[:, 0].contiguous()
-            fed_next = packed[:, 1 + q : 1 + 2 * q].reshape(-1)  # each request's bonus or recovered token and drafts
-            forward = self.runner.forward_advanced(batch, fed_next, advance, plan.taps)
-            launched = _DraftAhead([item.seq for item in plan.items], k, forward, [], [])
+            going_on = _picked(packed, following.going_on)
+            advance = going_on[:, 0]
+            fed_next = going_on[:, 1 + q : 1 + 2 * q]  # each one's bonus or recovered token and drafts
+            seqs = [plan.items[i].seq for i in following.going_on]
+            if following.joining is not None:  # prompts joining: their first token and drafts, from their start
+                fed_next = torch.cat([fed_next, following.joining.fed])
+                advance = torch.cat([advance, advance.new_zeros(len(following.joining.items))])
+                seqs += following.joining.seqs
+            forward = self.runner.forward_advanced(
+                following.batch, fed_next.reshape(-1), advance.contiguous(), plan.taps
+            )
+            launched = _DraftAhead(seqs, k, forward, [], [])
             if not drafter.tap_history:  # what a request keeps is that row alone, sliced where read (copied: the
                 # graph's next replay overwrites it)
                 kept = {layer: r.clone() for layer, r in zip(drafter.taps, rows, strict=True)}
@@ -486,10 +625,17 @@ class SpecStep:
             a = min(row[0], room)
             outcomes.append(Outcome(room, a, row[1 : a + 2], source))
         if launched is not None:  # what the next step feeds, from where the device moved each request
-            names = ("", *following[0].sources)
-            launched.feeds = [row[1 + q : 1 + 2 * q] for row in host]
-            launched.sources = [names[row[-1]] for row in host]
-            launched.starts = [item.seq.num_cached + row[0] + 1 for item, row in zip(plan.items, host, strict=True)]
+            names = ("", *following.drafter.sources)
+            going_on = [(plan.items[i], host[i]) for i in following.going_on]
+            launched.feeds = [row[1 + q : 1 + 2 * q] for _, row in going_on]
+            launched.sources = [names[row[-1]] for _, row in going_on]
+            launched.starts = [item.seq.num_cached + row[0] + 1 for item, row in going_on]
+            if following.joining is not None:  # (each one's first token and drafts, at the prompt's end)
+                assert following.joining.drafts is not None
+                for seq, row in zip(following.joining.seqs, self._read(following.joining.drafts), strict=True):
+                    launched.feeds.append(row[2 : 2 + q])
+                    launched.sources.append(names[row[-1]])
+                    launched.starts.append(seq.num_tokens)
         if kept_rows is None:  # the rows up to the last accepted draft (one that ends here may accept fewer)
             hidden_kept = [
                 {layer: h[: o.accepted + 1] for layer, h in taps.items()}
@@ -524,14 +670,14 @@ class SpecStep:
         *hidden: torch.Tensor,
         context: TokenContext | None = None,
     ):
-        """(drafter name, its id, k), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
+        """(drafter name, its id, k[, a tag of the graph]), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
         step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 2 + 2q]: the accepted count, the
         targets, the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the last
         accepted position) and their source (0: the drafter's own, i: its i-th of `sources`); then that row [B, d]
         of each tap). context: where the step's requests' tokens are, for a drafter that `reads_context` (None: it
         drafts without). Device ops only: captured per batch bucket (`self._verdicts`, or bound to the step's
         graph)."""
-        name, _, k = key
+        name, _, k = key[:3]
         drafter = self.drafters.get(name)
         accepted = greedy_verdicts(target, fed)
         rows = torch.arange(len(target), device=target.device)
