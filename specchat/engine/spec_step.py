@@ -120,7 +120,7 @@ def _picked(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
     from pageable memory would wait for the stream."""
     if index == list(range(len(rows))):
         return rows
-    return torch.stack([rows[r] for r in index])
+    return torch.stack([rows[r] for r in index]) if index else rows[:0]
 
 
 @dataclass(slots=True)

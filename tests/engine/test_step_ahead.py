@@ -289,6 +289,17 @@ def test_prompts_admitted_beside_a_step_ahead_join_the_next_one(tiny_engine, mon
     assert steps[:2] == [False, False] and all(steps[2:])
 
 
+@pytest.mark.parametrize("drafting", [False, True])
+def test_a_prompt_joins_whatever_step_it_arrives_at(tiny_engine, monkeypatch, drafting):
+    """A prompt submitted at each step of a lone request's run, its last one included (the step ahead then holds
+    the joining prompt alone): the tokens, drafts and acceptances of the run one step after another."""
+    for at_step in range(3, 10):
+        jobs = [(PROMPTS[1], SamplingParams(max_tokens=7, ignore_eos=True))]
+        late = [(PROMPTS[2], SamplingParams(max_tokens=6, ignore_eos=True))]
+        with monkeypatch.context() as patch:
+            _steps_continued(tiny_engine, patch, drafting, jobs, late, at_step=at_step)
+
+
 def test_drafts_deeper_than_the_device_chain_are_not_drafted_ahead(tiny_engine):
     """A step wider than its drafter drafts on the device (`drafts_on_device(k)`, as the hybrid's lookup drafting
     8 beside four heads) is verified on the host and not followed ahead (on the H200 it was, and failed): the
