@@ -36,7 +36,7 @@ import torch
 from specchat.engine.kv_batch import KVBatch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
-from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, TokenContext, joined, sub_batch
+from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, TokenContext, joined, sub_batch, to_device
 from specchat.kernels import pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 from specchat.kernels.fused import advance_step
@@ -354,7 +354,7 @@ class CudaGraphRunner(ModelRunner):
             for i, (n, rows) in enumerate(zip(lengths, batch.logit_rows, strict=True))
             for r in range(n - rows, n)
         ]
-        logits = out.flat_logits.index_select(0, torch.tensor(keep, device=self.device))
+        logits = out.flat_logits.index_select(0, to_device(keep, torch.long, self.device))
         hidden = [{layer: h[:n] for layer, h in taps_.items()} for taps_, n in zip(out.hidden, lengths, strict=True)]
         return StepOutput(logits, list(logits.split(batch.logit_rows)), hidden)
 

@@ -32,7 +32,7 @@ import torch
 
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
-from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput, TokenContext
+from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput, TokenContext, to_device
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 from specchat.kernels import cpu_ops
@@ -400,18 +400,13 @@ class SpecStep:
 
     def _context(self, seqs: list[Sequence]) -> TokenContext:
         """Where these requests' tokens are in the pool, for a drafter that reads them (`reads_context`), positioned
-        before each one's newest token (`_verdicts_and_drafts` moves it on by the accepted drafts and one), staged
-        through pinned memory so that nothing waits for the device."""
+        before each one's newest token (`_verdicts_and_drafts` moves it on by the accepted drafts and one)."""
         pool, device = self.runner.pool, self.runner.device
         tables = [pool.tables[seq.seq_id] for seq in seqs]
         width = max(map(len, tables))
-        pinned = device.type == "cuda"
-        staged = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, pin_memory=pinned)
-        positions = torch.tensor([seq.num_tokens - 1 for seq in seqs], pin_memory=pinned)
-        return TokenContext(
-            pool.store.ids, staged.to(device, non_blocking=True), positions.to(device, non_blocking=True),
-            pool.page_size,
-        )  # fmt: skip
+        padded = to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device)
+        positions = to_device([seq.num_tokens - 1 for seq in seqs], torch.long, device)
+        return TokenContext(pool.store.ids, padded, positions, pool.page_size)
 
     def _read(self, tokens: _Tokens) -> list[int]:
         t = time.perf_counter()

@@ -310,8 +310,10 @@ def test_prompts_arriving_mid_run_beside_drafting_steps_ahead_on_graphs(cuda_tin
 
 def test_ngram_then_heads_draft_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_model_dir):
     """The hybrid drafting ahead on CUDA graphs (the lookup kernel over the pool's token ids, bound to the step's
-    graph, the heads' chain where it misses): the eager runner's plain greedy tokens, and the drafts and
-    acceptances of the same engine with steps ahead off, on a model whose text repeats (so the lookup matches)."""
+    graph, the heads' chain where it misses), prompts arriving mid-run joining the steps ahead: the eager runner's
+    plain greedy tokens on a model whose text repeats (so the lookup matches), the lookup's drafts accepted. (Not
+    the same drafts as with steps ahead off: near a request's max tokens the device's lookup drafts the step's k,
+    cut to the request's room, where the host's may propose fewer; on the H200 one request drafted 49 against 47.)"""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.drafters.hybrid import NgramThenHeads
     from specchat.engine.engine import Engine
@@ -331,9 +333,9 @@ def test_ngram_then_heads_draft_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_
         engine, "ngram+heads:random", hybrid, 4, jobs, late, at_step=6
     )
     assert ahead == one_by_one == plain
-    assert _drafts(ends_ahead) == _drafts(ends)
     assert drafted_ahead > 5  # (most steps accept all four drafts: 40 tokens take ~10)
-    assert sum(a for _, a in _drafts(ends)) > sum(d for d, _ in _drafts(ends)) / 3  # the lookup's drafts accepted
+    for run in (ends, ends_ahead):  # the lookup's drafts accepted
+        assert sum(a for _, a in _drafts(run)) > sum(d for d, _ in _drafts(run)) / 3
 
 
 def test_ngram_then_two_heads_at_k_4_on_graphs_give_the_eager_tokens(cuda_tiny_model_dir):
