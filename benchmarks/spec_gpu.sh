@@ -21,7 +21,7 @@ for part in "${parts[@]}"; do
   echo "=== $part $(date -u +%FT%TZ) tree ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee "$log"
   case $part in
     tests)
-      timeout 200 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_cuda.py tests/engine/test_cuda_graph.py \
+      timeout 300 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_cuda.py tests/engine/test_cuda_graph.py \
         tests/engine/test_step_ahead.py tests/engine/test_adaptive.py tests/kernels/test_draft_heads.py \
         2>&1 | tail -15 | tee -a "$log" ;;
     sessions)
