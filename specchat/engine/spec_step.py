@@ -32,7 +32,7 @@ import torch
 
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
-from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput, TokenContext, to_device
+from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput, TokenContext
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 from specchat.kernels import cpu_ops
@@ -297,9 +297,9 @@ class SpecStep:
                 key = (name, id(drafter), k)
                 if not drafter.reads_context:  # (one that does runs its fallback directly: `_verdicts_ahead`)
                     self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
-                    # and the drafts of prompts joining a step ahead (`_first_drafts`), from one row each
-                    first = (ids[:, :1], ids[:, :1], *(h[:, :1] for h in hidden))
-                    self._verdicts.warm_up(sessions, [(*key, "first")], lambda key, f=first: f)
+                # and the drafts of prompts joining a step ahead (`_first_drafts`), from one row each
+                first = (ids[:, :1], ids[:, :1], *(h[:, :1] for h in hidden))
+                self._verdicts.warm_up(sessions, [(*key, "first")], lambda key, f=first: f)
                 self.runner.bind_after(k + 1, drafter.taps, key, self._verdicts_of_forward, self._verdicts.signature())
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -382,31 +382,20 @@ class SpecStep:
 
     def _first_drafts(self, joining: _Joining, name: str, k: int) -> None:
         """Each joining prompt's k drafts after its first token, drafted on the device from its last tapped row by
-        drafter `name` (`_verdicts_and_drafts` over one row each: nothing to verify), for the next drafting step;
-        nothing where that drafter does not draft k on the device or a row was not tapped."""
+        drafter `name` (`_verdicts_and_drafts` over one row each: nothing to verify; one CUDA graph per batch bucket
+        and k), for the next drafting step; nothing where that drafter does not draft k on the device or a row was
+        not tapped. A drafter that reads the requests' tokens (the hybrid's lookup) drafts its chain alone here: run
+        eagerly over each prompt's pages, the lookup cost a joining step ~1.9 ms more than the heads' on the H200,
+        and compiled anew for page tables of new widths."""
         drafter = self.drafters.get(name)
         hidden = joining.out.hidden
         if not drafter.drafts_on_device(k) or any(tap not in rows for rows in hidden for tap in drafter.taps):
             return
         first = joining.tokens.device[:, None]
         rows = [torch.stack([h[tap][-1] for h in hidden])[:, None] for tap in drafter.taps]
-        key = (name, id(drafter), k, "first")
-        if drafter.reads_context:  # (the lookup reads each prompt's tokens where the forward wrote them)
-            packed, *_ = self._verdicts_and_drafts(key, first, first, *rows, context=self._context(joining.seqs))
-        else:
-            packed, *_ = self._verdicts(key, first, first, *rows)
+        packed, *_ = self._verdicts((name, id(drafter), k, "first"), first, first, *rows)
         joining.fed = packed[:, 2 : 3 + k]  # [accepted (0), target, its first token, k drafts, their source]
         joining.drafts = _Tokens(packed)
-
-    def _context(self, seqs: list[Sequence]) -> TokenContext:
-        """Where these requests' tokens are in the pool, for a drafter that reads them (`reads_context`), positioned
-        before each one's newest token (`_verdicts_and_drafts` moves it on by the accepted drafts and one)."""
-        pool, device = self.runner.pool, self.runner.device
-        tables = [pool.tables[seq.seq_id] for seq in seqs]
-        width = max(map(len, tables))
-        padded = to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device)
-        positions = to_device([seq.num_tokens - 1 for seq in seqs], torch.long, device)
-        return TokenContext(pool.store.ids, padded, positions, pool.page_size)
 
     def _read(self, tokens: _Tokens) -> list[int]:
         t = time.perf_counter()

@@ -364,8 +364,12 @@ def test_ngram_then_heads_drafting_ahead_draft_what_they_draft_one_by_one(tiny_e
     def counting(plan):
         result = run(plan)
         # (steps of a full k: near its max tokens a request drafting ahead drafts the step's k, cut to its room, where
-        # on the host it drafts its room, and a lookup matching that few tokens may not match k)
-        sources[tiny_engine.spec_step.runs_ahead].update(o.source for o in result.outcomes if o and o.drafted == 4)
+        # on the host it drafts its room, and a lookup matching that few tokens may not match k; and not a request's
+        # first decoding step: a prompt that joined a step ahead drafts it with the heads' chain alone)
+        ahead = tiny_engine.spec_step.runs_ahead
+        for item, o in zip(plan.items, result.outcomes, strict=True):
+            if o and o.drafted == 4 and len(item.seq.output_ids) > 1:
+                sources[ahead][o.source] += 1
         return result
 
     monkeypatch.setattr(tiny_engine.spec_step, "run", counting)
