@@ -398,6 +398,9 @@ class DraftGate:
     """
 
     ema: float = EMA_WEIGHT
+    # the largest cap it tries (the scheduler's `_gate_top`: on CUDA graphs the deepest its drafters draft on the
+    # device, since a wider step cannot run ahead)
+    top: int = GATE_CAPS[-1]
     ms_per_token: dict[int, float] = field(default_factory=dict)  # cap -> EMA of the time over EMA of the tokens
     # cap -> (EMA of a step's milliseconds x requests, EMA of its tokens): what ms_per_token divides
     sums: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -425,6 +428,7 @@ class DraftGate:
         best = min(self.ms_per_token.values())
         return DraftGate(
             ema=self.ema,
+            top=self.top,
             toward_plain=self.toward_plain,
             prior={cap: ms / best for cap, ms in self.ms_per_token.items()},
             drafted=list(self.drafted),
@@ -440,7 +444,7 @@ class DraftGate:
 
     def _target(self, preferred: int, every: int) -> tuple[int, int]:
         """(the cap the next trial tries, steps at the preferred cap before it starts, `every` if timed)."""
-        up = min(2 * preferred, GATE_CAPS[-1])
+        up = min(2 * preferred, self.top)
         if preferred == 0:
             target = self._from_plain()
         elif up == preferred:  # the top cap: only plain decoding is left to try
@@ -464,7 +468,7 @@ class DraftGate:
         top = drafting[-1]
         below = times.get(top // 2 if top > 1 else 0)
         faster = below is not None and times[top] < below * (1.0 + CLIMB_MARGIN if top == 1 else 1.0)
-        if faster and top < GATE_CAPS[-1] and 2 * top not in times:
+        if faster and top < self.top and 2 * top not in times:
             return 2 * top
         return min(drafting, key=lambda cap: (times[cap], cap))
 

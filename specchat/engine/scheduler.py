@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from specchat.engine.adaptive import DraftGate, RateMemory, StepCosts
+from specchat.engine.adaptive import GATE_CAPS, DraftGate, RateMemory, StepCosts
 from specchat.engine.drafters import DrafterCache, NoDrafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.runner import RowOf
@@ -212,8 +212,22 @@ class Scheduler:
         around = ((drafters, bucket // 2), (drafters, 2 * bucket))
         neighbours = [g for k in around if (g := self.gates.get(k)) is not None and g.ms_per_token]
         if not neighbours:
-            return DraftGate()
+            return DraftGate(top=self._gate_top(drafters))
         return max(neighbours, key=lambda g: g.steps).follow()
+
+    def _gate_top(self, names: tuple[str, ...]) -> int:
+        """The largest cap the gate of a batch of these drafters tries: where the runner pads widths (CUDA graphs)
+        and every one of them drafts on the device, the deepest they all draft there (`Drafter.drafts_on_device`:
+        a wider step is verified on the host and the next one cannot run ahead of it); else the largest cap. On
+        the H200 the hybrid's cap 8 (the lookup drafting 8 beside four heads) was priced 1.35 / 1.95 / 3.11 / 1.43
+        ms a token at batch 1 / 2 / 4 / 8 where its best cap was 0.65 / 0.91 / 0.99 / 0.80, and its trials took
+        16-21% of the steps at 8 sessions (twenty-eighth session, docs/benchmarks.md)."""
+        if not self.uniform_widths:
+            return GATE_CAPS[-1]
+        drafters = [self.drafters.get(name) for name in names]
+        if not all(d.drafts_on_device() for d in drafters):
+            return GATE_CAPS[-1]
+        return max(cap for cap in GATE_CAPS if all(cap == 0 or d.drafts_on_device(cap) for d in drafters))
 
     def _plan(self, events: list[Event], now: float) -> list[Scheduled]:
         """The requests taking part in this step, preempting the newest ones until the pool holds the step."""

@@ -11,6 +11,7 @@ import pytest
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.adaptive import (
     FIRST_TRIAL_AFTER,
+    GATE_CAPS,
     MAX_TRIAL_EVERY,
     RAMP_AFTER,
     TRIAL_EVERY,
@@ -515,6 +516,47 @@ def test_draft_gate_climbs_caps_while_each_is_faster():
     late = settled[500:]
     assert late.count(1) > 0.95 * len(late) and 4 not in late and 8 not in late
     assert 0 in late and 2 in late  # the trials of both neighbours
+
+
+def test_draft_gate_tries_no_cap_above_its_top():
+    """A gate whose top cap is 4 (its drafters draft at most 4 on the device, on CUDA graphs) climbs to 4 where
+    every cap is faster than the one below and then tries only plain decoding, never 8; a gate following it
+    keeps that top."""
+    gate, caps = DraftGate(top=4), []
+    for _ in range(3000):
+        caps.append(gate.allow())
+        gate.observe(caps[-1], 4 * {0: 1.0, 1: 0.8, 2: 0.7, 4: 0.6, 8: 0.5}[caps[-1]], 4)
+    assert 8 not in caps and caps[-50:].count(4) > 40 and 0 in caps[500:]
+    assert gate.follow().top == 4
+
+
+def test_the_gate_of_a_drafter_stops_at_what_it_drafts_on_the_device(tiny_engine):
+    """Where the runner pads widths, a batch's gate tries caps up to the deepest its drafters all draft on the
+    device (two for a drafter drafting two there, beside one drafting any number); elsewhere, and for drafters
+    that draft on the host only or draft any number on the device, up to the largest cap."""
+    import torch
+
+    from tests.engine.test_step_ahead import BigramDrafter, ShallowBigram
+
+    table = torch.arange(tiny_engine.model.cfg.vocab_size)
+    tiny_engine.drafters["shallow"] = ShallowBigram(table)
+    tiny_engine.drafters["bigram"] = BigramDrafter(table)
+    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+    scheduler = tiny_engine.scheduler
+    try:
+        for uniform, names, top in (
+            (True, ("shallow",), 2),
+            (True, ("bigram", "shallow"), 2),
+            (True, ("bigram",), GATE_CAPS[-1]),
+            (True, ("fixed-wrong",), GATE_CAPS[-1]),  # (drafts on the host only)
+            (False, ("shallow",), GATE_CAPS[-1]),
+        ):
+            scheduler.uniform_widths = uniform
+            scheduler.gates.clear()
+            assert scheduler._new_gate((names, 8)).top == top, (uniform, names)
+    finally:
+        scheduler.uniform_widths = False
+        scheduler.gates.clear()
 
 
 def test_draft_gate_follows_a_change():
