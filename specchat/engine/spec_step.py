@@ -12,8 +12,11 @@ next step is launched with them as its input before the host reads them back: th
 delivers its text and plans the next while the device runs it (`_Ahead`). The next `run` takes the result of
 every request that its plan continues from where the step ahead left it (a request that ended meanwhile drops
 its row); a request that the plan feeds otherwise (it drafts now, say) has that position taken back from the KV
-pool and its generator rewound, and runs with the plan's other requests as if nothing ran ahead. The tokens
-are the ones the same forward and draw give without the step ahead (tests/engine/test_step_ahead.py).
+pool and its generator rewound, and runs with the plan's other requests as if nothing ran ahead. A request at its last
+token is left out of the step launched ahead (it ends), and prompts admitted meanwhile run before the step ahead's
+output is read and join the next step launched ahead (`_join`). Drafting steps run ahead the same way
+(`_verdicts_ahead`, docs/gpu.md). The tokens are the ones the same forward and draw give without the step ahead
+(tests/engine/test_step_ahead.py).
 
 Timing (what StepRecord carries): every request of the step waited for the whole step, so each one is charged
 the step's drafting time (draft_ms) and its forward + verification time (verify_ms): the wall time between its
@@ -654,13 +657,13 @@ class SpecStep:
         *hidden: torch.Tensor,
         context: TokenContext | None = None,
     ):
-        """(drafter name, its id, k[, a tag of the graph]), each request's argmax target [B, q] and fed tokens [B, q] at a drafting
-        step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 2 + 2q]: the accepted count, the
-        targets, the next step's fed tokens (the bonus or recovered token, then k drafts from the row at the last
-        accepted position) and their source (0: the drafter's own, i: its i-th of `sources`); then that row [B, d]
-        of each tap). context: where the step's requests' tokens are, for a drafter that `reads_context` (None: it
-        drafts without). Device ops only: captured per batch bucket (`self._verdicts`, or bound to the step's
-        graph)."""
+        """(drafter name, its id, k[, a tag of the graph]), each request's argmax target [B, q] and fed tokens [B, q]
+        at a drafting step's rows, the drafter's tapped rows [B, q, d] (one per tap) -> ([B, 2 + 2q]: the accepted
+        count, the targets, the next step's fed tokens (the bonus or recovered token, then k drafts from the row at
+        the last accepted position) and their source (0: the drafter's own, i: its i-th of `sources`); then that
+        row [B, d] of each tap). context: where the step's requests' tokens are, for a drafter that `reads_context`
+        (None: it drafts without). Device ops only: captured per batch bucket (`self._verdicts`, or bound to the
+        step's graph)."""
         name, _, k = key[:3]
         drafter = self.drafters.get(name)
         accepted = greedy_verdicts(target, fed)
