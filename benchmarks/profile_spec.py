@@ -31,6 +31,7 @@ from specchat.engine.adaptive import DraftGate
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.engine import Engine
 from specchat.engine.runner import ModelRunner
+from specchat.engine.sequence import StepEvent
 
 PROMPTS = Path(__file__).with_name("session_prompts.txt")
 
@@ -126,6 +127,12 @@ class SlowSteps:
                 self.steps.append((ms, self.plan + (f" +{new} graphs captured" if new else "") + f" | {calls}"))
                 ahead = "ran ahead" if self.engine.spec_step.continued > continued else "not ahead"
                 self.kinds[f"{self.kind}, {ahead}"].append(ms)
+                records = [e.record for e in events if isinstance(e, StepEvent)]
+                if self.cap is not None and records and "prompts" not in self.kind:  # decoding alone, gated
+                    self.by_cap[self.cap].append(
+                        (ms, sum(r.k for r in records) / len(records), sum(r.emitted for r in records) / len(records))
+                    )
+                self.cap = None
                 self.calls = []
                 return events
 
@@ -163,6 +170,9 @@ class SlowSteps:
             return around
 
         self.plan, self.kind, self.calls = "", "", []
+        self.cap: int | None = None  # the cap the gate allowed the step being run (--k auto)
+        # cap -> (ms, drafts a request, tokens a request) of each step of decoding requests alone it was allowed
+        self.by_cap: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
         self.kinds: dict[str, list[float]] = defaultdict(list)  # kind of step -> its steps' ms
         self.waited0 = self.engine.spec_step.waited_s
         self._wrap(self.engine, "step", step)
@@ -185,6 +195,7 @@ class SlowSteps:
             def counted_allow(gate):
                 cap = original(gate)
                 self.caps[id(gate)][cap] += 1
+                self.cap = cap
                 return cap
 
             return counted_allow
@@ -223,6 +234,17 @@ class SlowSteps:
         lines.append("  by kind (steps, total ms, median ms): " + "; ".join(
             f"{kind}: {len(ms)}, {sum(ms):.1f}, {sorted(ms)[len(ms) // 2]:.2f}" for kind, ms in by_total
         ))  # fmt: skip
+        if self.by_cap:  # what the steps the gate allowed each cap did: what its prices are made of
+            lines.append(
+                "  steps of decoding alone by the cap their gate allowed (steps, median ms, drafts a request, tokens "
+                "a request, ms a token of a request): "
+                + "; ".join(
+                    f"cap {cap}: {len(steps)}, {sorted(m for m, _, _ in steps)[len(steps) // 2]:.2f}, "
+                    f"{sum(k for _, k, _ in steps) / len(steps):.2f}, {sum(t for _, _, t in steps) / len(steps):.2f}, "
+                    f"{sum(m for m, _, _ in steps) / sum(t for _, _, t in steps):.3f}"
+                    for cap, steps in sorted(self.by_cap.items())
+                )
+            )
         return "\n".join(lines)
 
 

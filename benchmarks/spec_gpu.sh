@@ -56,7 +56,7 @@ for part in "${parts[@]}"; do
     gate)  # what the draft gates priced each cap at (ms per token) against what each kind of step took, --k auto
       configs=$(echo "${DRAFTERS:-ngram+heads}" | tr , '\n' | grep -v '^none$' | sed 's/$/:auto/' | paste -sd,)
       timeout 250 python benchmarks/profile_spec.py --sessions 8,32 --configs "none,$configs" 2>&1 \
-        | grep -E "^ +[0-9]+ |by kind|draft gates|steps of the timed" | tee -a "$log" ;;
+        | grep -E "^ +[0-9]+ |by kind|by the cap|draft gates|steps of the timed" | tee -a "$log" ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done
