@@ -220,8 +220,8 @@ class Scheduler:
         and every one of them drafts on the device, the deepest they all draft there (`Drafter.drafts_on_device`:
         a wider step is verified on the host and the next one cannot run ahead of it); else the largest cap. On
         the H200 the hybrid's cap 8 (the lookup drafting 8 beside four heads) was priced 1.35 / 1.95 / 3.11 / 1.43
-        ms a token at batch 1 / 2 / 4 / 8 where its best cap was 0.65 / 0.91 / 0.99 / 0.80, and its trials took
-        16-21% of the steps at 8 sessions (twenty-eighth session, docs/benchmarks.md)."""
+        ms a token at batch 1 / 2 / 4 / 8 where its best cap was 0.65 / 0.91 / 0.99 / 0.80, and 16-21% of the
+        bench's gated steps at 8 sessions ran under cap 8 (twenty-eighth session, docs/benchmarks.md)."""
         if not self.uniform_widths:
             return GATE_CAPS[-1]
         drafters = [self.drafters.get(name) for name in names]
