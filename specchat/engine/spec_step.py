@@ -211,9 +211,11 @@ class _DraftAhead:
         return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), rows(out.ids), hidden)
 
 
-def _advanced_batch(seqs: list[Sequence], q: int) -> StepBatch:
-    """The step after a drafting step of these requests as the host stages it for `forward_advanced`: each one's q
-    tokens from the position after its newest, as if it accepted no draft (the device moves it by what it did)."""
+def _batch_ahead(seqs: list[Sequence], q: int) -> StepBatch:
+    """The step launched ahead for these requests (each feeding its newest token now, or a prompt joining) as the
+    host stages it: q tokens each from the position after its newest, their ids on the device (the step before's
+    tokens, `_launch_ahead`), and after a drafting step as if it accepted no draft (`forward_advanced` moves each by
+    what it did)."""
     seq_ids = [seq.seq_id for seq in seqs]
     starts = [seq.num_tokens for seq in seqs]  # (num_cached + 1: each decodes its newest token)
     return StepBatch(seq_ids, [[PAD_TOKEN] * q] * len(seq_ids), starts, [q] * len(seq_ids))
@@ -255,7 +257,7 @@ class _Joining:
 class _Following:
     """The drafting step to launch after a drafting step (`SpecStep._drafts_ahead`): its drafter, the items of the
     step before that it continues (`_going_on`), the prompts that join it (if any) and its batch as the host stages
-    it (`_advanced_batch`)."""
+    it (`_batch_ahead`)."""
 
     drafter: Drafter
     going_on: list[int]
@@ -300,9 +302,10 @@ class SpecStep:
                 key = (name, id(drafter), k)
                 if not drafter.reads_context:  # (one that does runs its fallback directly: `_verdicts_ahead`)
                     self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
-                # and the drafts of prompts joining a step ahead (`_first_drafts`), from one row each
-                first = (ids[:, :1], ids[:, :1], *(h[:, :1] for h in hidden))
-                self._verdicts.warm_up(sessions, [(*key, "first")], lambda key, f=first: f)
+                if sessions > 1:  # and the drafts of prompts joining a step ahead (`_first_drafts`), from one row
+                    # each (a lone session has no step ahead to join: its load captures none of them)
+                    first = (ids[:, :1], ids[:, :1], *(h[:, :1] for h in hidden))
+                    self._verdicts.warm_up(sessions, [(*key, "first")], lambda key, f=first: f)
                 self.runner.bind_after(k + 1, drafter.taps, key, self._verdicts_of_forward, self._verdicts.signature())
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -414,19 +417,20 @@ class SpecStep:
             return None
         going_on = _going_on(plan)
         seqs = [plan.items[i].seq for i in going_on] + (joining.seqs if joining else [])
-        if not seqs or any(self._drafts_next(seq, plan) or seq.draft_room <= 0 for seq in seqs):
-            return None  # (the next step decodes plainly too; a prompt at its last token ends with its first)
+        if not seqs or any(self._drafts_next(seq, plan) for seq in seqs):  # (the next step decodes plainly too)
+            return None
+        if joining is not None and any(seq.draft_room <= 0 for seq in joining.seqs):
+            return None  # (a prompt at its last token ends with its first)
         tokens = _picked(tokens, going_on)
         if joining is not None:
             tokens = torch.cat([tokens, joining.tokens.device])
-        starts = [seq.num_tokens for seq in seqs]  # (num_cached + 1: each decodes its newest token)
-        batch = StepBatch([seq.seq_id for seq in seqs], [[PAD_TOKEN]] * len(seqs), starts, [1] * len(seqs))
+        batch = _batch_ahead(seqs, 1)
         if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, 2)) or not self.runner.can_run_ahead(batch):
             return None
         states = [None if seq.generator is None else seq.generator.get_state() for seq in seqs]
         out = self.runner.forward(batch, ids=tokens)
         drawn = plain_tokens(out.flat_logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        return _Ahead(seqs, starts, _Tokens(drawn), states)
+        return _Ahead(seqs, batch.start_positions, _Tokens(drawn), states)
 
     def _drafts_next(self, seq: Sequence, plan: StepPlan) -> bool:
         """Whether the request may draft at the step after `plan`: it has a drafter and a fixed k > 0, or an
@@ -520,27 +524,25 @@ class SpecStep:
         names = {item.seq.spec.drafter for item in plan.items}
         if len(names) != 1:
             return None
-        drafter = self.drafters.get(names.pop())
+        name = names.pop()
+        drafter = self.drafters.get(name)
         if not drafter.drafts_on_device(k):
             return None
         q = k + 1
         if not all(item.samples and len(item.feed) == 1 and item.seq.sampling.greedy for item in plan.items):
             return None
         going_on = _going_on(plan)
-        for seq in (plan.items[i].seq for i in going_on):
-            # after this step up to q more tokens, then the next step's q positions
-            if not self._drafts_next(seq, plan) or seq.num_tokens + 2 * q > seq.max_position:
-                return None
         joiners = joining.seqs if joining else []
         if joining is not None and (joining.fed is None or len(joining.fed[0]) != q):
+            return None  # (drafts are made for joining prompts only where all are greedy: `_join`)
+        if any(seq.spec.drafter != name or seq.draft_room <= 0 for seq in joiners):
             return None
-        for seq in joiners:
-            if seq.spec.drafter != plan.items[0].seq.spec.drafter or not seq.sampling.greedy or seq.draft_room <= 0:
-                return None
-            if not self._drafts_next(seq, plan) or seq.num_tokens + 2 * q > seq.max_position:
-                return None
-        batch = _advanced_batch([plan.items[i].seq for i in going_on] + joiners, q)
-        if not batch.seq_ids or not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, q)):
+        seqs = [plan.items[i].seq for i in going_on] + joiners
+        # each drafts again next step: after this step up to q more tokens, then the next step's q positions
+        if not seqs or any(not self._drafts_next(s, plan) or s.num_tokens + 2 * q > s.max_position for s in seqs):
+            return None
+        batch = _batch_ahead(seqs, q)
+        if not self.runner.pool.can_append(dict.fromkeys(batch.seq_ids, q)):
             return None
         if not self.runner.can_run_ahead(batch, plan.taps, advanced=True):
             return None
