@@ -412,7 +412,9 @@ class CudaGraphRunner(ModelRunner):
         logits = g.logits[:rows]
         # Tapped states are copied out: the next replay overwrites the static buffers, and drafters read them later.
         hidden = {layer: h[:rows].clone() for layer, h in g.hidden.items()}
-        # (ids: the staged tokens, valid until the graph's next replay, like the logits)
+        # (ids: the staged tokens, valid until the graph's next replay; the logits until that, or until a replay of
+        # a graph captured before this one: the graphs share one memory pool, and an earlier graph's scratch may be
+        # a later one's output)
         sizes = [q] * n
         return StepOutput(
             logits, Rows(logits, sizes), Rows(hidden, sizes), g.staging.dev64[:rows], hidden, g, lambda: g.context
@@ -429,8 +431,8 @@ class CudaGraphRunner(ModelRunner):
         a drafting step's argmax, verdicts and next drafts cost ~200 us of host time a step at 32 sessions on the
         H200). Captured on first use for that graph and key (again where
         `baked`, what fn reads besides its inputs, changed); graphs of this kind share one memory pool (each one's
-        outputs must be used before the next one runs). None where `out` is not a whole graph replay; valid until
-        that graph's next replay, like `out`."""
+        outputs must be used before the next one runs). None where `out` is not a whole graph replay; `out`'s
+        logits must not have been overwritten (see `_replay`: run it before another replay of the runner's graphs)."""
         g = out.source
         if not isinstance(g, _Graph):
             return None

@@ -195,10 +195,17 @@ class _DraftAhead:
             if row not in used and not seq.finished and held is not None and held > start:
                 pool.truncate(seq.seq_id, start)
 
-    def output(self, index: list[int]) -> StepOutput:
-        """The step's output for these rows (all of them: as it is)."""
+    def output(self, index: list[int], apart: bool = False) -> StepOutput:
+        """The step's output for these rows (all of them: as it is, or with `apart` its logits copied out of the
+        graph's static buffer: another replay of the runner's graphs is to run before they are read, and the graphs
+        share one memory pool, so a graph captured before this one may overwrite them; its hidden rows and fed ids
+        are not in that pool)."""
         if index == list(range(len(self.seqs))):
-            return self.out
+            if not apart:
+                return self.out
+            logits = self.out.flat_logits.clone()
+            sizes = [len(logits) // len(index)] * len(index)
+            return dataclasses.replace(self.out, flat_logits=logits, logits=Rows(logits, sizes), source=None)
         out = self.out
         assert out.ids is not None and out.flat_hidden is not None
         n, q = len(self.seqs), len(out.ids) // len(self.seqs)
@@ -280,6 +287,18 @@ class SpecStep:
             enabled=runner.overlaps,
         )
         self._ahead: _Ahead | _DraftAhead | None = None
+        # Prompts admitted beside a *drafting* step ahead join the next one (`_join`, `_first_drafts`): off by
+        # default. On the H200 under load (`specchat bench smollm2-135m --device cuda --sessions 8 --requests 128
+        # --rounds 3 --prompts benchmarks/session_prompts.txt --max-tokens 128 --drafter none,heads`, every adaptive
+        # request drafting its gate's cap) the process ended with an illegal memory access in 5 runs of 5, and at
+        # k = 4 a run did not end in 80 s (~40 s without); with it off none of 4 runs failed. The likely cause, now
+        # mended (`_continue`: the step's logits copied out first): the prompts' forward replayed graphs before the
+        # step ahead's outputs were read, and the graphs share one memory pool, so a graph captured earlier may
+        # write over a later one's outputs (NaN hidden rows then sent the heads' fused argmax past its partial
+        # results; a NaN logit is never its best now). Not measured on the H200 since (docs/benchmarks.md,
+        # twenty-ninth session): on once the repro above runs clean. Off, prompts beside a drafting step ahead run
+        # after it and the step after them is not launched ahead; beside a plain step ahead they join it either way.
+        self.joins_drafting = False
         self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
         self.drafted_ahead = 0  # of them, drafting steps
         self.waited_s = 0.0  # time plain steps spent waiting to read their tokens back (profiles: the device's lead)
@@ -302,8 +321,8 @@ class SpecStep:
                 key = (name, id(drafter), k)
                 if not drafter.reads_context:  # (one that does runs its fallback directly: `_verdicts_ahead`)
                     self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
-                if sessions > 1:  # and the drafts of prompts joining a step ahead (`_first_drafts`), from one row
-                    # each (a lone session has no step ahead to join: its load captures none of them)
+                if sessions > 1 and self.joins_drafting:  # and the drafts of prompts joining a step ahead
+                    # (`_first_drafts`), from one row each (a lone session has no step ahead to join)
                     first = (ids[:, :1], ids[:, :1], *(h[:, :1] for h in hidden))
                     self._verdicts.warm_up(sessions, [(*key, "first")], lambda key, f=first: f)
                 self.runner.bind_after(k + 1, drafter.taps, key, self._verdicts_of_forward, self._verdicts.signature())
@@ -333,13 +352,17 @@ class SpecStep:
         covered = StepPlan([plan.items[i] for i in rows], plan.taps, plan.ahead, plan.gated_next)
         index = list(rows.values())
         rest = [i for i in range(len(plan.items)) if i not in rows]
+        # (a drafting step's output taken before prompts joining it replay graphs that may overwrite it)
+        apart = bool(rest) and self.joins_drafting
+        out = ahead.output(index, apart) if isinstance(ahead, _DraftAhead) else None
         joining = self._join(plan, [plan.items[i] for i in rest], ahead) if rest else None
         ahead_next = not rest or joining is not None  # whether the next step may be launched ahead
         if isinstance(ahead, _DraftAhead):
+            assert out is not None
             self.drafted_ahead += 1
             following = self._drafts_ahead(covered, ahead.k, joining) if ahead_next else None
             sources = [ahead.sources[r] for r in index]
-            result = self._verdicts_ahead(covered, ahead.output(index), ahead.k, sources, following, t0, t0)
+            result = self._verdicts_ahead(covered, out, ahead.k, sources, following, t0, t0)
         else:
             launched = self._launch_ahead(covered, ahead.tokens.rows(index), joining) if ahead_next else None
             drawn = self._read(ahead.tokens)
@@ -369,10 +392,11 @@ class SpecStep:
         token now: the tokens drawn on the device (`plain_tokens`, what verification draws at k = 0) and, after a
         step of drafting, each greedy one's drafts after its token (`_first_drafts`), so that the next step may be
         launched ahead with them too (`_launch_ahead`, `_drafts_ahead`). None, with nothing run, otherwise (a request
-        whose step ahead was taken back): they then run after the others, as any step. (Measured on the H200 at 8
+        whose step ahead was taken back; or a drafting step ahead while `joins_drafting` is off, as it is by default:
+        __init__ says why): they then run after the others, as any step. (Measured on the H200 at 8
         sessions: each request admitted meanwhile cost a step that fed its prompt and could not overlap the host,
         then a step that could not run ahead, ~4.5 ms where two steps of drafting ahead took 2.2.)"""
-        if not (self.runs_ahead and plan.ahead):
+        if not (self.runs_ahead and plan.ahead) or (isinstance(ahead, _DraftAhead) and not self.joins_drafting):
             return None
         for item in items:
             if not item.samples or item.k or (len(item.feed) == 1 and item.seq.output_ids):

@@ -93,7 +93,9 @@ def _draft_argmax_kernel(
         xn = (wn[None, :] * (x * r[:, None]).to(dtype).to(tl.float32)).to(dtype)  # the final norm, as RMSNorm
         w = tl.load(rows_ptr + v[:, None] * d + k[None, :], mask=live_v[:, None] & live_k[None, :], other=0.0)
         acc = tl.dot(xn, tl.trans(w), acc, input_precision=PRECISION)
-    logits = tl.where(live_v[None, :], acc.to(dtype).to(tl.float32), float("-inf"))  # rounded as the matmul's
+    logits = acc.to(dtype).to(tl.float32)  # rounded as the matmul's
+    # (a NaN logit is never the best: from a NaN state every index would be, and none in range is promised)
+    logits = tl.where(live_v[None, :] & (logits == logits), logits, float("-inf"))
     best, at = tl.max(logits, axis=1, return_indices=True, return_indices_tie_break_left=True)
     tl.store(pval_ptr + b * parts + pv, best, mask=live_b)
     tl.store(pidx_ptr + b * parts + pv, pv * BLOCK_V + at, mask=live_b)

@@ -263,10 +263,10 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
     def heads_graphs() -> set:
         return {key for key in engine.spec_step._verdicts.graphs if key[1][0] == "heads:random"}
 
-    warm = heads_graphs()  # (a step's verdicts and next drafts; the drafts of prompts joining a step ahead)
-    for tag in ((), ("first",)):
-        keys = {(b, k) for b, (_, _, k, *rest) in warm if tuple(rest) == tag}
-        assert keys == {(b, k) for b in (1, 2, 4) for k in range(1, 5)}
+    warm = heads_graphs()  # (a step's verdicts and next drafts; none for prompts joining a step ahead: they do not
+    # join a drafting one while `SpecStep.joins_drafting` is off)
+    for tag, want in (((), {(b, k) for b in (1, 2, 4) for k in range(1, 5)}), (("first",), set())):
+        assert {(b, k) for b, (_, _, k, *rest) in warm if tuple(rest) == tag} == want
     stats = {}
     for name, k in (("bigram", 3), ("heads:random", 4)):
         for ahead in (False, True):
@@ -285,8 +285,8 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
 
 def test_prompts_arriving_mid_run_beside_drafting_steps_ahead_on_graphs(cuda_tiny_model_dir):
     """Prompts admitted while the heads' drafting steps run ahead on CUDA graphs (the step ahead kept for the
-    others, the prompts run after it): the eager runner's greedy tokens, and the drafts and acceptances of the same
-    engine one step at a time."""
+    others, the prompts joining the next one: `joins_drafting` on): the eager runner's greedy tokens, and the drafts
+    and acceptances of the same engine one step at a time."""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.engine import Engine
     from tests.engine.test_drafters import random_heads
@@ -297,6 +297,7 @@ def test_prompts_arriving_mid_run_beside_drafting_steps_ahead_on_graphs(cuda_tin
     eager = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=True))
     plain, _, _ = _run(eager, False, jobs, late, at_step=6)
     engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
+    engine.spec_step.joins_drafting = True  # (off by default: SpecStep.__init__ says why)
     torch.manual_seed(0)
     heads = engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model)
     engine.warm_up(sessions=8, drafters=["heads:random"], max_k=4)
@@ -327,6 +328,7 @@ def test_ngram_then_heads_draft_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_
     plain, _, _ = _run(eager, False, jobs, late, at_step=6)
     engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
     repeating(engine.model)  # (in place: the graphs captured at load read it)
+    engine.spec_step.joins_drafting = True  # (off by default: SpecStep.__init__ says why)
     torch.manual_seed(0)
     hybrid = NgramThenHeads(HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model))
     one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
@@ -359,3 +361,35 @@ def test_ngram_then_two_heads_at_k_4_on_graphs_give_the_eager_tokens(cuda_tiny_m
     one_by_one, ends, ahead, _, _ = _drafting_both_ways(engine, "ngram+heads:two", hybrid, 4, jobs)
     assert ahead == one_by_one == plain
     assert max(end.stats.drafted for end in ends) > 0
+
+
+@pytest.mark.parametrize(("seed", "joins"), [(0, False), (1, False), (0, True), (1, True)])
+def test_adaptive_drafting_ahead_through_the_gates_changes_of_cap_on_graphs(
+    cuda_tiny_model_dir, monkeypatch, seed, joins
+):
+    """Adaptive requests on CUDA graphs, their gate's cap wandering between plain decoding and 1, 2 or 4 drafts
+    (every request drafts it, room allowing), eight at once of twelve plus eight arriving late (repeated prompts:
+    the prefix cache serves them), ending on scattered steps: the eager runner's plain greedy tokens with a
+    drafter accepted often (a table of the plain run's next tokens) and with the heads' chain, drafting steps run
+    ahead between the changes, no page left behind; with prompts joining drafting steps ahead (`joins`:
+    `SpecStep.joins_drafting`, off by default) too."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.engine import Engine
+    from tests.engine.test_drafters import random_heads
+    from tests.engine.test_step_ahead import BigramDrafter, _bigram, _run, adaptive_jobs, run_adaptive, wandering_gate
+
+    wandering_gate(monkeypatch, seed)
+    jobs, late = adaptive_jobs(12, 8)
+    eager = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=True))
+    plain, _, _ = _run(eager, False, jobs, late)
+    engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", max_running=8))
+    assert engine.scheduler.uniform_widths
+    torch.manual_seed(0)
+    engine.drafters["bigram"] = BigramDrafter(_bigram(engine, plain).cuda(), taps=(1,))
+    engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model)
+    engine.spec_step.joins_drafting = joins
+    engine.warm_up(sessions=8, drafters=["heads:random", "bigram"], max_k=4)
+    for name in ("bigram", "heads:random"):
+        ahead, drafted_ahead = run_adaptive(engine, name, jobs, late)
+        assert ahead == plain, name
+        assert drafted_ahead > 5, name

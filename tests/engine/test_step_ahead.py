@@ -8,6 +8,7 @@ same code (turned on here with `runs_ahead`); tests/engine/test_cuda_graph.py ru
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 
 import pytest
@@ -235,10 +236,12 @@ class ShallowBigram(BigramDrafter):
         return super().draft_on_device(depth, hidden, newest) if self.drafts_on_device(depth) else None
 
 
-def _steps_continued(engine, monkeypatch, drafting: bool, jobs, *run_args, **run_kw) -> list[bool]:
+def _steps_continued(engine, monkeypatch, drafting: bool, jobs, *run_args, joins=True, **run_kw) -> list[bool]:
     """`_run` one step after another and with steps ahead, plain or drafting (BigramDrafter at k = 3, on the
     device), holding the two to the same tokens (and drafts and acceptances) -> for each step of the run with steps
-    ahead, whether it continued a step launched ahead."""
+    ahead, whether it continued a step launched ahead. joins: whether prompts may join a drafting step ahead
+    (`SpecStep.joins_drafting`, off by default on the engine)."""
+    monkeypatch.setattr(engine.spec_step, "joins_drafting", joins)
     plain, _, _ = _run(engine, False, jobs, *run_args, **run_kw)
     steps = []
     run = engine.spec_step.run
@@ -287,6 +290,50 @@ def test_prompts_admitted_beside_a_step_ahead_join_the_next_one(tiny_engine, mon
     ]
     steps = _steps_continued(tiny_engine, monkeypatch, drafting, jobs, late, at_step=5)
     assert steps[:2] == [False, False] and all(steps[2:])
+
+
+def poison_earlier_outputs(engine, monkeypatch) -> None:
+    """Each forward first overwrites the logits of the one before with NaN, as a CUDA graph's replay may overwrite
+    those of a graph captured after it (the runner's graphs share one memory pool): whatever reads a step's logits
+    must have read them before the next forward runs."""
+    forward = engine.runner.forward
+    last: list = []
+
+    def poisoning(*args, **kwargs):
+        if last:
+            with torch.inference_mode():
+                last[0].flat_logits.fill_(float("nan"))
+        last[:] = [forward(*args, **kwargs)]
+        return last[0]
+
+    monkeypatch.setattr(engine.runner, "forward", poisoning)
+
+
+def test_prompts_joining_a_drafting_step_ahead_read_its_logits_before_their_forward(tiny_engine, monkeypatch):
+    """Prompts joining a drafting step ahead run their forward before that step is verified: its logits are
+    copied out first (on graphs the prompts' replay may overwrite them: the H200 ended with an illegal memory
+    access under load), so the tokens, drafts and acceptances stay those of the run one step after another even
+    where each forward spoils the logits of the one before."""
+    poison_earlier_outputs(tiny_engine, monkeypatch)
+    jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
+    late = [
+        (PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True)),
+        (PROMPTS[0] + " Hello", SamplingParams(max_tokens=30, ignore_eos=True)),
+    ]
+    steps = _steps_continued(tiny_engine, monkeypatch, True, jobs, late, at_step=5)
+    assert steps[:2] == [False, False] and all(steps[2:])
+
+
+def test_prompts_beside_a_drafting_step_ahead_run_after_it_by_default(tiny_engine, monkeypatch):
+    """With `SpecStep.joins_drafting` off (the default: it failed on the H200 under load), prompts admitted beside
+    a drafting step ahead run after it and the step after them is not launched ahead; tokens, drafts and
+    acceptances are still those of the run one step after another, and the other steps run ahead."""
+    assert not tiny_engine.spec_step.joins_drafting
+    jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
+    late = [(PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True))]
+    steps = _steps_continued(tiny_engine, monkeypatch, True, jobs, late, at_step=5, joins=False)
+    # the one prompt's arrival costs a step or two not launched ahead (its own, and its first decoding step's)
+    assert steps[:2] == [False, False] and 1 <= steps[2:].count(False) <= 2 and steps[-1]
 
 
 @pytest.mark.parametrize("drafting", [False, True])
@@ -491,3 +538,71 @@ def test_a_trial_of_drafting_drafts_from_its_first_step(tiny_engine, monkeypatch
         scheduler.uniform_widths, tiny_engine.spec_step.runs_ahead = False, tiny_engine.runner.overlaps
         scheduler.gates.clear()
     assert len(drafted) >= TRIAL_STEPS and all(drafted), drafted
+
+
+def wandering_gate(monkeypatch, seed: int, caps=(0, 1, 2, 4), change=0.15) -> None:
+    """Every DraftGate allows a cap that wanders among `caps` (another with chance `change` a step; its peek says
+    what the next step gets), as trials and changes of choice do over a long run; each request's own controller
+    asks for its k_max throughout (its choices follow step times, which would make the run depend on the
+    machine's speed)."""
+    from specchat.engine.adaptive import AdaptiveK, DraftGate
+
+    monkeypatch.setattr(AdaptiveK, "update", lambda self, *args, **kwargs: self.k_max)
+    monkeypatch.setattr(AdaptiveK, "next_k", lambda self: self.k_max)
+
+    rng = random.Random(seed)
+    state = {"next": rng.choice(caps)}
+
+    def allow(self):
+        cap = state["next"]
+        if rng.random() < change:
+            state["next"] = rng.choice(caps)
+        self.allowed[cap] = self.allowed.get(cap, 0) + 1
+        return cap
+
+    monkeypatch.setattr(DraftGate, "allow", allow)
+    monkeypatch.setattr(DraftGate, "peek", lambda self: state["next"] > 0)
+
+
+def adaptive_jobs(n: int, late: int) -> tuple[list, list]:
+    """n requests of different lengths at once and `late` more arriving mid-run, prompts repeated (the prefix cache
+    serves the repeats), each running past its end of text."""
+    jobs = [(PROMPTS[i % 5], SamplingParams(max_tokens=10 + 7 * i, ignore_eos=True)) for i in range(n)]
+    more = [(PROMPTS[(i + 2) % 5], SamplingParams(max_tokens=9 + 5 * i, ignore_eos=True)) for i in range(late)]
+    return jobs, more
+
+
+def run_adaptive(engine, name: str, jobs, late, **run_kw):
+    """`_run` with steps ahead, every request drafting adaptively (k_max 4) with drafter `name` -> its tokens and
+    the drafting steps run ahead."""
+    original = engine.submit
+
+    def submit(prompt, sampling, spec=None, **kw):
+        return original(prompt, sampling, SpecParams(drafter=name, k=None, k_max=4), **kw)
+
+    engine.submit = submit
+    try:
+        before = engine.spec_step.drafted_ahead
+        tokens, _, _ = _run(engine, True, jobs, late, **run_kw)
+        return tokens, engine.spec_step.drafted_ahead - before
+    finally:
+        engine.submit = original
+        engine.scheduler.gates.clear()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adaptive_drafting_ahead_through_the_gates_changes_of_cap(tiny_engine, monkeypatch, seed):
+    """Adaptive requests on a padded runner's bookkeeping (every one drafts its gate's cap, room allowing), the cap
+    changing between plain decoding and 1, 2 or 4 drafts over the run as trials and choices do, requests ending on
+    scattered steps and arriving late: plain greedy tokens, and drafting steps run ahead between the changes."""
+    wandering_gate(monkeypatch, seed)
+    jobs, late = adaptive_jobs(12, 8)
+    plain, _, _ = _run(tiny_engine, False, jobs, late)
+    tiny_engine.drafters["bigram"] = BigramDrafter(_bigram(tiny_engine, plain))
+    tiny_engine.scheduler.uniform_widths = True
+    try:
+        ahead, drafted_ahead = run_adaptive(tiny_engine, "bigram", jobs, late)
+    finally:
+        tiny_engine.scheduler.uniform_widths = False
+    assert ahead == plain
+    assert drafted_ahead > 5

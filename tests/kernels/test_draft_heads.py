@@ -94,6 +94,19 @@ def test_fused_chain_takes_the_first_of_tied_logits():
     assert torch.equal(fused, plain) and int(fused[0, 0]) == int(d.draft_vocab[0])
 
 
+@kernel_test
+@torch.inference_mode()
+def test_fused_chain_drafts_tokens_of_its_vocabulary_from_nan_states():
+    """From a state of NaN (what a graph's spoiled output likely gave it on the H200) the chain still drafts
+    tokens of its vocabulary, as the plain chain does: a NaN logit is never the best, so the argmax's partial
+    results hold indices in range (reading past them was an illegal memory access there)."""
+    d = drafter(torch.float32)
+    hidden = torch.full((3, WIDE.hidden_size), float("nan"), device=DEVICE)
+    prev = torch.tensor([1, 2, 3], device=DEVICE)
+    fused = d.greedy_chain(4, hidden, prev)
+    assert torch.isin(fused, d.draft_vocab.to(DEVICE)).all()
+
+
 def test_fused_chain_not_taken_where_it_does_not_run():
     """Parallel heads and a width that is not a whole number of dots take the plain chain; so does the CPU
     without the interpreter."""
