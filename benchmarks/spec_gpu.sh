@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
 #   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto long cost rates ahead profile chain kernels gate
+#                                             joins
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
@@ -57,6 +58,19 @@ for part in "${parts[@]}"; do
       configs=$(echo "${DRAFTERS:-ngram+heads}" | tr , '\n' | grep -v '^none$' | sed 's/$/:auto/' | paste -sd,)
       timeout 250 python benchmarks/profile_spec.py --sessions 8,32 --configs "none,$configs" 2>&1 \
         | grep -E "^ +[0-9]+ |by kind|by the cap|draft gates|steps of the timed" | tee -a "$log" ;;
+    joins)  # prompts joining drafting steps ahead (SpecStep.joins_drafting), on then off, 128 requests of repeated
+      # prompts at 8 sessions: the load under which it ended the process with an illegal memory access
+      # (twenty-ninth session); each run's exit status is printed
+      for k in 4 auto; do
+        for on in 1 0; do
+          echo "--- SPECCHAT_JOINS_DRAFTING=$on --k $k" | tee -a "$log"
+          SPECCHAT_JOINS_DRAFTING=$on timeout 120 python -m specchat bench smollm2-135m --device cuda --sessions 8 \
+            --requests 128 --rounds 3 --prompts benchmarks/session_prompts.txt --max-tokens 128 \
+            --drafter "${DRAFTERS:-none,heads,ngram+heads}" --k $k 2>&1 | grep -E "^\| [0-9]|illegal|Error" \
+            | tee -a "$log"
+          echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
+        done
+      done ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done

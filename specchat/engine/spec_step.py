@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -296,9 +297,10 @@ class SpecStep:
         # step ahead's outputs were read, and the graphs share one memory pool, so a graph captured earlier may
         # write over a later one's outputs (NaN hidden rows then sent the heads' fused argmax past its partial
         # results; a NaN logit is never its best now). Not measured on the H200 since (docs/benchmarks.md,
-        # twenty-ninth session): on once the repro above runs clean. Off, prompts beside a drafting step ahead run
-        # after it and the step after them is not launched ahead; beside a plain step ahead they join it either way.
-        self.joins_drafting = False
+        # twenty-ninth session): on once the repro above runs clean (`SPECCHAT_JOINS_DRAFTING=1` turns it on for
+        # such runs: `benchmarks/spec_gpu.sh joins`). Off, prompts beside a drafting step ahead run after it and the
+        # step after them is not launched ahead; beside a plain step ahead they join it either way.
+        self.joins_drafting = os.environ.get("SPECCHAT_JOINS_DRAFTING", "0") == "1"
         self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
         self.drafted_ahead = 0  # of them, drafting steps
         self.waited_s = 0.0  # time plain steps spent waiting to read their tokens back (profiles: the device's lead)
