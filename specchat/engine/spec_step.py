@@ -641,10 +641,10 @@ class SpecStep:
             outcomes.append(Outcome(room, a, row[1 : a + 2], source))
         if launched is not None:  # what the next step feeds, from where the device moved each request
             names = ("", *following.drafter.sources)
-            going_on = [(plan.items[i], host[i]) for i in following.going_on]
-            launched.feeds = [row[1 + q : 1 + 2 * q] for _, row in going_on]
-            launched.sources = [names[row[-1]] for _, row in going_on]
-            launched.starts = [item.seq.num_cached + row[0] + 1 for item, row in going_on]
+            continued = [(plan.items[i], host[i]) for i in following.going_on]
+            launched.feeds = [row[1 + q : 1 + 2 * q] for _, row in continued]
+            launched.sources = [names[row[-1]] for _, row in continued]
+            launched.starts = [item.seq.num_cached + row[0] + 1 for item, row in continued]
             if following.joining is not None:  # (each one's first token and drafts, at the prompt's end)
                 assert following.joining.drafts is not None
                 for seq, row in zip(following.joining.seqs, self._read(following.joining.drafts), strict=True):

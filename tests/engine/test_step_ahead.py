@@ -277,21 +277,6 @@ def test_a_request_at_its_last_token_leaves_the_step_ahead_to_the_others(tiny_en
     assert steps[:2] == [False, False] and all(steps[2:])  # (the prompts' step, then the first decoding step)
 
 
-@pytest.mark.parametrize("drafting", [False, True])
-def test_prompts_admitted_beside_a_step_ahead_join_the_next_one(tiny_engine, monkeypatch, drafting):
-    """Two prompts submitted mid-run (one fresh, one sharing the first request's prompt) while the others' steps
-    run ahead: their forward runs before the step ahead's output is read, and their first tokens (and drafts) are
-    drawn on the device, so the next step is launched ahead with them too; every step after the first decoding
-    step runs ahead, and tokens, drafts and acceptances are those of the run one step after another."""
-    jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
-    late = [
-        (PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True)),
-        (PROMPTS[0] + " Hello", SamplingParams(max_tokens=30, ignore_eos=True)),
-    ]
-    steps = _steps_continued(tiny_engine, monkeypatch, drafting, jobs, late, at_step=5)
-    assert steps[:2] == [False, False] and all(steps[2:])
-
-
 def poison_earlier_outputs(engine, monkeypatch) -> None:
     """Each forward first overwrites the logits of the one before with NaN, as a CUDA graph's replay may overwrite
     those of a graph captured after it (the runner's graphs share one memory pool): whatever reads a step's logits
@@ -309,18 +294,21 @@ def poison_earlier_outputs(engine, monkeypatch) -> None:
     monkeypatch.setattr(engine.runner, "forward", poisoning)
 
 
-def test_prompts_joining_a_drafting_step_ahead_read_its_logits_before_their_forward(tiny_engine, monkeypatch):
-    """Prompts joining a drafting step ahead run their forward before that step is verified: its logits are
-    copied out first (on graphs the prompts' replay may overwrite them: the H200 ended with an illegal memory
-    access under load), so the tokens, drafts and acceptances stay those of the run one step after another even
-    where each forward spoils the logits of the one before."""
+@pytest.mark.parametrize("drafting", [False, True])
+def test_prompts_admitted_beside_a_step_ahead_join_the_next_one(tiny_engine, monkeypatch, drafting):
+    """Two prompts submitted mid-run (one fresh, one sharing the first request's prompt) while the others' steps
+    run ahead: their forward runs before the step ahead's output is read, and their first tokens (and drafts) are
+    drawn on the device, so the next step is launched ahead with them too; every step after the first decoding
+    step runs ahead, and tokens, drafts and acceptances are those of the run one step after another, even where
+    each forward spoils the logits of the one before (`poison_earlier_outputs`: a drafting step's logits are copied
+    out before the prompts' forward; on the H200, read after it, they ended the process under load)."""
     poison_earlier_outputs(tiny_engine, monkeypatch)
     jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
     late = [
         (PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True)),
         (PROMPTS[0] + " Hello", SamplingParams(max_tokens=30, ignore_eos=True)),
     ]
-    steps = _steps_continued(tiny_engine, monkeypatch, True, jobs, late, at_step=5)
+    steps = _steps_continued(tiny_engine, monkeypatch, drafting, jobs, late, at_step=5)
     assert steps[:2] == [False, False] and all(steps[2:])
 
 
