@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -122,9 +122,9 @@ class _Tokens:
 def _picked(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
     """These rows of a device tensor (all of them: as it is), gathered without an index tensor from the host: a copy
     from pageable memory would wait for the stream."""
-    if index == list(range(len(rows))):
-        return rows
-    return torch.stack([rows[r] for r in index]) if index else rows[:0]
+    if index == list(range(len(index))):  # (all of them, or the first ones: a graph's bucket pads past them)
+        return rows if len(index) == len(rows) else rows[: len(index)]
+    return torch.stack([rows[r] for r in index])
 
 
 @dataclass(slots=True)
@@ -201,13 +201,13 @@ class _DraftAhead:
         graph's static buffer: another replay of the runner's graphs is to run before they are read, and the graphs
         share one memory pool, so a graph captured before this one may overwrite them; its hidden rows and fed ids
         are not in that pool)."""
+        out = self.out
         if index == list(range(len(self.seqs))):
             if not apart:
-                return self.out
-            logits = self.out.flat_logits.clone()
+                return out
+            logits = out.flat_logits.clone()
             sizes = [len(logits) // len(index)] * len(index)
-            return dataclasses.replace(self.out, flat_logits=logits, logits=Rows(logits, sizes), source=None)
-        out = self.out
+            return dataclasses.replace(out, flat_logits=logits, logits=Rows(logits, sizes), source=None)
         assert out.ids is not None and out.flat_hidden is not None
         n, q = len(self.seqs), len(out.ids) // len(self.seqs)
 
@@ -216,7 +216,23 @@ class _DraftAhead:
 
         logits, hidden = rows(out.flat_logits), {layer: rows(h) for layer, h in out.flat_hidden.items()}
         sizes = [q] * len(index)
-        return StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), rows(out.ids), hidden)
+        return StepOutput(
+            logits, Rows(logits, sizes), Rows(hidden, sizes), rows(out.ids), hidden, context=_context_rows(out, index)
+        )
+
+
+def _context_rows(out: StepOutput, index: list[int]) -> Callable[[], TokenContext] | None:
+    """Where these requests (rows of the step `out`) have their tokens: the step's `TokenContext` cut to them (a
+    graph's is as wide as its batch bucket, padding included)."""
+    if out.context is None:
+        return None
+    whole = out.context
+
+    def context() -> TokenContext:
+        c = whole()
+        return dataclasses.replace(c, tables=_picked(c.tables, index), positions=_picked(c.positions, index))
+
+    return context
 
 
 def _batch_ahead(seqs: list[Sequence], q: int) -> StepBatch:
@@ -610,8 +626,8 @@ class SpecStep:
                 assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
                 hidden = [out.flat_hidden[layer].view(n, q, -1) for layer in drafter.taps]
                 if drafter.reads_context:  # (its inputs would include the step's page tables, of varying width)
-                    context = None if out.context is None else out.context()
-                    outs = self._verdicts_and_drafts(key, *targets(), *hidden, context=context)
+                    where = _context_rows(out, list(range(n)))  # (a graph's has its bucket's padding rows too)
+                    outs = self._verdicts_and_drafts(key, *targets(), *hidden, context=where() if where else None)
                 else:
                     outs = self._verdicts(key, *targets(), *hidden)
             packed, *rows = outs
