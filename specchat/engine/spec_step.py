@@ -304,19 +304,17 @@ class SpecStep:
             enabled=runner.overlaps,
         )
         self._ahead: _Ahead | _DraftAhead | None = None
-        # Prompts admitted beside a *drafting* step ahead join the next one (`_join`, `_first_drafts`): off by
-        # default. On the H200 under load (`specchat bench smollm2-135m --device cuda --sessions 8 --requests 128
-        # --rounds 3 --prompts benchmarks/session_prompts.txt --max-tokens 128 --drafter none,heads`, every adaptive
-        # request drafting its gate's cap) the process ended with an illegal memory access in 5 runs of 5, and at
-        # k = 4 a run did not end in 80 s (~40 s without); with it off none of 4 runs failed. The likely cause, now
-        # mended (`_continue`: the step's logits copied out first): the prompts' forward replayed graphs before the
-        # step ahead's outputs were read, and the graphs share one memory pool, so a graph captured earlier may
-        # write over a later one's outputs (NaN hidden rows then sent the heads' fused argmax past its partial
-        # results; a NaN logit is never its best now). Not measured on the H200 since (docs/benchmarks.md,
-        # twenty-ninth session): on once the repro above runs clean (`SPECCHAT_JOINS_DRAFTING=1` turns it on for
-        # such runs: `benchmarks/spec_gpu.sh joins`). Off, prompts beside a drafting step ahead run after it and the
-        # step after them is not launched ahead; beside a plain step ahead they join it either way.
-        self.joins_drafting = os.environ.get("SPECCHAT_JOINS_DRAFTING", "0") == "1"
+        # Prompts admitted beside a *drafting* step ahead join the next one (`_join`, `_first_drafts`); off with
+        # `SPECCHAT_JOINS_DRAFTING=0` (then they run after it and the step after them is not launched ahead; beside a
+        # plain step ahead they join either way). It was off in the twenty-ninth session: on the H200 under load
+        # (`benchmarks/spec_gpu.sh joins`: 8 sessions, 128 requests of repeated prompts) the process ended with an
+        # illegal memory access. The prompts' forward replayed graphs before the step ahead's outputs were read, and
+        # the graphs share one memory pool, so a graph captured earlier may write over a later one's outputs: the
+        # step's logits are now copied out first (`_continue`), a NaN logit is never the heads' fused argmax, and a
+        # graph's token context is cut to the step's rows (`_context_rows`). Since, the same load runs clean, and at
+        # k = 4 joins took heads from 1.140x to 1.256x plain, ngram+heads from 1.297x to 1.352x (docs/benchmarks.md,
+        # thirtieth session).
+        self.joins_drafting = os.environ.get("SPECCHAT_JOINS_DRAFTING", "1") == "1"
         self.continued = 0  # steps whose result a step ahead had computed (counted for tests and profiles)
         self.drafted_ahead = 0  # of them, drafting steps
         self.waited_s = 0.0  # time plain steps spent waiting to read their tokens back (profiles: the device's lead)
@@ -410,8 +408,8 @@ class SpecStep:
         token now: the tokens drawn on the device (`plain_tokens`, what verification draws at k = 0) and, after a
         step of drafting, each greedy one's drafts after its token (`_first_drafts`), so that the next step may be
         launched ahead with them too (`_launch_ahead`, `_drafts_ahead`). None, with nothing run, otherwise (a request
-        whose step ahead was taken back; or a drafting step ahead while `joins_drafting` is off, as it is by default:
-        __init__ says why): they then run after the others, as any step. (Measured on the H200 at 8
+        whose step ahead was taken back; or a drafting step ahead while `joins_drafting` is off: __init__ says
+        when): they then run after the others, as any step. (Measured on the H200 at 8
         sessions: each request admitted meanwhile cost a step that fed its prompt and could not overlap the host,
         then a step that could not run ahead, ~4.5 ms where two steps of drafting ahead took 2.2.)"""
         if not (self.runs_ahead and plan.ahead) or (isinstance(ahead, _DraftAhead) and not self.joins_drafting):

@@ -263,10 +263,10 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
     def heads_graphs() -> set:
         return {key for key in engine.spec_step._verdicts.graphs if key[1][0] == "heads:random"}
 
-    warm = heads_graphs()  # (a step's verdicts and next drafts; none for prompts joining a step ahead: they do not
-    # join a drafting one while `SpecStep.joins_drafting` is off)
-    for tag, want in (((), {(b, k) for b in (1, 2, 4) for k in range(1, 5)}), (("first",), set())):
-        assert {(b, k) for b, (_, _, k, *rest) in warm if tuple(rest) == tag} == want
+    warm = heads_graphs()  # (a step's verdicts and next drafts; the drafts of prompts joining a step ahead)
+    for tag in ((), ("first",)):
+        keys = {(b, k) for b, (_, _, k, *rest) in warm if tuple(rest) == tag}
+        assert keys == {(b, k) for b in (1, 2, 4) for k in range(1, 5)}
     stats = {}
     for name, k in (("bigram", 3), ("heads:random", 4)):
         for ahead in (False, True):
@@ -285,8 +285,8 @@ def test_drafting_steps_run_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_mode
 
 def test_prompts_arriving_mid_run_beside_drafting_steps_ahead_on_graphs(cuda_tiny_model_dir):
     """Prompts admitted while the heads' drafting steps run ahead on CUDA graphs (the step ahead kept for the
-    others, the prompts joining the next one: `joins_drafting` on): the eager runner's greedy tokens, and the drafts
-    and acceptances of the same engine one step at a time."""
+    others, the prompts joining the next one: `joins_drafting`, on by default): the eager runner's greedy tokens,
+    and the drafts and acceptances of the same engine one step at a time."""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.engine import Engine
     from tests.engine.test_drafters import random_heads
@@ -297,7 +297,6 @@ def test_prompts_arriving_mid_run_beside_drafting_steps_ahead_on_graphs(cuda_tin
     eager = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=True))
     plain, _, _ = _run(eager, False, jobs, late, at_step=6)
     engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
-    engine.spec_step.joins_drafting = True  # (off by default: SpecStep.__init__ says why)
     torch.manual_seed(0)
     heads = engine.drafters["heads:random"] = HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model)
     engine.warm_up(sessions=8, drafters=["heads:random"], max_k=4)
@@ -328,7 +327,6 @@ def test_ngram_then_heads_draft_ahead_on_graphs_with_the_eager_tokens(cuda_tiny_
     plain, _, _ = _run(eager, False, jobs, late, at_step=6)
     engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32"))
     repeating(engine.model)  # (in place: the graphs captured at load read it)
-    engine.spec_step.joins_drafting = True  # (off by default: SpecStep.__init__ says why)
     torch.manual_seed(0)
     hybrid = NgramThenHeads(HeadsDrafter(random_heads(engine.model, num_heads=4), engine.model))
     one_by_one, ends, ahead, ends_ahead, drafted_ahead = _drafting_both_ways(
@@ -372,7 +370,7 @@ def test_adaptive_drafting_ahead_through_the_gates_changes_of_cap_on_graphs(
     the prefix cache serves them), ending on scattered steps: the eager runner's plain greedy tokens with a
     drafter accepted often (a table of the plain run's next tokens) and with the heads' chain, drafting steps run
     ahead between the changes, no page left behind; with prompts joining drafting steps ahead (`joins`:
-    `SpecStep.joins_drafting`, off by default) too."""
+    `SpecStep.joins_drafting`, the default) and without."""
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.engine import Engine
     from tests.engine.test_drafters import random_heads

@@ -240,7 +240,7 @@ def _steps_continued(engine, monkeypatch, drafting: bool, jobs, *run_args, joins
     """`_run` one step after another and with steps ahead, plain or drafting (BigramDrafter at k = 3, on the
     device), holding the two to the same tokens (and drafts and acceptances) -> for each step of the run with steps
     ahead, whether it continued a step launched ahead. joins: whether prompts may join a drafting step ahead
-    (`SpecStep.joins_drafting`, off by default on the engine)."""
+    (`SpecStep.joins_drafting`, on by default; `SPECCHAT_JOINS_DRAFTING=0` turns it off)."""
     monkeypatch.setattr(engine.spec_step, "joins_drafting", joins)
     plain, _, _ = _run(engine, False, jobs, *run_args, **run_kw)
     steps = []
@@ -312,11 +312,11 @@ def test_prompts_admitted_beside_a_step_ahead_join_the_next_one(tiny_engine, mon
     assert steps[:2] == [False, False] and all(steps[2:])
 
 
-def test_prompts_beside_a_drafting_step_ahead_run_after_it_by_default(tiny_engine, monkeypatch):
-    """With `SpecStep.joins_drafting` off (the default: it failed on the H200 under load), prompts admitted beside
-    a drafting step ahead run after it and the step after them is not launched ahead; tokens, drafts and
-    acceptances are still those of the run one step after another, and the other steps run ahead."""
-    assert not tiny_engine.spec_step.joins_drafting
+def test_prompts_beside_a_drafting_step_ahead_run_after_it_with_joins_off(tiny_engine, monkeypatch):
+    """With `SpecStep.joins_drafting` off (`SPECCHAT_JOINS_DRAFTING=0`), prompts admitted beside a drafting step
+    ahead run after it and the step after them is not launched ahead; tokens, drafts and acceptances are still
+    those of the run one step after another, and the other steps run ahead."""
+    assert tiny_engine.spec_step.joins_drafting  # (on by default)
     jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
     late = [(PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True))]
     steps = _steps_continued(tiny_engine, monkeypatch, True, jobs, late, at_step=5, joins=False)
