@@ -315,78 +315,40 @@ class StepCosts:
     ema: float = EMA_WEIGHT
     verify_ms: dict[int, float] = field(default_factory=dict)  # rows -> EMA of the forward + verify time
     draft_ms_per_position: float | None = None  # EMA of a step's drafting time over its deepest draft
-    # rows -> EMA of a steady step's whole time (`observe_steady`), and of that time over what the model above
-    # priced it at (forward_ms + drafting), where a runner launches steps ahead of the host
-    steady_ms: dict[int, float] = field(default_factory=dict)
-    overlap: dict[int, float] = field(default_factory=dict)
 
     def observe(self, rows: int, verify_ms: float, depth: int, draft_ms: float) -> None:
         """A decode step (no prompt chunk in it) verified `rows` rows in verify_ms and drafted `depth` deep."""
-        _fold(self.verify_ms, rows, verify_ms, self.ema)
+        old = self.verify_ms.get(rows)
+        self.verify_ms[rows] = verify_ms if old is None else old + self.ema * (min(verify_ms, SPIKE * old) - old)
         if depth > 0:
             per = draft_ms / depth
             old = self.draft_ms_per_position
             self.draft_ms_per_position = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)
 
-    def observe_steady(self, rows: int, step_ms: float, depth: int) -> None:
-        """A steady step of decoding requests alone (after one of the same kind under the same gate cap: the
-        scheduler's `_timed`) verified `rows` rows, drafted `depth` deep, and took step_ms from its schedule to the
-        next. Where the runner launches steps ahead of the host (CUDA graphs) such a step overlaps the host's work
-        with the device's, which `observe` never sees: it times only steps that did not run ahead, and on the H200
-        at 8 sessions those cost 1.26 ms plain and 2.03 drafting 4 where steady steps took 0.93 and 1.11-1.19, so
-        every request's controller chose k = 0 there, the batch median held the gate's trials at plain decoding,
-        and --k auto ran 1.00x plain where k = 4 ran 1.26x (docs/benchmarks.md, twenty-ninth and thirtieth
-        sessions)."""
-        _fold(self.steady_ms, rows, step_ms, self.ema)
-        modelled = self._modelled_ms(rows, depth)
-        if modelled:
-            _fold(self.overlap, rows, step_ms / modelled, self.ema)
-
     def forward_ms(self, rows: int) -> float | None:
         """Interpolated between measured row counts; past the largest, proportional to the rows (compute-bound);
         below the smallest, the smallest's time (memory-bound). None before any measurement."""
-        return _by_rows(self.verify_ms, rows, extrapolate=True)
-
-    def _modelled_ms(self, rows: int, depth: int) -> float | None:
-        forward = self.forward_ms(rows)
-        return None if forward is None else forward + depth * (self.draft_ms_per_position or 0.0)
+        if not self.verify_ms:
+            return None
+        known = sorted(self.verify_ms)
+        if rows in self.verify_ms:
+            return self.verify_ms[rows]
+        below = [r for r in known if r < rows]
+        above = [r for r in known if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = self.verify_ms[lo], self.verify_ms[hi]
+            return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        if above:
+            return self.verify_ms[above[0]]
+        return self.verify_ms[below[-1]] * rows / below[-1]
 
     def symmetric_ms(self, batch: int, k: int) -> float | None:
-        """Step time if each of `batch` decode requests drafted k tokens (None while nothing was measured): the
-        steady steps' time at those rows where they were timed at or around them (`observe_steady`), else the
-        forward's by rows plus k positions of drafting, scaled by what steady steps took against that price at the
-        nearest rows timed."""
-        rows = batch * (1 + k)
-        steady = _by_rows(self.steady_ms, rows, extrapolate=False)
-        if steady is not None:
-            return steady
-        modelled = self._modelled_ms(rows, k)
-        if modelled is None or not self.overlap:
-            return modelled
-        return modelled * self.overlap[min(self.overlap, key=lambda r: (abs(r - rows), r))]
-
-
-def _fold(ema: dict[int, float], key: int, value: float, weight: float) -> None:
-    """EMA of `value` at `key`, a spike taken as SPIKE x the estimate (what StepCosts keeps by rows)."""
-    old = ema.get(key)
-    ema[key] = value if old is None else old + weight * (min(value, SPIKE * old) - old)
-
-
-def _by_rows(times: dict[int, float], rows: int, extrapolate: bool) -> float | None:
-    """A time by rows interpolated between measured row counts; beyond them with `extrapolate`, past the largest
-    proportional to the rows (compute-bound), below the smallest the smallest's time (memory-bound); else None."""
-    if rows in times:
-        return times[rows]
-    below = [r for r in times if r < rows]
-    above = [r for r in times if r > rows]
-    if below and above:
-        lo, hi = max(below), min(above)
-        return times[lo] + (times[hi] - times[lo]) * (rows - lo) / (hi - lo)
-    if not extrapolate or not times:
-        return None
-    if above:
-        return times[min(above)]
-    return times[max(below)] * rows / max(below)
+        """Step time if each of `batch` decode requests drafted k tokens (None while nothing was measured)."""
+        forward = self.forward_ms(batch * (1 + k))
+        if forward is None:
+            return None
+        return forward + k * (self.draft_ms_per_position or 0.0)
 
 
 GATE_CAPS = (0, 1, 2, 4, 8)  # the caps on k a DraftGate chooses between for its batch (0: plain decoding)
@@ -450,7 +412,6 @@ class DraftGate:
     toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
     prior: dict[int, float] = field(default_factory=dict)  # cap -> time relative to the best, from a neighbour
     steps: int = 0  # steps observed
-    trying: bool = False  # whether the cap `allow` returned last is a trial's
     allowed: dict[int, int] = field(default_factory=dict)  # cap -> steps it was allowed (what benchmarks report)
     # position i (from 1) -> decayed counts of the drafts there and of those accepted (drafts 1..i all kept)
     drafted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
@@ -547,7 +508,6 @@ class DraftGate:
         return cap
 
     def _allow(self) -> int:
-        self.trying = True
         if self.trial_left > 0:
             self.trial_left -= 1
             return self.trial_cap
@@ -555,7 +515,6 @@ class DraftGate:
         self.before_trial = None
         self.since_trial += 1
         if trial is None:
-            self.trying = False
             return preferred
         self.toward_plain = trial != 0  # from a cap > 0 the next trial tries the other neighbour
         self.since_trial, self.trial_left, self.trial_cap, self.before_trial = 0, TRIAL_STEPS - 1, trial, preferred

@@ -57,9 +57,8 @@ class Scheduler:
         self.gates: dict[GateKey, DraftGate] = {}
         # the step being run, where its decoding requests all choose k adaptively: its gate, start, cap on k
         self._gated: tuple[DraftGate, float, int] | None = None
-        # the last step to time: gate, cap on k, its expected tokens (DraftGate.expected_tokens), requests, start,
-        # rows verified, depth drafted
-        self._timed: tuple[DraftGate, int, float, int, float, int, int] | None = None
+        # the last step to time: gate, cap on k, its expected tokens (DraftGate.expected_tokens), requests, start
+        self._timed: tuple[DraftGate, int, float, int, float] | None = None
         # the gate and cap of the last step of decoding requests alone (None after any other step)
         self._steady: tuple[DraftGate, int] | None = None
 
@@ -105,10 +104,8 @@ class Scheduler:
         """Finish cancelled requests, admit waiting ones, and plan the step (empty when nothing runs)."""
         now = time.perf_counter()
         if self._timed is not None:  # the previous step, from its start to this one's, host work included
-            gate, limit, tokens, requests, start, rows, depth = self._timed
+            gate, limit, tokens, requests, start = self._timed
             gate.observe(limit, (now - start) * 1e3, tokens, requests)
-            if self.uniform_widths:  # (where steps run ahead of the host: what each request's k is priced by)
-                self.costs.observe_steady(rows, (now - start) * 1e3, depth)
             self._timed = None
         events: list[Event] = []
         for seq in [s for s in self.live() if s.finish_reason == "cancelled"]:
@@ -183,11 +180,7 @@ class Scheduler:
         plain (eighteenth session), hence the median, and every request drafting the cap again, now that the gate
         prices caps by the tokens drafts keep, ran 0.68-0.79x plain at 32 sessions where the median held plain
         decoding at 0.99x (twenty-seventh session); each request drafting its own k under the median ran 0.82x
-        plain at 8 sessions where k = 4 for all ran 1.00x (nineteenth session; docs/benchmarks.md). A trial's steps
-        draft its cap for every request all the same: under the median the requests' controllers, which priced k
-        by steps that did not run ahead, held the trials at plain decoding (cap 1 drafted 0.12 tokens a request at
-        8 sessions, twenty-ninth session); a trial times the cap's steady steps by rows for those controllers
-        (`StepCosts.observe_steady`), and the median then follows what they learn from it.
+        plain at 8 sessions where k = 4 for all ran 1.00x (nineteenth session; docs/benchmarks.md).
 
         A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
@@ -208,7 +201,7 @@ class Scheduler:
         self._gated = (gate, now, limit)
         if not limit:
             return 0
-        if not self.uniform_widths or len(decoding) == 1 or gate.trying:
+        if not self.uniform_widths or len(decoding) == 1:
             return limit
         return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
 
@@ -326,7 +319,7 @@ class Scheduler:
             if alone and steady == self._steady:
                 gate, start, limit = self._gated
                 tokens = gate.expected_tokens(o.drafted for o in result.outcomes if o is not None)
-                self._timed = (gate, limit, tokens, decoding, start, decoding * (1 + depth), depth)
+                self._timed = (gate, limit, tokens, decoding, start)
             self._steady = steady
         else:
             self._steady = None

@@ -362,34 +362,13 @@ def test_step_costs_interpolate_and_extrapolate_by_rows():
     assert costs.symmetric_ms(4, 2) == pytest.approx(14.0 + 2 * 0.5)  # 4 requests x 3 rows, 0.5 ms per draft
 
 
-def test_step_costs_prefer_the_steady_steps_time_by_rows():
-    """Where steps run ahead of the host, a steady step's whole time (schedule to schedule) is what a request's k
-    costs: taken as it is at and between the row counts timed so; elsewhere the forward's price scaled by what
-    steady steps took against it at the nearest rows timed."""
-    costs = StepCosts()
-    for rows, ms, depth in ((8, 1.25, 0), (16, 1.6, 1), (40, 1.8, 4)):  # steps that did not run ahead
-        costs.observe(rows=rows, verify_ms=ms, depth=depth, draft_ms=0.05 * depth)
-    assert costs.symmetric_ms(8, 4) == pytest.approx(1.8 + 4 * 0.05)
-    costs.observe_steady(rows=8, step_ms=0.9, depth=0)
-    assert costs.symmetric_ms(8, 0) == pytest.approx(0.9)
-    assert costs.symmetric_ms(8, 4) == pytest.approx(2.0 * 0.9 / 1.25)  # the plain steps' overlap, nearest
-    costs.observe_steady(rows=16, step_ms=1.0, depth=1)
-    assert costs.symmetric_ms(4, 2) == pytest.approx(0.95)  # 12 rows: between the steady times
-    assert costs.symmetric_ms(8, 4) == pytest.approx(2.0 * 1.0 / 1.65)  # nearest: the 16 rows drafting 1
-    costs.observe_steady(rows=40, step_ms=1.15, depth=4)
-    assert costs.symmetric_ms(8, 4) == pytest.approx(1.15)
-
-
-def drive_batch(batch: int, forward_ms, steps: int = 300, steady_ms=None) -> list[int]:
+def drive_batch(batch: int, forward_ms, steps: int = 300) -> list[int]:
     """One request's controller in a batch of `batch` alike requests, fed symmetric step times; the first draft
-    is accepted every other step (a_1 = 0.5). steady_ms: what such steps take where they run ahead of the host
-    (StepCosts.observe_steady), forward_ms what they take where they do not."""
+    is accepted every other step (a_1 = 0.5)."""
     ctl, costs = AdaptiveK(k_max=4), StepCosts()
     k, ks = ctl.best_k(), []
     for n in range(steps):
         costs.observe(batch * (1 + k), forward_ms(batch * (1 + k)), k, 0.1 * k)
-        if steady_ms is not None:
-            costs.observe_steady(batch * (1 + k), steady_ms(batch * (1 + k)), k)
         accepted = 1 if k > 0 and n % 2 == 0 else 0
         k = ctl.update(k, accepted, costs.symmetric_ms(batch, k))
         ks.append(k)
@@ -404,20 +383,6 @@ def test_drafting_stops_where_the_batch_makes_verification_compute_bound():
     crowded = drive_batch(32, forward)
     assert alone[50:].count(0) < 0.1 * len(alone[50:])  # 1 + k rows cost nothing extra: draft
     assert crowded[50:].count(0) > 0.8 * len(crowded[50:])  # 32 x (1 + k) rows cost ~(1 + k) steps: do not
-
-
-def test_a_controller_prices_k_by_steady_steps_where_they_run_ahead():
-    """At 8 sessions on the H200 a step that did not run ahead cost 1.26 ms plain and ~2 ms drafting 4 (the host's
-    work not overlapped), steady steps 0.93 and ~1.15: priced by the former every request chose k = 0 where
-    drafting paid 1.26x; by the steady steps it drafts. At 32 sessions, where verifying 5 rows each is
-    compute-bound, it still does not."""
-    ahead = lambda rows: 0.9 + 0.006 * rows  # memory-bound at 8 sessions: ~0.05 ms more for 8 more rows
-    apart = lambda rows: 1.25 if rows == 8 else 1.75 + 0.01 * rows  # a drafting step waits for the host longer
-    assert drive_batch(8, apart)[50:].count(0) > 200  # no draft of a_1 = 0.5 pays at these prices
-    priced_steady = drive_batch(8, apart, steady_ms=ahead)
-    assert priced_steady[50:].count(0) < 0.1 * len(priced_steady[50:])
-    crowded = drive_batch(32, lambda rows: max(1.0, 0.03 * rows), steady_ms=lambda rows: max(0.95, 0.028 * rows))
-    assert crowded[50:].count(0) > 0.8 * len(crowded[50:])
 
 
 def drive_gate(ms_per_token: dict[bool, float], steps: int = 2000) -> list[bool]:
@@ -669,13 +634,6 @@ def test_padded_runner_drafts_the_batch_median_for_all(tiny_engine):
     # a trial of drafting while plain decoding is preferred: of cap 1, nobody drafts more than one token
     scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={1: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
     assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
-    # where the median of their k is 0: nobody drafts under the preferred cap, but a trial's cap all draft
-    for seq, k in zip(scheduler.running, (0, 0, 8), strict=True):
-        seq.k = k
-    scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={4: 1.0, 0: 2.0})
-    assert [item.k for item in scheduler._plan([], 0.0)] == [0, 0, 0]
-    scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={2: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
-    assert [item.k for item in scheduler._plan([], 0.0)] == [2, 2, 2]
     scheduler.uniform_widths = False
     for handle in handles:
         handle.result()
@@ -895,38 +853,6 @@ def test_a_step_that_feeds_a_prompt_is_not_timed_for_the_gate(tiny_engine):
     finally:
         for handle in handles:
             handle.result()
-
-
-@pytest.mark.parametrize("uniform", [False, True])
-def test_steady_steps_price_the_requests_k_where_the_runner_pads_widths(tiny_engine, uniform):
-    """Where the runner pads widths (CUDA graphs: steps run ahead of the host), each step the gate times is also a
-    step time by the rows it verified (every request drafting its depth), which the requests' controllers are
-    priced by (`StepCosts.symmetric_ms`); elsewhere (the CPU) their step times are the whole step's already."""
-    tiny_engine.drafters["fixed-wrong"] = FixedDrafter()  # (drafts every step it may)
-    spec = SpecParams("fixed-wrong", k=None)
-    sampling = SamplingParams(max_tokens=50, ignore_eos=True)
-    scheduler = tiny_engine.scheduler
-    scheduler.uniform_widths = uniform
-    scheduler.gates.clear()  # a fresh gate: FIRST_TRIAL_AFTER plain steps, then a trial of cap 1
-    scheduler.costs = StepCosts()  # (the engine is shared with other tests)
-    handles = [tiny_engine.submit(prompt, sampling, spec) for prompt in ("hello", "hi there")]
-    depths = set()
-    try:
-        for _ in range(FIRST_TRIAL_AFTER + 12):  # (into the trial; max_tokens 50 leaves both running)
-            plan, _ = scheduler.schedule()
-            if len(plan.items) == 2 and all(len(item.feed) == 1 for item in plan.items):
-                depths.add(max(item.k for item in plan.items))
-            scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
-    finally:
-        scheduler.uniform_widths = False
-        for handle in handles:
-            handle.result()
-    if not uniform:
-        assert scheduler.costs.steady_ms == {}
-    else:  # plain steps and the trial's, each a step of 2 x (1 + depth) rows
-        assert {0, 1} <= depths and set(scheduler.costs.steady_ms) <= {2 * (1 + d) for d in depths}
-        assert {2, 4} <= set(scheduler.costs.steady_ms)
-        assert scheduler.costs.symmetric_ms(2, 1) == scheduler.costs.steady_ms[4]
 
 
 def test_the_step_before_a_trial_of_drafting_is_not_timed_for_the_gate(tiny_engine):
