@@ -594,3 +594,27 @@ def test_adaptive_drafting_ahead_through_the_gates_changes_of_cap(tiny_engine, m
         tiny_engine.scheduler.uniform_widths = False
     assert ahead == plain
     assert drafted_ahead > 5
+
+
+def test_a_drafting_step_verified_off_its_graph_reads_the_token_context_of_its_own_rows():
+    """A graph's token context is as wide as its batch bucket (padding rows after the step's); a drafting step
+    ahead verified apart from its bound graph (prompts joining it, or only some of its rows still running) gives
+    the lookup of a drafter that reads the context (the hybrid's) the rows it verifies, in their order (on the
+    H200 the bucket-wide context failed with a size mismatch)."""
+    from specchat.engine.runner import Rows, StepOutput, TokenContext
+    from specchat.engine.spec_step import _context_rows, _DraftAhead
+
+    seqs, q, bucket = 3, 2, 4  # three requests, k = 1, a graph of bucket 4
+    ids = torch.arange(seqs * q)
+    logits, hidden = torch.randn(seqs * q, 5), {1: torch.randn(seqs * q, 3)}
+    context = TokenContext(torch.arange(50), torch.arange(bucket * 2, dtype=torch.int32).view(bucket, 2),
+                           torch.tensor([10, 20, 30, 0]), 16)  # fmt: skip
+    sizes = [q] * seqs
+    out = StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes), ids, hidden, context=lambda: context)
+    ahead = _DraftAhead([None] * seqs, q - 1, out, [], [])
+    cut = [(index, ahead.output(index).context) for index in ([0, 1], [2, 0], [1])]  # rows of the step ahead
+    cut.append(([0, 1, 2], _context_rows(out, [0, 1, 2])))  # all of them (`_verdicts_ahead`)
+    for index, where in cut:
+        assert where().positions.tolist() == [(i + 1) * 10 for i in index]
+        assert torch.equal(where().tables, context.tables[index])
+    assert _context_rows(StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes)), [0]) is None
