@@ -122,9 +122,9 @@ class _Tokens:
 def _picked(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
     """These rows of a device tensor (all of them: as it is), gathered without an index tensor from the host: a copy
     from pageable memory would wait for the stream."""
-    if index == list(range(len(index))):  # (all of them, or the first ones: a graph's bucket pads past them)
-        return rows if len(index) == len(rows) else rows[: len(index)]
-    return torch.stack([rows[r] for r in index])
+    if index == list(range(len(rows))):
+        return rows
+    return torch.stack([rows[r] for r in index]) if index else rows[:0]
 
 
 @dataclass(slots=True)
@@ -200,7 +200,7 @@ class _DraftAhead:
         """The step's output for these rows (all of them: as it is, or with `apart` its logits copied out of the
         graph's static buffer: another replay of the runner's graphs is to run before they are read, and the graphs
         share one memory pool, so a graph captured before this one may overwrite them; its hidden rows and fed ids
-        are not in that pool)."""
+        are not in that pool; some of them: copies, whatever `apart` says)."""
         out = self.out
         if index == list(range(len(self.seqs))):
             if not apart:

@@ -316,7 +316,6 @@ def test_prompts_beside_a_drafting_step_ahead_run_after_it_with_joins_off(tiny_e
     """With `SpecStep.joins_drafting` off (`SPECCHAT_JOINS_DRAFTING=0`), prompts admitted beside a drafting step
     ahead run after it and the step after them is not launched ahead; tokens, drafts and acceptances are still
     those of the run one step after another, and the other steps run ahead."""
-    assert tiny_engine.spec_step.joins_drafting  # (on by default)
     jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
     late = [(PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True))]
     steps = _steps_continued(tiny_engine, monkeypatch, True, jobs, late, at_step=5, joins=False)
@@ -617,4 +616,10 @@ def test_a_drafting_step_verified_off_its_graph_reads_the_token_context_of_its_o
     for index, where in cut:
         assert where().positions.tolist() == [(i + 1) * 10 for i in index]
         assert torch.equal(where().tables, context.tables[index])
+    # the logits of some rows are copies (prompts joining replay graphs that may overwrite the step's), of all of
+    # them too where prompts join (`apart`)
+    for index in ([0, 1], [1, 2], [0, 1, 2]):
+        picked = ahead.output(index, apart=True).flat_logits
+        assert picked.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+        assert torch.equal(picked, logits.view(seqs, q, -1)[index].flatten(0, 1))
     assert _context_rows(StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes)), [0]) is None
