@@ -368,10 +368,11 @@ class SpecStep:
         covered = StepPlan([plan.items[i] for i in rows], plan.taps, plan.ahead, plan.gated_next)
         index = list(rows.values())
         rest = [i for i in range(len(plan.items)) if i not in rows]
+        left = [plan.items[i] for i in rest]
+        joins = bool(rest) and self._joins(plan, left, ahead)
         # (a drafting step's output taken before prompts joining it replay graphs that may overwrite it)
-        apart = bool(rest) and self.joins_drafting
-        out = ahead.output(index, apart) if isinstance(ahead, _DraftAhead) else None
-        joining = self._join(plan, [plan.items[i] for i in rest], ahead) if rest else None
+        out = ahead.output(index, apart=joins) if isinstance(ahead, _DraftAhead) else None
+        joining = self._join(plan, left, ahead) if joins else None
         ahead_next = not rest or joining is not None  # whether the next step may be launched ahead
         if isinstance(ahead, _DraftAhead):
             assert out is not None
@@ -392,9 +393,7 @@ class SpecStep:
         hidden: list[dict[int, torch.Tensor]] = [{} for _ in plan.items]
         for j, i in enumerate(rows):
             full[i], hidden[i] = result.outcomes[j], result.hidden[j]
-        others = (
-            joining.result(self._read) if joining else self._run(StepPlan([plan.items[i] for i in rest], plan.taps))
-        )
+        others = joining.result(self._read) if joining else self._run(StepPlan(left, plan.taps))
         for j, i in enumerate(rest):
             full[i], hidden[i] = others.outcomes[j], others.hidden[j]
         return StepResult(
@@ -402,21 +401,23 @@ class SpecStep:
             decoding=others.decoding, ahead=result.ahead,
         )  # fmt: skip
 
-    def _join(self, plan: StepPlan, items: list[Scheduled], ahead: _Ahead | _DraftAhead) -> _Joining | None:
-        """Run now the prompts admitted beside a step that ran ahead (`items`: the plan's requests it did not run),
-        before the host reads that step's output, where each one is a prompt (or its last chunk) that draws its first
-        token now: the tokens drawn on the device (`plain_tokens`, what verification draws at k = 0) and, after a
-        step of drafting, each greedy one's drafts after its token (`_first_drafts`), so that the next step may be
-        launched ahead with them too (`_launch_ahead`, `_drafts_ahead`). None, with nothing run, otherwise (a request
-        whose step ahead was taken back; or a drafting step ahead while `joins_drafting` is off: __init__ says
-        when): they then run after the others, as any step. (Measured on the H200 at 8
+    def _joins(self, plan: StepPlan, items: list[Scheduled], ahead: _Ahead | _DraftAhead) -> bool:
+        """Whether the plan's requests that the step ahead did not run (`items`) join the next step (`_join`): each
+        is a prompt (or its last chunk) that draws its first token now. Not where one is a request whose step ahead
+        was taken back, nor beside a drafting step ahead while `joins_drafting` is off (__init__ says when): they
+        then run after the others, as any step."""
+        if not (self.runs_ahead and plan.ahead) or (isinstance(ahead, _DraftAhead) and not self.joins_drafting):
+            return False
+        # (not a prompt: a decoding request, k = 0, whose step ahead was taken back)
+        return not any(not item.samples or item.k or (len(item.feed) == 1 and item.seq.output_ids) for item in items)
+
+    def _join(self, plan: StepPlan, items: list[Scheduled], ahead: _Ahead | _DraftAhead) -> _Joining:
+        """Run now the prompts admitted beside a step that ran ahead (`items`, where `_joins`), before the host reads
+        that step's output: the tokens drawn on the device (`plain_tokens`, what verification draws at k = 0) and,
+        after a step of drafting, each greedy one's drafts after its token (`_first_drafts`), so that the next step
+        may be launched ahead with them too (`_launch_ahead`, `_drafts_ahead`). (Measured on the H200 at 8
         sessions: each request admitted meanwhile cost a step that fed its prompt and could not overlap the host,
         then a step that could not run ahead, ~4.5 ms where two steps of drafting ahead took 2.2.)"""
-        if not (self.runs_ahead and plan.ahead) or (isinstance(ahead, _DraftAhead) and not self.joins_drafting):
-            return None
-        for item in items:
-            if not item.samples or item.k or (len(item.feed) == 1 and item.seq.output_ids):
-                return None  # (not a prompt: a decoding request, k = 0, whose step ahead was taken back)
         seqs = [item.seq for item in items]
         feeds, starts = [item.feed for item in items], [seq.num_cached for seq in seqs]
         out = self.runner.forward(StepBatch([s.seq_id for s in seqs], feeds, starts, [1] * len(items)), plan.taps)

@@ -277,6 +277,10 @@ def test_a_request_at_its_last_token_leaves_the_step_ahead_to_the_others(tiny_en
     assert steps[:2] == [False, False] and all(steps[2:])  # (the prompts' step, then the first decoding step)
 
 
+# two requests running when prompts arrive beside their steps ahead
+TWO_RUNNING = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
+
+
 def poison_earlier_outputs(engine, monkeypatch) -> None:
     """Each forward first overwrites the logits of the one before with NaN, as a CUDA graph's replay may overwrite
     those of a graph captured after it (the runner's graphs share one memory pool): whatever reads a step's logits
@@ -303,7 +307,7 @@ def test_prompts_admitted_beside_a_step_ahead_join_the_next_one(tiny_engine, mon
     each forward spoils the logits of the one before (`poison_earlier_outputs`: a drafting step's logits are copied
     out before the prompts' forward; on the H200, read after it, they ended the process under load)."""
     poison_earlier_outputs(tiny_engine, monkeypatch)
-    jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
+    jobs = TWO_RUNNING
     late = [
         (PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True)),
         (PROMPTS[0] + " Hello", SamplingParams(max_tokens=30, ignore_eos=True)),
@@ -316,7 +320,7 @@ def test_prompts_beside_a_drafting_step_ahead_run_after_it_with_joins_off(tiny_e
     """With `SpecStep.joins_drafting` off (`SPECCHAT_JOINS_DRAFTING=0`), prompts admitted beside a drafting step
     ahead run after it and the step after them is not launched ahead; tokens, drafts and acceptances are still
     those of the run one step after another, and the other steps run ahead."""
-    jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS[:2], (16, 24), strict=True)]
+    jobs = TWO_RUNNING
     late = [(PROMPTS[3], SamplingParams(max_tokens=12, ignore_eos=True))]
     steps = _steps_continued(tiny_engine, monkeypatch, True, jobs, late, at_step=5, joins=False)
     # the one prompt's arrival costs a step or two not launched ahead (its own, and its first decoding step's)
