@@ -5,8 +5,9 @@
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
-# beside the shipped one; COMMIT names the tree measured (the device's .git may be stale). Each part is bounded by
-# `timeout` and logs to $OUT/spec_<part>.log (OUT defaults to ./gpu-out). `auto` and `long` report each configuration's
+# beside the shipped one; SESSIONS and REQUESTS set `gate`'s load (default 8,32 and 32); COMMIT names the tree
+# measured (the device's .git may be stale). Each part is bounded by `timeout` and logs to $OUT/spec_<part>.log (OUT
+# defaults to ./gpu-out). `auto` and `long` report each configuration's
 # run of median throughput over its warm rounds (`bench --rounds 3`: the slower of the second and third).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -56,7 +57,7 @@ for part in "${parts[@]}"; do
         2>&1 | tee -a "$log" ;;
     gate)  # what the draft gates priced each cap at (ms per token) against what each kind of step took, --k auto
       configs=$(echo "${DRAFTERS:-ngram+heads}" | tr , '\n' | grep -v '^none$' | sed 's/$/:auto/' | paste -sd,)
-      timeout 250 python benchmarks/profile_spec.py --sessions 8,32 --configs "none,$configs" 2>&1 \
+      timeout 250 python benchmarks/profile_spec.py --sessions "${SESSIONS:-8,32}" --requests "${REQUESTS:-32}" --configs "none,$configs" 2>&1 \
         | grep -E "^ +[0-9]+ |by kind|by the cap|draft gates|steps of the timed" | tee -a "$log" ;;
     joins)  # prompts joining drafting steps ahead (SpecStep.joins_drafting), on then off, 128 requests of repeated
       # prompts at 8 sessions: the load under which it ended the process with an illegal memory access
