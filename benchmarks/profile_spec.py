@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import cProfile
 import io
 import pstats
@@ -400,7 +401,8 @@ def main() -> None:
                 for (drafters, size), gate in sorted(engine.scheduler.gates.items())
                 if slow.caps[id(gate)]
             }
-            learnt = dict(engine.scheduler.gates)  # the synced pass's times are not a step's: its gates are dropped
+            # the synced pass's times are not a step's: its gates are dropped (copies: it changes the gates in place)
+            learnt = copy.deepcopy(engine.scheduler.gates)
             with Phases(engine) as phases:
                 run_sessions(engine, prompts, sessions, sampling, spec_of(config), requests=args.requests)
             engine.scheduler.gates = learnt

@@ -359,6 +359,7 @@ MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to
 TRIAL_STEPS = 8  # steps of a trial
 TRIAL_SHARE = 0.01  # after a trial that confirmed the choice: at most this share of the time goes to the next
 CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower than plain is worth twice it
+GAIN_MARGIN = 0.1  # a cap is preferred to plain decoding only where it is timed at least this much faster
 ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
 
@@ -382,7 +383,8 @@ class DraftGate:
     is timed under the cap it was allowed, whether or not its requests drafted: allowed to draft, it could not
     run ahead.
 
-    The preferred cap is the one timed fastest, plain decoding until another is (ties go to the smaller cap).
+    The preferred cap is the one timed fastest, plain decoding until another is by GAIN_MARGIN (ties go to the
+    smaller cap).
     Trials of TRIAL_STEPS steps time the others: from plain decoding, cap 1 after FIRST_TRIAL_AFTER steps (then
     twice the largest cap timed, RAMP_AFTER steps on, while drafting more got faster: `_from_plain`); from
     a cap c > 0, twice c after RAMP_AFTER steps while that is untimed (so a batch where drafting pays climbs
@@ -436,11 +438,25 @@ class DraftGate:
         )
 
     def preferred(self) -> int:
-        """The cap timed with the fewest milliseconds per token (0 while nothing else is timed)."""
+        """The cap timed with the fewest milliseconds per token (0 while nothing else is timed), and plain decoding
+        unless that cap is timed at least GAIN_MARGIN faster than it.
+
+        A gate's times are EMAs of the last few steady steps of each cap, taken minutes apart, and they leave out
+        what drafting costs beyond its steady steps (steps that feed prompts, and the first steps after each change
+        of cap, which cannot run ahead): on the H200 at 32 sessions, with every request drafting the gate's cap,
+        the gate priced caps 1-4 at 1.24-1.26 ms a token against plain decoding's 1.28 where their steady steps
+        took 1.08-1.23 against plain's 1.02 (and steps feeding prompts 2.6-4.5 ms against 1.7), and the run went
+        0.75-0.98x plain; at 8 sessions drafting's steady steps took 0.73 ms a token against 1.02 (docs/benchmarks.md,
+        thirty-first session). A margin keeps plain decoding where drafting's gain is within the noise of its
+        timing, at the cost of gains smaller than it."""
         times = self.ms_per_token or self.prior
         if not times:
             return 0
-        return int(min(times, key=lambda cap: (times[cap], cap)))
+        best = int(min(times, key=lambda cap: (times[cap], cap)))
+        plain = times.get(0)
+        if best and plain is not None and times[best] > plain * (1.0 - GAIN_MARGIN):
+            return 0
+        return best
 
     def _target(self, preferred: int, every: int) -> tuple[int, int]:
         """(the cap the next trial tries, steps at the preferred cap before it starts, `every` if timed)."""

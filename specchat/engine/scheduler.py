@@ -9,7 +9,6 @@ KV cache holds every token but the newest (num_cached == num_tokens - 1).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -171,16 +170,17 @@ class Scheduler:
 
     def _adaptive_cap(self, now: float) -> int | None:
         """For a step whose decoding requests all choose k adaptively, a cap on their k: the one their batch
-        size's DraftGate allows (0 where drafting does not pay), and where the runner pads to the widest, at most
-        the median of their k, a request decoding alone excepted; there every adaptive request drafts the cap
-        itself (room allowing, `_plan`), whatever its own controller chose, so the step has one width and can run
-        ahead of the host (docs/gpu.md). Measured on the H200: a lone request's controller held k = 0, so every
-        trial of drafting timed plain steps and drafting never came back on (1.00x plain where k = 4 ran 1.39x);
-        a batch drafting at least 1 at the gate's cap let the gate choose drafting at 32 sessions that ran 0.74x
-        plain (eighteenth session), hence the median, and every request drafting the cap again, now that the gate
-        prices caps by the tokens drafts keep, ran 0.68-0.79x plain at 32 sessions where the median held plain
-        decoding at 0.99x (twenty-seventh session); each request drafting its own k under the median ran 0.82x
-        plain at 8 sessions where k = 4 for all ran 1.00x (nineteenth session; docs/benchmarks.md).
+        size's DraftGate allows (0 where drafting does not pay). Where the runner pads to the widest, every
+        adaptive request drafts the cap itself (room allowing, `_plan`), whatever its own controller chose, so the
+        step has one width and can run ahead of the host (docs/gpu.md); elsewhere the cap bounds each one's own k.
+        Measured on the H200: a lone request's controller held k = 0, so every trial of drafting timed plain
+        steps and drafting never came back on (1.00x plain where k = 4 ran 1.39x). The controllers, timed by
+        steps that did not run ahead, chose k = 0 in batches too, so capping the cap at the median of their k
+        (the eighteenth to thirtieth sessions) made the gate's trials of drafting time plain steps that tapped
+        hidden rows (at 8 sessions 0.04 drafts a request): drafting stayed off at 8 sessions (1.00x plain where
+        k = 4 ran 1.26x) and swung by run. Every request at the cap lost at 32 sessions (0.68-0.86x plain, twenty-
+        seventh and thirtieth sessions) until the gate asked drafting to beat plain decoding by GAIN_MARGIN
+        (thirty-first session; docs/benchmarks.md).
 
         A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
@@ -199,11 +199,7 @@ class Scheduler:
             gate = self.gates[key] = self._new_gate(key)
         limit = gate.allow()
         self._gated = (gate, now, limit)
-        if not limit:
-            return 0
-        if not self.uniform_widths or len(decoding) == 1:
-            return limit
-        return min(limit, int(statistics.median_low(self._draft_len(s) for s in decoding)))
+        return limit
 
     def _new_gate(self, key: GateKey) -> DraftGate:
         """The DraftGate of a batch not seen yet: following the neighbouring bucket of the same drafters (half or

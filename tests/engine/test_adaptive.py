@@ -11,6 +11,7 @@ import pytest
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.adaptive import (
     FIRST_TRIAL_AFTER,
+    GAIN_MARGIN,
     GATE_CAPS,
     MAX_TRIAL_EVERY,
     RAMP_AFTER,
@@ -409,6 +410,16 @@ def test_draft_gate_turns_drafting_off_where_plain_steps_emit_tokens_faster():
     assert late.count(False) <= len(late) * TRIAL_STEPS / TRIAL_EVERY + TRIAL_STEPS
 
 
+def test_draft_gate_drafts_only_where_drafting_beats_plain_decoding_by_its_margin():
+    """A cap timed faster than plain decoding by less than GAIN_MARGIN (within the noise of a gate's timing, and
+    of what its steady steps leave out) leaves plain decoding preferred; by more, the cap is preferred."""
+    near = DraftGate(ms_per_token={0: 1.0, 2: 1.0 - GAIN_MARGIN / 2, 4: 1.0 - GAIN_MARGIN / 3})
+    assert near.preferred() == 0
+    clear = DraftGate(ms_per_token={0: 1.0, 2: 1.0 - 2 * GAIN_MARGIN, 4: 1.0 - GAIN_MARGIN / 3})
+    assert clear.preferred() == 2
+    assert DraftGate(ms_per_token={2: 0.9, 4: 0.8}).preferred() == 4  # plain decoding not timed: the fastest
+
+
 def test_draft_gate_times_a_cap_by_its_total_time_over_its_total_tokens():
     """One request drafting: its steps emit 1, 1 and 7 tokens in turn in 1.8 ms each (0.6 ms a token) against
     plain steps' 1.0 ms for one. Averaging each step's time per token (1.8, 1.8, 0.26: ~1.3) would price drafting
@@ -486,10 +497,10 @@ def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
 
 
 def test_draft_gate_climbs_from_plain_decoding_while_drafting_more_gets_faster():
-    """Per token, plain decoding 1.0 ms; cap 1 1.03 ms (within CLIMB_MARGIN), cap 2 0.95, cap 4 0.9: the trials
+    """Per token, plain decoding 1.0 ms; cap 1 1.03 ms (within CLIMB_MARGIN), cap 2 0.95, cap 4 0.85: the trials
     climb past the cap that barely lost to plain decoding and settle at 4. Where cap 2 is slower than cap 1 (1.1
     against 1.03), the climb stops there and plain decoding stays."""
-    for ms_per_token, preferred in (({0: 1.0, 1: 1.03, 2: 0.95, 4: 0.9, 8: 0.92}, 4), ({0: 1.0, 1: 1.03, 2: 1.1}, 0)):
+    for ms_per_token, preferred in (({0: 1.0, 1: 1.03, 2: 0.95, 4: 0.85, 8: 0.88}, 4), ({0: 1.0, 1: 1.03, 2: 1.1}, 0)):
         gate, caps = DraftGate(), []
         for _ in range(400):
             caps.append(gate.allow())
@@ -613,25 +624,24 @@ def test_draft_gate_compares_steps_by_what_each_request_waits():
     assert gate.preferred()
 
 
-def test_padded_runner_drafts_the_batch_median_for_all(tiny_engine):
-    """Where the runner pads every decoding request to the widest (CUDA graphs), one request's k = 8 would make
-    the whole batch verify 9 rows each: adaptive requests' k is capped at the median of theirs, and each drafts
-    that (a step of one width can run ahead of the host; one of mixed widths cannot)."""
+def test_padded_runner_drafts_the_gates_cap_for_all(tiny_engine):
+    """Where the runner pads every decoding request to the widest (CUDA graphs), every adaptive request drafts its
+    gate's cap whatever its own controller chose (a step of one width can run ahead of the host; one of mixed
+    widths cannot); elsewhere the cap bounds each request's own k."""
     tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
     spec = SpecParams("fixed-wrong", k=None, k_max=8)
     handles = [tiny_engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True), spec) for p in ("a", "b", "c")]
     scheduler = tiny_engine.scheduler
     while any(s.in_prefill or s.num_cached != s.num_tokens - 1 for s in scheduler.running) or not scheduler.running:
         tiny_engine.step()
-    for seq, k in zip(scheduler.running, (1, 4, 8), strict=True):
+    for seq, k in zip(scheduler.running, (0, 1, 8), strict=True):
         seq.k = k
-    scheduler.gates[("fixed-wrong",), 4] = DraftGate(
-        ms_per_token={8: 1.0, 0: 2.0}
-    )  # k <= 8 timed faster than plain decoding
-    for uniform, want in ((False, [1, 4, 8]), (True, [4, 4, 4])):
+    scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={4: 1.0, 0: 2.0})  # k <= 4 timed faster
+    for uniform, want in ((False, [0, 1, 4]), (True, [4, 4, 4])):
         scheduler.uniform_widths = uniform
         assert [item.k for item in scheduler._plan([], 0.0)] == want
-    # a trial of drafting while plain decoding is preferred: of cap 1, nobody drafts more than one token
+    scheduler.uniform_widths = True
+    # a trial of drafting while plain decoding is preferred: of cap 1, each drafts one (its own k = 0 too)
     scheduler.gates[("fixed-wrong",), 4] = DraftGate(ms_per_token={1: 2.0, 0: 1.0}, since_trial=TRIAL_EVERY)
     assert [item.k for item in scheduler._plan([], 0.0)] == [1, 1, 1]
     scheduler.uniform_widths = False
