@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from specchat.engine.adaptive import GATE_CAPS, DraftGate, RateMemory, StepCosts
+from specchat.engine.adaptive import GATE_CAPS, DraftGate, RateMemory, StepCosts, gain_margin
 from specchat.engine.drafters import DrafterCache, NoDrafter
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.runner import RowOf
@@ -179,8 +179,8 @@ class Scheduler:
         (the eighteenth to thirtieth sessions) made the gate's trials of drafting time plain steps that tapped
         hidden rows (at 8 sessions 0.04 drafts a request): drafting stayed off at 8 sessions (1.00x plain where
         k = 4 ran 1.26x) and swung by run. Every request at the cap lost at 32 sessions (0.68-0.86x plain, twenty-
-        seventh and thirtieth sessions) until the gate asked drafting to beat plain decoding by GAIN_MARGIN
-        (thirty-first session; docs/benchmarks.md).
+        seventh and thirtieth sessions) until the gate asked drafting to beat plain decoding by a margin that grows
+        with the batch (`gain_margin`; thirty-first session; docs/benchmarks.md).
 
         A request decoding alone is gated only where the runner pads widths (CUDA graphs): there a plain step
         runs ahead of the host and a drafting step cannot, which the request's own controller never sees (it
@@ -203,13 +203,16 @@ class Scheduler:
 
     def _new_gate(self, key: GateKey) -> DraftGate:
         """The DraftGate of a batch not seen yet: following the neighbouring bucket of the same drafters (half or
-        twice the size) that has timed the most steps, if any has timed one, else a fresh gate."""
+        twice the size) that has timed the most steps, if any has timed one, else a fresh gate; asking drafting
+        for its bucket's margin over plain decoding (`gain_margin`)."""
         drafters, bucket = key
         around = ((drafters, bucket // 2), (drafters, 2 * bucket))
         neighbours = [g for k in around if (g := self.gates.get(k)) is not None and g.ms_per_token]
-        if not neighbours:
-            return DraftGate(top=self._gate_top(drafters))
-        return max(neighbours, key=lambda g: g.steps).follow()
+        gate = (
+            max(neighbours, key=lambda g: g.steps).follow() if neighbours else DraftGate(top=self._gate_top(drafters))
+        )
+        gate.margin = gain_margin(bucket)
+        return gate
 
     def _gate_top(self, names: tuple[str, ...]) -> int:
         """The largest cap the gate of a batch of these drafters tries: where the runner pads widths (CUDA graphs)

@@ -13,6 +13,8 @@ from specchat.engine.adaptive import (
     FIRST_TRIAL_AFTER,
     GAIN_MARGIN,
     GATE_CAPS,
+    MARGIN_BATCH,
+    MAX_GAIN_MARGIN,
     MAX_TRIAL_EVERY,
     RAMP_AFTER,
     TRIAL_EVERY,
@@ -22,6 +24,7 @@ from specchat.engine.adaptive import (
     DraftGate,
     RateMemory,
     StepCosts,
+    gain_margin,
 )
 from specchat.engine.drafters import Draft, Drafter
 from specchat.engine.scheduler import gate_key
@@ -418,6 +421,21 @@ def test_draft_gate_drafts_only_where_drafting_beats_plain_decoding_by_its_margi
     clear = DraftGate(ms_per_token={0: 1.0, 2: 1.0 - 2 * GAIN_MARGIN, 4: 1.0 - GAIN_MARGIN / 3})
     assert clear.preferred() == 2
     assert DraftGate(ms_per_token={2: 0.9, 4: 0.8}).preferred() == 4  # plain decoding not timed: the fastest
+
+
+def test_larger_batches_ask_drafting_for_a_larger_margin(tiny_engine):
+    """Up to MARGIN_BATCH requests drafting must beat plain decoding by GAIN_MARGIN, beyond it by a margin in
+    proportion to the batch (at most MAX_GAIN_MARGIN); the scheduler gives each new gate its bucket's."""
+    assert gain_margin(1) == gain_margin(MARGIN_BATCH) == GAIN_MARGIN
+    assert gain_margin(4 * MARGIN_BATCH) == pytest.approx(min(MAX_GAIN_MARGIN, 4 * GAIN_MARGIN))
+    assert gain_margin(1024) == MAX_GAIN_MARGIN
+    scheduler = tiny_engine.scheduler
+    for bucket in (1, 8, 32):
+        assert scheduler._new_gate((("ngram",), bucket)).margin == gain_margin(bucket)
+    scheduler.gates[("ngram",), 16] = DraftGate(ms_per_token={0: 1.0, 2: 0.7})
+    follower = scheduler._new_gate((("ngram",), 32))  # following the 16-request bucket, with its own margin
+    assert follower.margin == gain_margin(32) and follower.preferred() == 0  # 30% faster, not 40%
+    scheduler.gates.clear()
 
 
 def test_draft_gate_times_a_cap_by_its_total_time_over_its_total_tokens():
