@@ -362,6 +362,7 @@ CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower
 GAIN_MARGIN = 0.1  # a cap is preferred to plain decoding only where timed this much faster (per 8 requests)
 MARGIN_BATCH = 8  # batches larger than this ask drafting for a margin larger in proportion (`gain_margin`)
 MAX_GAIN_MARGIN = 0.5
+SWITCH_MARGIN = 0.05  # from one drafting cap to another only where that is timed at least this much faster
 ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
 
@@ -413,6 +414,7 @@ class DraftGate:
 
     ema: float = EMA_WEIGHT
     margin: float = GAIN_MARGIN  # how much faster than plain decoding a preferred cap is timed (`gain_margin`)
+    chosen: int = 0  # the cap preferred at the last step outside a trial
     # the largest cap it tries (the scheduler's `_gate_top`: on CUDA graphs the deepest its drafters draft on the
     # device, since a wider step cannot run ahead)
     top: int = GATE_CAPS[-1]
@@ -461,7 +463,8 @@ class DraftGate:
         took 1.08-1.23 against plain's 1.02 (and steps feeding prompts 2.6-4.5 ms against 1.7), and the run went
         0.75-0.98x plain; at 8 sessions drafting's steady steps took 0.73 ms a token against 1.02 (docs/benchmarks.md,
         thirty-first session). A margin keeps plain decoding where drafting's gain is within the noise of its
-        timing, at the cost of gains smaller than it; larger batches ask for more (`gain_margin`)."""
+        timing, at the cost of gains smaller than it; larger batches ask for more (`gain_margin`). Between two
+        drafting caps the one chosen last stays unless the other is timed SWITCH_MARGIN faster."""
         times = self.ms_per_token or self.prior
         if not times:
             return 0
@@ -469,6 +472,9 @@ class DraftGate:
         plain = times.get(0)
         if best and plain is not None and times[best] > plain * (1.0 - self.margin):
             return 0
+        held = self.chosen
+        if best and held and best != held and held in times and times[best] > times[held] * (1.0 - SWITCH_MARGIN):
+            return held  # each change of width is a step that cannot run ahead: not for a gain within the noise
         return best
 
     def _target(self, preferred: int, every: int) -> tuple[int, int]:
@@ -541,6 +547,7 @@ class DraftGate:
             self.trial_left -= 1
             return self.trial_cap
         preferred, self.every, trial = self._next()
+        self.chosen = preferred
         self.before_trial = None
         self.since_trial += 1
         if trial is None:

@@ -17,6 +17,7 @@ from specchat.engine.adaptive import (
     MAX_GAIN_MARGIN,
     MAX_TRIAL_EVERY,
     RAMP_AFTER,
+    SWITCH_MARGIN,
     TRIAL_EVERY,
     TRIAL_SHARE,
     TRIAL_STEPS,
@@ -421,6 +422,11 @@ def test_draft_gate_drafts_only_where_drafting_beats_plain_decoding_by_its_margi
     clear = DraftGate(ms_per_token={0: 1.0, 2: 1.0 - 2 * GAIN_MARGIN, 4: 1.0 - GAIN_MARGIN / 3})
     assert clear.preferred() == 2
     assert DraftGate(ms_per_token={2: 0.9, 4: 0.8}).preferred() == 4  # plain decoding not timed: the fastest
+    # between drafting caps, the one chosen last stays unless another is SWITCH_MARGIN faster
+    times = {0: 1.0, 2: 0.7, 4: 0.7 * (1.0 - SWITCH_MARGIN / 2)}
+    assert DraftGate(ms_per_token=times, chosen=2).preferred() == 2
+    assert DraftGate(ms_per_token=times).preferred() == 4
+    assert DraftGate(ms_per_token={**times, 4: 0.6}, chosen=2).preferred() == 4
 
 
 def test_larger_batches_ask_drafting_for_a_larger_margin(tiny_engine):
