@@ -454,7 +454,7 @@ class DraftGate:
 
     def preferred(self) -> int:
         """The cap timed with the fewest milliseconds per token (0 while nothing else is timed), and plain decoding
-        unless that cap is timed at least GAIN_MARGIN faster than it.
+        unless that cap is timed at least `margin` faster than it.
 
         A gate's times are EMAs of the last few steady steps of each cap, taken minutes apart, and they leave out
         what drafting costs beyond its steady steps (steps that feed prompts, and the first steps after each change
