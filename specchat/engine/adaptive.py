@@ -470,11 +470,15 @@ class DraftGate:
             return 0
         best = int(min(times, key=lambda cap: (times[cap], cap)))
         plain = times.get(0)
-        if best and plain is not None and times[best] > plain * (1.0 - self.margin):
+
+        def beats_plain(cap: int) -> bool:
+            return plain is None or times[cap] <= plain * (1.0 - self.margin)
+
+        if best and not beats_plain(best):
             return 0
-        held = self.chosen
-        if best and held and best != held and held in times and times[best] > times[held] * (1.0 - SWITCH_MARGIN):
-            return held  # each change of width is a step that cannot run ahead: not for a gain within the noise
+        held = self.chosen  # each change of width is a step that cannot run ahead: not for a gain within the noise
+        if best and held not in (0, best) and held in times and beats_plain(held):
+            return held if times[best] > times[held] * (1.0 - SWITCH_MARGIN) else best
         return best
 
     def _target(self, preferred: int, every: int) -> tuple[int, int]:

@@ -427,6 +427,9 @@ def test_draft_gate_drafts_only_where_drafting_beats_plain_decoding_by_its_margi
     assert DraftGate(ms_per_token=times, chosen=2).preferred() == 2
     assert DraftGate(ms_per_token=times).preferred() == 4
     assert DraftGate(ms_per_token={**times, 4: 0.6}, chosen=2).preferred() == 4
+    # ... where it still beats plain decoding by the margin itself
+    times = {0: 1.0, 2: 1.0 - GAIN_MARGIN / 2, 4: (1.0 - GAIN_MARGIN) * (1.0 - SWITCH_MARGIN / 4)}
+    assert DraftGate(ms_per_token=times, chosen=2).preferred() == 4
 
 
 def test_larger_batches_ask_drafting_for_a_larger_margin(tiny_engine):
