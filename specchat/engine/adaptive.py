@@ -360,15 +360,16 @@ TRIAL_STEPS = 8  # steps of a trial
 TRIAL_SHARE = 0.01  # after a trial that confirmed the choice: at most this share of the time goes to the next
 CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower than plain is worth twice it
 GAIN_MARGIN = 0.1  # a cap is preferred to plain decoding only where timed this much faster (per 8 requests)
-MARGIN_BATCH = 8  # batches larger than this ask drafting for a margin larger in proportion (`gain_margin`)
+MARGIN_BATCH = 8  # batch buckets larger than this ask drafting for a margin larger in proportion (`gain_margin`)
 MAX_GAIN_MARGIN = 0.5
 SWITCH_MARGIN = 0.05  # from one drafting cap to another only where that is timed at least this much faster
 ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
 
 def gain_margin(batch: int) -> float:
-    """How much faster than plain decoding a cap must be timed for a batch of this many requests to prefer it:
-    GAIN_MARGIN up to MARGIN_BATCH requests, in proportion beyond (at most MAX_GAIN_MARGIN). What a gate's steady
+    """How much faster than plain decoding a cap must be timed for a batch of this many requests (the scheduler
+    passes its gate's bucket, the next power of two: 9 requests ask for 20%) to prefer it: GAIN_MARGIN up to
+    MARGIN_BATCH requests, in proportion beyond (at most MAX_GAIN_MARGIN). What a gate's steady
     steps leave out grows with the batch: on the H200 (thirty-first session) drafting's steady steps were 28%
     faster a token than plain decoding's at 8 sessions where the run gained 12-22%, and the hybrid's at 32 were
     timed faster enough to draft 22% of the steps of a run that went 0.80x plain; every request that ends or
@@ -397,7 +398,8 @@ class DraftGate:
     run ahead.
 
     The preferred cap is the one timed fastest, plain decoding until another is by `margin` (ties go to the
-    smaller cap).
+    smaller cap); between drafting caps the one chosen last (`chosen`) stays unless another is SWITCH_MARGIN
+    faster.
     Trials of TRIAL_STEPS steps time the others: from plain decoding, cap 1 after FIRST_TRIAL_AFTER steps (then
     twice the largest cap timed, RAMP_AFTER steps on, while drafting more got faster: `_from_plain`); from
     a cap c > 0, twice c after RAMP_AFTER steps while that is untimed (so a batch where drafting pays climbs
@@ -448,6 +450,7 @@ class DraftGate:
             top=self.top,
             toward_plain=self.toward_plain,
             prior={cap: ms / best for cap, ms in self.ms_per_token.items()},
+            chosen=self.chosen,
             drafted=list(self.drafted),
             accepted=list(self.accepted),
         )
