@@ -361,7 +361,7 @@ TRIAL_SHARE = 0.01  # after a trial that confirmed the choice: at most this shar
 CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower than plain is worth twice it
 GAIN_MARGIN = 0.1  # a cap is preferred to plain decoding only where timed this much faster (per 8 requests)
 MARGIN_BATCH = 8  # batch buckets larger than this ask drafting for a margin larger in proportion (`gain_margin`)
-MAX_GAIN_MARGIN = 0.5
+MAX_GAIN_MARGIN = 0.5  # ... at most this (drafting twice as fast as plain decoding)
 SWITCH_MARGIN = 0.05  # from one drafting cap to another only where that is timed at least this much faster
 ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
@@ -436,17 +436,18 @@ class DraftGate:
     drafted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
     accepted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
 
-    def follow(self) -> DraftGate:
+    def follow(self, margin: float = GAIN_MARGIN) -> DraftGate:
         """A gate for a new batch-size bucket next to this one, starting from what this one learnt: its preferred
         cap and the other caps' times in proportion (scaled to the new bucket by the first cap the new gate
         times), so that its first trial comes TRIAL_EVERY steps on. A new bucket is mostly a batch that shrank as
         requests ended (or grew as they came); starting afresh, it would spend its first 32 steps at plain
         decoding and then a trial of drafting, which in the short tail of a batch is a large share of its steps.
         (The neighbour's own, possibly longer, interval is not taken: a choice wrong at this size shows within
-        TRIAL_EVERY steps.)"""
+        TRIAL_EVERY steps.) `margin`: the new bucket's (`gain_margin`)."""
         best = min(self.ms_per_token.values())
         return DraftGate(
             ema=self.ema,
+            margin=margin,
             top=self.top,
             toward_plain=self.toward_plain,
             prior={cap: ms / best for cap, ms in self.ms_per_token.items()},

@@ -208,11 +208,10 @@ class Scheduler:
         drafters, bucket = key
         around = ((drafters, bucket // 2), (drafters, 2 * bucket))
         neighbours = [g for k in around if (g := self.gates.get(k)) is not None and g.ms_per_token]
-        gate = (
-            max(neighbours, key=lambda g: g.steps).follow() if neighbours else DraftGate(top=self._gate_top(drafters))
-        )
-        gate.margin = gain_margin(bucket)
-        return gate
+        margin = gain_margin(bucket)
+        if not neighbours:
+            return DraftGate(margin=margin, top=self._gate_top(drafters))
+        return max(neighbours, key=lambda g: g.steps).follow(margin)
 
     def _gate_top(self, names: tuple[str, ...]) -> int:
         """The largest cap the gate of a batch of these drafters tries: where the runner pads widths (CUDA graphs)
