@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
 #   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep floor goals attention attention-sweep
-#                                          batch1 sessions profile kv fusion pdl
+#                                          batch1 sessions profile kv fusion pdl prefill
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -31,6 +31,11 @@ for part in "${parts[@]}"; do
       # SWEEP_MS=160,256 also times other launches at those M and prints the best beside choose_config's
       timeout 250 python benchmarks/mxfp4_matmul.py --ms 1,2,4,8,16,32,64,128,160,256,512 --sweep-ms "${SWEEP_MS:-}" \
         2>&1 | tee -a "$log" ;;
+    prefill)  # many rows (prefill chunks): the MXFP4 kernel, the decoded weight + cuBLAS and bf16 at M = 128..2048,
+      # then the 8B model's prefill with each (benchmarks/prefill_gpu.py)
+      timeout 250 python benchmarks/mxfp4_matmul.py --shapes 6144x4096,4096x4096,28672x4096,4096x14336 \
+        --ms ${PREFILL_MS:-128,256,384,512,1024,2048} 2>&1 | tee -a "$log"
+      timeout 300 python benchmarks/prefill_gpu.py --contexts ${CONTEXTS:-512,2048,8192} 2>&1 | tee -a "$log" ;;
     sweep)  # launch configs around choose_config (what chose it)
       timeout 500 python benchmarks/mxfp4_matmul.py --sweep --ms ${SWEEP_MS:-1,16,64,256} 2>&1 | tee -a "$log" ;;
     floor)  # a bare read of each 8B linear's bytes beside the MXFP4 GEMV, with and without PDL (issue 14's floor)

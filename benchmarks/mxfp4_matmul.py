@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 LLAMA_8B_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DENSE_FROM = 128  # M from which the decoded weight times cuBLAS is timed too (mxfp4_linear's path for many rows)
 COPY_CEILING_TBPS = 4.28  # H200 device-to-device copy, read + write (docs/GPU.md)
 L2_DEFEAT_BYTES = 256 * 2**20  # weight copies per timing so that the working set is 5x the L2
 CALLS_PER_GRAPH = 20
@@ -77,24 +78,26 @@ INT4_INNER_K_TILES = 8
 
 
 def _import_kernels():
-    """specchat.kernels.mxfp4{,_layout,_matmul_kernel}, by file path if the package's __init__ cannot be imported."""
+    """specchat.kernels.mxfp4{,_layout,_matmul_kernel,_matmul}, by file path if the package's __init__ cannot be
+    imported."""
     try:
-        from specchat.kernels import mxfp4, mxfp4_layout, mxfp4_matmul_kernel
+        from specchat.kernels import mxfp4, mxfp4_layout, mxfp4_matmul, mxfp4_matmul_kernel
 
-        return mxfp4, mxfp4_layout, mxfp4_matmul_kernel
+        return mxfp4, mxfp4_layout, mxfp4_matmul_kernel, mxfp4_matmul
     except ImportError:
         root = Path(__file__).resolve().parents[1] / "specchat" / "kernels"
         modules = []
-        for name in ("mxfp4", "mxfp4_layout", "mxfp4_matmul_kernel"):
+        names = ("mxfp4", "mxfp4_layout", "mxfp4_matmul_kernel", "mxfp4_dequant", "mxfp4_matmul")
+        for name in names:
             spec = importlib.util.spec_from_file_location(f"specchat.kernels.{name}", root / f"{name}.py")
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
             modules.append(module)
-        return tuple(modules)
+        return modules[0], modules[1], modules[2], modules[4]
 
 
-mxfp4, layout, mm = _import_kernels()
+mxfp4, layout, mm, linear = _import_kernels()
 
 
 def graph_time_us(calls: list) -> float:
@@ -230,15 +233,26 @@ def bench_shape(
             except Exception as error:  # e.g. out of shared memory for this config
                 print(f"  config {config} failed: {type(error).__name__}: {str(error)[:120]}")
         best = min(timings, key=timings.get)
+        dense_us = None
+        if m >= DENSE_FROM:  # the weight decoded into scratch (by slabs), then cuBLAS
+            scratch = linear.DequantScratch()
+            dense_us = graph_time_us(
+                [
+                    lambda x=x, wc=wc, s=scratch: linear.dequantized_linear(x, wc, None, s, linear.DENSE_MAX_WEIGHTS)
+                    for wc in mx_copies
+                ]
+            )
         record = dict(
             n=n, k=k, m=m, bf16_us=bf16_us, int4_us=int4_us, default_us=timings[default], best_us=timings[best],
+            dense_us=dense_us,
             default=_short(default), best=_short(best), mx_bytes=mx_bytes,
             sweep={str(c): t for c, t in sorted(timings.items(), key=lambda item: item[1])[:5]},
         )  # fmt: skip
         records.append(record)
         print(
             f"  N={n} K={k} M={m}: bf16 {bf16_us:.1f} us, int4 {int4_us:.1f} us, mxfp4 default "
-            f"{timings[default]:.1f} us {_short(default)}, best {timings[best]:.1f} us {_short(best)}",
+            f"{timings[default]:.1f} us {_short(default)}, best {timings[best]:.1f} us {_short(best)}"
+            + (f", decoded + cuBLAS {dense_us:.1f} us" if dense_us else ""),
             flush=True,
         )
         if len(timings) > 1:
@@ -258,17 +272,20 @@ def table(records: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| N | K | M | bf16 us | int4 us | MXFP4 us | GB/s | % of 4.28 TB/s | vs bf16 | vs int4 | launch |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| N | K | M | bf16 us | int4 us | MXFP4 us | GB/s | % of 4.28 TB/s | vs bf16 | vs int4 | launch "
+        "| decoded + cuBLAS us | vs bf16 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in records:
         us = r["default_us"]
         gbps = r["mx_bytes"] / us / 1e3
         best = f" (best {r['best_us']:.1f})" if r["best_us"] < 0.97 * us else ""
+        dense = r.get("dense_us")
+        dense_cells = f"{dense:.1f} | {r['bf16_us'] / dense:.2f}x" if dense else "- | -"
         lines.append(
             f"| {r['n']} | {r['k']} | {r['m']} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | {us:.1f}{best} | "
             f"{gbps:.0f} | {100 * gbps / (COPY_CEILING_TBPS * 1e3):.0f}% | {r['bf16_us'] / us:.2f}x | "
-            f"{r['int4_us'] / us:.2f}x | {r['default']} |"
+            f"{r['int4_us'] / us:.2f}x | {r['default']} | {dense_cells} |"
         )
     return "\n".join(lines)
 

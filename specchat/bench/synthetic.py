@@ -1,8 +1,9 @@
 """Decode and verification speed on a random-weight model of a real shape, built directly on the device.
 
 Speed does not depend on the weights' values, so no checkpoint is needed: the model is created with random
-weights where it runs. Each configuration prefills `batch` requests with `context` random tokens, then times
-`steps` engine steps through the real ModelRunner and KV pool.
+weights where it runs. Each configuration prefills `batch` requests with `context` random tokens (one forward
+each, timed: the prefill speed, after one untimed prompt of the same length), then times `steps` engine steps
+through the real ModelRunner and KV pool.
 
 Speculative rows use a benchmark-only drafter of set acceptance rate: every step feeds [last token + k random
 drafts] per request through the real target forward and greedy verification (argmax over all k + 1 rows),
@@ -108,12 +109,13 @@ class SyntheticResult:
     latency_p99_ms: float
     weights_bytes: int
     kv_bytes_per_token: int
+    prefill_tok_per_s: float = 0.0  # the requests' prompts, one forward each
 
 
 def pool_pages(case: SyntheticCase, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
     """KV pages for a case: every request's context, its steps' tokens and a spare page."""
     tokens_per_seq = context + (warmup + steps) * (case.k + 1) + PAGE_SIZE
-    return case.batch * (-(-tokens_per_seq // PAGE_SIZE) + 1)
+    return max(case.batch, 2) * (-(-tokens_per_seq // PAGE_SIZE) + 1)  # 2: the untimed prompt beside request 0
 
 
 def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, cases: list[SyntheticCase], context: int, steps: int) -> int:
@@ -189,11 +191,21 @@ def run_case(
     runner = runner_factory(model, pool)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    lengths = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    warm = -1  # an untimed prompt first: kernels compiled, workspaces allocated for a prompt this long
+    prompt = torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist()
+    pool.add(warm, prompt)
+    runner.forward(StepBatch([warm], [prompt], [0], [1]))
+    pool.free(warm)
+    lengths, prefill_s = [], 0.0
     for b in range(case.batch):
         prompt = torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist()
         pool.add(b, prompt)
+        sync()
+        t0 = time.perf_counter()
         runner.forward(StepBatch([b], [prompt], [0], [1]))
+        sync()
+        prefill_s += time.perf_counter() - t0
         lengths.append(context)
     step_times, latencies, emitted = [], [], 0
     for i in range(warmup + steps):
@@ -230,4 +242,5 @@ def run_case(
         latency_p99_ms=percentile(latencies, 99),
         weights_bytes=weight_bytes(model),
         kv_bytes_per_token=pool.bytes_per_token,
+        prefill_tok_per_s=case.batch * context / prefill_s,
     )

@@ -211,12 +211,13 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
                 r.latency_p50_ms,
                 r.latency_p99_ms,
                 ratio,
+                r.prefill_tok_per_s,
             ]
         )
     mode = "eager" if eager or dev.type != "cuda" else "fused kernels + CUDA graphs"
     click.echo(f"synthetic {shape}, {dev}, context {context}, {steps} steps, {mode}")
     headers = ["batch", "weights", "KV", "decoding", "tok/s", "tok/s per request", "step ms", "tokens/step"]
-    print_table([*headers, "P50 ms/token", "P99 ms/token", "vs plain"], rows)
+    print_table([*headers, "P50 ms/token", "P99 ms/token", "vs plain", "prefill tok/s"], rows)
 
 
 @click.command()

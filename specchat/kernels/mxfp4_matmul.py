@@ -5,7 +5,10 @@ The interchange format is `specchat.kernels.mxfp4`'s (codes uint8 [N, K/2], scal
 for the device it sits on; `mxfp4_linear` is F.linear with that weight:
 
 - CUDA: the Triton kernel (kernels/mxfp4_matmul_kernel.py) reads a re-laid-out copy (kernels/mxfp4_layout.py,
-  same bytes per weight, K padded to 128, N to 128).
+  same bytes per weight, K padded to 128, N to 128). From DENSE_MIN_ROWS rows on (prefill chunks), where
+  cuBLAS on bf16 weights outruns it, the weight is decoded into the shared scratch buffer instead
+  (`dequantize_prepared_into`, a Triton kernel; at most DENSE_MAX_WEIGHTS at a time, by slabs of rows) and
+  multiplied there. Never inside a CUDA graph's capture: graphs keep the kernel.
 - CPU: the plain codes and scales are dequantized into a scratch buffer that all layers share
   (kernels/mxfp4_dequant.py), then F.linear, so no dequantized copy outlives the call. A weight larger than
   SCRATCH_MAX_WEIGHTS (an output head: 49152 x 576 on the default model) goes through in slices of output
@@ -19,35 +22,71 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specchat.kernels.mxfp4_dequant import DEFAULT_SCRATCH, DequantScratch, dequantize_weight_into
-from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight, unprepare_weight
+from specchat.kernels.mxfp4_dequant import (
+    DEFAULT_SCRATCH,
+    DequantScratch,
+    dequantize_prepared_into,
+    dequantize_weight_into,
+)
+from specchat.kernels.mxfp4_layout import ROW_GROUP, Mxfp4Weight, prepare_weight, unprepare_weight
 from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul_triton
 
 __all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
 SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
+DENSE_MIN_ROWS = 512  # CUDA: steps of this many rows multiply a decoded copy (H200, docs/mxfp4.md)
+DENSE_MAX_WEIGHTS = 1 << 25  # CUDA: weights decoded at once (64 MiB of bf16); larger ones go by slabs of rows
 
 
 def mxfp4_linear(
     x: torch.Tensor, weight: Mxfp4Weight, bias: torch.Tensor | None = None, scratch: DequantScratch | None = None
 ) -> torch.Tensor:
-    """F.linear with an MXFP4 weight: x [..., K] -> [..., N] in x's dtype. CUDA: Triton; CPU: scratch + F.linear."""
+    """F.linear with an MXFP4 weight: x [..., K] -> [..., N] in x's dtype. CUDA: the Triton kernel, or for many
+    rows cuBLAS on the weight decoded into scratch; CPU: scratch + F.linear."""
     assert x.dtype in ACTIVATION_DTYPES and x.shape[-1] == weight.k, (x.dtype, x.shape, weight.k)
+    scratch = scratch or DEFAULT_SCRATCH
     if x.is_cuda:
         x2 = x.reshape(-1, weight.k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = mxfp4_matmul_triton(x2, weight).reshape(*x.shape[:-1], weight.n)
+        if x2.shape[0] >= DENSE_MIN_ROWS and not torch.cuda.is_current_stream_capturing():
+            y = dequantized_linear(x2, weight, None, scratch, DENSE_MAX_WEIGHTS)
+        else:
+            y = mxfp4_matmul_triton(x2, weight)
+        y = y.reshape(*x.shape[:-1], weight.n)
         return y if bias is None else y + bias
-    scratch = scratch or DEFAULT_SCRATCH
-    if weight.n * weight.k <= SCRATCH_MAX_WEIGHTS:
-        dense = scratch.get((weight.n, weight.k), x.dtype, x.device)
-        return F.linear(x, dequantize_weight_into(weight, dense), bias)
-    rows = max(1, SCRATCH_MAX_WEIGHTS // weight.k)
-    y = x.new_empty(*x.shape[:-1], weight.n)
-    for r0 in range(0, weight.n, rows):
-        r1 = min(r0 + rows, weight.n)
-        part = Mxfp4Weight(r1 - r0, weight.k, weight.codes[r0:r1], weight.scales[r0:r1], prepared=False)
-        dense = dequantize_weight_into(part, scratch.get((r1 - r0, weight.k), x.dtype, x.device))
-        y[..., r0:r1] = F.linear(x, dense, None if bias is None else bias[r0:r1])
+    return dequantized_linear(x, weight, bias, scratch, SCRATCH_MAX_WEIGHTS)
+
+
+def dequantized_linear(
+    x: torch.Tensor, weight: Mxfp4Weight, bias: torch.Tensor | None, scratch: DequantScratch, max_weights: int
+) -> torch.Tensor:
+    """F.linear(x, dequant(weight), bias) with the weight decoded into scratch, at most max_weights at a time (a
+    larger weight, e.g. an output head, goes through in slabs of rows; kernel-layout slabs start at row groups)."""
+    step = ROW_GROUP if weight.prepared else 1
+    rows = weight.n if weight.n * weight.k <= max_weights else max(step, max_weights // weight.k // step * step)
+    out_scale = 2.0**weight.exp_offset if weight.prepared else 1.0  # see dequantize_prepared_into
+    slab_bias = bias if out_scale == 1.0 else None
+    if rows >= weight.n:
+        y = F.linear(x, _dequantize_rows(weight, 0, weight.n, x, scratch), slab_bias)
+    else:
+        y = x.new_empty(*x.shape[:-1], weight.n)
+        for r0 in range(0, weight.n, rows):
+            r1 = min(r0 + rows, weight.n)
+            dense = _dequantize_rows(weight, r0, r1, x, scratch)
+            if x.dim() == 2 and slab_bias is None:  # cuBLAS writes the slab's columns in place
+                torch.mm(x, dense.t(), out=y[:, r0:r1])
+            else:
+                y[..., r0:r1] = F.linear(x, dense, None if slab_bias is None else slab_bias[r0:r1])
+    if out_scale != 1.0:
+        y = y.mul_(out_scale) if bias is None else torch.add(bias, y, alpha=out_scale)
     return y
+
+
+def _dequantize_rows(weight: Mxfp4Weight, r0: int, r1: int, x: torch.Tensor, scratch: DequantScratch) -> torch.Tensor:
+    """Rows r0..r1 of the weight, decoded into scratch in x's dtype."""
+    out = scratch.get((r1 - r0, weight.k), x.dtype, x.device)
+    if weight.prepared:
+        return dequantize_prepared_into(weight, r0, out)
+    part = Mxfp4Weight(r1 - r0, weight.k, weight.codes[r0:r1], weight.scales[r0:r1], prepared=False)
+    return dequantize_weight_into(part, out)

@@ -38,6 +38,7 @@ def test_synthetic_bench_json_rows():
     assert all(r["tokens_per_step"] == 1.0 for r in plain)  # plain decoding gives one token per step
     assert all(1.0 <= r["tokens_per_step"] <= 3.0 for r in rows)  # k = 2: at most k + 1
     assert all(r["kv_bytes_per_token"] > 0 and r["weights_bytes"] > 0 for r in rows)
+    assert all(r["prefill_tok_per_s"] > 0 for r in rows)  # the prompts, timed
 
 
 def test_bench_flags_fail_with_one_line():

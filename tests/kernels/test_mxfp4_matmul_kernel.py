@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from specchat.kernels.mxfp4 import quantize_mxfp4
+from specchat.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from specchat.kernels.mxfp4_dequant import DequantScratch, dequantize_prepared_into
 from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight
+from specchat.kernels.mxfp4_matmul import DENSE_MIN_ROWS, dequantized_linear, mxfp4_linear
 from specchat.kernels.mxfp4_matmul_kernel import (
     MAX_BLOCK_M,
     MAX_SPLIT_K,
@@ -146,3 +149,48 @@ def test_float16_activations() -> None:
     x = torch.randn(3, 128, dtype=torch.float16)
     y = mxfp4_matmul_triton(x.to(DEVICE), weight)
     assert y.dtype == torch.float16 and relative_error(y, reference(x.float(), codes, scales, 128)) < 2e-3
+
+
+@kernel_test
+@pytest.mark.parametrize(("n", "k", "r0", "rows"), [(67, 200, 0, 67), (200, 384, 64, 100), (131, 96, 128, 3)])
+def test_dequantized_rows_equal_reference(n: int, k: int, r0: int, rows: int) -> None:
+    """The Triton decode of kernel-layout rows (a slab from a row group on, K not a multiple of the k-tile)."""
+    _, codes, scales = random_weight(n, k, seed=n)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), k, layout="kernel")
+    assert weight.exp_offset == 0
+    dense = dequantize_mxfp4(codes, scales, k=k)[r0 : r0 + rows]
+    out = torch.full((rows, k), float("nan"), device=DEVICE)
+    assert torch.equal(dequantize_prepared_into(weight, r0, out).cpu(), dense)  # float32: the portable decode
+    if DEVICE == "cuda":  # bf16: the fast decode, the same values
+        out = torch.empty(rows, k, dtype=torch.bfloat16, device=DEVICE)
+        assert torch.equal(dequantize_prepared_into(weight, r0, out).cpu(), dense.to(torch.bfloat16))
+
+
+@kernel_test
+def test_dequantized_linear_by_slabs_with_nan_blocks_and_exponent_offset() -> None:
+    """Slabs of kernel-layout rows through a bounded scratch, the output scaled by 2^c before the bias."""
+    w = torch.randn(200, 256)
+    w[3, 40] = float("nan")
+    w[5, 64:96] *= 2.0**60  # an exponent offset c > 0
+    codes, scales = quantize_mxfp4(w)
+    weight = prepare_weight(codes.to(DEVICE), scales.to(DEVICE), layout="kernel")
+    assert weight.has_nan and weight.exp_offset > 0
+    x, bias = torch.randn(5, 256), torch.randn(200)
+    ref = reference(x, codes, scales, 256) + bias.double()
+    scratch = DequantScratch()
+    for max_weights in (200 * 256, 64 * 256):  # at once; slabs of 64 rows (the last 8)
+        y = dequantized_linear(x.to(DEVICE), weight, bias.to(DEVICE), scratch, max_weights).cpu()
+        assert torch.equal(y.isnan(), ref.isnan()) and y[:, 3].isnan().all()
+        assert relative_error(y[~ref.isnan()], ref[~ref.isnan()]) < 1e-5, max_weights
+    assert scratch.nbytes == 200 * 256 * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the dense path is CUDA's")
+def test_many_rows_multiply_the_decoded_weight() -> None:
+    """From DENSE_MIN_ROWS rows on, mxfp4_linear is cuBLAS on the decoded bf16 weight: F.linear's bits."""
+    _, codes, scales = random_weight(300, 512)
+    weight = prepare_weight(codes.cuda(), scales.cuda(), layout="kernel")
+    dense = dequantize_mxfp4(codes, scales, k=512).to(torch.bfloat16).cuda()
+    x = torch.randn(DENSE_MIN_ROWS, 512, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(mxfp4_linear(x, weight), F.linear(x, dense))
+    assert relative_error(mxfp4_linear(x[:-1], weight), reference(x[:-1].float().cpu(), codes, scales, 512)) < 8e-3
