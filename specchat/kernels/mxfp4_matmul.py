@@ -34,7 +34,7 @@ from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul
 __all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
 SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
-DENSE_MIN_ROWS = 1024  # CUDA: steps of this many rows multiply a decoded copy (H200, docs/mxfp4.md)
+DENSE_MIN_ROWS = 2048  # CUDA: steps of this many rows multiply a decoded copy (H200, docs/mxfp4.md)
 DENSE_MAX_WEIGHTS = 1 << 26  # CUDA: weights decoded at once (128 MiB of bf16); larger ones go by slabs of rows
 
 
