@@ -45,7 +45,9 @@ from specchat.quant.fp4_linear import Fp4Linear
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GRAPH_Q = 9  # tokens per request in a captured step: k + 1 for k <= 8
 CTX_BUCKETS = (1024, 4096, 16384, 65536, 131072)
-PREFILL_BUCKETS = (16, 32, 64, 128, 256)  # fresh prompts up to 256 tokens replay a graph; longer ones are compute
+# fresh prompts up to a full chunk (the scheduler's max_batch_tokens) replay a graph: an eager forward costs ~1 ms of
+# host work a layer, which bounds prompts of up to ~2,000 tokens even on an 8B model (docs/benchmarks.md)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 PROMPT_WIDTHS = (16, 32)  # prompts after cached context of up to 32 new tokens replay a step graph this wide
 PROMPT_GRAPH_ROWS = 512  # prompts of one width replay together up to this many rows (32 of 16, 16 of 32)
 SCRATCH_SEQ = -1  # the pool entry holding the padding requests' page
@@ -242,7 +244,13 @@ class CudaGraphRunner(ModelRunner):
         n = len(batch.feeds[i])
         if batch.start_positions[i] != 0 or batch.logit_rows[i] > 1:
             return None
-        return _bucket(n, PREFILL_BUCKETS)
+        return _bucket(n, self.prefill_buckets)
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """PREFILL_BUCKETS up to the first that holds the model's longest context."""
+        longest = self.model.cfg.max_position
+        return tuple(b for i, b in enumerate(PREFILL_BUCKETS) if i == 0 or PREFILL_BUCKETS[i - 1] < longest)
 
     def _prompt_width(self, batch: StepBatch, i: int) -> int | None:
         """The width of the step graph that request i's prompt after cached context pads to, if one can take it.
@@ -302,7 +310,7 @@ class CudaGraphRunner(ModelRunner):
             for q in prompts
             for b in _batch_buckets_up_to(min(sessions, PROMPT_GRAPH_ROWS // q))
         ]
-        prefill_keys = [(p, t) for t in tap_keys for p in PREFILL_BUCKETS]
+        prefill_keys = [(p, t) for t in tap_keys for p in self.prefill_buckets]
         total = len(keys) + len(prefill_keys)
         with pdl.scope(self._pdl):  # graphs keep the launches they were captured with
             for done, key in enumerate(keys, 1):

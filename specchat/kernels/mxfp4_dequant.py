@@ -31,23 +31,44 @@ class DequantScratch:
     A whole model shares one instance (layers run one after another), so the resident weights stay packed and
     the extra memory is the largest single layer. The buffers are normal tensors even when made under
     torch.inference_mode (an inference tensor could not be written outside it, e.g. under torch.no_grad).
-    Not thread-safe.
+    A CUDA graph may read a buffer (a prefill graph of many rows on MXFP4 weights): it never grows during a
+    capture (`holds` says whether it can serve one), and a buffer a graph captured is kept alive when a larger
+    one replaces it. Not thread-safe.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._captured: set[tuple[torch.device, torch.dtype]] = set()  # buffers some graph reads
+        self._retired: list[torch.Tensor] = []  # replaced buffers that a graph still reads
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
-        buffer = self._buffers.get((device, dtype))
+        key = (device, dtype)
+        buffer = self._buffers.get(key)
+        capturing = _capturing(device)
         if buffer is None or buffer.numel() < numel:
+            assert not capturing, "DequantScratch grows only outside a CUDA graph's capture (see `holds`)"
+            if key in self._captured:
+                self._retired.append(buffer)
+                self._captured.discard(key)
             with torch.inference_mode(False):
-                buffer = self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+                buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        if capturing:
+            self._captured.add(key)
         return buffer[:numel].view(shape)
+
+    def holds(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `get` of this many elements is served without growing."""
+        buffer = self._buffers.get((device, dtype))
+        return buffer is not None and buffer.numel() >= numel
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in (*self._buffers.values(), *self._retired))
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 DEFAULT_SCRATCH = DequantScratch()

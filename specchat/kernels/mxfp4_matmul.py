@@ -8,7 +8,8 @@ for the device it sits on; `mxfp4_linear` is F.linear with that weight:
   same bytes per weight, K padded to 128, N to 128). From DENSE_MIN_ROWS rows on (prefill chunks), where
   cuBLAS on bf16 weights outruns it, the weight is decoded into the shared scratch buffer instead
   (`dequantize_prepared_into`, a Triton kernel; at most DENSE_MAX_WEIGHTS at a time, by slabs of rows) and
-  multiplied there. Never inside a CUDA graph's capture: graphs keep the kernel.
+  multiplied there. A CUDA graph's capture takes that path only where the scratch already holds the slab (a
+  prefill graph's warm-up runs grow it), else the kernel.
 - CPU: the plain codes and scales are dequantized into a scratch buffer that all layers share
   (kernels/mxfp4_dequant.py), then F.linear, so no dequantized copy outlives the call. A weight larger than
   SCRATCH_MAX_WEIGHTS (an output head: 49152 x 576 on the default model) goes through in slices of output
@@ -49,7 +50,10 @@ def mxfp4_linear(
         x2 = x.reshape(-1, weight.k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if x2.shape[0] >= DENSE_MIN_ROWS and not torch.cuda.is_current_stream_capturing():
+        if x2.shape[0] >= DENSE_MIN_ROWS and (
+            not torch.cuda.is_current_stream_capturing()
+            or scratch.holds(_slab_rows(weight, DENSE_MAX_WEIGHTS) * weight.k, x.dtype, x.device)
+        ):
             y = dequantized_linear(x2, weight, None, scratch, DENSE_MAX_WEIGHTS)
         else:
             y = mxfp4_matmul_triton(x2, weight)
@@ -63,8 +67,7 @@ def dequantized_linear(
 ) -> torch.Tensor:
     """F.linear(x, dequant(weight), bias) with the weight decoded into scratch, at most max_weights at a time (a
     larger weight, e.g. an output head, goes through in slabs of rows; kernel-layout slabs start at row groups)."""
-    step = ROW_GROUP if weight.prepared else 1
-    rows = weight.n if weight.n * weight.k <= max_weights else max(step, max_weights // weight.k // step * step)
+    rows = _slab_rows(weight, max_weights)
     out_scale = 2.0**weight.exp_offset if weight.prepared else 1.0  # see dequantize_prepared_into
     slab_bias = bias if out_scale == 1.0 else None
     if rows >= weight.n:
@@ -81,6 +84,14 @@ def dequantized_linear(
     if out_scale != 1.0:
         y = y.mul_(out_scale) if bias is None else torch.add(bias, y, alpha=out_scale)
     return y
+
+
+def _slab_rows(weight: Mxfp4Weight, max_weights: int) -> int:
+    """Rows of the weight decoded at once: all, or slabs of at most max_weights (kernel layout: whole row groups)."""
+    if weight.n * weight.k <= max_weights:
+        return weight.n
+    step = ROW_GROUP if weight.prepared else 1
+    return max(step, max_weights // weight.k // step * step)
 
 
 def _dequantize_rows(weight: Mxfp4Weight, r0: int, r1: int, x: torch.Tensor, scratch: DequantScratch) -> torch.Tensor:

@@ -29,9 +29,9 @@ def _free_engines():
 @pytest.fixture(scope="module")
 def cuda_tiny_model_dir(tmp_path_factory) -> Path:
     # head_dim 32: the smallest the paged-attention kernel (and so the graphs) take
-    return save_tiny_hf(  # a context of 1024: room for a prompt past the largest prefill bucket
+    return save_tiny_hf(  # a context of 4096: room for a prompt past the largest prefill bucket (2048)
         tmp_path_factory.mktemp("tiny-llama-cuda"),
-        {"hidden_size": 128, "intermediate_size": 256, "max_position_embeddings": 1024},
+        {"hidden_size": 128, "intermediate_size": 256, "max_position_embeddings": 4096},
     )
 
 
@@ -183,13 +183,16 @@ def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
     """Fresh prompts replay prefill graphs, prompts after cached context step graphs of their width, and steps that
     admit prompts beside decoding requests are split (decoding requests padded to one width replay their graph,
     prompts after cached context their width's, each fresh prompt its prefill graph, the rest eagerly): greedy outputs
-    equal the eager runner's, with prompts of every kind: short, past the largest prefill bucket, and one that
-    repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
+    equal the eager runner's, with prompts of every kind: short, long (~400 tokens: the 512 bucket), past the
+    largest prefill bucket (a first chunk of 2048 tokens through its graph, the rest eagerly after it), and one
+    that repeats an earlier prompt (its cached prefix makes it a prompt after cached context)."""
     from specchat.engine.cuda_graph import PROMPT_WIDTHS
     from specchat.engine.engine import Engine
 
-    long_prompt = " ".join(f"w{i}" for i in range(150))  # ~400 tokens: past the largest prefill bucket
+    long_prompt = " ".join(f"w{i}" for i in range(150))  # ~400 tokens
+    longest = " ".join(f"v{i}" for i in range(900))  # past 2048 tokens: two chunks
     prompts = ["Hi", "Tell me about the sea and the ships on it.", long_prompt, "1 2 3 4 5 6 7 8 9 10 11 12"] * 2
+    prompts.insert(3, longest)
     specs = [SpecParams(drafter="none"), SpecParams(drafter="ngram", k=3), SpecParams(drafter="ngram", k=1)]
     sampling = SamplingParams(max_tokens=20, ignore_eos=True)
     outputs, prefills = {}, set()
@@ -201,10 +204,11 @@ def test_prefill_graphs_and_mixed_steps_equal_eager(cuda_tiny_model_dir):
         handles = [engine.submit(p, sampling, specs[i % len(specs)]) for i, p in enumerate(prompts)]
         outputs[eager] = [h.result().token_ids for h in handles]
         if not eager:
+            assert len(engine.tokenizer.encode(longest)) > 2048
             prefills, graphs = set(engine.runner.prefills), set(engine.runner.graphs)
             assert engine.pool.prefix_hit_tokens > 0, "no prompt came after cached context"
     assert outputs[False] == outputs[True]
-    assert prefills, "no fresh prompt was replayed from a prefill graph"
+    assert {512, 2048} <= {bucket for bucket, _ in prefills}, prefills
     assert any(key[1] in PROMPT_WIDTHS for key in graphs), "no prompt after cached context replayed a graph"
 
 

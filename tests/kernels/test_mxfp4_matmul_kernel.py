@@ -194,3 +194,26 @@ def test_many_rows_multiply_the_decoded_weight() -> None:
     x = torch.randn(DENSE_MIN_ROWS, 512, dtype=torch.bfloat16, device="cuda")
     assert torch.equal(mxfp4_linear(x, weight), F.linear(x, dense))
     assert relative_error(mxfp4_linear(x[:-1], weight), reference(x[:-1].float().cpu(), codes, scales, 512)) < 8e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_a_captured_dense_step_keeps_its_scratch_when_a_larger_weight_grows_it() -> None:
+    """A CUDA graph captured on many rows reads the scratch its warm-up grew (the dense path, not the kernel);
+    a larger weight later replaces the buffer eagerly, and the graph's replays still read the one it captured."""
+    _, codes, scales = random_weight(300, 512)
+    weight = prepare_weight(codes.cuda(), scales.cuda(), layout="kernel")
+    dense = dequantize_mxfp4(codes, scales, k=512).to(torch.bfloat16).cuda()
+    scratch = DequantScratch()
+    x = torch.randn(DENSE_MIN_ROWS, 512, dtype=torch.bfloat16, device="cuda")
+    mxfp4_linear(x, weight, scratch=scratch)  # the warm-up: grows the scratch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mxfp4_linear(x, weight, scratch=scratch)
+    graph.replay()
+    assert torch.equal(y, F.linear(x, dense))  # cuBLAS's bits: the dense path was captured
+    big = prepare_weight(*(t.cuda() for t in random_weight(600, 512)[1:]), layout="kernel")
+    mxfp4_linear(x, big, scratch=scratch)  # grows the buffer: the captured one is kept
+    y.zero_()
+    graph.replay()
+    assert torch.equal(y, F.linear(x, dense))
+    assert scratch.nbytes == (300 + 600) * 512 * 2
