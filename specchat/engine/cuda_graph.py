@@ -155,7 +155,7 @@ class CudaGraphRunner(ModelRunner):
         self._signature = self._state_signature()
         self._pdl = self._uses_pdl()
         fp4 = [m.weight_mxfp4 for m in model.modules() if isinstance(m, Fp4Linear) and m.weight_mxfp4.prepared]
-        reserve_dense_scratch(fp4, model.norm.weight.dtype, self.device)  # prefill graphs of MXFP4 weights
+        reserve_dense_scratch(fp4, model.norm.weight.dtype, model.norm.weight.device)  # prefill graphs of MXFP4 weights
 
     def _uses_pdl(self) -> bool:
         """Programmatic dependent launch (kernels/pdl.py) where the layers' linears are MXFP4 kernels, so every
