@@ -40,7 +40,6 @@ from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, Tok
 from specchat.kernels import pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 from specchat.kernels.fused import advance_step
-from specchat.kernels.mxfp4_matmul import reserve_dense_scratch
 from specchat.quant.fp4_linear import Fp4Linear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -154,8 +153,6 @@ class CudaGraphRunner(ModelRunner):
         self.scratch_page = pool.tables[SCRATCH_SEQ][0]
         self._signature = self._state_signature()
         self._pdl = self._uses_pdl()
-        fp4 = [m.weight_mxfp4 for m in model.modules() if isinstance(m, Fp4Linear) and m.weight_mxfp4.prepared]
-        reserve_dense_scratch(fp4, model.norm.weight.dtype, model.norm.weight.device)  # prefill graphs of MXFP4 weights
 
     def _uses_pdl(self) -> bool:
         """Programmatic dependent launch (kernels/pdl.py) where the layers' linears are MXFP4 kernels, so every

@@ -8,10 +8,8 @@ for the device it sits on; `mxfp4_linear` is F.linear with that weight:
   same bytes per weight, K padded to 128, N to 128). From DENSE_MIN_ROWS rows on (prefill chunks), where
   cuBLAS on bf16 weights outruns it, the weight is decoded into the shared scratch buffer instead
   (`dequantize_prepared_into`, a Triton kernel; at most DENSE_MAX_WEIGHTS at a time, by slabs of rows) and
-  multiplied there. Eager steps take it from DENSE_MIN_ROWS rows (below, their host work bounds them and the
-  slabs' extra launches cost more than the GPU saves), captured ones (prefill graphs) from
-  GRAPHED_DENSE_MIN_ROWS, where the scratch already holds the slab (`reserve_dense_scratch`, which the CUDA-graph
-  runner calls), else the kernel.
+  multiplied there. A CUDA graph's capture takes that path only where the scratch already holds the slab (a
+  prefill graph's warm-up runs grow it), else the kernel.
 - CPU: the plain codes and scales are dequantized into a scratch buffer that all layers share
   (kernels/mxfp4_dequant.py), then F.linear, so no dequantized copy outlives the call. A weight larger than
   SCRATCH_MAX_WEIGHTS (an output head: 49152 x 576 on the default model) goes through in slices of output
@@ -37,8 +35,7 @@ from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul
 __all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
 SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
-DENSE_MIN_ROWS = 2048  # CUDA, eager steps: this many rows multiply a decoded copy (H200, docs/mxfp4.md)
-GRAPHED_DENSE_MIN_ROWS = 512  # CUDA, captured steps (their launches cost nothing): this many rows
+DENSE_MIN_ROWS = 2048  # CUDA: steps of this many rows multiply a decoded copy (H200, docs/mxfp4.md)
 DENSE_MAX_WEIGHTS = 1 << 26  # CUDA: weights decoded at once (128 MiB of bf16); larger ones go by slabs of rows
 
 
@@ -53,11 +50,10 @@ def mxfp4_linear(
         x2 = x.reshape(-1, weight.k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if torch.cuda.is_current_stream_capturing():
-            dense = x2.shape[0] >= GRAPHED_DENSE_MIN_ROWS and scratch.holds(_slab_numel(weight), x.dtype, x.device)
-        else:
-            dense = x2.shape[0] >= DENSE_MIN_ROWS
-        if dense:
+        if x2.shape[0] >= DENSE_MIN_ROWS and (
+            not torch.cuda.is_current_stream_capturing()
+            or scratch.holds(_slab_rows(weight, DENSE_MAX_WEIGHTS) * weight.k, x.dtype, x.device)
+        ):
             y = dequantized_linear(x2, weight, None, scratch, DENSE_MAX_WEIGHTS)
         else:
             y = mxfp4_matmul_triton(x2, weight)
@@ -88,19 +84,6 @@ def dequantized_linear(
     if out_scale != 1.0:
         y = y.mul_(out_scale) if bias is None else torch.add(bias, y, alpha=out_scale)
     return y
-
-
-def reserve_dense_scratch(
-    weights: list[Mxfp4Weight], dtype: torch.dtype, device: torch.device, scratch: DequantScratch | None = None
-) -> None:
-    """Grow the scratch to hold the largest decoded slab of these CUDA weights, so that captured steps of many rows
-    can take the decoded copy (a capture cannot allocate it)."""
-    if weights:
-        (scratch or DEFAULT_SCRATCH).get((max(_slab_numel(w) for w in weights),), dtype, device)
-
-
-def _slab_numel(weight: Mxfp4Weight) -> int:
-    return _slab_rows(weight, DENSE_MAX_WEIGHTS) * weight.k
 
 
 def _slab_rows(weight: Mxfp4Weight, max_weights: int) -> int:
