@@ -11,8 +11,9 @@ request to the widest one (`padded_width`) with rows that are never verified. Hi
 read are static outputs of the captured graph (one graph per tap set), copied out at each replay.
 
 A fresh prompt (its first chunk: it attends only to its own keys) of up to PREFILL_BUCKETS[-1] tokens (a full chunk
-of the scheduler's; buckets up to the model's context) replays a prefill graph of the next bucket's length: padding tokens go at its end, where causal attention keeps them out of
-the real rows, and write their keys to the scratch page. A prompt after cached context (a later chat turn, an
+of the scheduler's; buckets up to the model's context) replays a prefill graph of the next bucket's length: padding
+tokens go at its end, where causal attention keeps them out of the real rows, and write their keys to the scratch
+page. A prompt after cached context (a later chat turn, an
 agent's next call) of up to PROMPT_WIDTHS[-1] new tokens replays the step graph of that width through the paged
 kernel, together with the other such prompts of its width (32 sessions' next turns: one replay, not 32), its
 padding written past its end and truncated after. A step that mixes prompts with decoding is split
