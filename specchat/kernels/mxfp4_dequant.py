@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from specchat.kernels.mxfp4 import BLOCK_SIZE, e2m1_to_float, scales_to_float, unpack_nibbles
-from specchat.kernels.mxfp4_layout import K_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
-from specchat.kernels.mxfp4_matmul_kernel import _weight_tile
+from specchat.kernels.mxfp4_layout import ROW_GROUP, Mxfp4Weight
+from specchat.kernels.mxfp4_matmul_kernel import load_tiles, tile_offsets, weight_tile
 
 
 class DequantScratch:
@@ -100,7 +100,6 @@ def dequantize_weight_into(weight: Mxfp4Weight, out: torch.Tensor) -> torch.Tens
 
 
 _ROW_GROUP = tl.constexpr(ROW_GROUP)
-_TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per (row group, k-tile)
 
 
 @triton.jit
@@ -121,15 +120,9 @@ def _dequant_kernel(
     Q: tl.constexpr = 4 * TILES
     local = tl.program_id(0) * _ROW_GROUP + tl.arange(0, _ROW_GROUP)
     it = tl.program_id(1)
-    offs_n = row0 + local
-    group, row = offs_n // _ROW_GROUP, offs_n % _ROW_GROUP
-    tile = tl.arange(0, TILES)[None, :, None]
-    row_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS
-    word_offs = row_offs + tl.arange(0, 16)[None, None, :] + it * TILES * _TILE_WORDS
-    scale_offs = (group * num_k_tiles * _ROW_GROUP + row)[:, None] + tl.arange(0, TILES)[None, :] * _ROW_GROUP
-    words = tl.load(w_ptr + word_offs)
-    scales = tl.load(s_ptr + scale_offs + it * TILES * _ROW_GROUP)
-    w = _weight_tile(words, scales, _ROW_GROUP, Q, FAST, HAS_NAN)  # [64, 32 Q]
+    _, word_offs, scale_offs = tile_offsets(row0 + local, num_k_tiles, TILES)
+    words, scales = load_tiles(w_ptr, s_ptr, word_offs, scale_offs, it, TILES)
+    w = weight_tile(words, scales, _ROW_GROUP, Q, FAST, HAS_NAN)  # [64, 32 Q]
     offs_k = it * 32 * Q + tl.arange(0, 32 * Q)
     mask = (local[:, None] < rows) & (offs_k[None, :] < K)
     tl.store(out_ptr + local[:, None] * stride_out + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

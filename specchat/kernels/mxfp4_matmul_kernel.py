@@ -45,16 +45,39 @@ _TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per 
 
 
 @triton.jit
-def _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES: tl.constexpr):
-    """Iteration `it`'s raw words [BN, TILES, 16], scale words [BN, TILES] and x^T tile [BK, BM]."""
+def tile_offsets(offs_n, num_k_tiles, TILES: tl.constexpr):
+    """Where rows offs_n [BN] of a kernel-layout weight keep their first TILES k-tiles (add it * TILES * 4 KB of
+    words, it * TILES * 64 scale words, for iteration it): each (row group, k-tile) block is contiguous, so an
+    iteration reads [BN, tile, 16 words] with lane t's 4 words at 4t (one 16-byte load), and [BN, tile] scale words
+    (one int32 per row and k-tile: a 4-byte load that cp.async copies, 1- or 2-byte ones it does not).
+    Returns each row's first word of each tile [BN, TILES, 1] (what an L2 prefetch touches), the words
+    [BN, TILES, 16] and the scale words [BN, TILES]."""
+    group, row = offs_n // _ROW_GROUP, offs_n % _ROW_GROUP
+    tile = tl.arange(0, TILES)[None, :, None]
+    row_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS
+    word_offs = row_offs + tl.arange(0, 16)[None, None, :]
+    scale_offs = (group * num_k_tiles * _ROW_GROUP + row)[:, None] + tl.arange(0, TILES)[None, :] * _ROW_GROUP
+    return row_offs, word_offs, scale_offs
+
+
+@triton.jit
+def load_tiles(w_ptr, s_ptr, word_offs, scale_offs, it, TILES: tl.constexpr):
+    """Iteration `it`'s raw words [BN, TILES, 16] and scale words [BN, TILES] (offsets from `tile_offsets`)."""
     words = tl.load(w_ptr + word_offs + it * TILES * _TILE_WORDS)
     scales = tl.load(s_ptr + scale_offs + it * TILES * _ROW_GROUP)
+    return words, scales
+
+
+@triton.jit
+def _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES: tl.constexpr):
+    """Iteration `it`'s raw words [BN, TILES, 16], scale words [BN, TILES] and x^T tile [BK, BM]."""
+    words, scales = load_tiles(w_ptr, s_ptr, word_offs, scale_offs, it, TILES)
     xt = tl.load(x_ptr + x_offs + it * TILES * 128, mask=x_mask, other=0.0)
     return words, scales, xt
 
 
 @triton.jit
-def _weight_tile(words, scales, BLOCK_N: tl.constexpr, Q: tl.constexpr, FAST: tl.constexpr, HAS_NAN: tl.constexpr):
+def weight_tile(words, scales, BLOCK_N: tl.constexpr, Q: tl.constexpr, FAST: tl.constexpr, HAS_NAN: tl.constexpr):
     """One iteration's words and scale words (a row's 4 scale bytes of a k-tile in one int32, little-endian)
     -> [BLOCK_N, 32 Q] operand (bf16 if FAST else float32)."""
     words = words.reshape(BLOCK_N, Q // 4, 4, 4)  # [BN, tile, lane t, q4]
@@ -107,14 +130,7 @@ def _mxfp4_matmul_kernel(
     offs_m = pid_m * TILE_M + tl.arange(0, BLOCK_M)
     offs_e = pid_m * TILE_M + BLOCK_M + tl.arange(0, EXTRA_COLS)
     offs_k = tl.arange(0, BLOCK_K)
-    # one iteration reads TILES (row group, k-tile) blocks per 64 rows, each contiguous: [BN, tile, 16 words]
-    # with lane t's 4 words at 4t (one 16-byte load), and [BN, tile] scale words
-    group, row = offs_n // _ROW_GROUP, offs_n % _ROW_GROUP
-    tile = tl.arange(0, TILES)[None, :, None]
-    row_offs = (group * num_k_tiles * _TILE_WORDS + row * 16)[:, None, None] + tile * _TILE_WORDS  # [BN, tile, 1]
-    word_offs = row_offs + tl.arange(0, 16)[None, None, :]
-    # scales as one int32 word per row and k-tile: a 4-byte load that cp.async copies (1- or 2-byte ones it does not)
-    scale_offs = (group * num_k_tiles * _ROW_GROUP + row)[:, None] + tl.arange(0, TILES)[None, :] * _ROW_GROUP
+    row_offs, word_offs, scale_offs = tile_offsets(offs_n, num_k_tiles, TILES)
     x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: x^T
     x_mask = offs_m[None, :] < M
     xe_offs = offs_e[None, :] * stride_xm + offs_k[:, None]  # [BK, EXTRA]: the second tile's x^T
@@ -134,7 +150,7 @@ def _mxfp4_matmul_kernel(
     acc_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)  # the second tile's
     for it in range(start, stop):
         words, scales, xt = _load_step(w_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, x_mask, it, TILES)
-        w = _weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
+        w = weight_tile(words, scales, BLOCK_N, Q, FAST, HAS_NAN)  # [BN, BK]
         if not FAST:
             xt = xt.to(tl.float32)  # the portable path multiplies and sums in float32
         acc = tl.dot(w, xt, acc, input_precision="ieee")
