@@ -115,7 +115,7 @@ class SyntheticResult:
 def pool_pages(case: SyntheticCase, context: int, steps: int, warmup: int = WARMUP_STEPS) -> int:
     """KV pages for a case: every request's context, its steps' tokens and a spare page."""
     tokens_per_seq = context + (warmup + steps) * (case.k + 1) + PAGE_SIZE
-    return max(case.batch, 2) * (-(-tokens_per_seq // PAGE_SIZE) + 1)  # 2: the untimed prompt beside request 0
+    return case.batch * (-(-tokens_per_seq // PAGE_SIZE) + 1)
 
 
 def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, cases: list[SyntheticCase], context: int, steps: int) -> int:
