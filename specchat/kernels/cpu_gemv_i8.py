@@ -302,8 +302,11 @@ I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, c
     __m256i sum[I8_RMAX2];
     for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_si256();
     const uint8_t* blk = w + ((size_t)grp * G + g) * words * 64 + 32 * h;
-    _mm_prefetch((const char*)(blk + I8_PF), _MM_HINT_T0);
     for (int v = 0; v < words; v++) {
+      /* Every 64-byte line ahead, as the AVX-512 tiles do, in the first half's pass (the second reads the same
+         lines from L1). One line a block left the head's stream to the hardware prefetcher: 1.7x slower at one
+         row on an AMD EPYC (docs/benchmarks.md, thirty-third session). */
+      if (h == 0) _mm_prefetch((const char*)(blk + (size_t)v * 64 + I8_PF), _MM_HINT_T0);
       const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk + (size_t)v * 64));
       if (Q4) {
         const __m256i wl = _mm256_and_si256(packed, nibble);
