@@ -8,8 +8,9 @@ flags and called through ctypes with the same random Q4_1 / Q8_0 blocks, calls i
 compared (max abs difference) on each shape. Shapes of SmolLM2-135M: fused wqkv 960x576, wo 576x576, fused
 gate_up 3072x576, down 576x1536 (Q4_1, 30 layers each), the tied head 49152x576 (Q8_0). Prints a markdown table
 of the median time per call and the per-token total (30 layers + head) with its weight bytes per second.
-The int8 column times cpu_gemv_i8's call on the same blocks (repacked; the activation rows' quantization
-included), interleaved with the others; its error column is the relative Frobenius distance to the float result.
+The int8 columns time cpu_gemv_i8's call on the same blocks (repacked; the activation rows' quantization
+included), the baseline's C source and this tree's, interleaved with the others; the error column is the relative
+Frobenius distance of this tree's int8 result to the float one (the two int8 builds must agree bit for bit).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ SHAPES = [  # name, N, K, kind, times per token
     ("down", 576, 1536, "q4_1", 30),
     ("head", 49152, 576, "q8_0", 1),
 ]
+
+
+def c_source(rev: str, module: str) -> str:
+    """The C_SOURCE of specchat/kernels/<module>.py at git revision rev."""
+    old = subprocess.run(
+        ["git", "show", f"{rev}:specchat/kernels/{module}.py"], capture_output=True, text=True, check=True
+    ).stdout
+    return re.search(r'C_SOURCE = r"""(.*?)"""', old, re.S).group(1)
 
 
 def load(source: str, out: Path) -> ctypes.CDLL:
@@ -77,10 +86,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    old = subprocess.run(
-        ["git", "show", f"{args.baseline}:specchat/kernels/cpu_gemv.py"], capture_output=True, text=True, check=True
-    ).stdout
-    base_src = re.search(r'C_SOURCE = r"""(.*?)"""', old, re.S).group(1)
+    base_src = c_source(args.baseline, "cpu_gemv")
     commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
         libs = {
@@ -94,13 +100,17 @@ def main() -> None:
             f"threads {args.threads}, baseline {args.baseline} ({commit.strip()}), load average {' '.join(loadavg)}\n"
         )
         int8 = cpu_gemv_i8.available()
-        lib_i8 = cpu_gemv_i8._library()
-        names = [*libs, "int8"] if int8 else list(libs)
+        i8_libs = {}
+        if int8:
+            base_i8 = cpu_gemv_i8.bind(load(c_source(args.baseline, "cpu_gemv_i8"), Path(tmp) / "base_i8.so"))
+            i8_libs = {"int8 baseline": base_i8, "int8": cpu_gemv_i8._library()} if base_i8 else {}
+            i8_libs = i8_libs or {"int8": cpu_gemv_i8._library()}
+        names = [*libs, *i8_libs]
         print(
             "| shape | N x K | kind | rows | baseline (us) | this tree (us) | speedup | max abs diff "
-            "| int8 act (us) | vs this tree | int8 rel. error |"
+            "| int8 act, baseline (us) | int8 act (us) | speedup | vs float | int8 rel. error |"
         )
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         totals = {(r, name): 0.0 for r in args.rows for name in names}
         token_bytes = 0
         for label, n, k, kind, count in SHAPES:
@@ -116,11 +126,14 @@ def main() -> None:
                         t0 = time.perf_counter()
                         call(lib, x, w, ys[name], args.threads)
                         times[name].append(time.perf_counter() - t0)
-                    if bound is not None:  # the C call alone, as for the others (the engine calls it from C)
+                    for (
+                        name,
+                        lib,
+                    ) in i8_libs.items():  # the C call alone, as for the others (the engine calls it from C)
                         ptrs = [t.data_ptr() for t in bound.tensors] + [None] * (3 - len(bound.tensors))
                         t0 = time.perf_counter()
-                        lib_i8.i8_gemm(rows, n, k, x.data_ptr(), *ptrs, ys["int8"].data_ptr(), args.threads)
-                        times["int8"].append(time.perf_counter() - t0)
+                        lib.i8_gemm(rows, n, k, x.data_ptr(), *ptrs, ys[name].data_ptr(), args.threads)
+                        times[name].append(time.perf_counter() - t0)
                 med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
                 for name in names:
                     totals[(rows, name)] += med[name] * count
@@ -130,22 +143,30 @@ def main() -> None:
                     f"| {med['baseline'] / med['this tree']:.2f}x | {diff:.1e} |"
                 )
                 if int8:
+                    assert "int8 baseline" not in ys or torch.equal(ys["int8 baseline"], ys["int8"]), label
+                    i8_base = med.get("int8 baseline")
+                    i8_speedup = f"{i8_base / med['int8']:.2f}x" if i8_base else "-"
                     error = ((ys["int8"] - ys["this tree"]).norm() / ys["this tree"].norm()).item()
-                    line += f" {med['int8']:.1f} | {med['this tree'] / med['int8']:.2f}x | {error:.1e} |"
-                print(line + ("" if int8 else " | | |"))
+                    line += (
+                        f" {f'{i8_base:.1f}' if i8_base else '-'} | {med['int8']:.1f} "
+                        f"| {i8_speedup} "
+                        f"| {med['this tree'] / med['int8']:.2f}x | {error:.1e} |"
+                    )
+                print(line + ("" if int8 else " | | | | |"))
         print()
         print(
             "| rows | per token, baseline (ms) | this tree (ms) | speedup | weight GB/s, baseline | this tree "
-            "| int8 act (ms) | vs this tree |"
+            "| int8 act, baseline (ms) | int8 act (ms) | vs float |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for rows in args.rows:
             b, t = totals[(rows, "baseline")] / 1e3, totals[(rows, "this tree")] / 1e3
             line = f"| {rows} | {b:.2f} | {t:.2f} | {b / t:.2f}x | {token_bytes / b / 1e6:.1f} | {token_bytes / t / 1e6:.1f} |"
             if int8:
                 i = totals[(rows, "int8")] / 1e3
-                line += f" {i:.2f} | {t / i:.2f}x |"
-            print(line + ("" if int8 else " | |"))
+                i_base = totals.get((rows, "int8 baseline"))
+                line += f" {f'{i_base / 1e3:.2f}' if i_base else '-'} | {i:.2f} | {t / i:.2f}x |"
+            print(line + ("" if int8 else " | | |"))
 
 
 if __name__ == "__main__":

@@ -417,7 +417,13 @@ int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, then cached), or None where they do not build or lack VNNI."""
     lib = cpu_build.load("cpu_gemv_i8", C_SOURCE, tuple(cpu_gemv.CFLAGS))
-    if lib is None or lib.i8_has_vnni() != 1:
+    return None if lib is None else bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    """A build of C_SOURCE with its functions' argument types set, or None where it lacks the int8 kernels (neither
+    AVX512-VNNI nor AVX2). benchmarks/cpu_gemv.py binds an earlier revision's build with it too."""
+    if lib.i8_has_vnni() != 1:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.i8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
