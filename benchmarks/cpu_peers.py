@@ -1,6 +1,7 @@
 """The default model's GGUF on the CPU: specchat against HF transformers and llama.cpp, same prompts, one run.
 
-    python benchmarks/cpu_peers.py [--runs 3] [--new-tokens 128] [--threads N] [--skip-hf]
+    python benchmarks/cpu_peers.py [--runs 3] [--new-tokens 128] [--threads N] [--skip-hf] [--skip-llama]
+        [--only plain,auto]   # specchat rows whose names contain one of these
 
 Every engine decodes the same file (the default model's Q4_1 GGUF), greedy, --new-tokens tokens per prompt with
 EOS ignored, on the same cores (--threads, default: what specchat picks, engine/loading.cpu_threads). Decode rate
@@ -35,14 +36,14 @@ PROMPTS = [
 ]
 
 
-def specchat_rates(config, drafter: str, prompts: list[list[int]], new_tokens: int, engine=None):
+def specchat_rates(config, drafter: str, prompts: list[list[int]], new_tokens: int, engine=None, k: int | None = 4):
     from specchat import Engine, SamplingParams
     from specchat.config import SpecParams
 
     if engine is None:
         engine = Engine.load(config)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    spec = SpecParams(drafter=drafter)
+    spec = SpecParams(drafter=drafter, k=k)
     return engine, [engine.submit(ids, params, spec).result().tok_per_s for ids in prompts]
 
 
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="default: specchat's choice (cpu_threads)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--only", default="", help="specchat rows whose names contain one of these, comma-separated")
+    ap.add_argument("--skip-llama", action="store_true")
     args = ap.parse_args()
 
     from specchat import EngineConfig
@@ -103,26 +106,31 @@ def main() -> None:
     path = fetch(resolve("smollm2-135m"))
     load_s = load_to_first_token(EngineConfig(device="cpu"), PROMPTS[0])
 
-    variants = {  # name -> (EngineConfig kwargs, drafter)
-        "specchat default (float32, GGUF blocks, --cpu-act auto), plain": ({}, "none"),
-        "specchat default, ngram drafter": ({}, "ngram"),
-        "specchat default, default drafter (models.toml cpu_drafter: ngram+heads)": ({}, "default"),
-        "specchat --cpu-act fp32 (GGUF blocks, float rows), plain": ({"cpu_act": "fp32"}, "none"),
-        "specchat --cpu-act fp32, ngram drafter": ({"cpu_act": "fp32"}, "ngram"),
-        "specchat float32 --eager (dequantized), plain": ({"dtype": "float32", "eager": True}, "none"),
-        "specchat float32 --eager, ngram drafter": ({"dtype": "float32", "eager": True}, "ngram"),
-        "specchat bfloat16 --eager, plain": ({"dtype": "bfloat16", "eager": True}, "none"),
+    variants = {  # name -> (EngineConfig kwargs, drafter, k; None = auto)
+        "specchat default (float32, GGUF blocks, --cpu-act auto), plain": ({}, "none", 4),
+        "specchat default, default drafter, --k auto (what run / generate / serve do)": ({}, "default", None),
+        "specchat default, ngram drafter, k = 4": ({}, "ngram", 4),
+        "specchat default, default drafter (models.toml cpu_drafter: ngram+heads), k = 4": ({}, "default", 4),
+        "specchat --cpu-act fp32 (GGUF blocks, float rows), plain": ({"cpu_act": "fp32"}, "none", 4),
+        "specchat --cpu-act fp32, ngram drafter, k = 4": ({"cpu_act": "fp32"}, "ngram", 4),
+        "specchat float32 --eager (dequantized), plain": ({"dtype": "float32", "eager": True}, "none", 4),
+        "specchat float32 --eager, ngram drafter, k = 4": ({"dtype": "float32", "eager": True}, "ngram", 4),
+        "specchat bfloat16 --eager, plain": ({"dtype": "bfloat16", "eager": True}, "none", 4),
     }
+    if args.only:
+        variants = {name: v for name, v in variants.items() if any(part in name for part in args.only.split(","))}
     engines: dict[tuple, object] = {}
     runners = {}
-    for name, (kwargs, drafter) in variants.items():
+    for name, (kwargs, drafter, k) in variants.items():
         key = tuple(sorted(kwargs.items()))
         config = EngineConfig(device="cpu", **kwargs)
         if key not in engines:
             engines[key], _ = specchat_rates(config, drafter, [], args.new_tokens)
         engine = engines[key]
         ids = [engine.encode_prompt(p) for p in PROMPTS]
-        runners[name] = lambda c=config, d=drafter, e=engine, p=ids: specchat_rates(c, d, p, args.new_tokens, e)[1]
+        runners[name] = lambda c=config, d=drafter, e=engine, p=ids, k=k: specchat_rates(
+            c, d, p, args.new_tokens, e, k
+        )[1]
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -133,12 +141,15 @@ def main() -> None:
                 m, p, args.new_tokens
             )
     try:
+        if args.skip_llama:
+            raise ImportError
         from llama_cpp import Llama
 
         llm = Llama(str(path), n_threads=threads, n_ctx=1024, verbose=False)
         runners["llama.cpp (llama-cpp-python, Q4_1 as stored)"] = lambda p=ids: llama_rates(llm, p, args.new_tokens)
     except ImportError:
-        print("llama-cpp-python is not installed: no llama.cpp row (see this script's docstring)")
+        if not args.skip_llama:
+            print("llama-cpp-python is not installed: no llama.cpp row (see this script's docstring)")
 
     for run in runners.values():  # warm-up
         run()
