@@ -22,6 +22,16 @@ from specchat.errors import ConfigError
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 
 
+# SamplingParams' messages start with the field's CLI name -> the request's field
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top-p": "top_p",
+    "top-k": "top_k",
+    "seed": "seed",
+    "max-tokens": "max_tokens",
+}
+
+
 class ApiError(Exception):
     """A request the server refuses: status, OpenAI error type, the offending parameter."""
 
@@ -91,8 +101,8 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
             max_tokens=max_tokens or 1,  # the real cap is set once the prompt's length is known
             stop=stop,
         )
-    except ConfigError as exc:
-        raise ApiError(400, str(exc), "temperature") from None
+    except ConfigError as exc:  # SamplingParams names the field first: "top_p must be ..."
+        raise ApiError(400, str(exc), SAMPLING_FIELDS.get(str(exc).split(" ", 1)[0])) from None
     stream_options = _field(body, "stream_options", dict, {})
     return GenerationRequest(
         chat=chat,
@@ -129,7 +139,10 @@ def _messages(messages: Any) -> list[dict]:
         role = "system" if message["role"] == "developer" else message["role"]
         entry = {"role": role, "content": content or ""}
         if role == "assistant" and message.get("tool_calls"):
-            entry["tool_calls"] = [_call_for_template(call) for call in message["tool_calls"]]
+            calls = message["tool_calls"]
+            if not isinstance(calls, list):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list of tool calls", "messages")
+            entry["tool_calls"] = [_call_for_template(call, i) for call in calls]
         if role == "tool":
             entry["tool_call_id"] = str(message.get("tool_call_id", ""))
             entry["name"] = str(message.get("name", ""))
@@ -137,17 +150,22 @@ def _messages(messages: Any) -> list[dict]:
     return out
 
 
-def _call_for_template(call: Any) -> dict:
-    """An OpenAI tool call (arguments as a JSON string) -> the HF chat-template form (arguments as a dict)."""
-    function = call.get("function", {}) if isinstance(call, dict) else {}
+def _call_for_template(call: Any, i: int) -> dict:
+    """An OpenAI tool call of messages[i] (arguments as a JSON string) -> the HF chat-template form (arguments as a
+    dict), or ApiError where it is not {function: {name, arguments}} with arguments a JSON object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ApiError(400, f"messages[{i}].tool_calls: each needs a function with a name", "messages")
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments else {}
         except json.JSONDecodeError:
-            raise ApiError(400, "a tool call's arguments must be a JSON object", "messages") from None
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"messages[{i}].tool_calls: a tool call's arguments must be a JSON object", "messages")
     return {
-        "id": call.get("id", ""),
+        "id": str(call.get("id", "")),
         "type": "function",
         "function": {"name": function.get("name", ""), "arguments": arguments},
     }

@@ -1,4 +1,5 @@
-"""The streamed chunks' fast path (StreamChunks' template) against the reference (`sse(chunk(...))`), byte for byte."""
+"""The streamed chunks' fast path (StreamChunks' template) against the reference (`sse(chunk(...))`), byte for byte;
+requests the server must refuse with a 400 naming the field, not a 500."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import pytest
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
-from specchat.server.protocol import GenerationRequest, StreamChunks, chunk, sse, usage_chunk
+from specchat.server.protocol import (
+    ApiError,
+    GenerationRequest,
+    StreamChunks,
+    chunk,
+    parse_request,
+    sse,
+    usage_chunk,
+)
 
 TEXTS = [
     " the",
@@ -50,3 +59,41 @@ def test_every_chunk_of_a_stream_has_its_created() -> None:
     assert [json.loads(line.removeprefix(b"data: "))["created"] for line in lines] == [42, 42, 42, 42]
     assert chunks.usage(fin) == sse(usage_chunk(req, "chatcmpl-1", "m", fin, created=42))
     assert all(line.startswith(b"data: ") and line.endswith(b"\n\n") for line in lines)
+
+
+def assistant_calling(tool_calls) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "w"}, {"role": "assistant", "content": None, "tool_calls": tool_calls}]
+    }
+
+
+@pytest.mark.parametrize(
+    "tool_calls",
+    [
+        "junk",
+        ["junk"],
+        [{"function": "x"}],
+        [{"function": {"arguments": "{}"}}],
+        [{"function": {"name": "add", "arguments": "[1, 2]"}}],
+        [{"function": {"name": "add", "arguments": "{not json"}}],
+        [{"function": {"name": "add", "arguments": 3}}],
+    ],
+)
+def test_malformed_tool_calls_in_history_are_a_400(tool_calls) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_request(assistant_calling(tool_calls), chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == "messages" and "tool_calls" in refused.value.message
+
+
+def test_a_well_formed_tool_call_in_history_is_read_as_a_dict() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
+    req = parse_request(assistant_calling(calls), chat=True, default_spec=SpecParams())
+    assert req.prompt[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", -1), ("top_p", 2), ("top_k", -3), ("seed", -1)])
+def test_a_bad_sampling_field_is_named_in_the_error(field: str, value) -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], field: value}
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == field
