@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from specchat.cli.options import DTYPE_HELP, StderrProgress, spec_params
-from specchat.config import DEVICES, DTYPES, KV_CHOICES, WEIGHT_CHOICES, EngineConfig
+from specchat.config import DEVICES, DRAFTER_SYNTAX, DTYPE_CHOICES, KV_CHOICES, WEIGHT_CHOICES, EngineConfig
 
 TUI_MODULE = "specchat.ui.agent"  # the TUI's agent view, when it has one
 TUI_ENTRY = "run_agent_app"  # run_agent_app(script, config, concurrency) -> None
@@ -43,14 +43,18 @@ def run_headless(script, config: EngineConfig, concurrency: int | None, as_json:
         engine.close()
 
 
+def on_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
 @click.command()
 @click.argument("script_path", metavar="SCRIPT", type=click.Path(path_type=Path))
 @click.option("--headless", is_flag=True, help="print a readable trace instead of showing the runs in the TUI")
 @click.option("--json", "as_json", is_flag=True, help="write one JSON event per line to stdout (implies --headless)")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None, help="runs in flight at once [script's]")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None, help=DTYPE_HELP)
-@click.option("--drafter", default=None, help="override the script's drafter: none | ngram | heads | draft-model")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None, help=DTYPE_HELP)
+@click.option("--drafter", default=None, help=f"override the script's drafter: {DRAFTER_SYNTAX}")
 @click.option("--k", "k", default=None, help="override the script's draft tokens per step, or 'auto'")
 @click.option("--weights", type=click.Choice(WEIGHT_CHOICES), default=None, help="override the script's weights")
 @click.option("--kv", "kv", type=click.Choice(KV_CHOICES), default=None, help="override the script's KV page format")
@@ -76,6 +80,10 @@ def agent(
         script = dataclasses.replace(script, speculation=override)
     script = dataclasses.replace(script, weights=weights or script.weights, kv=kv or script.kv)
     config = EngineConfig(model=script.model, device=device, dtype=dtype, weights=script.weights, kv_format=script.kv)
+    if not headless and not as_json and not on_terminal():
+        # The TUI would wait for Ctrl+Q after the runs: a job without a terminal (cron, CI, a pipe) never ended.
+        click.echo("specchat: not a terminal: printing the trace (as --headless)", err=True)
+        headless = True
     if not headless and not as_json:
         launch = tui_launcher()
         if launch is not None:

@@ -12,7 +12,7 @@ import click
 
 from specchat.cli.inputs import read_prompt_lines
 from specchat.cli.options import DTYPE_HELP, StderrProgress, check_memory_ask, cpu_act_option, spec_params
-from specchat.config import DEVICES, DTYPES, WEIGHT_FORMATS, EngineConfig
+from specchat.config import DEVICES, DTYPE_CHOICES, WEIGHT_FORMATS, EngineConfig
 from specchat.errors import ConfigError
 
 SYNTHETIC_WEIGHTS = (*WEIGHT_FORMATS, "int4")  # int4: gpt-fast's int4 g32 yardstick (specchat/bench/int4.py)
@@ -223,7 +223,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 @click.command()
 @click.argument("model", required=False)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None, help=DTYPE_HELP)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None, help=DTYPE_HELP)
 @click.option("--sessions", default=None, help="comma-separated concurrent session counts, e.g. 1,8,32")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), help="one prompt per line")
 @click.option("--max-tokens", type=int, default=128, show_default=True)

@@ -60,6 +60,7 @@ def test_a_conversation_that_outgrows_the_context_ends_its_run_with_an_error(tin
 
 def test_without_headless_falls_back_to_the_trace_when_the_tui_has_no_agent_view(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("specchat.cli.agent.tui_launcher", lambda: None)
+    monkeypatch.setattr("specchat.cli.agent.on_terminal", lambda: True)
     result = CliRunner().invoke(main, ["agent", str(write_script(tmp_path, tiny_model_dir)), "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "the TUI has no agent view yet; printing the trace instead" in result.stderr
@@ -69,10 +70,20 @@ def test_without_headless_falls_back_to_the_trace_when_the_tui_has_no_agent_view
 def test_the_tui_agent_view_gets_the_script_when_it_exists(tiny_model_dir, tmp_path, monkeypatch):
     launched = []
     monkeypatch.setattr("specchat.cli.agent.tui_launcher", lambda: lambda *args: launched.append(args))
+    monkeypatch.setattr("specchat.cli.agent.on_terminal", lambda: True)
     result = CliRunner().invoke(main, ["agent", str(write_script(tmp_path, tiny_model_dir)), "--concurrency", "3"])
     assert result.exit_code == 0, result.output
     script, config, concurrency = launched[0]
     assert script.tasks[0] == "What is 2 + 2?" and config.model == str(tiny_model_dir) and concurrency == 3
+
+
+def test_without_a_terminal_it_prints_the_trace_instead_of_opening_the_tui(tiny_model_dir, tmp_path, monkeypatch):
+    launched = []  # the TUI would wait for Ctrl+Q after the runs: a cron job or a pipe never ended
+    monkeypatch.setattr("specchat.cli.agent.tui_launcher", lambda: lambda *args: launched.append(args))
+    result = CliRunner().invoke(main, ["agent", str(write_script(tmp_path, tiny_model_dir)), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert not launched and "not a terminal: printing the trace" in result.stderr
+    assert "[all] 2 runs" in result.stdout
 
 
 def test_a_bad_script_is_one_line_and_exit_1(tmp_path):
