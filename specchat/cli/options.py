@@ -6,6 +6,7 @@ import functools
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -247,14 +248,20 @@ def spec_params(drafter: str, k: str) -> SpecParams:
 
 
 class StderrProgress:
-    """A one-line progress display on stderr for fetching and loading (silent when not a terminal)."""
+    """A one-line progress display on stderr for fetching and loading. Where stderr is not a terminal (a log, a
+    pipe) a stage still running after LOG_AFTER_S gets a plain line, then one every LOG_EVERY_S: a first switch to
+    MXFP4 (GPTQ) runs for minutes on a CPU, and without them a job's log said nothing at all."""
+
+    LOG_AFTER_S, LOG_EVERY_S = 5.0, 60.0
 
     def __init__(self) -> None:
         self.enabled = sys.stderr.isatty()
         self.last = ""
+        self.stage, self.stage_start, self.logged = "", 0.0, None
 
     def __call__(self, what: str, done: int, total: int) -> None:
         if not self.enabled:
+            self._log(what, done, total)
             return
         if total:
             width = 30
@@ -267,3 +274,18 @@ class StderrProgress:
             self.last = line
         if total and done >= total:
             click.echo("\r\033[K", err=True, nl=False)
+
+    def _log(self, what: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if what != self.stage:
+            self.stage, self.stage_start, self.logged = what, now, None
+            return
+        wait = self.LOG_AFTER_S if self.logged is None else self.LOG_EVERY_S
+        if (total and done >= total) or now - (self.logged or self.stage_start) < wait:
+            return
+        elapsed = now - self.stage_start
+        line = f"{what}: {100 * done // total}% after {elapsed:.0f} s" if total else f"{what}: {elapsed:.0f} s"
+        if total and done:
+            line += f", about {elapsed * (total - done) / done / 60:.0f} min left"
+        click.echo(line, err=True)
+        self.logged = now
