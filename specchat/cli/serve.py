@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import click
 
 from specchat.cli.options import (
@@ -43,6 +45,7 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, stream_inte
         raise ConfigError(f"--port must be in [{PORT_RANGE[0]}, {PORT_RANGE[1]}], got {port}")
     if stream_interval_ms < 0:
         raise ConfigError(f"--stream-interval-ms must be >= 0, got {stream_interval_ms}")
+    check_address(host, port)  # before the load: a port in use or a bad host is one line, at once
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)
     engine = Engine.load(config, progress=StderrProgress())
@@ -57,6 +60,21 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, stream_inte
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
     finally:
         engine.close()
+
+
+def check_address(host: str, port: int) -> None:
+    """ConfigError unless a server could listen on host:port now (binding as uvicorn does, SO_REUSEADDR set, so a
+    port in TIME_WAIT passes); uvicorn's own failure there came after the "serving" line, as a log record."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def register(group: click.Group) -> None:

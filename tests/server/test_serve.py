@@ -206,3 +206,19 @@ def test_tools_are_offered_and_calls_come_back_as_tool_calls(client):
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it."
     call = choice["message"]["tool_calls"][0]
     assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
+
+
+def test_a_port_in_use_or_a_bad_host_is_one_line_before_the_model_loads():
+    from click.testing import CliRunner
+
+    from specchat.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "no-such-model", "--port", str(port)])
+    assert result.exit_code != 0 and "cannot listen on 127.0.0.1:" in result.stderr, result.output
+    assert "serving" not in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["serve", "no-such-model", "--host", "256.1.1.1", "--port", "8000"])
+    assert result.exit_code != 0 and "--host '256.1.1.1'" in result.stderr, result.output
