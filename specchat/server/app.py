@@ -29,7 +29,9 @@ from specchat.server.protocol import (
     ApiError,
     GenerationRequest,
     StreamChunks,
+    chunk,
     completion,
+    cut_short,
     finish_reason,
     new_id,
     parse_request,
@@ -122,7 +124,7 @@ def create_app(
             raise
         finally:
             router().queues.pop(handle.request_id, None)
-        if fin.reason == "error":
+        if fin.reason == "error" and not cut_short(fin):
             raise ApiError(400, fin.error or "the request failed")
         return completion(req, rid, model, fin)
 
@@ -189,8 +191,10 @@ def create_app(
                 handle.cancel()
 
     async def stream_end(req: GenerationRequest, chunks: StreamChunks, fin: Finished) -> AsyncIterator[bytes]:
-        if fin.reason == "error":
+        if fin.reason == "error" and not cut_short(fin):  # nothing written: the error ends the stream
             yield sse(ApiError(400, fin.error or "the request failed").body())
+            yield b"data: [DONE]\n\n"
+            return
         calls: list[dict] = []
         if req.tools:  # with tools the reply is held back: calls are known only at its end
             content, calls = tool_calls(fin.text)
@@ -198,7 +202,12 @@ def create_app(
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             yield chunks.other(delta)
-        yield chunks.other(None, finish_reason(fin, bool(calls)))
+        if fin.reason == "error":  # cut short after some text: it ends as "length", with the error beside
+            end = chunk(req, chunks.rid, model, None, finish_reason(fin, bool(calls)), chunks.created)
+            end["choices"][0]["error"] = fin.error
+            yield sse(end)
+        else:
+            yield chunks.other(None, finish_reason(fin, bool(calls)))
         if req.include_usage:
             yield chunks.usage(fin)
         yield b"data: [DONE]\n\n"

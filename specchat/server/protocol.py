@@ -245,9 +245,16 @@ def usage(fin: Finished) -> dict:
 
 
 def finish_reason(fin: Finished, has_calls: bool) -> str:
+    """OpenAI's finish reason; an answer the engine cut short with an error (the KV cache filled mid-answer) is
+    "length": its text is kept and sent, and the choice carries the error (`cut_short`)."""
     if has_calls:
         return "tool_calls"
-    return "length" if fin.reason == "length" else "stop"
+    return "length" if fin.reason in ("length", "error") else "stop"
+
+
+def cut_short(fin: Finished) -> bool:
+    """A request that failed after writing some of its answer: its text is a response, not lost in an error."""
+    return fin.reason == "error" and bool(fin.token_ids)
 
 
 def tool_calls(text: str) -> tuple[str, list[dict]]:
@@ -265,6 +272,8 @@ def completion(req: GenerationRequest, rid: str, model: str, fin: Finished) -> d
     created = int(time.time())
     if not req.chat:
         choice = {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": finish_reason(fin, False)}
+        if fin.reason == "error":
+            choice["error"] = fin.error
         return {
             "id": rid,
             "object": "text_completion",
@@ -278,6 +287,8 @@ def completion(req: GenerationRequest, rid: str, model: str, fin: Finished) -> d
     if calls:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(fin, bool(calls))}
+    if fin.reason == "error":  # cut short: the answer so far, and why it stopped (a field OpenAI does not define)
+        choice["error"] = fin.error
     return {
         "id": rid,
         "object": "chat.completion",

@@ -222,3 +222,32 @@ def test_a_port_in_use_or_a_bad_host_is_one_line_before_the_model_loads():
     assert "serving" not in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(main, ["serve", "no-such-model", "--host", "256.1.1.1", "--port", "8000"])
     assert result.exit_code != 0 and "--host '256.1.1.1'" in result.stderr, result.output
+
+
+def test_an_answer_cut_short_by_a_full_kv_cache_keeps_its_text(tiny_model_dir):
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_memory=16384))
+    engine.start()  # 4 pages of 16 tokens: an answer of 200 tokens outgrows them
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200}
+    try:
+        with serving(create_app(engine, "tiny")) as url:
+            status, reply = post_raw(url + "/v1/chat/completions", json.dumps(body).encode())
+            choice = reply["choices"][0]
+            assert status == 200 and choice["finish_reason"] == "length" and choice["message"]["content"]
+            assert "KV cache" in choice["error"] and reply["usage"]["completion_tokens"] > 0
+            request = urllib.request.Request(
+                url + "/v1/chat/completions",
+                data=json.dumps({**body, "stream": True}).encode(),
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as response:
+                lines = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    finally:
+        engine.close()
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert not any("error" in event for event in events)  # the text came; the stream ends as "length"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    last = events[-1]["choices"][0]
+    assert text and last["finish_reason"] == "length" and "KV cache" in last["error"]
