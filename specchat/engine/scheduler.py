@@ -128,7 +128,8 @@ class Scheduler:
             if need > self.pool.num_pages:
                 self._fail(
                     seq,
-                    f"request needs {seq.num_tokens} tokens of KV cache, the pool holds {self.pool.capacity_tokens}",
+                    f"request needs {seq.num_tokens} tokens of KV cache and {seq.spec.k_max + 1} for its next step's "
+                    f"drafts, the pool holds {self.pool.capacity_tokens} (raise --kv-memory)",
                     events,
                 )
                 continue
@@ -255,7 +256,8 @@ class Scheduler:
             if len(self.running) == 1:  # alone and still too big: this request cannot run in this pool
                 self._fail(
                     self.running[0],
-                    f"KV cache full: the request grew to {self.running[0].num_tokens} tokens, the pool holds "
+                    f"KV cache full: the request grew to {self.running[0].num_tokens} tokens and its next step "
+                    f"needs room for {sum(len(item.feed) + item.k for item in items)} more, the pool holds "
                     f"{self.pool.capacity_tokens} (raise --kv-memory)",
                     events,
                 )
