@@ -138,8 +138,17 @@ def load_registry() -> tuple[dict[str, ModelSpec], str]:
     if user.is_file():
         more, user_default = _read_registry(user)
         specs.update(more)
+        if user_default is not None and user_default not in specs:
+            raise ConfigError(
+                f"{user}: default {user_default!r} is not an alias of any models.toml (see `specchat models`)"
+            )
         default = user_default or default
     return specs, default or "smollm2-135m"
+
+
+def default_model() -> str:
+    """The alias a command runs when it is given no model: models.toml's `default` (the user's file first)."""
+    return load_registry()[1]
 
 
 def resolve(name: str | None) -> ModelSpec:

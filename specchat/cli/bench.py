@@ -14,6 +14,7 @@ from specchat.cli.inputs import read_prompt_lines
 from specchat.cli.options import DTYPE_HELP, StderrProgress, check_memory_ask, cpu_act_option, spec_params
 from specchat.config import DEVICES, DTYPE_CHOICES, WEIGHT_FORMATS, EngineConfig
 from specchat.errors import ConfigError
+from specchat.registry import default_model
 
 SYNTHETIC_WEIGHTS = (*WEIGHT_FORMATS, "int4")  # int4: gpt-fast's int4 g32 yardstick (specchat/bench/int4.py)
 
@@ -306,7 +307,7 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
     # What `specchat run` loads unless told otherwise: on the CPU, bf16 here would mean dense float weights and
     # pages the C attention does not read, which measured half the speed users get.
     config = EngineConfig(
-        model=model or "smollm2-135m", device=device, dtype=dtype, weights=weights or "auto", kv_format=kv or "auto",
+        model=model or default_model(), device=device, dtype=dtype, weights=weights or "auto", kv_format=kv or "auto",
         eager=eager, tp=tp, cpu_act=cpu_act,
     )  # fmt: skip
     bench_sessions(

@@ -25,6 +25,7 @@ from specchat.config import (
     check_drafter_name,
 )
 from specchat.errors import ConfigError, ModelNotFoundError
+from specchat.registry import default_model
 
 cpu_act_option = click.option(
     "--cpu-act",
@@ -211,7 +212,7 @@ def engine_config(model: str | None, device: str, dtype: str | None, **extra) ->
     settings = ctx.meta.get(ENGINE_SETTINGS, {}) if ctx is not None else {}
     if ctx is not None and TP_SETTING in ctx.meta:
         settings = {**settings, "tp": ctx.meta[TP_SETTING]}
-    return EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype, **{**settings, **extra})
+    return EngineConfig(model=model or default_model(), device=device, dtype=dtype, **{**settings, **extra})
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:

@@ -28,6 +28,7 @@ from specchat.quant.quantize import (
     METHODS,
     RULES,
 )
+from specchat.registry import default_model
 
 
 @click.command()
@@ -68,7 +69,7 @@ def quantize(
         calibration_tokens=calibration_tokens,
     )
     progress = StderrProgress()
-    engine = Engine.load(EngineConfig(model=model or "smollm2-135m", device=device, dtype=dtype), progress=progress)
+    engine = Engine.load(EngineConfig(model=model or default_model(), device=device, dtype=dtype), progress=progress)
     spec = resolve(engine.config.model)
     source = fetch(spec)
     result = quantize_to_checkpoint(

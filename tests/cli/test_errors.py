@@ -130,3 +130,15 @@ def test_generate_json_fields(tiny_model_dir):
 
 def test_serve_refuses_a_negative_stream_interval_before_loading() -> None:
     assert_one_line_error(run_cli("serve", "--stream-interval-ms", "-1"), "--stream-interval-ms must be >= 0")
+
+
+def test_the_users_models_toml_default_is_the_model_every_command_runs(tmp_path, tiny_model_dir):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models.toml").write_text(f'default = "mine"\n[models.mine]\nsource = "dir"\npath = "{tiny_model_dir}"\n')
+    proc = run_cli("generate", "-p", "hi", "--max-tokens", "2", "--json", env={"SPECCHAT_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0])["model"] == "mine"
+    (home / "models.toml").write_text('default = "nosuch"\n')
+    proc = run_cli("generate", "-p", "hi", env={"SPECCHAT_HOME": str(home)})
+    assert_one_line_error(proc, "default 'nosuch' is not an alias")
