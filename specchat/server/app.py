@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specchat.config import SpecParams
 from specchat.engine.api import ServedEngine
@@ -84,6 +85,12 @@ def create_app(
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """An unknown route or a wrong method: OpenAI's error body too, not FastAPI's {"detail": ...}."""
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health() -> dict:

@@ -159,6 +159,11 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served):
         client.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
     status, body = post_raw(served[0] + "/v1/chat/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = post_raw(served[0] + "/v1/nowhere", b"{}")
+    assert status == 404 and "/v1/nowhere" in body["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as wrong_method:
+        get(served[0] + "/v1/chat/completions")
+    assert wrong_method.value.code == 405 and json.loads(wrong_method.value.read())["error"]["message"]
     assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices  # still up
 
 
