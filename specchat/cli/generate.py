@@ -111,11 +111,38 @@ def submit_all(engine, items: list[PromptItem], sampling, spec, system, raw, fro
     return submitted
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while a JSON request ran: `partial` is its record so far (finish_reason "cancelled")."""
+
+    def __init__(self, partial: Finished) -> None:
+        super().__init__()
+        self.partial = partial
+
+
 def wait(request, as_json: bool) -> Finished:
     """A request's Finished event, its text streamed to stdout on the way unless the output is JSON."""
     if isinstance(request, Finished):
         return request
-    return request.result() if as_json else stream(request)
+    return collect(request) if as_json else stream(request)
+
+
+def collect(handle) -> Finished:
+    """A request's Finished event, for JSON output. Ctrl-C cancels it and raises Interrupted with the text and
+    tokens it had (streamed output keeps them on the screen; JSON output had printed nothing)."""
+    text: list[str] = []
+    ids: list[int] = []
+    try:
+        for event in handle.events():
+            if isinstance(event, TextDelta):
+                text.append(event.text)
+                ids.extend(event.token_ids)
+            elif isinstance(event, Finished):
+                return event
+    except KeyboardInterrupt:
+        handle.cancel()
+        partial = dataclasses.replace(failed("interrupted (Ctrl-C)"), reason="cancelled", text="".join(text))
+        raise Interrupted(dataclasses.replace(partial, token_ids=ids)) from None
+    raise AssertionError("a request's events end with Finished")
 
 
 def stream(handle) -> Finished:
@@ -214,7 +241,11 @@ def generate(
     for i, (item, request) in enumerate(zip(items, submitted, strict=True)):
         if not as_json and len(items) > 1:
             click.echo(f"--- prompt {i + 1} ---")
-        fin = wait(request, as_json)
+        try:
+            fin = wait(request, as_json)
+        except Interrupted as stop:  # the answer so far as a record, then exit 130 as any Ctrl-C does
+            click.echo(json.dumps(result_json(memory_json(engine, model_dtype), config.model, stop.partial)))
+            raise KeyboardInterrupt from None
         if fin.error and from_file:
             fin = dataclasses.replace(fin, error=f"{item.where}: {fin.error}")
         if as_json:

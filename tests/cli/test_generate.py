@@ -67,3 +67,27 @@ def test_json_names_unquantized_weights_by_their_dtype(tiny_model_dir: Path, fla
     stats = json.loads(result.stdout.splitlines()[0])["stats"]
     assert stats["memory"]["weights_format"] == label
     assert stats["ttft_s"] > 0 and stats["decode_s"] >= 0
+
+
+def test_ctrl_c_during_a_json_request_keeps_its_text_so_far():
+    from specchat.cli.generate import Interrupted, collect, result_json
+    from specchat.engine.sequence import TextDelta
+
+    class Handle:
+        cancelled = False
+
+        def events(self):
+            yield TextDelta(1, "Hello", [5])
+            yield TextDelta(1, " sea", [6])
+            raise KeyboardInterrupt
+
+        def cancel(self):
+            self.cancelled = True
+
+    handle = Handle()
+    with pytest.raises(Interrupted) as stop:
+        collect(handle)
+    partial = stop.value.partial
+    assert handle.cancelled and partial.text == "Hello sea" and partial.token_ids == [5, 6]
+    record = result_json({}, "m", partial)
+    assert record["finish_reason"] == "cancelled" and record["text"] == "Hello sea" and "interrupted" in record["error"]
