@@ -140,6 +140,11 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
     config = engine_config(model, device, dtype, weights=weights)  # --kv and --kv-memory: model_options
     engine = Engine.load(config, progress=StderrProgress())
     ids = engine.tokenizer.encode(text)
+    if context > engine.model.cfg.max_position:  # perplexity() clamps it: say so, and report what ran
+        click.echo(
+            f"specchat: --context {context} is past the model's {engine.model.cfg.max_position}: using that", err=True
+        )
+        context, stride = engine.model.cfg.max_position, min(stride, engine.model.cfg.max_position)
     result = perplexity(engine, ids, context, stride, progress=StderrProgress(), chunk=chunk)
     if as_json:
         click.echo(json.dumps({"ppl": round(result.ppl, 4), "tokens": result.tokens}))
