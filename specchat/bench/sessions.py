@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from specchat.config import SamplingParams, SpecParams
+from specchat.engine.api import named_weights
 from specchat.engine.engine import Engine
 from specchat.engine.sequence import Finished
 
@@ -79,7 +80,7 @@ def run_sessions(
         acceptance_rate=snap.spec.acceptance_rate,
         tokens_per_step=snap.spec.tokens_per_step,
         kv_used_tokens_peak=peak,
-        memory=snap.memory,
+        memory=named_weights(snap.memory),
         step_ahead=engine.spec_step.runs_ahead,
         gate_caps=dict(sorted((gate_caps(engine) - caps_before).items())),
     )

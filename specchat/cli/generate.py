@@ -31,6 +31,7 @@ from specchat.cli.options import (
     spec_params,
     tp_option,
 )
+from specchat.engine.api import named_weights
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.engine.stats import SpecStats
 from specchat.errors import PromptError, SpecchatError
@@ -47,10 +48,7 @@ def time_to_first_token(fin: Finished) -> float:
 def memory_json(engine, dtype: str) -> dict:
     """engine.memory(), with unquantized weights named by the model dtype ("float32"): quant.handler says "bf16"
     for every unquantized form."""
-    memory = engine.memory()
-    if memory.get("weights_format") == "bf16":
-        memory["weights_format"] = dtype
-    return memory
+    return named_weights(engine.memory(), dtype)
 
 
 def result_json(memory: dict, model_name: str, fin: Finished) -> dict:

@@ -39,6 +39,14 @@ def weights_label(memory: dict, dtype: str | None = None) -> str:
     return {32.0: "float32", 16.0: "bfloat16"}.get(round(bits, 2), f"{bits:.2f}-bit")
 
 
+def named_weights(memory: dict, dtype: str | None = None) -> dict:
+    """An engine's memory() with unquantized weights named by their dtype ("float32"), for JSON output (memory()
+    says "bf16" for every unquantized form); `dtype` as for weights_label."""
+    if memory.get("weights_format") != "bf16":
+        return memory
+    return {**memory, "weights_format": weights_label(memory, dtype)}
+
+
 Listener = Callable[[list[Event]], None]  # called on the engine's thread with each step's events
 
 

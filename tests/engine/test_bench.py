@@ -26,6 +26,7 @@ def test_sessions_run_every_request_with_bounded_concurrency(tiny_engine):
     assert result.requests == 5 and result.completion_tokens == 5 * 6
     assert max(in_flight_seen) == 2  # never more than `sessions` at once, and the slots were kept full
     assert result.tok_per_s > 0 and not tiny_engine.handles
+    assert result.memory["weights_format"] == "float32"  # named by dtype, as generate --json names it
 
 
 def test_synthetic_bench_json_rows():
