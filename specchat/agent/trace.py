@@ -214,7 +214,7 @@ class TracePrinter:
                 return [self._clip(f"{tag} !! {'fatal: ' if event.fatal else ''}{event.message}")]
             case RunEnd():
                 return [
-                    f"{tag} end: {event.reason} after {event.steps} steps, {event.tokens} tokens, "
+                    f"{tag} end: {event.reason} after {plural(event.steps, 'step')}, {plural(event.tokens, 'token')}, "
                     f"{event.elapsed_s:.1f} s{_stats_text(event.stats)}"
                 ]
         raise TypeError(f"not an agent event: {event!r}")
@@ -231,6 +231,11 @@ class TracePrinter:
         """One line, newlines flattened, cut to `width` characters."""
         line = line.replace("\n", " ")
         return line if len(line) <= self.width else line[: self.width - 3] + "..."
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 run', '2 runs'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _stats_text(stats: dict[str, Any]) -> str:
@@ -250,6 +255,6 @@ def session_summary(event: SessionEnd) -> str:
     reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(event.reasons.items()))
     hits = "n/a" if event.prefix_hit_rate is None else f"{event.prefix_hit_rate:.0%}"
     return (
-        f"{event.runs} runs ({reasons}), {event.tokens} tokens in {event.elapsed_s:.1f} s, "
+        f"{plural(event.runs, 'run')} ({reasons}), {plural(event.tokens, 'token')} in {event.elapsed_s:.1f} s, "
         f"{event.tok_per_s:.1f} tokens/s{_stats_text(event.stats)}, prefix-cache hits {hits}"
     )

@@ -17,7 +17,18 @@ from textual.suggester import Suggester
 from textual.widget import Widget
 from textual.widgets import Button, Input, Label, Static
 
-from specchat.agent.trace import Delta, Error, Event, Final, RunEnd, RunStart, Step, ToolCallEvent, ToolResultEvent
+from specchat.agent.trace import (
+    Delta,
+    Error,
+    Event,
+    Final,
+    RunEnd,
+    RunStart,
+    Step,
+    ToolCallEvent,
+    ToolResultEvent,
+    plural,
+)
 
 RESULT_LINES = 8  # lines of a tool result shown until it is expanded
 STATE_MARKS = {"queued": "·", "running": "▶", "final": "✓", "error": "✗", "cancelled": "■"}  # other ends: "…"
@@ -198,7 +209,7 @@ class AgentRunPane(Vertical):
                 case RunEnd():
                     self.state = event.reason
                     figures = [f"{event.tokens} tokens", f"{event.elapsed_s:.1f} s", *stats_text(event.stats)]
-                    self.status = f"{event.reason} after {event.steps} steps · " + " · ".join(figures)
+                    self.status = f"{event.reason} after {plural(event.steps, 'step')} · " + " · ".join(figures)
         if new:
             await self.query_one(".trace", TraceScroll).mount_all(new)
         self.query_one(".run-status", Static).update(self.status)

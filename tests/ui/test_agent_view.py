@@ -184,7 +184,7 @@ async def test_escape_stops_the_runs(tmp_path, store):
         await session_over(pilot, app, tabs)
         assert [p.state for p in run_panes(app)] == ["cancelled"] * 2
         assert tab_label(app, run_panes(app)[1]) == "■ 2: Wait too."
-        assert "cancelled after 1 steps" in str(run_panes(app)[0].query_one(".run-status").render())
+        assert "cancelled after 1 step " in str(run_panes(app)[0].query_one(".run-status").render())
 
 
 SHELL_TOOLS = '["shell", "final_answer"]'
