@@ -100,11 +100,11 @@ def main() -> None:
             f"threads {args.threads}, baseline {args.baseline} ({commit.strip()}), load average {' '.join(loadavg)}\n"
         )
         int8 = cpu_gemv_i8.available()
-        i8_libs = {}
+        i8_libs = {}  # the baseline's int8 build (where it has one), then this tree's
         if int8:
             base_i8 = cpu_gemv_i8.bind(load(c_source(args.baseline, "cpu_gemv_i8"), Path(tmp) / "base_i8.so"))
-            i8_libs = {"int8 baseline": base_i8, "int8": cpu_gemv_i8._library()} if base_i8 else {}
-            i8_libs = i8_libs or {"int8": cpu_gemv_i8._library()}
+            i8_libs = {"int8 baseline": base_i8} if base_i8 else {}
+            i8_libs["int8"] = cpu_gemv_i8._library()
         names = [*libs, *i8_libs]
         print(
             "| shape | N x K | kind | rows | baseline (us) | this tree (us) | speedup | max abs diff "
@@ -126,10 +126,8 @@ def main() -> None:
                         t0 = time.perf_counter()
                         call(lib, x, w, ys[name], args.threads)
                         times[name].append(time.perf_counter() - t0)
-                    for (
-                        name,
-                        lib,
-                    ) in i8_libs.items():  # the C call alone, as for the others (the engine calls it from C)
+                    # the int8 C call alone, as for the others (the engine calls it from C)
+                    for name, lib in i8_libs.items():
                         ptrs = [t.data_ptr() for t in bound.tensors] + [None] * (3 - len(bound.tensors))
                         t0 = time.perf_counter()
                         lib.i8_gemm(rows, n, k, x.data_ptr(), *ptrs, ys[name].data_ptr(), args.threads)

@@ -138,8 +138,8 @@ def collect(handle) -> Finished:
                 return event
     except KeyboardInterrupt:
         handle.cancel()
-        partial = dataclasses.replace(failed("interrupted (Ctrl-C)"), reason="cancelled", text="".join(text))
-        raise Interrupted(dataclasses.replace(partial, token_ids=ids)) from None
+        partial = failed("interrupted (Ctrl-C)")
+        raise Interrupted(dataclasses.replace(partial, reason="cancelled", text="".join(text), token_ids=ids)) from None
     raise AssertionError("a request's events end with Finished")
 
 

@@ -39,6 +39,8 @@ class PerplexityResult:
     ppl: float
     tokens: int  # tokens scored
     nll_sum: float  # sum of -log p over them (nats)
+    context: int  # the window that ran: the one asked, at most the model's context
+    stride: int
 
 
 def held_out_text() -> str:
@@ -108,7 +110,7 @@ def perplexity(
         scored += len(targets)
         if progress:
             progress("perplexity", w + 1, len(windows))
-    return PerplexityResult(math.exp(nll / scored), scored, nll)
+    return PerplexityResult(math.exp(nll / scored), scored, nll, context, stride)
 
 
 @click.command("perplexity")
@@ -140,16 +142,15 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
     config = engine_config(model, device, dtype, weights=weights)  # --kv and --kv-memory: model_options
     engine = Engine.load(config, progress=StderrProgress())
     ids = engine.tokenizer.encode(text)
-    if context > engine.model.cfg.max_position:  # perplexity() clamps it: say so, and report what ran
-        click.echo(
-            f"specchat: --context {context} is past the model's {engine.model.cfg.max_position}: using that", err=True
-        )
-        context, stride = engine.model.cfg.max_position, min(stride, engine.model.cfg.max_position)
     result = perplexity(engine, ids, context, stride, progress=StderrProgress(), chunk=chunk)
+    if result.context < context:  # perplexity() keeps windows within the model's context: say so
+        click.echo(f"specchat: --context {context} is past the model's {result.context}: used that", err=True)
     if as_json:
         click.echo(json.dumps({"ppl": round(result.ppl, 4), "tokens": result.tokens}))
     else:
-        click.echo(f"perplexity {result.ppl:.4f} over {result.tokens} tokens (context {context}, stride {stride})")
+        click.echo(
+            f"perplexity {result.ppl:.4f} over {result.tokens} tokens (context {result.context}, stride {result.stride})"
+        )
 
 
 def register(group: click.Group) -> None:

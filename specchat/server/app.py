@@ -30,12 +30,11 @@ from specchat.server.protocol import (
     ApiError,
     GenerationRequest,
     StreamChunks,
-    chunk,
     completion,
-    cut_short,
     finish_reason,
     new_id,
     parse_request,
+    refused,
     sse,
     tool_calls,
     with_tools,
@@ -131,7 +130,7 @@ def create_app(
             raise
         finally:
             router().queues.pop(handle.request_id, None)
-        if fin.reason == "error" and not cut_short(fin):
+        if refused(fin):
             raise ApiError(400, fin.error or "the request failed")
         return completion(req, rid, model, fin)
 
@@ -198,7 +197,7 @@ def create_app(
                 handle.cancel()
 
     async def stream_end(req: GenerationRequest, chunks: StreamChunks, fin: Finished) -> AsyncIterator[bytes]:
-        if fin.reason == "error" and not cut_short(fin):  # nothing written: the error ends the stream
+        if refused(fin):  # nothing written: the error ends the stream
             yield sse(ApiError(400, fin.error or "the request failed").body())
             yield b"data: [DONE]\n\n"
             return
@@ -209,12 +208,7 @@ def create_app(
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             yield chunks.other(delta)
-        if fin.reason == "error":  # cut short after some text: it ends as "length", with the error beside
-            end = chunk(req, chunks.rid, model, None, finish_reason(fin, bool(calls)), chunks.created)
-            end["choices"][0]["error"] = fin.error
-            yield sse(end)
-        else:
-            yield chunks.other(None, finish_reason(fin, bool(calls)))
+        yield chunks.other(None, finish_reason(fin, bool(calls)), fin.error)  # cut short: "length" + the error
         if req.include_usage:
             yield chunks.usage(fin)
         yield b"data: [DONE]\n\n"

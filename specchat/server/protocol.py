@@ -167,7 +167,7 @@ def _call_for_template(call: Any, i: int) -> dict:
     return {
         "id": str(call.get("id", "")),
         "type": "function",
-        "function": {"name": function.get("name", ""), "arguments": arguments},
+        "function": {"name": function["name"], "arguments": arguments},
     }
 
 
@@ -245,16 +245,16 @@ def usage(fin: Finished) -> dict:
 
 
 def finish_reason(fin: Finished, has_calls: bool) -> str:
-    """OpenAI's finish reason; an answer the engine cut short with an error (the KV cache filled mid-answer) is
-    "length": its text is kept and sent, and the choice carries the error (`cut_short`)."""
+    """OpenAI's finish reason; an answer the engine cut short with an error after writing some of it (the KV cache
+    filled mid-answer) is "length": its text is kept and sent, and the choice carries the error."""
     if has_calls:
         return "tool_calls"
     return "length" if fin.reason in ("length", "error") else "stop"
 
 
-def cut_short(fin: Finished) -> bool:
-    """A request that failed after writing some of its answer: its text is a response, not lost in an error."""
-    return fin.reason == "error" and bool(fin.token_ids)
+def refused(fin: Finished) -> bool:
+    """A request that failed before writing anything: an error response, not a completion."""
+    return fin.reason == "error" and not fin.token_ids
 
 
 def tool_calls(text: str) -> tuple[str, list[dict]]:
@@ -269,30 +269,21 @@ def tool_calls(text: str) -> tuple[str, list[dict]]:
 
 def completion(req: GenerationRequest, rid: str, model: str, fin: Finished) -> dict:
     """The whole response of a request that did not stream."""
-    created = int(time.time())
-    if not req.chat:
-        choice = {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": finish_reason(fin, False)}
-        if fin.reason == "error":
-            choice["error"] = fin.error
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage(fin),
-        }
-    content, calls = tool_calls(fin.text) if req.tools else (fin.text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-    if calls:
-        message["tool_calls"] = calls
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(fin, bool(calls))}
-    if fin.reason == "error":  # cut short: the answer so far, and why it stopped (a field OpenAI does not define)
+    if req.chat:
+        content, calls = tool_calls(fin.text) if req.tools else (fin.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        kind, choice = "chat.completion", {"index": 0, "message": message}
+    else:
+        kind, choice, calls = "text_completion", {"index": 0, "text": fin.text}, []
+    choice |= {"logprobs": None, "finish_reason": finish_reason(fin, bool(calls))}
+    if fin.error:  # cut short: the answer so far, and why it stopped (a field OpenAI does not define)
         choice["error"] = fin.error
     return {
         "id": rid,
-        "object": "chat.completion",
-        "created": created,
+        "object": kind,
+        "created": int(time.time()),
         "model": model,
         "choices": [choice],
         "usage": usage(fin),
@@ -314,14 +305,20 @@ def chunk(
     delta: dict | str | None,
     reason: str | None = None,
     created: int | None = None,
+    error: str | None = None,
 ) -> dict:
-    """One streamed chunk: a chat delta ({"content": ...}) or completion text, and the finish reason at the end."""
+    """One streamed chunk: a chat delta ({"content": ...}) or completion text, and the finish reason at the end
+    (with `error` beside it where the engine cut the answer short)."""
     created = int(time.time()) if created is None else created
     if not req.chat:
         choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-    choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": reason}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+        kind = "text_completion"
+    else:
+        choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": reason}
+        kind = "chat.completion.chunk"
+    if error:
+        choice["error"] = error
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(req: GenerationRequest, rid: str, model: str, fin: Finished, created: int | None = None) -> dict:
@@ -353,9 +350,9 @@ class StreamChunks:
         """The chunk carrying `text` (non-empty)."""
         return self._before + json.dumps(text, ensure_ascii=False).encode() + self._after
 
-    def other(self, delta: dict | None, reason: str | None = None) -> bytes:
+    def other(self, delta: dict | None, reason: str | None = None, error: str | None = None) -> bytes:
         """A chunk other than text: the role at the start, tool calls or the finish reason at the end."""
-        return sse(chunk(self.req, self.rid, self.model, delta, reason, self.created))
+        return sse(chunk(self.req, self.rid, self.model, delta, reason, self.created, error))
 
     def usage(self, fin: Finished) -> bytes:
         return sse(usage_chunk(self.req, self.rid, self.model, fin, self.created))

@@ -62,3 +62,11 @@ def test_cli_json(tiny_model_dir, tmp_path) -> None:
     assert set(record) == {"ppl", "tokens"} and record["ppl"] > 1.0 and record["tokens"] > 100
     bad = CliRunner().invoke(main, [*args, "--stride", "65"])
     assert bad.exit_code == 1 and "stride must be in" in bad.output
+
+
+def test_a_context_past_the_models_runs_at_the_models_and_says_so(engine) -> None:
+    ids = engine.tokenizer.encode("class TextWrapper:\n    def __init__(self, width=70):\n")
+    limit = engine.model.cfg.max_position
+    result = perplexity(engine, ids, context=limit + 1000, stride=limit + 500)
+    assert (result.context, result.stride) == (limit, limit)
+    assert result.ppl == pytest.approx(perplexity(engine, ids, context=limit, stride=limit).ppl, rel=1e-6)
