@@ -445,39 +445,130 @@ INLINE __m256 dot8(const int NC, const int T, const __m256* qv, Pages kp, size_t
   return _mm256_add_ps(d0, d1);
 }
 
-INLINE void attend_avx2(const int NC, const int TK, const int TV, const Plan* p, const int32_t* table, int n,
-                        const float* q, Pages kp, Pages vp, float* s, float* out) {
+/* q . k for one query row (q in memory) and one key row already widened to floats (kv: NC vectors): dot8's
+   arithmetic, for a tile that widens each key once for several rows. */
+INLINE __m256 dot8_kv(const int NC, const float* q, const __m256* kv) {
+  __m256 d0 = _mm256_mul_ps(_mm256_loadu_ps(q), kv[0]), d1 = _mm256_setzero_ps();
+  if (NC > 1) d1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), kv[1]);
+  for (int c = 2; c < NC; c += 2) {
+    d0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), kv[c], d0);
+    d1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c + 8), kv[c + 1], d1);
+  }
+  return _mm256_add_ps(d0, d1);
+}
+
+/* Scores of one row (query vectors qv) for keys from..n - 1, page by page, four keys at a time from `from` or the
+   page's start. A key's score depends on its own dot product alone (sum4's lanes never mix), so any grouping of
+   the keys gives every score the same bits. */
+INLINE void score_keys8(const int NC, const int T, const Plan* p, const int32_t* table, int from, int n,
+                        const __m256* qv, float* s, Pages kp) {
   const int D = p->head_dim, ps = p->page_size;
   const __m128 scale = _mm_set1_ps(p->scale);
+  for (int j = from; j < n;) {
+    const int j0 = j - j % ps, end = n < j0 + ps ? n : j0 + ps;
+    const size_t k = page_at(p, table, j0);
+    for (; j + 4 <= end; j += 4) {
+      const size_t kj = k + (size_t)(j - j0) * D;
+      const __m128 d = sum4(dot8(NC, T, qv, kp, kj), dot8(NC, T, qv, kp, kj + D), dot8(NC, T, qv, kp, kj + 2 * D),
+                            dot8(NC, T, qv, kp, kj + 3 * D));
+      _mm_storeu_ps(s + j, _mm_mul_ps(d, scale));
+    }
+    for (; j < end; j++) {
+      const __m256 z = _mm256_setzero_ps();
+      s[j] = _mm_cvtss_f32(sum4(dot8(NC, T, qv, kp, k + (size_t)(j - j0) * D), z, z, z)) * p->scale;
+    }
+  }
+}
+
+/* acc (NC vectors) += sum over keys from..n - 1 of s[j] v_j, in key order. */
+INLINE void add_values8(const int NC, const int T, const Plan* p, const int32_t* table, int from, int n,
+                        const float* s, __m256* acc, Pages vp) {
+  const int D = p->head_dim, ps = p->page_size;
+  for (int j = from; j < n;) {
+    const int j0 = j - j % ps, end = n < j0 + ps ? n : j0 + ps;
+    const size_t v = page_at(p, table, j0);
+    for (; j < end; j++) {
+      const __m256 w = _mm256_set1_ps(s[j]);
+      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(vp, v + (size_t)(j - j0) * D + 8 * c, T), acc[c]);
+    }
+  }
+}
+
+INLINE void attend_avx2(const int NC, const int TK, const int TV, const Plan* p, const int32_t* table, int n,
+                        const float* q, Pages kp, Pages vp, float* s, float* out) {
   __m256 qv[32], acc[32]; /* above 8 vectors the compiler keeps some in memory (L1) */
   for (int c = 0; c < NC; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  score_keys8(NC, TK, p, table, 0, n, qv, s, kp);
+  softmax(s, n);
+  for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+  add_values8(NC, TV, p, table, 0, n, s, acc, vp);
+  for (int c = 0; c < NC; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+/* attend_tile's contract for AVX2 (R <= 4 rows, NC <= 8): each row's arithmetic is attend_avx2's, bit for bit.
+   The keys every row sees are widened once for all R rows (their scores four keys at a time, as attend_avx2
+   groups them), and their values added for all R rows two vectors of the output at a time (R x 2 sums and the two
+   widened vectors fit AVX2's 16 registers), each sum in key order; then each row's own further keys as
+   attend_avx2. */
+INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, const Plan* p, const int32_t* table,
+                        const int* ns, const float* const* qs, Pages kp, Pages vp, float* s, long s_row,
+                        float* const* outs) {
+  const int n = ns[0], D = p->head_dim, ps = p->page_size, CW = NC > 1 ? 2 : 1;
+  const __m128 scale = _mm_set1_ps(p->scale);
   for (int j0 = 0; j0 < n; j0 += ps) {
     const size_t k = page_at(p, table, j0);
     const int len = n - j0 < ps ? n - j0 : ps;
     int j = 0;
     for (; j + 4 <= len; j += 4) {
-      const size_t kj = k + (size_t)j * D;
-      const __m128 d = sum4(dot8(NC, TK, qv, kp, kj), dot8(NC, TK, qv, kp, kj + D),
-                            dot8(NC, TK, qv, kp, kj + 2 * D), dot8(NC, TK, qv, kp, kj + 3 * D));
-      _mm_storeu_ps(s + j0 + j, _mm_mul_ps(d, scale));
+      __m256 d[4][4];
+      for (int u = 0; u < 4; u++) {
+        __m256 kv[8];
+        for (int c = 0; c < NC; c++) kv[c] = kv_load8(kp, k + (size_t)(j + u) * D + 8 * c, TK);
+        for (int r = 0; r < R; r++) d[r][u] = dot8_kv(NC, qs[r], kv);
+      }
+      for (int r = 0; r < R; r++)
+        _mm_storeu_ps(s + r * s_row + j0 + j, _mm_mul_ps(sum4(d[r][0], d[r][1], d[r][2], d[r][3]), scale));
     }
     for (; j < len; j++) {
       const __m256 z = _mm256_setzero_ps();
-      s[j0 + j] = _mm_cvtss_f32(sum4(dot8(NC, TK, qv, kp, k + (size_t)j * D), z, z, z)) * p->scale;
+      __m256 kv[8];
+      for (int c = 0; c < NC; c++) kv[c] = kv_load8(kp, k + (size_t)j * D + 8 * c, TK);
+      for (int r = 0; r < R; r++) s[r * s_row + j0 + j] = _mm_cvtss_f32(sum4(dot8_kv(NC, qs[r], kv), z, z, z)) * p->scale;
     }
   }
-  softmax(s, n);
-  for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
-  for (int j0 = 0; j0 < n; j0 += ps) {
-    const size_t v = page_at(p, table, j0);
-    const int len = n - j0 < ps ? n - j0 : ps;
-    for (int j = 0; j < len; j++) {
-      const __m256 w = _mm256_set1_ps(s[j0 + j]);
-      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(vp, v + (size_t)j * D + 8 * c, TV), acc[c]);
-    }
+  for (int r = 0; r < R; r++) {
+    __m256 qv[8];
+    for (int c = 0; c < NC; c++) qv[c] = _mm256_loadu_ps(qs[r] + 8 * c);
+    score_keys8(NC, TK, p, table, n, ns[r], qv, s + r * s_row, kp);
+    softmax(s + r * s_row, ns[r]);
   }
-  for (int c = 0; c < NC; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+  for (int c0 = 0; c0 < NC; c0 += CW) {
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < CW; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int j0 = 0; j0 < n; j0 += ps) {
+      const size_t v = page_at(p, table, j0) + 8 * (size_t)c0;
+      const int len = n - j0 < ps ? n - j0 : ps;
+      for (int j = 0; j < len; j++) {
+        __m256 vv[2];
+        for (int c = 0; c < CW; c++) vv[c] = kv_load8(vp, v + (size_t)j * D + 8 * c, TV);
+        for (int r = 0; r < R; r++) {
+          const __m256 w = _mm256_set1_ps(s[r * s_row + j0 + j]);
+          for (int c = 0; c < CW; c++) acc[r][c] = _mm256_fmadd_ps(w, vv[c], acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < CW; c++) _mm256_storeu_ps(outs[r] + 8 * (c0 + c), acc[r][c]);
+  }
+  for (int r = 1; r < R; r++) {
+    __m256 acc[8];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_loadu_ps(outs[r] + 8 * c);
+    add_values8(NC, TV, p, table, n, ns[r], s + r * s_row, acc, vp);
+    for (int c = 0; c < NC; c++) _mm256_storeu_ps(outs[r] + 8 * c, acc[c]);
+  }
 }
+#define HAVE_TILE 1
 #define VEC_FLOATS 8
 #define attend_vec attend_avx2
 #endif
@@ -519,12 +610,12 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 #endif
 
 /* R rows (see attend_tile: row r's query qs[r], output outs[r], ns[r] keys, ns[0] the fewest): where the build
-   tiles rows (AVX-512, head_dim 16..128), attend_tile; else one row at a time. The same bits either way: a tile
-   does each row's arithmetic as attend_row does. */
+   tiles rows (AVX-512 at head_dim 16..128, AVX2 at 16..64), attend_tile; else one row at a time. The same bits
+   either way: a tile does each row's arithmetic as attend_row does. */
 static int tile_rows(int D) {
 #ifdef HAVE_TILE
   if (D == 16 || D == 32 || D == 64) return 4;
-  if (D == 128) return 2;
+  if (D == 128 && VEC_FLOATS == 16) return 2;
 #endif
   return 1;
 }
@@ -541,10 +632,12 @@ static void attend_rows(const Plan* p, const int32_t* table, int R, const int* n
     case 4: TILE(NC, 4) \
   }
   if (R > 1) switch (p->head_dim) {
-      case 16: TILES(1) break;
-      case 32: TILES(2) break;
-      case 64: TILES(4) break;
+      case 16: TILES(16 / VEC_FLOATS) break;
+      case 32: TILES(32 / VEC_FLOATS) break;
+      case 64: TILES(64 / VEC_FLOATS) break;
+#if VEC_FLOATS == 16
       case 128: if (R == 2) { TILE(8, 2) } break;
+#endif
     }
 #undef TILES
 #undef TILE
