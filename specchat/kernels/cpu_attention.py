@@ -609,6 +609,12 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 }
 #endif
 
+#if defined(VEC_FLOATS) && VEC_FLOATS == 8
+#define PAIRED_DECODE 1 /* a decode row's query heads share tiles over dense pages too (see paged_attention) */
+#else
+#define PAIRED_DECODE 0
+#endif
+
 /* R rows (see attend_tile: row r's query qs[r], output outs[r], ns[r] keys, ns[0] the fewest): where the build
    tiles rows (AVX-512 at head_dim 16..128, AVX2 at 16..64), attend_tile; else one row at a time. The same bits
    either way: a tile does each row's arithmetic as attend_row does. */
@@ -1146,20 +1152,23 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
      group, rows outer, so each key is loaded (decoded) once for them: a 5-row step at 2,048 keys over fp16 pages
      265-268 -> 166-174 us a layer, fp32 322-329 -> 191-197 (benchmarks/cpu_attention.py --threads 2, against
      c477b7f's one query head per tile; docs/benchmarks.md, "Fourteenth session"). A decode row over
-     dense pages keeps one query head per tile (its loads are cheap, and 9 tiles share better among the threads
-     than 3), and a prompt R consecutive rows in one query head. The threads take contiguous runs of tiles (each
+     dense pages keeps one query head per tile in AVX-512 builds (its loads are cheap, and 9 tiles share better
+     among the threads than 3) and takes the pairs in AVX2 ones (PAIRED_DECODE: each element widens in two
+     instructions there; one row at 256 keys over fp16 pages 77.5 -> 58.8 us a layer on one thread, 62.0 -> 45.3 on
+     two, 8 requests 414 -> 184 on two; docs/benchmarks.md, "Thirty-fourth session"), and a prompt R consecutive
+     rows in one query head. The threads take contiguous runs of tiles (each
      core then reads its own KV heads' pages: handing tiles out one at a time made a decode step at 1,340 tokens
      ~20% slower), except where a prompt is in the step: its later rows see more keys, so tiles go round-robin
      (a 2,632-token prefill over fp16 pages 4,204-4,334 ms against 4,914-5,000 in contiguous runs: cpu_kv_formats.py,
      docs/benchmarks.md). */
-  const int R = tile_rows(D), quantized = !KV_DENSE(p->k_type);
+  const int R = tile_rows(D), paired = !KV_DENSE(p->k_type) || PAIRED_DECODE; /* single rows too */
   int tiles = 0, longest = 1;
   long keys = 0;
   int prompt = 0;
   for (int b = 0; b < p->batch; b++) {
     const int m = p->q_lens[b];
     prompt |= m >= DEQUANTIZE_ROWS;
-    tiles += (quantized || m > 1) && m < DEQUANTIZE_ROWS ? KVH * ((m * G + R - 1) / R) : (m + R - 1) / R * H;
+    tiles += (paired || m > 1) && m < DEQUANTIZE_ROWS ? KVH * ((m * G + R - 1) / R) : (m + R - 1) / R * H;
     longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
     keys += (long)m * p->ctx_lens[b];
   }
@@ -1168,7 +1177,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   Tile* w = work;
   for (int b = 0; b < p->batch; b++) {
     const int m = p->q_lens[b];
-    if ((quantized || m > 1) && m < DEQUANTIZE_ROWS)
+    if ((paired || m > 1) && m < DEQUANTIZE_ROWS)
       for (int h = 0; h < KVH; h++)
         for (int i = 0; i < m * G; i += R) *w++ = (Tile){b, i, m * G - i < R ? m * G - i : R, h, 1};
     else
