@@ -41,6 +41,7 @@ from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, Tok
 from specchat.kernels import pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 from specchat.kernels.fused import advance_step
+from specchat.kernels.mxfp4_matmul import graphed_steps
 from specchat.quant.fp4_linear import Fp4Linear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -383,7 +384,8 @@ class CudaGraphRunner(ModelRunner):
             kv.record(ids)
             return self.model(ids, positions, kv, taps=taps, logits_at=last)
 
-        graph, (logits, hidden) = capture_graph(prefill, dev, self.mempool, warm_ups=2)
+        with graphed_steps():  # its warm-ups and capture take one path for MXFP4 weights (kernels/mxfp4_matmul.py)
+            graph, (logits, hidden) = capture_graph(prefill, dev, self.mempool, warm_ups=2)
         return _Prefill(graph, staging, last, logits, hidden)
 
     @torch.inference_mode()

@@ -8,8 +8,11 @@ for the device it sits on; `mxfp4_linear` is F.linear with that weight:
   same bytes per weight, K padded to 128, N to 128). From DENSE_MIN_ROWS rows on (prefill chunks), where
   cuBLAS on bf16 weights outruns it, the weight is decoded into the shared scratch buffer instead
   (`dequantize_prepared_into`, a Triton kernel; at most DENSE_MAX_WEIGHTS at a time, by slabs of rows) and
-  multiplied there. A CUDA graph's capture takes that path only where the scratch already holds the slab (a
-  prefill graph's warm-up runs grow it), else the kernel.
+  multiplied there. Eager steps take it from DENSE_MIN_ROWS rows (below, an eager forward is bound by host work
+  and the slabs' extra launches cost more than the GPU saves); the CUDA-graph runner captures its prefill graphs
+  within `graphed_steps`, where it is taken from GRAPHED_DENSE_MIN_ROWS: the capture's eager warm-ups take the
+  same path, so they compile the decode kernel and grow the scratch, which a capture cannot do (a capture takes
+  the copy only where the scratch already holds the slab, else the kernel).
 - CPU: the plain codes and scales are dequantized into a scratch buffer that all layers share
   (kernels/mxfp4_dequant.py), then F.linear, so no dequantized copy outlives the call. A weight larger than
   SCRATCH_MAX_WEIGHTS (an output head: 49152 x 576 on the default model) goes through in slices of output
@@ -19,6 +22,9 @@ for the device it sits on; `mxfp4_linear` is F.linear with that weight:
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +41,22 @@ from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul
 __all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
 SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
-DENSE_MIN_ROWS = 2048  # CUDA: steps of this many rows multiply a decoded copy (H200, docs/mxfp4.md)
+DENSE_MIN_ROWS = 2048  # CUDA, eager steps: this many rows multiply a decoded copy (H200, docs/mxfp4.md)
+GRAPHED_DENSE_MIN_ROWS = 512  # CUDA, within `graphed_steps` (prefill graphs, whose launches cost nothing)
 DENSE_MAX_WEIGHTS = 1 << 26  # CUDA: weights decoded at once (128 MiB of bf16); larger ones go by slabs of rows
+
+
+_GRAPHED = [0]  # depth of `graphed_steps`
+
+
+@contextmanager
+def graphed_steps() -> Iterator[None]:
+    """Steps run here are (or warm up) CUDA graphs: many rows take the decoded copy from GRAPHED_DENSE_MIN_ROWS."""
+    _GRAPHED[0] += 1
+    try:
+        yield
+    finally:
+        _GRAPHED[0] -= 1
 
 
 def mxfp4_linear(
@@ -50,7 +70,8 @@ def mxfp4_linear(
         x2 = x.reshape(-1, weight.k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if x2.shape[0] >= DENSE_MIN_ROWS and (
+        dense_from = GRAPHED_DENSE_MIN_ROWS if _GRAPHED[0] else DENSE_MIN_ROWS
+        if x2.shape[0] >= dense_from and (
             not torch.cuda.is_current_stream_capturing()
             or scratch.holds(_slab_rows(weight, DENSE_MAX_WEIGHTS) * weight.k, x.dtype, x.device)
         ):

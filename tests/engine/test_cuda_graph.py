@@ -18,6 +18,37 @@ def make_pool(cfg, kv: str) -> KVPool:
     return KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 512, 16, torch.bfloat16, "cuda", kv_format=kv)
 
 
+def test_mxfp4_prefill_graph_of_many_rows_multiplies_the_decoded_weights(monkeypatch):
+    """A fresh prompt of 600 tokens on MXFP4 weights replays the 1024 bucket's prefill graph, which captured the
+    decoded-copy path (GRAPHED_DENSE_MIN_ROWS: its warm-ups took it too, compiling the decode and growing the
+    scratch), and equals the eager runner (the MXFP4 kernel at 600 rows)."""
+    from specchat.bench.synthetic import quantize_all
+    from specchat.engine.cuda_graph import CudaGraphRunner
+    from specchat.kernels import mxfp4_matmul
+
+    torch.manual_seed(0)
+    cfg = SHAPES["smollm2-135m"]
+    model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
+    quantize_all(model)
+    captured = []
+    dense = mxfp4_matmul.dequantized_linear
+
+    def counting(*args, **kwargs):
+        captured.append(torch.cuda.is_current_stream_capturing())
+        return dense(*args, **kwargs)
+
+    monkeypatch.setattr(mxfp4_matmul, "dequantized_linear", counting)
+    eager, graphed = ModelRunner(model, make_pool(cfg, "bf16")), CudaGraphRunner(model, make_pool(cfg, "bf16"))
+    prompt = torch.randint(0, cfg.vocab_size, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits = []
+    for runner in (eager, graphed):
+        runner.pool.add(0, prompt)
+        logits.append(runner.forward(StepBatch([0], [prompt], [0], [1])).logits[0])
+    assert any(captured) and not captured[0], "no prefill graph captured the decoded copy after warming it up"
+    assert (1024, ()) in graphed.prefills
+    torch.testing.assert_close(logits[1], logits[0], atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize("kv, fused", [("bf16", False), ("mxfp4", False), ("bf16", True), ("mxfp4", True)])
 def test_graph_replay_equals_eager(kv, fused):
     """The fast path (CUDA graphs, with or without the fused elementwise kernels) against the plain runner."""
