@@ -187,8 +187,9 @@ class TracePrinter:
         match event:
             case RunStart():
                 k = "auto" if event.k is None else event.k
+                drafter = event.drafter if event.drafter == "none" else f"{event.drafter} k={k}"  # no drafter, no k
                 tools = ", ".join(event.tools) or "none"
-                settings = f"model {event.model}, weights {event.weights}, KV {event.kv}, drafter {event.drafter} k={k}"
+                settings = f"model {event.model}, weights {event.weights}, KV {event.kv}, drafter {drafter}"
                 limits = f"tools {tools}, max {event.max_steps} steps"
                 header = [self._clip(f"{tag} task: {event.task}"), f"{tag}   {settings}", f"{tag}   {limits}"]
                 if any(name in PROCESS_TOOLS for name in event.tools):

@@ -223,6 +223,8 @@ def generate(
     from specchat.engine.drafters.base import default_drafter_name
     from specchat.engine.engine import Engine
 
+    if raw and system is not None:
+        raise click.UsageError("--system goes into the chat template, which --raw skips: give one or the other")
     items = read_prompts(prompt, prompts_file)
     sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
     spec = spec_params(drafter, k)

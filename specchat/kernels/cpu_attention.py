@@ -489,7 +489,8 @@ INLINE void add_values8(const int NC, const int T, const Plan* p, const int32_t*
     const size_t v = page_at(p, table, j0);
     for (; j < end; j++) {
       const __m256 w = _mm256_set1_ps(s[j]);
-      for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, kv_load8(vp, v + (size_t)(j - j0) * D + 8 * c, T), acc[c]);
+      for (int c = 0; c < NC; c++)
+        acc[c] = _mm256_fmadd_ps(w, kv_load8(vp, v + (size_t)(j - j0) * D + 8 * c, T), acc[c]);
     }
   }
 }
@@ -533,7 +534,8 @@ INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, c
       const __m256 z = _mm256_setzero_ps();
       __m256 kv[8];
       for (int c = 0; c < NC; c++) kv[c] = kv_load8(kp, k + (size_t)j * D + 8 * c, TK);
-      for (int r = 0; r < R; r++) s[r * s_row + j0 + j] = _mm_cvtss_f32(sum4(dot8_kv(NC, qs[r], kv), z, z, z)) * p->scale;
+      for (int r = 0; r < R; r++)
+        s[r * s_row + j0 + j] = _mm_cvtss_f32(sum4(dot8_kv(NC, qs[r], kv), z, z, z)) * p->scale;
     }
   }
   for (int r = 0; r < R; r++) {

@@ -36,7 +36,7 @@ def test_headless_prints_a_trace_and_overrides_apply(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "drafter 'heads' is not available here" in result.stderr  # the tiny model has no trained heads
-    assert "[run 0] task: What is 2 + 2?" in result.stdout and "drafter none k=4" in result.stdout
+    assert "[run 0] task: What is 2 + 2?" in result.stdout and "drafter none\n" in result.stdout
     assert "[run 1] end: max_steps after 2 steps" in result.stdout
     assert "[all] 2 runs (2 max_steps)" in result.stdout
 
@@ -103,7 +103,7 @@ def test_runs_say_their_weights_and_kv_and_the_script_chooses_them(tiny_model_di
     cpu = ["--device", "cpu", "--dtype", "float32"]  # (auto loads this dense model in bf16 on a CPU with native bf16)
     result = CliRunner().invoke(main, ["agent", str(script), "--headless", *cpu])
     assert result.exit_code == 0, result.output
-    assert "[run 0]   model " in result.stdout and "weights float32, KV fp16, drafter none k=4" in result.stdout
+    assert "[run 0]   model " in result.stdout and "weights float32, KV fp16, drafter none\n" in result.stdout
     result = CliRunner().invoke(main, ["agent", str(script), "--json", *cpu, "--kv", "bf16"])
     starts = [r for r in map(json.loads, result.stdout.splitlines()) if r["type"] == "run_start"]
     assert [(r["weights"], r["kv"]) for r in starts] == [("float32", "bf16")] * 2

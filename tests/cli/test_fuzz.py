@@ -160,6 +160,11 @@ FLAG_CASES = [
     ("--prompt and --prompts-file", [*GEN, "--prompts-file", "{text}/ok.txt"], ["--prompt", "--prompts-file"]),
     ("empty --prompt", ["generate", "{tiny}", "-p", "  "], ["--prompt", "empty prompt"]),
     ("--prompt beyond the context", ["generate", "{tiny}", "--raw", "-p", "word " * 400], ["--prompt", "context"]),
+    (
+        "--raw with --system",
+        ["generate", "{tiny}", "--raw", "--system", "Be brief.", "-p", "hi"],
+        ["--raw", "--system"],
+    ),
     ("--drafter bogus", [*GEN, "--drafter", "bogus"], ["drafter", "bogus"]),
     ("--drafter heads:", [*GEN, "--drafter", "heads:"], ["drafter"]),
     ("--drafter heads:missing", [*GEN, "--drafter", "heads:{root}/nope.safetensors"], ["--drafter", "no such file"]),
