@@ -50,6 +50,41 @@ class Context(click.Context):
     formatter_class = HelpFormatter
 
 
+def report(exc: BaseException, ctx: click.Context) -> int | None:
+    """A user-caused error as one line on stderr, and the exit status it ends with; None for our bugs (which keep
+    their tracebacks)."""
+    if isinstance(exc, SpecchatError):
+        click.echo(f"specchat: error: {one_line(str(exc))}", err=True)
+        return 1
+    if isinstance(exc, click.UsageError):
+        command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+        click.echo(f"specchat: error: {one_line(exc.format_message())} (see `{command} -h`)", err=True)
+        return USAGE_EXIT
+    if isinstance(exc, ModuleNotFoundError):
+        package = (exc.name or "specchat").split(".")[0]
+        if package == "specchat":
+            return None  # our own module (or an unnamed one): a bug, keep its traceback
+        click.echo(
+            f"specchat: error: the Python package {package!r} is missing (specchat needs it here); install it, "
+            f"or reinstall specchat with its dependencies",
+            err=True,
+        )
+        return 1
+    if isinstance(exc, KeyboardInterrupt):
+        click.echo("", err=True)
+        return 130
+    return None
+
+
+_EXIT_STATUS = [1]  # the status the command ends with, for exit hooks that must end the process themselves
+
+
+def exit_status() -> int:
+    """The status the command is exiting with: 0 once it returned, what `report` chose for the user error that
+    ended it, else 1 (a bug's traceback)."""
+    return _EXIT_STATUS[0]
+
+
 class Group(click.Group):
     """Turns every user-caused error into one line on stderr and a nonzero exit; our bugs keep tracebacks. A
     third-party package missing from a broken install (gguf, textual, ...) is such an error too.
@@ -62,27 +97,15 @@ class Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
-        except SpecchatError as exc:
-            click.echo(f"specchat: error: {one_line(str(exc))}", err=True)
-            sys.exit(1)
-        except click.UsageError as exc:
-            command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
-            click.echo(f"specchat: error: {one_line(exc.format_message())} (see `{command} -h`)", err=True)
-            sys.exit(USAGE_EXIT)
-        except ModuleNotFoundError as exc:
-            package = (exc.name or "specchat").split(".")[0]
-            if package == "specchat":
-                raise  # our own module (or an unnamed one): a bug, keep its traceback
-            click.echo(
-                f"specchat: error: the Python package {package!r} is missing (specchat needs it here); install it, "
-                f"or reinstall specchat with its dependencies",
-                err=True,
-            )
-            sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo("", err=True)
-            sys.exit(130)
+            result = super().invoke(ctx)
+            _EXIT_STATUS[0] = 0
+            return result
+        except (SpecchatError, click.UsageError, ModuleNotFoundError, KeyboardInterrupt) as exc:
+            code = report(exc, ctx)
+            if code is None:
+                raise
+            _EXIT_STATUS[0] = code
+            sys.exit(code)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command with the whole first sentence of its help (click cuts it to the terminal's width with

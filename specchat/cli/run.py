@@ -9,8 +9,10 @@ follows the model's models.toml `drafter` unless --drafter says otherwise.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
+import os
 import sys
 import threading
 from concurrent.futures import Future
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import click
 
+from specchat.cli import exit_status
 from specchat.cli.defaults import apply_defaults, load_defaults
 from specchat.cli.inputs import is_non_utf8
 from specchat.cli.options import (
@@ -238,7 +241,24 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
         drafter = f"default: {entry.default_drafter('cpu')} on the CPU, {entry.default_drafter('cuda')} on a GPU"
     click.echo(f"loading {entry.alias} (drafter {drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
     chat = PlainChat(load_in_background(config, progress), progress, sampling, spec, given["system"])
+    leave = leave_while_loading(chat.loading)
+    atexit.register(leave)
+    chat.loading.add_done_callback(lambda _: atexit.unregister(leave))
     plain_repl(chat)
+
+
+def leave_while_loading(loading: Future):
+    """An exit hook for a chat that ends while the model still loads: Python's exit would tear the interpreter down
+    under the loader thread, still in torch's native code, which aborts the process (exit 134) instead of ending the
+    chat; this ends it at once with the status the command chose (cli.exit_status)."""
+
+    def leave() -> None:
+        if not loading.done():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_status())
+
+    return leave
 
 
 def register(group: click.Group) -> None:

@@ -79,3 +79,19 @@ def test_the_default_model_drafts_where_drafting_measured_faster():
 def test_a_bad_model_name_fails_before_anything_loads():
     result = CliRunner().invoke(main, ["run", "no-such-model", "--plain"], input="hi\n")
     assert result.exit_code == 1 and result.stderr.startswith("specchat: error: unknown model 'no-such-model'")
+
+
+def test_leaving_before_the_model_has_loaded_ends_the_chat_cleanly(default_model_path: Path):
+    """`/quit` or the end of input while the model still loads: the process ends at once with the command's status,
+    where Python's own exit tore the interpreter down under the loader (torch aborted it: exit 134). A real process
+    (the hook ends it with os._exit); the default model's load takes seconds, the tiny one's may beat the /quit."""
+    import subprocess
+    import sys
+
+    for stdin, status in ((b"/quit\n", 0), (b"", 0), (b"hi \xff\n", 1)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "specchat", "run", "--plain", "--max-tokens", "2"], input=stdin,
+            capture_output=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == status, proc.stderr
+        assert b"terminate" not in proc.stderr and b"FATAL" not in proc.stderr and b"Traceback" not in proc.stderr
