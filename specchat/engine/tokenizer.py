@@ -121,6 +121,13 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: from "\ud800" in JSON, or undecodable bytes
+            raise PromptError(
+                f"the prompt is not valid Unicode text: it holds a lone surrogate {text[exc.start]!r} (bytes that are "
+                f"not UTF-8, or an unpaired \\ud800-\\udfff escape)"
+            ) from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -191,6 +191,13 @@ def _spec(body: dict, default: SpecParams) -> SpecParams:
     k = body.get("k", "auto" if default.k is None else default.k)
     if not isinstance(drafter, str):
         raise ApiError(400, "drafter must be a string", "drafter")
+    if ":" in drafter and drafter != default.drafter:  # a file, a folder or a model: the server's disk, the hub
+        raise ApiError(
+            400,
+            f"drafter {drafter!r}: a request names a built-in drafter (such as ngram, heads or ngram+heads); drafters "
+            f"from files, folders or other models are chosen when the server starts (serve --drafter)",
+            "drafter",
+        )
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
         raise ApiError(400, 'k must be an integer or "auto"', "k")
     try:

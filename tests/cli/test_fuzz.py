@@ -165,6 +165,7 @@ FLAG_CASES = [
         ["generate", "{tiny}", "--raw", "--system", "Be brief.", "-p", "hi"],
         ["--raw", "--system"],
     ),
+    ("--prompt not UTF-8", ["generate", "{tiny}", "-p", "hi \udcff"], ["--prompt", "lone surrogate"]),
     ("--drafter bogus", [*GEN, "--drafter", "bogus"], ["drafter", "bogus"]),
     ("--drafter heads:", [*GEN, "--drafter", "heads:"], ["drafter"]),
     ("--drafter heads:missing", [*GEN, "--drafter", "heads:{root}/nope.safetensors"], ["--drafter", "no such file"]),

@@ -157,6 +157,14 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served):
         client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "nope"})
     with pytest.raises(openai.BadRequestError, match="only n = 1"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="chosen when the server starts"):  # not the server's disk
+        client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "heads:/etc/hostname"})
+    for path, body in (
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "\\udc80x"}'),
+    ):
+        status, answer = post_raw(served[0] + path, body)
+        assert status == 400 and "lone surrogate" in answer["error"]["message"], (status, answer)
     status, body = post_raw(served[0] + "/v1/chat/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, body = post_raw(served[0] + "/v1/nowhere", b"{}")
