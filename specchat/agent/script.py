@@ -69,6 +69,9 @@ TOML_TYPES = {
 T = TypeVar("T")
 
 
+MAX_WALL_S = 365 * 24 * 3600.0  # a run's wall-time limit waits on a lock: inf overflowed its timeout
+
+
 @dataclass(slots=True)
 class StopCondition:
     """When a run has its answer: a call to final_answer, text inside <tag>...</tag>, or a regex match."""
@@ -133,8 +136,8 @@ class AgentScript:
             raise ConfigError("model must not be empty")
         if self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
-        if not self.max_wall_s > 0:
-            raise ConfigError(f"max_wall_s must be > 0, got {self.max_wall_s}")
+        if not 0 < self.max_wall_s <= MAX_WALL_S:
+            raise ConfigError(f"max_wall_s must be > 0 and at most {MAX_WALL_S:.0f} (a year), got {self.max_wall_s}")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.workspace is not None and not self.workspace.is_dir():

@@ -168,6 +168,7 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks = ["x"]\nmax_steps = 0', "max_steps must be >= 1, got 0"),
         ('tasks = ["x"]\nconcurrency = true', "concurrency must be an integer, got a boolean True"),
         ('tasks = ["x"]\nmax_wall_s = -1', "max_wall_s must be > 0"),
+        ('tasks = ["x"]\nmax_wall_s = inf', "at most"),
         ("tasks = []", "no tasks"),
         ("model = 'x'", "no tasks"),
         ('tasks = ["x", " "]', "task 2 is empty"),
