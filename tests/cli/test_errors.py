@@ -142,3 +142,12 @@ def test_the_users_models_toml_default_is_the_model_every_command_runs(tmp_path,
     (home / "models.toml").write_text('default = "nosuch"\n')
     proc = run_cli("generate", "-p", "hi", env={"SPECCHAT_HOME": str(home)})
     assert_one_line_error(proc, "default 'nosuch' is not an alias")
+
+
+def test_a_model_cache_that_cannot_be_written_is_one_line(tmp_path: Path):
+    """SPECCHAT_HOME naming a file (or a folder that cannot be made): the fetch says which folder and why, where
+    mkdir's NotADirectoryError reached the user as a traceback."""
+    home = tmp_path / "a-file"
+    home.write_text("")
+    proc = run_cli("pull", env={"SPECCHAT_HOME": str(home)})
+    assert_one_line_error(proc, "cannot write the model cache", "SPECCHAT_HOME", str(home))
