@@ -198,7 +198,7 @@ def _invoke(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
         value = tool.function(**arguments)
     except SandboxError as error:
         return ToolResult(False, "", str(error))
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # a tool's sys.exit() is its failure, not the agent's
         return ToolResult(False, "", f"{tool.name} raised {type(error).__name__}: {error}")
     if isinstance(value, ToolResult):
         return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import re
@@ -37,8 +38,9 @@ def load_user_tools(module_path: Path, names: Sequence[str], options: ToolOption
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as error:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the trace's (JSONL under --json)
+            spec.loader.exec_module(module)
+    except (Exception, SystemExit) as error:  # sys.exit() at import ended specchat without a word
         raise ConfigError(f"importing {module_path} failed: {type(error).__name__}: {error}") from None
     if names:
         functions = [getattr(module, name, None) for name in names]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -38,7 +39,8 @@ def run_headless(script, config: EngineConfig, concurrency: int | None, as_json:
     sink = JsonlWriter(sys.stdout) if as_json else TracePrinter(sys.stdout)
     engine.start()
     try:
-        session.run(sink.write)
+        with contextlib.redirect_stdout(sys.stderr):  # a tool's print() goes to stderr: stdout is the trace's
+            session.run(sink.write)
     finally:
         engine.close()
 

@@ -172,8 +172,13 @@ def test_user_tool_exceptions_and_values_become_results():
         """Return structured data."""
         return {"n": n, "square": n * n}
 
-    box = Toolbox([function_tool(explode), function_tool(table)])
+    def leave(n: int) -> str:
+        """Exit."""
+        raise SystemExit(n)
+
+    box = Toolbox([function_tool(explode), function_tool(table), function_tool(leave)])
     assert box.call("explode", {"n": 3}) == ToolResult(False, "", "explode raised RuntimeError: bad 3")
+    assert box.call("leave", {"n": 4}) == ToolResult(False, "", "leave raised SystemExit: 4")  # not "timed out"
     assert box.call("table", {"n": 3}) == ToolResult(True, '{"n": 3, "square": 9}')
 
 
@@ -248,6 +253,7 @@ def test_user_tools_from_a_module(tmp_path: Path):
         ("def f(x: int) -> int:\n    return x\n", [], "no @tool functions"),
         ("def f(x: int) -> int:\n    return x\n", ["g"], "has no function 'g'"),
         ("import no_such_module_xyz\n", [], "importing .* failed: ModuleNotFoundError"),
+        ("import sys\nsys.exit(3)\n", [], "importing .* failed: SystemExit: 3"),
         (
             "from specchat.agent import tool\n@tool\ndef f(x):\n    return x\n",
             [],
@@ -328,3 +334,13 @@ def test_bad_process_options_name_the_key(tmp_path: Path, table: str, message: s
     script.write_text(f'tasks = ["x"]\n[tools]\nenabled = ["python", "shell", "read_file"]\n{table}\n')
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_script(script)
+
+
+def test_a_user_modules_prints_at_import_go_to_stderr(tmp_path: Path, capsys):
+    """stdout is the agent's trace (JSONL under --json): what a tools module prints goes to stderr instead."""
+    module = tmp_path / "noisy_tools.py"
+    module.write_text("from specchat.agent import tool\nprint('hello from import')\n@tool\ndef f(x: int) -> int:\n"
+                      "    \"\"\"Echo.\"\"\"\n    return x\n")  # fmt: skip
+    load_user_tools(module, [], ToolOptions())
+    out, err = capsys.readouterr()
+    assert "hello from import" in err and out == ""
