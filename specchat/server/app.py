@@ -95,9 +95,19 @@ def create_app(
     async def health() -> dict:
         return {"status": "ok", "model": model}
 
+    card = {"id": model, "object": "model", "created": 0, "owned_by": "specchat"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specchat"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_card(name: str) -> dict:  # the openai client's models.retrieve
+        if name != model:
+            raise ApiError(
+                404, f"the model {name!r} does not exist; this server runs {model!r}", "model", "model_not_found"
+            )
+        return card
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -85,6 +85,13 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         raise ApiError(400, "only n = 1 is supported", "n")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise ApiError(400, "logprobs are not supported", "logprobs")
+    if not chat:  # what /v1/completions would do differently with them, silently not done, is refused
+        if body.get("echo") not in (None, False):
+            raise ApiError(400, "echo is not supported", "echo")
+        if body.get("suffix") not in (None, ""):
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if body.get("best_of") not in (None, 1):
+            raise ApiError(400, "only best_of = 1 is supported", "best_of")
     max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
     if max_tokens is not None and max_tokens <= 0:
         raise ApiError(400, f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
@@ -173,8 +180,13 @@ def _call_for_template(call: Any, i: int) -> dict:
 
 def _tools(body: dict) -> list[dict]:
     tools = body.get("tools") or []
-    if body.get("tool_choice") == "none":
+    choice = body.get("tool_choice")
+    if choice == "none":
         return []
+    if choice not in (None, "auto"):  # "required" or a named function: nothing here would force the call
+        raise ApiError(
+            400, 'tool_choice must be "auto" or "none" (the model decides whether to call a tool)', "tool_choice"
+        )
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
         and t.get("type") == "function"

@@ -157,6 +157,13 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served):
         client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "nope"})
     with pytest.raises(openai.BadRequestError, match="only n = 1"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
+        client.completions.create(model="tiny", prompt="a b", echo=True, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice="required", tools=[])
     with pytest.raises(openai.BadRequestError, match="chosen when the server starts"):  # not the server's disk
         client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "heads:/etc/hostname"})
     for path, body in (
