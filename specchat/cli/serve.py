@@ -20,6 +20,9 @@ from specchat.server import STREAM_INTERVAL_S
 PORT_RANGE = (1, 65535)
 
 
+GRACEFUL_S = 10  # seconds in-flight answers get to finish when the server is stopped
+
+
 @click.command("serve")
 @model_options
 @tp_option
@@ -57,7 +60,10 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, stream_inte
     app = create_app(engine, name, spec, stream_interval_s=stream_interval_ms / 1000)
     click.echo(f"specchat: serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+        # on SIGTERM / Ctrl-C, answers in flight get GRACEFUL_S to finish, then are cancelled (a client waiting for
+        # 100,000 tokens would hold up a `docker stop` or systemd's stop for good)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S)
+        uvicorn.Server(config).run()
     finally:
         engine.close()
 

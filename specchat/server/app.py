@@ -18,7 +18,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specchat.config import SpecParams
@@ -39,6 +39,12 @@ from specchat.server.protocol import (
     tool_calls,
     with_tools,
 )
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client still waits
+
+
+class ClientGone(Exception):
+    """A non-streaming request's client hung up: its answer is cancelled, nobody is sent a response."""
 
 
 class EventRouter:
@@ -84,6 +90,10 @@ def create_app(
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": no one reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -134,8 +144,8 @@ def create_app(
         if req.stream:
             return StreamingResponse(stream(req, rid, queue, handle), media_type="text/event-stream")
         try:
-            fin = await finished(queue)
-        except asyncio.CancelledError:
+            fin = await finished_while_connected(request, queue)
+        except (asyncio.CancelledError, ClientGone):
             handle.cancel()
             raise
         finally:
@@ -177,6 +187,20 @@ def create_app(
             for event in await queue.get():
                 if isinstance(event, Finished):
                     return event
+
+    async def finished_while_connected(request: Request, queue: asyncio.Queue[list[Event]]) -> Finished:
+        """The answer of a non-streaming request, or ClientGone once its client has hung up (nothing else would
+        notice: a long answer nobody waits for would decode to its end, and hold up the server's shutdown)."""
+        answer = asyncio.ensure_future(finished(queue))
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return answer.result()
+                if await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            answer.cancel()
 
     async def stream(req: GenerationRequest, rid: str, queue, handle) -> AsyncIterator[bytes]:
         chunks = StreamChunks(req, rid, model)

@@ -271,3 +271,21 @@ def test_an_answer_cut_short_by_a_full_kv_cache_keeps_its_text(tiny_model_dir):
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
     last = events[-1]["choices"][0]
     assert text and last["finish_reason"] == "length" and "KV cache" in last["error"]
+
+
+def test_a_non_streaming_answer_whose_client_hung_up_is_cancelled(served, monkeypatch):
+    """Nothing else would notice: the answer would decode to its end (and hold up the server's shutdown)."""
+    url, engine = served
+    cancelled, cancel = [], engine.cancel
+    monkeypatch.setattr(engine, "cancel", lambda request_id: (cancelled.append(request_id), cancel(request_id)))
+    monkeypatch.setattr("specchat.server.app.DISCONNECT_POLL_S", 0.01)  # notices before the tiny model could finish
+    body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 100000, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"}
+    )
+    with contextlib.suppress(TimeoutError, urllib.error.URLError):
+        urllib.request.urlopen(request, timeout=0.05)  # gives up before the answer can be ready
+    deadline = time.monotonic() + 30
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled, "the server did not cancel the answer nobody waits for"
