@@ -40,6 +40,7 @@ from specchat.server.protocol import (
     with_tools,
 )
 
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread (a 128k-token context is ~0.5 MB)
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client still waits
 
 
@@ -125,6 +126,11 @@ def create_app(
         return PlainTextResponse(metrics.render(snap, model), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:  # else read and tokenized whole before it is refused
+            raise ApiError(
+                413, f"the request body is {int(length):,} bytes; this server takes up to {MAX_BODY_BYTES:,}"
+            )
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -145,7 +145,7 @@ def test_completions_models_health_and_metrics(client, served):
     assert "specchat:kv_cache_usage_perc" in page and "specchat:tokens_per_second" in page
 
 
-def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served):
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served, monkeypatch):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-9", messages=MESSAGES)
     assert missing.value.body["code"] == "model_not_found"
@@ -164,6 +164,12 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served):
         client.completions.create(model="tiny", prompt="a b", echo=True, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, tool_choice="required", tools=[])
+    monkeypatch.setattr("specchat.server.app.MAX_BODY_BYTES", 1000)
+    status, answer = post_raw(
+        served[0] + "/v1/completions", json.dumps({"model": "tiny", "prompt": "x" * 2000}).encode()
+    )
+    assert status == 413 and "up to 1,000" in answer["error"]["message"]
+    monkeypatch.undo()
     with pytest.raises(openai.BadRequestError, match="chosen when the server starts"):  # not the server's disk
         client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "heads:/etc/hostname"})
     for path, body in (
