@@ -96,7 +96,7 @@ def read_toml(path: Path) -> dict:
     """A user's TOML file (models.toml, config.toml); a ConfigError naming the file if it cannot be read, is not
     UTF-8 or not TOML."""
     try:
-        return tomllib.loads(path.read_bytes().decode("utf-8"))
+        return tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a leading BOM (Windows editors) dropped
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid UTF-8 (at byte {exc.start})") from None
     except OSError as exc:

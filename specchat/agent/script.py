@@ -213,7 +213,7 @@ def _parse_script(path: Path) -> AgentScript:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is not TOML
     except FileNotFoundError:
         raise ConfigError("no such file") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -105,7 +105,7 @@ def test_full_script(project: Path):
 
 
 def test_minimal_script_gets_defaults(tmp_path: Path):
-    script = load_script(write(tmp_path, 'tasks = ["Say hi."]'))
+    script = load_script(write(tmp_path, '\ufefftasks = ["Say hi."]'))  # a BOM, as Windows editors write: ignored
     assert script.model == "smollm2-135m"
     assert script.tools.names == ["final_answer"]
     assert script.stop == StopCondition()
