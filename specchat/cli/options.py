@@ -224,10 +224,13 @@ def check_drafter_arg(drafter: str) -> None:
     kind, _, arg = check_drafter_name(drafter).partition(":")
     if not arg:
         return
-    if DRAFTER_ARGS[kind] == "FILE" and not Path(arg).expanduser().is_file():
-        raise ConfigError(f"--drafter {drafter}: no such file {arg}")
-    if DRAFTER_ARGS[kind] == "DIR" and not Path(arg).expanduser().is_dir():
-        raise ConfigError(f"--drafter {drafter}: no such directory {arg}")
+    path = Path(arg).expanduser()
+    if DRAFTER_ARGS[kind] == "FILE" and not path.is_file():
+        why = f"{arg} is a directory, not a file" if path.is_dir() else f"no such file {arg}"
+        raise ConfigError(f"--drafter {drafter}: {why}")
+    if DRAFTER_ARGS[kind] == "DIR" and not path.is_dir():
+        why = f"{arg} is a file, not a directory" if path.exists() else f"no such directory {arg}"
+        raise ConfigError(f"--drafter {drafter}: {why}")
     if DRAFTER_ARGS[kind] == "NAME":
         from specchat.registry import resolve
 
