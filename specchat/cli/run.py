@@ -81,7 +81,8 @@ class LoadProgress:
 
 
 def load_in_background(config: EngineConfig, progress: LoadProgress) -> Future:
-    """Load the engine in a daemon thread (leaving before it is ready does not wait for it)."""
+    """Load the engine in a daemon thread (leaving before it is ready does not wait for it: see
+    leave_while_loading)."""
     from specchat.engine.engine import Engine
 
     loading: Future = Future()
@@ -93,6 +94,9 @@ def load_in_background(config: EngineConfig, progress: LoadProgress) -> Future:
             loading.set_exception(exc)
 
     threading.Thread(target=load, name="specchat-load", daemon=True).start()
+    leave = leave_while_loading(loading)
+    atexit.register(leave)
+    loading.add_done_callback(lambda _: atexit.unregister(leave))
     return loading
 
 
@@ -241,9 +245,6 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
         drafter = f"default: {entry.default_drafter('cpu')} on the CPU, {entry.default_drafter('cuda')} on a GPU"
     click.echo(f"loading {entry.alias} (drafter {drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
     chat = PlainChat(load_in_background(config, progress), progress, sampling, spec, given["system"])
-    leave = leave_while_loading(chat.loading)
-    atexit.register(leave)
-    chat.loading.add_done_callback(lambda _: atexit.unregister(leave))
     plain_repl(chat)
 
 

@@ -108,6 +108,11 @@ def create_app(
 
     card = {"id": model, "object": "model", "created": 0, "owned_by": "specchat"}
 
+    def unknown_model(name) -> ApiError:
+        return ApiError(
+            404, f"the model {name!r} does not exist; this server runs {model!r}", "model", "model_not_found"
+        )
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [card]}
@@ -115,9 +120,7 @@ def create_app(
     @app.get("/v1/models/{name:path}")
     async def model_card(name: str) -> dict:  # the openai client's models.retrieve
         if name != model:
-            raise ApiError(
-                404, f"the model {name!r} does not exist; this server runs {model!r}", "model", "model_not_found"
-            )
+            raise unknown_model(name)
         return card
 
     @app.get("/metrics")
@@ -138,12 +141,7 @@ def create_app(
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model):
-            raise ApiError(
-                404,
-                f"the model {body.get('model')!r} does not exist; this server runs {model!r}",
-                "model",
-                "model_not_found",
-            )
+            raise unknown_model(body.get("model"))
         req = parse_request(body, chat, spec)
         queue, handle = await submit(req)
         rid = new_id(chat)
