@@ -15,7 +15,7 @@ import time
 import torch
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
-from specchat.engine.engine import Engine
+from specchat.engine.engine import WARM_UP_K, Engine
 
 PROMPTS = ("Write a haiku about autumn leaves.", "Describe a sunset at the beach.")
 
@@ -28,7 +28,7 @@ def main() -> None:
             engine = Engine.load(EngineConfig(device="cuda"))
         else:
             engine = Engine.load(EngineConfig(device="cuda", warm_up=False))
-            engine.warm_up(max_k=SpecParams().k)
+            engine.warm_up(max_k=WARM_UP_K)
         torch.cuda.synchronize()
         loaded = time.perf_counter() - t0
         times = []

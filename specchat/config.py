@@ -69,11 +69,12 @@ class SamplingParams:
 class SpecParams:
     """Speculation for one request: which drafter proposes and how many tokens (k) per step.
 
-    k = None means adaptive ("auto"): a controller picks k in [0, k_max] from the acceptance it sees.
+    k = None (the default, as the CLI's `--k auto`) means adaptive: a controller picks k in [0, k_max] from the
+    acceptance it sees and the step times it measures.
     """
 
     drafter: str = "none"
-    k: int | None = 4
+    k: int | None = None
     k_max: int = 8
 
     def __post_init__(self) -> None:

@@ -44,6 +44,10 @@ from specchat.registry import ModelSpec, cache_dir
 
 log = logging.getLogger(__name__)
 
+# Engine.load's CUDA warm-up captures verification widths up to k = 4 (what --k auto's gate tries first, and the
+# widest a drafter of the default model needs before adaptive K raises it); wider ones capture at first use
+WARM_UP_K = 4
+
 
 class RequestHandle:
     """A submitted request: iterate its events, or cancel it.
@@ -128,12 +132,12 @@ class Engine:
         parts = load_parts(config, progress)
         engine = cls(parts.model, parts.tokenizer, parts.pool, config, parts.spec, parts.weights)
         if config.warm_up:
-            # widths up to k = 4 (what --k auto's gate tries first, and a fixed default); wider steps (a cap of 8
-            # that timed faster, K raised live) capture their graph at first use, ~65 ms. With the model's default
+            # widths up to WARM_UP_K; wider steps (a cap of 8 that timed faster, K raised live) capture their
+            # graph at first use, ~65 ms. With the model's default
             # drafter on this device (what a chat drafts with unless told otherwise): its tapped step graphs and
             # drafting graphs too, so that a chat's first answer captures none (another drafter's, at first use)
             default = engine._drafter_name("default")
-            engine.warm_up(progress, max_k=SpecParams().k, drafters=[] if default == "none" else [default])
+            engine.warm_up(progress, max_k=WARM_UP_K, drafters=[] if default == "none" else [default])
         return engine
 
     def warm_up(

@@ -122,17 +122,17 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
 
 
 def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
-    """Engine.load on CUDA captures the batch-1 graphs of widths 1..k+1 (the default k) behind the progress bar
+    """Engine.load on CUDA captures the batch-1 graphs of widths 1..WARM_UP_K + 1 behind the progress bar
     (issue 18), leaves no cached prefix and fresh metrics, and the first chat request then replays without
     capturing."""
     from specchat.engine.cuda_graph import CTX_BUCKETS, PREFILL_BUCKETS, PROMPT_WIDTHS
-    from specchat.engine.engine import Engine
+    from specchat.engine.engine import WARM_UP_K, Engine
 
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
     heard = []
     cfg = EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32")
     engine = Engine.load(cfg, progress=lambda what, done, total: heard.append((what, done, total)))
-    widths = range(1, SpecParams().k + 2)
+    widths = range(1, WARM_UP_K + 2)
     assert {(1, q, CTX_BUCKETS[0], ()) for q in widths} <= set(engine.runner.graphs)
     total = len(widths) + len(PROMPT_WIDTHS) + len(PREFILL_BUCKETS)
     assert heard[-1] == ("warming up the GPU", total, total)
