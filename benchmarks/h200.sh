@@ -20,12 +20,14 @@ for part in "${parts[@]}"; do
     env)
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$log"
       python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
-      if [ -d .devcarry-gpu/whl ]; then
-        pip install -q --no-index --find-links .devcarry-gpu/whl pytest pytest-timeout 2>&1 | tail -2 | tee -a "$log"
+      if [ -d .devcarry-gpu/whl ]; then  # --no-deps: the machine's own numpy etc. stay (the folder has none)
+        python -m pip install -q --no-index --no-deps --find-links .devcarry-gpu/whl pytest pytest-timeout iniconfig \
+          packaging pluggy pygments gguf pyyaml tqdm requests urllib3 idna certifi charset_normalizer 2>&1 | tail -2 \
+          | tee -a "$log"
       fi ;;
     tests)
-      timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/engine/test_kv_cuda.py \
-        tests/engine/test_engine_cuda.py \
+      timeout ${TESTS_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py \
+        tests/engine/test_kv_cuda.py tests/engine/test_engine_cuda.py ${TESTS_MORE:-} \
         tests/kernels/${TESTS_KERNELS:-} 2>&1 | tail -30 | tee -a "$log" ;;
     matmul)  # MXFP4 matmul vs torch bf16 and int4 tinygemm, every 8B shape, M = 1..512 (docs/benchmarks.md);
       # SWEEP_MS=160,256 also times other launches at those M and prints the best beside choose_config's
