@@ -4,7 +4,8 @@
 
 SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64, pages of 16) over random pages in shuffled
 order: one request decoding at 128, 512 and 2,048 tokens of context, a k = 4 verification (5 rows) at 512 and
-2,048, and 8 requests decoding at 256, over pages of each --kv-dtypes (the kernel's `threads` = --threads; k8v4
+2,048, and 8 requests decoding at 256 (`--cases step`), and a prompt's chunk of 64 rows ending at 1,024 and 2,048
+tokens (`--cases prefill`), over pages of each --kv-dtypes (the kernel's `threads` = --threads; k8v4
 and mxfp4 pages with the pools' Hadamard rotation: the call rotates and quantizes the step's rows too). The
 median of --repeats calls through the Python wrapper (whose own cost is the context-1 row); each output is
 checked against `paged_attention_ref` (`paged_attention_quantized_ref`) first. One call's pages stay in the caches between repeats: a decode step
@@ -42,6 +43,7 @@ CASES = [
     ([1], [2048]),
     ([5], [2048]),
 ]
+PREFILL = [([64], [1024]), ([64], [2048])]  # --cases prefill: a prompt's chunk of 64 rows ending at that context
 QUANTIZED = {"k8v4": ("mxfp8", "mxfp4"), "mxfp4": ("mxfp4", "mxfp4")}  # (key, value) element formats
 
 
@@ -73,13 +75,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--kv-dtypes", default="float32", help="comma list of float32, float16, bfloat16 (page elements)")
+    ap.add_argument("--cases", default="step,prefill", help="comma list of step (decode and verification), prefill")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, threads {args.threads}")
     print("| pages | requests | new rows each | context | us per layer call | max abs diff vs reference |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in args.kv_dtypes.split(","):
-        for q_lens, ctx_lens in CASES:
+        cases = {"step": CASES, "prefill": PREFILL}
+        for q_lens, ctx_lens in [c for part in args.cases.split(",") for c in cases[part]]:
             if name in QUANTIZED:
                 call, err = quantized_call(q_lens, ctx_lens, QUANTIZED[name], args.threads)
             else:
