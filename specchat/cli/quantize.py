@@ -51,13 +51,15 @@ def quantize(
     """Quantize MODEL's linear layers to MXFP4 (OCP MX v1.0) and save a checkpoint `generate` can load."""
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
-    from specchat.quant.quantize import QuantizeSettings, quantize_to_checkpoint
+    from specchat.quant.quantize import QuantizeSettings, check_out_dir, quantize_to_checkpoint
     from specchat.registry import fetch, resolve, tokenizer_dir
 
     if not math.isfinite(damp):
         raise ConfigError(f"--damp must be a finite number > 0, got {damp}")
     if calibration is not None:
         read_nonempty_text(calibration, "--calibration")  # an empty or unreadable text fails before the model loads
+    if out is not None:
+        check_out_dir(out)  # a folder of other files (the model's own) or one that cannot be made: before loading
     settings = QuantizeSettings(
         method=method,
         rule=rule,

@@ -5,12 +5,15 @@ flags and calls `quantize_to_checkpoint`; the names its flags offer (methods, ro
 are the ones here. The live toggle (quant.handler) calls it with the defaults to fill its cache. The checkpoint
 format is quant.checkpoint's; GPTQ is quant.gptq's, round to nearest quant.modules'.
 
-The cache (`out=None`) holds one checkpoint per model file: written whole under a temporary name and renamed, so
-a run cut short leaves nothing half-written there, and reused as it is when it was made with the same settings.
+The cache (`out=None`) holds one checkpoint per model file, reused as it is when it was made with the same
+settings. A checkpoint, there or in `out`, is written whole under a temporary name beside it and renamed, so a run
+cut short leaves nothing half-written; an `out` that holds anything but an MXFP4 checkpoint (the source model's own
+folder, say) is refused before anything is quantized.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +26,10 @@ from torch import nn
 from specchat.errors import ConfigError
 from specchat.kernels.mxfp4 import RULES, Rule
 from specchat.quant.checkpoint import (
+    METADATA_FILE,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    Packed,
     cache_dir,
     describe,
     is_mxfp4_checkpoint,
@@ -45,6 +52,7 @@ DEFAULT_METHOD = "gptq"
 DEFAULT_RULE: Rule = "mse"
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+CHECKPOINT_FILES = {WEIGHTS_FILE, METADATA_FILE, "config.json", *TOKENIZER_FILES}  # what a checkpoint folder holds
 
 
 @dataclass(slots=True)
@@ -118,6 +126,8 @@ def quantize_to_checkpoint(
     """
     if is_mxfp4_checkpoint(source):
         raise ConfigError(f"{source} is already an MXFP4 checkpoint")
+    if out is not None:
+        check_out_dir(out)
     if out is None and (cached := cached_result(source, settings)) is not None:
         return cached
     try:
@@ -148,13 +158,43 @@ def quantize_to_checkpoint(
         meta["calibration"] = str(settings.calibration or f"specchat/data/text/{CALIBRATION_TEXT}")
     meta["seconds"] = round(time.perf_counter() - started, 1)
     meta["created"] = datetime.now(UTC).isoformat(timespec="seconds")
-    if out is not None:
-        save_mxfp4_checkpoint(out, model, packed, tokenizer_dir, meta)
-        return QuantizeResult(out, len(packed), describe(meta), meta["seconds"])
-    target = cache_dir(source)
-    partial = target.with_name(target.name + ".part")
-    shutil.rmtree(partial, ignore_errors=True)
-    save_mxfp4_checkpoint(partial, model, packed, tokenizer_dir, meta)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+    target = cache_dir(source) if out is None else out
+    write_whole(target, model, packed, tokenizer_dir, meta)
     return QuantizeResult(target, len(packed), describe(meta), meta["seconds"])
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an --out the checkpoint cannot go to, or whose files it would replace: a file, a folder holding
+    anything but an MXFP4 checkpoint's own files (the source model's folder among them), a place that cannot be
+    made. An earlier checkpoint there is replaced whole."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out}: not a folder")
+        if out.is_dir() and any(out.iterdir()):
+            others = sorted(p.name for p in out.iterdir() if p.name not in CHECKPOINT_FILES)
+            if others or not is_mxfp4_checkpoint(out):
+                what = f"holds {others[0]}" if others else "holds a model that is not an MXFP4 checkpoint"
+                raise ConfigError(f"--out {out}: the folder {what}; give a new or empty folder")
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # the checkpoint is written beside `out`, then renamed
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot make {out.parent} ({exc.strerror or exc})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"--out {out}: cannot write in {out.parent}")
+
+
+def write_whole(target: Path, model: nn.Module, packed: Packed, tokenizer_dir: Path, meta: dict) -> None:
+    """Write the checkpoint under a temporary name beside `target`, then put it in `target`'s place: a run cut
+    short leaves `target` as it was (an earlier checkpoint, or nothing)."""
+    partial = target.with_name(target.name + ".part")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        save_mxfp4_checkpoint(partial, model, packed, tokenizer_dir, meta)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    except OSError as exc:
+        raise ConfigError(f"{target}: cannot write the checkpoint ({exc.strerror or exc})") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # what a failed or interrupted write left

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from specchat.errors import ConfigError
-from specchat.quant.checkpoint import METADATA_FILE
+from specchat.quant import quantize as quantize_module
+from specchat.quant.checkpoint import METADATA_FILE, WEIGHTS_FILE
 from specchat.quant.quantize import QuantizeSettings, quantize_to_checkpoint
 
 
@@ -45,3 +47,38 @@ def test_a_selection_that_matches_nothing_is_a_config_error(engine, tiny_model_d
             engine.model, engine.tokenizer.encode, QuantizeSettings(layers="nope"), tiny_model_dir, "tiny",
             tiny_model_dir, tmp_path / "q",
         )  # fmt: skip
+
+
+def test_out_that_holds_other_files_is_refused_and_left_alone(engine, tiny_model_dir, tmp_path) -> None:
+    """The model's own folder as --out had its model.safetensors overwritten by the checkpoint (then a
+    shutil.SameFileError traceback); a folder of other files got the checkpoint's files mixed in."""
+    before = (tiny_model_dir / WEIGHTS_FILE).read_bytes()
+    args = (engine.model, engine.tokenizer.encode, QuantizeSettings(method="rtn"), tiny_model_dir, "tiny")
+    with pytest.raises(ConfigError, match="holds a model that is not an MXFP4 checkpoint"):
+        quantize_to_checkpoint(*args, tiny_model_dir, tiny_model_dir)
+    assert (tiny_model_dir / WEIGHTS_FILE).read_bytes() == before
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds notes\.txt"):
+        quantize_to_checkpoint(*args, tiny_model_dir, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    with pytest.raises(ConfigError, match="cannot make"):
+        quantize_to_checkpoint(*args, tiny_model_dir, tmp_path / "notes.txt" / "q")
+
+
+def test_an_interrupted_write_leaves_the_earlier_checkpoint(engine, tiny_model_dir, tmp_path, monkeypatch) -> None:
+    out = tmp_path / "q"
+    args = (engine.model, engine.tokenizer.encode, QuantizeSettings(method="rtn"), tiny_model_dir, "tiny")
+    quantize_to_checkpoint(*args, tiny_model_dir, out)  # an empty --out or an earlier checkpoint is written over
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    save = quantize_module.save_mxfp4_checkpoint
+
+    def cut_short(path: Path, *rest) -> None:
+        save(path, *rest)
+        (path / WEIGHTS_FILE).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantize_module, "save_mxfp4_checkpoint", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_to_checkpoint(*args, tiny_model_dir, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no partial left beside it
