@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,22 @@ class LineProgress:
         if now - self.last >= PLAIN_PROGRESS_EVERY_S or done >= total:
             click.echo(f"{what}: {done}/{total}", err=True)
             self.last = now
+
+
+def check_places(out: Path, work: Path, arch: str) -> None:
+    """--out and the work folder, before the model loads: a place the result cannot go to failed at the save,
+    after all the training."""
+    if arch == "heads" and out.is_dir():
+        raise ConfigError(f"--out {out}: a folder; draft heads are one file (give FILE.safetensors)")
+    if arch == "eagle" and out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: a file; an EAGLE-3 head is a folder")
+    for what, folder in (("--out", out.parent), ("the work folder (--work)", work)):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{what}: cannot make {folder} ({exc.strerror or exc})") from None
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"{what}: cannot write in {folder}")
 
 
 @click.command("train-heads")
@@ -126,6 +143,8 @@ def train_heads(
             batch_size=batch_size,
             lr=lr or 2e-3,
         )
+    work = work or out.with_name(out.name + ".work")
+    check_places(out, work, arch)
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)  # model_extra: --weights
     engine = Engine.load(config, progress=StderrProgress())
     layers = engine.model.cfg.num_layers

@@ -128,6 +128,7 @@ GGUF_CASES = [
 ]
 
 GEN = ["generate", "{tiny}", "-p", "hi"]
+TINY_TRAINING = ["--max-prompts", "1", "--max-tokens", "4", "--samples", "0", "--epochs", "1"]  # quick if it runs
 FLAG_CASES = [
     ("--seed 2^70", [*GEN, "--seed", str(2**70)], ["seed"]),
     ("--seed 2^64", [*GEN, "--seed", str(2**64)], ["seed"]),
@@ -259,6 +260,22 @@ FLAG_CASES = [
         "train-heads --max-running 0",
         ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--max-running", "0"],
         ["max-running"],
+    ),
+    ("train-heads --out a folder", ["train-heads", "{tiny}", "--out", "{root}", *TINY_TRAINING], ["--out", "a folder"]),
+    (
+        "train-heads --out under a file",
+        ["train-heads", "{tiny}", "--out", "{text}/ok.txt/h.safetensors", *TINY_TRAINING],
+        ["--out", "cannot make"],
+    ),
+    (
+        "train-heads --arch eagle --out a file",
+        ["train-heads", "{tiny}", "--arch", "eagle", "--out", "{text}/ok.txt", *TINY_TRAINING],
+        ["--out", "a file"],
+    ),
+    (
+        "train-heads work folder under a file",
+        ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--work", "{text}/ok.txt/w", *TINY_TRAINING],
+        ["work folder", "cannot make"],
     ),
     ("agent --concurrency 0", ["agent", "{agent:tasks_missing}", "--concurrency", "0"], ["--concurrency"]),
     ("agent --k lots", ["agent", "{agent:ok}", "--headless", "--k", "lots"], ["--k"]),
