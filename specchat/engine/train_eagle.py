@@ -24,6 +24,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,6 +40,8 @@ from specchat.engine.train_heads import (
     greedy_run_tokens_per_step,
     held_out_ids,
     lr_factor,
+    read_or_remake,
+    write_whole,
 )
 from specchat.errors import ConfigError
 
@@ -148,8 +151,9 @@ class EagleTrainer:
     def features(self, records: list[dict]) -> list[dict]:
         """Per kept answer: {"ids": [T], "prompt": P, "hidden": [T, 3h] bf16, "eval": bool}."""
         path = self.work / "eagle_features.pt"
-        if path.is_file():
-            return torch.load(path, weights_only=True)
+        feats = read_or_remake(path, lambda p: torch.load(p, weights_only=True), self.log)
+        if feats is not None:
+            return feats
         held_out = held_out_ids(records, self.cfg.eval_fraction, self.cfg.seed)
         # Held-out prompts keep only their greedy answer: the report measures agreement with greedy decoding.
         kept = [r for r in records if r["greedy"] or r["id"] not in held_out]
@@ -180,7 +184,7 @@ class EagleTrainer:
                 )
             batch = []
             self.progress("features", n + 1, len(kept))
-        torch.save(out_rows, path)
+        write_whole(path, lambda p: torch.save(out_rows, p))
         return out_rows
 
     # --- 3. train ---------------------------------------------------------------------------------------
@@ -215,7 +219,8 @@ class EagleTrainer:
             step += 1
             self.progress(f"train loss {loss.item():.3f}", step, total)
             if step % cfg.checkpoint_every == 0 or step == total:
-                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step}, self.checkpoint)
+                state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step}
+                write_whole(self.checkpoint, partial(torch.save, state))
         return head.eval()
 
     def _batches(self, feats: list[dict]) -> list[list[int]]:
@@ -234,9 +239,10 @@ class EagleTrainer:
         return self.work / f"eagle-checkpoint-{self.cfg.train_key()}.pt"
 
     def _resume(self, head: EagleHead, opt: torch.optim.Optimizer) -> int:
-        if not self.checkpoint.is_file():
+        load = lambda p: torch.load(p, map_location=self.device, weights_only=True)
+        state = read_or_remake(self.checkpoint, load, self.log)
+        if state is None:
             return 0
-        state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         self.log(f"resuming from {self.checkpoint} at step {state['step']}")
@@ -333,7 +339,7 @@ def train_eagle(
 ) -> dict:
     """Train an EAGLE-3 head for engine's model into the directory `out` (work: OUT.work); returns the report."""
     trainer = EagleTrainer(engine, cfg, work or out.with_name(out.name + ".work"), progress, log)
-    records = generate_answers(engine, cfg, trainer.work / "answers.jsonl", progress)
+    records = generate_answers(engine, cfg, trainer.work / "answers.jsonl", progress, log)
     log(f"{len(records)} answers, {sum(len(r['output_ids']) for r in records)} tokens")
     feats = trainer.features(records)
     log(

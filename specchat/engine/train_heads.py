@@ -27,14 +27,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import pickle
 import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.drafters.base import DATA_DIR
@@ -140,17 +145,16 @@ class HeadTrainer:
 
     # --- 1. answers -------------------------------------------------------------------------------------
     def answers(self) -> list[dict]:
-        return generate_answers(self.engine, self.cfg, self.work / "answers.jsonl", self.progress)
+        return generate_answers(self.engine, self.cfg, self.work / "answers.jsonl", self.progress, self.log)
 
     # --- 2. features ------------------------------------------------------------------------------------
     def features(self, records: list[dict]) -> dict[str, torch.Tensor]:
-        path = self.work / "features.safetensors"
-        if path.is_file():
-            from safetensors.torch import load_file
+        from safetensors.torch import load_file, save_file
 
-            feats = load_file(str(path))
-            if "greedy" in feats:  # features of an older version lack the greedy labels: made again below
-                return feats
+        path = self.work / "features.safetensors"
+        feats = read_or_remake(path, lambda p: load_file(str(p)), self.log)
+        if feats is not None and "greedy" in feats:  # features of an older version lack the greedy labels: made again
+            return feats
         K = MAX_HEADS
         held_out = self._held_out_ids(records)
         hidden, windows, greedy, is_eval = [], [], [], []
@@ -187,9 +191,7 @@ class HeadTrainer:
             "greedy": torch.cat(greedy).contiguous(),
             "is_eval": torch.cat(is_eval),
         }
-        from safetensors.torch import save_file
-
-        save_file(feats, str(path))
+        write_whole(path, lambda p: save_file(feats, str(p)))
         return feats
 
     def _draft_vocab(self, records: list[dict]) -> torch.Tensor:
@@ -246,7 +248,8 @@ class HeadTrainer:
             step += 1
             self.progress(f"train loss {loss.item():.3f}", step, total)
             if step % cfg.checkpoint_every == 0 or step == total:
-                torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step}, self.checkpoint)
+                state = {"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step}
+                write_whole(self.checkpoint, partial(torch.save, state))
         return heads.eval()
 
     @property
@@ -254,9 +257,10 @@ class HeadTrainer:
         return self.work / f"checkpoint-{self.cfg.train_key()}.pt"
 
     def _resume(self, heads: DraftHeads, opt: torch.optim.Optimizer) -> int:
-        if not self.checkpoint.is_file():
+        load = lambda p: torch.load(p, map_location=self.device, weights_only=True)
+        state = read_or_remake(self.checkpoint, load, self.log)
+        if state is None:
             return 0
-        state = torch.load(self.checkpoint, map_location=self.device, weights_only=True)
         heads.load_state_dict(state["heads"])
         opt.load_state_dict(state["opt"])
         self.log(f"resuming from {self.checkpoint} at step {state['step']}")
@@ -331,12 +335,13 @@ def greedy_run_tokens_per_step(answers: list[torch.Tensor], k: int) -> float:
     return positions / steps if steps else 1.0
 
 
-def generate_answers(engine, cfg, path: Path, progress: Progress) -> list[dict]:
+def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[[str], None]) -> list[dict]:
     """The target's answers to the `train` prompts (cached in `path`): one greedy answer per prompt plus
     `cfg.samples_per_prompt` sampled ones, all submitted at once so that the scheduler batches them. `cfg` is a
     TrainConfig or EagleTrainConfig (max_prompts, max_tokens, samples_per_prompt, temperature, seed)."""
-    if path.is_file():
-        return [json.loads(line) for line in path.read_text().splitlines()]
+    records = read_or_remake(path, lambda p: [json.loads(line) for line in p.read_text().splitlines()], log)
+    if records is not None:
+        return records
     prompts = load_prompt_set("train")[: cfg.max_prompts or None]
     jobs = []
     for n, prompt in enumerate(prompts):
@@ -361,8 +366,37 @@ def generate_answers(engine, cfg, path: Path, progress: Progress) -> list[dict]:
                 done += 1
                 progress("answers", done, len(jobs))
     records.sort(key=lambda r: (r["id"], len(r["output_ids"])))
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_whole(path, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
     return records
+
+
+T = TypeVar("T")
+# What reading a work file cut short raises: json (ValueError), safetensors, torch.load's zip reader and unpickler.
+TORN_FILE_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """Write a work file through a partial beside it, renamed into place: a run stopped mid-write (Ctrl-C while a
+    checkpoint saves) leaves the last whole file to resume from, never a torn one."""
+    part = path.with_name(path.name + ".part")
+    try:
+        write(part)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def read_or_remake(path: Path, read: Callable[[Path], T], log: Callable[[str], None]) -> T | None:
+    """What `read` makes of a work file; None when there is none, or when it does not read (a file torn by a run
+    killed while writing it): then it is removed with a line saying so, and made again."""
+    if not path.is_file():
+        return None
+    try:
+        return read(path)
+    except TORN_FILE_ERRORS as exc:
+        log(f"{path} is damaged ({type(exc).__name__}); making it again")
+        path.unlink(missing_ok=True)
+        return None
 
 
 def tapped_forward(engine, seqs: list[list[int]], logit_rows: list[int], tap: int):

@@ -16,6 +16,7 @@ from specchat.engine.train_heads import (
     load_prompt_set,
     lr_factor,
     train_heads,
+    write_whole,
 )
 from specchat.errors import ConfigError
 
@@ -98,6 +99,41 @@ def test_changed_data_settings_refuse_the_old_work_dir(tiny_engine, tmp_path):
     changed = TrainConfig(num_heads=1, max_prompts=2, max_tokens=5, samples_per_prompt=0, epochs=1, batch_size=8)
     with pytest.raises(ConfigError, match="other settings"):
         train_heads(tiny_engine, changed, tmp_path / "h.safetensors", lambda *a: None, lambda line: None)
+
+
+def test_work_files_cut_short_are_made_again(tiny_engine, tmp_path):
+    """A run killed while writing a work file (Ctrl-C during a checkpoint's save) left it torn, and every later run
+    ended in a traceback (JSONDecodeError, SafetensorError, torch's "failed finding central directory")."""
+    cfg = TrainConfig(num_heads=1, max_prompts=2, max_tokens=8, samples_per_prompt=1, epochs=1, batch_size=8)
+    out, lines = tmp_path / "h.safetensors", []
+    train_heads(tiny_engine, cfg, out, lambda *a: None, lines.append)
+    work = out.with_name(out.name + ".work")
+    (checkpoint,) = work.glob("checkpoint-*.pt")
+    torn = {"answers.jsonl": b'{"id": "x", "gre', "features.safetensors": b"\x10", checkpoint.name: b"PK\x03\x04"}
+    for name, data in torn.items():
+        (work / name).write_bytes(data)
+    stages = []
+    lines.clear()
+    train_heads(tiny_engine, cfg, out, lambda stage, *a: stages.append(stage.split()[0]), lines.append)
+    assert {"answers", "features", "train"} <= set(stages)
+    assert sorted(line.split("/")[-1].split()[0] for line in lines if "damaged" in line) == sorted(torn)
+    assert DraftHeads.load(out)[0].cfg.num_heads == 1
+    assert sorted(p.name for p in work.iterdir()) == sorted([*torn, "config.json"])  # whole again, no partials
+    assert len([json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines()]) == 2 * 2
+
+
+def test_a_work_file_write_stopped_midway_keeps_the_last_whole_one(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"step": 200}, path)
+
+    def stopped(part):
+        part.write_bytes(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_whole(path, stopped)
+    assert torch.load(path, weights_only=True) == {"step": 200}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
 
 def test_draft_labels_map_tokens_into_the_draft_vocab(tiny_engine, tmp_path):
