@@ -35,6 +35,7 @@ from specchat.engine.runner import StepBatch
 from specchat.engine.train_heads import (
     IGNORE,
     Progress,
+    check_at_least,
     draft_vocab_by_frequency,
     generate_answers,
     greedy_run_tokens_per_step,
@@ -70,8 +71,7 @@ class EagleTrainConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.ttt_steps <= 16:
             raise ConfigError(f"--ttt-steps must be in [1, 16], got {self.ttt_steps}")
-        if self.draft_vocab < 0 or self.epochs < 1 or self.batch_tokens < 1 or self.samples_per_prompt < 0:
-            raise ConfigError("draft vocab, samples per prompt must be >= 0; epochs, batch tokens >= 1")
+        check_at_least(self, {"draft_vocab": 0, "samples_per_prompt": 0, "epochs": 1, "batch_tokens": 1})
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
 

@@ -109,8 +109,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.num_heads <= MAX_HEADS:
             raise ConfigError(f"--heads must be in [1, {MAX_HEADS}], got {self.num_heads}")
-        if self.draft_vocab < 0 or self.epochs < 1 or self.batch_size < 1 or self.samples_per_prompt < 0:
-            raise ConfigError("draft vocab, samples per prompt must be >= 0; epochs, batch size >= 1")
+        check_at_least(self, {"draft_vocab": 0, "samples_per_prompt": 0, "epochs": 1, "batch_size": 1})
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
         if self.labels is not None and self.labels not in LABELS:
@@ -123,6 +122,17 @@ class TrainConfig:
     def train_key(self) -> str:
         """Names this training run's checkpoint, so runs with other settings never resume from it."""
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+FLAGS = {"samples_per_prompt": "samples"}  # config fields whose train-heads flag has another name
+
+
+def check_at_least(cfg, least: dict[str, int]) -> None:
+    """Each field of a training config against its least value, as one error naming the flag and the value."""
+    for field, bound in least.items():
+        if (value := getattr(cfg, field)) < bound:
+            flag = "--" + FLAGS.get(field, field).replace("_", "-")
+            raise ConfigError(f"{flag} must be >= {bound}, got {value}")
 
 
 class HeadTrainer:

@@ -250,6 +250,15 @@ FLAG_CASES = [
         ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--epochs", "0"],
         ["--epochs"],
     ),
+    *(
+        (f"train-heads {flag} {value}", ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", flag, value], [flag])
+        for flag, value in (("--samples", "-1"), ("--batch-size", "0"), ("--draft-vocab", "-5"))
+    ),
+    (
+        "train-heads --arch eagle --batch-tokens 0",
+        ["train-heads", "{tiny}", "--arch", "eagle", "--out", "{root}/e", "--batch-tokens", "0"],
+        ["--batch-tokens", "got 0"],
+    ),
     ("train-heads --lr 0", ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--lr", "0"], ["--lr"]),
     (
         "train-heads --max-tokens 0",
