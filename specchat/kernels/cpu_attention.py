@@ -570,6 +570,120 @@ INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, c
     for (int c = 0; c < NC; c++) _mm256_storeu_ps(outs[r] + 8 * c, acc[c]);
   }
 }
+
+/* AVX2 groups: up to GROUP_PAIRS (row, query head) pairs of one KV head (a verification's, or a prompt's rows) read
+   their keys and values KEY_BLOCK keys at a time, each block widened once into float32 (`buf`) for all of them:
+   on AVX2 a tile widens every binary16 / bfloat16 element in two instructions, once per 4 rows, and on an AMD
+   EPYC (Zen 1) that made scoring a key cost 1.8x what it costs over float32 rows (docs/benchmarks.md,
+   thirty-fifth session); a whole context widened at once is twice the bytes and left the caches. Within a block the
+   pairs go 4 at a time (score_block / add_block: attend_tile's loops over float32 rows), so each pair's
+   arithmetic is attend_avx2's, bit for bit: every score the same dot8, the same softmax, every output vector's sum
+   in key order (a block's partial sums wait in outs). */
+#define GROUP_PAIRS 32
+#define KEY_BLOCK 64 /* keys, rounded up to whole pages: 16 KB of float32 at head_dim 64 */
+
+/* buf = keys (or values) jb .. je - 1 of one KV head's pages as float32 rows (jb a page boundary). */
+INLINE void widen_block(const int T, const Plan* p, const int32_t* table, Pages pg, int jb, int je, float* buf) {
+  const int D = p->head_dim, ps = p->page_size;
+  for (int j0 = jb; j0 < je; j0 += ps) {
+    const size_t at = page_at(p, table, j0);
+    const int count = (je - j0 < ps ? je - j0 : ps) * D;
+    float* dst = buf + (size_t)(j0 - jb) * D;
+    for (int i = 0; i < count; i += 8) _mm256_store_ps(dst + i, kv_load8(pg, at + i, T));
+  }
+}
+
+/* Scores of R rows (queries qs, scores at s + r * s_row) for keys from .. to - 1, whose float32 rows start at kb
+   (key jb): four keys at a time, as score_keys8. */
+INLINE void score_block(const int NC, const int R, const float* const* qs, const float* kb, int jb, int from, int to,
+                        float scale_f, float* s, long s_row) {
+  const int D = NC * 8;
+  const __m128 scale = _mm_set1_ps(scale_f);
+  int j = from;
+  for (; j + 4 <= to; j += 4) {
+    __m256 d[4][4];
+    for (int u = 0; u < 4; u++) {
+      const __m256* kv = (const __m256*)(kb + (size_t)(j + u - jb) * D);
+      for (int r = 0; r < R; r++) d[r][u] = dot8_kv(NC, qs[r], kv);
+    }
+    for (int r = 0; r < R; r++) _mm_storeu_ps(s + r * s_row + j, _mm_mul_ps(sum4(d[r][0], d[r][1], d[r][2], d[r][3]), scale));
+  }
+  for (; j < to; j++) {
+    const __m256 z = _mm256_setzero_ps();
+    const __m256* kv = (const __m256*)(kb + (size_t)(j - jb) * D);
+    for (int r = 0; r < R; r++) s[r * s_row + j] = _mm_cvtss_f32(sum4(dot8_kv(NC, qs[r], kv), z, z, z)) * scale_f;
+  }
+}
+
+/* outs[r] (NC vectors) += sum over keys from .. to - 1 of s[r * s_row + j] v_j for R rows, the values' float32 rows
+   starting at vb (key jb), in key order; from == 0 starts the sums at zero. */
+INLINE void add_block(const int NC, const int R, const float* s, long s_row, const float* vb, int jb, int from, int to,
+                      float* const* outs) {
+  const int D = NC * 8, CW = R <= 2 && NC >= 4 ? 4 : 2;
+  for (int c0 = 0; c0 < NC; c0 += CW) {
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < CW; c++)
+        acc[r][c] = from == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(outs[r] + 8 * (c0 + c));
+    for (int j = from; j < to; j++) {
+      const float* v = vb + (size_t)(j - jb) * D + 8 * c0;
+      __m256 vv[4];
+      for (int c = 0; c < CW; c++) vv[c] = _mm256_load_ps(v + 8 * c);
+      for (int r = 0; r < R; r++) {
+        const __m256 w = _mm256_set1_ps(s[r * s_row + j]);
+        for (int c = 0; c < CW; c++) acc[r][c] = _mm256_fmadd_ps(w, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < CW; c++) _mm256_storeu_ps(outs[r] + 8 * (c0 + c), acc[r][c]);
+  }
+}
+
+/* The block's keys from .. to - 1 for R pairs at a time (R a compile-time constant at each call). */
+#define BLOCK_ROWS(CALL, R, ...)            \
+  switch (R) {                              \
+    case 1: CALL(NC, 1, __VA_ARGS__); break; \
+    case 2: CALL(NC, 2, __VA_ARGS__); break; \
+    case 3: CALL(NC, 3, __VA_ARGS__); break; \
+    default: CALL(NC, 4, __VA_ARGS__);       \
+  }
+
+/* P pairs of one KV head (pair r: query qs[r], ns[r] keys, output outs[r]; scores at s + r * s_row), a block of
+   keys at a time; buf holds KEY_BLOCK rounded up to whole pages of float32 rows. */
+INLINE void attend_group(const int NC, const int TK, const int TV, const Plan* p, const int32_t* table, int P,
+                         const int* ns, const float* const* qs, Pages kp, Pages vp, float* s, long s_row,
+                         float* const* outs, float* buf) {
+  const int ps = p->page_size, block = (KEY_BLOCK + ps - 1) / ps * ps;
+  int n = 0;
+  for (int r = 0; r < P; r++) n = ns[r] > n ? ns[r] : n;
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass == 1)
+      for (int r = 0; r < P; r++) softmax(s + r * s_row, ns[r]);
+    for (int jb = 0; jb < n; jb += block) {
+      const int je = n < jb + block ? n : jb + block;
+      widen_block(pass == 0 ? TK : TV, p, table, pass == 0 ? kp : vp, jb, je, buf);
+      for (int t = 0; t < P; t += 4) {
+        const int R = P - t < 4 ? P - t : 4;
+        int lo = ns[t];
+        for (int r = 1; r < R; r++) lo = ns[t + r] < lo ? ns[t + r] : lo;
+        const int common = lo < je ? lo : je;
+        float* st = s + t * s_row;
+        if (jb < common) {
+          if (pass == 0) BLOCK_ROWS(score_block, R, qs + t, buf, jb, jb, common, p->scale, st, s_row)
+          else BLOCK_ROWS(add_block, R, st, s_row, buf, jb, jb, common, outs + t)
+        }
+        for (int r = 0; r < R; r++) { /* a pair's own further keys in this block */
+          const int from = jb > lo ? jb : lo, to = ns[t + r] < je ? ns[t + r] : je;
+          if (from >= to) continue;
+          if (pass == 0) score_block(NC, 1, qs + t + r, buf, jb, from, to, p->scale, st + r * s_row, s_row);
+          else add_block(NC, 1, st + r * s_row, s_row, buf, jb, from, to, outs + t + r);
+        }
+      }
+    }
+  }
+}
+#undef BLOCK_ROWS
+#define HAVE_GROUP 1
 #define HAVE_TILE 1
 #define VEC_FLOATS 8
 #define attend_vec attend_avx2
@@ -653,6 +767,42 @@ static void attend_rows(const Plan* p, const int32_t* table, int R, const int* n
 #endif
   for (int r = 0; r < R; r++) attend_row(p, table, ns[r], qs[r], kp, vp, s, outs[r]);
 }
+
+#ifndef HAVE_GROUP
+#define GROUP_PAIRS 4 /* (the most pairs of a tile) */
+#define KEY_BLOCK 0
+#endif
+
+/* Pairs of one KV head per group (attend_group) where the build groups this head_dim (AVX2 at 16..64), else 0. */
+static int group_pairs(int D) {
+#ifdef HAVE_GROUP
+  if (D == 16 || D == 32 || D == 64) return GROUP_PAIRS;
+#endif
+  return 0;
+}
+
+/* Pairs per group for a prompt of `pairs` (row, query head) pairs per KV head: groups of at most GP pairs, of
+   about equal size (a multiple of 4, whole tiles), so that the threads' shares of them even out. */
+static int group_size(int pairs, int GP) {
+  const int groups = (pairs + GP - 1) / GP;
+  const int size = ((pairs + groups - 1) / groups + 3) / 4 * 4;
+  return size < GP ? size : GP;
+}
+
+#ifdef HAVE_GROUP
+#define GROUP_T(TK, TV) attend_group(NC, TK, TV, p, table, P, ns, qs, kp, vp, s, s_row, outs, buf); return;
+#define GROUP(NC_) { const int NC = NC_; KV_TYPES(GROUP_T) }
+static void attend_pairs(const Plan* p, const int32_t* table, int P, const int* ns, const float* const* qs,
+                         Pages kp, Pages vp, float* s, long s_row, float* const* outs, float* buf) {
+  switch (p->head_dim) {
+    case 16: GROUP(2)
+    case 32: GROUP(4)
+    default: GROUP(8)
+  }
+}
+#undef GROUP
+#undef GROUP_T
+#endif
 
 /* ---- Quantize-on-append: kernels/kv_quant.py's quantize_rows, bit for bit, after the pages' rotation ---- */
 
@@ -1086,7 +1236,7 @@ static __thread Scratch dequantized, rotated_queries;
 #define PARALLEL_ROWS 32
 /* A tile of paged_attention's work: pairs 0: rows first .. first + count - 1 of request b in query head `head`;
    pairs 1: (row, query head) pairs first .. first + count - 1 of request b in KV head `head`'s group, pair k being
-   row k / G in query head head * G + k % G. */
+   row k / G in query head head * G + k % G; pairs 2: such pairs as one group (attend_group, AVX2 builds). */
 typedef struct {
   int b, first, count, head, pairs;
 } Tile;
@@ -1158,19 +1308,25 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
      among the threads than 3) and takes the pairs in AVX2 ones (PAIRED_DECODE: each element widens in two
      instructions there; one row at 256 keys over fp16 pages 77.5 -> 58.8 us a layer on one thread, 62.0 -> 45.3 on
      two, 8 requests 414 -> 184 on two; docs/benchmarks.md, "Thirty-fourth session"), and a prompt R consecutive
-     rows in one query head. The threads take contiguous runs of tiles (each
+     rows in one query head, or in AVX2 builds groups of up to GROUP_PAIRS (row, query head) pairs of one KV group
+     (attend_group: a 64-row chunk of a prompt at 1,024 / 2,048 keys over fp16 pages 1.18x / 1.26x faster on one
+     thread; docs/benchmarks.md, "Thirty-fifth session"). The threads take contiguous runs of tiles (each
      core then reads its own KV heads' pages: handing tiles out one at a time made a decode step at 1,340 tokens
      ~20% slower), except where a prompt is in the step: its later rows see more keys, so tiles go round-robin
      (a 2,632-token prefill over fp16 pages 4,204-4,334 ms against 4,914-5,000 in contiguous runs: cpu_kv_formats.py,
      docs/benchmarks.md). */
   const int R = tile_rows(D), paired = !KV_DENSE(p->k_type) || PAIRED_DECODE; /* single rows too */
+  const int GP = group_pairs(D); /* prompts (DEQUANTIZE_ROWS rows or more): groups of up to GP pairs */
   int tiles = 0, longest = 1;
   long keys = 0;
   int prompt = 0;
   for (int b = 0; b < p->batch; b++) {
     const int m = p->q_lens[b];
     prompt |= m >= DEQUANTIZE_ROWS;
-    tiles += (paired || m > 1) && m < DEQUANTIZE_ROWS ? KVH * ((m * G + R - 1) / R) : (m + R - 1) / R * H;
+    if (GP > 0 && m >= DEQUANTIZE_ROWS)
+      tiles += KVH * ((m * G + group_size(m * G, GP) - 1) / group_size(m * G, GP));
+    else
+      tiles += (paired || m > 1) && m < DEQUANTIZE_ROWS ? KVH * ((m * G + R - 1) / R) : (m + R - 1) / R * H;
     longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
     keys += (long)m * p->ctx_lens[b];
   }
@@ -1179,14 +1335,21 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   Tile* w = work;
   for (int b = 0; b < p->batch; b++) {
     const int m = p->q_lens[b];
-    if ((paired || m > 1) && m < DEQUANTIZE_ROWS)
+    if (GP > 0 && m >= DEQUANTIZE_ROWS) { /* groups of about equal size, a multiple of 4, each KV head's in turn */
+      const int pairs = m * G, size = group_size(pairs, GP);
+      for (int i = 0; i < pairs; i += size)
+        for (int h = 0; h < KVH; h++) *w++ = (Tile){b, i, pairs - i < size ? pairs - i : size, h, 2};
+    }
+    else if ((paired || m > 1) && m < DEQUANTIZE_ROWS)
       for (int h = 0; h < KVH; h++)
         for (int i = 0; i < m * G; i += R) *w++ = (Tile){b, i, m * G - i < R ? m * G - i : R, h, 1};
     else
       for (int i = 0; i < m; i += R)
         for (int hq = 0; hq < H; hq++) *w++ = (Tile){b, i, m - i < R ? m - i : R, hq, 0};
   }
-  const long s_row = (longest + 15) / 16 * 16;
+  /* a row of scores per pair; one cache line more than whole lines, so that a group's rows do not all fall in the same
+     L1 set (16 rows 8 KB apart took 8-way L1 sets in turn) */
+  const long s_row = (longest + 15) / 16 * 16 + 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
   const int chunk = prompt ? 1 : (tiles + team - 1) / team;
   /* the dense copies (DEQUANTIZE_ROWS): request b's page j at scratch page first_page[b] + j, so its tiles read
@@ -1235,8 +1398,10 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
 #pragma omp parallel num_threads(team) reduction(| : failed)
 #endif
   {
-    float* s = malloc((size_t)R * s_row * sizeof(float));
-    failed = s == NULL;
+    float* s = malloc((size_t)(GP > R ? GP : R) * s_row * sizeof(float));
+    const size_t block_floats = (size_t)(KEY_BLOCK + ps - 1) / ps * ps * D;
+    float* buf = GP > 0 ? aligned_alloc(32, block_floats * sizeof(float)) : NULL;
+    failed = s == NULL || (GP > 0 && buf == NULL);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -1257,12 +1422,12 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
 #pragma omp for schedule(static, chunk)
 #endif
     for (long x = 0; x < tiles; x++) {
-      if (s == NULL) continue;
+      if (failed) continue;
       const Tile* tile = work + x;
       const int b = tile->b, m = p->q_lens[b], h = tile->pairs ? tile->head : tile->head / G;
-      int ns[4];
-      const float* qs[4];
-      float* outs[4];
+      int ns[GROUP_PAIRS];
+      const float* qs[GROUP_PAIRS];
+      float* outs[GROUP_PAIRS];
       for (int r = 0; r < tile->count; r++) {
         const int k = tile->first + r, i = tile->pairs ? k / G : k, hq = tile->pairs ? h * G + k % G : tile->head;
         const size_t t = (size_t)(p->q_starts[b] + i);
@@ -1281,7 +1446,12 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
         plan = &dense;
         table = identity;
       }
-      attend_rows(plan, table, tile->count, ns, qs, kp, vp, s, s_row, outs);
+#ifdef HAVE_GROUP
+      if (tile->pairs == 2)
+        attend_pairs(plan, table, tile->count, ns, qs, kp, vp, s, s_row, outs, buf);
+      else
+#endif
+        attend_rows(plan, table, tile->count, ns, qs, kp, vp, s, s_row, outs);
       if (r_out) /* back from the pages' basis */
         for (int r = 0; r < tile->count; r++) {
           float y[256];
@@ -1290,6 +1460,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
         }
     }
     free(s);
+    free(buf);
   }
   free(work);
   free(first_page);

@@ -156,12 +156,12 @@ def test_paged_attention_matches_reference(q_lens, ctx_lens, heads, kv_heads, he
 @pytest.mark.parametrize(("head_dim", "page_size"), [(64, 16), (64, 4), (32, 32), (128, 16), (16, 8), (48, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("m", [23, 5])
-def test_a_prompts_rows_equal_the_same_rows_decoded_one_at_a_time(head_dim, page_size, threads, kv_dtype, m):
-    """Every row of a step of many (a prompt's, scored in tiles of consecutive rows, or a verification's, in tiles
-    of (row, head) pairs, where the build tiles them) is bit-equal to that row decoded alone at its position:
-    prefill, chunked prefill, prefix cache, verification and decoding agree."""
-    c = 37
+@pytest.mark.parametrize(("m", "c"), [(23, 37), (5, 37), (23, 150)])
+def test_a_prompts_rows_equal_the_same_rows_decoded_one_at_a_time(head_dim, page_size, threads, kv_dtype, m, c):
+    """Every row of a step of many (a prompt's, scored in tiles of consecutive rows, or in AVX2 builds in groups of
+    (row, head) pairs over blocks of keys widened once; a verification's, in tiles of (row, head) pairs, where the
+    build tiles them) is bit-equal to that row decoded alone at its position: prefill, chunked prefill, prefix
+    cache, verification and decoding agree. A context of 150 keys spans several key blocks."""
     plan, q, k, v, k_pages, v_pages, meta = paged_case([m], [c], 6, 2, head_dim, page_size, seed=2, kv_dtype=kv_dtype)
     many = cpu_attention.paged_attention(plan, q, k, v, k_pages, v_pages, threads)
     for i in range(m):
