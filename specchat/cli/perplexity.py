@@ -26,7 +26,7 @@ import torch
 
 from specchat.cli.inputs import read_nonempty_text
 from specchat.cli.options import StderrProgress, engine_config, model_options
-from specchat.errors import ConfigError, PromptError
+from specchat.errors import ConfigError, KVCacheFullError, PromptError
 
 HELD_OUT_TEXT = "heldout_textwrap.txt"  # specchat/data/text: never calibrated or tuned on
 DEFAULT_CONTEXT = 1024
@@ -85,6 +85,12 @@ def perplexity(
     stride = min(stride, context)
     runner, pool = engine.runner, engine.pool
     windows = sliding_windows(len(ids), context, stride)
+    need = max(end - begin - 1 for begin, _, end in windows)  # tokens of KV the longest window reads back
+    if need > pool.capacity_tokens:
+        raise KVCacheFullError(
+            f"a window of {need} tokens needs more KV cache than the pool holds ({pool.capacity_tokens} tokens): "
+            "raise --kv-memory or lower --context"
+        )
     nll, scored = 0.0, 0
     for w, (begin, score_from, end) in enumerate(windows):
         window = ids[begin:end]
@@ -142,6 +148,8 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
     config = engine_config(model, device, dtype, weights=weights)  # --kv and --kv-memory: model_options
     engine = Engine.load(config, progress=StderrProgress())
     ids = engine.tokenizer.encode(text)
+    if len(ids) < 2:  # perplexity() refuses it too, without the file's name
+        raise PromptError(f"--file {text_file}: the text is {len(ids)} token; perplexity needs at least 2")
     result = perplexity(engine, ids, context, stride, progress=StderrProgress(), chunk=chunk)
     if result.context < context:  # perplexity() keeps windows within the model's context: say so
         click.echo(f"specchat: --context {context} is past the model's {result.context}: used that", err=True)

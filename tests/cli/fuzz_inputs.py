@@ -67,6 +67,7 @@ class Fixtures:
             "empty.txt": b"",
             "blank.txt": b"   \n\n\t\n",
             "ok.txt": b"hello\nworld\n",
+            "one_token.txt": b"x",
             "bad.jsonl": b'{"prompt": "caf\xe9"}\n',
         }.items():
             (self.text / name).write_bytes(data)

@@ -229,6 +229,12 @@ FLAG_CASES = [
     ("quantize --out the model's folder", ["quantize", "{tiny}", "--out", "{tiny}"], ["--out", "not an MXFP4"]),
     ("quantize --out a folder of files", ["quantize", "{tiny}", "--out", "{text}"], ["--out", "holds"]),
     ("quantize --out under a file", ["quantize", "{tiny}", "--out", "{text}/ok.txt/q"], ["--out", "cannot make"]),
+    (
+        "perplexity --file of one token",
+        ["perplexity", "{tiny}", "--file", "{text}/one_token.txt"],
+        ["--file", "1 token"],
+    ),
+    ("perplexity window past --kv-memory", ["perplexity", "{tiny}", "--kv-memory", "20K"], ["--kv-memory", "window"]),
     ("perplexity --context 1", ["perplexity", "{tiny}", "--context", "1"], ["--context"]),
     ("perplexity --stride 0", ["perplexity", "{tiny}", "--stride", "0"], ["--stride"]),
     ("perplexity --stride > --context", ["perplexity", "{tiny}", "--context", "8", "--stride", "9"], ["--stride"]),
