@@ -571,10 +571,10 @@ INLINE void attend_tile(const int NC, const int R, const int TK, const int TV, c
   }
 }
 
-/* AVX2 groups: up to GROUP_PAIRS (row, query head) pairs of one KV head (a verification's, or a prompt's rows) read
-   their keys and values KEY_BLOCK keys at a time, each block widened once into float32 (`buf`) for all of them:
-   on AVX2 a tile widens every binary16 / bfloat16 element in two instructions, once per 4 rows, and on an AMD
-   EPYC (Zen 1) that made scoring a key cost 1.8x what it costs over float32 rows (docs/benchmarks.md,
+/* AVX2 groups: up to GROUP_PAIRS (row, query head) pairs of a prompt's rows in one KV group read their keys and
+   values KEY_BLOCK keys at a time, each block widened once into float32 (`buf`) for all of them: on AVX2 a tile
+   widens every binary16 / bfloat16 element in two instructions, once per 4 rows, and on an AMD EPYC (Zen 1) that
+   made scoring a key cost 1.2x, and adding its value 1.4x, what they cost over float32 rows (docs/benchmarks.md,
    thirty-fifth session); a whole context widened at once is twice the bytes and left the caches. Within a block the
    pairs go 4 at a time (score_block / add_block: attend_tile's loops over float32 rows), so each pair's
    arithmetic is attend_avx2's, bit for bit: every score the same dot8, the same softmax, every output vector's sum
@@ -595,8 +595,8 @@ INLINE void widen_block(const int T, const Plan* p, const int32_t* table, Pages 
 
 /* Scores of R rows (queries qs, scores at s + r * s_row) for keys from .. to - 1, whose float32 rows start at kb
    (key jb): four keys at a time, as score_keys8. */
-INLINE void score_block(const int NC, const int R, const float* const* qs, const float* kb, int jb, int from, int to,
-                        float scale_f, float* s, long s_row) {
+INLINE void score_block(const int NC, const int R, const float* const* qs, const float* kb, int jb, int from,
+                        int to, float scale_f, float* s, long s_row) {
   const int D = NC * 8;
   const __m128 scale = _mm_set1_ps(scale_f);
   int j = from;
@@ -606,7 +606,8 @@ INLINE void score_block(const int NC, const int R, const float* const* qs, const
       const __m256* kv = (const __m256*)(kb + (size_t)(j + u - jb) * D);
       for (int r = 0; r < R; r++) d[r][u] = dot8_kv(NC, qs[r], kv);
     }
-    for (int r = 0; r < R; r++) _mm_storeu_ps(s + r * s_row + j, _mm_mul_ps(sum4(d[r][0], d[r][1], d[r][2], d[r][3]), scale));
+    for (int r = 0; r < R; r++)
+      _mm_storeu_ps(s + r * s_row + j, _mm_mul_ps(sum4(d[r][0], d[r][1], d[r][2], d[r][3]), scale));
   }
   for (; j < to; j++) {
     const __m256 z = _mm256_setzero_ps();
@@ -617,8 +618,8 @@ INLINE void score_block(const int NC, const int R, const float* const* qs, const
 
 /* outs[r] (NC vectors) += sum over keys from .. to - 1 of s[r * s_row + j] v_j for R rows, the values' float32 rows
    starting at vb (key jb), in key order; from == 0 starts the sums at zero. */
-INLINE void add_block(const int NC, const int R, const float* s, long s_row, const float* vb, int jb, int from, int to,
-                      float* const* outs) {
+INLINE void add_block(const int NC, const int R, const float* s, long s_row, const float* vb, int jb, int from,
+                      int to, float* const* outs) {
   const int D = NC * 8, CW = R <= 2 && NC >= 4 ? 4 : 2;
   for (int c0 = 0; c0 < NC; c0 += CW) {
     __m256 acc[4][4];
@@ -1347,8 +1348,8 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       for (int i = 0; i < m; i += R)
         for (int hq = 0; hq < H; hq++) *w++ = (Tile){b, i, m - i < R ? m - i : R, hq, 0};
   }
-  /* a row of scores per pair; one cache line more than whole lines, so that a group's rows do not all fall in the same
-     L1 set (16 rows 8 KB apart took 8-way L1 sets in turn) */
+  /* a row of scores per pair; one cache line more than whole lines, so that a group's rows do not all fall in the
+     same L1 set (rows 8 KB apart would: its sets hold 8 lines) */
   const long s_row = (longest + 15) / 16 * 16 + 16;
   const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
   const int chunk = prompt ? 1 : (tiles + team - 1) / team;
