@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
 from specchat.cli.inputs import read_prompt_lines
 from specchat.cli.options import DTYPE_HELP, StderrProgress, check_memory_ask, cpu_act_option, spec_params
@@ -221,6 +222,18 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     print_table([*headers, "P50 ms/token", "P99 ms/token", "vs plain", "prefill tok/s"], rows)
 
 
+# Flags of one mode only (their parameter names); given to the other, they are refused rather than ignored.
+SESSIONS_ONLY = ("dtype", "prompts_file", "max_tokens", "drafter", "rounds", "step_ahead", "temperature")
+SYNTHETIC_ONLY = ("batch", "acceptance", "context", "steps")
+
+
+def given_flags(ctx: click.Context, names: Sequence[str]) -> list[str]:
+    """The flags among parameters `names` that the command line (or the environment) set."""
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    params = {p.name: p for p in ctx.command.params}
+    return [params[name].opts[0] for name in names if ctx.get_parameter_source(name) in given]
+
+
 @click.command()
 @click.argument("model", required=False)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -298,6 +311,10 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
         raise click.UsageError(
             "--cpu-act works with --sessions; --synthetic builds random float weights, not GGUF blocks"
         )
+    other_mode = given_flags(click.get_current_context(), SESSIONS_ONLY if shape is not None else SYNTHETIC_ONLY)
+    if other_mode:  # refused, not ignored: a table that looks like the answer to another question
+        mode, other = ("--synthetic", "--sessions") if shape is not None else ("--sessions", "--synthetic")
+        raise click.UsageError(f"{', '.join(other_mode)}: for {other}, not {mode}")
     if shape is not None:
         weights, kv = weights or "bf16", kv or "bf16"
         bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)

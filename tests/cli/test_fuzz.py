@@ -201,6 +201,21 @@ FLAG_CASES = [
     ("bench unknown shape", ["bench", "--synthetic", "gpt-9"], ["gpt-9"]),
     ("bench --synthetic with MODEL", ["bench", "{tiny}", "--synthetic", "tiny"], ["--synthetic", "MODEL"]),
     ("bench --synthetic and --sessions", ["bench", "--synthetic", "tiny", "--sessions", "1"], ["--synthetic"]),
+    (
+        "bench --synthetic --dtype",
+        ["bench", "--synthetic", "tiny", "--dtype", "float16"],
+        ["--dtype", "for --sessions"],
+    ),
+    (
+        "bench --synthetic --drafter --max-tokens",
+        ["bench", "--synthetic", "tiny", "--drafter", "ngram", "--max-tokens", "8"],
+        ["--max-tokens, --drafter", "not --synthetic"],
+    ),
+    (
+        "bench --sessions --batch --steps",
+        ["bench", "{tiny}", "--sessions", "1", "--prompts", "{text}/ok.txt", "--batch", "4", "--steps", "9"],
+        ["--batch, --steps", "for --synthetic"],
+    ),
     ("bench --sessions without --prompts", ["bench", "{tiny}", "--sessions", "1"], ["--prompts"]),
     ("bench --sessions 0", ["bench", "{tiny}", "--sessions", "0", "--prompts", "{text}/ok.txt"], ["--sessions"]),
     ("bench --sessions abc", ["bench", "{tiny}", "--sessions", "abc", "--prompts", "{text}/ok.txt"], ["--sessions"]),
