@@ -298,41 +298,47 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
   }
 }
 #endif
-/* The whole product, MMAX rows at a time; `threads` > 1 splits the outputs n among OpenMP threads (one thread
-   calls the chunk directly: entering an OpenMP region costs a few microseconds even when it runs on one). */
+/* Outputs a .. b - 1 of all M rows, MMAX rows at a time. */
+static void q4_rows(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+                    int a, int b) {
+  for (int i0 = 0; i0 < M; i0 += MMAX) {
+    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
+    q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, a, b);
+  }
+}
+
+/* The whole product; `threads` > 1 splits the outputs n among OpenMP threads, each taking its outputs of every row
+   chunk in one region (as i8_gemm; one thread calls them directly: entering an OpenMP region costs a few
+   microseconds even when it runs on one). */
 void q4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
              int threads) {
-  for (int i0 = 0; i0 < M; i0 += MMAX) {
-    int rows = M - i0 < MMAX ? M - i0 : MMAX;
 #ifdef _OPENMP
-    if (threads > 1) {
+  if (threads > 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int t = 0; t < threads; t++) {
-        int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
-        q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, a, b);
-      }
-      continue;
-    }
+    for (int t = 0; t < threads; t++)
+      q4_rows(M, N, K, x, q, d, m, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
+  } else
 #endif
-    q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, 0, N);
+    q4_rows(M, N, K, x, q, d, m, y, 0, N);
+}
+
+/* Outputs a .. b - 1 of all M rows, MMAX rows at a time. */
+static void q8_rows(int M, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int a, int b) {
+  for (int i0 = 0; i0 < M; i0 += MMAX) {
+    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
+    q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, a, b);
   }
 }
 
 void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int threads) {
-  for (int i0 = 0; i0 < M; i0 += MMAX) {
-    int rows = M - i0 < MMAX ? M - i0 : MMAX;
 #ifdef _OPENMP
-    if (threads > 1) {
+  if (threads > 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int t = 0; t < threads; t++) {
-        int a = (int)((long)N * t / threads), b = (int)((long)N * (t + 1) / threads);
-        q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, a, b);
-      }
-      continue;
-    }
+    for (int t = 0; t < threads; t++)
+      q8_rows(M, N, K, x, q, d, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
+  } else
 #endif
-    q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, 0, N);
-  }
+    q8_rows(M, N, K, x, q, d, y, 0, N);
 }
 """
 

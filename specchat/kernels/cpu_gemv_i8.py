@@ -369,9 +369,23 @@ static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, co
 #ifdef I8_OK
 int i8_has_vnni(void) { return 1; }
 
+/* Groups g0 .. g1 - 1 of 16 outputs of all M rows (quantized: `all`), I8_MMAX rows at a time. */
+static void i8_rows(int M, int N, int K, const Acts* all, const uint8_t* w, const uint16_t* d, const uint16_t* m,
+                    float* y, int g0, int g1) {
+  const int G = K / 32;
+  for (int i0 = 0; i0 < M; i0 += I8_MMAX) {
+    const int rows = M - i0 < I8_MMAX ? M - i0 : I8_MMAX;
+    const size_t at = (size_t)i0 * G;
+    const Acts a = {all->q + (size_t)i0 * K, all->d + at, all->s + at, all->sum + at};
+    i8_chunk(rows, N, K, &a, w, d, m, y + (size_t)i0 * N, g0, g1);
+  }
+}
+
 /* y [M, N] = x [M, K] W^T for repacked Q4_1 (m != NULL) or Q8_0 (m == NULL) weights: the rows quantized once,
-   then I8_MMAX rows at a time, `threads` > 1 splitting the groups of 16 outputs. Returns 0, or -1 without
-   memory for the quantized rows. */
+   then I8_MMAX rows at a time, `threads` > 1 splitting the groups of 16 outputs, each thread taking its groups of
+   every row chunk in one OpenMP region (a region per chunk, 256 for a 2,048-row prompt, made each thread wait for
+   the other 256 times a linear: with a third busy process on 2 cores a 2,048-token prefill took 42 s against 16;
+   docs/benchmarks.md, thirty-fifth session). Returns 0, or -1 without memory for the quantized rows. */
 int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_t* d, const uint16_t* m, float* y,
             int threads) {
   const int G = K / 32, groups = (N + 15) / 16;
@@ -381,22 +395,15 @@ int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_
   float* dx = (float*)(scratch + (size_t)M * K);
   Acts all = {(int8_t*)scratch, dx, dx + mg, (int32_t*)(dx + 2 * mg)};
   i8_quantize_rows(M, K, x, all.q, all.d, all.s, all.sum);
-  for (int i0 = 0; i0 < M; i0 += I8_MMAX) {
-    const int rows = M - i0 < I8_MMAX ? M - i0 : I8_MMAX;
-    const size_t at = (size_t)i0 * G;
-    const Acts a = {all.q + (size_t)i0 * K, all.d + at, all.s + at, all.sum + at};
-    float* yi = y + (size_t)i0 * N;
 #ifdef _OPENMP
-    if (threads > 1) {
+  if (threads > 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int t = 0; t < threads; t++)
-        i8_chunk(rows, N, K, &a, w, d, m, yi, (int)((long)groups * t / threads),
-                 (int)((long)groups * (t + 1) / threads));
-      continue;
-    }
+    for (int t = 0; t < threads; t++)
+      i8_rows(M, N, K, &all, w, d, m, y, (int)((long)groups * t / threads),
+              (int)((long)groups * (t + 1) / threads));
+  } else
 #endif
-    i8_chunk(rows, N, K, &a, w, d, m, yi, 0, groups);
-  }
+    i8_rows(M, N, K, &all, w, d, m, y, 0, groups);
   free(scratch);
   return 0;
 }
