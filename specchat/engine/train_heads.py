@@ -348,35 +348,64 @@ def greedy_run_tokens_per_step(answers: list[torch.Tensor], k: int) -> float:
 def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[[str], None]) -> list[dict]:
     """The target's answers to the `train` prompts (cached in `path`): one greedy answer per prompt plus
     `cfg.samples_per_prompt` sampled ones, all submitted at once so that the scheduler batches them. `cfg` is a
-    TrainConfig or EagleTrainConfig (max_prompts, max_tokens, samples_per_prompt, temperature, seed)."""
+    TrainConfig or EagleTrainConfig (max_prompts, max_tokens, samples_per_prompt, temperature, seed).
+
+    Each answer is appended to ANSWERS.partial.jsonl as it finishes, so a run stopped here (Ctrl-C, a kill: the
+    answers of the whole prompt set take hours on a CPU) answers only the rest when it is run again."""
     records = read_or_remake(path, lambda p: [json.loads(line) for line in p.read_text().splitlines()], log)
     if records is not None:
         return records
     prompts = load_prompt_set("train")[: cfg.max_prompts or None]
-    jobs = []
+    jobs = []  # (key, prompt, messages, sampling); the key names the answer in the partial file
     for n, prompt in enumerate(prompts):
-        jobs.append((prompt, prompt["messages"], SamplingParams(max_tokens=cfg.max_tokens)))
+        jobs.append((f"{prompt['id']}/greedy", prompt, prompt["messages"], SamplingParams(max_tokens=cfg.max_tokens)))
         for s in range(cfg.samples_per_prompt):
             seed = cfg.seed * 100_003 + n * 101 + s
             sampling = SamplingParams(temperature=cfg.temperature, seed=seed, max_tokens=cfg.max_tokens)
-            jobs.append((prompt, with_system(prompt["messages"], SYSTEM_VARIANTS[s % len(SYSTEM_VARIANTS)]), sampling))
+            messages = with_system(prompt["messages"], SYSTEM_VARIANTS[s % len(SYSTEM_VARIANTS)])
+            jobs.append((f"{prompt['id']}/{s}", prompt, messages, sampling))
+    partial = path.with_name(path.stem + ".partial" + path.suffix)
+    records = answers_so_far(partial, {key for key, *_ in jobs})
+    if records:
+        log(f"{len(records)} of {len(jobs)} answers from a run that stopped; answering the rest")
+    answered = {r["job"] for r in records}
     handles = {}
-    for prompt, messages, sampling in jobs:
-        handle = engine.submit(messages, sampling, SpecParams(drafter="none", k=0), listen_only=True)
-        handles[handle.request_id] = (prompt, messages, sampling.greedy)
-    records, done = [], 0
-    while engine.scheduler.has_work():
-        for event in engine.step():
-            if isinstance(event, Finished):
-                prompt, messages, greedy = handles[event.request_id]
-                prompt_ids = engine.encode_prompt(messages)
-                records.append(
-                    {"id": prompt["id"], "greedy": greedy, "prompt_ids": prompt_ids, "output_ids": event.token_ids}
-                )
-                done += 1
-                progress("answers", done, len(jobs))
+    for key, prompt, messages, sampling in jobs:
+        if key not in answered:
+            handle = engine.submit(messages, sampling, SpecParams(drafter="none", k=0), listen_only=True)
+            handles[handle.request_id] = (key, prompt, messages, sampling.greedy)
+    with partial.open("a") as saved:
+        while engine.scheduler.has_work():
+            for event in engine.step():
+                if isinstance(event, Finished):
+                    key, prompt, messages, greedy = handles[event.request_id]
+                    prompt_ids = engine.encode_prompt(messages)
+                    record = {"id": prompt["id"], "job": key, "greedy": greedy, "prompt_ids": prompt_ids}
+                    records.append({**record, "output_ids": event.token_ids})
+                    saved.write(json.dumps(records[-1]) + "\n")
+                    saved.flush()
+                    progress("answers", len(records), len(jobs))
     records.sort(key=lambda r: (r["id"], len(r["output_ids"])))
     write_whole(path, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
+    partial.unlink(missing_ok=True)
+    return records
+
+
+def answers_so_far(partial: Path, keys: set[str]) -> list[dict]:
+    """The answers a stopped run appended to `partial` (those of this run's jobs), the file rewritten with just
+    them: a line torn by a kill is dropped, and the next answers start on a line of their own."""
+    if not partial.is_file():
+        return []
+    records = []
+    for line in partial.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("job") in keys and "output_ids" in record:
+            records.append(record)
+    records = list({r["job"]: r for r in records}.values())
+    write_whole(partial, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
     return records
 
 

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from specchat.config import SamplingParams, SpecParams
+from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
 from specchat.engine.train_heads import (
     CATEGORIES,
     TrainConfig,
+    generate_answers,
     greedy_run_tokens_per_step,
     load_prompt_set,
     lr_factor,
@@ -120,6 +121,32 @@ def test_work_files_cut_short_are_made_again(tiny_engine, tmp_path):
     assert DraftHeads.load(out)[0].cfg.num_heads == 1
     assert sorted(p.name for p in work.iterdir()) == sorted([*torn, "config.json"])  # whole again, no partials
     assert len([json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines()]) == 2 * 2
+
+
+def test_answers_of_a_stopped_run_are_kept_and_only_the_rest_answered(tiny_model_dir, tmp_path):
+    """Ctrl-C in the answers stage (hours for the whole prompt set on a CPU) lost every answer made so far."""
+    from specchat.engine.engine import Engine
+
+    cfg = TrainConfig(num_heads=1, max_prompts=3, max_tokens=6, samples_per_prompt=1, epochs=1, batch_size=8)
+    path, partial = tmp_path / "answers.jsonl", tmp_path / "answers.partial.jsonl"
+    load = lambda: Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+
+    def stop_after_two(stage, done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_answers(load(), cfg, path, stop_after_two, lambda line: None)
+    kept = partial.read_text().splitlines()
+    assert len(kept) == 2 and not path.exists()
+    partial.write_text(partial.read_text() + '{"id": "x", "jo')  # and a line torn by a kill
+    counts, lines = [], []
+    records = generate_answers(load(), cfg, path, lambda stage, done, total: counts.append((done, total)), lines.append)
+    assert counts == [(3, 6), (4, 6), (5, 6), (6, 6)]  # only the 4 answers missing were made
+    assert lines == ["2 of 6 answers from a run that stopped; answering the rest"]
+    assert len(records) == 6 and len({r["job"] for r in records}) == 6 and sum(r["greedy"] for r in records) == 3
+    assert all(json.loads(line) in records for line in kept)
+    assert not partial.exists() and len(path.read_text().splitlines()) == 6
 
 
 def test_a_work_file_write_stopped_midway_keeps_the_last_whole_one(tmp_path):
