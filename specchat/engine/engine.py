@@ -65,14 +65,18 @@ class RequestHandle:
     def events(self) -> Iterator[Event]:
         if self.queue is None:
             raise RuntimeError("this request was submitted with listen_only=True: its events go to the listeners")
-        while self.finished is None:
-            if self.queue.empty() and not self.engine.running_in_background:
-                self.engine.step()
-                continue
-            event = self.queue.get()
-            if isinstance(event, Finished):
-                self.finished = event
-            yield event
+        try:
+            while self.finished is None:
+                if self.queue.empty() and not self.engine.running_in_background:
+                    self.engine.step()
+                    continue
+                event = self.queue.get()
+                if isinstance(event, Finished):
+                    self.finished = event
+                yield event
+        finally:  # a caller that stops reading (break, close, an exception) gives the request's pages back
+            if self.finished is None:
+                self.cancel()
 
     def result(self) -> Finished:
         """Wait for the end and return the Finished event."""
@@ -204,6 +208,10 @@ class Engine:
             ids = self.tokenizer.encode_chat(prompt, tools=tools)
         else:
             ids = list(prompt)
+            vocab = self.model.cfg.vocab_size
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:  # inside the step it would fail every request of the batch
+                raise PromptError(f"token id {bad!r} is not in the model's vocabulary (0 .. {vocab - 1})")
         if not ids:
             raise PromptError("empty prompt")
         limit = self.model.cfg.max_position

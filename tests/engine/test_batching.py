@@ -9,7 +9,7 @@ import pytest
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.sequence import Finished, TextDelta
-from specchat.errors import ConfigError, SpecchatError
+from specchat.errors import ConfigError, PromptError, SpecchatError
 from specchat.kernels import cpu_gemv_i8
 
 PROMPTS = [
@@ -141,3 +141,25 @@ def test_bad_request_fails_alone(tiny_model_dir, tiny_engine):
     assert too_big.result().reason == "error"
     assert "KV" in too_big.result().error
     assert good.result().token_ids == expected
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_at_submit(tiny_engine):
+    """Inside the step such a prompt failed every request of its batch; submit refuses it with the id."""
+    vocab = tiny_engine.model.cfg.vocab_size
+    for ids in ([vocab], [-1, 5], [1, "a"], [True, 3]):
+        with pytest.raises(PromptError, match="vocabulary"):
+            tiny_engine.submit(ids, SamplingParams(max_tokens=2))
+    assert tiny_engine.submit([1, vocab - 1], SamplingParams(max_tokens=2)).result().reason in ("length", "stop")
+
+
+def test_an_abandoned_generate_gives_its_pages_back(tiny_engine):
+    """A caller that stops reading engine.generate (a break, then the generator closed) cancels its request."""
+    free_before = tiny_engine.pool.num_free_pages
+    stream = tiny_engine.generate(PROMPTS[3], SamplingParams(max_tokens=200, ignore_eos=True))
+    for event in stream:
+        if isinstance(event, TextDelta) and event.token_ids:
+            break
+    assert tiny_engine.pool.num_free_pages < free_before
+    stream.close()
+    alone(tiny_engine, PROMPTS[1], 4)  # a step applies the cancellation
+    assert tiny_engine.pool.num_free_pages == free_before
