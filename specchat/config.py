@@ -28,6 +28,12 @@ SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed takes a 64-bit seed
 WHOLE_HEAD_DRAFTERS = ("heads", "ngram+heads")  # they read rows of the target's whole output head (not under --tp)
 
 
+def is_number(value: object, integer: bool = False) -> bool:
+    """Whether an API caller's value is a number (an int where `integer`), not a bool or a string."""
+    kinds = (int,) if integer else (int, float)
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
 def check_drafter_name(name: str) -> str:
     """`name` if it is a drafter kind, or `kind:ARG` for a kind that takes one; ConfigError otherwise."""
     kind, sep, arg = name.partition(":")
@@ -49,6 +55,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            if not is_number(getattr(self, name)):
+                raise ConfigError(f"{name.replace('_', '-')} must be a number, got {getattr(self, name)!r}")
+        for name in ("top_k", "max_tokens"):
+            if not is_number(getattr(self, name), integer=True):
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer, got {getattr(self, name)!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -122,8 +136,8 @@ class EngineConfig:
             raise ConfigError(f"max-running must be > 0, got {self.max_running}")
         if self.max_batch_tokens <= 0:
             raise ConfigError(f"max batch tokens must be > 0, got {self.max_batch_tokens}")
-        if self.kv_memory is not None and self.kv_memory <= 0:
-            raise ConfigError(f"kv memory must be > 0 bytes, got {self.kv_memory}")
+        if self.kv_memory is not None and not (is_number(self.kv_memory) and 0 < self.kv_memory < math.inf):
+            raise ConfigError(f"kv memory must be a number of bytes > 0, got {self.kv_memory!r}")
         if self.weights not in WEIGHT_CHOICES:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
         if self.tp < 1:

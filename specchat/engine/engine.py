@@ -29,7 +29,7 @@ from specchat.engine.drafters.base import default_drafter_name
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import auto_format
 from specchat.engine.loader import Progress
-from specchat.engine.loading import load_parts, make_runner, pack_cpu_weights
+from specchat.engine.loading import ThreadGovernor, load_parts, make_runner, pack_cpu_weights
 from specchat.engine.model import Transformer
 from specchat.engine.sampling import make_generator
 from specchat.engine.scheduler import Scheduler
@@ -113,6 +113,7 @@ class Engine:
             pool, self.drafters, config.max_running, config.max_batch_tokens, self.runner.pads_widths
         )
         self.spec_step = SpecStep(self.runner, self.drafters)
+        self.governor = ThreadGovernor.for_device(self.device)  # fewer CPU threads while other processes crowd them
         self.handles: dict[int, RequestHandle] = {}
         self.listeners: list[Callable[[list[Event]], None]] = []
         self.metrics = EngineMetrics()
@@ -378,7 +379,8 @@ class Engine:
             plan, events = self.scheduler.schedule()
             if plan.items:
                 try:
-                    result = self.spec_step.run(plan)
+                    run = self.spec_step.run
+                    result = run(plan) if self.governor is None else self.governor.step(run, plan)
                     events += self.scheduler.postprocess(plan, result)
                 except Exception as exc:  # a bug or a device error: the step's requests fail, the engine goes on
                     log.exception("engine step failed; its requests end with an error")

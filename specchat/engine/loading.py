@@ -8,6 +8,7 @@ budget. Engine.load and the draft-model drafter both build from here.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,15 +70,66 @@ def reads_cpu_blocks(spec: ModelSpec, cpu_kernels: bool) -> bool:
 
 
 def cpu_threads() -> int:
-    """Torch (and CPU kernel) threads: the cores this process may run on, less those other processes keep busy
-    (the 1-minute load average, rounded), at least 1; as set when OMP_NUM_THREADS is. OpenMP threads wait for
-    each other at the end of every op, so on an oversubscribed core one descheduled thread stalls the step
-    (2 cores at load 8: 1.5-5.7 tok/s with 2 threads, 21 with 1; docs/benchmarks.md)."""
+    """Torch (and CPU kernel) threads: the cores this process may run on, or as set when OMP_NUM_THREADS is. While
+    the engine steps, its ThreadGovernor drops to one thread when other processes keep the cores busy (the 1-minute
+    load average this read until 2026-12-05 lags by a minute either way: a test run just ended left it at 1 on an
+    idle 2-core machine, and one thread decoded at 34-43 tok/s where two reach 64-67)."""
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-    return max(1, min(cores, cores - busy))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class ThreadGovernor:
+    """The CPU threads while the engine runs: a process that starts beside it after load (the load average
+    cpu_threads reads) can make every OpenMP barrier wait a time slice for a descheduled thread (2 cores, one
+    other busy process: plain decoding 22-24 tok/s on 2 threads against 46 on 1; three: ~1 tok/s against 40;
+    docs/benchmarks.md, thirty-fifth session). Over each WINDOW_S seconds of steps it compares the CPU time the
+    process got with what `threads` busy threads would get; below LOW of it (the threads wait descheduled) it
+    drops to one thread, and after PROBE_S seconds of steps it tries the full count again for a window."""
+
+    WINDOW_S = 0.5
+    PROBE_S = 20.0
+    LOW = 0.7
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> ThreadGovernor | None:
+        """One for an engine on the CPU with more than one thread of its own choosing (not OMP_NUM_THREADS')."""
+        threads = torch.get_num_threads()
+        if device.type != "cpu" or threads < 2 or "OMP_NUM_THREADS" in os.environ:
+            return None
+        return cls(threads)
+
+    def __init__(self, threads: int, clock=time.perf_counter, cpu_time=time.process_time) -> None:
+        self.full = threads
+        self.clock, self.cpu_time = clock, cpu_time
+        self.wall = self.cpu = 0.0  # this window's step time and the process's CPU time in it
+        self.since_drop = 0.0  # seconds of steps run on one thread since it dropped (0 while on full)
+
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def step(self, run, *args):
+        """run(*args) timed as a step; the thread count for the next steps chosen from the window it closes."""
+        wall0, cpu0 = self.clock(), self.cpu_time()
+        try:
+            return run(*args)
+        finally:
+            self.wall += self.clock() - wall0
+            self.cpu += self.cpu_time() - cpu0
+            if self.wall >= self.WINDOW_S:
+                self._choose()
+
+    def _choose(self) -> None:
+        threads, share = self.threads, self.cpu / (self.wall * self.threads)
+        if threads == 1 and self.full > 1:
+            self.since_drop += self.wall
+            if self.since_drop >= self.PROBE_S:  # the other process may have ended
+                torch.set_num_threads(self.full)
+                self.since_drop = 0.0
+        elif threads > 1 and share < self.LOW:
+            torch.set_num_threads(1)
+        self.wall = self.cpu = 0.0
 
 
 def default_kv_budget(device: torch.device) -> int:

@@ -163,3 +163,19 @@ def test_an_abandoned_generate_gives_its_pages_back(tiny_engine):
     stream.close()
     alone(tiny_engine, PROMPTS[1], 4)  # a step applies the cancellation
     assert tiny_engine.pool.num_free_pages == free_before
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: SamplingParams(stop=[5]), "stop"),  # failed inside the step, and every request of its batch
+        (lambda: SamplingParams(stop="end"), "stop"),
+        (lambda: SamplingParams(max_tokens=1.5), "max-tokens"),
+        (lambda: SamplingParams(temperature="0.5"), "temperature"),
+        (lambda: EngineConfig(kv_memory=float("nan")), "kv memory"),  # a TypeError while loading
+        (lambda: EngineConfig(kv_memory="4M"), "kv memory"),
+    ],
+)
+def test_api_values_of_the_wrong_kind_are_config_errors(make, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make()
