@@ -80,12 +80,12 @@ def cpu_threads() -> int:
 
 
 class ThreadGovernor:
-    """The CPU threads while the engine runs: a process that starts beside it after load (the load average
-    cpu_threads reads) can make every OpenMP barrier wait a time slice for a descheduled thread (2 cores, one
-    other busy process: plain decoding 22-24 tok/s on 2 threads against 46 on 1; three: ~1 tok/s against 40;
-    docs/benchmarks.md, thirty-fifth session). Over each WINDOW_S seconds of steps it compares the CPU time the
-    process got with what `threads` busy threads would get; below LOW of it (the threads wait descheduled) it
-    drops to one thread, and after PROBE_S seconds of steps it tries the full count again for a window."""
+    """The CPU threads while the engine runs: other processes busy on the cores make every OpenMP barrier (~250 a
+    decode step) wait a time slice for a descheduled thread (2 cores, one other busy process: plain decoding 18-22
+    tok/s on 2 threads against 34-41 on 1; two: 4-18 against 24-39; docs/benchmarks.md, thirty-fifth session).
+    Over each WINDOW_S seconds of steps it compares the CPU time the process got with what its threads could use;
+    below LOW of it (they wait descheduled) it drops to one thread, and after PROBE_S seconds of steps on one it
+    tries the full count again for a window."""
 
     WINDOW_S = 0.5
     PROBE_S = 20.0
