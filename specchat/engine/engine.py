@@ -236,6 +236,11 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecParams(drafter="none")
+        for value, kind in ((sampling, SamplingParams), (spec, SpecParams)):
+            if not isinstance(value, kind):
+                raise ConfigError(f"expected a {kind.__name__}, got {type(value).__name__} {value!r}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise PromptError(f"a prompt is text, chat messages or token ids, not {type(prompt).__name__}")
         spec = replace(spec, drafter=self._drafter_name(spec.drafter))
         ids = self.encode_prompt(prompt, system=system, raw=raw, tools=tools)
         drafter = self.drafter(spec.drafter)  # unknown drafters fail now, in the caller
@@ -273,6 +278,7 @@ class Engine:
 
     def set_k(self, k: int | None, request_id: int | None = None) -> None:
         """Draft length for one request (or all live ones): an int, or None for adaptive; next step on."""
+        SpecParams(k=k)  # the range check, here in the caller
 
         def change() -> None:
             for seq in self._running_seqs(request_id):

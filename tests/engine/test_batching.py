@@ -179,3 +179,15 @@ def test_an_abandoned_generate_gives_its_pages_back(tiny_engine):
 def test_api_values_of_the_wrong_kind_are_config_errors(make, needle):
     with pytest.raises(ConfigError, match=needle):
         make()
+
+
+def test_api_arguments_of_the_wrong_kind_raise_at_the_call(tiny_engine):
+    """Not an AttributeError from inside the engine: a ConfigError / PromptError naming what was given."""
+    with pytest.raises(ConfigError, match="SamplingParams"):
+        tiny_engine.submit("hi", {"max_tokens": 4})
+    with pytest.raises(ConfigError, match="SpecParams"):
+        tiny_engine.submit("hi", SamplingParams(max_tokens=2), "ngram")
+    with pytest.raises(PromptError, match="int"):
+        tiny_engine.submit(5, SamplingParams(max_tokens=2))
+    with pytest.raises(ConfigError, match="k must be"):
+        tiny_engine.set_k(99)
