@@ -1310,8 +1310,8 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
      instructions there; one row at 256 keys over fp16 pages 77.5 -> 58.8 us a layer on one thread, 62.0 -> 45.3 on
      two, 8 requests 414 -> 184 on two; docs/benchmarks.md, "Thirty-fourth session"), and a prompt R consecutive
      rows in one query head, or in AVX2 builds groups of up to GROUP_PAIRS (row, query head) pairs of one KV group
-     (attend_group: a 64-row chunk of a prompt at 1,024 / 2,048 keys over fp16 pages 1.18x / 1.26x faster on one
-     thread; docs/benchmarks.md, "Thirty-fifth session"). The threads take contiguous runs of tiles (each
+     (attend_group: a 64-row chunk of a prompt at 1,024 / 2,048 keys over fp16 pages 1.01-1.18x / 1.07-1.26x
+     faster on one thread; docs/benchmarks.md, "Thirty-fifth session"). The threads take contiguous runs of tiles (each
      core then reads its own KV heads' pages: handing tiles out one at a time made a decode step at 1,340 tokens
      ~20% slower), except where a prompt is in the step: its later rows see more keys, so tiles go round-robin
      (a 2,632-token prefill over fp16 pages 4,204-4,334 ms against 4,914-5,000 in contiguous runs: cpu_kv_formats.py,
@@ -1340,8 +1340,7 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
       const int pairs = m * G, size = group_size(pairs, GP);
       for (int i = 0; i < pairs; i += size)
         for (int h = 0; h < KVH; h++) *w++ = (Tile){b, i, pairs - i < size ? pairs - i : size, h, 2};
-    }
-    else if ((paired || m > 1) && m < DEQUANTIZE_ROWS)
+    } else if ((paired || m > 1) && m < DEQUANTIZE_ROWS)
       for (int h = 0; h < KVH; h++)
         for (int i = 0; i < m * G; i += R) *w++ = (Tile){b, i, m * G - i < R ? m * G - i : R, h, 1};
     else
