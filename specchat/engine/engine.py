@@ -65,18 +65,14 @@ class RequestHandle:
     def events(self) -> Iterator[Event]:
         if self.queue is None:
             raise RuntimeError("this request was submitted with listen_only=True: its events go to the listeners")
-        try:
-            while self.finished is None:
-                if self.queue.empty() and not self.engine.running_in_background:
-                    self.engine.step()
-                    continue
-                event = self.queue.get()
-                if isinstance(event, Finished):
-                    self.finished = event
-                yield event
-        finally:  # a caller that stops reading (break, close, an exception) gives the request's pages back
-            if self.finished is None:
-                self.cancel()
+        while self.finished is None:
+            if self.queue.empty() and not self.engine.running_in_background:
+                self.engine.step()
+                continue
+            event = self.queue.get()
+            if isinstance(event, Finished):
+                self.finished = event
+            yield event
 
     def result(self) -> Finished:
         """Wait for the end and return the Finished event."""
@@ -266,8 +262,14 @@ class Engine:
         return handle
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, **kwargs) -> Iterator[Event]:
-        """Submit and iterate the request's events."""
-        yield from self.submit(prompt, sampling, **kwargs).events()
+        """Submit and iterate the request's events. A caller that stops reading them (a break, close(), an exception
+        in its loop) cancels the request, so its KV pages come back; a handle's events() may be read in pieces."""
+        handle = self.submit(prompt, sampling, **kwargs)
+        try:
+            yield from handle.events()
+        finally:
+            if handle.finished is None:
+                handle.cancel()
 
     def cancel(self, request_id: int) -> None:
         self.apply(lambda: self.scheduler.cancel(request_id))
