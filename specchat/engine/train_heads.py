@@ -386,7 +386,7 @@ def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[
                     saved.flush()
                     progress("answers", len(records), len(jobs))
     records.sort(key=lambda r: (r["id"], len(r["output_ids"])))
-    write_whole(path, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
+    write_jsonl(path, records)
     partial.unlink(missing_ok=True)
     return records
 
@@ -405,8 +405,13 @@ def answers_so_far(partial: Path, keys: set[str]) -> list[dict]:
         if isinstance(record, dict) and record.get("job") in keys and "output_ids" in record:
             records.append(record)
     records = list({r["job"]: r for r in records}.values())
-    write_whole(partial, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
+    write_jsonl(partial, records)
     return records
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Records as a JSON line each, written whole (write_whole)."""
+    write_whole(path, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
 
 
 T = TypeVar("T")
