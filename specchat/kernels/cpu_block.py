@@ -60,15 +60,19 @@ static int linear(const Weight* w, int rows, const float* x, float* y, int threa
   return 0;
 }
 
-/* x [T, hidden] -> out [T, hidden]: one block for this step's T tokens (cos/sin [T, head_dim]); the step's keys
-   and values go into the pages. Returns 0, or -1 when scratch memory cannot be allocated. */
-int decode_block(const Block* b, const Plan* p, int T, const float* x, const float* cos, const float* sin,
-                 void* k_pages, uint8_t* k_scales, void* v_pages, uint8_t* v_scales, const Rotation* rot, float* out,
-                 int threads) {
+/* The floats of one block's intermediate rows for T tokens (block_rows' scratch). */
+static size_t block_scratch(const Block* b, int T) {
+  return (size_t)T * (4 * b->hidden + 3 * b->q_size + 3 * b->kv_size + 3 * b->inter);
+}
+
+/* x [T, hidden] -> out [T, hidden] through `scratch` (block_scratch(b, T) floats): one block for this step's T
+   tokens (cos/sin [T, head_dim]); the step's keys and values go into the pages. Returns 0, or -1 when the linears'
+   quantized rows cannot be allocated. */
+static int block_rows(const Block* b, const Plan* p, int T, const float* x, const float* cos, const float* sin,
+                      void* k_pages, uint8_t* k_scales, void* v_pages, uint8_t* v_scales, const Rotation* rot,
+                      float* out, float* scratch, int threads) {
   const int H = b->hidden, Q = b->q_size, KV = b->kv_size, I = b->inter, QKV = Q + 2 * KV;
   const size_t t = (size_t)T;
-  float* scratch = malloc(t * (4 * H + QKV + 2 * Q + KV + 3 * I) * sizeof(float));
-  if (scratch == NULL) return -1;
   float *h = scratch, *qkv = h + t * H, *q = qkv + t * QKV, *k = q + t * Q, *att = k + t * KV;
   float *a = att + t * Q, *s = a + t * H, *gu = s + t * H, *act = gu + t * 2 * I, *m = act + t * I;
   rms_norm(T, H, x, b->attn_norm, b->eps, h);
@@ -92,24 +96,41 @@ int decode_block(const Block* b, const Plan* p, int T, const float* x, const flo
   }
   if (status == 0)
     for (size_t i = 0; i < t * H; i++) out[i] = s[i] + m[i];
+  return status;
+}
+
+/* block_rows with scratch of its own. Returns 0, or -1 when scratch memory cannot be allocated. */
+int decode_block(const Block* b, const Plan* p, int T, const float* x, const float* cos, const float* sin,
+                 void* k_pages, uint8_t* k_scales, void* v_pages, uint8_t* v_scales, const Rotation* rot, float* out,
+                 int threads) {
+  float* scratch = malloc(block_scratch(b, T) * sizeof(float));
+  if (scratch == NULL) return -1;
+  const int status = block_rows(b, p, T, x, cos, sin, k_pages, k_scales, v_pages, v_scales, rot, out, scratch,
+                                threads);
   free(scratch);
   return status;
 }
 
 /* The step's blocks in turn, x [T, hidden] -> out (one call instead of one per block). Layer l reads pages[5 l ..
    5 l + 4] (key elements, key scales, value elements, value scales, rotation, as decode_block takes them) and, where
-   taps[l] is not NULL, copies its output there. Returns 0, or -1 when scratch memory cannot be allocated. */
+   taps[l] is not NULL, copies its output there. One scratch serves every block: a prompt's is tens of MB (37 MB
+   at 1,024 rows), which malloc maps fresh and the kernel zero-fills page by page on each allocation, so one per
+   block made a 1,024-token prefill 1.5x slower (docs/benchmarks.md, thirty-sixth session). Returns 0, or -1 when
+   scratch memory cannot be allocated. */
 int decode_layers(const Block* const* blocks, int layers, const Plan* p, int T, const float* x, const float* cos,
                   const float* sin, void* const* pages, float* const* taps, float* out, int threads) {
   const size_t n = (size_t)T * blocks[0]->hidden;
-  float* other = malloc(n * sizeof(float));
+  size_t floats = 0;
+  for (int l = 0; l < layers; l++)
+    if (block_scratch(blocks[l], T) > floats) floats = block_scratch(blocks[l], T);
+  float* other = malloc((n + floats) * sizeof(float));
   if (other == NULL) return -1;
   const float* in = x;
   int status = 0;
   for (int l = 0; l < layers && status == 0; l++) {
     float* dst = (layers - l) % 2 ? out : other;  /* the last layer writes out */
     void* const* pg = pages + 5 * (size_t)l;
-    status = decode_block(blocks[l], p, T, in, cos, sin, pg[0], pg[1], pg[2], pg[3], pg[4], dst, threads);
+    status = block_rows(blocks[l], p, T, in, cos, sin, pg[0], pg[1], pg[2], pg[3], pg[4], dst, other + n, threads);
     if (status == 0 && taps[l] != NULL) memcpy(taps[l], dst, n * sizeof(float));
     in = dst;
   }
