@@ -185,13 +185,14 @@ static void softmax(float* s, int n) {
   }
 #endif
   for (; j < n; j++) m = s[j] > m ? s[j] : m;
-  j = 0;
-#ifdef HAVE_EXP8
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
-#endif
-  for (; j < n; j++) s[j] = exp_poly(s[j] - m);
-  const float inv = 1.0f / lane_sum(s, n, 0);
+  float acc[LANES]; /* exp and the sum in one pass, the sum lane_sum's (a prompt's softmax took 9.7% of its
+                       prefill at 2,048 tokens in three passes; docs/benchmarks.md, thirty-sixth session) */
+  j = exp_lanes(s, n, m, s, acc);
+  for (int l = 0; j < n; j++, l++) {
+    s[j] = exp_poly(s[j] - m);
+    acc[l] += s[j];
+  }
+  const float inv = 1.0f / lanes_total(acc);
   for (j = 0; j < n; j++) s[j] *= inv;
 }
 

@@ -158,14 +158,10 @@ typedef struct {         /* the heads and the target's parts they draft through 
 /* softmax(logits)[best] over n logits, given logits[best] is their largest: 1 / sum_j exp(l_j - l_best) (NaN where
    that largest is NaN or -inf). */
 static float top_probability(int n, const float* logits, float top) {
-  float acc[LANES] = {0.0f};  /* LANES sums, so that the loop vectorizes */
-  int j = 0;
-  for (; j + LANES <= n; j += LANES)
-    for (int l = 0; l < LANES; l++) acc[l] += exp_poly(logits[j + l] - top);
+  float acc[LANES];  /* LANES sums, so that the loop vectorizes */
+  int j = exp_lanes(logits, n, top, NULL, acc);
   for (; j < n; j++) acc[0] += exp_poly(logits[j] - top);
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-  return top == top && top != -INFINITY ? 1.0f / acc[0] : NAN;
+  return top == top && top != -INFINITY ? 1.0f / lanes_total(acc) : NAN;
 }
 
 /* The heads' greedy chain for B requests: hidden[i] (request i's h_t, [hidden]) and prev [B] (their newest tokens)

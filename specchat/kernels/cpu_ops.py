@@ -85,6 +85,70 @@ INLINE __m256 exp8(__m256 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* exp8 on 16 lanes: the same operations, so the same bits. */
+INLINE __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), round), round);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 e = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+}
+#endif
+
+/* The first pass of a LANES-lane sum of exp(x[j] - m): for j below n rounded down to LANES, e_j = exp_poly(x[j] - m)
+   written to out[j] (out may be x; NULL: not written) and added to acc[j % LANES] in order of j, the acc (LANES
+   floats) starting at zero. Returns where it stopped. One pass where exp, store and sum were two (on 8 lanes, or
+   16 in AVX-512 builds); the bits are lane_sum's of the e_j, and the e_j exp_poly's. */
+INLINE int exp_lanes(const float* x, int n, float m, float* out, float* acc) {
+  int j = 0;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; j + LANES <= n; j += LANES) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv));
+    if (out != NULL) _mm512_storeu_ps(out + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_storeu_ps(acc, sum);
+#elif defined(HAVE_EXP8)
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + LANES <= n; j += LANES) {
+    const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv));
+    const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), mv));
+    if (out != NULL) _mm256_storeu_ps(out + j, e0), _mm256_storeu_ps(out + j + 8, e1);
+    lo = _mm256_add_ps(lo, e0), hi = _mm256_add_ps(hi, e1);
+  }
+  _mm256_storeu_ps(acc, lo), _mm256_storeu_ps(acc + 8, hi);
+#else
+  for (int l = 0; l < LANES; l++) acc[l] = 0.0f;
+  for (; j + LANES <= n; j += LANES)
+    for (int l = 0; l < LANES; l++) {
+      const float e = exp_poly(x[j + l] - m);
+      if (out != NULL) out[j + l] = e;
+      acc[l] += e;
+    }
+#endif
+  return j;
+}
+
+/* The LANES partial sums of acc halved pairwise into one (acc is overwritten). */
+INLINE float lanes_total(float* acc) {
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+  return acc[0];
+}
+
 /* A sum in a fixed order: LANES partial sums over the row, then halved pairwise. */
 INLINE float lane_sum(const float* x, int n, int square) {
   float acc[LANES] = {0};
@@ -92,9 +156,7 @@ INLINE float lane_sum(const float* x, int n, int square) {
   for (; j + LANES <= n; j += LANES)
     for (int l = 0; l < LANES; l++) acc[l] += square ? x[j + l] * x[j + l] : x[j + l];
   for (int l = 0; j < n; j++, l++) acc[l] += square ? x[j] * x[j] : x[j];
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-  return acc[0];
+  return lanes_total(acc);
 }
 
 INLINE void norm_row(int n, const float* x, const float* w, float eps, float* out) {
