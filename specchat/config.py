@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from specchat.errors import ConfigError
 
@@ -26,6 +28,9 @@ DRAFTER_CHOICES = (*DRAFTERS, "default")
 DRAFTER_SYNTAX = " | ".join(f"{d}[:{DRAFTER_ARGS[d]}]" if d in DRAFTER_ARGS else d for d in DRAFTER_CHOICES)
 SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed takes a 64-bit seed
 WHOLE_HEAD_DRAFTERS = ("heads", "ngram+heads")  # they read rows of the target's whole output head (not under --tp)
+
+
+KIND_NAMES = {str: "a string", bool: "True or False", int: "an integer"}
 
 
 def is_number(value: object, integer: bool = False) -> bool:
@@ -118,12 +123,27 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks: the model split over this many GPUs (CPU processes on the CPU)
     cpu_act: str = "auto"  # CPU GGUF-block linears: float32 rows, or int8 per block of 32 (AVX512-VNNI or AVX2)
 
+    FIELD_KINDS: ClassVar[dict[str, type]] = {
+        "model": str, "device": str, "dtype": str, "kv_format": str, "kv_rotation": bool, "kv_key_transform": bool,
+        "page_size": int, "max_batch_tokens": int, "max_running": int, "eager": bool, "warm_up": bool,
+        "weights": str, "tp": int, "cpu_act": str,
+    }  # fmt: skip
+
     @property
     def chosen_device(self) -> str | None:
         """The device type the config names ("cpu" | "cuda"), None for "auto" (known once the model is loaded)."""
         return None if self.device == "auto" else self.device
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):  # a local model's path
+            self.model = os.fspath(self.model)
+        for name, kind in EngineConfig.FIELD_KINDS.items():  # the API's callers, before any comparison raises
+            value = getattr(self, name)
+            if name == "dtype" and value is None:
+                continue
+            ok = is_number(value, integer=True) if kind is int else isinstance(value, kind)
+            if not ok:
+                raise ConfigError(f"{name} must be {KIND_NAMES[kind]}, got {value!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:

@@ -4,6 +4,7 @@ KV pool and bad requests affect only the requests concerned."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -174,11 +175,19 @@ def test_an_abandoned_generate_gives_its_pages_back(tiny_engine):
         (lambda: SamplingParams(temperature="0.5"), "temperature"),
         (lambda: EngineConfig(kv_memory=float("nan")), "kv memory"),  # a TypeError while loading
         (lambda: EngineConfig(kv_memory="4M"), "kv memory"),
+        (lambda: EngineConfig(eager="yes"), "eager must be True or False"),  # was taken as True
+        (lambda: EngineConfig(model=5), "model must be a string"),  # failed later, in the registry
+        (lambda: EngineConfig(page_size="16"), "page_size must be an integer"),  # a TypeError comparing it
+        (lambda: EngineConfig(tp=2.0), "tp must be an integer"),
     ],
 )
 def test_api_values_of_the_wrong_kind_are_config_errors(make, needle):
     with pytest.raises(ConfigError, match=needle):
         make()
+
+
+def test_engine_config_takes_a_model_path():
+    assert EngineConfig(model=Path("/models/m.gguf")).model == "/models/m.gguf"
 
 
 def test_api_arguments_of_the_wrong_kind_raise_at_the_call(tiny_engine):
