@@ -26,13 +26,13 @@ if TYPE_CHECKING:
     from specchat.bench.synthetic import SyntheticCase
 
 
-def int_list(text: str, what: str) -> list[int]:
+def int_list(text: str, what: str, least: int = 0) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise ConfigError(f"{what} must list integers >= 0, got {text!r}")
+    if not values or min(values) < least:
+        raise ConfigError(f"{what} must list integers >= {least}, got {text!r}")
     return values
 
 
@@ -66,9 +66,7 @@ def bench_sessions(
     from specchat.engine.engine import Engine
 
     prompts = read_prompt_lines(Path(prompts_file), "--prompts")
-    counts = int_list(sessions, "--sessions")
-    if min(counts) < 1:
-        raise ConfigError(f"--sessions must list counts >= 1, got {sessions!r}")
+    counts = int_list(sessions, "--sessions", least=1)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
     modes = [{"on": True, "off": False}.get(m.strip()) for m in step_ahead.split(",")]
