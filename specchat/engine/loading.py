@@ -24,7 +24,7 @@ from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
 from specchat.engine.tokenizer import Tokenizer, gguf_tokenizer
 from specchat.errors import ConfigError
-from specchat.kernels import cpu_gemv, cpu_gemv_i8
+from specchat.kernels import cpu_block, cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
@@ -204,11 +204,28 @@ class LoadedModel:
     weights: WeightSwitch
 
 
+KERNEL_STAGE = "building the CPU kernels for this machine (once)"
+
+
+def build_cpu_kernels(progress: Progress | None) -> None:
+    """The CPU kernels compiled where they are not yet (once per machine, compiler and version: ~20 s on 2 cores),
+    the wait shown as a stage of the load rather than as a silent first call."""
+    if not cpu_build.enabled() or cpu_block.built():
+        return
+    if progress is not None:
+        progress(KERNEL_STAGE, 0, 0)
+    cpu_block.available()
+    if progress is not None:
+        progress(KERNEL_STAGE, 1, 1)
+
+
 def load_parts(config: EngineConfig, progress: Progress | None = None) -> LoadedModel:
     """Resolve, fetch (if needed) and load a model by alias or path, with its tokenizer and KV pool."""
     spec = resolve(config.model)
     device = pick_device(config.device)
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
+    if cpu_kernels:
+        build_cpu_kernels(progress)
     dtype = pick_dtype(config.dtype, device, reads_cpu_blocks(spec, cpu_kernels))
     path, model, packed, meta, converted = load_model(spec, dtype, device, progress)
     tokenizer = load_tokenizer(spec, path)

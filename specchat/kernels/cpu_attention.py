@@ -1527,7 +1527,7 @@ class PageRotation:
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("cpu_attention", cpu_ops.C_SOURCE + C_SOURCE, cpu_ops.CFLAGS)
+    lib = cpu_build.load_part("cpu_attention", cpu_ops.C_SOURCE + C_SOURCE, cpu_ops.CFLAGS)
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_long

@@ -259,10 +259,14 @@ class Heads(ctypes.Structure):
     ]
 
 
+def _source() -> str:
+    """Every CPU kernel module's C source and this one's: one library serves them all (cpu_build.load_part)."""
+    return cpu_gemv.C_SOURCE + cpu_gemv_i8.C_SOURCE + cpu_ops.C_SOURCE + cpu_attention.C_SOURCE + C_SOURCE
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
-    source = cpu_gemv.C_SOURCE + cpu_gemv_i8.C_SOURCE + cpu_ops.C_SOURCE + cpu_attention.C_SOURCE + C_SOURCE
-    lib = cpu_build.load("cpu_block", source, cpu_ops.CFLAGS)
+    lib = cpu_build.load("cpu_block", _source(), cpu_ops.CFLAGS)
     if lib is None:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
@@ -280,6 +284,16 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the compiled block loads on this machine."""
     return _library() is not None
+
+
+def combined(cflags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library of every CPU kernel where these are its flags and it builds, else None."""
+    return _library() if cflags == tuple(cpu_ops.CFLAGS) else None
+
+
+def built() -> bool:
+    """Whether the library is compiled already (cached on disk, or loaded): a first build takes ~20 s on 2 cores."""
+    return _library.cache_info().currsize > 0 or cpu_build.library_path("cpu_block", _source(), cpu_ops.CFLAGS).exists()
 
 
 BoundWeight = cpu_gemv.Bound | cpu_gemv_i8.Bound  # float or int8 activations

@@ -59,18 +59,38 @@ def compile_library(source: str, cflags: list[str], target: Path, openmp: Path |
         os.replace(out, target)
 
 
+def enabled() -> bool:
+    """Whether C kernels may be built and loaded here (Linux, and not turned off by SPECCHAT_CPU_KERNELS=0)."""
+    return sys.platform == "linux" and os.environ.get("SPECCHAT_CPU_KERNELS", "1") != "0"
+
+
+def library_path(name: str, source: str, cflags: tuple[str, ...]) -> Path:
+    """Where the build of `source` with these flags is cached (keyed by them, the OpenMP runtime and torch)."""
+    key = hashlib.sha1(f"{source}{list(cflags)}{torch_openmp()}{torch.__version__}".encode()).hexdigest()[:12]
+    return kernel_dir() / f"{name}-{key}.so"
+
+
 @cache
 def load(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The library `name` built from `source` (on first use, then cached on disk), or None where it cannot be."""
-    if sys.platform != "linux" or os.environ.get("SPECCHAT_CPU_KERNELS", "1") == "0":
+    if not enabled():
         return None
-    openmp = torch_openmp()
-    key = hashlib.sha1(f"{source}{list(cflags)}{openmp}{torch.__version__}".encode()).hexdigest()[:12]
-    target = kernel_dir() / f"{name}-{key}.so"
+    target = library_path(name, source, cflags)
     try:
         if not target.exists():
-            compile_library(source, list(cflags), target, openmp)
+            compile_library(source, list(cflags), target, torch_openmp())
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("specchat: CPU kernels %s unavailable (%s); using the torch path", name, exc)
         return None
+
+
+def load_part(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """A kernel module's library: the one library kernels/cpu_block.py builds from every module's source, where
+    it builds with these flags (it holds every function of `source`, compiled alike), else `name` built from
+    `source` alone. One build where there were five: the attention's source alone took ~18 s to compile and was
+    compiled twice, so a first run on a fresh 2-core Xeon waited ~40 s for its kernels, now ~20."""
+    from specchat.kernels import cpu_block  # (imports every kernel module, so not at the top)
+
+    lib = cpu_block.combined(tuple(cflags))
+    return lib if lib is not None else load(name, source, tuple(cflags))

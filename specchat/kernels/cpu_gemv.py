@@ -350,7 +350,7 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 @cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, then cached by source, flags and runtime), or None."""
-    lib = cpu_build.load("cpu_gemv", C_SOURCE, tuple(CFLAGS))
+    lib = cpu_build.load_part("cpu_gemv", C_SOURCE, tuple(CFLAGS))
     if lib is None:
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int

@@ -423,7 +423,7 @@ int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_
 @cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, then cached), or None where they do not build or lack VNNI."""
-    lib = cpu_build.load("cpu_gemv_i8", C_SOURCE, tuple(cpu_gemv.CFLAGS))
+    lib = cpu_build.load_part("cpu_gemv_i8", C_SOURCE, tuple(cpu_gemv.CFLAGS))
     return None if lib is None else bind(lib)
 
 

@@ -311,7 +311,7 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("cpu_ops", C_SOURCE, CFLAGS)
+    lib = cpu_build.load_part("cpu_ops", C_SOURCE, CFLAGS)
     if lib is None:
         return None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float

@@ -1,0 +1,45 @@
+"""One library for every CPU kernel (kernels/cpu_build.load_part), and its first build shown as a load stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from specchat.engine import loading
+from specchat.kernels import cpu_attention, cpu_block, cpu_build, cpu_gemv, cpu_gemv_i8, cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_block.available(), reason="the CPU kernels do not build here")
+
+
+def test_every_kernel_module_uses_the_one_library():
+    """Five builds were two copies of the attention's source (~18 s each to compile)."""
+    lib = cpu_block._library()
+    assert cpu_ops._library() is lib
+    assert cpu_gemv._library() is lib
+    assert cpu_attention._library() is lib
+    if cpu_gemv_i8.available():
+        assert cpu_gemv_i8._library() is lib
+    assert cpu_block.built()
+
+
+def test_other_flags_build_their_own_library():
+    assert cpu_block.combined(("-O2",)) is None
+
+
+def test_a_first_build_is_a_load_stage(monkeypatch):
+    calls, built = [], []
+    monkeypatch.setattr(cpu_block, "built", lambda: bool(built))
+    monkeypatch.setattr(cpu_block, "available", lambda: built.append(1) or True)
+    loading.build_cpu_kernels(lambda what, done, total: calls.append((what, done, total)))
+    assert built == [1]
+    assert calls == [(loading.KERNEL_STAGE, 0, 0), (loading.KERNEL_STAGE, 1, 1)]
+    calls.clear()
+    loading.build_cpu_kernels(lambda *a: calls.append(a))  # built: nothing to show
+    assert calls == [] and built == [1]
+
+
+def test_kernels_turned_off_build_nothing(monkeypatch):
+    monkeypatch.setenv("SPECCHAT_CPU_KERNELS", "0")
+    assert not cpu_build.enabled()
+    calls = []
+    loading.build_cpu_kernels(lambda *a: calls.append(a))
+    assert calls == []
