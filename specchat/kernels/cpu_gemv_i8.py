@@ -386,6 +386,8 @@ static void i8_rows(int M, int N, int K, const Acts* all, const uint8_t* w, cons
    every row chunk in one OpenMP region (a region per chunk, 256 for a 2,048-row prompt, made each thread wait for
    the other 256 times a linear: with a third busy process on 2 cores a 2,048-token prefill took 42 s against 16;
    docs/benchmarks.md, thirty-fifth session). Returns 0, or -1 without memory for the quantized rows. */
+#define I8_PARALLEL_QUANTIZE 32 /* rows from which the threads quantize them too (a prompt's: 2.7% of a 2,048-token
+                                   prefill on one thread; a decode step's stay on the caller, without a barrier) */
 int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_t* d, const uint16_t* m, float* y,
             int threads) {
   const int G = K / 32, groups = (N + 15) / 16;
@@ -394,6 +396,25 @@ int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_
   if (scratch == NULL) return -1;
   float* dx = (float*)(scratch + (size_t)M * K);
   Acts all = {(int8_t*)scratch, dx, dx + mg, (int32_t*)(dx + 2 * mg)};
+#ifdef _OPENMP
+  if (threads > 1 && M >= I8_PARALLEL_QUANTIZE) {
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+      for (int t = 0; t < threads; t++) {
+        const size_t r0 = (size_t)M * t / threads, r1 = (size_t)M * (t + 1) / threads;
+        i8_quantize_rows((int)(r1 - r0), K, x + r0 * K, all.q + r0 * K, all.d + r0 * G, all.s + r0 * G,
+                         all.sum + r0 * G);
+      } /* (the loop's barrier: every row quantized before any is read) */
+#pragma omp for schedule(static)
+      for (int t = 0; t < threads; t++)
+        i8_rows(M, N, K, &all, w, d, m, y, (int)((long)groups * t / threads),
+                (int)((long)groups * (t + 1) / threads));
+    }
+    free(scratch);
+    return 0;
+  }
+#endif
   i8_quantize_rows(M, K, x, all.q, all.d, all.s, all.sum);
 #ifdef _OPENMP
   if (threads > 1) {

@@ -176,6 +176,28 @@ def test_all_blocks_in_one_call_equal_one_call_a_block():
         assert torch.equal(whole_pool.store.v[layer].data[:, :16], each_pool.store.v[layer].data[:, :16])
 
 
+def test_a_prompts_rows_split_among_threads_keep_the_bits():
+    """From PARALLEL_ROWS (32) rows a block's norms, RoPE, SiLU, residual add and the int8 rows' quantization are
+    split among the threads; every row's arithmetic is its own, so 1 and 2 threads give the same logits and pages."""
+    torch.manual_seed(5)
+    model = with_gguf_blocks(Transformer(CFG).eval(), seed=5)
+    cpu_fusion.fuse(model)
+    feeds = [[(7 * i) % 50 + 1 for i in range(40)], [3], [4, 5, 6]]
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(run_steps(model, feeds))
+    finally:
+        torch.set_num_threads(before)
+    (one, one_pool), (two, two_pool) = runs
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    for layer in range(CFG.num_layers):
+        assert torch.equal(one_pool.store.k[layer].data[:, :44], two_pool.store.k[layer].data[:, :44])
+        assert torch.equal(one_pool.store.v[layer].data[:, :44], two_pool.store.v[layer].data[:, :44])
+
+
 def test_bound_layers_follow_the_weights_and_the_store(monkeypatch):
     """CpuTransformer binds the blocks' weights and pages once and binds again when what they point to changes:
     the linears re-classed for int8 rows, a linear replaced, a new page store. Each step's logits equal the blocks

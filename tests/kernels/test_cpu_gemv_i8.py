@@ -44,7 +44,7 @@ def test_quantization_rounds_half_to_even():
     assert total.item() == 3 and sx.item() == 3.0
 
 
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 20])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 20, 40])  # 40: the threads quantize the rows too
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q4_equals_reference_bit_for_bit(m, threads):
     """The reference does the same integer sums and the same float operations in the same order."""
@@ -53,7 +53,7 @@ def test_q4_equals_reference_bit_for_bit(m, threads):
     assert torch.equal(cpu_gemv_i8.Bound(codes, d, m_)(x, threads), cpu_gemv_i8.q4_linear_ref(x, codes, d, m_))
 
 
-@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("m", [1, 5, 17, 33])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q8_equals_reference_bit_for_bit(m, threads):
     codes, d = q8(m)
