@@ -60,15 +60,16 @@ static int linear(const Weight* w, int rows, const float* x, float* y, int threa
   return 0;
 }
 
-/* `body` over rows [r0, r1) of T: split among the threads where T >= PARALLEL_ROWS (a prompt's rows: the norms,
-   RoPE, SiLU and the residual add were ~5% of a 2,048-token prefill on one thread while the other waited), else
-   all on the calling thread (a decode step's few: a region more would be a barrier more). Rows are independent,
-   so the bits do not depend on the split. */
-#define BY_ROWS(T, threads, body)                                                          \
-  if ((T) >= PARALLEL_ROWS && (threads) > 1) {                                               \
+/* `body` over rows [r0, r1) of T: split among the caller's `threads` where T >= PARALLEL_ROWS (a prompt's rows:
+   the norms, RoPE, SiLU and the residual add were ~5% of a 2,048-token prefill on one thread while the other
+   waited), else all on the calling thread (a decode step's few: a region more would be a barrier more). Rows are
+   independent, so the bits do not depend on the split. (`threads` is the caller's variable of that name: the
+   pragma's text is not a macro argument's.) */
+#define BY_ROWS(T, body)                                                                     \
+  if ((T) >= PARALLEL_ROWS && threads > 1) {                                                 \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
-    for (int c_ = 0; c_ < (threads); c_++) {                                                 \
-      const size_t r0 = (size_t)(T) * c_ / (threads), r1 = (size_t)(T) * (c_ + 1) / (threads); \
+    for (int c_ = 0; c_ < threads; c_++) {                                                   \
+      const size_t r0 = (size_t)(T) * c_ / threads, r1 = (size_t)(T) * (c_ + 1) / threads;   \
       body;                                                                                  \
     }                                                                                        \
   } else {                                                                                   \
@@ -92,29 +93,29 @@ static int block_rows(const Block* b, const Plan* p, int T, const float* x, cons
   float *h = scratch, *qkv = h + t * H, *q = qkv + t * QKV, *k = q + t * Q, *att = k + t * KV;
   float *a = att + t * Q, *s = a + t * H, *gu = s + t * H, *act = gu + t * 2 * I, *m = act + t * I;
   const int D = p->head_dim;
-  BY_ROWS(T, threads, rms_norm((int)(r1 - r0), H, x + r0 * H, b->attn_norm, b->eps, h + r0 * H));
+  BY_ROWS(T, rms_norm((int)(r1 - r0), H, x + r0 * H, b->attn_norm, b->eps, h + r0 * H));
   int status = linear(&b->wqkv, T, h, qkv, threads);
   if (status == 0) {
     if (b->qkv_bias != NULL)
       for (size_t i = 0; i < t; i++)
         for (int j = 0; j < QKV; j++) qkv[i * QKV + j] += b->qkv_bias[j];
-    BY_ROWS(T, threads, rope_qk((int)(r1 - r0), p->heads, p->kv_heads, D, qkv + r0 * QKV, QKV, qkv + r0 * QKV + Q,
-                                QKV, cos + r0 * D, sin + r0 * D, q + r0 * Q, k + r0 * KV));
+    BY_ROWS(T, rope_qk((int)(r1 - r0), p->heads, p->kv_heads, D, qkv + r0 * QKV, QKV, qkv + r0 * QKV + Q, QKV,
+                       cos + r0 * D, sin + r0 * D, q + r0 * Q, k + r0 * KV));
     status = paged_attention(p, q, Q, k, KV, qkv + Q + KV, QKV, k_pages, k_scales, v_pages, v_scales, rot, att,
                              threads);
   }
   if (status == 0) status = linear(&b->wo, T, att, a, threads);
   if (status == 0) {
-    BY_ROWS(T, threads, add_rms_norm((int)(r1 - r0), H, x + r0 * H, a + r0 * H, b->mlp_norm, b->eps, s + r0 * H,
-                                     h + r0 * H));
+    BY_ROWS(T, add_rms_norm((int)(r1 - r0), H, x + r0 * H, a + r0 * H, b->mlp_norm, b->eps, s + r0 * H,
+                            h + r0 * H));
     status = linear(&b->gate_up, T, h, gu, threads);
   }
   if (status == 0) {
-    BY_ROWS(T, threads, silu_mul((int)(r1 - r0), I, gu + r0 * 2 * I, act + r0 * I));
+    BY_ROWS(T, silu_mul((int)(r1 - r0), I, gu + r0 * 2 * I, act + r0 * I));
     status = linear(&b->down, T, act, m, threads);
   }
   if (status == 0)
-    BY_ROWS(T, threads, for (size_t i = r0 * H; i < r1 * H; i++) out[i] = s[i] + m[i]);
+    BY_ROWS(T, for (size_t i = r0 * H; i < r1 * H; i++) out[i] = s[i] + m[i]);
   return status;
 }
 
@@ -311,7 +312,8 @@ def combined(cflags: tuple[str, ...]) -> ctypes.CDLL | None:
 
 
 def built() -> bool:
-    """Whether the library is compiled already (cached on disk, or loaded): a first build takes ~20 s on 2 cores."""
+    """Whether nothing is left to build: the library cached on disk, or loaded (or its build tried and failed) in
+    this process. A first build takes ~20 s on 2 cores."""
     return _library.cache_info().currsize > 0 or cpu_build.library_path("cpu_block", _source(), cpu_ops.CFLAGS).exists()
 
 

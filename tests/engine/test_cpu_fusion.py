@@ -177,8 +177,9 @@ def test_all_blocks_in_one_call_equal_one_call_a_block():
 
 
 def test_a_prompts_rows_split_among_threads_keep_the_bits():
-    """From PARALLEL_ROWS (32) rows a block's norms, RoPE, SiLU, residual add and the int8 rows' quantization are
-    split among the threads; every row's arithmetic is its own, so 1 and 2 threads give the same logits and pages."""
+    """From PARALLEL_ROWS (32) rows a block's norms, RoPE, SiLU and residual add are split among the threads; every
+    row's arithmetic is its own, so 1 and 2 threads give the same logits and pages. (These blocks take float rows;
+    i8_gemm's rows quantized by the threads are tests/kernels/test_cpu_gemv_i8.py's 40- and 33-row cases.)"""
     torch.manual_seed(5)
     model = with_gguf_blocks(Transformer(CFG).eval(), seed=5)
     cpu_fusion.fuse(model)
