@@ -727,9 +727,9 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 }
 #endif
 
-#if defined(VEC_FLOATS) && VEC_FLOATS == 8
+#if defined(VEC_FLOATS)
 #define PAIRED_DECODE 1 /* a decode row's query heads share tiles over dense pages too (see paged_attention) */
-#else
+#else /* (plain C builds: no tiles) */
 #define PAIRED_DECODE 0
 #endif
 
@@ -1306,10 +1306,12 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
      group, rows outer, so each key is loaded (decoded) once for them: a 5-row step at 2,048 keys over fp16 pages
      265-268 -> 166-174 us a layer, fp32 322-329 -> 191-197 (benchmarks/cpu_attention.py --threads 2, against
      c477b7f's one query head per tile; docs/benchmarks.md, "Fourteenth session"). A decode row over
-     dense pages keeps one query head per tile in AVX-512 builds (its loads are cheap, and 9 tiles share better
-     among the threads than 3) and takes the pairs in AVX2 ones (PAIRED_DECODE: each element widens in two
-     instructions there; one row at 256 keys over fp16 pages 77.5 -> 58.8 us a layer on one thread, 62.0 -> 45.3 on
-     two, 8 requests 414 -> 184 on two; docs/benchmarks.md, "Thirty-fourth session"), and a prompt R consecutive
+     dense pages takes the pairs too (PAIRED_DECODE). AVX2 builds, where each element widens in two instructions:
+     one row at 256 keys over fp16 pages 77.5 -> 58.8 us a layer on one thread, 62.0 -> 45.3 on two, 8 requests
+     414 -> 184 on two (docs/benchmarks.md, "Thirty-fourth session"). AVX-512 builds had kept one query head per
+     tile (9 tiles share better among 2 threads than 3), but the pairs measured faster there too: one row at 256 /
+     2,048 keys 1.34x / 1.54x on one thread, 1.19x / 1.30x on two, 8 requests 1.48x ("Thirty-sixth session"). A
+     prompt R consecutive
      rows in one query head, or in AVX2 builds groups of up to GROUP_PAIRS (row, query head) pairs of one KV group
      (attend_group: a 64-row chunk of a prompt at 1,024 / 2,048 keys over fp16 pages 1.01-1.18x / 1.07-1.26x
      faster on one thread; docs/benchmarks.md, "Thirty-fifth session"). The threads take contiguous runs of tiles (each
