@@ -727,9 +727,13 @@ static void attend_row(const Plan* p, const int32_t* table, int n, const float* 
 }
 #endif
 
-#if defined(VEC_FLOATS)
-#define PAIRED_DECODE 1 /* a decode row's query heads share tiles over dense pages too (see paged_attention) */
-#else /* (plain C builds: no tiles) */
+/* Whether a decode row's query heads share tiles over dense pages too (see paged_attention): 2 always (AVX2), 1
+   where the step's KV heads keep the threads busy (AVX-512), 0 never (plain C builds: no tiles). */
+#if defined(VEC_FLOATS) && VEC_FLOATS == 8
+#define PAIRED_DECODE 2
+#elif defined(VEC_FLOATS)
+#define PAIRED_DECODE 1
+#else
 #define PAIRED_DECODE 0
 #endif
 
@@ -1308,10 +1312,11 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
      c477b7f's one query head per tile; docs/benchmarks.md, "Fourteenth session"). A decode row over
      dense pages takes the pairs too (PAIRED_DECODE). AVX2 builds, where each element widens in two instructions:
      one row at 256 keys over fp16 pages 77.5 -> 58.8 us a layer on one thread, 62.0 -> 45.3 on two, 8 requests
-     414 -> 184 on two (docs/benchmarks.md, "Thirty-fourth session"). AVX-512 builds had kept one query head per
-     tile (9 tiles share better among 2 threads than 3), but the pairs measured faster there too: one row at 256 /
-     2,048 keys 1.34x / 1.54x on one thread, 1.19x / 1.30x on two, 8 requests 1.48x ("Thirty-sixth session"). A
-     prompt R consecutive
+     414 -> 184 on two (docs/benchmarks.md, "Thirty-fourth session"). AVX-512 builds kept one query head per tile
+     (9 tiles share better among 2 threads than 3) and take the pairs where the step runs on one thread or has at
+     least two KV heads a thread: one layer's call at 256 / 2,048 keys 1.34x / 1.54x on one thread, 8 requests
+     1.48x on two, but one request's decode step over 30 layers on two threads 0.91-0.96x at 1,340 and 2,632
+     tokens ("Thirty-sixth session"). A prompt R consecutive
      rows in one query head, or in AVX2 builds groups of up to GROUP_PAIRS (row, query head) pairs of one KV group
      (attend_group: a 64-row chunk of a prompt at 1,024 / 2,048 keys over fp16 pages 1.01-1.18x / 1.07-1.26x
      faster on one thread; docs/benchmarks.md, "Thirty-fifth session"). The threads take contiguous runs of tiles (each
@@ -1319,10 +1324,13 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
      ~20% slower), except where a prompt is in the step: its later rows see more keys, so tiles go round-robin
      (a 2,632-token prefill over fp16 pages 4,204-4,334 ms against 4,914-5,000 in contiguous runs: cpu_kv_formats.py,
      docs/benchmarks.md). */
-  const int R = tile_rows(D), paired = !KV_DENSE(p->k_type) || PAIRED_DECODE; /* single rows too */
+  long keys = 0;
+  for (int b = 0; b < p->batch; b++) keys += (long)p->q_lens[b] * p->ctx_lens[b];
+  const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
+  const int R = tile_rows(D), paired = !KV_DENSE(p->k_type) || PAIRED_DECODE == 2 ||
+                                       (PAIRED_DECODE == 1 && (team == 1 || p->batch * KVH >= 2 * team));
   const int GP = group_pairs(D); /* prompts (DEQUANTIZE_ROWS rows or more): groups of up to GP pairs */
   int tiles = 0, longest = 1;
-  long keys = 0;
   int prompt = 0;
   for (int b = 0; b < p->batch; b++) {
     const int m = p->q_lens[b];
@@ -1332,7 +1340,6 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
     else
       tiles += (paired || m > 1) && m < DEQUANTIZE_ROWS ? KVH * ((m * G + R - 1) / R) : (m + R - 1) / R * H;
     longest = p->ctx_lens[b] > longest ? p->ctx_lens[b] : longest;
-    keys += (long)m * p->ctx_lens[b];
   }
   Tile* work = malloc((size_t)tiles * sizeof(Tile));
   if (work == NULL) return -1;
@@ -1353,7 +1360,6 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   /* a row of scores per pair; one cache line more than whole lines, so that a group's rows do not all fall in the
      same L1 set (rows 8 KB apart would: its sets hold 8 lines) */
   const long s_row = (longest + 15) / 16 * 16 + 16;
-  const int team = threads > 1 && keys * H >= PARALLEL_KEYS ? threads : 1;
   const int chunk = prompt ? 1 : (tiles + team - 1) / team;
   /* the dense copies (DEQUANTIZE_ROWS): request b's page j at scratch page first_page[b] + j, so its tiles read
      them through the identity table as dense pages (`dense`: binary16 where every value fits, else float32), the
