@@ -8,6 +8,7 @@ budget. Engine.load and the draft-model drafter both build from here.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,16 +208,22 @@ class LoadedModel:
 KERNEL_STAGE = "building the CPU kernels for this machine (once)"
 
 
-def build_cpu_kernels(progress: Progress | None) -> None:
+def build_cpu_kernels(progress: Progress | None, beat_s: float = 1.0) -> None:
     """The CPU kernels compiled where they are not yet (once per machine, compiler and version: ~20 s on 2 cores),
-    the wait shown as a stage of the load rather than as a silent first call."""
+    the wait shown as a stage of the load rather than as a silent first call: `progress` hears the stage every
+    `beat_s` while the compiler runs (so a log, where stderr is not a terminal, gets its "still running" line)."""
     if not cpu_build.enabled() or cpu_block.built():
         return
-    if progress is not None:
+    if progress is None:
+        cpu_block.available()
+        return
+    done = threading.Event()
+    compiler = threading.Thread(target=lambda: (cpu_block.available(), done.set()), daemon=True)
+    progress(KERNEL_STAGE, 0, 0)
+    compiler.start()
+    while not done.wait(beat_s):
         progress(KERNEL_STAGE, 0, 0)
-    cpu_block.available()
-    if progress is not None:
-        progress(KERNEL_STAGE, 1, 1)
+    progress(KERNEL_STAGE, 1, 1)
 
 
 def load_parts(config: EngineConfig, progress: Progress | None = None) -> LoadedModel:
