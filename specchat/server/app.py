@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specchat.config import SpecParams
 from specchat.engine.api import ServedEngine
@@ -46,6 +47,32 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 
 class ClientGone(Exception):
     """A non-streaming request's client hung up: its answer is cancelled, nobody is sent a response."""
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, refused past MAX_BODY_BYTES as it arrives (a chunked upload declares no length: 20 MB
+    was read and tokenized whole before its refusal); ClientGone where the client hangs up mid-body."""
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes, the most this server takes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> object:
+    """The body as JSON, or a 400: not JSON, not UTF-8, nested deeper than the parser recurses (a RecursionError),
+    or a number past Python's 4,300-digit limit (a ValueError) were 500s with a traceback."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ApiError(
+            400, "the request body is not valid JSON (or nests or counts past what this server parses)"
+        ) from None
 
 
 class EventRouter:
@@ -134,10 +161,7 @@ def create_app(
             raise ApiError(
                 413, f"the request body is {int(length):,} bytes; this server takes up to {MAX_BODY_BYTES:,}"
             )
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+        body = parse_json(await read_body(request))
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model):

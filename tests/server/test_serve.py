@@ -145,6 +145,31 @@ def test_completions_models_health_and_metrics(client, served):
     assert "specchat:kv_cache_usage_perc" in page and "specchat:tokens_per_second" in page
 
 
+def test_bodies_past_what_the_parser_takes_are_400s_not_500s(served, monkeypatch):
+    """Nesting past the parser's recursion and a number past Python's 4,300 digits were 500s with a traceback; a
+    chunked upload (no Content-Length) past the body limit was read whole; a client gone mid-body a traceback."""
+    url = served[0] + "/v1/chat/completions"
+    status, answer = post_raw(url, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 400 and "not valid JSON" in answer["error"]["message"], (status, answer)
+    status, answer = post_raw(url, b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert status == 400 and "not valid JSON" in answer["error"]["message"], (status, answer)
+    monkeypatch.setattr("specchat.server.app.MAX_BODY_BYTES", 1000)
+    host, port = served[0].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    chunks = iter([b'{"model": "tiny", "prompt": "', b"x" * 800, b"x" * 800, b'"}'])
+    conn.request("POST", "/v1/completions", body=chunks, encode_chunked=True,
+                 headers={"content-type": "application/json", "transfer-encoding": "chunked"})  # fmt: skip
+    response = conn.getresponse()
+    assert response.status == 413 and "1,000" in json.loads(response.read())["error"]["message"]
+    conn.close()
+    monkeypatch.undo()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # hangs up mid-body
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b'Content-Length: 500\r\n\r\n{"messages"')  # fmt: skip
+    status, answer = post_raw(url, json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 2}).encode())
+    assert status == 200 and answer["choices"][0]["message"]["content"] is not None
+
+
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served, monkeypatch):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-9", messages=MESSAGES)
