@@ -44,11 +44,31 @@ ConfirmFn = Callable[[str], bool]  # gets the command line, returns whether the 
 
 @dataclass(slots=True)
 class ToolResult:
-    """The outcome of one tool call; failures are results too, never exceptions."""
+    """The outcome of one tool call; failures are results too, never exceptions. Its text is valid Unicode: bytes
+    that are not UTF-8 (a file name on disk, a tool's odd string) show as backslash escapes, where they had made the
+    next prompt fail to encode and ended the run."""
 
     ok: bool
     content: str
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.content = valid_text(self.content)
+        self.error = None if self.error is None else valid_text(self.error)
+
+
+def valid_text(text: str) -> str:
+    """`text` with its lone surrogates as backslash escapes: those of undecodable bytes (os.listdir's
+    surrogateescape) as the bytes they stand for, `\\xff`, any other as `\\ud800`."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(slots=True)
@@ -196,23 +216,30 @@ def _invoke(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
     """Call the tool's function and turn whatever it returns or raises into a ToolResult."""
     try:
         value = tool.function(**arguments)
+        if isinstance(value, ToolResult):
+            return value
+        if isinstance(value, str):
+            return ToolResult(True, value)
+        if value is None:
+            return ToolResult(True, "(no result)")
+        return ToolResult(True, json.dumps(value, ensure_ascii=False, default=str))  # (a cycle raises here)
     except SandboxError as error:
         return ToolResult(False, "", str(error))
     except (Exception, SystemExit) as error:  # a tool's sys.exit() is its failure, not the agent's
         return ToolResult(False, "", f"{tool.name} raised {type(error).__name__}: {error}")
-    if isinstance(value, ToolResult):
-        return value
-    if isinstance(value, str):
-        return ToolResult(True, value)
-    if value is None:
-        return ToolResult(True, "(no result)")
-    return ToolResult(True, json.dumps(value, ensure_ascii=False, default=str))
 
 
 def _invoke_with_timeout(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
     """Run an in-process tool on a daemon thread; at the timeout, stop waiting (a thread cannot be killed)."""
     outcome: list[ToolResult] = []
-    worker = threading.Thread(target=lambda: outcome.append(_invoke(tool, arguments)), daemon=True)
+
+    def run() -> None:
+        try:
+            outcome.append(_invoke(tool, arguments))
+        except KeyboardInterrupt:  # raised by the tool's own code (no signal reaches this thread): its failure
+            outcome.append(ToolResult(False, "", f"{tool.name} raised KeyboardInterrupt"))
+
+    worker = threading.Thread(target=run, daemon=True)
     worker.start()
     worker.join(tool.options.timeout_s)
     if not outcome:

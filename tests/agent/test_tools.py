@@ -182,6 +182,33 @@ def test_user_tool_exceptions_and_values_become_results():
     assert box.call("table", {"n": 3}) == ToolResult(True, '{"n": 3, "square": 9}')
 
 
+def test_a_tools_odd_results_are_its_failures_or_valid_text():
+    """A value that does not convert to JSON and a KeyboardInterrupt of the tool's own were a thread's traceback
+    and 'timed out'; undecodable bytes (a file name) made the next prompt fail to encode and ended the run."""
+
+    def cycle(n: int) -> dict:
+        """A self-referencing dict."""
+        value: dict = {"n": n}
+        value["self"] = value
+        return value
+
+    def interrupt(n: int) -> str:
+        """Raises KeyboardInterrupt."""
+        raise KeyboardInterrupt
+
+    def name(n: int) -> str:
+        """A file name that is not UTF-8, as os.listdir gives it."""
+        return b"\xff\xfe-bad.txt".decode("utf-8", "surrogateescape")
+
+    box = Toolbox([function_tool(cycle), function_tool(interrupt), function_tool(name)])
+    assert box.call("cycle", {"n": 1}) == ToolResult(False, "", "cycle raised ValueError: Circular reference detected")
+    assert box.call("interrupt", {"n": 1}) == ToolResult(False, "", "interrupt raised KeyboardInterrupt")
+    assert box.call("name", {"n": 1}) == ToolResult(True, "\\xff\\xfe-bad.txt")
+    assert ToolResult(False, "", "x\ud800").error == "x\\ud800"
+    for result in (box.call("name", {"n": 1}), ToolResult(True, "\udc80")):
+        result.content.encode("utf-8")  # encodes: the prompt it goes into does too
+
+
 USER_MODULE = '''
 from typing import Literal
 
