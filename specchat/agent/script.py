@@ -7,6 +7,7 @@ script's folder. Every problem is a ConfigError of one line that names the file 
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import tomllib
 from collections.abc import Callable, Sequence
@@ -273,7 +274,14 @@ def _examples(top: _Table) -> list[Demo]:
             name = call_table.get("name", str, None)
             if name is None:
                 raise ConfigError(f"{where} needs a name")
-            calls.append(DemoCall(name, call_table.get("arguments", dict, {}), call_table.get("result", str, "")))
+            arguments = call_table.get("arguments", dict, {})
+            try:  # the call is shown to the model as JSON; TOML's dates and times are not JSON
+                json.dumps(arguments, allow_nan=False)
+            except (TypeError, ValueError) as error:
+                raise ConfigError(
+                    f"{where}.arguments must be JSON values (text, numbers, lists, tables): {error}"
+                ) from None
+            calls.append(DemoCall(name, arguments, call_table.get("result", str, "")))
         demos.append(Demo(task, answer, calls))
     return demos
 

@@ -221,6 +221,11 @@ def test_regex_stop_without_groups_returns_the_match():
             "examples[1] calls 'grep', which is not an enabled tool",
         ),
         ('tasks = ["x"]\n[[examples]]\ntask = "y"\nanswer = "z"\ncalls = [{ result = "1" }]', "calls[1] needs a name"),
+        (  # a TOML date passed the checks and failed once the model was loaded (not JSON serializable)
+            'tasks = ["x"]\n[[examples]]\ntask = "y"\nanswer = "z"\n'
+            'calls = [{ name = "python", arguments = { code = 1979-05-27T07:32:00Z } }]',
+            "examples[1].calls[1].arguments must be JSON values",
+        ),
         ('tasks = "x"\n[[', "invalid TOML"),
     ],
 )
