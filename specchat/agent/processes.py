@@ -43,6 +43,9 @@ SWEEP_ROUNDS = 100
 NPROC_PER_NAMESPACE = (5, 14)  # kernels from 5.14 count RLIMIT_NPROC per user namespace
 
 
+MAX_TASKS = 4_194_304  # Linux's largest pid_max
+
+
 @dataclass(slots=True)
 class ProcessLimits:
     """What one python or shell call may use; memory, CPU and file size are per process.
@@ -62,6 +65,11 @@ class ProcessLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            # the most setrlimit and a cgroup take (Linux's largest pid_max; 2^31 - 1 MiB or s): beyond, every call
+            # failed with the launcher's OverflowError or ERANGE instead of the script failing at load
+            most = MAX_TASKS if name == "max_processes" else 2**31 - 1
+            if value > most:
+                raise ConfigError(f"{name} must be at most {most:,}, got {value:,}")
         if self.memory_mb < MIN_MEMORY_MB:
             raise ConfigError(f"memory_mb must be >= {MIN_MEMORY_MB}, got {self.memory_mb}")
 

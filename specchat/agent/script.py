@@ -96,6 +96,8 @@ class StopCondition:
                 self.pattern = re.compile(self.value)
             except re.error as error:
                 raise ConfigError(f"stop.regex is not a valid regular expression: {error}") from None
+            if self.pattern.fullmatch(""):  # it matches any reply: the first one, whatever it says, is the answer
+                raise ConfigError(f"stop.regex must not match empty text, got {self.value!r}")
 
     def answer_in(self, text: str) -> str | None:
         """For tag and regex stops, the answer in a reply (a regex's first group if it has one), else None."""

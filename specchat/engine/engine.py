@@ -213,7 +213,10 @@ class Engine:
             raise PromptError("empty prompt")
         limit = self.model.cfg.max_position
         if len(ids) >= limit:
-            raise PromptError(f"prompt is {len(ids)} tokens; the model's context holds {limit}")
+            raise PromptError(
+                f"prompt is {len(ids)} tokens; the model's context holds {limit}, a prompt at most {limit - 1} "
+                "(one position is left for the answer)"
+            )
         return ids
 
     def submit(

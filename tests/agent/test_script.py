@@ -226,6 +226,8 @@ def test_regex_stop_without_groups_returns_the_match():
             'calls = [{ name = "python", arguments = { code = 1979-05-27T07:32:00Z } }]',
             "examples[1].calls[1].arguments must be JSON values",
         ),
+        ('tasks = ["x"]\n[stop]\nregex = ""', "stop.regex must not match empty text"),  # every reply answered
+        ('tasks = ["x"]\n[stop]\nregex = "(A: )?"', "stop.regex must not match empty text"),
         ('tasks = "x"\n[[', "invalid TOML"),
     ],
 )

@@ -350,6 +350,11 @@ def test_script_sets_process_limits_and_the_unsandboxed_opt_in(tmp_path: Path):
     [
         ("[tools.python]\nmemory_mb = 10", "tools.python: memory_mb must be >= 64, got 10"),
         ("[tools.python]\ncpu_s = 0", "tools.python: cpu_s must be a positive integer, got 0"),
+        (  # loaded, then every call failed with the launcher's OverflowError
+            "[tools.python]\nmemory_mb = 9223372036854775807",
+            "tools.python: memory_mb must be at most 2,147,483,647",
+        ),
+        ("[tools.shell]\nmax_processes = 99999999", "tools.shell: max_processes must be at most 4,194,304"),
         ("[tools.python]\nfile_mb = 1.5", "tools.python.file_mb must be an integer, got a number 1.5"),
         ('[tools.python]\nallow_unsandboxed = "yes"', "tools.python.allow_unsandboxed must be a boolean"),
         ('[tools.shell]\nallow = ["ls"]\nallow_unsandboxed = true', "unknown key 'tools.shell.allow_unsandboxed'"),
