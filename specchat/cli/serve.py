@@ -43,6 +43,7 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, stream_inte
 
     from specchat.engine.engine import Engine
     from specchat.server.app import create_app
+    from specchat.server.stopping import StoppingServer
 
     if not PORT_RANGE[0] <= port <= PORT_RANGE[1]:
         raise ConfigError(f"--port must be in [{PORT_RANGE[0]}, {PORT_RANGE[1]}], got {port}")
@@ -63,7 +64,7 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, stream_inte
         # on SIGTERM / Ctrl-C, answers in flight get GRACEFUL_S to finish, then are cancelled (a client waiting for
         # 100,000 tokens would hold up a `docker stop` or systemd's stop for good)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S)
-        uvicorn.Server(config).run()
+        StoppingServer(config, engine).run()
     finally:
         engine.close()
 

@@ -277,6 +277,11 @@ class Engine:
     def cancel(self, request_id: int) -> None:
         self.apply(lambda: self.scheduler.cancel(request_id))
 
+    def end_all(self, error: str) -> Future:
+        """End every live request between two steps with `error`, keeping what each wrote (a stopping server's
+        answers in flight: server/stopping.py)."""
+        return self.apply(lambda: self._deliver(self.scheduler.fail_all(error)))
+
     def _running_seqs(self, request_id: int | None) -> list[Sequence]:
         seqs = self.scheduler.live()
         return seqs if request_id is None else [s for s in seqs if s.seq_id == request_id]

@@ -170,6 +170,55 @@ def test_bodies_past_what_the_parser_takes_are_400s_not_500s(served, monkeypatch
     assert status == 200 and answer["choices"][0]["message"]["content"] is not None
 
 
+def test_a_stopping_server_returns_the_answers_in_flight(tiny_model_dir):
+    """Ctrl-C / SIGTERM: uvicorn cancels the requests still running at its deadline (a plain-text 500, a stream
+    without its end, a traceback). StoppingServer ends the engine's answers just before it, so a non-streaming
+    client gets what its answer wrote, finish_reason "length" and the error; a streaming one its stream's end."""
+    import signal
+
+    from specchat.engine.engine import Engine
+    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    step = engine.step
+    engine.step = lambda: time.sleep(0.02) or step()  # ~50 tokens a second: answers still running at the stop
+    engine.start()
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="error", timeout_graceful_shutdown=3
+    )
+    server = StoppingServer(config, engine, end_early_s=2.5)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True}
+    answers: dict = {}
+
+    def ask(stream: bool) -> None:
+        data = json.dumps({**body, "stream": stream}).encode()
+        request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answers[stream] = (response.status, response.read().decode())
+
+    clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for client in clients:
+        client.start()
+    time.sleep(1.0)
+    server.handle_exit(signal.SIGINT, None)
+    for client in clients:
+        client.join(30)
+    thread.join(30)
+    engine.close()
+    status, text = answers[False]
+    choice = json.loads(text)["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "length" and choice["message"]["content"]
+    assert STOPPING_ERROR in json.dumps(choice)
+    status, text = answers[True]
+    assert status == 200 and text.rstrip().endswith("data: [DONE]")
+
+
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served, monkeypatch):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-9", messages=MESSAGES)
