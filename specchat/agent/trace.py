@@ -161,6 +161,11 @@ class JsonlWriter:
             self.stream.flush()
 
 
+# control characters as visible escapes (newlines and tabs kept): a tool's output or the model's text holding
+# "\x1b[2J" or an OSC title string cleared or retitled the user's terminal
+CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
+
+
 class TracePrinter:
     """Prints events as a compact plain-text trace: one line per event, model text indented under its step."""
 
@@ -176,7 +181,7 @@ class TracePrinter:
         if not lines:
             return
         with self.lock:
-            self.stream.write("\n".join(lines) + "\n")
+            self.stream.write("\n".join(lines).translate(CONTROL_ESCAPES) + "\n")
             self.stream.flush()
 
     def format(self, event: Event) -> list[str]:

@@ -110,3 +110,14 @@ def test_printer_cuts_long_text_and_lines():
     assert lines[0] == "[run 2]   <- read_file error: boom"
     assert len(lines) == 5 and lines[-1].endswith("7 more lines")
     assert all(len(line) <= 40 for line in lines)
+
+
+def test_printer_escapes_control_characters():
+    """A tool's output holding "\x1b[2J" or an OSC title string cleared or retitled the user's terminal."""
+    stream = io.StringIO()
+    printer = TracePrinter(stream)
+    content = "before\x1b[2Jafter\n\x1b]0;pwned\x07\ttab"
+    printer.write(ToolResultEvent(run=0, step=1, id="x", name="shell", ok=True, content=content))
+    text = stream.getvalue()
+    assert "\x1b" not in text and "\x07" not in text
+    assert "before\\x1b[2Jafter" in text and "\\x1b]0;pwned\\x07\ttab" in text
