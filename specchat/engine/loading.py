@@ -231,7 +231,8 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     spec = resolve(config.model)
     device = pick_device(config.device)
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
-    if cpu_kernels:
+    if cpu_kernels:  # (a model that cannot be fetched fails first, not after the kernels' first build)
+        fetch(spec, progress=progress)
         build_cpu_kernels(progress)
     dtype = pick_dtype(config.dtype, device, reads_cpu_blocks(spec, cpu_kernels))
     path, model, packed, meta, converted = load_model(spec, dtype, device, progress)
