@@ -160,15 +160,14 @@ def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
     return Tokenizer.from_dir(folder)
 
 
-def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, progress: Progress | None = None):
-    """(model path, model on the device, packed MXFP4 weights, checkpoint metadata and the converted weights
-    file, if any: what the weight switch needs)."""
-    path = fetch(spec, progress=progress)
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None = None):
+    """(model on the device, packed MXFP4 weights, checkpoint metadata and the converted weights file, if any: what
+    the weight switch needs) of the fetched model at `path`."""
     cache = derived_dir(path) / "weights.safetensors" if path.is_file() else None
     model_cfg, state = load_checkpoint(path, progress=progress, cache=cache)
     packed, meta = take_packed(state), checkpoint_metadata(path)
     model = build_model(model_cfg, state, dtype, device)
-    return path, model, packed, meta, cache
+    return model, packed, meta, cache
 
 
 def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu_act: str) -> None:
@@ -212,11 +211,8 @@ def build_cpu_kernels(progress: Progress | None, beat_s: float = 1.0) -> None:
     """The CPU kernels compiled where they are not yet (once per machine, compiler and version: ~20 s on 2 cores),
     the wait shown as a stage of the load rather than as a silent first call: `progress` hears the stage every
     `beat_s` while the compiler runs (so a log, where stderr is not a terminal, gets its "still running" line)."""
-    if not cpu_build.enabled() or cpu_block.built():
-        return
-    if progress is None:
-        cpu_block.available()
-        return
+    if progress is None or not cpu_build.enabled() or cpu_block.built():
+        return  # (without a progress to hear it, the kernels build at their first use)
     done = threading.Event()
     compiler = threading.Thread(target=lambda: (cpu_block.available(), done.set()), daemon=True)
     progress(KERNEL_STAGE, 0, 0)
@@ -231,11 +227,11 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     spec = resolve(config.model)
     device = pick_device(config.device)
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
-    if cpu_kernels:  # (a model that cannot be fetched fails first, not after the kernels' first build)
-        fetch(spec, progress=progress)
+    path = fetch(spec, progress=progress)  # (a model that cannot be fetched fails before the kernels' first build)
+    if cpu_kernels:
         build_cpu_kernels(progress)
     dtype = pick_dtype(config.dtype, device, reads_cpu_blocks(spec, cpu_kernels))
-    path, model, packed, meta, converted = load_model(spec, dtype, device, progress)
+    model, packed, meta, converted = load_model(path, dtype, device, progress)
     tokenizer = load_tokenizer(spec, path)
     weights = weight_switch(
         model,

@@ -380,8 +380,10 @@ def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[
                 if isinstance(event, Finished):
                     key, prompt, messages, greedy = handles[event.request_id]
                     prompt_ids = engine.encode_prompt(messages)
-                    record = {"id": prompt["id"], "job": key, "greedy": greedy, "prompt_ids": prompt_ids}
-                    records.append({**record, "output_ids": event.token_ids})
+                    records.append(
+                        {"id": prompt["id"], "job": key, "greedy": greedy, "prompt_ids": prompt_ids,
+                         "output_ids": event.token_ids}
+                    )  # fmt: skip
                     saved.write(json.dumps(records[-1]) + "\n")
                     saved.flush()
                     progress("answers", len(records), len(jobs))

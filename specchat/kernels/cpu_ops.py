@@ -61,48 +61,36 @@ INLINE float exp_poly(float x) {
   return e * scale;
 }
 
+/* exp_poly on a vector V of floats, P the intrinsics' prefix (_mm256, _mm512), CAST its integer -> float bits
+   cast: the same operations in the same order (no contraction), so the same bits; the clamps keep a NaN as
+   exp_poly's comparisons do (max / min return their second operand where either is NaN). A scalar loop calling
+   exp_poly does not vectorize (its clamps compile to branches). */
+#define DEFINE_EXP(NAME, V, VI, P, CAST)                                                                 \
+  INLINE V NAME(V x) {                                                                                   \
+    x = P##_min_ps(P##_set1_ps(88.0f), P##_max_ps(P##_set1_ps(-87.0f), x));                              \
+    const V round = P##_set1_ps(12582912.0f);                                                            \
+    const V n = P##_sub_ps(P##_add_ps(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)), round), round); \
+    V r = P##_sub_ps(x, P##_mul_ps(n, P##_set1_ps(0.693359375f)));                                       \
+    r = P##_add_ps(r, P##_mul_ps(n, P##_set1_ps(2.12194440e-4f)));                                       \
+    V p = P##_set1_ps(1.9875691500e-4f);                                                                 \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(1.3981999507e-3f));                                     \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(8.3334519073e-3f));                                     \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(4.1665795894e-2f));                                     \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(1.6666665459e-1f));                                     \
+    p = P##_add_ps(P##_mul_ps(p, r), P##_set1_ps(5.0000001201e-1f));                                     \
+    const V e = P##_add_ps(P##_add_ps(P##_mul_ps(p, P##_mul_ps(r, r)), r), P##_set1_ps(1.0f));           \
+    const VI bits = P##_slli_epi32(P##_add_epi32(P##_cvttps_epi32(n), P##_set1_epi32(127)), 23);         \
+    return P##_mul_ps(e, CAST(bits));                                                                    \
+  }
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #define HAVE_EXP8 1
-/* exp_poly on 8 lanes: the same operations in the same order (no contraction), so the same bits; the clamps keep a
-   NaN as exp_poly's comparisons do (max / min return their second operand where either is NaN). A scalar loop
-   calling exp_poly does not vectorize (its clamps compile to branches). */
-INLINE __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-  const __m256 round = _mm256_set1_ps(12582912.0f);
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), round), round);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-}
+DEFINE_EXP(exp8, __m256, __m256i, _mm256, _mm256_castsi256_ps)
 #endif
 
 #ifdef __AVX512F__
-/* exp8 on 16 lanes: the same operations, so the same bits. */
-INLINE __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), round), round);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 e = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
-}
+DEFINE_EXP(exp16, __m512, __m512i, _mm512, _mm512_castsi512_ps)
 #endif
 
 /* The first pass of a LANES-lane sum of exp(x[j] - m): for j below n rounded down to LANES, e_j = exp_poly(x[j] - m)
