@@ -14,6 +14,7 @@ import click
 
 from specchat.cli.options import DTYPE_HELP, StderrProgress, spec_params
 from specchat.config import DEVICES, DRAFTER_SYNTAX, DTYPE_CHOICES, KV_CHOICES, WEIGHT_CHOICES, EngineConfig
+from specchat.errors import SpecchatError
 
 TUI_MODULE = "specchat.ui.agent"  # the TUI's agent view, when it has one
 TUI_ENTRY = "run_agent_app"  # run_agent_app(script, config, concurrency) -> None
@@ -26,8 +27,8 @@ def tui_launcher() -> Callable | None:
     return getattr(importlib.import_module(TUI_MODULE), TUI_ENTRY, None)
 
 
-def run_headless(script, config: EngineConfig, concurrency: int | None, as_json: bool) -> None:
-    """Load the engine, run every task, print a readable trace (or JSONL events) on stdout."""
+def run_headless(script, config: EngineConfig, concurrency: int | None, as_json: bool) -> list:
+    """Load the engine, run every task, print a readable trace (or JSONL events) on stdout; the runs' outcomes."""
     from specchat.agent.runner import AgentSession
     from specchat.agent.trace import JsonlWriter, TracePrinter
     from specchat.engine.engine import Engine
@@ -40,9 +41,18 @@ def run_headless(script, config: EngineConfig, concurrency: int | None, as_json:
     engine.start()
     try:
         with contextlib.redirect_stdout(sys.stderr):  # a tool's print() goes to stderr: stdout is the trace's
-            session.run(sink.write)
+            return session.run(sink.write)
     finally:
         engine.close()
+
+
+def check_outcomes(outcomes: list) -> None:
+    """A job's exit status says whether its runs worked: runs that ended in an engine error fail the command
+    (after the whole trace), so a script in CI or cron does not pass on a broken run. Runs that reached their
+    step or time limit without an answer are results, not failures."""
+    failed = sum(outcome.reason == "error" for outcome in outcomes)
+    if failed:
+        raise SpecchatError(f"{failed} of {len(outcomes)} runs ended in an error (see the trace above)")
 
 
 def on_terminal() -> bool:
@@ -92,7 +102,7 @@ def agent(
             launch(script, config, concurrency)
             return
         click.echo("specchat: the TUI has no agent view yet; printing the trace instead", err=True)
-    run_headless(script, config, concurrency, as_json)
+    check_outcomes(run_headless(script, config, concurrency, as_json))
 
 
 def register(group: click.Group) -> None:
