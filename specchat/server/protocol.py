@@ -20,6 +20,7 @@ from specchat.engine.sequence import Finished
 from specchat.errors import ConfigError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; a client that sends more gets the same 400 it would get there
 
 
 # SamplingParams' messages start with the field's CLI name -> the request's field
@@ -99,9 +100,14 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty strings", "stop")
+    temperature = float(_field(body, "temperature", (int, float), 1.0))
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:  # (NaN fails this too)
+        raise ApiError(
+            400, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}", "temperature"
+        )
     try:
         sampling = SamplingParams(
-            temperature=float(_field(body, "temperature", (int, float), 1.0)),
+            temperature=temperature,
             top_p=float(_field(body, "top_p", (int, float), 1.0)),
             top_k=_field(body, "top_k", int, 0),
             seed=_field(body, "seed", int),

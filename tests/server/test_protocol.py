@@ -91,9 +91,16 @@ def test_a_well_formed_tool_call_in_history_is_read_as_a_dict() -> None:
     assert req.prompt[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", -1), ("top_p", 2), ("top_k", -3), ("seed", -1)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", -1), ("temperature", 2.5), ("top_p", 2), ("top_k", -3), ("seed", -1)]
+)
 def test_a_bad_sampling_field_is_named_in_the_error(field: str, value) -> None:
     body = {"messages": [{"role": "user", "content": "w"}], field: value}
     with pytest.raises(ApiError) as refused:
         parse_request(body, chat=True, default_spec=SpecParams())
     assert refused.value.status == 400 and refused.value.param == field
+
+
+def test_temperature_two_is_accepted_as_openai_accepts_it() -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "temperature": 2}
+    assert parse_request(body, chat=True, default_spec=SpecParams()).sampling.temperature == 2.0
