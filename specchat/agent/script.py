@@ -159,6 +159,9 @@ class AgentScript:
             for call in demo.calls:
                 if call.name not in self.tools.names:
                     raise ConfigError(f"examples[{index}] calls {call.name!r}, which is not an enabled tool")
+            if self.stop.kind == "regex" and self.stop.answer_in(demo.answer) is None:
+                # the example is the reply that should end a run: one the stop misses teaches replies that never end
+                raise ConfigError(f"examples[{index}].answer does not match stop.regex {self.stop.value!r}")
         if self.tool_choice == "required" and self.stop.kind != "tool":
             raise ConfigError('tool_choice = "required" makes every turn a tool call: it needs the final_answer stop')
 

@@ -226,6 +226,10 @@ def test_regex_stop_without_groups_returns_the_match():
             'calls = [{ name = "python", arguments = { code = 1979-05-27T07:32:00Z } }]',
             "examples[1].calls[1].arguments must be JSON values",
         ),
+        (  # the example teaches the reply that should end a run: one the stop misses never ends it
+            'tasks = ["x"]\n[stop]\nregex = "ANSWER: (\\\\d+)"\n[[examples]]\ntask = "y"\nanswer = "twelve"',
+            "examples[1].answer does not match stop.regex 'ANSWER: (\\\\d+)'",
+        ),
         ('tasks = ["x"]\n[stop]\nregex = ""', "stop.regex must not match empty text"),  # every reply answered
         ('tasks = ["x"]\n[stop]\nregex = "(A: )?"', "stop.regex must not match empty text"),
         ('tasks = "x"\n[[', "invalid TOML"),
@@ -253,3 +257,8 @@ def test_user_tool_module_errors_name_the_key(tmp_path: Path):
         ConfigError, match=r"tools\.user: importing .*broken\.py failed: RuntimeError: import-time failure"
     ):
         load_script(path)
+
+
+def test_an_example_answer_that_matches_the_regex_stop_loads(tmp_path: Path):
+    text = 'tasks = ["x"]\n[stop]\nregex = "ANSWER: (\\\\d+)"\n[[examples]]\ntask = "y"\nanswer = "ANSWER: 12"\n'
+    assert load_script(write(tmp_path, text)).examples[0].answer == "ANSWER: 12"
