@@ -39,6 +39,7 @@ MIN_MEMORY_MB = 64  # below this the interpreter itself cannot start
 READ_CHUNK = 65536
 READER_GRACE_S = 1.0  # how long to wait for the pipe to drain after every process is gone
 TRACK_INTERVAL_S = 0.2  # /proc scan period while a command runs, when neither namespaces nor a cgroup track it
+CANCEL_POLL_S = 0.1  # how often a wait looks at its cancel event (Ctrl-C ends a run within this)
 SWEEP_ROUNDS = 100
 NPROC_PER_NAMESPACE = (5, 14)  # kernels from 5.14 count RLIMIT_NPROC per user namespace
 
@@ -93,10 +94,11 @@ class ProcessLimits:
 class ProcessResult:
     """What a confined command left behind: its exit status and its capped, interleaved stdout + stderr."""
 
-    returncode: int | None  # None when it was killed at the timeout; -N: killed by signal N
+    returncode: int | None  # None when it was killed at the timeout or cancelled; -N: killed by signal N
     output: str
     timed_out: bool
     truncated: bool
+    cancelled: bool = False  # killed because the run was cancelled (Ctrl-C), not by its timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +128,11 @@ def run_python(
     output_cap: int,
     limits: ProcessLimits | None = None,
     isolation: Isolation | None = None,
+    cancelled: threading.Event | None = None,
 ) -> ProcessResult:
     """Run `code` with `python -I` behind the prelude's guards (specchat/agent/prelude.py), in the workspace."""
     argv = [sys.executable, "-I", "-X", "utf8", "-c", _source("prelude.py")]
-    return run_confined(argv, workspace, timeout_s, output_cap, limits, isolation, stdin_text=code)
+    return run_confined(argv, workspace, timeout_s, output_cap, limits, isolation, stdin_text=code, cancelled=cancelled)
 
 
 def run_confined(
@@ -140,8 +143,10 @@ def run_confined(
     limits: ProcessLimits | None = None,
     isolation: Isolation | None = None,
     stdin_text: str | None = None,
+    cancelled: threading.Event | None = None,
 ) -> ProcessResult:
-    """Run `argv` in the workspace under the launcher; every process it starts is killed when it returns.
+    """Run `argv` in the workspace under the launcher; every process it starts is killed when it returns, at
+    its timeout, or once `cancelled` is set.
 
     Output beyond `output_cap` bytes is dropped from the middle as it is read, so memory stays bounded.
     """
@@ -152,16 +157,16 @@ def run_confined(
     call = _ConfinedCall(limits or ProcessLimits(), isolation or detect_isolation())
     try:
         call.start([program, *argv[1:]], workspace, env, output_cap, stdin_text)
-        status = call.wait(timeout_s)
+        status = call.wait(timeout_s, cancelled)
     finally:
         output, truncated = call.end()
-    if call.timed_out:
+    if call.timed_out or call.cancelled:
         returncode = None
     elif status is None:  # the launcher died without a report: its own status stands in
         returncode = call.process.returncode
     else:
         returncode = os.waitstatus_to_exitcode(status)
-    return ProcessResult(returncode=returncode, output=output, timed_out=call.timed_out, truncated=truncated)
+    return ProcessResult(returncode, output, call.timed_out, truncated, call.cancelled)
 
 
 class _ConfinedCall:
@@ -175,6 +180,7 @@ class _ConfinedCall:
         self.reader: _CappedReader | None = None
         self.status_fd = -1
         self.timed_out = False
+        self.cancelled = False
         self.recorded: dict[int, int] = {}  # PID -> start time of every descendant seen (the /proc fallback)
 
     @property
@@ -220,13 +226,17 @@ class _ConfinedCall:
         if stdin_text is not None:  # on a thread: a command that never reads must not block us
             threading.Thread(target=_feed, args=(self.process, stdin_text), daemon=True).start()
 
-    def wait(self, timeout_s: float) -> int | None:
-        """The command's wait status; None at the timeout (timed_out is set) or when the launcher ended
-        without reporting one."""
+    def wait(self, timeout_s: float, cancelled: threading.Event | None = None) -> int | None:
+        """The command's wait status; None at the timeout (timed_out is set), once `cancelled` is set (so is
+        self.cancelled) or when the launcher ended without reporting one."""
         deadline = time.monotonic() + timeout_s
         report = b""
         while (remaining := deadline - time.monotonic()) > 0:
+            if cancelled is not None and cancelled.is_set():
+                self.cancelled = True
+                return None
             period = min(remaining, TRACK_INTERVAL_S) if self.scans_proc else remaining
+            period = period if cancelled is None else min(period, CANCEL_POLL_S)
             ready, _, _ = select.select([self.status_fd], [], [], period)
             if self.scans_proc:
                 self._record_descendants()

@@ -173,5 +173,5 @@ class AgentSession:
 
     def _run_one(self, index: int, emit: EventSink) -> RunOutcome:
         with run_workspace(self.script.workspace, self.script.copy_workspace) as workspace:
-            toolbox = build_toolbox(self.script.tools, workspace, self.confirm)
+            toolbox = build_toolbox(self.script.tools, workspace, self.confirm, cancelled=self.cancelled)
             return AgentRun(self, index, toolbox, emit).run()

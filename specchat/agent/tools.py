@@ -7,13 +7,14 @@ import json
 import re
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specchat.agent.isolation import Isolation, detect_isolation
-from specchat.agent.processes import ProcessLimits, ProcessResult, run_confined, run_python
+from specchat.agent.processes import CANCEL_POLL_S, ProcessLimits, ProcessResult, run_confined, run_python
 from specchat.agent.sandbox import SandboxError, Workspace, cap_text, shell_argv
 from specchat.errors import ConfigError
 
@@ -142,8 +143,9 @@ class ToolsConfig:
 class Toolbox:
     """The tools of one run: schemas for the chat template, and calls that always return a ToolResult."""
 
-    def __init__(self, tools: Sequence[Tool]) -> None:
+    def __init__(self, tools: Sequence[Tool], cancelled: threading.Event | None = None) -> None:
         self.tools = {tool.name: tool for tool in tools}
+        self.cancelled = cancelled or threading.Event()  # set: calls in flight stop waiting (Ctrl-C)
 
     def schemas(self) -> list[dict[str, Any]]:
         """Every tool's description, for `tools=`."""
@@ -160,31 +162,38 @@ class Toolbox:
             return ToolResult(False, "", str(error))
         if tool.self_limited:
             return _invoke(tool, checked)
-        result = _invoke_with_timeout(tool, checked)
+        result = _invoke_with_timeout(tool, checked, self.cancelled)
         result.content = cap_text(result.content, tool.options.output_cap)
         return result
 
 
 def build_toolbox(
-    config: ToolsConfig, workspace: Path, confirm: ConfirmFn | None = None, isolation: Isolation | None = None
+    config: ToolsConfig,
+    workspace: Path,
+    confirm: ConfirmFn | None = None,
+    isolation: Isolation | None = None,
+    cancelled: threading.Event | None = None,
 ) -> Toolbox:
     """The tools of one run, bound to its workspace; `confirm` asks the user before shell commands (TUI);
-    `isolation` is what confines python and shell processes (default: what this machine allows)."""
+    `isolation` is what confines python and shell processes (default: what this machine allows); once
+    `cancelled` is set (the session's cancel, Ctrl-C), a call in flight ends at once: its processes are killed
+    and an in-process tool is no longer waited for."""
+    cancelled = cancelled or threading.Event()
     shell = config.builtin.get("shell")
     if shell is not None and shell.confirm and confirm is None:
         raise ConfigError("tools.shell asks before each command, which needs the TUI; set confirm = false")
     room = Workspace(workspace)
     isolation = isolation or detect_isolation()
     factories = {
-        "python": lambda room, options: _python_tool(room, options, isolation),
+        "python": lambda room, options: _python_tool(room, options, isolation, cancelled),
         "read_file": _read_file_tool,
         "write_file": _write_file_tool,
         "list_dir": _list_dir_tool,
-        "shell": lambda room, options: _shell_tool(room, options, confirm, isolation),
+        "shell": lambda room, options: _shell_tool(room, options, confirm, isolation, cancelled),
         "final_answer": _final_answer_tool,
     }
     builtins = [factories[name](room, options) for name, options in config.builtin.items()]
-    return Toolbox([*builtins, *config.user])
+    return Toolbox([*builtins, *config.user], cancelled)
 
 
 def check_arguments(tool: Tool, arguments: object) -> dict[str, Any]:
@@ -229,8 +238,9 @@ def _invoke(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
         return ToolResult(False, "", f"{tool.name} raised {type(error).__name__}: {error}")
 
 
-def _invoke_with_timeout(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
-    """Run an in-process tool on a daemon thread; at the timeout, stop waiting (a thread cannot be killed)."""
+def _invoke_with_timeout(tool: Tool, arguments: dict[str, Any], cancelled: threading.Event) -> ToolResult:
+    """Run an in-process tool on a daemon thread; at the timeout, or once `cancelled` is set, stop waiting (a
+    thread cannot be killed)."""
     outcome: list[ToolResult] = []
 
     def run() -> None:
@@ -241,8 +251,12 @@ def _invoke_with_timeout(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
-    worker.join(tool.options.timeout_s)
+    deadline = time.monotonic() + tool.options.timeout_s
+    while worker.is_alive() and not cancelled.is_set() and (remaining := deadline - time.monotonic()) > 0:
+        worker.join(min(remaining, CANCEL_POLL_S))
     if not outcome:
+        if cancelled.is_set():
+            return ToolResult(False, "", f"{tool.name} was cancelled")
         return ToolResult(False, "", f"{tool.name} timed out after {tool.options.timeout_s:g} s")
     return outcome[0]
 
@@ -251,6 +265,8 @@ def _process_result(result: ProcessResult, options: ToolOptions) -> ToolResult:
     """A subprocess outcome as a tool result: the output, plus an error for a timeout, a limit or a failure."""
     output = result.output or "(no output; print() what you want to see)"
     limits = options.limits
+    if result.cancelled:
+        return ToolResult(False, result.output, "cancelled; the process was killed")
     if result.timed_out:
         return ToolResult(False, result.output, f"timed out after {options.timeout_s:g} s; the process was killed")
     if result.returncode is not None and result.returncode < 0:
@@ -282,11 +298,13 @@ def _object_schema(required: dict[str, str], optional: dict[str, str] | None = N
     return {"type": "object", "properties": properties, "required": list(required)}
 
 
-def _python_tool(room: Workspace, options: ToolOptions, isolation: Isolation) -> Tool:
+def _python_tool(room: Workspace, options: ToolOptions, isolation: Isolation, cancelled: threading.Event) -> Tool:
     def python(code: str) -> ToolResult:
         if not isolation.namespaces and not options.allow_unsandboxed:
             raise SandboxError(UNSANDBOXED_REFUSAL)
-        result = run_python(code, room.root, options.timeout_s, options.output_cap, options.limits, isolation)
+        result = run_python(
+            code, room.root, options.timeout_s, options.output_cap, options.limits, isolation, cancelled
+        )
         return _process_result(result, options)
 
     description = (
@@ -297,12 +315,17 @@ def _python_tool(room: Workspace, options: ToolOptions, isolation: Isolation) ->
     return Tool("python", description, parameters, python, options, self_limited=True)
 
 
-def _shell_tool(room: Workspace, options: ToolOptions, confirm: ConfirmFn | None, isolation: Isolation) -> Tool:
+def _shell_tool(
+    room: Workspace, options: ToolOptions, confirm: ConfirmFn | None, isolation: Isolation, cancelled: threading.Event
+) -> Tool:
     def shell(command: str) -> ToolResult:
         argv = shell_argv(command, options.allow)
         if options.confirm and (confirm is None or not confirm(command)):
             return ToolResult(False, "", "the user did not allow this command")
-        result = run_confined(argv, room.root, options.timeout_s, options.output_cap, options.limits, isolation)
+        limits = options.limits
+        result = run_confined(
+            argv, room.root, options.timeout_s, options.output_cap, limits, isolation, cancelled=cancelled
+        )
         return _process_result(result, options)
 
     description = (

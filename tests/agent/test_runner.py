@@ -1,11 +1,22 @@
 """The agent loop's logic against canned replies: answers, tool results, errors, nudges, limits, cancellation."""
 
 import threading
+import time
 from pathlib import Path
 
 from specchat.agent.runner import AgentSession
 from specchat.agent.script import load_script
-from specchat.agent.trace import Delta, Error, Final, RunEnd, RunStart, SessionEnd, Step, ToolCallEvent
+from specchat.agent.trace import (
+    Delta,
+    Error,
+    Final,
+    RunEnd,
+    RunStart,
+    SessionEnd,
+    Step,
+    ToolCallEvent,
+    ToolResultEvent,
+)
 from tests.agent.scripted_engine import HANG, ScriptedEngine
 
 STRUCTURED_TEMPLATE = "{% for m in messages %}{{ m.tool_calls }}{% endfor %}{{ tools }}"
@@ -141,6 +152,25 @@ def test_cancel_ends_every_run(tmp_path):
         if isinstance(event, RunEnd):
             ends.append(event.reason)
     assert ends == ["cancelled", "cancelled"]
+
+
+def test_cancel_ends_a_run_blocked_in_a_tool_call(tmp_path):
+    """Ctrl-C while a tool runs: the run ends now, not at the tool's timeout (the python call sleeps for 60 s)."""
+    sleeping = '<tool_call>[{"name": "python", "arguments": {"code": "import time; time.sleep(60)"}}]</tool_call>'
+    engine = ScriptedEngine([sleeping, FINAL_CALL])
+    path = write_script(tmp_path)
+    path.write_text(path.read_text().replace("[tools]\n", "[tools]\ntimeout_s = 60\n"))
+    session = AgentSession(engine, load_script(path))
+    started, ends, results = time.monotonic(), [], []
+    for event in session.events():
+        if isinstance(event, ToolCallEvent):
+            threading.Timer(0.3, session.cancel).start()
+        if isinstance(event, ToolResultEvent):
+            results.append(event.error)
+        if isinstance(event, RunEnd):
+            ends.append(event.reason)
+    assert time.monotonic() - started < 20
+    assert results == ["cancelled; the process was killed"] and ends == ["cancelled"]
 
 
 def test_missing_drafter_falls_back_to_plain_decoding_with_a_warning(tmp_path):

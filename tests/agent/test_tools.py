@@ -3,6 +3,8 @@
 import os
 import re
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,35 @@ def test_python_tool_timeout_is_an_error_result(tmp_path: Path):
     box = build_toolbox(ToolsConfig({"python": ToolOptions(timeout_s=0.5, allow_unsandboxed=True)}), tmp_path)
     result = box.call("python", {"code": "import time\ntime.sleep(30)"})
     assert not result.ok and "timed out after 0.5 s" in result.error
+
+
+def cancel_soon(delay_s: float = 0.3) -> threading.Event:
+    """An event that a timer sets after `delay_s`: Ctrl-C arriving while a call runs."""
+    cancelled = threading.Event()
+    threading.Timer(delay_s, cancelled.set).start()
+    return cancelled
+
+
+def test_a_cancelled_python_call_ends_at_once_and_its_process_is_killed(tmp_path: Path):
+    options = {"python": ToolOptions(timeout_s=60, allow_unsandboxed=True)}
+    box = build_toolbox(ToolsConfig(options), tmp_path, cancelled=cancel_soon())
+    started = time.monotonic()
+    result = box.call("python", {"code": "import time\nopen('alive', 'w').close()\ntime.sleep(60)\nprint('late')"})
+    assert time.monotonic() - started < 10  # not its 60 s timeout
+    assert not result.ok and result.error == "cancelled; the process was killed"
+    assert (tmp_path / "alive").exists()  # it was running when cancelled
+
+
+def test_a_cancelled_in_process_tool_is_no_longer_waited_for():
+    def blocking() -> str:
+        """Block."""
+        time.sleep(60)
+        return "late"
+
+    box = Toolbox([function_tool(blocking, ToolOptions(timeout_s=60))], cancel_soon())
+    started = time.monotonic()
+    assert box.call("blocking", {}) == ToolResult(False, "", "blocking was cancelled")
+    assert time.monotonic() - started < 10
 
 
 def test_python_tool_errors_name_the_limit_that_stopped_it(tmp_path: Path):
