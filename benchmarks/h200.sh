@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
 #   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep floor goals attention attention-sweep
-#                                          batch1 sessions profile kv fusion pdl prefill
+#                                          batch1 sessions profile kv fusion pdl prefill small
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -62,6 +62,17 @@ for part in "${parts[@]}"; do
         timeout 120 python benchmarks/profile_step.py --weights mxfp4 --fused --graph --pdl $p 2>&1 | tee -a "$log"
       done
       timeout 120 python benchmarks/profile_step.py --weights bf16 2>&1 | tee -a "$log" ;;
+    small)  # the default model's shape (smollm2-135m, random bf16 weights): a step of ~300 short kernels. Its
+      # linears on cuBLAS (SPECCHAT_DENSE_GEMV=0) and through kernels/dense_gemv.py (under PDL: every kernel ours),
+      # alternating: the step's kernels and wall time on CUDA graphs, then decode tok/s at 1 and 8 sessions
+      for dense in 0 1; do
+        SPECCHAT_DENSE_GEMV=$dense timeout 100 python benchmarks/profile_step.py --shape smollm2-135m --weights bf16 \
+          --fused --graph 2>&1 | head -${ROWS:-30} | sed "s/^/dense=$dense /" | tee -a "$log"
+      done
+      for dense in 0 1 1 0; do
+        SPECCHAT_DENSE_GEMV=$dense timeout 120 python -m specchat bench --synthetic smollm2-135m --device cuda \
+          --weights bf16 --batch 1,8 --k 0,4 --steps 128 2>&1 | grep "^| [0-9]" | sed "s/^/dense=$dense /" | tee -a "$log"
+      done ;;
     fusion)  # the layer fusions (add + norm, KV write in the rotary kernel) against the elementwise ones alone
       timeout 400 python benchmarks/fusion_gpu.py 2>&1 | tee -a "$log" ;;
     kv)  # issue 14's KV goal: 32k context, batch 8, MXFP4 weights, each KV format

@@ -74,7 +74,7 @@ def profile_steps(args: argparse.Namespace) -> None:
             step()
         end.record()
         end.synchronize()
-        wall = f", {start.elapsed_time(end) / timed:.3f} ms wall per step (PDL {args.pdl}, the runner's choice {runner._pdl})"
+        wall = f", {start.elapsed_time(end) / timed:.3f} ms wall per step (PDL {args.pdl}, PDL up to {runner._pdl_rows} rows)"
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()

@@ -28,17 +28,19 @@ from pinned host buffers (`_Staging`), whatever the batch. Drafters' chains use 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
+from specchat.engine.fusion import FusedLinear
 from specchat.engine.kv_batch import KVBatch
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, TokenContext, joined, sub_batch, to_device
-from specchat.kernels import pdl
+from specchat.kernels import dense_gemv, pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 from specchat.kernels.fused import advance_step
 from specchat.kernels.mxfp4_matmul import graphed_steps
@@ -154,12 +156,22 @@ class CudaGraphRunner(ModelRunner):
         pool.append(SCRATCH_SEQ, pool.page_size)
         self.scratch_page = pool.tables[SCRATCH_SEQ][0]
         self._signature = self._state_signature()
-        self._pdl = self._uses_pdl()
+        self._pdl_rows = self._rows_under_pdl()
 
-    def _uses_pdl(self) -> bool:
-        """Programmatic dependent launch (kernels/pdl.py) where the layers' linears are MXFP4 kernels, so every
-        kernel of a step is ours (measured 1.02-1.05x at batch 1 there; 0.97-0.99x between cuBLAS GEMMs)."""
-        return isinstance(self.model.layers[0].mlp.w_down, Fp4Linear)
+    def _rows_under_pdl(self) -> float:
+        """The most rows a step may have and launch with programmatic dependent launch (kernels/pdl.py): PDL pays
+        where every kernel of a step is ours (measured 1.02-1.05x at batch 1 with MXFP4 weights; 0.97-0.99x with
+        cuBLAS GEMMs between the kernels). MXFP4 layers: every step. Dense layers of engine/fusion.py: steps their
+        GEMV takes (at most dense_gemv.MAX_ROWS rows; more go to cuBLAS). Otherwise none."""
+        w_down = self.model.layers[0].mlp.w_down
+        if isinstance(w_down, Fp4Linear):
+            return math.inf
+        if type(w_down) is FusedLinear and dense_gemv.ENABLED:
+            return dense_gemv.MAX_ROWS
+        return 0
+
+    def _pdl(self, rows: int) -> bool:
+        return rows <= self._pdl_rows
 
     def _state_signature(self) -> tuple:
         """Identity of what a graph has baked in: the page store's tensors and the model's Linear modules."""
@@ -205,13 +217,12 @@ class CudaGraphRunner(ModelRunner):
         graph of a verification width) moves each request's positions, context length and slots by its advance,
         copied on the device into the graph's staging, so nothing waits for the host. (Launched on its own before
         the replay, that kernel cost ~60 us of host time a step on the H200.)"""
-        self._check_signature()
-        with pdl.scope(self._pdl):
-            return self._replay(self.graphs[self._advanced_key(batch, taps)], batch, len(batch.feeds[0]), ids, advance)
+        self._check_signature()  # (a replay: its graph keeps the launches it was captured with)
+        return self._replay(self.graphs[self._advanced_key(batch, taps)], batch, len(batch.feeds[0]), ids, advance)
 
     def forward(self, batch: StepBatch, taps: Seq[int] = (), ids: torch.Tensor | None = None) -> StepOutput:
         self._check_signature()
-        with pdl.scope(self._pdl):
+        with pdl.scope(self._pdl(sum(map(len, batch.feeds)))):  # eager steps; captures choose their own
             return self._dispatch(batch, taps, ids)
 
     def _dispatch(self, batch: StepBatch, taps: Seq[int], ids: torch.Tensor | None) -> StepOutput:
@@ -238,7 +249,7 @@ class CudaGraphRunner(ModelRunner):
             self.graphs.clear()
             self.prefills.clear()
             self._signature = signature
-            self._pdl = self._uses_pdl()
+            self._pdl_rows = self._rows_under_pdl()
             self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]  # a shrinking KV switch may renumber it
 
     def _prefill_bucket(self, batch: StepBatch, i: int) -> int | None:
@@ -314,17 +325,16 @@ class CudaGraphRunner(ModelRunner):
         ]
         prefill_keys = [(p, t) for t in tap_keys for p in self.prefill_buckets]
         total = len(keys) + len(prefill_keys)
-        with pdl.scope(self._pdl):  # graphs keep the launches they were captured with
-            for done, key in enumerate(keys, 1):
-                if key not in self.graphs:
-                    self.graphs[key] = self._capture(*key)
-                if progress is not None:
-                    progress("warming up the GPU", done, total)
-            for done, key in enumerate(prefill_keys, len(keys) + 1):
-                if key not in self.prefills:
-                    self.prefills[key] = self._capture_prefill(*key)
-                if progress is not None:
-                    progress("warming up the GPU", done, total)
+        for done, key in enumerate(keys, 1):
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if progress is not None:
+                progress("warming up the GPU", done, total)
+        for done, key in enumerate(prefill_keys, len(keys) + 1):
+            if key not in self.prefills:
+                self.prefills[key] = self._capture_prefill(*key)
+            if progress is not None:
+                progress("warming up the GPU", done, total)
 
     @torch.inference_mode()
     def _prefill(self, bucket: int, batch: StepBatch, taps: tuple[int, ...]) -> StepOutput:
@@ -384,7 +394,9 @@ class CudaGraphRunner(ModelRunner):
             kv.record(ids)
             return self.model(ids, positions, kv, taps=taps, logits_at=last)
 
-        with graphed_steps():  # its warm-ups and capture take one path for MXFP4 weights (kernels/mxfp4_matmul.py)
+        # its warm-ups and capture take one path for MXFP4 weights (kernels/mxfp4_matmul.py); graphs keep the
+        # launches they were captured with
+        with graphed_steps(), pdl.scope(self._pdl(bucket)):
             graph, (logits, hidden) = capture_graph(prefill, dev, self.mempool, warm_ups=2)
         return _Prefill(graph, staging, last, logits, hidden)
 
@@ -504,7 +516,8 @@ class CudaGraphRunner(ModelRunner):
             kv.record(ids)
             return self.model(ids, positions, kv, taps=taps)
 
-        graph, (logits, hidden) = capture_graph(forward, dev, self.mempool, warm_ups=2)
+        with pdl.scope(self._pdl(rows)):  # graphs keep the launches they were captured with
+            graph, (logits, hidden) = capture_graph(forward, dev, self.mempool, warm_ups=2)
         context = TokenContext(self.pool.store.ids, tables, positions.view(b, q)[:, 0], ps)
         return _Graph(graph, staging, b, width, logits, hidden, (meta, kv), context)
 

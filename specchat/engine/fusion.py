@@ -10,6 +10,10 @@ unfused for checking. Besides one kernel per elementwise job, two fusions cut ke
   with the MLP's norm, the MLP's output with the next layer's norm or the final one): two kernels less a layer.
 - `FusedAttention` stores the step's keys and values in dense KV pages from the rotary kernel (the pool's write,
   two index_put kernels a layer, otherwise).
+- `FusedLinear` runs steps of at most 16 rows of dense (bf16/fp16) weights through the Triton GEMV of
+  kernels/dense_gemv.py instead of cuBLAS, so a decode step's kernels are all ours and chain under PDL
+  (kernels/pdl.py), and `FusedMLP` runs gate_up through its gated form: silu(gate) * up in the GEMV, one kernel
+  less a layer. More rows (prefill, many sessions), and MXFP4 weights (`Fp4Linear`), keep their own paths.
 
 At batch 1 on a GPU a step is a chain of small launches (a 30-layer model: ~13 kernels a layer), so each kernel
 less is time saved even inside a CUDA graph.
@@ -22,8 +26,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specchat.engine.model import Attention, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
-from specchat.kernels import fused
+from specchat.engine.model import MLP, Attention, KVAttention, Linear, RMSNorm, Rotary, SiluAndMul, Transformer
+from specchat.kernels import dense_gemv, fused
 
 
 class FusedRMSNorm(RMSNorm):
@@ -47,6 +51,21 @@ class FusedSiluAndMul(SiluAndMul):
         if not fused.silu_mul_supported(x):
             return super().forward(x)
         return fused.silu_mul(x)
+
+
+class FusedLinear(Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not dense_gemv.wanted(x, self.weight, self.bias):
+            return super().forward(x)
+        return dense_gemv.dense_gemv(x, self.weight, self.bias)
+
+
+class FusedMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.w_gate_up
+        if type(gate_up) is not FusedLinear or not dense_gemv.wanted(x, gate_up.weight, gate_up.bias):
+            return super().forward(x)  # (an MXFP4 Fp4Linear, or too many rows)
+        return self.w_down(dense_gemv.dense_gemv(x, gate_up.weight, gate_up.bias, gated=True))
 
 
 class FusedAttention(Attention):
@@ -104,6 +123,8 @@ FUSED = {
     RMSNorm: FusedRMSNorm,
     Rotary: FusedRotary,
     SiluAndMul: FusedSiluAndMul,
+    Linear: FusedLinear,
+    MLP: FusedMLP,
 }
 PLAIN = {fused_cls: plain for plain, fused_cls in FUSED.items()}
 

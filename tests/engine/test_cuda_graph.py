@@ -115,15 +115,16 @@ def test_graphed_function_equals_the_function_and_follows_its_weights():
     assert torch.equal(off(3, x, t), chain(3, x, t)) and not off.graphs
 
 
-@pytest.mark.parametrize("kv", ["bf16", "mxfp4"])
-def test_pdl_steps_equal_steps_without_it(kv):
+@pytest.mark.parametrize(("weights", "kv"), [("mxfp4", "bf16"), ("mxfp4", "mxfp4"), ("bf16", "bf16")])
+def test_pdl_steps_equal_steps_without_it(weights, kv):
     """Programmatic dependent launch (kernels/pdl.py) only lets each kernel start before the one ahead of it
-    finishes: every kernel still waits for its inputs, so graphed and eager steps of an MXFP4 model with fused
-    kernels give bit-identical logits with it on and off (a kernel that read before its wait would not)."""
+    finishes: every kernel still waits for its inputs, so graphed and eager steps of an MXFP4 model, or a bf16 one
+    whose linears run the dense GEMV, with fused kernels give bit-identical logits with it on and off (a kernel
+    that read before its wait would not)."""
     from specchat.bench.synthetic import quantize_all
     from specchat.engine.cuda_graph import CudaGraphRunner
     from specchat.engine.fusion import fuse
-    from specchat.kernels import pdl
+    from specchat.kernels import dense_gemv, pdl
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
@@ -131,9 +132,15 @@ def test_pdl_steps_equal_steps_without_it(kv):
     cfg = SHAPES["smollm2-135m"]
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     bf16_runner = CudaGraphRunner(random_model(cfg, torch.bfloat16, torch.device("cuda")), make_pool(cfg, kv))
-    quantize_all(model)
+    if weights == "mxfp4":
+        quantize_all(model)
     assert fuse(model) > 0
-    assert CudaGraphRunner(model, make_pool(cfg, kv))._pdl and not bf16_runner._pdl  # on by default: MXFP4 only
+    dense = random_model(cfg, torch.bfloat16, torch.device("cuda"))
+    fuse(dense)
+    # on by default where every kernel of a step is ours: MXFP4 layers; dense ones through the GEMV (<= 16 rows)
+    assert CudaGraphRunner(model, make_pool(cfg, kv))._pdl_rows == (float("inf") if weights == "mxfp4" else 16)
+    assert bf16_runner._pdl_rows == 0
+    assert CudaGraphRunner(dense, make_pool(cfg, kv))._pdl_rows == dense_gemv.MAX_ROWS
     results = {}
     for on in (False, True):
         with pdl.override(on):

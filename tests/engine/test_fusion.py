@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from specchat.engine.fusion import (
     FusedAttention,
+    FusedLinear,
+    FusedMLP,
     FusedRMSNorm,
     FusedRotary,
     FusedSiluAndMul,
@@ -44,7 +46,8 @@ def logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, torch.arange(len(ids), device=ids.device), DenseCausalKV())[0]
 
 
-SWAPPED = 1 + 2 * 5 + 1  # the model; two norms, attention, rotary, act per layer; the final norm
+SWAPPED = 1 + 2 * 10 + 2  # the model; per layer two norms, attention, rotary, act, four linears, the MLP; the
+# final norm and the output head
 
 
 def test_fuse_swaps_every_norm_rotary_and_activation_and_unfuse_swaps_them_back():
@@ -53,7 +56,8 @@ def test_fuse_swaps_every_norm_rotary_and_activation_and_unfuse_swaps_them_back(
     assert fuse(model) == SWAPPED
     assert isinstance(model.norm, FusedRMSNorm) and isinstance(model.layers[1].mlp.act, FusedSiluAndMul)
     assert isinstance(model.layers[0].attn.rotary, FusedRotary) and isinstance(model.layers[0].attn, FusedAttention)
-    assert isinstance(model, FusedTransformer)
+    assert isinstance(model, FusedTransformer) and isinstance(model.layers[0].mlp, FusedMLP)
+    assert isinstance(model.layers[0].attn.wqkv, FusedLinear) and isinstance(model.lm_head, FusedLinear)
     assert fuse(model) == 0  # already fused
     assert unfuse(model) == SWAPPED
     assert type(model.norm) is RMSNorm and type(model.layers[0].attn.rotary) is Rotary
@@ -83,6 +87,31 @@ def test_fuse_keeps_the_model_output_and_unfuse_restores_it():
     torch.testing.assert_close(logits(model, ids), want, atol=1e-5, rtol=1e-5)
     assert unfuse(model) == SWAPPED
     assert torch.equal(logits(model, ids), want)
+
+
+@kernel_test
+def test_a_half_precision_model_decodes_through_the_dense_gemv(monkeypatch):
+    """fp16 weights: steps of up to 16 rows run every linear through kernels/dense_gemv.py (gate_up in its gated
+    form, so the SiLU kernel is skipped) with logits within fp16 rounding of the plain model's; longer ones take
+    F.linear as before."""
+    from specchat.kernels import dense_gemv
+
+    torch.manual_seed(0)
+    model = Transformer(CFG).to(DEVICE, torch.float16).eval()
+    short, long = (torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE) for n in (9, 20))
+    want = [logits(model, ids) for ids in (short, long)]
+    fuse(model)
+    calls = []
+    real = dense_gemv.dense_gemv
+    monkeypatch.setattr(
+        dense_gemv, "dense_gemv", lambda *a, **kw: calls.append(kw.get("gated", False)) or real(*a, **kw)
+    )
+    got = logits(model, short)
+    assert calls.count(True) == CFG.num_layers and calls.count(False) == 3 * CFG.num_layers + 1
+    torch.testing.assert_close(got, want[0], atol=2e-2, rtol=2e-2)
+    calls.clear()
+    torch.testing.assert_close(logits(model, long), want[1], atol=2e-2, rtol=2e-2)
+    assert not calls  # 20 rows: cuBLAS (F.linear)
 
 
 def paged_steps(model: Transformer, feeds: list[list[int]], kv_format: str, taps: tuple[int, ...] = (0,)):

@@ -1,0 +1,96 @@
+"""The dense GEMV (kernels/dense_gemv.py) against F.linear, and its gated form against silu_mul of the plain one.
+
+Kernel tests run on CUDA, or on CPU under TRITON_INTERPRET=1 (`test_kernels_under_interpreter` reruns this file in
+a subprocess with it set; the interpreter has no bf16, so there the tests take float16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specchat.kernels.dense_gemv import MAX_ROWS, GemvConfig, dense_gemv, supported
+from specchat.kernels.fused import silu_mul
+from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
+
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (rows, n, k): the default model's shapes (576 wide), ragged n and k, one row to a full tile
+SHAPES = [(1, 960, 576), (3, 576, 1536), (16, 200, 576), (5, 64, 100), (2, 17, 33)]
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    return x, w
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear in float32, rounded once to x's dtype."""
+    return F.linear(x.float(), w.float()).to(x.dtype)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_gemv_equals_the_linear_within_rounding(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    x, w = operands(m, n, k, dtype)
+    got = dense_gemv(x, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    # the sums run in float32 in another order: at most one rounding step of the output apart
+    torch.testing.assert_close(got.float(), reference(x, w).float(), atol=2e-3, rtol=8e-3)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES[:3])
+def test_gated_gemv_equals_silu_mul_of_the_plain_one(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    x, w = operands(m, 2 * n, k, dtype, seed=1)
+    got = dense_gemv(x, w, gated=True)
+    assert got.shape == (m, n)
+    assert torch.equal(got, silu_mul(dense_gemv(x, w)))  # the same values combined the same way
+    gate, up = reference(x, w).float().chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up), atol=4e-3, rtol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("config", [GemvConfig(16, 32), GemvConfig(32, 64, num_warps=2), GemvConfig(64, 128)])
+def test_every_launch_config_gives_the_same_result(config: GemvConfig) -> None:
+    x, w = operands(4, 300, 576, torch.float16, seed=2)
+    torch.testing.assert_close(dense_gemv(x, w, config=config).float(), reference(x, w).float(), atol=2e-3, rtol=8e-3)
+
+
+@kernel_test
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_bias_is_added_before_the_rounding(gated: bool) -> None:
+    x, w = operands(3, 96, 64, torch.float16, seed=4)
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(5)).to(torch.float16).to(DEVICE)
+    got = dense_gemv(x, w, bias, gated=gated)
+    want = F.linear(x.float(), w.float(), bias.float()).to(x.dtype)
+    if gated:
+        assert torch.equal(got, silu_mul(dense_gemv(x, w, bias)))
+        gate, up = want.float().chunk(2, dim=-1)
+        want = (F.silu(gate) * up).to(x.dtype)
+    torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=2e-2)
+
+
+@kernel_test
+def test_leading_dims_are_kept() -> None:
+    x, w = operands(6, 48, 64, torch.float16, seed=3)
+    assert torch.equal(dense_gemv(x.view(2, 3, 64), w), dense_gemv(x, w).view(2, 3, 48))
+
+
+@kernel_test
+def test_what_it_takes() -> None:
+    x = torch.zeros(MAX_ROWS + 1, 64, dtype=torch.float16, device=DEVICE)
+    w = torch.zeros(32, 64, dtype=torch.float16, device=DEVICE)
+    assert supported(x[:MAX_ROWS], w) and supported(x[:1], w)
+    assert not supported(x, w)  # more rows than one tile: cuBLAS
+    assert not supported(x[:2].float(), w.float())  # float32 stays with F.linear
+    assert not supported(x[:2], w.t().contiguous().t())  # a transposed weight view
+
+
+@subprocess_test
+def test_kernels_under_interpreter() -> None:
+    run_under_interpreter([__file__], "not interpreter")
