@@ -116,7 +116,7 @@ def test_graphed_function_equals_the_function_and_follows_its_weights():
 
 
 @pytest.mark.parametrize(("weights", "kv"), [("mxfp4", "bf16"), ("mxfp4", "mxfp4"), ("bf16", "bf16")])
-def test_pdl_steps_equal_steps_without_it(weights, kv):
+def test_pdl_steps_equal_steps_without_it(weights, kv, monkeypatch):
     """Programmatic dependent launch (kernels/pdl.py) only lets each kernel start before the one ahead of it
     finishes: every kernel still waits for its inputs, so graphed and eager steps of an MXFP4 model, or a bf16 one
     whose linears run the dense GEMV, with fused kernels give bit-identical logits with it on and off (a kernel
@@ -128,6 +128,7 @@ def test_pdl_steps_equal_steps_without_it(weights, kv):
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    monkeypatch.setattr(dense_gemv, "ENABLED", True)
     torch.manual_seed(0)
     cfg = SHAPES["smollm2-135m"]
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))

@@ -96,6 +96,7 @@ def test_a_half_precision_model_decodes_through_the_dense_gemv(monkeypatch):
     F.linear as before."""
     from specchat.kernels import dense_gemv
 
+    monkeypatch.setattr(dense_gemv, "ENABLED", True)
     torch.manual_seed(0)
     model = Transformer(CFG).to(DEVICE, torch.float16).eval()
     short, long = (torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE) for n in (9, 20))
