@@ -38,6 +38,7 @@ from specchat.engine.spec_step import SpecStep
 from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.engine.tokenizer import Tokenizer
 from specchat.errors import ConfigError, PromptError
+from specchat.kernels import cpu_build
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.quant.modules import model_dtype
 from specchat.registry import ModelSpec, cache_dir
@@ -424,8 +425,11 @@ class Engine:
         return self._thread is not None
 
     def start(self) -> None:
-        """Run the step loop in a background thread from now on."""
+        """Run the step loop in a background thread from now on (on the CPU, the calling thread's OpenMP workers
+        end first: `cpu_build.release_openmp_threads` says why)."""
         if self._thread is None:
+            if self.device.type == "cpu":
+                cpu_build.release_openmp_threads()
             self._stop = False
             self._thread = threading.Thread(target=self._loop, name="specchat-engine", daemon=True)
             self._thread.start()

@@ -42,6 +42,30 @@ def torch_openmp() -> Path | None:
     return found[0] if found else None
 
 
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t (OpenMP 5.0)
+
+
+def release_openmp_threads() -> bool:
+    """End the calling thread's OpenMP worker threads (libgomp keeps a pool per thread that opened a parallel
+    region); True where there was a runtime to ask. Call it on a thread that hands the kernels to another one.
+
+    libgomp's threads wait for the next region by spinning, but only while the threads of every pool together
+    fit the CPUs. A second pool, left by the thread that loaded the model and ran its warm-up before the engine's
+    own thread took over, makes them more than the CPUs: every barrier of every step then sleeps and wakes through
+    a futex. On 2 cores a decode step in the engine's thread ran at 0.25x the same step run by the loading thread
+    (65 against 260 tok/s; the ThreadGovernor, seeing the threads wait, dropped to one thread: 146); see
+    docs/benchmarks.md, thirty-seventh session."""
+    runtime = torch_openmp()
+    if runtime is None:
+        return False
+    try:
+        pause = ctypes.CDLL(str(runtime)).omp_pause_resource_all  # the runtime torch and the kernels share
+    except (OSError, AttributeError):
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(OMP_PAUSE_SOFT) == 0
+
+
 def compile_library(source: str, cflags: list[str], target: Path, openmp: Path | None) -> None:
     """Build `source` into the shared library `target` (atomically: a concurrent process sees the old file or the
     whole new one)."""

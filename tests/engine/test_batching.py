@@ -11,7 +11,7 @@ import pytest
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.errors import ConfigError, PromptError, SpecchatError
-from specchat.kernels import cpu_gemv_i8
+from specchat.kernels import cpu_build, cpu_gemv_i8
 
 PROMPTS = [
     "Hi",
@@ -62,9 +62,12 @@ def test_eight_concurrent_requests_equal_single_runs(request, engine_name):
     assert engine.pool.used_pages == 0 or engine.pool.num_free_pages == engine.pool.num_pages
 
 
-def test_background_thread_serves_many_callers(tiny_engine):
+def test_background_thread_serves_many_callers(tiny_engine, monkeypatch):
     expected = [alone(tiny_engine, p, 10) for p in PROMPTS[:4]]
+    released = []  # the loading thread's OpenMP workers end as the engine's thread takes over (cpu_build says why)
+    monkeypatch.setattr(cpu_build, "release_openmp_threads", lambda: released.append(threading.get_ident()))
     tiny_engine.start()
+    assert released == [threading.get_ident()]
     try:
         results: dict[int, list[int]] = {}
 

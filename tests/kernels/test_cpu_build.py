@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
+import torch
 
 from specchat.engine import loading
 from specchat.kernels import cpu_attention, cpu_block, cpu_build, cpu_gemv, cpu_gemv_i8, cpu_ops
@@ -49,3 +52,34 @@ def test_kernels_turned_off_build_nothing(monkeypatch):
     monkeypatch.setattr(cpu_block, "available", lambda: built.append(1) or True)
     loading.build_cpu_kernels(lambda *a: calls.append(a))
     assert calls == [] and built == []
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(cpu_build.torch_openmp() is None, reason="torch bundles no OpenMP runtime here")
+def test_release_ends_the_calling_threads_openmp_workers():
+    """A thread that ran a parallel region keeps its OpenMP workers (libgomp's pool for it) until it exits; release
+    ends them now. (Left behind by the loading thread, they made the engine thread's barriers sleep.)"""
+    seen = {}
+
+    def work() -> None:
+        x = torch.ones(1 << 22)
+        (x * 2).sum()  # a parallel region opened by this thread: its pool gets worker threads
+        seen["busy"] = thread_count()
+        seen["released"] = cpu_build.release_openmp_threads()
+        deadline = time.monotonic() + 5
+        while thread_count() >= seen["busy"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["after"] = thread_count()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["released"] and seen["after"] < seen["busy"]
