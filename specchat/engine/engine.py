@@ -140,7 +140,15 @@ class Engine:
             # drafting graphs too, so that a chat's first answer captures none (another drafter's, at first use)
             default = engine._drafter_name("default")
             engine.warm_up(progress, max_k=WARM_UP_K, drafters=[] if default == "none" else [default])
+        engine.release_caller_threads()  # the loading thread may be a pool's (Textual's workers) and live on
         return engine
+
+    def release_caller_threads(self) -> None:
+        """On the CPU, end the calling thread's OpenMP workers: a thread other than the one that steps, done with
+        its kernel work (loading, a weights or KV switch), must not keep them (`cpu_build.release_openmp_threads`
+        says why). The next parallel region of this thread, if any, starts a pool again."""
+        if self.device.type == "cpu":
+            cpu_build.release_openmp_threads()
 
     def warm_up(
         self,
@@ -324,9 +332,13 @@ class Engine:
         """
         if fmt not in KV_FORMATS:
             raise ConfigError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
-        with self._lock:
-            self._drain_commands()
-            self.pool.convert(fmt)
+        try:
+            with self._lock:
+                self._drain_commands()
+                self.pool.convert(fmt)
+        finally:
+            if self.running_in_background:
+                self.release_caller_threads()
 
     def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
         """The (weights, KV page format) that settings mean on this model: "auto" weights are the form its file
@@ -348,6 +360,13 @@ class Engine:
         """
         if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+        try:
+            self._switch_weights(fmt, progress)
+        finally:
+            if self.running_in_background:
+                self.release_caller_threads()
+
+    def _switch_weights(self, fmt: str, progress: Callable[[str, int, int], None] | None) -> None:
         self.weights.prepare(fmt, progress)
         with self._lock:
             self._drain_commands()
@@ -428,8 +447,7 @@ class Engine:
         """Run the step loop in a background thread from now on (on the CPU, the calling thread's OpenMP workers
         end first: `cpu_build.release_openmp_threads` says why)."""
         if self._thread is None:
-            if self.device.type == "cpu":
-                cpu_build.release_openmp_threads()
+            self.release_caller_threads()
             self._stop = False
             self._thread = threading.Thread(target=self._loop, name="specchat-engine", daemon=True)
             self._thread.start()

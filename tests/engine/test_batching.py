@@ -62,6 +62,24 @@ def test_eight_concurrent_requests_equal_single_runs(request, engine_name):
     assert engine.pool.used_pages == 0 or engine.pool.num_free_pages == engine.pool.num_pages
 
 
+def test_the_loading_thread_ends_its_openmp_workers(tiny_model_dir, monkeypatch):
+    """An app loads on a worker thread that lives on (Textual's pool): its OpenMP workers, kept, slowed every
+    step of the thread that steps (kernels/cpu_build.release_openmp_threads)."""
+    from specchat.engine.engine import Engine
+
+    released = []
+    monkeypatch.setattr(cpu_build, "release_openmp_threads", lambda: released.append(threading.get_ident()))
+    loader = threading.Thread(
+        target=lambda: (
+            released.append(("loaded on", threading.get_ident()))
+            or Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+        )
+    )
+    loader.start()
+    loader.join()
+    assert released == [("loaded on", loader.ident), loader.ident]
+
+
 def test_background_thread_serves_many_callers(tiny_engine, monkeypatch):
     expected = [alone(tiny_engine, p, 10) for p in PROMPTS[:4]]
     released = []  # the loading thread's OpenMP workers end as the engine's thread takes over (cpu_build says why)
