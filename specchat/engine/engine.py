@@ -193,7 +193,13 @@ class Engine:
 
     def drafter(self, name: str) -> Drafter:
         """The drafter called `name` (built on first use; an unknown name raises ConfigError)."""
-        return self.drafters.get(name)
+        if name in self.drafters.by_name or not self.running_in_background:
+            return self.drafters.get(name)
+        try:  # built by a caller (a request or a switch naming it) while the engine's own thread steps
+            return self.drafters.get(name)
+        finally:
+            if threading.current_thread() is not self._thread:
+                self.release_caller_threads()
 
     # --- requests -------------------------------------------------------------------------------------------
     def encode_prompt(

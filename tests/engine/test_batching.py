@@ -98,6 +98,14 @@ def test_background_thread_serves_many_callers(tiny_engine, monkeypatch):
         for t in threads:
             t.join(timeout=120)
         assert [results[i] for i in range(4)] == expected
+        # a request naming a drafter not built yet builds it on its caller's thread, which then ends its workers
+        tiny_engine.drafters.by_name.pop("ngram", None)
+        caller = threading.Thread(
+            target=lambda: tiny_engine.submit(PROMPTS[0], SamplingParams(max_tokens=4), SpecParams("ngram", 2)).result()
+        )
+        caller.start()
+        caller.join(timeout=120)
+        assert released[1:] == [caller.ident]
     finally:
         tiny_engine.close()
 
