@@ -109,7 +109,7 @@ class GemvConfig:
 
 
 def choose_config(n: int, k: int) -> GemvConfig:
-    """The launch for an [n, k] weight (placeholder heuristics until the H200 sweep: benchmarks/dense_gemv.py)."""
+    """The launch for an [n, k] weight (not yet chosen by a sweep on the H200: `benchmarks/dense_gemv.py --sweep`)."""
     return GemvConfig(block_n=16, block_k=128 if k >= 1024 else 64)
 
 
