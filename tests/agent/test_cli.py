@@ -56,7 +56,9 @@ def test_a_conversation_that_outgrows_the_context_ends_its_run_with_an_error(tin
     assert errors and all(e["fatal"] and "the model's context holds 256" in e["message"] for e in errors)
     assert records[-1]["reasons"] == {"error": 2}
     assert result.exit_code == 1  # then a nonzero exit: a job in CI or cron does not pass on broken runs
-    assert result.stderr.strip().splitlines() == ["specchat: error: 2 of 2 runs ended in an error (see the trace above)"]
+    assert result.stderr.strip().splitlines() == [
+        "specchat: error: 2 of 2 runs ended in an error (see the trace above)"
+    ]
 
 
 def test_without_headless_falls_back_to_the_trace_when_the_tui_has_no_agent_view(tiny_model_dir, tmp_path, monkeypatch):
