@@ -72,8 +72,8 @@ def main() -> None:
         return
     print("\nBest launches (PDL on) against choose_config's:")
     for (name, n, k, gated), m in itertools.product(shapes(args.shape), ms[:1]):
-        chosen = choose_config(n // 2 if gated else n, k)
-        timed = sorted((time_case(m, n, k, gated, c, True), c) for c in SWEEP)
+        chosen = choose_config(n // 2 if gated else n, k, gated)
+        timed = sorted(((time_case(m, n, k, gated, c, True), c) for c in SWEEP), key=lambda pair: pair[0])
         own = time_case(m, n, k, gated, chosen, True)
         best = ", ".join(f"{t:.2f} us {c}" for t, c in timed[:3])
         print(f"{name} {n} x {k}, M = {m}: chosen {own:.2f} us {chosen}; best {best}", flush=True)

@@ -13,7 +13,8 @@ unfused for checking. Besides one kernel per elementwise job, two fusions cut ke
 - `FusedLinear` runs steps of at most 16 rows of dense (bf16/fp16) weights through the Triton GEMV of
   kernels/dense_gemv.py instead of cuBLAS, so a decode step's kernels are all ours and chain under PDL
   (kernels/pdl.py), and `FusedMLP` runs gate_up through its gated form: silu(gate) * up in the GEMV, one kernel
-  less a layer. More rows (prefill, many sessions), and MXFP4 weights (`Fp4Linear`), keep their own paths.
+  less a layer. More rows (prefill, many sessions), and MXFP4 weights (`Fp4Linear`), keep their own paths. The
+  default model's shape decodes 1.24x faster at batch 1 on the H200 with it (SPECCHAT_DENSE_GEMV=0 turns it off).
 
 At batch 1 on a GPU a step is a chain of small launches (a 30-layer model: ~13 kernels a layer), so each kernel
 less is time saved even inside a CUDA graph.

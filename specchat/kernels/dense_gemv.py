@@ -5,11 +5,16 @@ each (the default model: 30 layers, weights of 0.7-3.5 MB), bound by each kernel
 The step's other kernels are ours and chain with programmatic dependent launch (kernels/pdl.py), but a cuBLAS
 kernel between them breaks the chain at every linear. This kernel takes the linears into the chain: under PDL it
 prefetches its first weight tiles into the L2 while the kernel before it still runs, then waits for its input.
+On the H200 (docs/benchmarks.md, thirty-seventh session), under PDL, it runs the default model's linears at M = 1 at
+1.06-1.52x cuBLAS's speed (gate_up's gated form 1.12x cuBLAS's gate_up alone, without its SiLU kernel), at 4-16
+rows 0.74-1.45x (gate_up the slow one), and the default model's shape decodes 1.24x faster at batch 1 with it
+(1,004-1,009 -> 1,241-1,245 tok/s on CUDA graphs), the same at 8 sessions.
 
 `gated=True` multiplies by a fused gate_up weight [2I, K] and returns silu(gate) * up [M, I] (engine/model.py's
 MLP): each program computes BLOCK_N gate rows and the same up rows, so the SiLU-and-mul kernel and the
 [M, 2I] round trip go away. The gate and up values are rounded to x's dtype first and then combined as
-kernels/fused.py's `silu_mul` combines them, so the result equals `silu_mul(dense_gemv(x, W))` bit for bit.
+kernels/fused.py's `silu_mul` combines them, so the result equals `silu_mul(dense_gemv(x, W))` bit for bit where
+both run the same launch configuration (the sums' order follows it).
 
 y^T = W @ x^T on the tensor cores (tl.dot, fp32 accumulation) with x's rows padded to 16; the portable path
 (`fast=False`: float32 products, the interpreter's) is the same code with the operands cast up. The reference is
@@ -31,7 +36,7 @@ from specchat.kernels.fused import INTERPRET
 MAX_ROWS = 16  # one 16-row tile of x (the MMA's n); more rows go to cuBLAS
 DTYPES = (torch.bfloat16, torch.float16)
 PREFETCH_TILES = 2  # with PDL: weight tiles per program prefetched into the L2 before the wait
-ENABLED = os.environ.get("SPECCHAT_DENSE_GEMV", "0") == "1"  # read once; off until measured on the H200
+ENABLED = os.environ.get("SPECCHAT_DENSE_GEMV", "1") != "0"  # read once; SPECCHAT_DENSE_GEMV=0: cuBLAS (A/B runs)
 
 
 @triton.jit
@@ -108,9 +113,16 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def choose_config(n: int, k: int) -> GemvConfig:
-    """The launch for an [n, k] weight (not yet chosen by a sweep on the H200: `benchmarks/dense_gemv.py --sweep`)."""
-    return GemvConfig(block_n=16, block_k=128 if k >= 1024 else 64)
+def choose_config(n: int, k: int, gated: bool = False) -> GemvConfig:
+    """The launch for n outputs of a [n, k] weight (gated: of a [2n, k] one), from the H200 sweep
+    (`benchmarks/dense_gemv.py --sweep`, M = 1, PDL on, the default model's shapes): an output head's many rows
+    in 64-row programs of 2 warps; gate_up's gated pairs and long K in 32-row programs of 256-wide steps; the
+    rest in 16-row programs of 128-wide steps."""
+    if n >= 16384:
+        return GemvConfig(block_n=64, block_k=64, num_warps=2)
+    if gated or k >= 1024:
+        return GemvConfig(block_n=32, block_k=256, num_warps=2)
+    return GemvConfig(block_n=16, block_k=128)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -131,8 +143,8 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 def wanted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether the engine's fused linears (engine/fusion.py) take this call here: `supported`, where
-    SPECCHAT_DENSE_GEMV=1 (A/B benchmarks: not yet measured on the H200, so off by default)."""
+    """Whether the engine's fused linears (engine/fusion.py) take this call here: `supported`, unless
+    SPECCHAT_DENSE_GEMV=0 keeps every dense linear on cuBLAS (A/B benchmarks)."""
     return ENABLED and supported(x, weight, bias)
 
 
@@ -156,7 +168,7 @@ def dense_gemv(
     assert weight.shape[1] == k and (not gated or weight.shape[0] % 2 == 0), (x.shape, weight.shape)
     if fast is None:
         fast = x.is_cuda
-    config = config or choose_config(n, k)
+    config = config or choose_config(n, k, gated)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
