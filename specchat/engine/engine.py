@@ -26,6 +26,7 @@ from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
 from specchat.engine.drafters.base import default_drafter_name
+from specchat.engine.fusion import FusedTransformer, fuse_linears
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import auto_format
 from specchat.engine.loader import Progress
@@ -382,6 +383,8 @@ class Engine:
             if switched and fmt == "bf16" and self.pool.cpu_kernels and sources.model_path is not None:
                 # the dense linears read back from the file: the CPU kernels' GGUF blocks again, as at load
                 pack_cpu_weights(self.model, sources.model_path, sources.dense_file, self.config.cpu_act)
+            if switched and isinstance(self.model, FusedTransformer):  # the switch's dense linears are plain ones
+                fuse_linears(self.model)
             self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
 
     def apply(self, command: Callable[[], None]) -> Future:

@@ -147,6 +147,12 @@ def fuse(model: nn.Module) -> int:
     return swap_classes(model, FUSED)
 
 
+def fuse_linears(model: nn.Module) -> int:
+    """Re-class the model's plain `nn.Linear` modules as `FusedLinear` (a weights switch back to the dense form puts
+    plain ones in; quant/ imports no engine module to make ours); returns how many."""
+    return swap_classes(model, {nn.Linear: FusedLinear})
+
+
 def unfuse(model: nn.Module) -> int:
     """Back to the plain PyTorch modules."""
     return swap_classes(model, PLAIN)

@@ -66,6 +66,23 @@ def test_fuse_swaps_every_norm_rotary_and_activation_and_unfuse_swaps_them_back(
     assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))  # the same tensors
 
 
+def test_linears_a_weights_switch_puts_back_plain_are_fused_again():
+    """A switch from MXFP4 back to the dense form swaps in plain nn.Linear modules (quant.modules); Engine.set_weights
+    re-classes them, or a GPU step would lose the dense GEMV and its PDL chain."""
+    from torch import nn
+
+    from specchat.engine.fusion import fuse_linears
+    from specchat.quant.modules import swap_modules
+
+    model = Transformer(CFG)
+    fuse(model)
+    plain = nn.Linear(CFG.intermediate_size, CFG.hidden_size, bias=False)
+    swap_modules(model, {"layers.1.mlp.w_down": plain})
+    assert type(model.layers[1].mlp.w_down) is nn.Linear
+    assert fuse_linears(model) == 1
+    assert model.layers[1].mlp.w_down is plain and isinstance(plain, FusedLinear)
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter runs the kernels on the CPU")
 def test_fused_modules_run_the_plain_forward_where_the_kernels_do_not_run():
     """On the CPU without the interpreter the fused model gives the plain model's logits bit for bit."""
