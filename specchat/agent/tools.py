@@ -322,9 +322,8 @@ def _shell_tool(
         argv = shell_argv(command, options.allow)
         if options.confirm and (confirm is None or not confirm(command)):
             return ToolResult(False, "", "the user did not allow this command")
-        limits = options.limits
         result = run_confined(
-            argv, room.root, options.timeout_s, options.output_cap, limits, isolation, cancelled=cancelled
+            argv, room.root, options.timeout_s, options.output_cap, options.limits, isolation, cancelled=cancelled
         )
         return _process_result(result, options)
 

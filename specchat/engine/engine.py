@@ -12,6 +12,7 @@ and applied between steps, so they take effect on the next step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -151,6 +152,16 @@ class Engine:
         if self.device.type == "cpu":
             cpu_build.release_openmp_threads()
 
+    @contextlib.contextmanager
+    def _callers_kernel_work(self) -> Iterator[None]:
+        """Kernel work a caller runs on its own thread (a switch, a drafter's build): while the engine's own thread
+        steps, the caller's OpenMP workers end after it."""
+        try:
+            yield
+        finally:
+            if self.running_in_background and threading.current_thread() is not self._thread:
+                self.release_caller_threads()
+
     def warm_up(
         self,
         progress: Progress | None = None,
@@ -194,13 +205,10 @@ class Engine:
 
     def drafter(self, name: str) -> Drafter:
         """The drafter called `name` (built on first use; an unknown name raises ConfigError)."""
-        if name in self.drafters.by_name or not self.running_in_background:
+        if name in self.drafters.by_name:
+            return self.drafters.by_name[name]
+        with self._callers_kernel_work():  # built by a caller: a request or a switch naming it
             return self.drafters.get(name)
-        try:  # built by a caller (a request or a switch naming it) while the engine's own thread steps
-            return self.drafters.get(name)
-        finally:
-            if threading.current_thread() is not self._thread:
-                self.release_caller_threads()
 
     # --- requests -------------------------------------------------------------------------------------------
     def encode_prompt(
@@ -339,13 +347,9 @@ class Engine:
         """
         if fmt not in KV_FORMATS:
             raise ConfigError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
-        try:
-            with self._lock:
-                self._drain_commands()
-                self.pool.convert(fmt)
-        finally:
-            if self.running_in_background:
-                self.release_caller_threads()
+        with self._callers_kernel_work(), self._lock:
+            self._drain_commands()
+            self.pool.convert(fmt)
 
     def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
         """The (weights, KV page format) that settings mean on this model: "auto" weights are the form its file
@@ -367,25 +371,19 @@ class Engine:
         """
         if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-        try:
-            self._switch_weights(fmt, progress)
-        finally:
-            if self.running_in_background:
-                self.release_caller_threads()
-
-    def _switch_weights(self, fmt: str, progress: Callable[[str, int, int], None] | None) -> None:
-        self.weights.prepare(fmt, progress)
-        with self._lock:
-            self._drain_commands()
-            switched = fmt != self.weights.current
-            self.weights.set(fmt)
-            sources = self.weights.sources
-            if switched and fmt == "bf16" and self.pool.cpu_kernels and sources.model_path is not None:
-                # the dense linears read back from the file: the CPU kernels' GGUF blocks again, as at load
-                pack_cpu_weights(self.model, sources.model_path, sources.dense_file, self.config.cpu_act)
-            if switched and isinstance(self.model, FusedTransformer):  # the switch's dense linears are plain ones
-                fuse_linears(self.model)
-            self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
+        with self._callers_kernel_work():
+            self.weights.prepare(fmt, progress)
+            with self._lock:
+                self._drain_commands()
+                switched = fmt != self.weights.current
+                self.weights.set(fmt)
+                sources = self.weights.sources
+                if switched and fmt == "bf16" and self.pool.cpu_kernels and sources.model_path is not None:
+                    # the dense linears read back from the file: the CPU kernels' GGUF blocks again, as at load
+                    pack_cpu_weights(self.model, sources.model_path, sources.dense_file, self.config.cpu_act)
+                if switched and isinstance(self.model, FusedTransformer):  # the switch's dense linears are plain ones
+                    fuse_linears(self.model)
+                self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
 
     def apply(self, command: Callable[[], None]) -> Future:
         """Run a change to engine state between steps (on the engine's thread).

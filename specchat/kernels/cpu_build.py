@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -55,15 +56,22 @@ def release_openmp_threads() -> bool:
     a futex. On 2 cores a decode step in the engine's thread ran at 0.25x the same step run by the loading thread
     (65 against 260 tok/s; the ThreadGovernor, seeing the threads wait, dropped to one thread: 146); see
     docs/benchmarks.md, thirty-seventh session."""
+    pause = _openmp_pause()
+    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+
+
+@cache
+def _openmp_pause() -> Callable[[int], int] | None:
+    """omp_pause_resource_all of the runtime torch and the kernels share, or None where there is none."""
     runtime = torch_openmp()
     if runtime is None:
-        return False
+        return None
     try:
-        pause = ctypes.CDLL(str(runtime)).omp_pause_resource_all  # the runtime torch and the kernels share
+        pause = ctypes.CDLL(str(runtime)).omp_pause_resource_all
     except (OSError, AttributeError):
-        return False
+        return None
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    return pause(OMP_PAUSE_SOFT) == 0
+    return pause
 
 
 def compile_library(source: str, cflags: list[str], target: Path, openmp: Path | None) -> None:
