@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
 #   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep floor goals attention attention-sweep
-#                                          batch1 sessions profile kv fusion pdl prefill small
+#                                          batch1 sessions profile kv fusion pdl prefill small real
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -73,6 +73,14 @@ for part in "${parts[@]}"; do
       for dense in 0 1 1 0; do
         SPECCHAT_DENSE_GEMV=$dense timeout 120 python -m specchat bench --synthetic smollm2-135m --device cuda \
           --weights bf16 --batch 1,8 --k 0,4 --steps 128 2>&1 | grep "^| [0-9]" | sed "s/^/dense=$dense /" | tee -a "$log"
+      done ;;
+    real)  # the default model itself (its GGUF under $SPECCHAT_HOME), its linears through the dense GEMV and on cuBLAS,
+      # alternating, each run the bench's 1/8/32 sessions of the session prompts, plain and DRAFTERS with --k auto
+      for dense in ${DENSE_ORDER:-1 0 1 0}; do
+        SPECCHAT_DENSE_GEMV=$dense timeout ${REAL_TIMEOUT:-200} python -m specchat bench smollm2-135m --device cuda \
+          --sessions ${SESSIONS:-1,8,32} --prompts benchmarks/session_prompts.txt --max-tokens 128 --rounds 2 \
+          --drafter "${DRAFTERS:-none,ngram+heads}" --k auto 2>&1 | grep -E "^\| [0-9]|Error|error" \
+          | sed "s/^/dense=$dense /" | tee -a "$log"
       done ;;
     fusion)  # the layer fusions (add + norm, KV write in the rotary kernel) against the elementwise ones alone
       timeout 400 python benchmarks/fusion_gpu.py 2>&1 | tee -a "$log" ;;
