@@ -6,7 +6,7 @@ Each case is timed as mxfp4_matmul.py times its matmuls: 20 calls in a CUDA grap
 weight that together pass the L2 (a small model's weights come from DRAM in a step too: 270 MB for the default
 model). The GEMV is timed with PDL off and on (on: consecutive calls in the graph are programmatic edges, as in a
 step where every kernel is ours; each prefetches its weights while the one before runs). --sweep also times launch
-configurations around `choose_config` and prints the best per shape beside it.
+configurations around `choose_config` and prints the best per shape and M beside it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     if not args.sweep:
         return
     print("\nBest launches (PDL on) against choose_config's:")
-    for (name, n, k, gated), m in itertools.product(shapes(args.shape), ms[:1]):
+    for (name, n, k, gated), m in itertools.product(shapes(args.shape), ms):
         chosen = choose_config(n // 2 if gated else n, k, gated)
         timed = sorted(((time_case(m, n, k, gated, c, True), c) for c in SWEEP), key=lambda pair: pair[0])
         own = time_case(m, n, k, gated, chosen, True)
