@@ -72,7 +72,7 @@ def main() -> None:
         return
     print("\nBest launches (PDL on) against choose_config's:")
     for (name, n, k, gated), m in itertools.product(shapes(args.shape), ms):
-        chosen = choose_config(n // 2 if gated else n, k, gated)
+        chosen = choose_config(n // 2 if gated else n, k, gated, m)
         timed = sorted(((time_case(m, n, k, gated, c, True), c) for c in SWEEP), key=lambda pair: pair[0])
         own = time_case(m, n, k, gated, chosen, True)
         best = ", ".join(f"{t:.2f} us {c}" for t, c in timed[:3])

@@ -113,13 +113,19 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def choose_config(n: int, k: int, gated: bool = False) -> GemvConfig:
-    """The launch for n outputs of a [n, k] weight (gated: of a [2n, k] one), from the H200 sweep
-    (`benchmarks/dense_gemv.py --sweep`, M = 1, PDL on, the default model's shapes): an output head's many rows
-    in 64-row programs of 2 warps; gate_up's gated pairs and long K in 32-row programs of 256-wide steps; the
-    rest in 16-row programs of 128-wide steps."""
+def choose_config(n: int, k: int, gated: bool = False, m: int = 1) -> GemvConfig:
+    """The launch for m rows and n outputs of a [n, k] weight (gated: of a [2n, k] one), from the H200 sweeps
+    (`benchmarks/dense_gemv.py --sweep`, PDL on, the default model's shapes): an output head's many rows in 64-row
+    programs of 2 warps; the rest at one row (decoding) in 32-row programs of 256-wide steps where gated or K is
+    long, else 16-row programs of 128-wide steps. With more rows (verification) gate_up's gated pairs take 128-wide
+    steps (4.2 us against 5.3-5.9 at 4 and 16 rows) and a long K 16-row programs of 4 warps (4.3 us against
+    4.4-5.3)."""
     if n >= 16384:
         return GemvConfig(block_n=64, block_k=64, num_warps=2)
+    if m > 1 and gated:
+        return GemvConfig(block_n=32, block_k=128, num_warps=2)
+    if m > 1 and k >= 1024:
+        return GemvConfig(block_n=16, block_k=256, num_warps=4)
     if gated or k >= 1024:
         return GemvConfig(block_n=32, block_k=256, num_warps=2)
     return GemvConfig(block_n=16, block_k=128)
@@ -168,7 +174,7 @@ def dense_gemv(
     assert weight.shape[1] == k and (not gated or weight.shape[0] % 2 == 0), (x.shape, weight.shape)
     if fast is None:
         fast = x.is_cuda
-    config = config or choose_config(n, k, gated)
+    config = config or choose_config(n, k, gated, m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
