@@ -5,10 +5,10 @@ each (the default model: 30 layers, weights of 0.7-3.5 MB), bound by each kernel
 The step's other kernels are ours and chain with programmatic dependent launch (kernels/pdl.py), but a cuBLAS
 kernel between them breaks the chain at every linear. This kernel takes the linears into the chain: under PDL it
 prefetches its first weight tiles into the L2 while the kernel before it still runs, then waits for its input.
-On the H200 (docs/benchmarks.md, thirty-seventh session), under PDL, it runs the default model's linears at M = 1 at
-1.06-1.52x cuBLAS's speed (gate_up's gated form 1.12x cuBLAS's gate_up alone, without its SiLU kernel), at 4-16
-rows 0.74-1.45x (gate_up the slow one), and the default model's shape decodes 1.24x faster at batch 1 with it
-(1,004-1,009 -> 1,241-1,245 tok/s on CUDA graphs), the same at 8 sessions.
+On the H200 (docs/benchmarks.md, thirty-seventh and thirty-eighth sessions), under PDL, it runs the default model's
+linears at M = 1 at 1.06-1.52x cuBLAS's speed (gate_up's gated form 1.12x cuBLAS's gate_up alone, without its SiLU
+kernel), at 4-16 rows 1.01-1.38x with the launches `choose_config` picks by rows (gated gate_up ~1.0x); the default
+model decodes 1.21x faster at one session with it (1,078-1,083 -> 1,312-1,317 tok/s on CUDA graphs), 1.15x at 8.
 
 `gated=True` multiplies by a fused gate_up weight [2I, K] and returns silu(gate) * up [M, I] (engine/model.py's
 MLP): each program computes BLOCK_N gate rows and the same up rows, so the SiLU-and-mul kernel and the

@@ -49,7 +49,7 @@ def test_gated_gemv_equals_silu_mul_of_the_plain_one(m: int, n: int, k: int, dty
     x, w = operands(m, 2 * n, k, dtype, seed=1)
     got = dense_gemv(x, w, gated=True)
     assert got.shape == (m, n)
-    launch = choose_config(n, k, gated=True)  # the same launch sums in the same order: the same values, combined alike
+    launch = choose_config(n, k, gated=True, m=m)  # the same launch sums in the same order: the same values, combined alike
     assert torch.equal(got, silu_mul(dense_gemv(x, w, config=launch)))
     gate, up = reference(x, w).float().chunk(2, dim=-1)
     torch.testing.assert_close(got.float(), (F.silu(gate) * up), atol=4e-3, rtol=2e-2)
@@ -70,7 +70,7 @@ def test_a_bias_is_added_before_the_rounding(gated: bool) -> None:
     got = dense_gemv(x, w, bias, gated=gated)
     want = F.linear(x.float(), w.float(), bias.float()).to(x.dtype)
     if gated:
-        assert torch.equal(got, silu_mul(dense_gemv(x, w, bias, config=choose_config(48, 64, gated=True))))
+        assert torch.equal(got, silu_mul(dense_gemv(x, w, bias, config=choose_config(48, 64, gated=True, m=3))))
         gate, up = want.float().chunk(2, dim=-1)
         want = (F.silu(gate) * up).to(x.dtype)
     torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=2e-2)
