@@ -49,7 +49,8 @@ def test_gated_gemv_equals_silu_mul_of_the_plain_one(m: int, n: int, k: int, dty
     x, w = operands(m, 2 * n, k, dtype, seed=1)
     got = dense_gemv(x, w, gated=True)
     assert got.shape == (m, n)
-    launch = choose_config(n, k, gated=True, m=m)  # the same launch sums in the same order: the same values, combined alike
+    # the same launch sums in the same order: the same values, combined alike
+    launch = choose_config(n, k, gated=True, m=m)
     assert torch.equal(got, silu_mul(dense_gemv(x, w, config=launch)))
     gate, up = reference(x, w).float().chunk(2, dim=-1)
     torch.testing.assert_close(got.float(), (F.silu(gate) * up), atol=4e-3, rtol=2e-2)
