@@ -147,12 +147,14 @@ class PlainChat:
                 click.echo(f"(drafter {self.spec.drafter})", err=True)
             else:
                 click.echo(f"unknown command /{name}: /help lists them", err=True)
-        except ConfigError as exc:
+        except SpecchatError as exc:  # a bad value, a drafter's file or model that does not load
             click.echo(f"error: {exc}", err=True)
         return True
 
     def send(self, text: str) -> None:
-        """Stream the answer to one message; Ctrl-C stops it and keeps the conversation."""
+        """Stream the answer to one message; Ctrl-C stops it and keeps the conversation. An answer the engine ended
+        in an error (the KV cache full, say) is shown with the error and left out of the conversation, so the next
+        message is sent without it."""
         from specchat.engine.sequence import Finished, TextDelta
 
         engine = self.engine()
@@ -161,26 +163,30 @@ class PlainChat:
         except SpecchatError as exc:  # a prompt too long for the context, say: the conversation is unchanged
             click.echo(f"error: {exc}", err=True)
             return
-        self.messages.append({"role": "user", "content": text})
-        reply = ""
+        reply, error = "", None
         try:
             for event in handle.events():
                 if isinstance(event, TextDelta):
                     reply += event.text
                     click.echo(event.text, nl=False)
                 elif isinstance(event, Finished):
-                    reply = event.text
+                    reply, error = event.text, event.error
                     s = event.stats
+                    click.echo()  # the answer's line ends on stdout, which may be a file of answers
                     click.echo(
-                        f"\n[{len(event.token_ids)} tokens, {event.tok_per_s:.1f} tok/s, "
+                        f"[{len(event.token_ids)} tokens, {event.tok_per_s:.1f} tok/s, "
                         f"{s.tokens_per_step or 1:.2f} tokens/step, {event.reason}]",
                         err=True,
                     )
         except KeyboardInterrupt:
             handle.cancel()
             handle.result()
-            click.echo("\n[stopped]", err=True)
-        self.messages.append({"role": "assistant", "content": reply})
+            click.echo()
+            click.echo("[stopped]", err=True)
+        if error is not None:
+            click.echo(f"error: {error} (this message and its answer are left out of the conversation)", err=True)
+            return
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 
 def parse_k(text: str) -> int:

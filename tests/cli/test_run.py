@@ -51,6 +51,42 @@ def test_mistakes_are_one_line_and_the_repl_goes_on(tiny_engine, monkeypatch, ca
     assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi"]
 
 
+def test_a_drafter_that_does_not_load_is_one_line_and_the_repl_goes_on(tiny_engine, monkeypatch, capsys, tmp_path):
+    """A heads file that is not one, or a draft model that does not exist: one error line, the chat goes on (it
+    ended the REPL with the conversation lost)."""
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    loading: Future = Future()
+    loading.set_result(tiny_engine)
+    chat = repl([f"/drafter heads:{junk}", f"/drafter draft-model:{tmp_path / 'nope'}", "hi"], loading, monkeypatch)
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 2 and "Traceback" not in err
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi"] and chat.spec.drafter == "none"
+
+
+def test_an_answer_the_kv_cache_cut_is_shown_and_left_out_of_the_conversation(tiny_model_dir, tiny_engine, capsys):
+    """The KV cache fills mid-answer: the error is named, and the turn is left out of the conversation, so the next
+    message is answered (it failed too, with no reason given, as the cut turn stayed in the history)."""
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+
+    per_token = tiny_engine.pool.bytes_per_token
+    small = Engine.load(
+        EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", kv_memory=per_token * 48)
+    )
+    loading: Future = Future()
+    loading.set_result(small)
+    chat = PlainChat(loading, LoadProgress(), SamplingParams(max_tokens=200, ignore_eos=True), SpecParams("none", 0))
+    chat.send("a long answer please")
+    assert chat.messages == []
+    chat.sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    chat.send("hi")
+    captured = capsys.readouterr()
+    assert "error: " in captured.err and "KV" in captured.err and "left out of the conversation" in captured.err
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] and chat.messages[0]["content"] == "hi"
+    assert captured.err.count("error: ") == 1 and captured.out.endswith("\n")
+
+
 def test_run_follows_the_models_drafter(tiny_model_dir: Path, tmp_path: Path):
     """An alias whose models.toml entry names a drafter: `run` uses it unless --drafter says otherwise."""
     (tmp_path / "models.toml").write_text(
