@@ -139,7 +139,7 @@ def finish_line(event: Finished) -> str:
     parts = [f"{len(event.token_ids)} tokens", f"{event.tok_per_s:.1f} tok/s", f"{s.tokens_per_step or 1:.2f} tok/step"]
     if s.drafted:
         parts.append(f"acceptance {s.acceptance_rate:.0%}")
-    parts.append(event.reason if event.error is None else f"error: {event.error}")
+    parts.append(event.reason if event.error is None else f"error: {event.error} (left out of the conversation)")
     return " · ".join(parts)
 
 
@@ -211,6 +211,10 @@ class ChatPane(Vertical):
         for m in stored:
             if m.role != "system":
                 views.append(MessageView(m.role, m.content, m.id))
+            if m.role == "assistant" and m.meta and m.meta.get("reason") == "error":
+                if self.messages and self.messages[-1]["role"] == "user":
+                    self.messages.pop()  # an answer that ended in an error leaves the conversation with its question
+                continue
             self.messages.append({"role": m.role, "content": m.content})
         await self.query_one(".transcript", VerticalScroll).mount_all(views)
         for view, m in zip(views, [m for m in stored if m.role != "system"], strict=True):
@@ -298,7 +302,10 @@ class ChatPane(Vertical):
             self.reply.content = text
             self.reply.remove_class("streaming")
             self.reply.set_footer(footer)
-        self.messages.append({"role": "assistant", "content": text})
+        if event.error is None:
+            self.messages.append({"role": "assistant", "content": text})
+        else:  # shown and stored, but not given to the model again: a full KV cache would fail every later message
+            self.messages.pop()
         meta = {"footer": footer, "reason": event.reason, "stats": event.stats.to_json(), "tok_per_s": event.tok_per_s}
         self.store.update_message(self.reply_db_id, text, meta)
         self.request_id, self.reply_stream, self.reply_db_id = None, None, None

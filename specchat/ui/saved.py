@@ -35,7 +35,9 @@ class SavedConversations:
             if pane.conversation_id == conversation_id:
                 tabs.active = pane.parent.id
                 return
-        pane = self.chat if self.chat is not None and not self.chat.messages else await self.action_new_chat()
+        pane = (
+            self.chat if self.chat is not None and self.chat.conversation_id is None else await self.action_new_chat()
+        )
         await pane.load(conversation_id)
         self.show_title(pane)
 

@@ -97,14 +97,23 @@ async def test_a_failing_engine_step_is_an_error_in_the_chat_and_the_next_messag
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "this answer breaks")
         pane = app.chat
-        await wait_for(pilot, lambda: len(pane.messages) == 2, what="the failed answer")
+        await wait_for(pilot, lambda: pane.request_id is None and pane.reply_text, what="the failed answer")
         failed = pane.query(MessageView).last()
         assert "error: the engine step failed: RuntimeError: injected device error" in footer(failed)
-        assert failed.content == pane.messages[1]["content"] != ""  # the text streamed before the failure stays
+        assert "left out of the conversation" in footer(failed)
+        assert failed.content == pane.reply_text != ""  # the text streamed before the failure stays on screen
+        assert pane.messages == []  # but the model is not given the cut answer (nor its question) again
         await type_prompt(pilot, "and this one works")
-        await wait_for(pilot, lambda: len(pane.messages) == 4, what="the next answer")
+        await wait_for(pilot, lambda: len(pane.messages) == 2, what="the next answer")
         answered = pane.query(MessageView).last()
         assert "24 tokens" in footer(answered) and "length" in footer(answered)
-    stored = store.messages(pane.conversation_id)
-    assert [m.content for m in stored] == [m["content"] for m in pane.messages]
-    assert [m.meta["reason"] for m in stored if m.role == "assistant"] == ["error", "length"]
+        stored = store.messages(pane.conversation_id)
+        assert [m.content for m in stored][2:] == [m["content"] for m in pane.messages]
+        assert [m.meta["reason"] for m in stored if m.role == "assistant"] == ["error", "length"]
+        assert stored[1].content == failed.content  # everything streamed is stored
+    again = make_app(tiny_engine, max_tokens=24, ignore_eos=True)
+    async with again.run_test(size=SIZE) as pilot:  # opened later, the failed turn is shown and still left out
+        await again.open_conversation(pane.conversation_id)
+        await pilot.pause()
+        assert [m["content"] for m in again.chat.messages] == [m.content for m in stored][2:]
+        assert len(again.chat.query(MessageView)) == 4
