@@ -47,8 +47,8 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, stream_inte
 
     if not PORT_RANGE[0] <= port <= PORT_RANGE[1]:
         raise ConfigError(f"--port must be in [{PORT_RANGE[0]}, {PORT_RANGE[1]}], got {port}")
-    if stream_interval_ms < 0:
-        raise ConfigError(f"--stream-interval-ms must be >= 0, got {stream_interval_ms}")
+    if not 0 <= stream_interval_ms < float("inf"):  # NaN too: it compared false and held every stream's text
+        raise ConfigError(f"--stream-interval-ms must be a number >= 0, got {stream_interval_ms}")
     check_address(host, port)  # before the load: a port in use or a bad host is one line, at once
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)

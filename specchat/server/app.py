@@ -103,8 +103,8 @@ def create_app(
     stream_interval_s: float = STREAM_INTERVAL_S,
 ) -> FastAPI:
     """The app for `engine`, answering as model `model`; the engine's step loop must be running."""
-    if stream_interval_s < 0:
-        raise ConfigError(f"the stream interval must be >= 0, got {stream_interval_s}")
+    if not 0 <= stream_interval_s < float("inf"):
+        raise ConfigError(f"the stream interval must be a number >= 0, got {stream_interval_s}")
     app = FastAPI(title="specchat", docs_url=None, redoc_url=None)
     spec = default_spec or SpecParams(drafter="none", k=0)
     state: dict[str, EventRouter] = {}

@@ -128,8 +128,10 @@ def test_generate_json_fields(tiny_model_dir):
     assert stats["completion_tokens"] == len(record["token_ids"]) <= 5
 
 
-def test_serve_refuses_a_negative_stream_interval_before_loading() -> None:
-    assert_one_line_error(run_cli("serve", "--stream-interval-ms", "-1"), "--stream-interval-ms must be >= 0")
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_serve_refuses_a_stream_interval_that_is_not_a_number_from_zero_before_loading(value: str) -> None:
+    message = "--stream-interval-ms must be a number >= 0"
+    assert_one_line_error(run_cli("serve", "--stream-interval-ms", value), message)
 
 
 def test_the_users_models_toml_default_is_the_model_every_command_runs(tmp_path, tiny_model_dir):
