@@ -248,7 +248,9 @@ def _tasks(top: _Table, base: Path) -> list[str]:
         return inline or []
     path = base / tasks_file
     if not path.is_file():
-        raise ConfigError(f"tasks_file: no such file {path}")
+        raise ConfigError(
+            f"tasks_file: {path} is a directory, not a file" if path.is_dir() else f"tasks_file: no such file {path}"
+        )
     if path.suffix == ".toml":
         return _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
     try:

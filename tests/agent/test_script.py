@@ -175,6 +175,7 @@ def test_regex_stop_without_groups_returns_the_match():
         ("tasks = [1]", "tasks[0] must be a string, got an integer 1"),
         ('tasks = ["x"]\ntasks_file = "t.txt"', "give tasks or tasks_file, not both"),
         ('tasks_file = "missing.txt"', "tasks_file: no such file"),
+        ('tasks_file = "."', "is a directory, not a file"),
         ('tasks = ["x"]\nworkspace = "nowhere"', "workspace: no such directory"),
         ('tasks = ["x"]\nmodel = "./missing.gguf"', "model: no such file or directory"),
         (

@@ -139,6 +139,11 @@ def _shipped_file(arg: str, engine, kind: str) -> Path:
                 f"`specchat train-heads {alias}{arch} --out PATH` and pass --drafter {kind}:PATH"
             )
         path = DATA_DIR / shipped
-    if not (path.is_dir() if kind == "eagle" else path.is_file()):
-        raise ConfigError(f"{'EAGLE-3 head directory' if kind == 'eagle' else 'draft heads file'} not found: {path}")
+    what = "EAGLE-3 head directory" if kind == "eagle" else "draft heads file"
+    if kind == "eagle" and path.is_file():
+        raise ConfigError(f"{what} {path} is a file, not a directory")
+    if kind != "eagle" and path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory, not a file")
+    if not path.exists():
+        raise ConfigError(f"{what} not found: {path}")
     return path
