@@ -12,7 +12,14 @@ import click
 from click.core import ParameterSource
 
 from specchat.cli.inputs import read_prompt_lines
-from specchat.cli.options import DTYPE_HELP, StderrProgress, check_memory_ask, cpu_act_option, spec_params
+from specchat.cli.options import (
+    DTYPE_HELP,
+    StderrProgress,
+    check_memory_ask,
+    cpu_act_option,
+    model_argument,
+    spec_params,
+)
 from specchat.config import DEVICES, DTYPE_CHOICES, WEIGHT_FORMATS, EngineConfig
 from specchat.errors import ConfigError
 from specchat.registry import default_model
@@ -233,7 +240,7 @@ def given_flags(ctx: click.Context, names: Sequence[str]) -> list[str]:
 
 
 @click.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None, help=DTYPE_HELP)
 @click.option("--sessions", default=None, help="comma-separated concurrent session counts, e.g. 1,8,32")

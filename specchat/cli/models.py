@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specchat.cli.options import StderrProgress
+from specchat.cli.options import StderrProgress, check_model_name
 
 
 def human_bytes(n: int | None) -> str:
@@ -38,7 +38,7 @@ def models() -> None:
 
 
 @click.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, callback=check_model_name)
 def pull(name: str | None) -> None:
     """Fetch model NAME (default: smollm2-135m) into the cache ahead of time."""
     from specchat.engine.loading import load_tokenizer

@@ -42,10 +42,21 @@ DTYPE_HELP = (
 )
 
 
+def check_model_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The MODEL argument: left out means the default model, but an empty name is a mistake (a shell variable
+    that was not set, say), not a request for the default."""
+    if value is not None and not value.strip():
+        raise ConfigError("the model name is empty: leave it out for the default model, or see `specchat models`")
+    return value
+
+
+model_argument = click.argument("model", required=False, callback=check_model_name)
+
+
 def model_options(func):
     """MODEL argument + device / dtype / weights."""
 
-    @click.argument("model", required=False)
+    @model_argument
     @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
     @click.option(
         "--dtype",

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from specchat.cli.inputs import read_nonempty_text
-from specchat.cli.options import StderrProgress
+from specchat.cli.options import StderrProgress, model_argument
 from specchat.config import DEVICES, DTYPES
 from specchat.errors import ConfigError
 from specchat.quant.quantize import (
@@ -32,7 +32,7 @@ from specchat.registry import default_model
 
 
 @click.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="checkpoint directory (default: cache)")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULT_METHOD, show_default=True)
 @click.option("--rule", type=click.Choice(RULES), default=DEFAULT_RULE, show_default=True, help="block scale rule")

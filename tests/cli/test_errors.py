@@ -52,6 +52,12 @@ def test_unknown_alias():
     assert_one_line_error(run_cli("generate", "no-such-model", "-p", "hi"), "unknown model", "no-such-model")
 
 
+@pytest.mark.parametrize("command", [("generate", "-p", "hi"), ("bench",), ("quantize",), ("pull",), ("serve",)])
+def test_an_empty_model_name_is_refused_not_taken_for_the_default(command: tuple[str, ...]):
+    proc = run_cli(command[0], " ", *command[1:])
+    assert_one_line_error(proc, "the model name is empty")
+
+
 def test_missing_file():
     assert_one_line_error(run_cli("generate", "/nonexistent/model.gguf", "-p", "hi"), "not found")
 
