@@ -18,6 +18,7 @@ from specchat.errors import ConfigError, PromptError
 
 JSONL_SUFFIX = ".jsonl"  # a prompt file with this suffix holds one JSON object per line
 MESSAGE_KEYS = ("role", "content")
+ROLES = ("system", "user", "assistant")  # what the chat templates take
 
 
 def utf8_error(exc: UnicodeDecodeError) -> str:
@@ -119,4 +120,7 @@ def jsonl_item(line: str, number: int) -> PromptItem:
     )
     if not good:
         return PromptItem(where, None, '"messages" must be a non-empty list of {"role": str, "content": str}')
+    for i, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            return PromptItem(where, None, f"messages[{i}] has role {m['role']!r}: one of {', '.join(ROLES)}")
     return PromptItem(where, [{key: m[key] for key in MESSAGE_KEYS} for m in messages])

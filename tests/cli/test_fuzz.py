@@ -473,16 +473,18 @@ def test_jsonl_prompts_and_bad_lines(tiny_model_dir, tmp_path):
         json.dumps([1, 2]),
         json.dumps({"prompt": "a", "messages": []}),
         json.dumps({"messages": [{"role": "user"}]}),
+        json.dumps({"messages": [{"role": "bogus", "content": "hi"}]}),  # the server's 400: a role the template lacks
         "",
         json.dumps({"prompt": "last"}),
     ]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(lines) + "\n")
     result = invoke(["generate", str(tiny_model_dir), "--prompts-file", str(prompts), "--json", "--max-tokens", "2"])
-    assert_one_error_line(result, ["5 of 8", "lines 3, 4, 5, 6, 7"])
+    assert_one_error_line(result, ["6 of 9", "lines 3, 4, 5, 6, 7, 8"])
     out = records(result)
-    assert [r["finish_reason"] for r in out] == ["length", "length", *["error"] * 5, "length"]
-    assert [r["error"].split(":")[0] for r in out if "error" in r] == [f"line {n}" for n in (3, 4, 5, 6, 7)]
+    assert [r["finish_reason"] for r in out] == ["length", "length", *["error"] * 6, "length"]
+    assert [r["error"].split(":")[0] for r in out if "error" in r] == [f"line {n}" for n in (3, 4, 5, 6, 7, 8)]
+    assert "messages[0] has role 'bogus'" in out[7]["error"]
 
 
 def test_raw_refuses_chat_messages_line_by_line(tiny_model_dir, tmp_path):
