@@ -294,6 +294,10 @@ class ChatPane(Vertical):
         await self.show_pending()
         async with self.stream_lock:
             if self.reply_stream is not None:
+                # a reply that ends before any text (a prompt the KV cache turns away) would stop a stream whose task
+                # never ran, and Textual's MarkdownStream.stop then raises the task's cancellation here: the chat
+                # stayed "answering" for good. One turn of the loop lets the task start.
+                await asyncio.sleep(0)
                 await self.reply_stream.stop()
                 self.reply_stream = None
         footer = finish_line(event)

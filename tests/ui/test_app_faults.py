@@ -11,7 +11,7 @@ from specchat.config import SamplingParams, SpecParams
 from specchat.ui import store_writer
 from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import INTERRUPTED, MessageView
-from tests.ui.conftest import SIZE, send, type_prompt, wait_for
+from tests.ui.conftest import SIZE, press_now, send, type_prompt, wait_for
 from tests.ui.test_store import hold_lock
 
 
@@ -117,3 +117,48 @@ async def test_a_failing_engine_step_is_an_error_in_the_chat_and_the_next_messag
         await pilot.pause()
         assert [m["content"] for m in again.chat.messages] == [m.content for m in stored][2:]
         assert len(again.chat.query(MessageView)) == 4
+
+
+async def test_a_prompt_the_kv_cache_turns_away_at_once_frees_the_chat(tiny_model_dir, tiny_engine, make_app, store):
+    """A prompt longer than the whole KV pool ends in an error before any text: the error is shown, the chat is free
+    and the next message is answered (stopping the reply's Markdown stream raised there, and the chat stayed
+    "answering" for good, its reply empty, stored as interrupted)."""
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+
+    small = Engine.load(
+        EngineConfig(
+            model=str(tiny_model_dir), device="cpu", dtype="float32", kv_memory=tiny_engine.pool.bytes_per_token * 64
+        )
+    )
+    app = make_app(small, max_tokens=4, ignore_eos=True)
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.chat
+        pane.prompt_input.load_text(" ".join(["word"] * 80))  # (typed key by key, 200 presses take minutes)
+        press_now(app, "enter")
+        await wait_for(pilot, lambda: pane.conversation_id is not None and not pane.busy, what="the chat free again")
+        failed = pane.query(MessageView).last()
+        assert "error: " in footer(failed) and "KV" in footer(failed) and pane.messages == []
+        pane.prompt_input.load_text("hi")
+        press_now(app, "enter")
+        await wait_for(pilot, lambda: len(pane.messages) == 2, timeout=20, what="the next answer")
+        assert "4 tokens" in footer(pane.query(MessageView).last())
+    stored = store.messages(pane.conversation_id)
+    assert [m.meta["reason"] for m in stored if m.role == "assistant"] == ["error", "length"]
+
+
+async def test_a_reply_that_ends_before_its_stream_ran_frees_the_chat(tiny_engine, make_app):
+    """The reply's Markdown stream is stopped before its task ever ran (an answer that ended in an error before
+    any text, handled right after the reply opened): Textual's stop raised the task's cancellation into `finish`,
+    which left the chat busy for good."""
+    from specchat.engine.sequence import Finished
+    from specchat.engine.stats import SpecStats
+
+    app = make_app(tiny_engine)
+    async with app.run_test(size=SIZE):
+        pane = app.chat
+        await pane.add_user("a question")
+        await pane.begin_reply(99)
+        await pane.finish(Finished(99, "error", "", [], 9, SpecStats(), 0.0, 0.0, error="the KV cache is full"))
+        assert not pane.busy and pane.messages == []
+        assert "error: the KV cache is full" in footer(pane.query(MessageView).last())
