@@ -314,5 +314,11 @@ class ChatPane(Vertical):
         self.store.update_message(self.reply_db_id, text, meta)
         self.request_id, self.reply_stream, self.reply_db_id = None, None, None
 
+    def shown_messages(self) -> list[dict]:
+        """The chat as it is shown (a transcript): the system message, then every message on screen, an answer
+        that ended in an error and a message that was not sent included, which the model is no longer given."""
+        system = [m for m in self.messages[:1] if m["role"] == "system"]
+        return system + [{"role": v.role, "content": v.content} for v in self.query(MessageView)]
+
     def last_reply(self) -> str | None:
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), None)

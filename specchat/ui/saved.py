@@ -50,16 +50,19 @@ class SavedConversations:
         self.save_transcript(".json")
 
     def save_transcript(self, suffix: str) -> Path | None:
+        """Write the active chat as it is shown into the transcript folder; a folder that cannot be written is one
+        error notification (the chat itself is in the store either way)."""
         pane = self.chat
-        if pane is None or not any(m["role"] != "system" for m in pane.messages):
+        messages = pane.shown_messages() if pane is not None else []
+        if not any(m["role"] != "system" for m in messages):
             self.notify("nothing to save yet", severity="warning")
             return None
-        path = transcript_path(self.transcript_dir, pane.title, suffix)
-        text = (
-            to_markdown(pane.title, pane.messages)
-            if suffix == ".md"
-            else to_json(pane.title, pane.model, pane.messages)
-        )
-        path.write_text(text)
+        text = to_markdown(pane.title, messages) if suffix == ".md" else to_json(pane.title, pane.model, messages)
+        try:
+            path = transcript_path(self.transcript_dir, pane.title, suffix)
+            path.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            self.notify(f"could not save the chat in {self.transcript_dir}: {exc.strerror or exc}", severity="error")
+            return None
         self.notify(f"saved {path}")
         return path

@@ -162,6 +162,34 @@ async def test_save_transcript(tiny_engine, make_app, tmp_path):
     assert len(list(tmp_path.glob("specchat-save-me-*.md"))) == 2
 
 
+async def test_a_transcript_is_the_chat_as_shown_and_a_folder_that_fails_is_one_notification(
+    tiny_engine, make_app, tmp_path
+):
+    """An answer that ended in an error is left out of what the model is given but not out of the transcript
+    (it saved as "nothing to save yet"); a transcript folder that cannot be written is an error notification, and
+    the app goes on (Ctrl+S ended it with a traceback)."""
+    from specchat.engine.sequence import Finished
+    from specchat.engine.stats import SpecStats
+
+    app = make_app(tiny_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.chat
+        await pane.add_user("Tell me a story.")
+        await pane.begin_reply(99)
+        await pane.append("Once upon")
+        await pane.finish(
+            Finished(99, "error", "Once upon", [1], 9, SpecStats(), 0.0, 0.0, error="the KV cache is full")
+        )
+        assert pane.messages == []
+        saved = app.save_transcript(".md")
+        assert saved is not None and "## You\n\nTell me a story." in saved.read_text()
+        assert "## Assistant\n\nOnce upon" in saved.read_text()
+        app.transcript_dir = tmp_path / "missing" / "folder"
+        await pilot.press("ctrl+s")
+        assert app.save_transcript(".json") is None and app.is_running
+        assert any("could not save the chat" in n.message for n in app._notifications)
+
+
 async def test_command_palette_lists_actions(tiny_engine, make_app):
     app: SpecchatApp = make_app(tiny_engine)
     async with app.run_test(size=SIZE):
