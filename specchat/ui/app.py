@@ -47,6 +47,7 @@ from specchat.ui.throughput import ThroughputPanel
 from specchat.ui.welcome import WELCOME_KEYS, welcome_text
 
 W = TypeVar("W", bound=Widget)
+NARROW_WIDTH = 72  # columns from which the live panels are shown beside the chat
 PANEL_REFRESH_S = 0.25  # the engine's snapshot is read, and the panels repainted, this often
 
 
@@ -55,6 +56,9 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
 
     CSS_PATH = "specchat.tcss"
     TITLE = "specchat"
+    # below NARROW_WIDTH columns the 40-column panels leave the chat too little room (at 40 or fewer, none: the
+    # prompt's placeholder wrapped at width 0 and crashed the app), so a narrow screen shows the chat alone
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (NARROW_WIDTH, "-wide")]
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Stop", id="cancel"),
         Binding("ctrl+t", "new_chat", "New chat", id="new_chat"),

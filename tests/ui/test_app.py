@@ -195,3 +195,18 @@ async def test_command_palette_lists_actions(tiny_engine, make_app):
     async with app.run_test(size=SIZE):
         titles = {c.title for c in app.get_system_commands(app.screen)}
     assert {"New chat", "History", "Save transcript as JSON", "K +1", "Drafter: ngram", "Weights: mxfp4"} <= titles
+
+
+async def test_a_narrow_terminal_shows_the_chat_alone_and_never_crashes(tiny_engine, make_app):
+    """At 40 columns and fewer the 40-column panels left the chat no width, and the prompt's placeholder wrapping at
+    width 0 ended the app with a traceback (a QA pass): a narrow screen hides the panels; wide again, they return."""
+    app = make_app(tiny_engine, max_tokens=4, ignore_eos=True)
+    async with app.run_test(size=(40, 12)) as pilot:
+        await pilot.pause()
+        assert app.screen.has_class("-narrow") and not app.query_one("#side").display
+        await type_prompt(pilot, "hi")
+        await wait_for(pilot, lambda: len(app.chat.messages) == 2, what="the answer")
+        for size in ((30, 10), (12, 5), (120, 40)):
+            await pilot.resize_terminal(*size)
+            await pilot.pause()
+        assert app.is_running and app.screen.has_class("-wide") and app.query_one("#side").display
