@@ -18,6 +18,7 @@ from textual.widgets.markdown import MarkdownStream
 from specchat.engine.sequence import Finished
 from specchat.ui.store import ChatStore
 
+NOT_SENT = "not sent"  # the stored reason of a message typed while the model loaded that it could not take
 STREAM_INTERVAL_S = 0.05  # the reply's Markdown grows at most 20 times a second, whatever the token rate
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 PLACEHOLDER = "Message (Enter sends, Ctrl+J new line)"
@@ -211,6 +212,8 @@ class ChatPane(Vertical):
         for m in stored:
             if m.role != "system":
                 views.append(MessageView(m.role, m.content, m.id))
+            if m.meta and m.meta.get("reason") == NOT_SENT:
+                continue
             if m.role == "assistant" and m.meta and m.meta.get("reason") == "error":
                 if self.messages and self.messages[-1]["role"] == "user":
                     self.messages.pop()  # an answer that ended in an error leaves the conversation with its question
@@ -256,6 +259,8 @@ class ChatPane(Vertical):
         self.waiting.set_footer("" if error is None else f"not sent: {error}")
         if error is not None:
             self.messages.pop()
+            meta = {"footer": f"not sent: {error}", "reason": NOT_SENT}  # so that a reopened chat leaves it out too
+            self.store.update_message(self.waiting.db_id, self.waiting.content, meta)
         self.waiting = None
 
     async def begin_reply(self, request_id: int) -> None:

@@ -100,6 +100,12 @@ async def test_a_waiting_message_the_model_cannot_take_goes_back_to_the_prompt(t
             assert any(n.severity == "error" for n in app._notifications)
     finally:
         loader.release.set()
+    again = SpecchatApp(engine=tiny_engine, store=store, transcript_dir=tmp_path)
+    async with again.run_test(size=SIZE) as pilot:  # reopened, it is shown and still not given to the model
+        await again.open_conversation(pane.conversation_id)
+        await pilot.pause()
+        (view,) = again.chat.query(MessageView)
+        assert footer(view).startswith("not sent: ") and again.chat.messages == []
 
 
 async def test_a_failed_load_ends_the_app_with_its_error(store, tmp_path):
