@@ -313,8 +313,8 @@ class ChatPane(Vertical):
             self.reply.set_footer(footer)
         if event.error is None:
             self.messages.append({"role": "assistant", "content": text})
-        else:  # shown and stored, but not given to the model again: a full KV cache would fail every later message
-            self.messages.pop()
+        elif self.messages and self.messages[-1]["role"] == "user":  # shown and stored, but not given to the model
+            self.messages.pop()  # again with its question: a full KV cache would fail every later message
         meta = {"footer": footer, "reason": event.reason, "stats": event.stats.to_json(), "tok_per_s": event.tok_per_s}
         self.store.update_message(self.reply_db_id, text, meta)
         self.request_id, self.reply_stream, self.reply_db_id = None, None, None
