@@ -101,7 +101,8 @@ def submit_all(engine, items: list[PromptItem], sampling, spec, system, raw, fro
             submitted.append(failed(item.error))
             continue
         try:
-            submitted.append(engine.submit(with_system(item.prompt, system), sampling, spec, system=system, raw=raw))
+            own = sampling if item.max_tokens is None else dataclasses.replace(sampling, max_tokens=item.max_tokens)
+            submitted.append(engine.submit(with_system(item.prompt, system), own, spec, system=system, raw=raw))
         except PromptError as exc:
             if not from_file:  # a single prompt's problem is the command's one error line
                 raise PromptError(f"{item.where}: {exc}") from None

@@ -67,6 +67,7 @@ class PromptItem:
     where: str  # "line 3" of a prompt file, "--prompt" or "stdin"
     prompt: str | list[dict] | None
     error: str | None = None
+    max_tokens: int | None = None  # a .jsonl line's own cap on its answer (else --max-tokens)
 
 
 def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[PromptItem]:
@@ -100,8 +101,9 @@ def read_prompt_file(path: Path) -> list[PromptItem]:
 
 
 def jsonl_item(line: str, number: int) -> PromptItem:
-    """A JSONL line: an object with "prompt" (a string) or "messages" (a list of {role, content}); other keys
-    (the shipped prompt sets' "id" and "split") are ignored."""
+    """A JSONL line: an object with "prompt" (a string) or "messages" (a list of {role, content}), and optionally
+    "max_tokens" (a positive integer: this answer's cap instead of --max-tokens); other keys (the shipped prompt
+    sets' "id" and "split") are ignored."""
     where = f"line {number}"
     try:
         record = json.loads(line)
@@ -109,10 +111,13 @@ def jsonl_item(line: str, number: int) -> PromptItem:
         return PromptItem(where, None, f"invalid JSON ({exc.msg} at column {exc.colno})")
     if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
         return PromptItem(where, None, 'expected an object with "prompt" or "messages" (not both)')
+    cap = record.get("max_tokens")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        return PromptItem(where, None, f'"max_tokens" must be a positive integer, got {json.dumps(cap)}')
     if "prompt" in record:
         if not isinstance(record["prompt"], str):
             return PromptItem(where, None, f'"prompt" must be a string, got {type(record["prompt"]).__name__}')
-        return PromptItem(where, record["prompt"])
+        return PromptItem(where, record["prompt"], max_tokens=cap)
     messages = record["messages"]
     good = isinstance(messages, list) and messages
     good = good and all(
@@ -123,4 +128,4 @@ def jsonl_item(line: str, number: int) -> PromptItem:
     for i, m in enumerate(messages):
         if m["role"] not in ROLES:
             return PromptItem(where, None, f"messages[{i}] has role {m['role']!r}: one of {', '.join(ROLES)}")
-    return PromptItem(where, [{key: m[key] for key in MESSAGE_KEYS} for m in messages])
+    return PromptItem(where, [{key: m[key] for key in MESSAGE_KEYS} for m in messages], max_tokens=cap)

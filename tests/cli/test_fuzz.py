@@ -487,6 +487,24 @@ def test_jsonl_prompts_and_bad_lines(tiny_model_dir, tmp_path):
     assert "messages[0] has role 'bogus'" in out[7]["error"]
 
 
+def test_a_jsonl_line_caps_its_own_answer(tiny_model_dir, tmp_path):
+    """ "max_tokens" on a .jsonl line is that answer's cap instead of --max-tokens (it was ignored); one that is not a
+    positive integer fails its line alone."""
+    lines = [
+        json.dumps({"prompt": "one", "max_tokens": 1}),
+        json.dumps({"messages": [{"role": "user", "content": "two"}], "max_tokens": 2}),
+        json.dumps({"prompt": "three"}),
+        json.dumps({"prompt": "four", "max_tokens": True}),
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    result = invoke(["generate", str(tiny_model_dir), "--prompts-file", str(prompts), "--json", "--max-tokens", "3"])
+    assert_one_error_line(result, ["1 of 4", "line 4"])
+    out = records(result)
+    assert [len(r["token_ids"]) for r in out[:3]] == [1, 2, 3] and out[0]["finish_reason"] == "length"
+    assert '"max_tokens" must be a positive integer, got true' in out[3]["error"]
+
+
 def test_raw_refuses_chat_messages_line_by_line(tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + '\n{"prompt": "hi"}\n')
