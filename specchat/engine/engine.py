@@ -107,7 +107,7 @@ class Engine:
         self.model_spec = model_spec
         self.device = pool.device
         self.runner = make_runner(model, pool, eager=config.eager)
-        self.drafters = DrafterCache(lambda name: make_drafter(name, self))
+        self.drafters = DrafterCache(self._build_drafter)
         self.scheduler = Scheduler(
             pool, self.drafters, config.max_running, config.max_batch_tokens, self.runner.pads_widths
         )
@@ -205,10 +205,13 @@ class Engine:
 
     def drafter(self, name: str) -> Drafter:
         """The drafter called `name` (built on first use; an unknown name raises ConfigError)."""
-        if name in self.drafters.by_name:
-            return self.drafters.by_name[name]
-        with self._callers_kernel_work():  # built by a caller: a request or a switch naming it
-            return self.drafters.get(name)
+        return self.drafters.get(name)
+
+    def _build_drafter(self, name: str) -> Drafter:
+        """DrafterCache's builder: a drafter's first use, often on a caller's thread (a request or a switch naming
+        it)."""
+        with self._callers_kernel_work():
+            return make_drafter(name, self)
 
     # --- requests -------------------------------------------------------------------------------------------
     def encode_prompt(
