@@ -1,5 +1,9 @@
 """Errors a user can cause. The CLI prints them as one line and exits nonzero; anything else is our bug."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 
 class SpecchatError(Exception):
     """A problem with the user's input or environment, reported as one clear line."""
@@ -27,3 +31,15 @@ class PromptError(SpecchatError):
 
 class KVCacheFullError(SpecchatError):
     """The KV pool cannot hold a request even when it runs alone."""
+
+
+def path_problem(path: Path, shown: str, directory: bool = False) -> str | None:
+    """Why `path` is not the file (`directory`: the folder) a setting names, in words with `shown` for the path;
+    None where it is."""
+    if directory:
+        if path.is_dir():
+            return None
+        return f"{shown} is a file, not a directory" if path.exists() else f"no such directory {shown}"
+    if path.is_file():
+        return None
+    return f"{shown} is a directory, not a file" if path.is_dir() else f"no such file {shown}"

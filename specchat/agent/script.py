@@ -27,7 +27,7 @@ from specchat.agent.tools import (
 )
 from specchat.agent.usertools import load_user_tools
 from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, path_problem
 
 DEFAULT_MODEL = "smollm2-135m"
 STOP_KINDS = ("tool", "tag", "regex")
@@ -247,10 +247,8 @@ def _tasks(top: _Table, base: Path) -> list[str]:
     if tasks_file is None:
         return inline or []
     path = base / tasks_file
-    if not path.is_file():
-        raise ConfigError(
-            f"tasks_file: {path} is a directory, not a file" if path.is_dir() else f"tasks_file: no such file {path}"
-        )
+    if (why := path_problem(path, str(path))) is not None:
+        raise ConfigError(f"tasks_file: {why}")
     if path.suffix == ".toml":
         return _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
     try:

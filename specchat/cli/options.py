@@ -24,7 +24,7 @@ from specchat.config import (
     SpecParams,
     check_drafter_name,
 )
-from specchat.errors import ConfigError, ModelNotFoundError
+from specchat.errors import ConfigError, ModelNotFoundError, path_problem
 from specchat.registry import default_model
 
 cpu_act_option = click.option(
@@ -235,13 +235,10 @@ def check_drafter_arg(drafter: str) -> None:
     kind, _, arg = check_drafter_name(drafter).partition(":")
     if not arg:
         return
-    path = Path(arg).expanduser()
-    if DRAFTER_ARGS[kind] == "FILE" and not path.is_file():
-        why = f"{arg} is a directory, not a file" if path.is_dir() else f"no such file {arg}"
-        raise ConfigError(f"--drafter {drafter}: {why}")
-    if DRAFTER_ARGS[kind] == "DIR" and not path.is_dir():
-        why = f"{arg} is a file, not a directory" if path.exists() else f"no such directory {arg}"
-        raise ConfigError(f"--drafter {drafter}: {why}")
+    if DRAFTER_ARGS[kind] in ("FILE", "DIR"):
+        why = path_problem(Path(arg).expanduser(), arg, directory=DRAFTER_ARGS[kind] == "DIR")
+        if why is not None:
+            raise ConfigError(f"--drafter {drafter}: {why}")
     if DRAFTER_ARGS[kind] == "NAME":
         from specchat.registry import resolve
 

@@ -62,7 +62,7 @@ def test_a_drafter_that_does_not_load_is_one_line_and_the_repl_goes_on(tiny_engi
     chat = repl(lines, loading, monkeypatch)
     err = capsys.readouterr().err
     assert err.count("error: ") == 3 and "Traceback" not in err
-    assert f"draft heads file {tmp_path} is a directory, not a file" in err
+    assert f"draft heads file: {tmp_path} is a directory, not a file" in err
     assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi"] and chat.spec.drafter == "none"
 
 

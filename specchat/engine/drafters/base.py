@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specchat.config import check_drafter_name
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, path_problem
 
 if TYPE_CHECKING:
     from specchat.engine.runner import TokenContext
@@ -139,11 +139,6 @@ def _shipped_file(arg: str, engine, kind: str) -> Path:
                 f"`specchat train-heads {alias}{arch} --out PATH` and pass --drafter {kind}:PATH"
             )
         path = DATA_DIR / shipped
-    what = "EAGLE-3 head directory" if kind == "eagle" else "draft heads file"
-    if kind == "eagle" and path.is_file():
-        raise ConfigError(f"{what} {path} is a file, not a directory")
-    if kind != "eagle" and path.is_dir():
-        raise ConfigError(f"{what} {path} is a directory, not a file")
-    if not path.exists():
-        raise ConfigError(f"{what} not found: {path}")
+    if (why := path_problem(path, str(path), directory=kind == "eagle")) is not None:
+        raise ConfigError(f"{'EAGLE-3 head directory' if kind == 'eagle' else 'draft heads file'}: {why}")
     return path
