@@ -95,46 +95,43 @@ def main() -> None:
         index.extend(context)
         return index.lookup(context, k)
 
-    Runs = dict[str, int]  # drafter -> its run of right drafts at this step
+    Runs = dict[str, int | None]  # drafter -> its run of right drafts at this step, None where it drafts nothing
 
     def runs_at(context: list[int], truth: list[int], heads_run: int) -> Runs:
-        return {
-            "ngram": right_run(truth, ngram(context)),
-            "store": right_run(truth, store.draft(context, k, 2, 2)),
-            "store4": right_run(truth, store.draft(context, k, 3, 4)),
-            "heads": heads_run,
-            "ngram_drafts": bool(ngram(context)),
-            "store_drafts": bool(store.draft(context, k, 2, 2)),
-            "store4_drafts": bool(store.draft(context, k, 3, 4)),
+        drafts = {
+            "ngram": ngram(context),
+            "store": store.draft(context, k, 2, 2),
+            "store4": store.draft(context, k, 3, 4),
         }
+        return {name: right_run(truth, d) if d else None for name, d in drafts.items()} | {"heads": heads_run}
 
     def first_that_drafts(*names: str) -> Callable[[Runs], int]:
         def run(r: Runs) -> int:
-            for name in names:
-                if name == "heads" or r[f"{name}_drafts"]:
-                    return r[name]
-            return 0
+            return next((r[name] for name in names if r[name] is not None), 0)
 
         return run
 
     drafters: dict[str, Callable[[Runs], int]] = {
-        "ngram": lambda r: r["ngram"],
-        "store (n >= 2, 2 occurrences)": lambda r: r["store"],
-        "heads": lambda r: r["heads"],
+        "ngram": first_that_drafts("ngram"),
+        "store (n >= 2, 2 occurrences)": first_that_drafts("store"),
+        "heads": first_that_drafts("heads"),
         "ngram, else heads (ngram+heads)": first_that_drafts("ngram", "heads"),
         "ngram, else store, else heads": first_that_drafts("ngram", "store", "heads"),
         "ngram, else store (n >= 4, 3 occurrences), else heads": first_that_drafts("ngram", "store4", "heads"),
-        "oracle: the best of ngram and heads": lambda r: max(r["ngram"], r["heads"]),
-        "oracle: the best of ngram, heads and store": lambda r: max(r["ngram"], r["heads"], r["store"]),
+        "oracle: the best of ngram and heads": lambda r: max(r["ngram"] or 0, r["heads"]),
+        "oracle: the best of ngram, heads and store": lambda r: max(r["ngram"] or 0, r["heads"], r["store"] or 0),
     }
     print("\n| drafter | tokens per step | " + " | ".join(sorted({c for c, *_ in cases})) + " |")
     print("| --- | ---: |" + " ---: |" * len({c for c, *_ in cases}))
+    seen: dict[tuple[int, int], Runs] = {}  # (case, position) -> every drafter's run there, drafted once
     for name, choose in drafters.items():
         emitted, steps = defaultdict(int), defaultdict(int)
-        for category, ids, answer, heads_runs in cases:
+        for n, (category, ids, answer, heads_runs) in enumerate(cases):
             i = 1  # the prompt's forward emits answer[0]; drafting starts at the first decode step
             while i < len(answer):
-                i += min(choose(runs_at(ids + answer[:i], answer[i:], heads_runs[i - 1])), k) + 1
+                if (n, i) not in seen:
+                    seen[n, i] = runs_at(ids + answer[:i], answer[i:], heads_runs[i - 1])
+                i += min(choose(seen[n, i]), k) + 1
                 steps[category] += 1
             emitted[category] += len(answer) - 1
         overall = sum(emitted.values()) / sum(steps.values())
