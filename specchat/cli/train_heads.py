@@ -71,6 +71,13 @@ def check_places(out: Path, work: Path, arch: str) -> None:
 @click.option("--max-tokens", type=int, default=384, show_default=True, help="per generated answer")
 @click.option("--samples", type=int, default=2, show_default=True, help="sampled answers per prompt besides greedy")
 @click.option(
+    "--synth-prompts",
+    type=int,
+    default=0,
+    show_default=True,
+    help="user prompts the model writes itself (Magpie), answered greedily beside the shipped ones",
+)
+@click.option(
     "--labels",
     type=click.Choice(["soft", "greedy", "text"]),
     default=None,
@@ -100,6 +107,7 @@ def train_heads(
     draft_vocab,
     max_tokens,
     samples,
+    synth_prompts,
     labels,
     epochs,
     batch_size,
@@ -127,6 +135,7 @@ def train_heads(
         raise click.UsageError("--tap is for --arch heads (an EAGLE-3 head reads three layers of its own choice)")
     vocab = draft_vocab if draft_vocab is not None else (8192 if arch == "eagle" else 16384)
     data = {"draft_vocab": vocab, "max_tokens": max_tokens, "samples_per_prompt": samples, "seed": seed}
+    data["synth_prompts"] = synth_prompts
     data["max_prompts"] = max_prompts or 0  # 0: every prompt of the train split
     if arch == "eagle":
         cfg = EagleTrainConfig(

@@ -42,6 +42,7 @@ from specchat.engine.train_heads import (
     held_out_ids,
     lr_factor,
     read_or_remake,
+    with_synth,
     write_whole,
 )
 from specchat.errors import ConfigError
@@ -60,6 +61,7 @@ class EagleTrainConfig:
     temperature: float = 0.8  # (data)
     eval_fraction: float = 0.1  # (data)
     max_prompts: int = 0  # (data) 0 = all train prompts
+    synth_prompts: int = 0  # (data) user prompts the target writes itself (train_heads.synthesize_prompts)
     ttt_steps: int = 5  # drafts per chain trained (k up to this is what the head is good for)
     epochs: int = 6
     batch_tokens: int = 8192  # sequences per optimizer step, by their padded length
@@ -71,13 +73,14 @@ class EagleTrainConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.ttt_steps <= 16:
             raise ConfigError(f"--ttt-steps must be in [1, 16], got {self.ttt_steps}")
-        check_at_least(self, {"draft_vocab": 0, "samples_per_prompt": 0, "epochs": 1, "batch_tokens": 1})
+        least = {"draft_vocab": 0, "samples_per_prompt": 0, "synth_prompts": 0, "epochs": 1, "batch_tokens": 1}
+        check_at_least(self, least)
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
 
     def data_key(self) -> dict:
         keys = ("max_tokens", "samples_per_prompt", "temperature", "eval_fraction", "max_prompts", "seed")
-        return {"arch": "eagle", **{k: getattr(self, k) for k in keys}}
+        return with_synth({"arch": "eagle", **{k: getattr(self, k) for k in keys}}, self.synth_prompts)
 
     def train_key(self) -> str:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]

@@ -5,7 +5,9 @@ fixed corpus, so the heads learn what this model says, not what people wrote. St
 directory beside the output file so that a run interrupted anywhere resumes where it stopped:
 
 1. answers:  the engine answers every `train` prompt (all submitted at once; the scheduler batches them):
-             one greedy answer each, plus `samples_per_prompt` sampled ones for variety.
+             one greedy answer each, plus `samples_per_prompt` sampled ones for variety. With `synth_prompts`
+             the target first writes that many user prompts of its own (Magpie, Xu et al. 2024: sampled from
+             its chat template's opening of a user turn), each answered greedily beside the shipped ones.
 2. features: one teacher-forced target forward per answer captures h_t at the tap layer for every position t
              whose next token x_{t+1} the target wrote, the window x_{t+1} .. x_{t+1+K}, and the target's greedy
              next token g_j = argmax p(. | x_1 .. x_j) at j = t .. t+K (the same forward's logits).
@@ -61,6 +63,19 @@ SYSTEM_VARIANTS = (
     "You are a precise assistant; keep answers short and correct.",
 )
 LABELS = ("greedy", "text", "soft")
+# Prompts the target writes itself (Magpie): each is sampled under one of these system messages (None: the
+# template's own default), which steer it toward the kinds of request the shipped prompt set holds.
+SYNTH_SYSTEMS = (
+    None,
+    "You are a helpful AI assistant.",
+    "You are an expert programmer. Users ask you to write, explain, review and fix code.",
+    "You are a math tutor. Users ask you to solve problems and explain the steps.",
+    "You are a concise assistant for everyday questions, writing and planning.",
+)
+SYNTH_PREFIX = "synth-"  # the ids of synthesized prompts
+SYNTH_MAX_TOKENS = 160  # per synthesized user message; one cut at this length is dropped
+SYNTH_MIN_CHARS = 12
+USER_MARK = "\x00specchat-user-message\x00"  # stands in for a user message, to find where the template puts it
 MAX_HEADS = 16  # features keep the next MAX_HEADS + 1 tokens of every position, so any head count reuses them
 FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 WARMUP_STEPS = 50
@@ -95,6 +110,7 @@ class TrainConfig:
     temperature: float = 0.8  # (data) of the sampled answers
     eval_fraction: float = 0.1  # (data) answers held out for the accuracy report
     max_prompts: int = 0  # (data) use only the first N train prompts; 0 = all
+    synth_prompts: int = 0  # (data) user prompts the target writes itself, answered greedily beside the shipped ones
     epochs: int = 4
     batch_size: int = 512
     lr: float = 2e-3
@@ -109,7 +125,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.num_heads <= MAX_HEADS:
             raise ConfigError(f"--heads must be in [1, {MAX_HEADS}], got {self.num_heads}")
-        check_at_least(self, {"draft_vocab": 0, "samples_per_prompt": 0, "epochs": 1, "batch_size": 1})
+        least = {"draft_vocab": 0, "samples_per_prompt": 0, "synth_prompts": 0, "epochs": 1, "batch_size": 1}
+        check_at_least(self, least)
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
         if self.labels is not None and self.labels not in LABELS:
@@ -117,11 +134,17 @@ class TrainConfig:
 
     def data_key(self) -> dict:
         keys = ("tap", "max_tokens", "samples_per_prompt", "temperature", "eval_fraction", "max_prompts", "seed")
-        return {k: getattr(self, k) for k in keys}
+        return with_synth({k: getattr(self, k) for k in keys}, self.synth_prompts)
 
     def train_key(self) -> str:
         """Names this training run's checkpoint, so runs with other settings never resume from it."""
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def with_synth(key: dict, synth_prompts: int) -> dict:
+    """A data key with the synthesized prompts' count, named only where there are some: work directories made
+    before the option keep their key."""
+    return {**key, "synth_prompts": synth_prompts} if synth_prompts else key
 
 
 FLAGS = {"samples_per_prompt": "samples"}  # config fields whose train-heads flag has another name
@@ -356,9 +379,15 @@ def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[
     if records is not None:
         return records
     prompts = load_prompt_set("train")[: cfg.max_prompts or None]
+    synth = []
+    if cfg.synth_prompts:
+        synth_path = path.with_name("prompts-synth.jsonl")
+        synth = synthesize_prompts(engine, cfg.synth_prompts, cfg.seed, synth_path, progress, log)
     jobs = []  # (key, prompt, messages, sampling); the key names the answer in the partial file
-    for n, prompt in enumerate(prompts):
+    for n, prompt in enumerate(prompts + synth):
         jobs.append((f"{prompt['id']}/greedy", prompt, prompt["messages"], SamplingParams(max_tokens=cfg.max_tokens)))
+        if prompt["id"].startswith(SYNTH_PREFIX):
+            continue  # varied already: greedy answers only
         for s in range(cfg.samples_per_prompt):
             seed = cfg.seed * 100_003 + n * 101 + s
             sampling = SamplingParams(temperature=cfg.temperature, seed=seed, max_tokens=cfg.max_tokens)
@@ -391,6 +420,58 @@ def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[
     write_jsonl(path, records)
     partial.unlink(missing_ok=True)
     return records
+
+
+def synthesize_prompts(engine, count: int, seed: int, path: Path, progress: Progress, log) -> list[dict]:
+    """`count` user prompts the target writes itself (cached in `path`), as prompt-set records.
+
+    Magpie (Xu et al. 2024): an instruct model given its chat template up to the opening of a user turn, and
+    nothing more, writes a user's message. Each is sampled (temperature 1, top-p 0.95) under one of
+    SYNTH_SYSTEMS in turn; a message cut by the length cap, too short or seen before is dropped, and more are
+    asked for, at most four rounds."""
+    records = read_or_remake(path, lambda p: [json.loads(line) for line in p.read_text().splitlines()], log)
+    if records is not None:
+        return records
+    openings = [user_turn_opening(engine.tokenizer, system) for system in SYNTH_SYSTEMS]
+    records, seen, asked = [], set(), 0
+    for _ in range(4):
+        handles = {}
+        for _ in range(round(1.2 * (count - len(records))) + 1):
+            system = asked % len(SYNTH_SYSTEMS)
+            sampling = SamplingParams(
+                temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + asked, max_tokens=SYNTH_MAX_TOKENS
+            )
+            handle = engine.submit(list(openings[system]), sampling, SpecParams(drafter="none", k=0), listen_only=True)
+            handles[handle.request_id] = system
+            asked += 1
+        while engine.scheduler.has_work():
+            for event in engine.step():
+                if not isinstance(event, Finished) or len(records) >= count:
+                    continue
+                text = event.text.strip()
+                if event.reason != "stop" or len(text) < SYNTH_MIN_CHARS or text in seen:
+                    continue
+                seen.add(text)
+                system = SYNTH_SYSTEMS[handles[event.request_id]]
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": text}
+                ]
+                records.append({"id": f"{SYNTH_PREFIX}{len(records):05d}", "split": "train", "messages": messages})
+                progress("prompts", len(records), count)
+        if len(records) >= count:
+            break
+    log(f"{len(records)} prompts written by the model ({asked} asked for)")
+    write_jsonl(path, records)
+    return records
+
+
+def user_turn_opening(tokenizer, system: str | None) -> list[int]:
+    """The chat template's tokens up to where a user message begins (after `system`, if given)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": USER_MARK}]
+    text = tokenizer.render_chat(messages, add_generation_prompt=False)
+    if USER_MARK not in text:
+        raise ConfigError("this model's chat template does not show its user message as given: no --synth-prompts")
+    return tokenizer.encode(text[: text.index(USER_MARK)], add_special_tokens=False)
 
 
 def answers_so_far(partial: Path, keys: set[str]) -> list[dict]:
@@ -459,8 +540,9 @@ def tapped_forward(engine, seqs: list[list[int]], logit_rows: list[int], tap: in
 
 
 def held_out_ids(records: list[dict], fraction: float, seed: int) -> set[str]:
-    """Prompt ids whose answers are held out for the report (a seeded share of the prompts)."""
-    ids = sorted({r["id"] for r in records})
+    """Prompt ids whose answers are held out for the report (a seeded share of the shipped prompts: the report
+    stays one measure whether or not the model wrote prompts of its own)."""
+    ids = sorted({r["id"] for r in records if not r["id"].startswith(SYNTH_PREFIX)})
     random.Random(seed).shuffle(ids)
     return set(ids[: max(1, round(len(ids) * fraction))])
 

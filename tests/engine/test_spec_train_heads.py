@@ -11,12 +11,15 @@ from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
 from specchat.engine.train_heads import (
     CATEGORIES,
+    SYNTH_PREFIX,
     TrainConfig,
     generate_answers,
     greedy_run_tokens_per_step,
+    held_out_ids,
     load_prompt_set,
     lr_factor,
     train_heads,
+    user_turn_opening,
     write_whole,
 )
 from specchat.errors import ConfigError
@@ -147,6 +150,49 @@ def test_answers_of_a_stopped_run_are_kept_and_only_the_rest_answered(tiny_model
     assert len(records) == 6 and len({r["job"] for r in records}) == 6 and sum(r["greedy"] for r in records) == 3
     assert all(json.loads(line) in records for line in kept)
     assert not partial.exists() and len(path.read_text().splitlines()) == 6
+
+
+def test_the_model_writes_prompts_of_its_own_answered_greedily(tiny_model_dir, tmp_path):
+    """--synth-prompts (Magpie): messages sampled from the template's opening of a user turn become prompts.
+
+    The tiny random model almost never samples one of its two stop tokens, so here every 16th token ends a turn:
+    messages then end in a few tokens, as a real instruct model's do."""
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    tokenizer = engine.tokenizer
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hello there"}]
+    opening = user_turn_opening(tokenizer, "S")
+    assert tokenizer.encode_chat(messages)[: len(opening)] == opening
+    assert tokenizer.decode(opening, skip_special_tokens=False).endswith("user\n")
+    tokenizer.stop_token_ids = frozenset(range(0, tokenizer.vocab_size, 16))
+
+    cfg = TrainConfig(num_heads=1, max_prompts=2, max_tokens=5, samples_per_prompt=1, synth_prompts=5)
+    path, stages = tmp_path / "answers.jsonl", []
+    records = generate_answers(engine, cfg, path, lambda stage, done, total: stages.append((stage, total)), print)
+    assert ("prompts", 5) in stages
+    synth = json.loads("[" + ",".join((tmp_path / "prompts-synth.jsonl").read_text().splitlines()) + "]")
+    assert [p["id"] for p in synth] == [f"{SYNTH_PREFIX}{n:05d}" for n in range(5)]
+    texts = [p["messages"][-1]["content"] for p in synth]
+    assert len(set(texts)) == 5 and all(len(t) >= 12 and t == t.strip() for t in texts)
+    assert all(p["messages"][-1]["role"] == "user" for p in synth)
+    # the shipped prompts' greedy and sampled answers, and one greedy answer to each synthesized prompt
+    jobs = {r["job"] for r in records}
+    assert len(records) == 2 * 2 + 5 and {f"{p['id']}/greedy" for p in synth} <= jobs
+    assert all(r["greedy"] for r in records if r["id"].startswith(SYNTH_PREFIX))
+    # the held-out report stays on shipped prompts only, so it reads the same with or without them
+    assert not any(i.startswith(SYNTH_PREFIX) for i in held_out_ids(records, 0.5, 0))
+    # the data key names the count only where there is one: work directories made before the option still match
+    assert cfg.data_key()["synth_prompts"] == 5 and "synth_prompts" not in TrainConfig().data_key()
+    with pytest.raises(ConfigError, match="--synth-prompts must be >= 0"):
+        TrainConfig(synth_prompts=-1)
+
+    # Answered again (the answers file gone), the run reuses the prompts it wrote: the answers' keys name them.
+    path.unlink()
+    stages.clear()
+    again = generate_answers(engine, cfg, path, lambda stage, done, total: stages.append((stage, total)), print)
+    assert not any(stage == "prompts" for stage, _ in stages)
+    assert {r["job"] for r in again} == jobs
 
 
 def test_a_work_file_write_stopped_midway_keeps_the_last_whole_one(tmp_path):
