@@ -4,7 +4,8 @@
 # The GGUF must already be in $SPECCHAT_HOME/models/smollm2-135m/ (the GPU machine has no network: carry it in,
 # see docs/gpu.md) and the `gguf` package installed (pip install --no-index --find-links .devcarry-gpu/whl gguf).
 # `heads` generates the answers (bf16, 64 requests at once, SAMPLES sampled ones per train prompt besides the
-# greedy one; or ANSWERS=FILE... made elsewhere) and trains the MLP heads; `eagle` trains the EAGLE-3 head (a
+# greedy one, and SYNTH prompts the model writes itself, answered greedily; or ANSWERS=FILE... made elsewhere)
+# and trains the MLP heads; `eagle` trains the EAGLE-3 head (a
 # directory) on the same answers, so run it on the same machine after `heads`. The answers come back gzipped in
 # $OUT, to train other variants later without generating again. Each stage is bounded by `timeout` and logs to $OUT.
 # Answers, features and 8 epochs of the heads take ~9 minutes on an H200: if `heads` stops at its timeout, run it
@@ -17,7 +18,7 @@ SAMPLES=${SAMPLES:-3}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(heads eagle)
 # 64 running requests: the largest batch the CUDA graphs are captured for
-common=(--device cuda --dtype bfloat16 --samples "$SAMPLES" --max-running 64)
+common=(--device cuda --dtype bfloat16 --samples "$SAMPLES" --synth-prompts "${SYNTH:-0}" --max-running 64)
 for part in "${parts[@]}"; do
   echo "=== $part $(date -u +%FT%TZ) tree ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee "$OUT/train_$part.log"
   case $part in
@@ -29,6 +30,15 @@ for part in "${parts[@]}"; do
         --epochs "${HEADS_EPOCHS:-8}" --batch-size "${HEADS_BATCH:-1024}" --draft-vocab 8192 --labels "${LABELS:-soft}" \
         --out "$OUT/heads-smollm2-135m.safetensors" --work "$HOME/heads.work" 2>&1 | tee -a "$OUT/train_heads.log"
       gzip -c "$HOME/heads.work/answers.jsonl" > "$OUT/answers.jsonl.gz" ;;
+    estimate)  # the trained heads against the shipped ones: greedy runs of the chain over the eval split and the
+      # session prompts (benchmarks/tree_estimate.py, widths 1,1,1,1 = the chain at k = 4)
+      for prompts in eval benchmarks/session_prompts.txt; do
+        for heads in specchat/data/heads/smollm2-135m.safetensors "$OUT/heads-smollm2-135m.safetensors"; do
+          echo "--- $prompts $heads" | tee -a "$OUT/train_$part.log"
+          timeout 120 python benchmarks/tree_estimate.py --device cuda --prompts "$prompts" --heads "$heads" \
+            --widths 1,1,1,1 2,1,1,1 3,1,1,1 2>&1 | tail -12 | tee -a "$OUT/train_$part.log"
+        done
+      done ;;
     eagle)
       mkdir -p "$HOME/eagle.work"
       cp "$HOME/heads.work/answers.jsonl" "$HOME/eagle.work/" 2>/dev/null
