@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -64,12 +65,13 @@ def draft_ranks(engine: Engine, heads: DraftHeads, prompt: list[int], answer: li
     seq = prompt + answer
     hidden = tapped_forward(engine, [seq], [1], tap).hidden[0][tap].float()
     first, last = len(prompt) - 1, len(seq) - 1
-    padded = torch.tensor(seq + [-1] * (K + 1))
-    windows = padded[torch.arange(first + 1, last + 1)[:, None] + torch.arange(K + 1)]  # x_{t+1} .. x_{t+1+K}
+    on = partial(torch.arange, device=hidden.device)  # every index on the model's device (--device cuda)
+    padded = torch.tensor(seq + [-1] * (K + 1), device=hidden.device)
+    windows = padded[on(first + 1, last + 1)[:, None] + on(K + 1)]  # x_{t+1} .. x_{t+1+K}
     prev = model.embed(windows[:, :-1].clamp_min(0)).transpose(0, 1).float() if heads.cfg.sequential else None
     logits = DraftVocabOutput(model, heads.draft_vocab)(heads.teacher_forced(hidden[first:last], prev))  # [K, n, Vd]
-    index = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
-    index[heads.draft_vocab] = torch.arange(len(heads.draft_vocab))
+    index = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long, device=hidden.device)
+    index[heads.draft_vocab] = on(len(heads.draft_vocab))
     truth = windows[:, 1:].T  # [K, n]
     at = index[truth.clamp_min(0)]
     score = logits.gather(-1, at.clamp_min(0)[..., None])
