@@ -2,7 +2,7 @@
 from a store of text instead of the request's own context: here the target's own greedy answers to the train
 prompts, indexed by n-gram, drafting the most frequent continuation of the longest matching tail, token by token.
 
-    PYTHONPATH=. python benchmarks/datastore_estimate.py [--max-tokens 192] [--k 4]
+    PYTHONPATH=. python benchmarks/datastore_estimate.py [--max-tokens 192] [--k 4] [--heads NAME=PATH ...] [--no-store]
 
 The target answers every prompt of the shipped set greedily (train and eval, batched); the store indexes the train
 answers. On each eval answer a greedy run at k is walked exactly: greedy verification emits the target's own
@@ -10,7 +10,8 @@ answer, so a step at answer position i emits its drafter's run of right drafts (
 starts after them. The drafters: the n-gram prompt lookup (`NgramIndex`, as `ngram` drafts), the shipped heads
 (ungated, teacher-forced ranks as benchmarks/tree_estimate.py: exact for the greedy chain), the store, orders of
 them (the first that drafts anything drafts), and an oracle that takes the best one at every step. Prints tokens
-per step over the eval split and per category.
+per step over the eval split and per category. `--heads NAME=PATH` (repeatable) compares heads files on the same
+answers, alone and after the n-grams; `--no-store` leaves the store out (and the train answers it needs).
 """
 
 from __future__ import annotations
@@ -75,18 +76,24 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--heads", action="append", default=[], help="NAME=PATH: heads to compare (default: shipped)")
+    ap.add_argument("--no-store", dest="store", action="store_false", help="leave the datastore out")
     args = ap.parse_args()
     k = args.k
+    files = dict(spec.split("=", 1) for spec in args.heads) or {"": DATA_DIR / "heads" / f"{args.model}.safetensors"}
 
     engine = Engine.load(EngineConfig(model=args.model, device="cpu", max_running=64))
-    train, evals = load_prompt_set("train"), load_prompt_set("eval")
+    train, evals = load_prompt_set("train") if args.store else [], load_prompt_set("eval")
     answers = greedy_answers(engine, [p["messages"] for p in train + evals], args.max_tokens)
     store = Datastore([answer for _, answer in answers[: len(train)]])
-    heads, _ = DraftHeads.load(DATA_DIR / "heads" / f"{args.model}.safetensors")
-    cases = []  # (category, prompt ids, answer, heads' run at each answer position)
+    cases = []  # (category, prompt ids, answer, each heads file's run at each answer position)
+    heads = {name: DraftHeads.load(path)[0] for name, path in files.items()}
     for prompt, (ids, answer) in zip(evals, answers[len(train) :], strict=True):
-        ranks = draft_ranks(engine, heads, ids, answer)
-        cases.append((prompt["category"], ids, answer, (ranks < 1).long().cumprod(-1).sum(-1).tolist()))
+        runs = {
+            name: (draft_ranks(engine, h, ids, answer) < 1).long().cumprod(-1).sum(-1).tolist()
+            for name, h in heads.items()
+        }
+        cases.append((prompt["category"], ids, answer, runs))
     print(f"store: {len(train)} train answers, {sum(map(len, store.sequences))} tokens; eval: {len(cases)} answers, "
           f"up to {args.max_tokens} tokens, k = {k}")  # fmt: skip
 
@@ -97,13 +104,12 @@ def main() -> None:
 
     Runs = dict[str, int | None]  # drafter -> its run of right drafts at this step, None where it drafts nothing
 
-    def runs_at(context: list[int], truth: list[int], heads_run: int) -> Runs:
-        drafts = {
-            "ngram": ngram(context),
-            "store": store.draft(context, k, 2, 2),
-            "store4": store.draft(context, k, 3, 4),
-        }
-        return {name: right_run(truth, d) if d else None for name, d in drafts.items()} | {"heads": heads_run}
+    def runs_at(context: list[int], truth: list[int], heads_runs: dict[str, int]) -> Runs:
+        drafts = {"ngram": ngram(context)}
+        if args.store:
+            drafts |= {"store": store.draft(context, k, 2, 2), "store4": store.draft(context, k, 3, 4)}
+        runs = {name: right_run(truth, d) if d else None for name, d in drafts.items()}
+        return runs | {f"heads{name}": run for name, run in heads_runs.items()}
 
     def first_that_drafts(*names: str) -> Callable[[Runs], int]:
         def run(r: Runs) -> int:
@@ -111,16 +117,22 @@ def main() -> None:
 
         return run
 
-    drafters: dict[str, Callable[[Runs], int]] = {
-        "ngram": first_that_drafts("ngram"),
-        "store (n >= 2, 2 occurrences)": first_that_drafts("store"),
-        "heads": first_that_drafts("heads"),
-        "ngram, else heads (ngram+heads)": first_that_drafts("ngram", "heads"),
-        "ngram, else store, else heads": first_that_drafts("ngram", "store", "heads"),
-        "ngram, else store (n >= 4, 3 occurrences), else heads": first_that_drafts("ngram", "store4", "heads"),
-        "oracle: the best of ngram and heads": lambda r: max(r["ngram"] or 0, r["heads"]),
-        "oracle: the best of ngram, heads and store": lambda r: max(r["ngram"] or 0, r["heads"], r["store"] or 0),
-    }
+    drafters: dict[str, Callable[[Runs], int]] = {"ngram": first_that_drafts("ngram")}
+    for name in files:
+        h = f"heads{name}"
+        drafters |= {
+            h: first_that_drafts(h),
+            f"ngram, else {h} (ngram+heads)": first_that_drafts("ngram", h),
+            f"oracle: the best of ngram and {h}": lambda r, h=h: max(r["ngram"] or 0, r[h]),
+        }
+        if args.store:
+            drafters |= {
+                f"ngram, else store, else {h}": first_that_drafts("ngram", "store", h),
+                f"ngram, else store (n >= 4, 3 occurrences), else {h}": first_that_drafts("ngram", "store4", h),
+                f"oracle: the best of ngram, {h} and store": lambda r, h=h: max(r["ngram"] or 0, r[h], r["store"] or 0),
+            }
+    if args.store:
+        drafters["store (n >= 2, 2 occurrences)"] = first_that_drafts("store")
     print("\n| drafter | tokens per step | " + " | ".join(sorted({c for c, *_ in cases})) + " |")
     print("| --- | ---: |" + " ---: |" * len({c for c, *_ in cases}))
     seen: dict[tuple[int, int], Runs] = {}  # (case, position) -> every drafter's run there, drafted once
@@ -130,7 +142,8 @@ def main() -> None:
             i = 1  # the prompt's forward emits answer[0]; drafting starts at the first decode step
             while i < len(answer):
                 if (n, i) not in seen:
-                    seen[n, i] = runs_at(ids + answer[:i], answer[i:], heads_runs[i - 1])
+                    at = {name: runs[i - 1] for name, runs in heads_runs.items()}
+                    seen[n, i] = runs_at(ids + answer[:i], answer[i:], at)
                 i += min(choose(seen[n, i]), k) + 1
                 steps[category] += 1
             emitted[category] += len(answer) - 1

@@ -452,10 +452,7 @@ def synthesize_prompts(engine, count: int, seed: int, path: Path, progress: Prog
                 if event.reason != "stop" or len(text) < SYNTH_MIN_CHARS or text in seen:
                     continue
                 seen.add(text)
-                system = SYNTH_SYSTEMS[handles[event.request_id]]
-                messages = ([{"role": "system", "content": system}] if system else []) + [
-                    {"role": "user", "content": text}
-                ]
+                messages = user_message(SYNTH_SYSTEMS[handles[event.request_id]], text)
                 records.append({"id": f"{SYNTH_PREFIX}{len(records):05d}", "split": "train", "messages": messages})
                 progress("prompts", len(records), count)
         if len(records) >= count:
@@ -467,11 +464,15 @@ def synthesize_prompts(engine, count: int, seed: int, path: Path, progress: Prog
 
 def user_turn_opening(tokenizer, system: str | None) -> list[int]:
     """The chat template's tokens up to where a user message begins (after `system`, if given)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": USER_MARK}]
-    text = tokenizer.render_chat(messages, add_generation_prompt=False)
+    text = tokenizer.render_chat(user_message(system, USER_MARK), add_generation_prompt=False)
     if USER_MARK not in text:
         raise ConfigError("this model's chat template does not show its user message as given: no --synth-prompts")
     return tokenizer.encode(text[: text.index(USER_MARK)], add_special_tokens=False)
+
+
+def user_message(system: str | None, text: str) -> list[dict]:
+    """A chat of one user message, under `system` where given."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
 def answers_so_far(partial: Path, keys: set[str]) -> list[dict]:
