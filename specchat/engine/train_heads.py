@@ -466,7 +466,9 @@ def user_turn_opening(tokenizer, system: str | None) -> list[int]:
     """The chat template's tokens up to where a user message begins (after `system`, if given)."""
     text = tokenizer.render_chat(user_message(system, USER_MARK), add_generation_prompt=False)
     if USER_MARK not in text:
-        raise ConfigError("this model's chat template does not show its user message as given: no --synth-prompts")
+        raise ConfigError(
+            "--synth-prompts needs a chat template that writes the user's message as given; this model's does not"
+        )
     return tokenizer.encode(text[: text.index(USER_MARK)], add_special_tokens=False)
 
 

@@ -195,6 +195,12 @@ def test_the_model_writes_prompts_of_its_own_answered_greedily(tiny_model_dir, t
     assert {r["job"] for r in again} == jobs
 
 
+def test_a_template_that_rewrites_the_user_message_refuses_synth_prompts(tiny_engine, monkeypatch):
+    monkeypatch.setattr(tiny_engine.tokenizer, "render_chat", lambda messages, **kw: "<|im_start|>user\nHELLO")
+    with pytest.raises(ConfigError, match="--synth-prompts needs a chat template"):
+        user_turn_opening(tiny_engine.tokenizer, None)
+
+
 def test_a_work_file_write_stopped_midway_keeps_the_last_whole_one(tmp_path):
     path = tmp_path / "checkpoint.pt"
     torch.save({"step": 200}, path)
