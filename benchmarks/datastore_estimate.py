@@ -78,16 +78,17 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--heads", action="append", default=[], help="NAME=PATH: heads to compare (default: shipped)")
     ap.add_argument("--no-store", dest="store", action="store_false", help="leave the datastore out")
+    ap.add_argument("--device", default="cpu", help="where the target answers and the heads rank (cuda: faster)")
     args = ap.parse_args()
     k = args.k
     files = dict(spec.split("=", 1) for spec in args.heads) or {"": DATA_DIR / "heads" / f"{args.model}.safetensors"}
 
-    engine = Engine.load(EngineConfig(model=args.model, device="cpu", max_running=64))
+    engine = Engine.load(EngineConfig(model=args.model, device=args.device, max_running=64))
     train, evals = load_prompt_set("train") if args.store else [], load_prompt_set("eval")
     answers = greedy_answers(engine, [p["messages"] for p in train + evals], args.max_tokens)
     store = Datastore([answer for _, answer in answers[: len(train)]])
     cases = []  # (category, prompt ids, answer, each heads file's run at each answer position)
-    heads = {name: DraftHeads.load(path)[0] for name, path in files.items()}
+    heads = {name: DraftHeads.load(path)[0].to(engine.device) for name, path in files.items()}
     for prompt, (ids, answer) in zip(evals, answers[len(train) :], strict=True):
         runs = {
             name: (draft_ranks(engine, h, ids, answer) < 1).long().cumprod(-1).sum(-1).tolist()

@@ -30,15 +30,11 @@ for part in "${parts[@]}"; do
         --epochs "${HEADS_EPOCHS:-8}" --batch-size "${HEADS_BATCH:-1024}" --draft-vocab 8192 --labels "${LABELS:-soft}" \
         --out "$OUT/heads-smollm2-135m.safetensors" --work "$HOME/heads.work" 2>&1 | tee -a "$OUT/train_heads.log"
       gzip -c "$HOME/heads.work/answers.jsonl" > "$OUT/answers.jsonl.gz" ;;
-    estimate)  # the trained heads against the shipped ones: greedy runs of the chain over the eval split and the
-      # session prompts (benchmarks/tree_estimate.py, widths 1,1,1,1 = the chain at k = 4)
-      for prompts in eval benchmarks/session_prompts.txt; do
-        for heads in specchat/data/heads/smollm2-135m.safetensors "$OUT/heads-smollm2-135m.safetensors"; do
-          echo "--- $prompts $heads" | tee -a "$OUT/train_$part.log"
-          timeout 120 python benchmarks/tree_estimate.py --device cuda --prompts "$prompts" --heads "$heads" \
-            --widths 1,1,1,1 2,1,1,1 3,1,1,1 2>&1 | tail -12 | tee -a "$OUT/train_$part.log"
-        done
-      done ;;
+    estimate)  # the trained heads against the shipped ones on the same greedy answers of the eval split: exact
+      # greedy runs at k = 4, the heads alone and after the n-grams (benchmarks/datastore_estimate.py)
+      PYTHONPATH=$PYTHONPATH:benchmarks timeout 300 python benchmarks/datastore_estimate.py --device cuda --no-store \
+        --heads shipped=specchat/data/heads/smollm2-135m.safetensors --heads new="$OUT/heads-smollm2-135m.safetensors" \
+        2>&1 | tail -12 | tee -a "$OUT/train_$part.log" ;;
     eagle)
       mkdir -p "$HOME/eagle.work"
       cp "$HOME/heads.work/answers.jsonl" "$HOME/eagle.work/" 2>/dev/null

@@ -135,8 +135,7 @@ def train_heads(
         raise click.UsageError("--tap is for --arch heads (an EAGLE-3 head reads three layers of its own choice)")
     vocab = draft_vocab if draft_vocab is not None else (8192 if arch == "eagle" else 16384)
     data = {"draft_vocab": vocab, "max_tokens": max_tokens, "samples_per_prompt": samples, "seed": seed}
-    data["synth_prompts"] = synth_prompts
-    data["max_prompts"] = max_prompts or 0  # 0: every prompt of the train split
+    data |= {"synth_prompts": synth_prompts, "max_prompts": max_prompts or 0}  # 0: every prompt of the train split
     if arch == "eagle":
         cfg = EagleTrainConfig(
             **data, ttt_steps=ttt_steps, epochs=epochs or 6, batch_tokens=batch_tokens, lr=lr or 1e-3

@@ -375,7 +375,7 @@ def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[
 
     Each answer is appended to ANSWERS.partial.jsonl as it finishes, so a run stopped here (Ctrl-C, a kill: the
     answers of the whole prompt set take hours on a CPU) answers only the rest when it is run again."""
-    records = read_or_remake(path, lambda p: [json.loads(line) for line in p.read_text().splitlines()], log)
+    records = read_or_remake(path, read_jsonl, log)
     if records is not None:
         return records
     prompts = load_prompt_set("train")[: cfg.max_prompts or None]
@@ -429,7 +429,7 @@ def synthesize_prompts(engine, count: int, seed: int, path: Path, progress: Prog
     nothing more, writes a user's message. Each is sampled (temperature 1, top-p 0.95) under one of
     SYNTH_SYSTEMS in turn; a message cut by the length cap, too short or seen before is dropped, and more are
     asked for, at most four rounds."""
-    records = read_or_remake(path, lambda p: [json.loads(line) for line in p.read_text().splitlines()], log)
+    records = read_or_remake(path, read_jsonl, log)
     if records is not None:
         return records
     openings = [user_turn_opening(engine.tokenizer, system) for system in SYNTH_SYSTEMS]
@@ -446,15 +446,17 @@ def synthesize_prompts(engine, count: int, seed: int, path: Path, progress: Prog
             asked += 1
         while engine.scheduler.has_work():
             for event in engine.step():
-                if not isinstance(event, Finished) or len(records) >= count:
-                    continue
-                text = event.text.strip()
-                if event.reason != "stop" or len(text) < SYNTH_MIN_CHARS or text in seen:
+                ended = isinstance(event, Finished) and event.reason == "stop"  # not cut, cancelled or failed
+                text = event.text.strip() if ended else ""
+                if len(text) < SYNTH_MIN_CHARS or text in seen:
                     continue
                 seen.add(text)
                 messages = user_message(SYNTH_SYSTEMS[handles[event.request_id]], text)
                 records.append({"id": f"{SYNTH_PREFIX}{len(records):05d}", "split": "train", "messages": messages})
                 progress("prompts", len(records), count)
+                if len(records) == count:  # enough: the messages still being written stop now
+                    for request_id in handles:
+                        engine.cancel(request_id)
         if len(records) >= count:
             break
     log(f"{len(records)} prompts written by the model ({asked} asked for)")
@@ -493,6 +495,11 @@ def answers_so_far(partial: Path, keys: set[str]) -> list[dict]:
     records = list({r["job"]: r for r in records}.values())
     write_jsonl(partial, records)
     return records
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines work file."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
