@@ -83,7 +83,8 @@ def main() -> None:
     k = args.k
     files = dict(spec.split("=", 1) for spec in args.heads) or {"": DATA_DIR / "heads" / f"{args.model}.safetensors"}
 
-    engine = Engine.load(EngineConfig(model=args.model, device=args.device, max_running=64))
+    # fp32 on every device: the CPU figures' dtype, and the heads' own (they rank in fp32 beside the target's taps)
+    engine = Engine.load(EngineConfig(model=args.model, device=args.device, dtype="float32", max_running=64))
     train, evals = load_prompt_set("train") if args.store else [], load_prompt_set("eval")
     answers = greedy_answers(engine, [p["messages"] for p in train + evals], args.max_tokens)
     store = Datastore([answer for _, answer in answers[: len(train)]])
