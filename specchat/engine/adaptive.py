@@ -362,6 +362,7 @@ CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower
 GAIN_MARGIN = 0.1  # a cap is preferred to plain decoding only where timed this much faster (per 8 requests)
 MARGIN_BATCH = 8  # batch buckets larger than this ask drafting for a margin larger in proportion (`gain_margin`)
 MAX_GAIN_MARGIN = 0.5  # ... at most this (drafting twice as fast as plain decoding)
+STALL_STEPS = 8  # a gate's steps of one cap timed in a row above SPIKE x its price before they count (`observe`)
 SWITCH_MARGIN = 0.05  # from one drafting cap to another only where that is timed at least this much faster
 ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
@@ -431,6 +432,7 @@ class DraftGate:
     toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
     prior: dict[int, float] = field(default_factory=dict)  # cap -> time relative to the best, from a neighbour
     steps: int = 0  # steps observed
+    slow: dict[int, int] = field(default_factory=dict)  # cap -> its last steps in a row timed above SPIKE x its price
     allowed: dict[int, int] = field(default_factory=dict)  # cap -> steps it was allowed (what benchmarks report)
     # position i (from 1) -> decayed counts of the drafts there and of those accepted (drafts 1..i all kept)
     drafted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
@@ -604,10 +606,23 @@ class DraftGate:
         # against plain steps (always one token) and held the gate at smaller caps than k = 4 (H200, one
         # session: --k auto 1.38x plain where k = 4 ran 1.62x; docs/benchmarks.md, twenty-fifth session).
         ms = step_ms * requests
-        if cap not in self.sums and cap not in self.ms_per_token:
+        # A stall of the machine (an H100 at one session: bursts of a dozen steps at 2-13x their time) is not
+        # the cost of a cap. Taken at SPIKE x, each of its steps raised the price of the cap it fell on by 15%,
+        # compounding; the gate's choice then moved from cap to cap as each one's price rose, so the burst fell
+        # on every cap, and drafting caps, timed again only in trials, kept their stalled prices for hundreds of
+        # steps (benchmarks/gate_trace.py; on the H200 the heads at --k auto ran 1.15x plain where k = 4 ran 1.43x,
+        # fortieth session). So a step that took over SPIKE x its cap's running time is left out, unless
+        # STALL_STEPS of them come in a row: then the cost changed, and they count (at most SPIKE x each).
+        # the cap's running (ms, tokens); a time set directly (from a neighbour's) is one step of this one's tokens
+        old = self.sums.get(cap) or ((self.ms_per_token[cap] * tokens, tokens) if cap in self.ms_per_token else None)
+        run = self.slow.get(cap, 0) + 1 if old is not None and ms > SPIKE * old[0] else 0
+        self.slow[cap] = run
+        if 0 < run < STALL_STEPS:
+            return
+        if old is None:
             self.sums[cap] = (ms, tokens)
-        else:  # (a time set directly, from a neighbour's: as one step of this one's tokens)
-            old_ms, old_tokens = self.sums.get(cap) or (self.ms_per_token[cap] * tokens, tokens)
+        else:
+            old_ms, old_tokens = old
             self.sums[cap] = (
                 old_ms + self.ema * (min(ms, SPIKE * old_ms) - old_ms),
                 old_tokens + self.ema * (tokens - old_tokens),
