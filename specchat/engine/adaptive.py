@@ -432,7 +432,8 @@ class DraftGate:
     toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
     prior: dict[int, float] = field(default_factory=dict)  # cap -> time relative to the best, from a neighbour
     steps: int = 0  # steps observed
-    slow: dict[int, int] = field(default_factory=dict)  # cap -> its last steps in a row timed above SPIKE x its price
+    # cap -> (EMA of its counted steps' time, how many of its last steps in a row took over SPIKE x that)
+    stalls: dict[int, tuple[float, int]] = field(default_factory=dict)
     allowed: dict[int, int] = field(default_factory=dict)  # cap -> steps it was allowed (what benchmarks report)
     # position i (from 1) -> decayed counts of the drafts there and of those accepted (drafts 1..i all kept)
     drafted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
@@ -600,31 +601,35 @@ class DraftGate:
         step_ms, host work included, for `tokens` in all (`expected_tokens`)."""
         if tokens <= 0:
             return
-        # A ratio of averages, not an average of each step's ratio: a drafting step emits 1..k + 1 tokens per
-        # request, and the mean of time / tokens over such steps exceeds their mean time over their mean tokens
-        # (at one session with ~1.9 tokens a step by ~20%), which priced drafting caps above what they cost
-        # against plain steps (always one token) and held the gate at smaller caps than k = 4 (H200, one
-        # session: --k auto 1.38x plain where k = 4 ran 1.62x; docs/benchmarks.md, twenty-fifth session).
-        ms = step_ms * requests
         # A stall of the machine (an H100 at one session: bursts of a dozen steps at 2-13x their time) is not
         # the cost of a cap. Taken at SPIKE x, each of its steps raised the price of the cap it fell on by 15%,
         # compounding; the gate's choice then moved from cap to cap as each one's price rose, so the burst fell
         # on every cap, and drafting caps, timed again only in trials, kept their stalled prices for hundreds of
         # steps (benchmarks/gate_trace.py; on the H200 the heads at --k auto ran 1.15x plain where k = 4 ran 1.43x,
-        # fortieth session). So a step that took over SPIKE x its cap's running time is left out, unless
-        # STALL_STEPS of them come in a row: then the cost changed, and they count (at most SPIKE x each).
-        # the cap's running (ms, tokens); a time set directly (from a neighbour's) is one step of this one's tokens
-        old = self.sums.get(cap) or ((self.ms_per_token[cap] * tokens, tokens) if cap in self.ms_per_token else None)
-        run = self.slow.get(cap, 0) + 1 if old is not None and ms > SPIKE * old[0] else 0
-        self.slow[cap] = run
-        if 0 < run < STALL_STEPS:
+        # fortieth session). So a step that took over SPIKE x its cap's running step time is left out, unless
+        # STALL_STEPS of them come in a row: then the cost changed, and they count (at most SPIKE x each). (The
+        # step's own time: its time x requests varies with the requests of the bucket's steps, 17 to 32, say.)
+        typical, slow = self.stalls.get(cap, (step_ms, 0))
+        slow = slow + 1 if step_ms > SPIKE * typical else 0
+        if 0 < slow < STALL_STEPS:
+            self.stalls[cap] = (typical, slow)
             return
+        step_ms = min(step_ms, SPIKE * typical)
+        self.stalls[cap] = (typical + self.ema * (step_ms - typical), 0)
+        ms = step_ms * requests
+        # A ratio of averages, not an average of each step's ratio: a drafting step emits 1..k + 1 tokens per
+        # request, and the mean of time / tokens over such steps exceeds their mean time over their mean tokens
+        # (at one session with ~1.9 tokens a step by ~20%), which priced drafting caps above what they cost
+        # against plain steps (always one token) and held the gate at smaller caps than k = 4 (H200, one
+        # session: --k auto 1.38x plain where k = 4 ran 1.62x; docs/benchmarks.md, twenty-fifth session).
+        # The cap's running (ms, tokens); a time set directly (from a neighbour's) is one step of this one's tokens.
+        old = self.sums.get(cap) or ((self.ms_per_token[cap] * tokens, tokens) if cap in self.ms_per_token else None)
         if old is None:
             self.sums[cap] = (ms, tokens)
         else:
             old_ms, old_tokens = old
             self.sums[cap] = (
-                old_ms + self.ema * (min(ms, SPIKE * old_ms) - old_ms),
+                old_ms + self.ema * (ms - old_ms),
                 old_tokens + self.ema * (tokens - old_tokens),
             )
         self.ms_per_token[cap] = self.sums[cap][0] / self.sums[cap][1]

@@ -522,8 +522,9 @@ def test_draft_gate_leaves_out_the_stalls_of_the_machine():
     """Bursts of stalled steps are not the cost of the cap they fall on. Counted (at SPIKE x, as before the
     fortieth session), each raised its cap's price, the gate moved to another cap and stalled it too, and the
     drafting caps kept stalled prices until their next trial: the gate ran caps 0-2 45% of the time, 1.45x plain
-    decoding (stalls included). Left out, it drafts at 4 or 8 through them (1.60x; 1.76x with no stalls); a cost
-    that stays up for STALL_STEPS steps in a row still counts."""
+    decoding (stalls included). Left out, it drafts at 4 or 8 through them (1.64x; 1.76x with no stalls); a cost
+    that stays up for STALL_STEPS steps in a row still counts, and a step is judged by its own time, not by its time
+    x its requests, which grows when the bucket's batch does."""
     caps, speed = drive_one_request(priced_by_kept=True, steps=6000, stalls=True)
     late = caps[400:]
     assert late.count(4) + late.count(8) > 0.95 * len(late) and speed > 1.55
@@ -534,6 +535,10 @@ def test_draft_gate_leaves_out_the_stalls_of_the_machine():
     assert gate.ms_per_token[0] == 1.0  # a stall, left out
     gate.observe(0, 5.0, 1)
     assert gate.ms_per_token[0] == pytest.approx(1.0 + EMA_WEIGHT * (SPIKE - 1.0))  # it lasted: the cost changed
+    gate = DraftGate()
+    for requests in [17] * 20 + [32] * 10:  # one bucket's batch grows: each step of 32 takes as long as one of 17
+        gate.observe(0, 1.0, requests, requests)
+    assert gate.steps == 30 and gate.ms_per_token[0] == pytest.approx(1.0)
 
 
 def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
