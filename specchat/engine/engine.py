@@ -26,7 +26,7 @@ from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingPa
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
-from specchat.engine.drafters.base import default_drafter_name
+from specchat.engine.drafters.base import NoDrafter, default_drafter_name
 from specchat.engine.fusion import FusedTransformer, fuse_linears
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import auto_format
@@ -279,7 +279,7 @@ class Engine:
             eos_ids=self.tokenizer.stop_token_ids | set(self.model.cfg.eos_token_ids),
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
-            k=spec.k if spec.k is not None else min(_gated_k(drafter, sampling) or 4, spec.k_max),
+            k=spec.k if spec.k is not None else _first_k(spec.k_max, drafter, sampling),
             adaptive=_controller(spec.k_max, drafter, sampling) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id, listen_only)
@@ -322,7 +322,7 @@ class Engine:
                 seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
                 drafter = self.drafter(seq.spec.drafter)
                 seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling) if k is None else None
-                seq.k = k if k is not None else seq.adaptive.next_k()
+                seq.k = k if k is not None else seq.adaptive.next_k() if seq.adaptive is not None else 0
 
         self.apply(change)
 
@@ -335,8 +335,9 @@ class Engine:
             for seq in self._running_seqs(request_id):
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
-                if seq.adaptive is not None:  # what it learnt was another drafter's acceptance
+                if seq.spec.k is None:  # what it learnt was another drafter's acceptance (or none, from `none`)
                     seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling)
+                    seq.k = _first_k(seq.spec.k_max, drafter, seq.sampling)
             if request_id is None:
                 self.metrics.observe_drafter_switch()
 
@@ -503,6 +504,18 @@ def _gated_k(drafter: Drafter, sampling: SamplingParams) -> int | None:
     return drafter.gated_k if sampling.greedy else None
 
 
-def _controller(k_max: int, drafter: Drafter, sampling: SamplingParams) -> AdaptiveK:
-    """A fresh adaptive-K controller for a request of `drafter` (its draft sources; its own gate's k, if any)."""
+def _controller(k_max: int, drafter: Drafter, sampling: SamplingParams) -> AdaptiveK | None:
+    """A fresh adaptive-K controller for a request of `drafter` (its draft sources; its own gate's k, if any); none
+    for `none`, which drafts nothing at any k: with one, its batches were draft-gated, and a step the gate allows
+    to draft cannot run ahead on CUDA graphs, drafts or not (the bench's plain baseline under --k auto ran 3-6% of
+    its steps under caps 1-4, timed at 1.14-1.34 ms a token against 0.75 for its plain steps; H100, fortieth
+    session)."""
+    if isinstance(drafter, NoDrafter):
+        return None
     return AdaptiveK.for_sources(k_max, drafter.sources, _gated_k(drafter, sampling))
+
+
+def _first_k(k_max: int, drafter: Drafter, sampling: SamplingParams) -> int:
+    """An adaptive request's k before its controller has learnt anything: 4 (or its drafter's own gate's k) up to
+    k_max; 0 for `none`."""
+    return 0 if isinstance(drafter, NoDrafter) else min(_gated_k(drafter, sampling) or 4, k_max)

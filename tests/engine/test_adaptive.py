@@ -831,6 +831,32 @@ def test_a_request_decoding_alone_is_gated_only_where_the_runner_pads_widths(tin
     scheduler.gates.clear()
 
 
+def test_plain_decoding_under_k_auto_has_no_controller_and_no_gate(tiny_engine):
+    """`none` drafts nothing at any k: under --k auto it decodes at k = 0 with no controller, so no DraftGate holds
+    trials of caps for it (steps allowed to draft cannot run ahead on CUDA graphs). Switched to a drafter it
+    gets a controller and starts at k = 4; set back to auto under `none`, k = 0 again."""
+    scheduler = tiny_engine.scheduler
+    scheduler.uniform_widths = True
+    scheduler.gates.clear()
+    try:
+        sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+        handle = tiny_engine.submit("hello", sampling, SpecParams("none", k=None))
+        assert handle.result().text and not scheduler.gates
+        handle = tiny_engine.submit("hello", SamplingParams(max_tokens=64, ignore_eos=True), SpecParams("none"))
+        seq = next(s for s in scheduler.live() if s.seq_id == handle.request_id)
+        assert seq.adaptive is None and seq.k == 0
+        tiny_engine.set_drafter("ngram", handle.request_id)  # (no engine thread here: applied at once)
+        assert seq.adaptive is not None and seq.k == 4
+        tiny_engine.set_drafter("none", handle.request_id)
+        assert seq.adaptive is None and seq.k == 0
+        tiny_engine.set_k(None, handle.request_id)
+        assert seq.adaptive is None and seq.k == 0
+        assert handle.result().text
+    finally:
+        scheduler.uniform_widths = False
+        scheduler.gates.clear()
+
+
 def test_a_seeded_sampled_request_keeps_its_batch_out_of_the_draft_gate(tiny_engine):
     """The gate's caps come from timings and would choose a seeded request's k, and so its random draws."""
     tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
