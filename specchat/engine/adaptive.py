@@ -47,8 +47,29 @@ COST_PER_DRAFT = 0.1  # relative step cost of one more draft token where nothing
 MIN_COST_PER_DRAFT = 0.02  # a draft token is never free: the floor under noisy measurements (a busy machine)
 PROBE_EVERY = 8  # idle steps between probes with k = 1
 REMEASURE_PLAIN_EVERY = 64  # drafting steps between plain steps that refresh the reference time
-SPIKE = 1.5  # a step time above SPIKE x its running estimate counts as SPIKE x: the rest is the machine, not k
+SPIKE = 1.5  # a step time above SPIKE x its running estimate is a stall of the machine, not the cost of k
+STALL_STEPS = 16  # ... unless this many come in a row: then the cost changed, and each counts at SPIKE x (fold_time)
 MEMORY_WEIGHT = 0.5  # weight of a finished request in what its drafter's next request starts from (RateMemory)
+
+
+def fold_time(old: float | None, ms: float, slow: int, ema: float) -> tuple[float, int, float | None]:
+    """One step's time folded into a running time (an EMA of weight `ema`), stalls of the machine left out: a
+    time above SPIKE x the running one is left out unless STALL_STEPS come in a row (then the cost changed, and
+    they count, each at most SPIKE x). `slow`: such times in a row before this one. Returns the running time, the
+    count after this step and the time counted (None where left out).
+
+    Taken at SPIKE x instead, each step of a burst of stalls (an H100 at one session: a dozen steps at 2-13x)
+    raised the time of the k it fell on by a share, compounding; the choice then moved to another k, the burst
+    fell on that one too, and the times of the k not chosen again stayed stalled (the draft gate priced drafting
+    caps 40% above plain decoding for hundreds of steps where they ran 25-40% below it: on the H200 the heads at
+    --k auto ran 1.15x plain where k = 4 ran 1.43x; fortieth session, benchmarks/gate_trace.py)."""
+    if old is None:
+        return ms, 0, ms
+    slow = slow + 1 if ms > SPIKE * old else 0
+    if 0 < slow < STALL_STEPS:
+        return old, slow, None
+    ms = min(ms, SPIKE * old)
+    return old + ema * (ms - old), slow, ms
 
 
 @dataclass(slots=True)
@@ -65,6 +86,7 @@ class AdaptiveK:
     source_idle: dict[str, int] = field(default_factory=dict)  # steps in a row each source was not to draft
     source_probes: set[str] = field(default_factory=set)  # sources whose next draft is a probe of one token
     step_ms: list[float | None] = field(default_factory=list)  # EMA of the step time at k = 0 .. k_max
+    slow: list[int] = field(default_factory=list)  # stalled steps in a row at each k (fold_time)
     idle_steps: int = 0  # steps in a row that chose not to draft
     since_plain: int = 0  # timed drafting steps since the last timed plain step
     probing: bool = False  # the step being observed is a probe
@@ -82,6 +104,7 @@ class AdaptiveK:
             raise ConfigError("adaptive K: need k_max >= 0, 0 < ema <= 1, cost_per_draft >= 0, probe_every >= 1")
         self.rates = self.rates or [self.prior] * self.k_max
         self.step_ms = self.step_ms or [None] * (self.k_max + 1)
+        self.slow = self.slow or [0] * (self.k_max + 1)
 
     @classmethod
     def for_sources(cls, k_max: int, sources: tuple[str, ...] = (), gated_k: int | None = None) -> AdaptiveK:
@@ -201,10 +224,9 @@ class AdaptiveK:
         if self.fixed is not None:
             return self.fixed
         if step_ms is not None and k <= self.k_max:
-            old = self.step_ms[k]
-            # Another process on the cores stalls a step now and then; such spikes would make one k look cheap
-            # against a stalled reference, so a time is taken at most SPIKE x the estimate (slower drifts still show).
-            self.step_ms[k] = step_ms if old is None else old + self.ema * (min(step_ms, SPIKE * old) - old)
+            # Another process on the cores stalls a step now and then: left out (fold_time), since a stalled
+            # reference would make one k look cheap against it, and a stalled k would look dear.
+            self.step_ms[k], self.slow[k], _ = fold_time(self.step_ms[k], step_ms, self.slow[k], self.ema)
             self.since_plain = 0 if k == 0 else self.since_plain + 1
             if k > 0 and (self.step_ms[0] is None or self.since_plain >= REMEASURE_PLAIN_EVERY):
                 return 0  # one plain step to (re)measure the reference time
@@ -315,15 +337,18 @@ class StepCosts:
     ema: float = EMA_WEIGHT
     verify_ms: dict[int, float] = field(default_factory=dict)  # rows -> EMA of the forward + verify time
     draft_ms_per_position: float | None = None  # EMA of a step's drafting time over its deepest draft
+    slow: dict[int, int] = field(default_factory=dict)  # stalled steps in a row per row count (fold_time)
+    draft_slow: int = 0  # ... of the drafting time
 
     def observe(self, rows: int, verify_ms: float, depth: int, draft_ms: float) -> None:
         """A decode step (no prompt chunk in it) verified `rows` rows in verify_ms and drafted `depth` deep."""
-        old = self.verify_ms.get(rows)
-        self.verify_ms[rows] = verify_ms if old is None else old + self.ema * (min(verify_ms, SPIKE * old) - old)
+        self.verify_ms[rows], self.slow[rows], _ = fold_time(
+            self.verify_ms.get(rows), verify_ms, self.slow.get(rows, 0), self.ema
+        )
         if depth > 0:
-            per = draft_ms / depth
-            old = self.draft_ms_per_position
-            self.draft_ms_per_position = per if old is None else old + self.ema * (min(per, SPIKE * old) - old)
+            self.draft_ms_per_position, self.draft_slow, _ = fold_time(
+                self.draft_ms_per_position, draft_ms / depth, self.draft_slow, self.ema
+            )
 
     def forward_ms(self, rows: int) -> float | None:
         """Interpolated between measured row counts; past the largest, proportional to the rows (compute-bound);
@@ -362,7 +387,6 @@ CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower
 GAIN_MARGIN = 0.1  # a cap is preferred to plain decoding only where timed this much faster (per 8 requests)
 MARGIN_BATCH = 8  # batch buckets larger than this ask drafting for a margin larger in proportion (`gain_margin`)
 MAX_GAIN_MARGIN = 0.5  # ... at most this (drafting twice as fast as plain decoding)
-STALL_STEPS = 8  # a gate's steps of one cap timed in a row above SPIKE x its price before they count (`observe`)
 SWITCH_MARGIN = 0.05  # from one drafting cap to another only where that is timed at least this much faster
 ACCEPT_DECAY = 0.02  # what a gate's draft counts lose a drafting step: about the last 50 steps' drafts count
 
@@ -432,8 +456,8 @@ class DraftGate:
     toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
     prior: dict[int, float] = field(default_factory=dict)  # cap -> time relative to the best, from a neighbour
     steps: int = 0  # steps observed
-    # cap -> (EMA of its counted steps' time, how many of its last steps in a row took over SPIKE x that)
-    stalls: dict[int, tuple[float, int]] = field(default_factory=dict)
+    step_ms: dict[int, float] = field(default_factory=dict)  # cap -> EMA of its steps' own time (fold_time)
+    slow: dict[int, int] = field(default_factory=dict)  # cap -> its stalled steps in a row (fold_time)
     allowed: dict[int, int] = field(default_factory=dict)  # cap -> steps it was allowed (what benchmarks report)
     # position i (from 1) -> decayed counts of the drafts there and of those accepted (drafts 1..i all kept)
     drafted: list[float] = field(default_factory=lambda: [0.0] * GATE_CAPS[-1])
@@ -601,22 +625,14 @@ class DraftGate:
         step_ms, host work included, for `tokens` in all (`expected_tokens`)."""
         if tokens <= 0:
             return
-        # A stall of the machine (an H100 at one session: bursts of a dozen steps at 2-13x their time) is not
-        # the cost of a cap. Taken at SPIKE x, each of its steps raised the price of the cap it fell on by 15%,
-        # compounding; the gate's choice then moved from cap to cap as each one's price rose, so the burst fell
-        # on every cap, and drafting caps, timed again only in trials, kept their stalled prices for hundreds of
-        # steps (benchmarks/gate_trace.py; on the H200 the heads at --k auto ran 1.15x plain where k = 4 ran 1.43x,
-        # fortieth session). So a step that took over SPIKE x its cap's running step time is left out, unless
-        # STALL_STEPS of them come in a row: then the cost changed, and they count (at most SPIKE x each). (The
-        # step's own time: its time x requests varies with the requests of the bucket's steps, 17 to 32, say.)
-        typical, slow = self.stalls.get(cap, (step_ms, 0))
-        slow = slow + 1 if step_ms > SPIKE * typical else 0
-        if 0 < slow < STALL_STEPS:
-            self.stalls[cap] = (typical, slow)
+        # Stalls of the machine are left out (fold_time), judged by the step's own time against its cap's: its
+        # time x requests varies with the requests of the bucket's steps (17 to 32, say).
+        self.step_ms[cap], self.slow[cap], counted = fold_time(
+            self.step_ms.get(cap), step_ms, self.slow.get(cap, 0), self.ema
+        )
+        if counted is None:
             return
-        step_ms = min(step_ms, SPIKE * typical)
-        self.stalls[cap] = (typical + self.ema * (step_ms - typical), 0)
-        ms = step_ms * requests
+        ms = counted * requests
         # A ratio of averages, not an average of each step's ratio: a drafting step emits 1..k + 1 tokens per
         # request, and the mean of time / tokens over such steps exceeds their mean time over their mean tokens
         # (at one session with ~1.9 tokens a step by ~20%), which priced drafting caps above what they cost

@@ -28,6 +28,7 @@ from specchat.engine.adaptive import (
     DraftGate,
     RateMemory,
     StepCosts,
+    fold_time,
     gain_margin,
 )
 from specchat.engine.drafters import Draft, Drafter
@@ -522,7 +523,7 @@ def test_draft_gate_leaves_out_the_stalls_of_the_machine():
     """Bursts of stalled steps are not the cost of the cap they fall on. Counted (at SPIKE x, as before the
     fortieth session), each raised its cap's price, the gate moved to another cap and stalled it too, and the
     drafting caps kept stalled prices until their next trial: the gate ran caps 0-2 45% of the time, 1.45x plain
-    decoding (stalls included). Left out, it drafts at 4 or 8 through them (1.64x; 1.76x with no stalls); a cost
+    decoding (stalls included). Left out, it drafts at 4 or 8 through them (1.63x; 1.76x with no stalls); a cost
     that stays up for STALL_STEPS steps in a row still counts, and a step is judged by its own time, not by its time
     x its requests, which grows when the bucket's batch does."""
     caps, speed = drive_one_request(priced_by_kept=True, steps=6000, stalls=True)
@@ -539,6 +540,29 @@ def test_draft_gate_leaves_out_the_stalls_of_the_machine():
     for requests in [17] * 20 + [32] * 10:  # one bucket's batch grows: each step of 32 takes as long as one of 17
         gate.observe(0, 1.0, requests, requests)
     assert gate.steps == 30 and gate.ms_per_token[0] == pytest.approx(1.0)
+
+
+def test_every_running_step_time_leaves_out_stalls_of_the_machine():
+    """fold_time: a time above SPIKE x the running one is left out until STALL_STEPS come in a row (then each
+    counts at SPIKE x, the run going on); a normal one ends the run. A request's controller and the engine's step
+    costs keep their times so, as the draft gate does."""
+    t, slow = 1.0, 0
+    for _ in range(STALL_STEPS - 1):
+        t, slow, counted = fold_time(t, 5.0, slow, 0.5)
+        assert t == 1.0 and counted is None
+    for expect in (1.25, 1.5625):
+        t, slow, counted = fold_time(t, 5.0, slow, 0.5)
+        assert t == pytest.approx(expect) and counted is not None
+    t, slow, counted = fold_time(t, 1.5, slow, 0.5)
+    assert slow == 0 and counted == 1.5
+    ctl = AdaptiveK(4)
+    ctl.update(0, 0, 1.0)
+    ctl.update(0, 0, 9.0)
+    assert ctl.step_ms[0] == 1.0
+    costs = StepCosts()
+    costs.observe(5, 2.0, 4, 1.0)
+    costs.observe(5, 20.0, 4, 10.0)
+    assert costs.verify_ms[5] == 2.0 and costs.draft_ms_per_position == 0.25
 
 
 def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
