@@ -61,7 +61,7 @@ def fold_time(old: float | None, ms: float, slow: int, ema: float) -> tuple[floa
     Taken at SPIKE x instead, each step of a burst of stalls (an H100 at one session: a dozen steps at 2-13x)
     raised the time of the k it fell on by a share, compounding; the choice then moved to another k, the burst
     fell on that one too, and the times of the k not chosen again stayed stalled (the draft gate priced drafting
-    caps 40% above plain decoding for hundreds of steps where they ran 25-40% below it: on the H200 the heads at
+    caps 40% above plain decoding for hundreds of steps where they ran 20-40% below it: on the H200 the heads at
     --k auto ran 1.15x plain where k = 4 ran 1.43x; fortieth session, benchmarks/gate_trace.py)."""
     if old is None:
         return ms, 0, ms
