@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
 #   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto long cost rates ahead profile chain kernels gate
-#                                             joins
+#                                             joins trace
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
@@ -36,6 +36,11 @@ for part in "${parts[@]}"; do
       timeout 300 python -m specchat bench smollm2-135m --device cuda --sessions 8,32 --requests 128 --rounds 3 \
         --prompts benchmarks/session_prompts.txt --max-tokens 128 --drafter "${DRAFTERS:-none,heads,ngram+heads}" \
         --k auto 2>&1 | tee -a "$log" ;;
+    trace)  # what the draft gate saw and chose at one session, step by step (benchmarks/gate_trace.py: the trace
+      # comes back as $OUT/gate_trace.json), beside fixed k = 4; DRAFTERS' first drafter (default: heads)
+      first=${DRAFTERS:-heads}
+      timeout 240 python benchmarks/gate_trace.py --device cuda --drafter "${first%%,*}" --sessions 1 --requests 32 \
+        --rounds 2 --out "$OUT/gate_trace.json" 2>&1 | grep -v '^\s*$' | tail -12 | tee -a "$log" ;;
     cost)
       timeout 120 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch 1,8 2>&1 | tee -a "$log" ;;
     rates)  # synthetic 8B MXFP4 at k = 4 with the heads' per-position acceptance (RATES: benchmarks/tree_estimate.py
