@@ -607,7 +607,7 @@ class DraftGate:
     def expected_tokens(self, depths: Iterable[int]) -> float:
         """The tokens a step whose requests drafted `depths` emits on average, from the drafts this bucket kept:
         per request 1 + the sum over its draft positions i of the share of drafts at i accepted (with i - 1
-        before them), a prior of PRIOR_ACCEPTANCE weighing as one draft.
+        before them), a prior of PRIOR_ACCEPTANCE weighing as one draft, and never above the share at i - 1.
 
         The gate prices a cap with this, not with the tokens its steps happened to emit: those vary from 1 to
         k + 1 a request, so at one session a cap's time per token swung by ~25% over a trial, the preferred cap
@@ -615,9 +615,12 @@ class DraftGate:
         (simulated at one session, drafting 1.7x faster than plain at k = 4: the gate ran 1.07x plain, mostly
         plain decoding; tests/engine/test_adaptive.py). The counts pool every drafting step's positions, at
         whatever cap."""
-        reach = [1.0]  # reach[d]: the tokens a request drafting d emits on average
+        reach, share = [1.0], 1.0  # reach[d]: the tokens a request drafting d emits on average
         for a, n in zip(self.accepted, self.drafted, strict=True):
-            reach.append(reach[-1] + (a + PRIOR_ACCEPTANCE) / (n + 1.0))
+            # the share of requests whose first i drafts are all kept cannot grow with i; a deep position drafted
+            # a few times reads mostly the prior, and priced a cap's steps as if they kept ~0.6 a position there
+            share = min(share, (a + PRIOR_ACCEPTANCE) / (n + 1.0))
+            reach.append(reach[-1] + share)
         return sum(reach[min(d, len(reach) - 1)] for d in depths)
 
     def observe(self, cap: int, step_ms: float, tokens: float, requests: int = 1) -> None:

@@ -475,6 +475,12 @@ def test_draft_gate_expects_the_tokens_its_drafts_kept_at_each_position():
         gate.observe_drafts([(4, 2), (0, 0)])
     assert gate.expected_tokens([4, 1]) == pytest.approx(5.0, abs=0.05)
     assert gate.expected_tokens([0, 0, 0]) == 3.0
+    # drafts of 2 never kept say nothing of positions 3 and 4, but no request keeps 3 drafts without the first 2:
+    # a cap of 4 is not priced as if they were kept at the prior's 0.6 (1 + 0.6 + 0.6 tokens)
+    never = DraftGate()
+    for _ in range(200):
+        never.observe_drafts([(2, 0)])
+    assert never.expected_tokens([4]) < 1.1
     # a gate for a new bucket starts from what its neighbour learnt
     gate.observe(0, 1.0, 1)
     assert gate.follow().expected_tokens([2]) == pytest.approx(3.0, abs=0.05)
