@@ -192,7 +192,10 @@ class Scheduler:
         self._gated = None
         decoding = [s for s in self.running if self._decodes(s)]
         fewest = 1 if self.uniform_widths else 2
-        if len(decoding) < fewest or any(s.adaptive is None or _seeded(s) for s in decoding):
+        # a request at k = 0 with no controller (`none` under --k auto, or --k 0) drafts nothing: it neither needs
+        # a gate nor keeps one from the others
+        drafting = [s for s in decoding if s.adaptive is not None or s.k > 0]
+        if len(decoding) < fewest or not drafting or any(s.adaptive is None or _seeded(s) for s in drafting):
             return None
         key = gate_key(s.spec.drafter for s in decoding)
         gate = self.gates.get(key)

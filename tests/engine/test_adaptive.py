@@ -881,6 +881,10 @@ def test_plain_decoding_under_k_auto_has_no_controller_and_no_gate(tiny_engine):
         assert seq.adaptive is None and seq.k == 0
         tiny_engine.set_k(None, handle.request_id)
         assert seq.adaptive is None and seq.k == 0
+        # beside an adaptive request it keeps no gate from it: the batch of both is gated
+        tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
+        other = tiny_engine.submit("hi", sampling, SpecParams("fixed-wrong", k=None))
+        assert other.result().text and (("fixed-wrong", "none"), 2) in scheduler.gates
         assert handle.result().text
     finally:
         scheduler.uniform_widths = False
