@@ -52,6 +52,13 @@ STALL_STEPS = 16  # ... unless this many come in a row: then the cost changed, a
 MEMORY_WEIGHT = 0.5  # weight of a finished request in what its drafter's next request starts from (RateMemory)
 
 
+def clamped_ema(old: float | None, ms: float, ema: float) -> float:
+    """A running time (an EMA of weight `ema`) of a quantity that moves with the batch (a request's symmetric step
+    time, the drafting time per position): a time above SPIKE x the running one counts as SPIKE x, so it follows
+    a change of batch at once, a stall only in part."""
+    return ms if old is None else old + ema * (min(ms, SPIKE * old) - old)
+
+
 def fold_time(old: float | None, ms: float, slow: int, ema: float) -> tuple[float, int, float | None]:
     """One step's time folded into a running time (an EMA of weight `ema`), stalls of the machine left out: a
     time above SPIKE x the running one is left out unless STALL_STEPS come in a row (then the cost changed, and
@@ -62,8 +69,10 @@ def fold_time(old: float | None, ms: float, slow: int, ema: float) -> tuple[floa
     raised the time of the k it fell on by a share, compounding; the choice then moved to another k, the burst
     fell on that one too, and the times of the k not chosen again stayed stalled (the draft gate priced drafting
     caps 40% above plain decoding for hundreds of steps where they ran 20-40% below it: on the H200 the heads at
-    --k auto ran 1.15x plain where k = 4 ran 1.43x; fortieth session, benchmarks/gate_trace.py)."""
-    if old is None:
+    --k auto ran 1.15x plain where k = 4 ran 1.43x; fortieth session, benchmarks/gate_trace.py). For times of one
+    shape only (a gate's cap in its batch bucket, a row count's forward): a time that moves with the batch takes
+    clamped_ema."""
+    if old is None or old <= 0.0:
         return ms, 0, ms
     slow = slow + 1 if ms > SPIKE * old else 0
     if 0 < slow < STALL_STEPS:
@@ -86,7 +95,6 @@ class AdaptiveK:
     source_idle: dict[str, int] = field(default_factory=dict)  # steps in a row each source was not to draft
     source_probes: set[str] = field(default_factory=set)  # sources whose next draft is a probe of one token
     step_ms: list[float | None] = field(default_factory=list)  # EMA of the step time at k = 0 .. k_max
-    slow: list[int] = field(default_factory=list)  # stalled steps in a row at each k (fold_time)
     idle_steps: int = 0  # steps in a row that chose not to draft
     since_plain: int = 0  # timed drafting steps since the last timed plain step
     probing: bool = False  # the step being observed is a probe
@@ -104,7 +112,6 @@ class AdaptiveK:
             raise ConfigError("adaptive K: need k_max >= 0, 0 < ema <= 1, cost_per_draft >= 0, probe_every >= 1")
         self.rates = self.rates or [self.prior] * self.k_max
         self.step_ms = self.step_ms or [None] * (self.k_max + 1)
-        self.slow = self.slow or [0] * (self.k_max + 1)
 
     @classmethod
     def for_sources(cls, k_max: int, sources: tuple[str, ...] = (), gated_k: int | None = None) -> AdaptiveK:
@@ -224,9 +231,10 @@ class AdaptiveK:
         if self.fixed is not None:
             return self.fixed
         if step_ms is not None and k <= self.k_max:
-            # Another process on the cores stalls a step now and then: left out (fold_time), since a stalled
-            # reference would make one k look cheap against it, and a stalled k would look dear.
-            self.step_ms[k], self.slow[k], _ = fold_time(self.step_ms[k], step_ms, self.slow[k], self.ema)
+            # Another process on the cores stalls a step now and then; such spikes would make one k look cheap
+            # against a stalled reference, so a time is taken at most SPIKE x the estimate (slower drifts still show;
+            # the time is mostly StepCosts.symmetric_ms, whose forward times leave stalls out, and moves with the batch).
+            self.step_ms[k] = clamped_ema(self.step_ms[k], step_ms, self.ema)
             self.since_plain = 0 if k == 0 else self.since_plain + 1
             if k > 0 and (self.step_ms[0] is None or self.since_plain >= REMEASURE_PLAIN_EVERY):
                 return 0  # one plain step to (re)measure the reference time
@@ -338,17 +346,14 @@ class StepCosts:
     verify_ms: dict[int, float] = field(default_factory=dict)  # rows -> EMA of the forward + verify time
     draft_ms_per_position: float | None = None  # EMA of a step's drafting time over its deepest draft
     slow: dict[int, int] = field(default_factory=dict)  # stalled steps in a row per row count (fold_time)
-    draft_slow: int = 0  # ... of the drafting time
 
     def observe(self, rows: int, verify_ms: float, depth: int, draft_ms: float) -> None:
         """A decode step (no prompt chunk in it) verified `rows` rows in verify_ms and drafted `depth` deep."""
         self.verify_ms[rows], self.slow[rows], _ = fold_time(
             self.verify_ms.get(rows), verify_ms, self.slow.get(rows, 0), self.ema
         )
-        if depth > 0:
-            self.draft_ms_per_position, self.draft_slow, _ = fold_time(
-                self.draft_ms_per_position, draft_ms / depth, self.draft_slow, self.ema
-            )
+        if depth > 0:  # (one time for every batch size: it moves with the batch)
+            self.draft_ms_per_position = clamped_ema(self.draft_ms_per_position, draft_ms / depth, self.ema)
 
     def forward_ms(self, rows: int) -> float | None:
         """Interpolated between measured row counts; past the largest, proportional to the rows (compute-bound);
@@ -455,7 +460,7 @@ class DraftGate:
     before_trial: int | None = None  # the preferred cap when the last trial started, until it is judged
     toward_plain: bool = True  # from a cap > 0 with twice it timed: whether its next trial is of plain decoding
     prior: dict[int, float] = field(default_factory=dict)  # cap -> time relative to the best, from a neighbour
-    steps: int = 0  # steps observed
+    steps: int = 0  # steps timed (not those left out as stalls)
     step_ms: dict[int, float] = field(default_factory=dict)  # cap -> EMA of its steps' own time (fold_time)
     slow: dict[int, int] = field(default_factory=dict)  # cap -> its stalled steps in a row (fold_time)
     allowed: dict[int, int] = field(default_factory=dict)  # cap -> steps it was allowed (what benchmarks report)

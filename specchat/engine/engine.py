@@ -336,8 +336,10 @@ class Engine:
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
                 if seq.spec.k is None:  # what it learnt was another drafter's acceptance (or none, from `none`)
+                    had = seq.adaptive is not None
                     seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling)
-                    seq.k = _first_k(seq.spec.k_max, drafter, seq.sampling)
+                    if not had or seq.adaptive is None:  # from or to `none`; else its k stays until the next step
+                        seq.k = _first_k(seq.spec.k_max, drafter, seq.sampling)
             if request_id is None:
                 self.metrics.observe_drafter_switch()
 

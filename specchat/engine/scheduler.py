@@ -192,9 +192,9 @@ class Scheduler:
         self._gated = None
         decoding = [s for s in self.running if self._decodes(s)]
         fewest = 1 if self.uniform_widths else 2
-        # a request at k = 0 with no controller (`none` under --k auto, or --k 0) drafts nothing: it neither needs
-        # a gate nor keeps one from the others
-        drafting = [s for s in decoding if s.adaptive is not None or s.k > 0]
+        # a request that drafts nothing (`none`, at any k; any drafter at --k 0) neither needs a gate nor keeps one
+        # from the others
+        drafting = [s for s in decoding if s.adaptive is not None or (s.k > 0 and not self._plain(s))]
         if len(decoding) < fewest or not drafting or any(s.adaptive is None or _seeded(s) for s in drafting):
             return None
         key = gate_key(s.spec.drafter for s in decoding)
@@ -217,6 +217,10 @@ class Scheduler:
             return DraftGate(margin=margin, top=self._gate_top(drafters))
         return max(neighbours, key=lambda g: g.steps).follow(margin)
 
+    def _plain(self, seq: Sequence) -> bool:
+        """Whether the request's drafter is `none`."""
+        return isinstance(self.drafters.get(seq.spec.drafter), NoDrafter)
+
     def _gate_top(self, names: tuple[str, ...]) -> int:
         """The largest cap the gate of a batch of these drafters tries: where the runner pads widths (CUDA graphs)
         and every one of them drafts on the device, the deepest they all draft there (`Drafter.drafts_on_device`:
@@ -226,7 +230,8 @@ class Scheduler:
         bench's gated steps at 8 sessions ran under cap 8 (twenty-eighth session, docs/benchmarks.md)."""
         if not self.uniform_widths:
             return GATE_CAPS[-1]
-        drafters = [self.drafters.get(name) for name in names]
+        # (requests of `none` in the batch draft nothing: they bound nothing)
+        drafters = [d for name in names if not isinstance(d := self.drafters.get(name), NoDrafter)]
         if not all(d.drafts_on_device() for d in drafters):
             return GATE_CAPS[-1]
         return max(cap for cap in GATE_CAPS if all(cap == 0 or d.drafts_on_device(cap) for d in drafters))

@@ -215,6 +215,15 @@ class FixedDrafter(Drafter):
         return [Draft([0] * k) for k in ks]
 
 
+class OnDevice(FixedDrafter):
+    """FixedDrafter as a drafter that drafts up to 4 on the device."""
+
+    name = "on-device"
+
+    def drafts_on_device(self, depth=None):
+        return depth is None or depth <= 4
+
+
 class GatedWrong(FixedDrafter):
     """FixedDrafter as a drafter that gates its own drafts (Drafter.gated_k)."""
 
@@ -548,10 +557,11 @@ def test_draft_gate_leaves_out_the_stalls_of_the_machine():
     assert gate.steps == 30 and gate.ms_per_token[0] == pytest.approx(1.0)
 
 
-def test_every_running_step_time_leaves_out_stalls_of_the_machine():
+def test_running_times_of_one_shape_leave_out_stalls_and_those_that_move_with_the_batch_are_clamped():
     """fold_time: a time above SPIKE x the running one is left out until STALL_STEPS come in a row (then each
-    counts at SPIKE x, the run going on); a normal one ends the run. A request's controller and the engine's step
-    costs keep their times so, as the draft gate does."""
+    counts at SPIKE x, the run going on); a normal one ends the run. The engine's forward time per row count keeps
+    its times so, as the draft gate does; a request's controller (fed symmetric step times, which move with its
+    batch) and the drafting time per position (one for every batch size) take a jump at SPIKE x at once."""
     t, slow = 1.0, 0
     for _ in range(STALL_STEPS - 1):
         t, slow, counted = fold_time(t, 5.0, slow, 0.5)
@@ -561,14 +571,16 @@ def test_every_running_step_time_leaves_out_stalls_of_the_machine():
         assert t == pytest.approx(expect) and counted is not None
     t, slow, counted = fold_time(t, 1.5, slow, 0.5)
     assert slow == 0 and counted == 1.5
+    assert fold_time(0.0, 1.0, 0, 0.5) == (1.0, 0, 1.0)  # a zero time is no reference
     ctl = AdaptiveK(4)
     ctl.update(0, 0, 1.0)
     ctl.update(0, 0, 9.0)
-    assert ctl.step_ms[0] == 1.0
+    assert ctl.step_ms[0] == pytest.approx(1.0 + ctl.ema * (SPIKE - 1.0))
     costs = StepCosts()
     costs.observe(5, 2.0, 4, 1.0)
     costs.observe(5, 20.0, 4, 10.0)
-    assert costs.verify_ms[5] == 2.0 and costs.draft_ms_per_position == 0.25
+    assert costs.verify_ms[5] == 2.0
+    assert costs.draft_ms_per_position == pytest.approx(0.25 + costs.ema * (SPIKE - 1.0) * 0.25)
 
 
 def test_draft_gate_decodes_plainly_until_a_trial_times_drafting_faster():
@@ -884,7 +896,15 @@ def test_plain_decoding_under_k_auto_has_no_controller_and_no_gate(tiny_engine):
         # beside an adaptive request it keeps no gate from it: the batch of both is gated
         tiny_engine.drafters["fixed-wrong"] = FixedDrafter()
         other = tiny_engine.submit("hi", sampling, SpecParams("fixed-wrong", k=None))
-        assert other.result().text and (("fixed-wrong", "none"), 2) in scheduler.gates
+        assert other.result().text and any(names == ("fixed-wrong", "none") for names, _ in scheduler.gates)
+        scheduler.gates.clear()  # `none` at a fixed k drafts nothing either
+        fixed = tiny_engine.submit("hey", SamplingParams(max_tokens=16, ignore_eos=True), SpecParams("none", k=4))
+        other = tiny_engine.submit("hi", sampling, SpecParams("fixed-wrong", k=None))
+        assert other.result().text and fixed.result().text
+        assert any(names == ("fixed-wrong", "none") for names, _ in scheduler.gates)
+        # nor does it bound the caps of a drafter that drafts up to 4 on the device
+        tiny_engine.drafters["on-device"] = OnDevice()
+        assert scheduler._gate_top(("none", "on-device")) == scheduler._gate_top(("on-device",)) == 4
         assert handle.result().text
     finally:
         scheduler.uniform_widths = False
