@@ -279,7 +279,7 @@ class Engine:
             eos_ids=self.tokenizer.stop_token_ids | set(self.model.cfg.eos_token_ids),
             max_position=self.model.cfg.max_position,
             generator=make_generator(sampling, self.device),
-            k=spec.k if spec.k is not None else _first_k(spec.k_max, drafter, sampling),
+            k=_start_k(spec.k, spec.k_max, drafter, sampling),
             adaptive=_controller(spec.k_max, drafter, sampling) if spec.k is None else None,
         )
         handle = RequestHandle(self, seq.seq_id, listen_only)
@@ -322,7 +322,11 @@ class Engine:
                 seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
                 drafter = self.drafter(seq.spec.drafter)
                 seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling) if k is None else None
-                seq.k = k if k is not None else seq.adaptive.next_k() if seq.adaptive is not None else 0
+                seq.k = (
+                    seq.adaptive.next_k()
+                    if seq.adaptive is not None
+                    else _start_k(k, seq.spec.k_max, drafter, seq.sampling)
+                )
 
         self.apply(change)
 
@@ -335,11 +339,11 @@ class Engine:
             for seq in self._running_seqs(request_id):
                 self.drafters.release(seq)
                 seq.spec = SpecParams(drafter=name, k=seq.spec.k, k_max=seq.spec.k_max)
+                had = seq.adaptive is not None
                 if seq.spec.k is None:  # what it learnt was another drafter's acceptance (or none, from `none`)
-                    had = seq.adaptive is not None
                     seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling)
-                    if not had or seq.adaptive is None:  # from or to `none`; else its k stays until the next step
-                        seq.k = _first_k(seq.spec.k_max, drafter, seq.sampling)
+                if seq.spec.k is not None or not had or seq.adaptive is None:  # an adaptive k stays till the next step
+                    seq.k = _start_k(seq.spec.k, seq.spec.k_max, drafter, seq.sampling)
             if request_id is None:
                 self.metrics.observe_drafter_switch()
 
@@ -517,7 +521,10 @@ def _controller(k_max: int, drafter: Drafter, sampling: SamplingParams) -> Adapt
     return AdaptiveK.for_sources(k_max, drafter.sources, _gated_k(drafter, sampling))
 
 
-def _first_k(k_max: int, drafter: Drafter, sampling: SamplingParams) -> int:
-    """An adaptive request's k before its controller has learnt anything: 4 (or its drafter's own gate's k) up to
-    k_max; 0 for `none`."""
-    return 0 if isinstance(drafter, NoDrafter) else min(_gated_k(drafter, sampling) or 4, k_max)
+def _start_k(k: int | None, k_max: int, drafter: Drafter, sampling: SamplingParams) -> int:
+    """A request's k as it starts or changes drafter: a fixed k as given; an adaptive one, before its controller
+    has learnt anything, 4 (or its drafter's own gate's k) up to k_max; 0 under `none`, which drafts nothing at any
+    k (a request of `none` at k > 0 kept the batch's adaptive requests from their draft gate, and asked for taps)."""
+    if isinstance(drafter, NoDrafter):
+        return 0
+    return k if k is not None else min(_gated_k(drafter, sampling) or 4, k_max)

@@ -192,9 +192,9 @@ class Scheduler:
         self._gated = None
         decoding = [s for s in self.running if self._decodes(s)]
         fewest = 1 if self.uniform_widths else 2
-        # a request that drafts nothing (`none`, at any k; any drafter at --k 0) neither needs a gate nor keeps one
-        # from the others
-        drafting = [s for s in decoding if s.adaptive is not None or (s.k > 0 and not self._plain(s))]
+        # a request at k = 0 with no controller (`none`, at any k; any drafter at --k 0) drafts nothing: it neither
+        # needs a gate nor keeps one from the others
+        drafting = [s for s in decoding if s.adaptive is not None or s.k > 0]
         if len(decoding) < fewest or not drafting or any(s.adaptive is None or _seeded(s) for s in drafting):
             return None
         key = gate_key(s.spec.drafter for s in decoding)
@@ -216,10 +216,6 @@ class Scheduler:
         if not neighbours:
             return DraftGate(margin=margin, top=self._gate_top(drafters))
         return max(neighbours, key=lambda g: g.steps).follow(margin)
-
-    def _plain(self, seq: Sequence) -> bool:
-        """Whether the request's drafter is `none`."""
-        return isinstance(self.drafters.get(seq.spec.drafter), NoDrafter)
 
     def _gate_top(self, names: tuple[str, ...]) -> int:
         """The largest cap the gate of a batch of these drafters tries: where the runner pads widths (CUDA graphs)

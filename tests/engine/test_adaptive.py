@@ -899,6 +899,7 @@ def test_plain_decoding_under_k_auto_has_no_controller_and_no_gate(tiny_engine):
         assert other.result().text and any(names == ("fixed-wrong", "none") for names, _ in scheduler.gates)
         scheduler.gates.clear()  # `none` at a fixed k drafts nothing either
         fixed = tiny_engine.submit("hey", SamplingParams(max_tokens=16, ignore_eos=True), SpecParams("none", k=4))
+        assert next(s for s in scheduler.live() if s.seq_id == fixed.request_id).k == 0
         other = tiny_engine.submit("hi", sampling, SpecParams("fixed-wrong", k=None))
         assert other.result().text and fixed.result().text
         assert any(names == ("fixed-wrong", "none") for names, _ in scheduler.gates)
