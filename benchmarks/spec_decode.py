@@ -102,7 +102,7 @@ def speed_pass(engine: Engine, prompts: list[dict], configs: list[tuple[str, str
 
 def add_heads(engine: Engine, suffix: str, path: Path | None = None, **options) -> None:
     """Register heads{SUFFIX} and ngram+heads{SUFFIX}: the heads in `path` (default: the model's shipped ones),
-    drafting with HeadsDrafter.from_file's `options` (draft_rows, min_confidence)."""
+    drafting with HeadsDrafter.from_file's `options` (cpu_blocks, draft_rows, min_confidence)."""
     from specchat.engine.drafters.base import DATA_DIR
     from specchat.engine.drafters.heads import HeadsDrafter
     from specchat.engine.drafters.hybrid import NgramThenHeads
@@ -151,6 +151,12 @@ def main() -> None:
         "probability F (0: never) instead of the packed heads' default",
     )
     ap.add_argument(
+        "--heads-float",
+        action="store_true",
+        help="also the drafters heads%%float and ngram+heads%%float: the shipped heads as plain float modules (what "
+        "--eager drafts with; on a float target the heads' drafting before they read Q8_0 blocks there too)",
+    )
+    ap.add_argument(
         "--heads-file",
         action="append",
         default=[],
@@ -175,6 +181,8 @@ def main() -> None:
         name, _, path = item.partition("=")
         for floor in [None, *floors]:
             add_heads(engine, f"#{name}" + ("" if floor is None else f"~{floor:g}"), Path(path), min_confidence=floor)
+    if args.heads_float:
+        add_heads(engine, "%float", cpu_blocks=False)
     for heads_k in filter(None, args.hybrid_heads_k.split(",")):
         from specchat.engine.drafters.hybrid import NgramThenHeads
 

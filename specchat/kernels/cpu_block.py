@@ -168,12 +168,25 @@ typedef struct {         /* the heads and the target's parts they draft through 
   const Head* heads;
   Weight rows;           /* the lm_head's draft-vocabulary rows [Vd, hidden] */
   const float* out_norm; /* the target's final norm */
-  const float* embed;    /* the target's embedding [vocab, hidden] */
+  const void* embed;     /* the target's embedding [vocab, hidden]: float32, or bfloat16 where embed_bf16 */
   const int64_t* vocab;  /* draft-vocabulary row -> token id */
   float eps, out_eps;
   int hidden, ffn;
   long embed_rows;
+  int embed_bf16;
 } Heads;
+
+/* Row `token` of the embedding as float32: in place, or widened into `scratch` [hidden] from bfloat16 (exact). */
+static const float* embed_row(const Heads* h, int64_t token, float* scratch) {
+  const size_t at = (size_t)token * h->hidden;
+  if (!h->embed_bf16) return (const float*)h->embed + at;
+  const uint16_t* row = (const uint16_t*)h->embed + at;
+  for (int i = 0; i < h->hidden; i++) {
+    const uint32_t bits = (uint32_t)row[i] << 16;
+    memcpy(scratch + i, &bits, sizeof(float));
+  }
+  return scratch;
+}
 
 /* softmax(logits)[best] over n logits, given logits[best] is their largest: 1 / sum_j exp(l_j - l_best) (NaN where
    that largest is NaN or -inf). */
@@ -197,10 +210,10 @@ int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, co
   const size_t b = (size_t)B;
   for (size_t i = 0; i < b; i++)
     if (prev[i] < 0 || prev[i] >= h->embed_rows) return -2;
-  int64_t* best = malloc(b * sizeof(int64_t) + b * (5 * H + F + V + 1) * sizeof(float));  /* (the longs first) */
+  int64_t* best = malloc(b * sizeof(int64_t) + (b * (5 * H + F + V + 1) + H) * sizeof(float));  /* longs first */
   if (best == NULL) return -1;
   float *state = (float*)(best + b), *u = state + b * H, *act = u + b * 2 * H, *delta = act + b * F;
-  float *normed = delta + b * H, *logits = normed + b * H, *reach = logits + b * V;
+  float *normed = delta + b * H, *logits = normed + b * H, *reach = logits + b * V, *wide = reach + b;
   for (size_t i = 0; i < b; i++) {
     memcpy(state + i * H, hidden[i], H * sizeof(float));
     reach[i] = 1.0f;
@@ -211,7 +224,7 @@ int draft_chain(const Heads* h, int B, int depth, const float* const* hidden, co
     for (size_t i = 0; i < b; i++) {
       const int64_t token = j == 0 ? prev[i] : out[i * depth + j - 1];
       rms_norm(1, H, state + i * H, head->state_norm, h->eps, u + i * 2 * H);
-      rms_norm(1, H, h->embed + (size_t)token * H, head->embed_norm, h->eps, u + i * 2 * H + H);
+      rms_norm(1, H, embed_row(h, token, wide), head->embed_norm, h->eps, u + i * 2 * H + H);
     }
     status = linear(&head->up, B, u, act, threads);
     if (status == 0) {
@@ -276,6 +289,7 @@ class Heads(ctypes.Structure):
         ("hidden", ctypes.c_int),
         ("ffn", ctypes.c_int),
         ("embed_rows", ctypes.c_long),
+        ("embed_bf16", ctypes.c_int),
     ]
 
 
@@ -451,11 +465,14 @@ def decode_layers(
     return out, tapped
 
 
+EMBED_DTYPES = (torch.float32, torch.bfloat16)  # the embeddings draft_chain reads
+
+
 class HeadsWeights:
     """Sequential draft heads as draft_chain reads them: per head its up [ffn, 2 hidden] and down [hidden, ffn] as
     Bound weights and its two norms' weights; the draft-vocabulary rows of the lm_head (Bound), the target's final
-    norm, its float32 embedding [vocab, hidden] and the draft vocabulary (row -> token id, int64). Holds the
-    tensors, so the pointers stay valid."""
+    norm, its embedding [vocab, hidden] (float32, or bfloat16: a bfloat16 target's, widened a row at a time) and
+    the draft vocabulary (row -> token id, int64). Holds the tensors, so the pointers stay valid."""
 
     def __init__(
         self,
@@ -473,7 +490,7 @@ class HeadsWeights:
             for t in (state_norm, embed_norm):
                 assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == (hidden,) and t.is_cpu, t.shape
         assert out_norm.dtype == torch.float32 and out_norm.is_contiguous() and out_norm.shape == (hidden,)
-        assert embed.dtype == torch.float32 and embed.is_contiguous() and embed.dim() == 2 and embed.shape[1] == hidden
+        assert embed.dtype in EMBED_DTYPES and embed.is_contiguous() and embed.dim() == 2 and embed.shape[1] == hidden
         assert vocab.dtype == torch.int64 and vocab.is_contiguous() and vocab.shape == (rows.n,), vocab.shape
         self.tensors = (heads, rows, out_norm, embed, vocab)
         self.num_heads, self.hidden = len(heads), hidden
@@ -482,7 +499,7 @@ class HeadsWeights:
         )
         self.struct = Heads(
             self.heads, _weight(rows), out_norm.data_ptr(), embed.data_ptr(), vocab.data_ptr(), eps, out_eps,
-            hidden, ffn, embed.shape[0],
+            hidden, ffn, embed.shape[0], embed.dtype == torch.bfloat16,
         )  # fmt: skip
         self.ref = ctypes.byref(self.struct)
 

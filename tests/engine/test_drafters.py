@@ -179,7 +179,7 @@ class FakeSeq:
 @pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "parallel"])
 def test_heads_propose_from_tapped_hidden_state(tiny_engine, sequential):
     heads = random_heads(tiny_engine.model, sequential=sequential, draft_vocab=500)
-    drafter = HeadsDrafter(heads, tiny_engine.model)
+    drafter = HeadsDrafter(heads, tiny_engine.model, cpu_blocks=False)  # the float modules (test_heads_cpu: packed)
     hidden = {heads.cfg.tap: torch.randn(1, tiny_engine.model.cfg.hidden_size)}
     greedy = FakeSeq(1, [5, 6, 7], SamplingParams(), hidden)
     sampled = FakeSeq(2, [5, 6, 7], SamplingParams(temperature=1.0), hidden, torch.Generator().manual_seed(0))
@@ -201,7 +201,7 @@ def test_heads_propose_from_tapped_hidden_state(tiny_engine, sequential):
 def test_heads_greedy_chain_equals_step_by_step_drafting(tiny_engine, sequential):
     """The device-only chain (what a CUDA graph captures) drafts what the position-by-position reference does."""
     heads = random_heads(tiny_engine.model, sequential=sequential, num_heads=4, draft_vocab=500)
-    drafter = HeadsDrafter(heads, tiny_engine.model)
+    drafter = HeadsDrafter(heads, tiny_engine.model, cpu_blocks=False)  # the float modules (test_heads_cpu: packed)
     torch.manual_seed(2)
     hidden = torch.randn(3, tiny_engine.model.cfg.hidden_size)
     prev = torch.tensor([5, 17, 99])
@@ -242,7 +242,7 @@ def test_ngram_then_heads_caps_the_heads_drafts_not_the_ngrams(tiny_engine):
     heads_k."""
     from specchat.engine.drafters.hybrid import NgramThenHeads
 
-    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=5), tiny_engine.model)
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=5), tiny_engine.model, cpu_blocks=False)
     hidden = {heads.cfg.tap: torch.randn(1, tiny_engine.model.cfg.hidden_size)}
     repeats = FakeSeq(1, [5, 6, 7, 8, 9, 5, 6], SamplingParams(), hidden)  # "5 6" again: 7 8 9 5 6 followed it
     fresh = FakeSeq(2, [11, 12, 13], SamplingParams(), dict(hidden))
@@ -256,7 +256,7 @@ def test_ngram_then_heads_drafts_each_source_up_to_its_adaptive_k(tiny_engine):
     """Under adaptive k each source drafts at most its own best k: here the n-grams 3, the heads none."""
     from specchat.engine.drafters.hybrid import NgramThenHeads
 
-    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=5), tiny_engine.model)
+    heads = HeadsDrafter(random_heads(tiny_engine.model, num_heads=5), tiny_engine.model, cpu_blocks=False)
     hidden = {heads.cfg.tap: torch.randn(1, tiny_engine.model.cfg.hidden_size)}
     adaptive = AdaptiveK.for_sources(5, ("ngram",))
     adaptive.source_k = {"": 0, "ngram": 3}

@@ -70,12 +70,13 @@ def reference_chain(drafter: HeadsDrafter, model: Transformer, hidden: torch.Ten
         u = torch.cat(
             [
                 cpu_ops.rms_norm_ref(state, block.state_norm.weight, eps),
-                cpu_ops.rms_norm_ref(model.embed(prev), block.embed_norm.weight, eps),
+                cpu_ops.rms_norm_ref(model.embed(prev).float(), block.embed_norm.weight, eps),
             ],
             dim=-1,
         )  # [B, 2d]
         state = state + reference_linear(F.silu(reference_linear(u, block.up)), block.down)  # [B, d]
-        normed = cpu_ops.rms_norm_ref(state, model.norm.weight, model.norm.eps)
+        norm = drafter.output.norm  # the target's final norm (a float32 copy of a bfloat16 target's)
+        normed = cpu_ops.rms_norm_ref(state, norm.weight.float(), norm.eps)
         logits.append(reference_linear(normed, drafter.output.rows))  # [B, Vd]
         prev = drafter.draft_vocab[logits[-1].argmax(-1)]
         tokens.append(prev)
@@ -149,11 +150,35 @@ def test_packed_chain_equals_step_by_step_drafting():
             c_chain(drafter, 1, hidden, torch.tensor([0, 1, 2, CFG.vocab_size]))
 
 
-def test_a_target_without_blocks_keeps_the_float_heads():
-    model = Transformer(CFG).eval()
-    drafter = HeadsDrafter(random_heads(model), model)
-    assert not heads_cpu.packable(model)
-    assert type(drafter.heads.blocks[0].up) is torch.nn.Linear and type(drafter.output.rows) is torch.nn.Linear
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_target_drafts_through_q8_0_blocks_too(dtype):
+    """A target on torch's float linears (bfloat16 on a CPU with native bf16, or a float32 model without GGUF
+    blocks): the heads and its draft-vocabulary rows are quantized to Q8_0 here and draft in float32, as one C
+    call that widens a bfloat16 embedding a row at a time; the same drafts as the packed modules and their plain
+    reference. --eager's float heads (cpu_blocks=False) stay the target's dtype."""
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to(dtype)
+    heads = random_heads(model)
+    assert heads_cpu.packable(model)
+    packed, plain = HeadsDrafter(heads, model), HeadsDrafter(heads, model, cpu_blocks=False)
+    assert type(plain.output.rows) is torch.nn.Linear and plain.output.rows.weight.dtype == dtype
+    assert all(isinstance(b.up, BlockLinear) and b.up.weight.dtype == torch.float32 for b in packed.heads.blocks)
+    rows = model.lm_head.weight[heads.draft_vocab[: heads_cpu.DRAFT_ROWS]].float()
+    assert torch.equal(packed.output.rows.codes, quantize_q8_0(rows)[0])
+    assert packed.output.norm.weight.dtype == torch.float32 and packed.output.norm is not model.norm
+    assert packed.c_chain is not None and packed.gated_k is not None
+
+    torch.manual_seed(3)
+    hidden = (torch.randn(6, CFG.hidden_size) * 2).to(dtype)  # the target's tapped rows, in its dtype
+    prev = torch.randint(0, CFG.vocab_size, (6,))
+    with torch.inference_mode():
+        chain = c_chain(packed, 4, hidden, prev)
+        wide = hidden.float()
+        assert torch.equal(packed.greedy_chain(4, wide, prev), chain)
+        want, _ = reference_chain(packed, model, wide, prev, 4)
+        group = [FakeSeq(i, [1, int(p)], SamplingParams()) for i, p in enumerate(prev)]
+        steps = packed.draft_steps(group, *packed.chain_inputs(list(hidden), prev.tolist()), 4)
+    assert chain.tolist() == want.tolist() and chain.T.tolist() == [tokens for tokens, _ in steps]
 
 
 def test_draft_rows_keep_the_most_frequent_entries_of_the_draft_vocabulary(monkeypatch):

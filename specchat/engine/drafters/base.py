@@ -105,23 +105,28 @@ def make_drafter(name: str, context) -> Drafter:
 
         return NgramDrafter()
     if kind == "heads":
-        from specchat.engine.drafters.heads import HeadsDrafter
-
-        return HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model, not context.config.eager)
+        return _heads(arg, context)
     if kind == "eagle":
         from specchat.engine.drafters.eagle import EagleDrafter
 
         folder = _shipped_file(arg, context, "eagle")
         return EagleDrafter.from_dir(folder, context.model, context.pool.capacity_tokens, not context.config.eager)
     if kind == "ngram+heads":
-        from specchat.engine.drafters.heads import HeadsDrafter
         from specchat.engine.drafters.hybrid import NgramThenHeads
 
-        heads = HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model, not context.config.eager)
-        return NgramThenHeads(heads)
+        return NgramThenHeads(_heads(arg, context))
     from specchat.engine.drafters.draft_model import load_draft_model_drafter
 
     return load_draft_model_drafter(arg or None, context)
+
+
+def _heads(arg: str, context) -> Drafter:
+    """The heads in `arg` (default: the model's shipped ones); under --eager the plain float modules (no graphs,
+    no Q8_0 blocks on the CPU)."""
+    from specchat.engine.drafters.heads import HeadsDrafter
+
+    fast = not context.config.eager
+    return HeadsDrafter.from_file(_shipped_file(arg, context, "heads"), context.model, graphs=fast, cpu_blocks=fast)
 
 
 def _shipped_file(arg: str, engine, kind: str) -> Path:

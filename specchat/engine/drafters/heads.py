@@ -217,14 +217,16 @@ class HeadsDrafter(Drafter):
         min_confidence: float | None = None,
     ) -> None:
         """draft_rows: draft from the first (most frequent) entries of the heads' draft vocabulary only, fewer
-        output rows to read per draft position (default: heads_cpu.DRAFT_ROWS where the heads read GGUF blocks on
+        output rows to read per draft position (default: heads_cpu.drafting's where the heads read Q8_0 blocks on
         the CPU, all of them elsewhere). min_confidence: a greedy chain of packed heads stops before the first
-        draft whose chain probability falls below it (default heads_cpu.MIN_CONFIDENCE; 0: the step's k always)."""
+        draft whose chain probability falls below it (default heads_cpu.drafting's; 0: the step's k always)."""
         weight = model.lm_head.weight
         packed = cpu_blocks and heads_cpu.packable(model)
-        self.packed = packed  # the heads read GGUF blocks on the CPU (heads_cpu)
+        self.packed = packed  # the heads read Q8_0 blocks on the CPU (heads_cpu)
+        tuned = heads_cpu.drafting(model)
+        self.hybrid_k = tuned.hybrid_k if packed else None  # what they draft at most in ngram+heads
         if draft_rows is None and packed:
-            draft_rows = heads_cpu.DRAFT_ROWS
+            draft_rows = tuned.rows
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         self.cfg = heads.cfg
         self.taps = (heads.cfg.tap,)
@@ -234,11 +236,11 @@ class HeadsDrafter(Drafter):
         self.output = DraftVocabOutput(model, self.draft_vocab)
         self.c_chain = None  # packed heads bound for the greedy chain as one C call (heads_cpu.chain_weights)
         self.c_chain_gemms: list[nn.Linear] = []  # its linears that take the float GEMM for some row counts
-        self.min_confidence = heads_cpu.MIN_CONFIDENCE if min_confidence is None else min_confidence
-        if packed:  # the target reads GGUF blocks on the CPU: so do the heads
+        self.min_confidence = tuned.min_confidence if min_confidence is None else min_confidence
+        if packed:  # on the CPU the heads read Q8_0 blocks (the target's own rows where it reads GGUF blocks)
             heads_cpu.pack_for_cpu(self, model)
         if self.c_chain is not None and self.min_confidence > 0:  # its confidence gate picks each draft's length
-            self.gated_k = min(heads_cpu.GATED_K, self.cfg.num_heads)
+            self.gated_k = min(tuned.gated_k, self.cfg.num_heads)
         if graphs and weight.is_cuda:  # the heads' norms as the target's fused kernel: 10 launches less a head
             fuse(self.heads)
         # the greedy chain's fused kernels where they run (SPECCHAT_FUSED_HEADS=0: the plain chain, for A/B runs)
@@ -254,12 +256,13 @@ class HeadsDrafter(Drafter):
         path: Path,
         model: Transformer,
         graphs: bool = True,
+        cpu_blocks: bool = True,
         draft_rows: int | None = None,
         min_confidence: float | None = None,
     ) -> HeadsDrafter:
         heads, _ = DraftHeads.load(path)
         check_compatible(heads.cfg, model, str(path))
-        return cls(heads, model, graphs, draft_rows=draft_rows, min_confidence=min_confidence)
+        return cls(heads, model, graphs, cpu_blocks, draft_rows=draft_rows, min_confidence=min_confidence)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -329,7 +332,7 @@ class HeadsDrafter(Drafter):
             return [choose_tokens(group, logits[i], self.draft_vocab, self.vocab_size) for i in range(depth)]
         state, steps = hidden, []
         for block in self.heads.blocks[:depth]:
-            state = block(state, self.embed(prev))  # [B, d]
+            state = block(state, self.embed(prev).to(state.dtype))  # [B, d] (packed heads: float32)
             tokens, probs = choose_tokens(group, self.output(state), self.draft_vocab, self.vocab_size)
             steps.append((tokens, probs))
             prev = torch.tensor(tokens, device=hidden.device)
@@ -353,7 +356,7 @@ class HeadsDrafter(Drafter):
             return self.draft_vocab[cpu_ops.argmax(self.output(states))].T
         state, tokens = hidden, []
         for block in self.heads.blocks[:depth]:
-            state = block(state, self.embed(prev))
+            state = block(state, self.embed(prev).to(state.dtype))
             prev = self.draft_vocab[cpu_ops.argmax(self.output(state))]
             tokens.append(prev)
         return torch.stack(tokens, dim=1)

@@ -26,6 +26,13 @@ all 8,192 of the shipped heads: the output rows are ~85% of a position's bytes, 
 under int8 rows: docs/benchmarks.md, "Fewer draft-vocabulary rows on the CPU"); since the chain runs in C behind the
 confidence gate, the 2,048 most frequent.
 
+A target on torch's float linears (bfloat16 on a CPU with native bf16, which `--dtype auto` picks there for a
+model without GGUF blocks; a float32 model without them) has no blocks to share: its draft-vocabulary rows are
+quantized to Q8_0 here, its final norm copied to float32, and the C chain widens its bfloat16 embedding a row at
+a time. The heads then draft in float32 at ~0.1 ms a position against a ~40 ms bf16 step (the float heads in
+bf16 took ~5 ms a k = 4 chain). A verification row costs ~1% of such a step, not ~12%, so `drafting` gives them
+a lower floor and all five heads.
+
 So the packed heads may propose other tokens than the float heads where two draft logits nearly tie. That costs
 no exactness: the target verifies every draft (docs/speculative.md). The float heads (`--eager`, or
 `HeadsDrafter(..., cpu_blocks=False)`) are the reference; tests/engine/test_heads_cpu.py holds the packed ones to
@@ -35,7 +42,7 @@ their own plain reference (the dequantized weights, int8 rows as cpu_gemv_i8's r
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +68,31 @@ HYBRID_HEADS_K = 3
 # probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here)
 MIN_CONFIDENCE = 0.2
 GATED_K = 3  # what such heads draft up to under adaptive K: their gate, not the controller, picks the length
+# The same on a float target (torch's linears: bfloat16 on a CPU with native bf16), where a verification row costs
+# ~1% of a step (the default model in bf16: 1 + 4 rows 43.9 ms against 42.0 for one) and a draft position ~0.1
+# ms: a lower floor and all five heads (docs/benchmarks.md, "Forty-first session"). All 8,192 draft-vocabulary
+# rows drafted 0.05 tokens per step more and ran 3% slower there, each position reading 4x the rows.
+FLOAT_MIN_CONFIDENCE = 0.05
+FLOAT_GATED_K = 5
+FLOAT_HYBRID_HEADS_K = 5
+
+
+class Drafting(NamedTuple):
+    """How packed heads draft on a target: draft-vocabulary rows, confidence floor, gated k, and the most they draft
+    in ngram+heads where the n-grams miss."""
+
+    rows: int
+    min_confidence: float
+    gated_k: int
+    hybrid_k: int
+
+
+def drafting(model: Transformer) -> Drafting:
+    """The packed heads' settings for this target: GGUF blocks with int8 rows, where a verification row costs ~12%
+    of a step, or torch's float linears, where it costs ~1%."""
+    if isinstance(model.lm_head, BlockLinear):
+        return Drafting(DRAFT_ROWS, MIN_CONFIDENCE, GATED_K, HYBRID_HEADS_K)
+    return Drafting(DRAFT_ROWS, FLOAT_MIN_CONFIDENCE, FLOAT_GATED_K, FLOAT_HYBRID_HEADS_K)
 
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
@@ -73,14 +105,20 @@ def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: s
     return linear
 
 
+def q8_0_linear(weight: torch.Tensor) -> BlockLinear:
+    """A bias-free linear over `weight` [N, K] quantized to Q8_0 blocks as gguf does (its float weight: the blocks
+    dequantized, so every row count computes with the same weights)."""
+    codes, d = quantize_q8_0(weight)
+    return block_linear(cpu_gemv.q8_dequantize(codes, d), (codes, d), "q8_0")
+
+
 def pack_heads(heads: DraftHeads) -> DraftHeads:
-    """A copy of `heads` whose linears read Q8_0 blocks of their weights and whose norms are the C kernel."""
-    packed = copy.deepcopy(heads)
+    """A float32 copy of `heads` whose linears read Q8_0 blocks of their weights and whose norms are the C
+    kernel."""
+    packed = copy.deepcopy(heads).float()
     for block in packed.blocks:
         for name in ("up", "down"):
-            plain = getattr(block, name)
-            codes, d = quantize_q8_0(plain.weight)
-            setattr(block, name, block_linear(cpu_gemv.q8_dequantize(codes, d), (codes, d), "q8_0"))
+            setattr(block, name, q8_0_linear(getattr(block, name).weight))
         if cpu_ops.available():
             block.act = cpu_ops.silu  # what the C draft chain computes
     cpu_fusion.fuse(packed)
@@ -97,29 +135,41 @@ def draft_vocab_rows(model: Transformer, draft_vocab: torch.Tensor, weight: torc
 
 
 def packable(model: Transformer) -> bool:
-    """Whether the target reads its lm_head as GGUF blocks on the CPU (the heads then read blocks too)."""
-    return isinstance(model.lm_head, BlockLinear)  # pack_blocks made it, so the kernels load here
+    """Whether the heads read Q8_0 blocks on the CPU: the target reads its lm_head as GGUF blocks (pack_blocks made
+    it, so the kernels load here), or it runs torch's float linears on the CPU where the block kernels load."""
+    head = model.lm_head
+    if isinstance(head, BlockLinear):
+        return True
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.is_cpu and cpu_gemv.available()
 
 
 def pack_for_cpu(drafter: HeadsDrafter, model: Transformer) -> None:
     """Swap the drafter's heads and its draft-vocabulary rows for their block forms (see the module docstring),
-    and bind them for the chain in C where it loads."""
+    and bind them for the chain in C where it loads. A float target's (torch's linears, bfloat16 on a CPU with
+    native bf16 included) draft-vocabulary rows are quantized to Q8_0 here, and the heads draft in float32 with
+    a float32 copy of its final norm."""
     drafter.heads = pack_heads(drafter.heads)
     output = drafter.output
-    output.rows = draft_vocab_rows(model, drafter.draft_vocab, output.rows.weight)
+    if isinstance(model.lm_head, BlockLinear):
+        output.rows = draft_vocab_rows(model, drafter.draft_vocab, output.rows.weight)
+    else:
+        output.rows = q8_0_linear(output.rows.weight.float())
+        output.norm = copy.deepcopy(model.norm).float()
+        cpu_fusion.fuse(output.norm)
     drafter.c_chain = chain_weights(drafter, model)
     linears = [output.rows, *(linear for b in drafter.heads.blocks for linear in (b.up, b.down))]
     drafter.c_chain_gemms = [linear for linear in linears if linear.gemm_for_many_rows]  # (float rows)
 
 
 def chain_weights(drafter: HeadsDrafter, model: Transformer) -> cpu_block.HeadsWeights | None:
-    """The packed sequential heads, the draft-vocabulary rows, the final norm and the float32 embedding bound for
-    cpu_block.draft_chain; None where it cannot run them (no compiled block library, parallel heads, norms or an
-    embedding of another kind)."""
-    heads, norm, embed = drafter.heads, model.norm, getattr(model.embed, "weight", None)
+    """The packed sequential heads, the draft-vocabulary rows, the final norm and the target's embedding (float32
+    or bfloat16) bound for cpu_block.draft_chain; None where it cannot run them (no compiled block library,
+    parallel heads, norms or an embedding of another kind)."""
+    heads, norm, embed = drafter.heads, drafter.output.norm, getattr(model.embed, "weight", None)
     if not (cpu_block.available() and cpu_ops.available() and heads.cfg.sequential):
         return None
-    if not isinstance(embed, torch.Tensor) or embed.dtype != torch.float32 or not embed.is_contiguous():
+    if not isinstance(embed, torch.Tensor) or embed.dtype not in cpu_block.EMBED_DTYPES or not embed.is_contiguous():
         return None
     norms = [n for b in heads.blocks for n in (b.state_norm, b.embed_norm)]
     if not all(isinstance(n, cpu_fusion.CpuRMSNorm) for n in (*norms, norm)) or len({n.eps for n in norms}) != 1:
@@ -137,15 +187,16 @@ def draft_chain(
     """The packed heads' greedy chain in one C call: each request's h_t (hidden[i], [d]) and newest token ->
     (its drafts [B][n], each draft's probability under its head [B][n]; n < depth where every request's chain
     fell below `floor` (default: the drafter's min_confidence) before: cpu_block.draft_chain); None where the
-    modules must run it (no C chain bound, rows on another device or dtype, float rows of a count that takes the
-    float GEMM: BlockLinear.takes_gemm)."""
+    modules must run it (no C chain bound, rows on another device, float rows of a count that takes the float
+    GEMM: BlockLinear.takes_gemm). A bfloat16 target's rows are widened to float32."""
     weights = drafter.c_chain
-    if weights is None or hidden[0].dtype != torch.float32 or hidden[0].is_cuda:
+    if weights is None or hidden[0].is_cuda:
         return None
     if any(linear.takes_gemm(len(hidden)) for linear in drafter.c_chain_gemms):
         return None
     floor = drafter.min_confidence if floor is None else floor
-    return cpu_block.draft_chain(weights, depth, hidden, prev, torch.get_num_threads(), floor)
+    rows = [row.float() for row in hidden]
+    return cpu_block.draft_chain(weights, depth, rows, prev, torch.get_num_threads(), floor)
 
 
 def confident_prefix(tokens: list[int], confidence: list[float], floor: float) -> list[int]:

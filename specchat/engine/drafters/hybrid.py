@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.drafters.heads import HeadsDrafter
 from specchat.engine.drafters.ngram import DEFAULT_MIN_N, NgramDrafter
@@ -32,12 +31,12 @@ class NgramThenHeads(Drafter):
     reads_context = True  # drafting on the device: the lookup reads each request's tokens from the pool
 
     def __init__(self, heads: HeadsDrafter, min_n: int = MIN_NGRAM, heads_k: int | None = None) -> None:
-        """heads_k: the most drafts the heads propose where the n-grams miss (default: heads_cpu.HYBRID_HEADS_K
-        for heads packed for the CPU, else the step's k, as the n-grams); n-gram drafts cost no model call, each
-        head draft one head and its output rows."""
+        """heads_k: the most drafts the heads propose where the n-grams miss (default: heads_cpu.drafting's for
+        heads packed for the CPU, else the step's k, as the n-grams); n-gram drafts cost no model call, each head
+        draft one head and its output rows."""
         self.ngram = NgramDrafter(min_n=min_n)
         self.heads = heads
-        self.heads_k = heads_k if heads_k is not None or not heads.packed else heads_cpu.HYBRID_HEADS_K
+        self.heads_k = heads.hybrid_k if heads_k is None else heads_k
         self.taps = heads.taps
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
