@@ -83,14 +83,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
             )
         return out[0].transpose(0, 1)
     # Decode and verification: the group's H/KVH query heads x q_len tokens become the rows of one score matrix
-    # per KV head, so keys and values are read in place instead of being repeated for every query head.
+    # per KV head, so keys and values are read in place instead of being repeated for every query head. On the CPU
+    # a bfloat16 step attends in float32: torch's bf16 bmm there is slower than its float32 one (a bf16 model's
+    # decode 84 -> 57 us a layer, a 6-row verification 153 -> 113, with the mask below; docs/benchmarks.md,
+    # "Forty-first session").
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
     group = num_heads // kv_heads
     rows = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)
     scores = torch.bmm(rows, k.transpose(1, 2)).float() * scale  # [KVH, G * q_len, ctx_len]
-    if q_len > 1:
-        scores = scores.masked_fill(~_causal_mask(q_len, ctx_len, q.device).repeat(group, 1), float("-inf"))
+    if q_len > 1:  # row i of the new tokens sees the context and new tokens 0..i: mask the last q_len columns only
+        tail = scores.view(kv_heads, group, q_len, ctx_len)[..., ctx_len - q_len :]
+        tail.masked_fill_(torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
     out = torch.bmm(scores.softmax(dim=-1).to(v.dtype), v)  # [KVH, G * q_len, D]
-    return out.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    return out.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(dtype)
 
 
 def _causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
