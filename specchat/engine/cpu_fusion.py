@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specchat.engine.cpu_weights import BlockLinear
+from specchat.engine.cpu_weights import Bf16Linear, BlockLinear
 from specchat.engine.fusion import swap_classes
 from specchat.engine.kv_batch import KVBatch
-from specchat.engine.model import Block, KVAttention, RMSNorm, Rotary, SiluAndMul, Transformer
-from specchat.kernels import cpu_block, cpu_ops
+from specchat.engine.model import Block, KVAttention, Linear, RMSNorm, Rotary, SiluAndMul, Transformer
+from specchat.kernels import cpu_block, cpu_gemv, cpu_ops
 
 
 class CpuRMSNorm(RMSNorm):
@@ -182,13 +182,19 @@ FUSED = {
     Rotary: CpuRotary,
     SiluAndMul: CpuSiluAndMul,
 }
-PLAIN = {fused: plain for plain, fused in FUSED.items()}
+BF16 = {Linear: Bf16Linear}  # a bfloat16 model's linears (only these: its norms and the rest stay torch's)
+PLAIN = {fused: plain for plain, fused in (*FUSED.items(), *BF16.items())}
 
 
 def fuse(model: nn.Module) -> int:
-    """Use the CPU kernels in a float32 CPU model (none where they do not load); returns the modules swapped."""
+    """Use the CPU kernels in a float32 CPU model, or a bfloat16 one's linears (`Bf16Linear`); none where they do
+    not load. Returns the modules swapped."""
     param = next(model.parameters())
-    if param.dtype != torch.float32 or param.device.type != "cpu" or not cpu_ops.available():
+    if param.device.type != "cpu":
+        return 0
+    if param.dtype == torch.bfloat16:
+        return swap_classes(model, BF16) if cpu_gemv.available() else 0
+    if param.dtype != torch.float32 or not cpu_ops.available():
         return 0
     return swap_classes(model, FUSED)
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.engine.model import Transformer
+from specchat.engine.model import Linear, Transformer
 from specchat.kernels import cpu_gemv, cpu_gemv_i8
 
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
@@ -105,6 +105,35 @@ class Int8BlockLinear(BlockLinear):
                 cpu_gemv_i8.Bound(self.codes, self.d, self.m if self.kind == "q4_1" else None),
             )
         return bound[1]
+
+
+class Bf16Linear(Linear):
+    """nn.Linear over a bfloat16 weight on the CPU (a bf16 model: `cpu_fusion.fuse`): a decode or verification
+    step's few rows go through kernels/cpu_gemv.bf16_linear, which reads the weight as it is stored and sums in
+    float32 (torch's bf16 linears read it at about half the bandwidth on this CPU: docs/benchmarks.md, "Forty-first
+    session"), each row alone, so a row's output does not depend on its batch; rows above cpu_gemv.MAX_ROWS (a
+    prompt) take torch's GEMM, as BlockLinear's float rows do. Output and bias as nn.Linear's."""
+
+    def bound(self) -> cpu_gemv.Bound | None:
+        """The weight bound for the kernel (again after it was replaced), or None where it cannot take it."""
+        weight = self.weight
+        bound = self.__dict__.get("_bound")
+        if bound is None or bound[0] != weight.data_ptr():
+            ok = weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape[1] % cpu_gemv.BLOCK == 0
+            bound = self.__dict__["_bound"] = (weight.data_ptr(), cpu_gemv.Bound(weight.detach()) if ok else None)
+        return bound[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        gemm_above = _GEMM_ABOVE.get()
+        bound = self.bound() if x.dtype == torch.bfloat16 and not x.is_cuda else None
+        if bound is None or (gemm_above is not None and rows.shape[0] > gemm_above):
+            return F.linear(x, self.weight, self.bias)
+        y = bound(rows.float().contiguous(), torch.get_num_threads())
+        bias = self._parameters["bias"]
+        if bias is not None:
+            y += bias
+        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
 
 
 ACTIVATION_CLASSES = {"fp32": BlockLinear, "int8": Int8BlockLinear}  # config.CPU_ACTIVATIONS -> linear class

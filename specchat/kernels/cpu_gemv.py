@@ -1,4 +1,4 @@
-"""Block-quantized matrix-vector products on the CPU: GGUF's Q4_1 and Q8_0 weights read as stored.
+"""Block-quantized matrix-vector products on the CPU: GGUF's Q4_1 and Q8_0 weights (and bf16 ones) read as stored.
 
 A decode step multiplies a few activation rows by every weight matrix, so on a CPU it is bound by the bytes read
 and by the work to turn them into floats. Dequantized to float32, a Q4_1 weight costs 4 bytes; read as stored it
@@ -12,6 +12,10 @@ Layouts (one row per output feature n, blocks of BLOCK = 32 along the input feat
 - Q8_0: `codes` int8 [N, K]; `d` float32 [N, K/32]; w = d * q.
 The scales are GGUF's float16 values widened to float32 (the AVX-512 path relies on it: d * q is then exact,
 so its one fused rounding of d * q + m equals gguf's two).
+
+`bf16_linear` multiplies float32 rows by a bfloat16 weight as stored (2 bytes a weight, widened to float32 in
+registers, exactly: a bf16 is a float32's top half), summed as the Q8_0 kernels sum: a bf16 model's linears on the
+CPU (engine/cpu_weights.Bf16Linear), where torch's own bf16 linears read the weights at about half the bandwidth.
 
 Each output row is computed alone and in the same order whatever the other rows are, so the result for a token
 does not depend on the batch (a verification step gives the same logits as plain decoding: lossless
@@ -36,6 +40,7 @@ CHUNK_ROWS = 8  # rows the kernel keeps in registers at once (MMAX in the C sour
 C_SOURCE = r"""
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 #define MMAX 8
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -117,6 +122,28 @@ INLINE void q8_tile(const int R, const int NR, int N, int K, const float* x, con
   store_tile(R, NR, N, lo_acc, hi_acc, y, n);
 }
 
+/* bfloat16 weights: 16 of them widened to float32 exactly (their bits are a float32's top half). */
+INLINE __m512 widen_bf16(const uint16_t* b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)b)), 16));
+}
+
+INLINE void bf16_tile(const int R, const int NR, int N, int K, const float* x, const uint16_t* w, float* y, int n) {
+  const int G = K / 32;
+  __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
+  zero_tile(R, NR, lo_acc, hi_acc);
+  for (int g = 0; g < G; g++) {
+    __m512 lo[4], hi[4];
+    for (int r = 0; r < NR; r++) {
+      const uint16_t* b = w + (size_t)(n + r) * K + g * 32;  /* one cache line */
+      _mm_prefetch((const char*)(b + (size_t)NR * K), _MM_HINT_T0);
+      lo[r] = widen_bf16(b);
+      hi[r] = widen_bf16(b + 16);
+    }
+    fma_block(R, NR, K, x, g, lo, hi, lo_acc, hi_acc);
+  }
+  store_tile(R, NR, N, lo_acc, hi_acc, y, n);
+}
+
 /* Tiles sized to the 32 vector registers: 4 outputs at a time for 1 or 2 rows, 2 for 3-4, 1 for 5-8; the
    outputs left over go one at a time. The tile shape changes the speed, never the values. */
 #define TILES(TILE, R, NR, ...)                                                    \
@@ -147,6 +174,21 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
                      int n1) {
   DISPATCH(q8_tile, q, d)
 }
+
+/* bf16 weights need no table or scales, so wider tiles fit the registers: 4 outputs for 1-2 rows, 3 for 3-4, 2 for
+   5-6 (2 * R * NR accumulators + 2 * NR weights <= 30). */
+static void bf16_chunk(int rows, int N, int K, const float* x, const uint16_t* w, float* y, int n0, int n1) {
+  switch (rows) {
+    case 1: TILES(bf16_tile, 1, 4, w); break;
+    case 2: TILES(bf16_tile, 2, 4, w); break;
+    case 3: TILES(bf16_tile, 3, 3, w); break;
+    case 4: TILES(bf16_tile, 4, 3, w); break;
+    case 5: TILES(bf16_tile, 5, 2, w); break;
+    case 6: TILES(bf16_tile, 6, 2, w); break;
+    case 7: TILES(bf16_tile, 7, 1, w); break;
+    default: TILES(bf16_tile, 8, 1, w); break;
+  }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define INLINE static inline __attribute__((always_inline))
@@ -174,8 +216,10 @@ INLINE void fma_block8(const int R, const int r, int K, const float* x, int g, c
   }
 }
 
-INLINE void tile8(const int Q4, const int R, const int NR, int N, int K, const float* x, const uint8_t* q4,
-                  const int8_t* q8, const float* d, const float* m, float* y, int n) {
+enum { Q8 = 0, Q4 = 1, BF16 = 2 };  /* tile8's weight kinds (bf16: `bf` [N, K], no scales) */
+
+INLINE void tile8(const int KIND, const int R, const int NR, int N, int K, const float* x, const uint8_t* q4,
+                  const int8_t* q8, const uint16_t* bf, const float* d, const float* m, float* y, int n) {
   const int G = K / 32;
   __m256 a[RMAX2][4], b[RMAX2][4];
   for (int i = 0; i < R; i++)
@@ -183,9 +227,19 @@ INLINE void tile8(const int Q4, const int R, const int NR, int N, int K, const f
   for (int g = 0; g < G; g++) {
     for (int r = 0; r < NR; r++) {
       const size_t row = (size_t)(n + r);
-      const __m256 dv = _mm256_set1_ps(d[row * G + g]);
       __m256 w[4];
-      if (Q4) {
+      if (KIND == BF16) {
+        const uint16_t* blk = bf + row * K + g * 32;
+        _mm_prefetch((const char*)(blk + (size_t)NR * K), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) {
+          const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(blk + 8 * j)));
+          w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+        }
+        fma_block8(R, r, K, x, g, w, a, b);
+        continue;
+      }
+      const __m256 dv = _mm256_set1_ps(d[row * G + g]);
+      if (KIND == Q4) {
         const uint8_t* blk = q4 + row * (K / 2) + g * 16;
         _mm_prefetch((const char*)(blk + (size_t)NR * (K / 2)), _MM_HINT_T0);
         const __m128i raw = _mm_loadu_si128((const __m128i*)blk);
@@ -215,12 +269,12 @@ INLINE void tile8(const int Q4, const int R, const int NR, int N, int K, const f
 #define TILES8(R, NR)                                                                           \
   do {                                                                                          \
     int n = n0;                                                                                 \
-    for (; n + NR <= n1; n += NR) tile8(Q4, R, NR, N, K, xs, q4, q8, d, m, ys, n);             \
-    for (; n < n1; n++) tile8(Q4, R, 1, N, K, xs, q4, q8, d, m, ys, n);                         \
+    for (; n + NR <= n1; n += NR) tile8(KIND, R, NR, N, K, xs, q4, q8, bf, d, m, ys, n);       \
+    for (; n < n1; n++) tile8(KIND, R, 1, N, K, xs, q4, q8, bf, d, m, ys, n);                   \
   } while (0)
 
-INLINE void chunk8(const int Q4, int rows, int N, int K, const float* x, const uint8_t* q4, const int8_t* q8,
-                   const float* d, const float* m, float* y, int n0, int n1) {
+INLINE void chunk8(const int KIND, int rows, int N, int K, const float* x, const uint8_t* q4, const int8_t* q8,
+                   const uint16_t* bf, const float* d, const float* m, float* y, int n0, int n1) {
   for (int i0 = 0; i0 < rows; i0 += RMAX2) {
     const float* xs = x + (size_t)i0 * K;
     float* ys = y + (size_t)i0 * N;
@@ -235,12 +289,16 @@ INLINE void chunk8(const int Q4, int rows, int N, int K, const float* x, const u
 
 static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
                      float* y, int n0, int n1) {
-  chunk8(1, rows, N, K, x, q, 0, d, m, y, n0, n1);
+  chunk8(Q4, rows, N, K, x, q, 0, 0, d, m, y, n0, n1);
 }
 
 static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int n0,
                      int n1) {
-  chunk8(0, rows, N, K, x, 0, q, d, 0, y, n0, n1);
+  chunk8(Q8, rows, N, K, x, 0, q, 0, d, 0, y, n0, n1);
+}
+
+static void bf16_chunk(int rows, int N, int K, const float* x, const uint16_t* w, float* y, int n0, int n1) {
+  chunk8(BF16, rows, N, K, x, 0, 0, w, 0, 0, y, n0, n1);
 }
 #else
 /* Without AVX-512 or AVX2: the plain loops, each output row alone (16 partial sums, then their sum). */
@@ -297,6 +355,30 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
     }
   }
 }
+
+static void bf16_chunk(int rows, int N, int K, const float* x, const uint16_t* w, float* y, int n0, int n1) {
+  for (int n = n0; n < n1; n++) {
+    const uint16_t* wr = w + (size_t)n * K;
+    float acc[MMAX][16] = {{0}};
+    for (int g = 0; g < K / 32; g++) {
+      float lo[16], hi[16];
+      for (int j = 0; j < 16; j++) {
+        const uint32_t l = (uint32_t)wr[g * 32 + j] << 16, h = (uint32_t)wr[g * 32 + j + 16] << 16;
+        memcpy(lo + j, &l, 4);
+        memcpy(hi + j, &h, 4);
+      }
+      for (int i = 0; i < rows; i++) {
+        const float* xg = x + (size_t)i * K + g * 32;
+        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
+      }
+    }
+    for (int i = 0; i < rows; i++) {
+      float s = 0;
+      for (int j = 0; j < 16; j++) s += acc[i][j];
+      y[(size_t)i * N + n] = s;
+    }
+  }
+}
 #endif
 /* Outputs a .. b - 1 of all M rows, MMAX rows at a time. */
 static void q4_rows(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
@@ -340,6 +422,26 @@ void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* 
 #endif
     q8_rows(M, N, K, x, q, d, y, 0, N);
 }
+
+static void bf16_rows(int M, int N, int K, const float* x, const uint16_t* w, float* y, int a, int b) {
+  for (int i0 = 0; i0 < M; i0 += MMAX) {
+    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
+    bf16_chunk(rows, N, K, x + (size_t)i0 * K, w, y + (size_t)i0 * N, a, b);
+  }
+}
+
+/* y = x @ W^T for bfloat16 W [N, K] (K a multiple of 32), float32 x and y: the weights widened in registers (exact),
+   each (row, output) summed as the Q8_0 kernels sum it, so a row's result does not depend on its batch. */
+void bf16_gemm(int M, int N, int K, const float* x, const uint16_t* w, float* y, int threads) {
+#ifdef _OPENMP
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++)
+      bf16_rows(M, N, K, x, w, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
+  } else
+#endif
+    bf16_rows(M, N, K, x, w, y, 0, N);
+}
 """
 
 # -O3 and the host's vector units; no contraction of multiply-adds into FMAs beyond the ones written (the
@@ -356,7 +458,8 @@ def _library() -> ctypes.CDLL | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.q4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.q8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32]
-    lib.q4_gemm.restype = lib.q8_gemm.restype = None
+    lib.bf16_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32]
+    lib.q4_gemm.restype = lib.q8_gemm.restype = lib.bf16_gemm.restype = None
     return lib
 
 
@@ -398,23 +501,48 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, threads: in
     return y
 
 
-class Bound:
-    """A Q4_1 / Q8_0 weight checked once and its pointers taken once, for the many small calls of decoding:
-    `bound(x, threads)` is q4_linear / q8_linear less the per-call checks of the weight (~3 us a call instead of
-    ~12). Holds the weight tensors, so the pointers stay valid; callers rebind when they replace them."""
+def _check_bf16(x: torch.Tensor, weight: torch.Tensor) -> None:
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.dim() == 2, (weight.dtype, weight.shape)
+    k = weight.shape[1]
+    assert k % BLOCK == 0 and weight.device.type == "cpu", (k, weight.device)
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == k, (x.dtype, x.shape)
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None):
-        self.k = codes.shape[1] * (2 if m is not None else 1)
-        _check(torch.empty(0, self.k), codes, d, self.k)
-        if m is not None:
-            assert codes.dtype == torch.uint8 and m.shape == d.shape and m.dtype == torch.float32 and m.is_contiguous()
-        else:
-            assert codes.dtype == torch.int8
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for a bfloat16 W [N, K] (K a multiple of 32) -> [M, N] float32, the weights
+    widened exactly and every product and sum in float32 (`bf16_linear_ref`)."""
+    _check_bf16(x, weight)
+    lib = _library()
+    assert lib is not None, "cpu_gemv.available() is False"
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    lib.bf16_gemm(x.shape[0], weight.shape[0], weight.shape[1], x.data_ptr(), weight.data_ptr(), y.data_ptr(), threads)
+    return y
+
+
+class Bound:
+    """A Q4_1 / Q8_0 weight (or a bfloat16 one: `codes` the weight [N, K], no scales) checked once and its pointers
+    taken once, for the many small calls of decoding: `bound(x, threads)` is q4_linear / q8_linear / bf16_linear
+    less the per-call checks of the weight (~3 us a call instead of ~12). Holds the weight tensors, so the pointers
+    stay valid; callers rebind when they replace them."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor | None = None, m: torch.Tensor | None = None):
         lib = _library()
         assert lib is not None, "cpu_gemv.available() is False"
-        self.tensors = (codes, d) if m is None else (codes, d, m)
         self.n = codes.shape[0]
-        self._fn = lib.q4_gemm if m is not None else lib.q8_gemm
+        if d is None:
+            self.k = codes.shape[1]
+            _check_bf16(torch.empty(0, self.k), codes)
+            self.tensors, self._fn = (codes,), lib.bf16_gemm
+        else:
+            self.k = codes.shape[1] * (2 if m is not None else 1)
+            _check(torch.empty(0, self.k), codes, d, self.k)
+            if m is not None:
+                assert codes.dtype == torch.uint8 and m.shape == d.shape and m.dtype == torch.float32
+                assert m.is_contiguous()
+            else:
+                assert codes.dtype == torch.int8
+            self.tensors = (codes, d) if m is None else (codes, d, m)
+            self._fn = lib.q4_gemm if m is not None else lib.q8_gemm
         self._ptrs = tuple(t.data_ptr() for t in self.tensors)
 
     def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
@@ -456,3 +584,7 @@ def q4_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torc
 
 def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return x @ q8_dequantize(codes, d).T
+
+
+def bf16_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.float().T

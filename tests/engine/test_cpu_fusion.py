@@ -14,9 +14,9 @@ import torch
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine import cpu_fusion
-from specchat.engine.cpu_weights import BlockLinear
+from specchat.engine.cpu_weights import Bf16Linear, BlockLinear, blocks_for_any_rows
 from specchat.engine.kv_cache import KVPool
-from specchat.engine.model import Block, RMSNorm, Rotary, SiluAndMul, Transformer
+from specchat.engine.model import Block, Linear, RMSNorm, Rotary, SiluAndMul, Transformer
 from specchat.kernels import cpu_attention, cpu_block, cpu_gemv, cpu_ops
 from tests.engine.test_fusion import CFG, logits
 
@@ -46,8 +46,40 @@ def test_fuse_swaps_blocks_norms_rotary_and_activation_and_unfuse_swaps_them_bac
     assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))  # the same tensors
 
 
-def test_fuse_leaves_a_bfloat16_model_alone():
-    assert cpu_fusion.fuse(Transformer(CFG).to(torch.bfloat16)) == 0
+def test_a_bfloat16_model_gets_the_bf16_linears_only_and_keeps_its_logits_close():
+    """A bf16 model's linears read their weights through cpu_gemv.bf16_linear (float32 sums: close to torch's bf16
+    linears, not equal); its norms and the rest stay torch's. unfuse swaps them back."""
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to(torch.bfloat16)
+    ids = torch.randint(0, CFG.vocab_size, (11,))
+    with blocks_for_any_rows():  # (11 rows: the kernel either way)
+        want = logits(model, ids)
+        linears = sum(type(m) is Linear for m in model.modules())
+        assert cpu_fusion.fuse(model) == linears > 0
+        assert type(model.lm_head) is Bf16Linear and type(model.norm) is RMSNorm and type(model.layers[0]) is Block
+        torch.testing.assert_close(logits(model, ids), want, rtol=0.05, atol=0.05)
+    assert cpu_fusion.unfuse(model) == linears and type(model.lm_head) is Linear
+    assert torch.equal(logits(model, ids), want)
+
+
+def test_bf16_linear_takes_the_kernel_for_a_steps_rows_and_torch_elsewhere():
+    torch.manual_seed(1)
+    linear = Linear(64, 40, bias=True).to(torch.bfloat16)
+    weight, bias = linear.weight, linear.bias
+    cpu_fusion.swap_classes(linear, cpu_fusion.BF16)
+    x = torch.randn(3, 5, 64).bfloat16()  # 15 rows, batched dims kept
+    got = linear(x)
+    want = (cpu_gemv.bf16_linear_ref(x.reshape(-1, 64).float(), weight) + bias.float()).bfloat16().view(3, 5, 40)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    rows = torch.randn(cpu_gemv.MAX_ROWS + 1, 64).bfloat16()  # a prompt: torch's GEMM, unless every row decodes
+    assert torch.equal(linear(rows), torch.nn.functional.linear(rows, weight, bias))
+    with blocks_for_any_rows():
+        assert torch.equal(linear(rows)[:15], linear(rows[:15]))
+    linear.weight = torch.nn.Parameter(torch.randn(40, 64).bfloat16())  # replaced: bound again
+    assert torch.equal(linear(x[0]), (cpu_gemv.bf16_linear_ref(x[0].float(), linear.weight) + bias.float()).bfloat16())
+    odd = Linear(48, 8, bias=False).to(torch.bfloat16)  # 48 = 1.5 blocks: torch's linear
+    cpu_fusion.swap_classes(odd, cpu_fusion.BF16)
+    assert torch.equal(odd(x[0, :, :48].contiguous()), torch.nn.functional.linear(x[0, :, :48], odd.weight))
 
 
 def test_fused_model_keeps_the_logits_and_unfuse_restores_them():
@@ -71,6 +103,20 @@ def tiny_eager(tiny_model_dir):
 def greedy(engine, prompt: str, drafter: str = "none", tokens: int = 32) -> list[int]:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     return engine.submit(engine.encode_prompt(prompt), params, SpecParams(drafter=drafter)).result().token_ids
+
+
+def test_a_bfloat16_cpu_engine_reads_its_linears_through_the_kernel_and_eager_does_not(tiny_model_dir):
+    from specchat.engine.engine import Engine
+
+    fast, eager = (
+        Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16", eager=flag))
+        for flag in (False, True)
+    )
+    assert type(fast.model.lm_head) is Bf16Linear and type(eager.model.lm_head) is Linear
+    prompt = "the cat sat on the mat"
+    # the kernel sums in float32, torch's bf16 linears their own way: the texts start alike on a random model
+    assert greedy(fast, prompt, tokens=4) == greedy(eager, prompt, tokens=4)
+    assert len(greedy(fast, prompt, "ngram", tokens=8)) == 8
 
 
 def test_default_cpu_engine_is_fused_and_eager_is_not(tiny_engine, tiny_eager):

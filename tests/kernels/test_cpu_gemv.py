@@ -57,6 +57,23 @@ def test_rows_do_not_depend_on_the_batch():
         assert torch.equal(cpu_gemv.q8_linear(row, q8, d8, 1)[0], batch8[i])
 
 
+@pytest.mark.parametrize("n", [96, 7])  # 7: the wider tiles' leftover outputs
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_matches_reference_and_rows_do_not_depend_on_the_batch(n, threads):
+    """bfloat16 weights widened in registers: float32 sums close to the reference, and each row's bits the same
+    alone as in any batch (every tile shape of 1-8 rows, and chunks of 8 above)."""
+    g = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, K, generator=g).bfloat16()
+    x = torch.randn(20, K, generator=g)
+    bound = cpu_gemv.Bound(weight)
+    assert bound.k == K and bound.n == n and bound.tensors[0] is weight
+    alone = torch.cat([cpu_gemv.bf16_linear(x[i : i + 1], weight, 1) for i in range(20)])
+    torch.testing.assert_close(alone, cpu_gemv.bf16_linear_ref(x, weight), rtol=1e-5, atol=1e-5)
+    for rows in range(1, 21):
+        assert torch.equal(cpu_gemv.bf16_linear(x[:rows], weight, threads), alone[:rows])
+        assert torch.equal(bound(x[:rows].contiguous(), threads), alone[:rows])
+
+
 def test_dequantize_is_gguf_reference():
     """The layouts read GGUF's Q4_1 / Q8_0 blocks: the torch dequantization equals gguf's, bit for bit."""
     from gguf import GGMLQuantizationType as Q
