@@ -40,7 +40,16 @@ CHUNK_ROWS = 8  # rows the kernel keeps in registers at once (MMAX in the C sour
 C_SOURCE = r"""
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* An E8M0 scale code as the float32 2^(s - 127) (s = 0: the subnormal 2^-127; 0xFF, NaN, is the caller's to avoid). */
+static inline float e8m0(uint8_t s) {
+  const uint32_t bits = s ? (uint32_t)s << 23 : 0x00400000u;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
 #define MMAX 8
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -144,6 +153,33 @@ INLINE void bf16_tile(const int R, const int NR, int N, int K, const float* x, c
   store_tile(R, NR, N, lo_acc, hi_acc, y, n);
 }
 
+/* MXFP4 (codes [N, K/2], element 2j in the low nibble of byte j; one E8M0 scale a block): a block's 16 possible
+   values are the E2M1 table times its scale (exact), looked up per nibble as Q4_1's are. The low nibbles are the
+   block's even elements and the high ones its odd elements: fp4_gemm hands the tiles x with each block's even
+   elements first, so lo / hi pair with x's two halves as in the other kernels. */
+INLINE void fp4_tile(const int R, const int NR, int N, int K, const float* x, const uint8_t* q, const uint8_t* s,
+                     float* y, int n) {
+  const int G = K / 32;
+  const __m512 e2m1 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                     -2.0f, -3.0f, -4.0f, -6.0f);
+  __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
+  zero_tile(R, NR, lo_acc, hi_acc);
+  for (int g = 0; g < G; g++) {
+    __m512 lo[4], hi[4];
+    for (int r = 0; r < NR; r++) {
+      const size_t row = (size_t)(n + r);
+      const uint8_t* b = q + row * (K / 2) + g * 16;
+      _mm_prefetch((const char*)(b + (size_t)NR * (K / 2)), _MM_HINT_T0);
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+      const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0(s[row * G + g])));
+      lo[r] = _mm512_permutexvar_ps(idx, table);
+      hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+    }
+    fma_block(R, NR, K, x, g, lo, hi, lo_acc, hi_acc);
+  }
+  store_tile(R, NR, N, lo_acc, hi_acc, y, n);
+}
+
 /* Tiles sized to the 32 vector registers: 4 outputs at a time for 1 or 2 rows, 2 for 3-4, 1 for 5-8; the
    outputs left over go one at a time. The tile shape changes the speed, never the values. */
 #define TILES(TILE, R, NR, ...)                                                    \
@@ -173,6 +209,11 @@ static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, c
 static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int n0,
                      int n1) {
   DISPATCH(q8_tile, q, d)
+}
+
+static void fp4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int n0,
+                      int n1) {
+  DISPATCH(fp4_tile, q, s)
 }
 
 /* bf16 weights need no table or scales, so wider tiles fit the registers: 4 outputs for 1-2 rows, 3 for 3-4, 2 for
@@ -216,10 +257,12 @@ INLINE void fma_block8(const int R, const int r, int K, const float* x, int g, c
   }
 }
 
-enum { Q8 = 0, Q4 = 1, BF16 = 2 };  /* tile8's weight kinds (bf16: `bf` [N, K], no scales) */
+enum { Q8 = 0, Q4 = 1, BF16 = 2, FP4 = 3 };  /* tile8's weight kinds (bf16: `bf` [N, K], no scales; fp4: `q4`
+                                                the MXFP4 codes, `e` the E8M0 scales) */
 
 INLINE void tile8(const int KIND, const int R, const int NR, int N, int K, const float* x, const uint8_t* q4,
-                  const int8_t* q8, const uint16_t* bf, const float* d, const float* m, float* y, int n) {
+                  const int8_t* q8, const uint16_t* bf, const uint8_t* e, const float* d, const float* m, float* y,
+                  int n) {
   const int G = K / 32;
   __m256 a[RMAX2][4], b[RMAX2][4];
   for (int i = 0; i < R; i++)
@@ -234,6 +277,23 @@ INLINE void tile8(const int KIND, const int R, const int NR, int N, int K, const
         for (int j = 0; j < 4; j++) {
           const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(blk + 8 * j)));
           w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+        }
+        fma_block8(R, r, K, x, g, w, a, b);
+        continue;
+      }
+      if (KIND == FP4) {  /* magnitudes of codes 0..7 by an 8-entry permute (its low 3 bits), the sign from bit 3 */
+        const uint8_t* blk = q4 + row * (K / 2) + g * 16;
+        _mm_prefetch((const char*)(blk + (size_t)NR * (K / 2)), _MM_HINT_T0);
+        const __m256 mag = _mm256_mul_ps(_mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f),
+                                         _mm256_set1_ps(e8m0(e[row * G + g])));
+        const __m128i raw = _mm_loadu_si128((const __m128i*)blk);
+        const __m128i nib = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; j++) {
+          const __m256i code = _mm256_cvtepu8_epi32(parts[j]);
+          const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+          w[j] = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, code), _mm256_castsi256_ps(sign));
         }
         fma_block8(R, r, K, x, g, w, a, b);
         continue;
@@ -269,12 +329,12 @@ INLINE void tile8(const int KIND, const int R, const int NR, int N, int K, const
 #define TILES8(R, NR)                                                                           \
   do {                                                                                          \
     int n = n0;                                                                                 \
-    for (; n + NR <= n1; n += NR) tile8(KIND, R, NR, N, K, xs, q4, q8, bf, d, m, ys, n);       \
-    for (; n < n1; n++) tile8(KIND, R, 1, N, K, xs, q4, q8, bf, d, m, ys, n);                   \
+    for (; n + NR <= n1; n += NR) tile8(KIND, R, NR, N, K, xs, q4, q8, bf, e, d, m, ys, n);    \
+    for (; n < n1; n++) tile8(KIND, R, 1, N, K, xs, q4, q8, bf, e, d, m, ys, n);                \
   } while (0)
 
 INLINE void chunk8(const int KIND, int rows, int N, int K, const float* x, const uint8_t* q4, const int8_t* q8,
-                   const uint16_t* bf, const float* d, const float* m, float* y, int n0, int n1) {
+                   const uint16_t* bf, const uint8_t* e, const float* d, const float* m, float* y, int n0, int n1) {
   for (int i0 = 0; i0 < rows; i0 += RMAX2) {
     const float* xs = x + (size_t)i0 * K;
     float* ys = y + (size_t)i0 * N;
@@ -289,16 +349,21 @@ INLINE void chunk8(const int KIND, int rows, int N, int K, const float* x, const
 
 static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
                      float* y, int n0, int n1) {
-  chunk8(Q4, rows, N, K, x, q, 0, 0, d, m, y, n0, n1);
+  chunk8(Q4, rows, N, K, x, q, 0, 0, 0, d, m, y, n0, n1);
 }
 
 static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int n0,
                      int n1) {
-  chunk8(Q8, rows, N, K, x, 0, q, 0, d, 0, y, n0, n1);
+  chunk8(Q8, rows, N, K, x, 0, q, 0, 0, d, 0, y, n0, n1);
 }
 
 static void bf16_chunk(int rows, int N, int K, const float* x, const uint16_t* w, float* y, int n0, int n1) {
-  chunk8(BF16, rows, N, K, x, 0, 0, w, 0, 0, y, n0, n1);
+  chunk8(BF16, rows, N, K, x, 0, 0, w, 0, 0, 0, y, n0, n1);
+}
+
+static void fp4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int n0,
+                      int n1) {
+  chunk8(FP4, rows, N, K, x, q, 0, 0, s, 0, 0, y, n0, n1);
 }
 #else
 /* Without AVX-512 or AVX2: the plain loops, each output row alone (16 partial sums, then their sum). */
@@ -352,6 +417,34 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
       float s = 0;
       for (int j = 0; j < 16; j++) s += acc[i][j];
       y[(size_t)i * N + n] = s;
+    }
+  }
+}
+
+static void fp4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int n0,
+                      int n1) {
+  static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const int G = K / 32;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* qr = q + (size_t)n * (K / 2);
+    float acc[MMAX][16] = {{0}};
+    for (int g = 0; g < G; g++) {
+      const float scale = e8m0(s[(size_t)n * G + g]);
+      float lo[16], hi[16];  /* the block's even and odd elements (x comes with its even elements first) */
+      for (int j = 0; j < 16; j++) {
+        lo[j] = e2m1[qr[g * 16 + j] & 15] * scale;
+        hi[j] = e2m1[qr[g * 16 + j] >> 4] * scale;
+      }
+      for (int i = 0; i < rows; i++) {
+        const float* xg = x + (size_t)i * K + g * 32;
+        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
+      }
+    }
+    for (int i = 0; i < rows; i++) {
+      float t = 0;
+      for (int j = 0; j < 16; j++) t += acc[i][j];
+      y[(size_t)i * N + n] = t;
     }
   }
 }
@@ -423,6 +516,37 @@ void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* 
     q8_rows(M, N, K, x, q, d, y, 0, N);
 }
 
+static void fp4_rows(int M, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int a,
+                     int b) {
+  for (int i0 = 0; i0 < M; i0 += MMAX) {
+    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
+    fp4_chunk(rows, N, K, x + (size_t)i0 * K, q, s, y + (size_t)i0 * N, a, b);
+  }
+}
+
+/* y = x @ W^T for an MXFP4 W (codes [N, K/2], scales [N, K/32], no NaN block; K a multiple of 32), float32 x and y:
+   x's blocks reordered once (even elements, then odd: the codes' nibble order), then the Q4_1 kernels' tiles and
+   summation order. Returns -1 without memory for the reordered rows. */
+int fp4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int threads) {
+  float* xs = malloc((size_t)M * K * sizeof(float));
+  if (xs == NULL) return -1;
+  for (size_t i = 0; i < (size_t)M * K; i += 32)
+    for (int j = 0; j < 16; j++) {
+      xs[i + j] = x[i + 2 * j];
+      xs[i + 16 + j] = x[i + 2 * j + 1];
+    }
+#ifdef _OPENMP
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++)
+      fp4_rows(M, N, K, xs, q, s, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
+  } else
+#endif
+    fp4_rows(M, N, K, xs, q, s, y, 0, N);
+  free(xs);
+  return 0;
+}
+
 static void bf16_rows(int M, int N, int K, const float* x, const uint16_t* w, float* y, int a, int b) {
   for (int i0 = 0; i0 < M; i0 += MMAX) {
     const int rows = M - i0 < MMAX ? M - i0 : MMAX;
@@ -453,13 +577,18 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, then cached by source, flags and runtime), or None."""
     lib = cpu_build.load_part("cpu_gemv", C_SOURCE, tuple(CFLAGS))
-    if lib is None:
-        return None
+    return None if lib is None else declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The kernels' argument and result types, declared on a library built from C_SOURCE."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.q4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.q8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32]
     lib.bf16_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32]
+    lib.fp4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32]
     lib.q4_gemm.restype = lib.q8_gemm.restype = lib.bf16_gemm.restype = None
+    lib.fp4_gemm.restype = ctypes.c_int
     return lib
 
 
@@ -519,10 +648,24 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Te
     return y
 
 
+def _check_fp4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    n, k = codes.shape[0], codes.shape[1] * 2
+    assert codes.dtype == scales.dtype == torch.uint8 and codes.is_contiguous() and scales.is_contiguous()
+    assert scales.shape == (n, k // BLOCK) and codes.device.type == scales.device.type == "cpu", scales.shape
+    assert not bool((scales == 0xFF).any()), "an MXFP4 block with a NaN scale"
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == k, (x.dtype, x.shape)
+
+
+def fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for an MXFP4 W in the interchange layout (codes uint8 [N, K/2], element 2j in the low
+    nibble of byte j; E8M0 scales uint8 [N, K/32], no NaN block) -> [M, N] float32 (`fp4_linear_ref`)."""
+    return Bound(codes, scales)(x, threads)
+
+
 class Bound:
-    """A Q4_1 / Q8_0 weight (or a bfloat16 one: `codes` the weight [N, K], no scales) checked once and its pointers
-    taken once, for the many small calls of decoding: `bound(x, threads)` is q4_linear / q8_linear / bf16_linear
-    less the per-call checks of the weight (~3 us a call instead of ~12). Holds the weight tensors, so the pointers
+    """A Q4_1 / Q8_0 weight (or a bfloat16 one: `codes` the weight [N, K], no scales; or an MXFP4 one: `d` its E8M0
+    scales, uint8) checked once and its pointers taken once, for the many small calls of decoding: `bound(x,
+    threads)` is q4_linear / q8_linear / bf16_linear / fp4_linear less the per-call checks of the weight (~3 us a call instead of ~12). Holds the weight tensors, so the pointers
     stay valid; callers rebind when they replace them."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor | None = None, m: torch.Tensor | None = None):
@@ -533,6 +676,10 @@ class Bound:
             self.k = codes.shape[1]
             _check_bf16(torch.empty(0, self.k), codes)
             self.tensors, self._fn = (codes,), lib.bf16_gemm
+        elif d.dtype == torch.uint8:  # MXFP4: d holds the E8M0 scales
+            self.k = codes.shape[1] * 2
+            _check_fp4(torch.empty(0, self.k), codes, d)
+            self.tensors, self._fn = (codes, d), lib.fp4_gemm
         else:
             self.k = codes.shape[1] * (2 if m is not None else 1)
             _check(torch.empty(0, self.k), codes, d, self.k)
@@ -552,7 +699,8 @@ class Bound:
                 f"cpu_gemv: x must be float32 [M, {self.k}] contiguous on the CPU, got {x.dtype} {x.shape}"
             )
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        self._fn(x.shape[0], self.n, self.k, x.data_ptr(), *self._ptrs, y.data_ptr(), threads)
+        if self._fn(x.shape[0], self.n, self.k, x.data_ptr(), *self._ptrs, y.data_ptr(), threads):  # (fp4_gemm: -1)
+            raise MemoryError("cpu_gemv: no memory for the MXFP4 kernel's rows")
         return y
 
 
@@ -588,3 +736,9 @@ def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torc
 
 def bf16_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.float().T
+
+
+def fp4_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from specchat.kernels.mxfp4 import dequantize_mxfp4
+
+    return x @ dequantize_mxfp4(codes, scales, torch.float32).T

@@ -19,21 +19,30 @@ the head's codes and dequantizes only those, so the tied matrix is held once, as
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import torch
 from torch import nn
 
+from specchat.kernels import cpu_gemv
 from specchat.kernels.mxfp4 import BLOCK_SIZE, Rule, dequantize_mxfp4, quantize_mxfp4
 from specchat.kernels.mxfp4_layout import gather_rows
 from specchat.kernels.mxfp4_matmul import Mxfp4Weight, mxfp4_linear, prepare_weight, unprepare_weight
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two): symmetric, its own inverse."""
+    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two): symmetric, its own inverse. Made once
+    per order and dtype (on the CPU it is every RotatedFp4Linear call's: built anew it took a fifth of an MXFP4
+    decode step there); read it, do not write it."""
+    return _hadamard(n, dtype).to(device=device)
+
+
+@cache
+def _hadamard(n: int, dtype: torch.dtype) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
+    return (h / math.sqrt(n)).to(dtype=dtype)
 
 
 def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +127,31 @@ class Fp4Linear(nn.Module):
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4_linear(x, self.weight_mxfp4, self.bias)
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ dequant(W)^T + b: on the CPU a step's few rows (up to cpu_gemv.MAX_ROWS) through the C kernel,
+        which reads the codes as stored (cpu_gemv.fp4_linear: 4.25 bits a weight, float32 sums, a row's result
+        whatever its batch); more rows, and CUDA, through mxfp4_linear."""
+        bound = self.cpu_kernel() if not x.is_cuda and x.numel() <= cpu_gemv.MAX_ROWS * self.in_features else None
+        if bound is None:
+            return mxfp4_linear(x, self.weight_mxfp4, self.bias)
+        y = bound(x.reshape(-1, self.in_features).float().contiguous(), torch.get_num_threads())
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def cpu_kernel(self) -> cpu_gemv.Bound | None:
+        """The codes and scales bound for cpu_gemv's MXFP4 kernel (again after they were replaced), or None where
+        it cannot read them (no compiled kernels, the CUDA kernel's layout, a NaN block, K not whole blocks)."""
+        codes = self.codes
+        bound = self.__dict__.get("_cpu_bound")
+        if bound is None or bound[0] != codes.data_ptr():
+            prepared, _, has_nan = self._layout
+            ok = not (prepared or has_nan or codes.is_cuda) and self.in_features % BLOCK_SIZE == 0
+            kernel = cpu_gemv.Bound(codes, self.scales) if ok and cpu_gemv.available() else None
+            bound = self.__dict__["_cpu_bound"] = (codes.data_ptr(), kernel)
+        return bound[1]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -143,7 +176,7 @@ class RotatedFp4Linear(Fp4Linear):
         return rotate_blocks(super().rows(index, torch.float32)).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4_linear(rotate_blocks(x), self.weight_mxfp4, self.bias)
+        return self.matmul(rotate_blocks(x))
 
 
 class Fp4Embedding(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from specchat.kernels import cpu_gemv
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler for the CPU kernels")
 
 N, K = 96, 320  # 10 blocks of 32 per row
+BLOCK = cpu_gemv.BLOCK
 
 
 def q4_weights(seed: int) -> tuple[torch.Tensor, ...]:
@@ -72,6 +75,60 @@ def test_bf16_matches_reference_and_rows_do_not_depend_on_the_batch(n, threads):
     for rows in range(1, 21):
         assert torch.equal(cpu_gemv.bf16_linear(x[:rows], weight, threads), alone[:rows])
         assert torch.equal(bound(x[:rows].contiguous(), threads), alone[:rows])
+
+
+def mxfp4_weights(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from specchat.kernels.mxfp4 import quantize_mxfp4
+
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.rand(n, K // BLOCK, generator=g).repeat_interleave(BLOCK, 1) * 4  # blocks of other scales
+    weight = torch.randn(n, K, generator=g) * spread
+    weight[0, :BLOCK] = 0.0  # an all-zero block: scale code 0, the subnormal 2^-127
+    codes, scales = quantize_mxfp4(weight)
+    assert int(scales[0, 0]) == 0
+    return codes, scales
+
+
+@pytest.mark.parametrize("n", [96, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mxfp4_matches_reference_and_rows_do_not_depend_on_the_batch(n, threads):
+    """MXFP4 codes read as stored: close to the dequantized reference, each row's bits the same in any batch."""
+    codes, scales = mxfp4_weights(n, n)
+    x = torch.randn(20, K, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([cpu_gemv.fp4_linear(x[i : i + 1], codes, scales, 1) for i in range(20)])
+    torch.testing.assert_close(alone, cpu_gemv.fp4_linear_ref(x, codes, scales), rtol=1e-5, atol=1e-4)
+    bound = cpu_gemv.Bound(codes, scales)
+    for rows in range(1, 21):
+        assert torch.equal(bound(x[:rows].contiguous(), threads), alone[:rows])
+    with pytest.raises(AssertionError, match="NaN scale"):
+        cpu_gemv.Bound(codes, torch.where(scales == scales[1, 1], 0xFF, scales).to(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")], ids=["avx2", "plain-c"]
+)
+def test_bf16_and_mxfp4_kernels_of_the_other_builds(flags):
+    """The AVX2 + FMA build and the plain C one (what CPUs without AVX-512 run) against the references."""
+    from specchat.kernels import cpu_build
+
+    cpuinfo = Path("/proc/cpuinfo")
+    host = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if "-mno-avx2" not in flags and not ("avx2" in host and "fma" in host):
+        pytest.skip("this CPU cannot run the AVX2 build")
+    lib = cpu_build.load("cpu_gemv_test_" + flags[-1].strip("-"), cpu_gemv.C_SOURCE, (*cpu_gemv.CFLAGS, *flags))
+    if lib is None:
+        pytest.skip("no C compiler")
+    cpu_gemv.declare(lib)
+    codes, scales = mxfp4_weights(7, 3)
+    weight = torch.randn(7, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(6))
+    for rows in (1, 2, 3, 5, 9):
+        xs = x[:rows].contiguous()
+        fp4, bf16 = torch.empty(rows, 7), torch.empty(rows, 7)
+        assert lib.fp4_gemm(rows, 7, K, *(t.data_ptr() for t in (xs, codes, scales, fp4)), 2) == 0
+        lib.bf16_gemm(rows, 7, K, *(t.data_ptr() for t in (xs, weight, bf16)), 2)
+        torch.testing.assert_close(fp4, cpu_gemv.fp4_linear_ref(xs, codes, scales), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(bf16, cpu_gemv.bf16_linear_ref(xs, weight), rtol=1e-5, atol=1e-4)
 
 
 def test_dequantize_is_gguf_reference():

@@ -55,3 +55,30 @@ def test_rotated_module_computes_x_times_its_effective_weight() -> None:
         torch.testing.assert_close(fp4(x), F.linear(x, effective, dense.bias), rtol=1e-5, atol=1e-5)
         relative_error = (fp4(x) - dense(x)).norm() / dense(x).norm()
         assert relative_error < 0.2  # and close to the original layer (4-bit elements)
+
+
+def test_cpu_kernel_takes_a_steps_rows_and_mxfp4_linear_the_rest() -> None:
+    """On the CPU up to cpu_gemv.MAX_ROWS rows go through the C kernel over the codes as stored (the reference's
+    values up to float32 sums), each row alone; more rows, and K not whole blocks, through mxfp4_linear."""
+    from specchat.kernels import cpu_gemv
+    from specchat.kernels.mxfp4_matmul import mxfp4_linear
+
+    if not cpu_gemv.available():
+        return
+    torch.manual_seed(4)
+    for cls in (Fp4Linear, RotatedFp4Linear):
+        fp4 = cls.from_linear(nn.Linear(96, 40, bias=True))
+        assert fp4.cpu_kernel() is not None and fp4.cpu_kernel() is fp4.cpu_kernel()  # bound once
+        x = torch.randn(3, 4, 96)  # 12 rows, batched dims kept
+        with torch.inference_mode():
+            reference = F.linear(x, fp4.dequantized(torch.float32), fp4.bias)
+            got = fp4(x)
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+            assert torch.equal(fp4(x[1, 2:3]), got[1, 2:3])  # a row alone: the same bits
+            low = fp4(x.bfloat16())  # a bf16 model's rows: widened, multiplied, rounded back
+            assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), got, rtol=0.05, atol=0.05)
+            many = torch.randn(cpu_gemv.MAX_ROWS + 1, 96)
+            plain = many if cls is Fp4Linear else rotate_blocks(many)
+            assert torch.equal(fp4(many), mxfp4_linear(plain, fp4.weight_mxfp4, fp4.bias))
+    odd = Fp4Linear.from_linear(nn.Linear(80, 8))  # K = 80: padded blocks, mxfp4_linear
+    assert odd.cpu_kernel() is None
