@@ -23,6 +23,7 @@ from specchat.engine.fusion import swap_classes
 from specchat.engine.kv_batch import KVBatch
 from specchat.engine.model import Block, KVAttention, Linear, RMSNorm, Rotary, SiluAndMul, Transformer
 from specchat.kernels import cpu_block, cpu_gemv, cpu_ops
+from specchat.quant.fp4_linear import Fp4Linear
 
 
 class CpuRMSNorm(RMSNorm):
@@ -78,8 +79,8 @@ class CpuBlock(Block):
         return weights, pages
 
     def block_weights(self) -> cpu_block.BlockWeights | None:
-        """The block's weights bound for kernels/cpu_block.py, or None where a linear is not a BlockLinear (HF
-        weights, MXFP4) or has a bias other than q/k/v's. Bound once and kept while the same tensors are in place:
+        """The block's weights bound for kernels/cpu_block.py, or None where a linear is neither a BlockLinear nor
+        an Fp4Linear the CPU kernel reads (HF weights) or has a bias other than q/k/v's. Bound once and kept while the same tensors are in place:
         the check is the ids of the tensors it reads (alive while kept, so an id cannot be reused by a new one),
         ~2 us a call where reading them through the modules' attributes took ~20."""
         state = self.weight_state()
@@ -89,10 +90,13 @@ class CpuBlock(Block):
             return cached[1]
         attn, linears, norms = self.attn, state[:4], state[-2:]
         weights = None
-        plain = all(isinstance(m, BlockLinear) for m in linears) and all(m.bias is None for m in linears[1:])
-        if plain and cpu_block.available() and self.attn_norm.eps == self.mlp_norm.eps:
+        kernels = all(isinstance(m, BlockLinear | Fp4Linear) for m in linears) and all(
+            m.bias is None for m in linears[1:]
+        )
+        bounds = [m.bound() for m in linears] if kernels and cpu_block.available() else [None]
+        if all(b is not None for b in bounds) and self.attn_norm.eps == self.mlp_norm.eps:
             weights = cpu_block.BlockWeights(
-                *(m.bound() for m in linears), *norms, self.mlp_norm.eps, attn.q_size, attn.kv_size, linears[0].bias
+                *bounds, *norms, self.mlp_norm.eps, attn.q_size, attn.kv_size, linears[0].bias
             )
         self.__dict__["_block_weights"] = (key, weights, state)  # state: keeps the tensors whose ids make the key
         return weights

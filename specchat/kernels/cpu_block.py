@@ -12,7 +12,8 @@ below), so its output equals the per-op path bit for bit, which tests/kernels/te
     s, h = add_rms_norm(x, a);  out = s + down(silu_mul(gate_up(h)))
 
 `BlockWeights` takes the pointers of one block's weights once (as cpu_gemv.Bound does for one linear): each of
-the four linears as GGUF Q4_1 or Q8_0 blocks (float activations, cpu_gemv.py, or int8 activations, cpu_gemv_i8.py),
+the four linears as GGUF Q4_1 or Q8_0 blocks (float activations, cpu_gemv.py, or int8 activations, cpu_gemv_i8.py)
+or MXFP4 codes (float activations, cpu_gemv.fp4_gemm, the x blocks rotated there for a RotatedFp4Linear),
 the two norm weights, and the optional q/k/v bias.
 
 `draft_chain` does the same for the draft heads' greedy chain (engine/drafters/heads.py, packed by heads_cpu.py):
@@ -32,12 +33,13 @@ import torch
 from specchat.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_gemv_i8, cpu_ops
 
 C_SOURCE = r"""
-typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 blocks of W [n, k] */
+typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 blocks of W [n, k], or MXFP4 (fp4) */
   const void* codes;
-  const void* d;     /* scales: float32 (float activations) or float16 bits (int8 activations) */
+  const void* d;     /* scales: float32 (float activations), float16 bits (int8 activations) or E8M0 (fp4) */
   const void* m;
   int n, k;
   int int8_act;      /* 1: cpu_gemv_i8's repacked blocks, int8 activations; 0: cpu_gemv's, float activations */
+  int fp4;           /* 1: MXFP4 codes and E8M0 scales (cpu_gemv's fp4_gemm); 2: the same, x's blocks rotated */
 } Weight;
 
 typedef struct {
@@ -51,6 +53,8 @@ typedef struct {
 
 /* Returns 0, or -1 without memory for the int8 kernel's quantized rows. */
 static int linear(const Weight* w, int rows, const float* x, float* y, int threads) {
+  if (w->fp4)
+    return fp4_gemm(rows, w->n, w->k, x, (const uint8_t*)w->codes, (const uint8_t*)w->d, y, threads, w->fp4 == 2);
   if (w->int8_act)
     return i8_gemm(rows, w->n, w->k, x, (const uint8_t*)w->codes, w->d, w->m, y, threads);
   if (w->m != NULL)
@@ -263,6 +267,7 @@ class Weight(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("int8_act", ctypes.c_int),
+        ("fp4", ctypes.c_int),
     ]
 
 
@@ -337,7 +342,9 @@ BoundWeight = cpu_gemv.Bound | cpu_gemv_i8.Bound  # float or int8 activations
 def _weight(bound: BoundWeight) -> Weight:
     codes, d, *m = bound.tensors
     int8_act = isinstance(bound, cpu_gemv_i8.Bound)
-    return Weight(codes.data_ptr(), d.data_ptr(), m[0].data_ptr() if m else None, bound.n, bound.k, int8_act)
+    assert int8_act or bound.kind in ("q4_1", "q8_0", "mxfp4"), bound.kind
+    fp4 = 0 if int8_act or bound.kind != "mxfp4" else 1 + bound.rotate
+    return Weight(codes.data_ptr(), d.data_ptr(), m[0].data_ptr() if m else None, bound.n, bound.k, int8_act, fp4)
 
 
 class BlockWeights:

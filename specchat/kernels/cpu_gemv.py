@@ -526,15 +526,30 @@ static void fp4_rows(int M, int N, int K, const float* x, const uint8_t* q, cons
 
 /* y = x @ W^T for an MXFP4 W (codes [N, K/2], scales [N, K/32], no NaN block; K a multiple of 32), float32 x and y:
    x's blocks reordered once (even elements, then odd: the codes' nibble order), then the Q4_1 kernels' tiles and
-   summation order. Returns -1 without memory for the reordered rows. */
-int fp4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int threads) {
+   summation order. `rotate`: x's blocks first times R = H_32 / sqrt(32) (the rotation a RotatedFp4Linear's weight
+   was quantized under), as a fast Walsh-Hadamard transform. Returns -1 without memory for the reordered rows. */
+int fp4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int threads,
+             int rotate) {
   float* xs = malloc((size_t)M * K * sizeof(float));
   if (xs == NULL) return -1;
-  for (size_t i = 0; i < (size_t)M * K; i += 32)
-    for (int j = 0; j < 16; j++) {
-      xs[i + j] = x[i + 2 * j];
-      xs[i + 16 + j] = x[i + 2 * j + 1];
+  for (size_t i = 0; i < (size_t)M * K; i += 32) {
+    float v[32];
+    memcpy(v, x + i, sizeof v);
+    if (rotate) {
+      for (int h = 1; h < 32; h *= 2)
+        for (int j = 0; j < 32; j += 2 * h)
+          for (int t = j; t < j + h; t++) {
+            const float a = v[t], b = v[t + h];
+            v[t] = a + b;
+            v[t + h] = a - b;
+          }
+      for (int j = 0; j < 32; j++) v[j] *= 0.17677669529663687f;  /* 1 / sqrt(32) */
     }
+    for (int j = 0; j < 16; j++) {
+      xs[i + j] = v[2 * j];
+      xs[i + 16 + j] = v[2 * j + 1];
+    }
+  }
 #ifdef _OPENMP
   if (threads > 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -586,7 +601,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.q8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32]
     lib.bf16_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32]
-    lib.fp4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32]
+    lib.fp4_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
     lib.q4_gemm.restype = lib.q8_gemm.restype = lib.bf16_gemm.restype = None
     lib.fp4_gemm.restype = ctypes.c_int
     return lib
@@ -656,10 +671,13 @@ def _check_fp4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> No
     assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == k, (x.dtype, x.shape)
 
 
-def fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
+def fp4_linear(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, threads: int, rotate: bool = False
+) -> torch.Tensor:
     """x [M, K] float32 @ W^T for an MXFP4 W in the interchange layout (codes uint8 [N, K/2], element 2j in the low
-    nibble of byte j; E8M0 scales uint8 [N, K/32], no NaN block) -> [M, N] float32 (`fp4_linear_ref`)."""
-    return Bound(codes, scales)(x, threads)
+    nibble of byte j; E8M0 scales uint8 [N, K/32], no NaN block) -> [M, N] float32 (`fp4_linear_ref`); `rotate`:
+    (x R) @ W^T, R = blockdiag(H_32 / sqrt(32)), for a weight quantized as W R."""
+    return Bound(codes, scales, rotate=rotate)(x, threads)
 
 
 class Bound:
@@ -668,16 +686,19 @@ class Bound:
     threads)` is q4_linear / q8_linear / bf16_linear / fp4_linear less the per-call checks of the weight (~3 us a call instead of ~12). Holds the weight tensors, so the pointers
     stay valid; callers rebind when they replace them."""
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor | None = None, m: torch.Tensor | None = None):
+    def __init__(
+        self, codes: torch.Tensor, d: torch.Tensor | None = None, m: torch.Tensor | None = None, rotate: bool = False
+    ):
         lib = _library()
         assert lib is not None, "cpu_gemv.available() is False"
         self.n = codes.shape[0]
+        self.kind, self.rotate, self._extra = "q4_1" if m is not None else "q8_0", False, ()
         if d is None:
-            self.k = codes.shape[1]
+            self.k, self.kind = codes.shape[1], "bf16"
             _check_bf16(torch.empty(0, self.k), codes)
             self.tensors, self._fn = (codes,), lib.bf16_gemm
-        elif d.dtype == torch.uint8:  # MXFP4: d holds the E8M0 scales
-            self.k = codes.shape[1] * 2
+        elif d.dtype == torch.uint8:  # MXFP4: d holds the E8M0 scales; rotate: x's blocks times R first
+            self.k, self.kind, self.rotate, self._extra = codes.shape[1] * 2, "mxfp4", rotate, (int(rotate),)
             _check_fp4(torch.empty(0, self.k), codes, d)
             self.tensors, self._fn = (codes, d), lib.fp4_gemm
         else:
@@ -699,7 +720,7 @@ class Bound:
                 f"cpu_gemv: x must be float32 [M, {self.k}] contiguous on the CPU, got {x.dtype} {x.shape}"
             )
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        if self._fn(x.shape[0], self.n, self.k, x.data_ptr(), *self._ptrs, y.data_ptr(), threads):  # (fp4_gemm: -1)
+        if self._fn(x.shape[0], self.n, self.k, x.data_ptr(), *self._ptrs, y.data_ptr(), threads, *self._extra):
             raise MemoryError("cpu_gemv: no memory for the MXFP4 kernel's rows")
         return y
 
@@ -738,7 +759,11 @@ def bf16_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.float().T
 
 
-def fp4_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def fp4_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, rotate: bool = False) -> torch.Tensor:
     from specchat.kernels.mxfp4 import dequantize_mxfp4
 
+    if rotate:
+        from specchat.quant.fp4_linear import rotate_blocks
+
+        x = rotate_blocks(x)
     return x @ dequantize_mxfp4(codes, scales, torch.float32).T

@@ -126,22 +126,28 @@ class Fp4Linear(nn.Module):
         """Resident bytes of the packed weight (codes + scales, with any kernel-layout padding)."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+    rotated = False  # RotatedFp4Linear: the weight was quantized as W R, so x is rotated by R first
+    gemm_for_many_rows = True  # (as BlockLinear's: above cpu_gemv.MAX_ROWS rows, mxfp4_linear's dense GEMM)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ dequant(W)^T + b: on the CPU a step's few rows (up to cpu_gemv.MAX_ROWS) through the C kernel,
         which reads the codes as stored (cpu_gemv.fp4_linear: 4.25 bits a weight, float32 sums, a row's result
-        whatever its batch); more rows, and CUDA, through mxfp4_linear."""
-        bound = self.cpu_kernel() if not x.is_cuda and x.numel() <= cpu_gemv.MAX_ROWS * self.in_features else None
+        whatever its batch; a rotated layer's rotation in it too); more rows, and CUDA, through mxfp4_linear. A
+        whole block of such layers runs as one C call (engine/cpu_fusion.CpuBlock, through `bound`)."""
+        rows = x.numel() // self.in_features
+        bound = None if x.is_cuda or self.takes_gemm(rows) else self.bound()
         if bound is None:
-            return mxfp4_linear(x, self.weight_mxfp4, self.bias)
-        y = bound(x.reshape(-1, self.in_features).float().contiguous(), torch.get_num_threads())
+            return mxfp4_linear(rotate_blocks(x) if self.rotated else x, self.weight_mxfp4, self.bias)
+        y = bound(x.reshape(rows, self.in_features).float().contiguous(), torch.get_num_threads())
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def cpu_kernel(self) -> cpu_gemv.Bound | None:
+    def takes_gemm(self, rows: int) -> bool:
+        """Whether `rows` rows take mxfp4_linear's dense GEMM on the CPU rather than the kernel."""
+        return rows > cpu_gemv.MAX_ROWS
+
+    def bound(self) -> cpu_gemv.Bound | None:
         """The codes and scales bound for cpu_gemv's MXFP4 kernel (again after they were replaced), or None where
         it cannot read them (no compiled kernels, the CUDA kernel's layout, a NaN block, K not whole blocks)."""
         codes = self.codes
@@ -149,7 +155,7 @@ class Fp4Linear(nn.Module):
         if bound is None or bound[0] != codes.data_ptr():
             prepared, _, has_nan = self._layout
             ok = not (prepared or has_nan or codes.is_cuda) and self.in_features % BLOCK_SIZE == 0
-            kernel = cpu_gemv.Bound(codes, self.scales) if ok and cpu_gemv.available() else None
+            kernel = cpu_gemv.Bound(codes, self.scales, rotate=self.rotated) if ok and cpu_gemv.available() else None
             bound = self.__dict__["_cpu_bound"] = (codes.data_ptr(), kernel)
         return bound[1]
 
@@ -159,6 +165,8 @@ class Fp4Linear(nn.Module):
 
 class RotatedFp4Linear(Fp4Linear):
     """An Fp4Linear whose packed weight is W R (see the module docstring); it rotates its input to match."""
+
+    rotated = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rule: Rule = "mse") -> RotatedFp4Linear:
@@ -174,9 +182,6 @@ class RotatedFp4Linear(Fp4Linear):
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` [R] of the effective weight: the stored rows of W R, times R."""
         return rotate_blocks(super().rows(index, torch.float32)).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(rotate_blocks(x))
 
 
 class Fp4Embedding(nn.Module):

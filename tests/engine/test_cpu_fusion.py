@@ -317,6 +317,37 @@ def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_mxfp4_blocks_run_as_one_call_equal_to_the_kernel_at_a_time(monkeypatch):
+    """MXFP4 linears (rotated and not) read by cpu_gemv's fp4 kernel: the whole block in C equals the block one
+    module at a time bit for bit, and both the plain modules (mxfp4_linear's dequantized weights, the rotation in
+    torch) within float32 rounding over two layers."""
+    from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear
+
+    torch.manual_seed(2)
+    model = Transformer(CFG).eval()
+    for i, block in enumerate(model.layers):
+        kind = RotatedFp4Linear if i % 2 == 0 else Fp4Linear
+        block.attn.wqkv, block.attn.wo = kind.from_linear(block.attn.wqkv), kind.from_linear(block.attn.wo)
+        block.mlp.w_gate_up, block.mlp.w_down = (
+            kind.from_linear(block.mlp.w_gate_up),
+            kind.from_linear(block.mlp.w_down),
+        )
+    cpu_fusion.fuse(model)
+    calls = counted(monkeypatch, cpu_block, "decode_layers")
+    whole, whole_pool = run_steps(model, FEEDS)
+    assert len(calls) == len(FEEDS)
+    monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
+    ops, ops_pool = run_steps(model, FEEDS)
+    assert all(torch.equal(a, b) for a, b in zip(whole, ops, strict=True))
+    for layer in range(CFG.num_layers):
+        assert torch.equal(whole_pool.store.k[layer].data[:, :16], ops_pool.store.k[layer].data[:, :16])
+    monkeypatch.setattr(Fp4Linear, "takes_gemm", lambda self, rows: True)  # mxfp4_linear for every row count
+    cpu_fusion.unfuse(model)
+    plain, _ = run_steps(model, FEEDS, cpu_kernels=False)
+    for a, b in zip(whole, plain, strict=True):  # (the rotation as butterflies in C, as a matmul in torch)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("kv_format", ["fp16", "bf16"])
 def test_half_width_pages_take_the_c_kernel_and_match_the_reference(kv_format, monkeypatch):
     """float16 / bfloat16 pages on the CPU: the whole block in C (the attention widening each element) against the

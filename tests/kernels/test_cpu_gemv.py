@@ -100,6 +100,9 @@ def test_mxfp4_matches_reference_and_rows_do_not_depend_on_the_batch(n, threads)
     bound = cpu_gemv.Bound(codes, scales)
     for rows in range(1, 21):
         assert torch.equal(bound(x[:rows].contiguous(), threads), alone[:rows])
+    rotated = cpu_gemv.fp4_linear(x, codes, scales, threads, rotate=True)  # (x R) W^T: the rotation in C
+    want = cpu_gemv.fp4_linear_ref(x, codes, scales, rotate=True)
+    torch.testing.assert_close(rotated, want, rtol=1e-5, atol=1e-4)
     with pytest.raises(AssertionError, match="NaN scale"):
         cpu_gemv.Bound(codes, torch.where(scales == scales[1, 1], 0xFF, scales).to(torch.uint8))
 
@@ -125,10 +128,12 @@ def test_bf16_and_mxfp4_kernels_of_the_other_builds(flags):
     for rows in (1, 2, 3, 5, 9):
         xs = x[:rows].contiguous()
         fp4, bf16 = torch.empty(rows, 7), torch.empty(rows, 7)
-        assert lib.fp4_gemm(rows, 7, K, *(t.data_ptr() for t in (xs, codes, scales, fp4)), 2) == 0
         lib.bf16_gemm(rows, 7, K, *(t.data_ptr() for t in (xs, weight, bf16)), 2)
-        torch.testing.assert_close(fp4, cpu_gemv.fp4_linear_ref(xs, codes, scales), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(bf16, cpu_gemv.bf16_linear_ref(xs, weight), rtol=1e-5, atol=1e-4)
+        for rotate in (0, 1):
+            assert lib.fp4_gemm(rows, 7, K, *(t.data_ptr() for t in (xs, codes, scales, fp4)), 2, rotate) == 0
+            want = cpu_gemv.fp4_linear_ref(xs, codes, scales, rotate=bool(rotate))
+            torch.testing.assert_close(fp4, want, rtol=1e-5, atol=1e-4)
 
 
 def test_dequantize_is_gguf_reference():

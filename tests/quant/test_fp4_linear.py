@@ -68,7 +68,7 @@ def test_cpu_kernel_takes_a_steps_rows_and_mxfp4_linear_the_rest() -> None:
     torch.manual_seed(4)
     for cls in (Fp4Linear, RotatedFp4Linear):
         fp4 = cls.from_linear(nn.Linear(96, 40, bias=True))
-        assert fp4.cpu_kernel() is not None and fp4.cpu_kernel() is fp4.cpu_kernel()  # bound once
+        assert fp4.bound() is not None and fp4.bound() is fp4.bound()  # bound once
         x = torch.randn(3, 4, 96)  # 12 rows, batched dims kept
         with torch.inference_mode():
             reference = F.linear(x, fp4.dequantized(torch.float32), fp4.bias)
@@ -81,4 +81,4 @@ def test_cpu_kernel_takes_a_steps_rows_and_mxfp4_linear_the_rest() -> None:
             plain = many if cls is Fp4Linear else rotate_blocks(many)
             assert torch.equal(fp4(many), mxfp4_linear(plain, fp4.weight_mxfp4, fp4.bias))
     odd = Fp4Linear.from_linear(nn.Linear(80, 8))  # K = 80: padded blocks, mxfp4_linear
-    assert odd.cpu_kernel() is None
+    assert odd.bound() is None
