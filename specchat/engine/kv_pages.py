@@ -26,7 +26,7 @@ import torch
 from specchat.config import KV_FORMATS
 from specchat.errors import ConfigError
 from specchat.kernels.kv_quant import DEFAULT_RULE, DENSE, MXFP4, MXFP8, PageTensor, row_bytes
-from specchat.kernels.mxfp4 import BLOCK_SIZE
+from specchat.kernels.mxfp4 import BLOCK_SIZE, hadamard
 
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZED_FORMATS = {"mxfp4": (MXFP4, MXFP4), "k8v4": (MXFP8, MXFP4)}  # (key, value) element formats
@@ -66,15 +66,6 @@ def bytes_per_token(fmt: str, num_layers: int, num_kv_heads: int, head_dim: int)
     dtype = DENSE_FORMATS.get(fmt, torch.float32)
     per_head = row_bytes(k_fmt, head_dim, dtype) + row_bytes(v_fmt, head_dim, dtype)
     return num_layers * num_kv_heads * per_head
-
-
-def hadamard(n: int) -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two): symmetric, H @ H = I."""
-    assert n > 0 and n & (n - 1) == 0, n
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / n**0.5).float()
 
 
 def hadamard_block(head_dim: int) -> int:

@@ -760,10 +760,6 @@ def bf16_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, rotate: bool = False) -> torch.Tensor:
-    from specchat.kernels.mxfp4 import dequantize_mxfp4
+    from specchat.kernels.mxfp4 import dequantize_mxfp4, rotate_blocks
 
-    if rotate:
-        from specchat.quant.fp4_linear import rotate_blocks
-
-        x = rotate_blocks(x)
-    return x @ dequantize_mxfp4(codes, scales, torch.float32).T
+    return (rotate_blocks(x) if rotate else x) @ dequantize_mxfp4(codes, scales, torch.float32).T

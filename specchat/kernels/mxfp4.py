@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import cache
 from typing import Literal
 
 import torch
@@ -188,3 +189,28 @@ def dequantize_mxfp4(
         assert 0 < k <= kp, (k, kp)
         values = values[..., :k]
     return values.to(dtype)
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two): symmetric, its own inverse. Made once
+    per order and dtype (on the CPU it is every RotatedFp4Linear call's: built anew it took a fifth of an MXFP4
+    decode step there); read it, do not write it."""
+    assert n > 0 and n & (n - 1) == 0, n
+    return _hadamard(n, dtype).to(device=device)
+
+
+@cache
+def _hadamard(n: int, dtype: torch.dtype) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / math.sqrt(n)).to(dtype=dtype)
+
+
+def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) times R = blockdiag(H_32 / sqrt(32)) on the right; R = R^T = R^-1 (the
+    rotation a RotatedFp4Linear's weight is quantized under, quant/fp4_linear.py)."""
+    *lead, k = x.shape
+    assert k % BLOCK_SIZE == 0, f"block rotation needs K a multiple of {BLOCK_SIZE}, got {k}"
+    blocks = x.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)  # [..., K/32, 32]
+    return (blocks @ hadamard(BLOCK_SIZE, x.dtype, x.device)).reshape(x.shape)

@@ -18,39 +18,13 @@ the head's codes and dequantizes only those, so the tied matrix is held once, as
 
 from __future__ import annotations
 
-import math
-from functools import cache
-
 import torch
 from torch import nn
 
 from specchat.kernels import cpu_gemv
-from specchat.kernels.mxfp4 import BLOCK_SIZE, Rule, dequantize_mxfp4, quantize_mxfp4
+from specchat.kernels.mxfp4 import BLOCK_SIZE, Rule, dequantize_mxfp4, quantize_mxfp4, rotate_blocks
 from specchat.kernels.mxfp4_layout import gather_rows
 from specchat.kernels.mxfp4_matmul import Mxfp4Weight, mxfp4_linear, prepare_weight, unprepare_weight
-
-
-def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two): symmetric, its own inverse. Made once
-    per order and dtype (on the CPU it is every RotatedFp4Linear call's: built anew it took a fifth of an MXFP4
-    decode step there); read it, do not write it."""
-    return _hadamard(n, dtype).to(device=device)
-
-
-@cache
-def _hadamard(n: int, dtype: torch.dtype) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return (h / math.sqrt(n)).to(dtype=dtype)
-
-
-def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (K a multiple of 32) times R = blockdiag(H_32 / sqrt(32)) on the right; R = R^T = R^-1."""
-    *lead, k = x.shape
-    assert k % BLOCK_SIZE == 0, f"block rotation needs K a multiple of {BLOCK_SIZE}, got {k}"
-    blocks = x.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)  # [..., K/32, 32]
-    return (blocks @ hadamard(BLOCK_SIZE, x.dtype, x.device)).reshape(x.shape)
 
 
 class Fp4Linear(nn.Module):

@@ -166,7 +166,8 @@ def test_a_float_target_drafts_through_q8_0_blocks_too(dtype):
     rows = model.lm_head.weight[heads.draft_vocab[: heads_cpu.DRAFT_ROWS]].float()
     assert torch.equal(packed.output.rows.codes, quantize_q8_0(rows)[0])
     assert packed.output.norm.weight.dtype == torch.float32 and packed.output.norm is not model.norm
-    assert packed.c_chain is not None and packed.gated_k is not None
+    assert packed.c_chain is not None and packed.gated_k == min(heads_cpu.FLOAT_GATED_K, heads.cfg.num_heads)
+    assert packed.min_confidence == heads_cpu.FLOAT_MIN_CONFIDENCE
 
     torch.manual_seed(3)
     hidden = (torch.randn(6, CFG.hidden_size) * 2).to(dtype)  # the target's tapped rows, in its dtype
@@ -266,3 +267,22 @@ def test_packed_chain_reports_each_drafts_probability_and_propose_keeps_the_conf
     gated = HeadsDrafter(heads, model)
     assert gated.min_confidence == heads_cpu.MIN_CONFIDENCE and gated.gated_k == heads_cpu.GATED_K
     assert drafter.gated_k is None and HeadsDrafter(heads, model, cpu_blocks=False).gated_k is None
+
+
+def test_an_mxfp4_target_packs_its_heads_with_the_block_kernels_settings():
+    """An MXFP4 output head (the CPU's block kernels read it: a verification row costs as on GGUF blocks) gets the
+    GGUF target's gate; its draft-vocabulary rows are its dequantized rows quantized to Q8_0."""
+    from specchat.quant.fp4_linear import Fp4Linear
+
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval()
+    model.lm_head = Fp4Linear.from_linear(model.lm_head)
+    heads = random_heads(model)
+    drafter = HeadsDrafter(heads, model)
+    assert heads_cpu.drafting(model) == heads_cpu.drafting(packed_target())
+    assert drafter.c_chain is not None and drafter.min_confidence == heads_cpu.MIN_CONFIDENCE
+    rows = model.lm_head.dequantized(torch.float32)[heads.draft_vocab[: heads_cpu.DRAFT_ROWS]]
+    assert torch.equal(drafter.output.rows.codes, quantize_q8_0(rows)[0])
+    hidden, prev = torch.randn(3, CFG.hidden_size) * 2, torch.randint(0, CFG.vocab_size, (3,))
+    with torch.inference_mode():
+        assert torch.equal(c_chain(drafter, 3, hidden, prev), drafter.greedy_chain(3, hidden, prev))

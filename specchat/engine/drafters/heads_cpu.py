@@ -29,9 +29,10 @@ confidence gate, the 2,048 most frequent.
 A target on torch's float linears (bfloat16 on a CPU with native bf16, which `--dtype auto` picks there for a
 model without GGUF blocks; a float32 model without them) has no blocks to share: its draft-vocabulary rows are
 quantized to Q8_0 here, its final norm copied to float32, and the C chain widens its bfloat16 embedding a row at
-a time. The heads then draft in float32 at ~0.1 ms a position against a ~40 ms bf16 step (the float heads in
-bf16 took ~5 ms a k = 4 chain). A verification row costs ~1% of such a step, not ~12%, so `drafting` gives them
-a lower floor and all five heads.
+a time. The heads then draft in float32 at ~0.1 ms a position against a 25-40 ms bf16 step (the float heads in
+bf16 took ~5 ms a k = 4 chain). A verification row costs a few % of such a step, not ~12%, so `drafting` gives
+them a lower floor and all five heads (an MXFP4 target, whose linears the block kernels read, keeps the GGUF
+target's settings).
 
 So the packed heads may propose other tokens than the float heads where two draft logits nearly tie. That costs
 no exactness: the target verifies every draft (docs/speculative.md). The float heads (`--eager`, or
@@ -50,6 +51,7 @@ from torch import nn
 from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import BlockLinear, as_block_linear, quantize_q8_0, set_activations
 from specchat.kernels import cpu_block, cpu_gemv, cpu_gemv_i8, cpu_ops
+from specchat.quant.fp4_linear import Fp4Linear
 
 if TYPE_CHECKING:
     from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
@@ -68,10 +70,11 @@ HYBRID_HEADS_K = 3
 # probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here)
 MIN_CONFIDENCE = 0.2
 GATED_K = 3  # what such heads draft up to under adaptive K: their gate, not the controller, picks the length
-# The same on a float target (torch's linears: bfloat16 on a CPU with native bf16), where a verification row costs
-# ~1% of a step (the default model in bf16: 1 + 4 rows 43.9 ms against 42.0 for one) and a draft position ~0.1
-# ms: a lower floor and all five heads (docs/benchmarks.md, "Forty-first session"). All 8,192 draft-vocabulary
-# rows drafted 0.05 tokens per step more and ran 3% slower there, each position reading 4x the rows.
+# The same on a float target (a bf16 model on a CPU with native bf16), where a verification row costs a few % of a
+# step (the default model in bf16: 1 + 4 rows 43.9 ms against 42.0 for one through torch's linears, 1 + 5 rows 30.5
+# against 25.5 through cpu_weights.Bf16Linear) and a draft position ~0.1 ms: a lower floor and all five heads
+# (chosen under torch's linears, 1.82x plain decoding since: docs/benchmarks.md, "Forty-first session"). All 8,192
+# draft-vocabulary rows drafted 0.05 tokens per step more and ran 3% slower there, each position reading 4x the rows.
 FLOAT_MIN_CONFIDENCE = 0.05
 FLOAT_GATED_K = 5
 FLOAT_HYBRID_HEADS_K = 5
@@ -88,9 +91,9 @@ class Drafting(NamedTuple):
 
 
 def drafting(model: Transformer) -> Drafting:
-    """The packed heads' settings for this target: GGUF blocks with int8 rows, where a verification row costs ~12%
-    of a step, or torch's float linears, where it costs ~1%."""
-    if isinstance(model.lm_head, BlockLinear):
+    """The packed heads' settings for this target: weights the CPU's block kernels read (GGUF blocks, or MXFP4
+    codes), where a verification row costs ~12% of a step, or a bf16 model's linears, where it costs a few %."""
+    if isinstance(model.lm_head, BlockLinear | Fp4Linear):
         return Drafting(DRAFT_ROWS, MIN_CONFIDENCE, GATED_K, HYBRID_HEADS_K)
     return Drafting(DRAFT_ROWS, FLOAT_MIN_CONFIDENCE, FLOAT_GATED_K, FLOAT_HYBRID_HEADS_K)
 
