@@ -4,13 +4,15 @@ The module's resident tensors are the packed E2M1 codes (two per byte) and the E
 weights), plus the bias if any: 4.25 bits per weight. `forward` is `kernels.mxfp4_matmul.mxfp4_linear`: the
 Triton dequant-matmul on CUDA (codes and scales in the kernel's layout, made once by `prepare_weight`), and on
 the CPU a dequantization into a scratch buffer shared by all layers followed by F.linear, so no dense copy of
-the weight outlives a call.
+the weight outlives a call; except that on the CPU a step's few rows (up to cpu_gemv.MAX_ROWS) go through a C
+kernel reading the codes as stored (`cpu_gemv.fp4_gemm`, bound once by `bound`; docs/mxfp4.md).
 
 `RotatedFp4Linear` stores W R instead of W, with R = blockdiag(H_32 / sqrt(32)) the orthonormal 32-point
 Hadamard transform of each block of 32 inputs, and computes (x R)(W R)^T = x W^T. Rotating a block spreads its
 outliers over all 32 elements before they share one power-of-two scale, which MXFP4 rounds far better (the
 micro-rotation of MR-GPTQ, Egiazarian et al. 2025, "Bridging the Gap Between Promise and Performance for
-Microscaling FP4 Quantization"). The cost is one [T, K/32, 32] x [32, 32] matmul on the input per layer.
+Microscaling FP4 Quantization"). The cost is one [T, K/32, 32] x [32, 32] matmul on the input per layer (in the
+CPU kernel a 32-point fast Walsh-Hadamard transform of each block).
 
 `Fp4Embedding` is the token embedding of a model whose tied output head is an Fp4Linear: it looks rows up in
 the head's codes and dequantizes only those, so the tied matrix is held once, as MXFP4.
