@@ -186,8 +186,10 @@ FUSED = {
     Rotary: CpuRotary,
     SiluAndMul: CpuSiluAndMul,
 }
-BF16 = {Linear: Bf16Linear}  # a bfloat16 model's linears (only these: its norms and the rest stay torch's)
-PLAIN = {fused: plain for plain, fused in (*FUSED.items(), *BF16.items())}
+# a bfloat16 model's linears (only these: its norms and the rest stay torch's); nn.Linear: what a switch back from
+# MXFP4 weights puts in their place
+BF16 = {Linear: Bf16Linear, nn.Linear: Bf16Linear}
+PLAIN = {**{fused: plain for plain, fused in FUSED.items()}, Bf16Linear: Linear}
 
 
 def fuse(model: nn.Module) -> int:

@@ -86,6 +86,26 @@ def test_a_switch_back_from_mxfp4_reads_the_gguf_blocks_again(tmp_path):
     assert kinds() == at_load and tokens() == first
 
 
+def test_a_bf16_model_gets_its_kernel_linears_back_after_mxfp4(tiny_model_dir):
+    """A bf16 model on the CPU: MXFP4 and back leaves its linears cpu_weights.Bf16Linear again, as at load (the
+    switch back reads plain dense linears), with the same greedy tokens."""
+    from specchat.engine.cpu_weights import Bf16Linear
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="bfloat16"))
+
+    def tokens() -> list[int]:
+        sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+        return engine.submit("hello there", sampling, SpecParams("none", k=0)).result().token_ids
+
+    first = tokens()
+    assert type(engine.model.lm_head) is Bf16Linear
+    engine.set_weights("mxfp4")
+    engine.set_weights("bf16")
+    assert type(engine.model.lm_head) is Bf16Linear and type(engine.model.layers[0].attn.wqkv) is Bf16Linear
+    assert tokens() == first
+
+
 def test_auto_dtype_keeps_float32_where_the_block_kernels_read_a_gguf(tmp_path, monkeypatch):
     """On a CPU with native bf16, `auto` gives a GGUF model float32 (its block kernels compute in float32; a bf16
     model would skip them: 19.9 against 112 tok/s, docs/benchmarks.md), a dense model bfloat16, and --eager (no
