@@ -211,9 +211,19 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
   DISPATCH(q8_tile, q, d)
 }
 
+/* As Q4_1's tiles, but 2 outputs for 5-6 rows (2 * R * NR accumulators + 2 * NR weights + the table <= 31). */
 static void fp4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int n0,
                       int n1) {
-  DISPATCH(fp4_tile, q, s)
+  switch (rows) {
+    case 1: TILES(fp4_tile, 1, 4, q, s); break;
+    case 2: TILES(fp4_tile, 2, 4, q, s); break;
+    case 3: TILES(fp4_tile, 3, 2, q, s); break;
+    case 4: TILES(fp4_tile, 4, 2, q, s); break;
+    case 5: TILES(fp4_tile, 5, 2, q, s); break;
+    case 6: TILES(fp4_tile, 6, 2, q, s); break;
+    case 7: TILES(fp4_tile, 7, 1, q, s); break;
+    default: TILES(fp4_tile, 8, 1, q, s); break;
+  }
 }
 
 /* bf16 weights need no table or scales, so wider tiles fit the registers: 4 outputs for 1-2 rows, 3 for 3-4, 2 for
