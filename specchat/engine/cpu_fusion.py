@@ -80,9 +80,9 @@ class CpuBlock(Block):
 
     def block_weights(self) -> cpu_block.BlockWeights | None:
         """The block's weights bound for kernels/cpu_block.py, or None where a linear is neither a BlockLinear nor
-        an Fp4Linear the CPU kernel reads (HF weights) or has a bias other than q/k/v's. Bound once and kept while the same tensors are in place:
-        the check is the ids of the tensors it reads (alive while kept, so an id cannot be reused by a new one),
-        ~2 us a call where reading them through the modules' attributes took ~20."""
+        an Fp4Linear the CPU kernel reads (HF weights) or has a bias other than q/k/v's. Bound once and kept while
+        the same tensors are in place: the check is the ids of the tensors it reads (alive while kept, so an id
+        cannot be reused by a new one), ~2 us a call where reading them through the modules' attributes took ~20."""
         state = self.weight_state()
         key = tuple(map(id, state))
         cached = self.__dict__.get("_block_weights")

@@ -693,8 +693,9 @@ def fp4_linear(
 class Bound:
     """A Q4_1 / Q8_0 weight (or a bfloat16 one: `codes` the weight [N, K], no scales; or an MXFP4 one: `d` its E8M0
     scales, uint8) checked once and its pointers taken once, for the many small calls of decoding: `bound(x,
-    threads)` is q4_linear / q8_linear / bf16_linear / fp4_linear less the per-call checks of the weight (~3 us a call instead of ~12). Holds the weight tensors, so the pointers
-    stay valid; callers rebind when they replace them."""
+    threads)` is q4_linear / q8_linear / bf16_linear / fp4_linear less the per-call checks of the weight (~3 us a
+    call instead of ~12). Holds the weight tensors, so the pointers stay valid; callers rebind when they replace
+    them."""
 
     def __init__(
         self, codes: torch.Tensor, d: torch.Tensor | None = None, m: torch.Tensor | None = None, rotate: bool = False
