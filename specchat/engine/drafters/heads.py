@@ -43,6 +43,7 @@ from specchat.engine.model import RMSNorm, Transformer
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
 from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels import cpu_ops, draft_heads
+from specchat.quant.fp4_linear import Fp4Linear
 
 if TYPE_CHECKING:
     from specchat.engine.runner import TokenContext
@@ -163,9 +164,13 @@ class DraftVocabOutput:
 
     def __init__(self, model: Transformer, draft_vocab: torch.Tensor) -> None:
         self.norm = model.norm
-        weight = model.lm_head.weight.detach()
-        full = len(draft_vocab) == weight.shape[0]
-        rows = weight if full else weight[draft_vocab.to(weight.device)].contiguous()  # [Vd, d]
+        head = model.lm_head
+        if isinstance(head, Fp4Linear):  # MXFP4: only these rows dequantized, not the whole head
+            rows = head.rows(draft_vocab.to(head.codes.device), model.norm.weight.dtype)
+        else:
+            weight = head.weight.detach()
+            full = len(draft_vocab) == weight.shape[0]
+            rows = weight if full else weight[draft_vocab.to(weight.device)].contiguous()  # [Vd, d]
         # a linear over those rows (heads_cpu.pack_for_cpu swaps it for one reading them as GGUF blocks)
         self.rows = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
         self.rows.weight = nn.Parameter(rows, requires_grad=False)
@@ -220,7 +225,7 @@ class HeadsDrafter(Drafter):
         output rows to read per draft position (default: heads_cpu.drafting's where the heads read Q8_0 blocks on
         the CPU, all of them elsewhere). min_confidence: a greedy chain of packed heads stops before the first
         draft whose chain probability falls below it (default heads_cpu.drafting's; 0: the step's k always)."""
-        weight = model.lm_head.weight
+        weight = model.norm.weight  # (the model's device and dtype; an MXFP4 lm_head's .weight dequantizes it whole)
         packed = cpu_blocks and heads_cpu.packable(model)
         self.packed = packed  # the heads read Q8_0 blocks on the CPU (heads_cpu)
         tuned = heads_cpu.drafting(model)

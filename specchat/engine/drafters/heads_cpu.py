@@ -51,7 +51,7 @@ from torch import nn
 from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import BlockLinear, as_block_linear, quantize_q8_0, set_activations
 from specchat.kernels import cpu_block, cpu_gemv, cpu_gemv_i8, cpu_ops
-from specchat.quant.fp4_linear import Fp4Linear
+from specchat.quant.fp4_linear import Fp4Embedding, Fp4Linear
 
 if TYPE_CHECKING:
     from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
@@ -143,6 +143,8 @@ def packable(model: Transformer) -> bool:
     head = model.lm_head
     if isinstance(head, BlockLinear):
         return True
+    if isinstance(head, Fp4Linear):  # (its .weight would dequantize the whole head)
+        return not head.codes.is_cuda and cpu_gemv.available()
     weight = getattr(head, "weight", None)
     return isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.is_cpu and cpu_gemv.available()
 
@@ -169,9 +171,12 @@ def chain_weights(drafter: HeadsDrafter, model: Transformer) -> cpu_block.HeadsW
     """The packed sequential heads, the draft-vocabulary rows, the final norm and the target's embedding (float32
     or bfloat16) bound for cpu_block.draft_chain; None where it cannot run them (no compiled block library,
     parallel heads, norms or an embedding of another kind)."""
-    heads, norm, embed = drafter.heads, drafter.output.norm, getattr(model.embed, "weight", None)
+    heads, norm, embed = drafter.heads, drafter.output.norm, model.embed
     if not (cpu_block.available() and cpu_ops.available() and heads.cfg.sequential):
         return None
+    # an embedding held as MXFP4 (quant/fp4_linear.Fp4Embedding) has no table: the chain reads a bf16 copy (half
+    # the bytes of float32; the drafts' inputs only, verification reads the target's own)
+    embed = embed.weight.to(torch.bfloat16) if isinstance(embed, Fp4Embedding) else getattr(embed, "weight", None)
     if not isinstance(embed, torch.Tensor) or embed.dtype not in cpu_block.EMBED_DTYPES or not embed.is_contiguous():
         return None
     norms = [n for b in heads.blocks for n in (b.state_norm, b.embed_norm)]
