@@ -23,7 +23,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
-from specchat.engine import cpu_fusion
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
@@ -390,10 +389,9 @@ class Engine:
                 self.weights.set(fmt)
                 sources = self.weights.sources
                 if switched and fmt == "bf16" and self.pool.cpu_kernels and sources.model_path is not None:
-                    # the dense linears read back from the file: the CPU kernels' GGUF blocks again, as at load,
-                    # and a bf16 model's linears cpu_weights.Bf16Linear again
+                    # the dense linears read back from the file: the CPU kernels' GGUF blocks (a bf16 model's
+                    # Bf16Linear) again, as at load
                     pack_cpu_weights(self.model, sources.model_path, sources.dense_file, self.config.cpu_act)
-                    cpu_fusion.fuse(self.model)
                 if switched and isinstance(self.model, FusedTransformer):  # the switch's dense linears are plain ones
                     fuse_linears(self.model)
                 self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights

@@ -171,15 +171,17 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, progress: P
 
 
 def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu_act: str) -> None:
-    """A CPU model read from a GGUF file, for the C kernels (not --eager): its linears that the file stores as Q4_1 /
-    Q8_0 blocks read them as stored, with the activation rows `cpu_act` picks. At load, and again where a switch
-    back from MXFP4 weights (Engine.set_weights) has put plain dense linears in their place."""
+    """A CPU model, for the C kernels (not --eager): its linears that a GGUF file stores as Q4_1 / Q8_0 blocks read
+    them as stored, with the activation rows `cpu_act` picks, and the CPU kernels' modules swapped in
+    (cpu_fusion.fuse; a bf16 model's linears: cpu_weights.Bf16Linear). At load, and again where a switch back from
+    MXFP4 weights (Engine.set_weights) has put plain dense linears in their place."""
     if path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
     if cpu_act == "int8":
         use_cpu_activations(model, cpu_act, cpu_kernels=True)
     elif cpu_act == "auto" and cpu_gemv_i8.available():
         set_activations(model, "int8")  # the GGUF-block linears, if the model has any; the rest stays float
+    cpu_fusion.fuse(model)
 
 
 def use_cpu_activations(model: Transformer, activations: str, cpu_kernels: bool) -> None:
@@ -248,7 +250,6 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
         torch.set_num_threads(cpu_threads())
     if cpu_kernels:
         pack_cpu_weights(model, path, converted, config.cpu_act)
-        cpu_fusion.fuse(model)
     elif config.cpu_act == "int8":  # --device auto that found CUDA: its one-line error
         use_cpu_activations(model, config.cpu_act, cpu_kernels)
     budget = config.kv_memory or default_kv_budget(device)

@@ -222,7 +222,7 @@ class HeadsDrafter(Drafter):
         min_confidence: float | None = None,
     ) -> None:
         """draft_rows: draft from the first (most frequent) entries of the heads' draft vocabulary only, fewer
-        output rows to read per draft position (default: heads_cpu.drafting's where the heads read Q8_0 blocks on
+        output rows to read per draft position (default: heads_cpu.DRAFT_ROWS where the heads read Q8_0 blocks on
         the CPU, all of them elsewhere). min_confidence: a greedy chain of packed heads stops before the first
         draft whose chain probability falls below it (default heads_cpu.drafting's; 0: the step's k always)."""
         weight = model.norm.weight  # (the model's device and dtype; an MXFP4 lm_head's .weight dequantizes it whole)
@@ -231,7 +231,7 @@ class HeadsDrafter(Drafter):
         tuned = heads_cpu.drafting(model)
         self.hybrid_k = tuned.hybrid_k if packed else None  # what they draft at most in ngram+heads
         if draft_rows is None and packed:
-            draft_rows = tuned.rows
+            draft_rows = heads_cpu.DRAFT_ROWS
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
         self.cfg = heads.cfg
         self.taps = (heads.cfg.tap,)

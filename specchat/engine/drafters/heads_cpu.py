@@ -81,10 +81,9 @@ FLOAT_HYBRID_HEADS_K = 5
 
 
 class Drafting(NamedTuple):
-    """How packed heads draft on a target: draft-vocabulary rows, confidence floor, gated k, and the most they draft
-    in ngram+heads where the n-grams miss."""
+    """How packed heads draft on a target: confidence floor, gated k, and the most they draft in ngram+heads where
+    the n-grams miss (they draft from DRAFT_ROWS rows on every target)."""
 
-    rows: int
     min_confidence: float
     gated_k: int
     hybrid_k: int
@@ -94,8 +93,8 @@ def drafting(model: Transformer) -> Drafting:
     """The packed heads' settings for this target: weights the CPU's block kernels read (GGUF blocks, or MXFP4
     codes), where a verification row costs ~12% of a step, or a bf16 model's linears, where it costs a few %."""
     if isinstance(model.lm_head, BlockLinear | Fp4Linear):
-        return Drafting(DRAFT_ROWS, MIN_CONFIDENCE, GATED_K, HYBRID_HEADS_K)
-    return Drafting(DRAFT_ROWS, FLOAT_MIN_CONFIDENCE, FLOAT_GATED_K, FLOAT_HYBRID_HEADS_K)
+        return Drafting(MIN_CONFIDENCE, GATED_K, HYBRID_HEADS_K)
+    return Drafting(FLOAT_MIN_CONFIDENCE, FLOAT_GATED_K, FLOAT_HYBRID_HEADS_K)
 
 
 def block_linear(weight: torch.Tensor, blocks: tuple[torch.Tensor, ...], kind: str) -> BlockLinear:
