@@ -377,6 +377,24 @@ static void fp4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, 
 }
 #else
 /* Without AVX-512 or AVX2: the plain loops, each output row alone (16 partial sums, then their sum). */
+
+/* One block's dequantized weights (lo: its first 16, or its even elements for MXFP4; hi: the rest) times `rows`
+   rows of x, into each row's 16 partial sums. */
+static void block_sums(int rows, int K, const float* x, int g, const float* lo, const float* hi, float acc[][16]) {
+  for (int i = 0; i < rows; i++) {
+    const float* xg = x + (size_t)i * K + g * 32;
+    for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
+  }
+}
+
+/* Each row's 16 partial sums, added in order: output n of every row. */
+static void store_sums(int rows, int N, float acc[][16], float* y, int n) {
+  for (int i = 0; i < rows; i++) {
+    float s = 0;
+    for (int j = 0; j < 16; j++) s += acc[i][j];
+    y[(size_t)i * N + n] = s;
+  }
+}
 static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m,
                      float* y, int n0, int n1) {
   const int G = K / 32;
@@ -392,16 +410,9 @@ static void q4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, c
         lo[j] = dr[g] * (float)(b[j] & 15) + mr[g];
         hi[j] = dr[g] * (float)(b[j] >> 4) + mr[g];
       }
-      for (int i = 0; i < rows; i++) {
-        const float* xg = x + (size_t)i * K + g * 32;
-        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
-      }
+      block_sums(rows, K, x, g, lo, hi, acc);
     }
-    for (int i = 0; i < rows; i++) {
-      float s = 0;
-      for (int j = 0; j < 16; j++) s += acc[i][j];
-      y[(size_t)i * N + n] = s;
-    }
+    store_sums(rows, N, acc, y, n);
   }
 }
 
@@ -418,16 +429,9 @@ static void q8_chunk(int rows, int N, int K, const float* x, const int8_t* q, co
         lo[j] = (float)qr[g * 32 + j] * dr[g];
         hi[j] = (float)qr[g * 32 + j + 16] * dr[g];
       }
-      for (int i = 0; i < rows; i++) {
-        const float* xg = x + (size_t)i * K + g * 32;
-        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
-      }
+      block_sums(rows, K, x, g, lo, hi, acc);
     }
-    for (int i = 0; i < rows; i++) {
-      float s = 0;
-      for (int j = 0; j < 16; j++) s += acc[i][j];
-      y[(size_t)i * N + n] = s;
-    }
+    store_sums(rows, N, acc, y, n);
   }
 }
 
@@ -446,16 +450,9 @@ static void fp4_chunk(int rows, int N, int K, const float* x, const uint8_t* q, 
         lo[j] = e2m1[qr[g * 16 + j] & 15] * scale;
         hi[j] = e2m1[qr[g * 16 + j] >> 4] * scale;
       }
-      for (int i = 0; i < rows; i++) {
-        const float* xg = x + (size_t)i * K + g * 32;
-        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
-      }
+      block_sums(rows, K, x, g, lo, hi, acc);
     }
-    for (int i = 0; i < rows; i++) {
-      float t = 0;
-      for (int j = 0; j < 16; j++) t += acc[i][j];
-      y[(size_t)i * N + n] = t;
-    }
+    store_sums(rows, N, acc, y, n);
   }
 }
 
@@ -470,68 +467,44 @@ static void bf16_chunk(int rows, int N, int K, const float* x, const uint16_t* w
         memcpy(lo + j, &l, 4);
         memcpy(hi + j, &h, 4);
       }
-      for (int i = 0; i < rows; i++) {
-        const float* xg = x + (size_t)i * K + g * 32;
-        for (int j = 0; j < 16; j++) acc[i][j] += xg[j] * lo[j] + xg[j + 16] * hi[j];
-      }
+      block_sums(rows, K, x, g, lo, hi, acc);
     }
-    for (int i = 0; i < rows; i++) {
-      float s = 0;
-      for (int j = 0; j < 16; j++) s += acc[i][j];
-      y[(size_t)i * N + n] = s;
-    }
+    store_sums(rows, N, acc, y, n);
   }
 }
 #endif
-/* Outputs a .. b - 1 of all M rows, MMAX rows at a time. */
-static void q4_rows(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
-                    int a, int b) {
-  for (int i0 = 0; i0 < M; i0 += MMAX) {
-    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
-    q4_chunk(rows, N, K, x + (size_t)i0 * K, q, d, m, y + (size_t)i0 * N, a, b);
+#define UNPAREN(...) __VA_ARGS__
+/* KIND_rows: outputs a .. b - 1 of all M rows, MMAX rows at a time. KIND_all: the whole product; `threads` > 1
+   splits the outputs n among OpenMP threads, each taking its outputs of every row chunk in one region (as
+   i8_gemm; one thread calls them directly: entering an OpenMP region costs a few microseconds even when it runs
+   on one). WEIGHTS: KIND_chunk's weight parameters, ARGS: their names. */
+#define BY_OUTPUTS(KIND, WEIGHTS, ARGS)                                                                         \
+  static void KIND##_rows(int M, int N, int K, const float* x, UNPAREN WEIGHTS, float* y, int a, int b) {       \
+    for (int i0 = 0; i0 < M; i0 += MMAX) {                                                                      \
+      const int rows = M - i0 < MMAX ? M - i0 : MMAX;                                                           \
+      KIND##_chunk(rows, N, K, x + (size_t)i0 * K, UNPAREN ARGS, y + (size_t)i0 * N, a, b);                     \
+    }                                                                                                           \
+  }                                                                                                             \
+  static void KIND##_all(int M, int N, int K, const float* x, UNPAREN WEIGHTS, float* y, int threads) {         \
+    if (threads > 1) {                                                                                          \
+      _Pragma("omp parallel for num_threads(threads) schedule(static)")                                         \
+      for (int t = 0; t < threads; t++)                                                                         \
+        KIND##_rows(M, N, K, x, UNPAREN ARGS, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads)); \
+    } else                                                                                                      \
+      KIND##_rows(M, N, K, x, UNPAREN ARGS, y, 0, N);                                                           \
   }
-}
+BY_OUTPUTS(q4, (const uint8_t* q, const float* d, const float* m), (q, d, m))
+BY_OUTPUTS(q8, (const int8_t* q, const float* d), (q, d))
+BY_OUTPUTS(fp4, (const uint8_t* q, const uint8_t* s), (q, s))
+BY_OUTPUTS(bf16, (const uint16_t* w), (w))
 
-/* The whole product; `threads` > 1 splits the outputs n among OpenMP threads, each taking its outputs of every row
-   chunk in one region (as i8_gemm; one thread calls them directly: entering an OpenMP region costs a few
-   microseconds even when it runs on one). */
 void q4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const float* d, const float* m, float* y,
              int threads) {
-#ifdef _OPENMP
-  if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++)
-      q4_rows(M, N, K, x, q, d, m, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
-  } else
-#endif
-    q4_rows(M, N, K, x, q, d, m, y, 0, N);
-}
-
-/* Outputs a .. b - 1 of all M rows, MMAX rows at a time. */
-static void q8_rows(int M, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int a, int b) {
-  for (int i0 = 0; i0 < M; i0 += MMAX) {
-    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
-    q8_chunk(rows, N, K, x + (size_t)i0 * K, q, d, y + (size_t)i0 * N, a, b);
-  }
+  q4_all(M, N, K, x, q, d, m, y, threads);
 }
 
 void q8_gemm(int M, int N, int K, const float* x, const int8_t* q, const float* d, float* y, int threads) {
-#ifdef _OPENMP
-  if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++)
-      q8_rows(M, N, K, x, q, d, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
-  } else
-#endif
-    q8_rows(M, N, K, x, q, d, y, 0, N);
-}
-
-static void fp4_rows(int M, int N, int K, const float* x, const uint8_t* q, const uint8_t* s, float* y, int a,
-                     int b) {
-  for (int i0 = 0; i0 < M; i0 += MMAX) {
-    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
-    fp4_chunk(rows, N, K, x + (size_t)i0 * K, q, s, y + (size_t)i0 * N, a, b);
-  }
+  q8_all(M, N, K, x, q, d, y, threads);
 }
 
 /* y = x @ W^T for an MXFP4 W (codes [N, K/2], scales [N, K/32], no NaN block; K a multiple of 32), float32 x and y:
@@ -560,36 +533,15 @@ int fp4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const uint8_
       xs[i + 16 + j] = v[2 * j + 1];
     }
   }
-#ifdef _OPENMP
-  if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++)
-      fp4_rows(M, N, K, xs, q, s, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
-  } else
-#endif
-    fp4_rows(M, N, K, xs, q, s, y, 0, N);
+  fp4_all(M, N, K, xs, q, s, y, threads);
   free(xs);
   return 0;
-}
-
-static void bf16_rows(int M, int N, int K, const float* x, const uint16_t* w, float* y, int a, int b) {
-  for (int i0 = 0; i0 < M; i0 += MMAX) {
-    const int rows = M - i0 < MMAX ? M - i0 : MMAX;
-    bf16_chunk(rows, N, K, x + (size_t)i0 * K, w, y + (size_t)i0 * N, a, b);
-  }
 }
 
 /* y = x @ W^T for bfloat16 W [N, K] (K a multiple of 32), float32 x and y: the weights widened in registers (exact),
    each (row, output) summed as the Q8_0 kernels sum it, so a row's result does not depend on its batch. */
 void bf16_gemm(int M, int N, int K, const float* x, const uint16_t* w, float* y, int threads) {
-#ifdef _OPENMP
-  if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++)
-      bf16_rows(M, N, K, x, w, y, (int)((long)N * t / threads), (int)((long)N * (t + 1) / threads));
-  } else
-#endif
-    bf16_rows(M, N, K, x, w, y, 0, N);
+  bf16_all(M, N, K, x, w, y, threads);
 }
 """
 
