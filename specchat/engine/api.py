@@ -25,11 +25,14 @@ Prompt = str | list[dict] | list[int]
 def weights_label(memory: dict, dtype: str | None = None) -> str:
     """The running weights named from an engine's memory(): the quantized format and how it was made, else the
     model dtype (`dtype` as asked with --dtype, else the engine's `weights_dtype`, else read off the bytes per
-    weight: float32 and bfloat16 differ in width). memory() says "bf16" for any unquantized weights."""
+    weight: float32 and bfloat16 differ in width). memory() says "bf16" for any unquantized weights; linears read
+    as a GGUF file's blocks on the CPU are named by their block types ("gguf Q4_1+Q8_0")."""
     fmt = memory.get("weights_format")
     if fmt and fmt != "bf16":
         method = memory.get("weights_method")
         return f"{fmt} ({method})" if method else str(fmt)
+    if memory.get("weights_gguf"):
+        return f"gguf {memory['weights_gguf']}"
     if dtype is not None or memory.get("weights_dtype"):
         return dtype or memory["weights_dtype"]
     linear, bf16 = memory.get("linear_weight_bytes"), memory.get("linear_weight_bytes_bf16")

@@ -59,6 +59,50 @@ class BlockLinear(nn.Linear):
     kind: str  # "q4_1" | "q8_0"
     gemm_for_many_rows = True  # float rows: above cpu_gemv.MAX_ROWS the float GEMM is faster than the block kernels
 
+    def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
+        # Only reached where normal lookup fails: `.weight` after `drop_weight` is the blocks' values, made for
+        # the caller (the heads' draft rows, a switch to MXFP4, GPTQ), never kept.
+        if name == "weight" and "weight" not in self._parameters and "codes" in self._buffers:
+            return self.dequantized()
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # A new weight is not what the blocks hold: the module becomes a plain linear over it (GPTQ rebinds the
+        # weights of a block's twin to their quantized values and runs it; the blocks would ignore them).
+        if name == "weight" and isinstance(value, torch.Tensor):
+            _to_plain(self, keep_weight=False)
+        nn.Module.__setattr__(self, name, value)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight's float32 values from its blocks: the loader's values, bit for bit (gguf's dequantization,
+        kernels/cpu_gemv.py)."""
+        return self._dequantize(self._buffers["codes"], self._buffers["d"], self._buffers.get("m"))
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` [R] of the weight, dequantized: [R, K] in `dtype` (as Fp4Linear.rows)."""
+        codes, d, m = self._buffers["codes"], self._buffers["d"], self._buffers.get("m")
+        return self._dequantize(codes[index], d[index], None if m is None else m[index]).to(dtype)
+
+    def _dequantize(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        return cpu_gemv.q4_dequantize(codes, d, m) if self.kind == "q4_1" else cpu_gemv.q8_dequantize(codes, d)
+
+    @property
+    def gguf_type(self) -> str:
+        """The file's block type, as GGUF names it ("Q4_1", "Q8_0"): what the memory panel shows."""
+        return self.kind.upper()
+
+    @property
+    def holds_weight(self) -> bool:
+        """Whether the float weight is resident beside the blocks (see `drop_weight`)."""
+        return "weight" in self._parameters
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of this weight: its blocks, their int8 repack if made (buffers too), the float weight
+        if held, the bias."""
+        tensors = [*self._parameters.values(), *self._buffers.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def bound(self) -> cpu_gemv.Bound:
         """The blocks checked and bound for the kernels (once; again after the buffers were replaced, e.g. .to())."""
         bound = self.__dict__.get("_bound")
@@ -104,6 +148,8 @@ class Int8BlockLinear(BlockLinear):
                 self.codes,
                 cpu_gemv_i8.Bound(self.codes, self.d, self.m if self.kind == "q4_1" else None),
             )
+            for i, t in enumerate(bound[1].tensors):  # buffers, so that the model's bytes count them
+                self.register_buffer(f"repacked_{i}", t, persistent=False)
         return bound[1]
 
 
@@ -142,7 +188,10 @@ ACTIVATION_CLASSES = {"fp32": BlockLinear, "int8": Int8BlockLinear}  # config.CP
 def set_activations(model: nn.Module, activations: str) -> int:
     """Make the packed linears multiply with `activations` ("fp32" or "int8") rows; returns how many were packed.
     int8 needs cpu_gemv_i8.available() (a CPU with AVX512-VNNI or AVX2); the caller checks it. The repacked blocks stay
-    with a module once made, so switching back and forth (benchmarks/spec_decode.py --cpu-act) costs nothing."""
+    with a module once made, so switching back and forth (benchmarks/spec_decode.py --cpu-act) costs nothing.
+
+    fp32 rows take the float GEMM for a prompt: a linear's float weight dropped under int8 rows
+    (`drop_float_weights`) is made again, from the blocks."""
     cls = ACTIVATION_CLASSES[activations]
     assert cls is BlockLinear or cpu_gemv_i8.available(), "cpu_gemv_i8.available() is False"
     count = 0
@@ -150,8 +199,36 @@ def set_activations(model: nn.Module, activations: str) -> int:
         if isinstance(module, BlockLinear):
             module.__class__ = cls
             module.bound()  # int8: repacked now (~0.5 s for the default model), not in the first step
+            if cls.gemm_for_many_rows:
+                _restore_weight(module)
             count += 1
     return count
+
+
+def drop_float_weights(model: nn.Module) -> int:
+    """Free the float weights of the linears that read only their blocks (int8 rows: a prompt's too), except one
+    another module holds (a tied output head's is the embedding's); returns how many. Their `.weight` then reads
+    as the blocks' values, made on each read. Where the weights were dequantized from the file at this load (no
+    cache yet) they were ~425 MB of the default model's process, float32; `set_activations(model, "fp32")` makes
+    them again."""
+    held: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                held[id(parameter)] = held.get(id(parameter), 0) + 1
+    count = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight") if isinstance(module, Int8BlockLinear) else None
+        if weight is not None and held[id(weight)] == 1:
+            del module._parameters["weight"]
+            count += 1
+    return count
+
+
+def _restore_weight(linear: BlockLinear) -> None:
+    """The float weight resident again (dequantized from the blocks: the values it had), where it was dropped."""
+    if "weight" not in linear._parameters:
+        linear._parameters["weight"] = nn.Parameter(linear.dequantized(), requires_grad=False)
 
 
 def _q4_1(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
@@ -304,10 +381,18 @@ def unpack(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, BlockLinear):
-            for buffer in ("codes", "d", "m"):
-                module._buffers.pop(buffer, None)
-            module.__dict__.pop("_bound", None)
-            module.__dict__.pop("_bound_i8", None)
-            module.__class__ = nn.Linear
+            _to_plain(module, keep_weight=True)
             count += 1
     return count
+
+
+def _to_plain(linear: BlockLinear, keep_weight: bool) -> None:
+    """Re-class a BlockLinear as nn.Linear, its blocks and their bindings dropped (the float weight made again
+    from them first, if `keep_weight` and it was dropped)."""
+    if keep_weight:
+        _restore_weight(linear)
+    for buffer in [name for name in linear._buffers if name in ("codes", "d", "m") or name.startswith("repacked_")]:
+        del linear._buffers[buffer]
+    linear.__dict__.pop("_bound", None)
+    linear.__dict__.pop("_bound_i8", None)
+    linear.__class__ = nn.Linear

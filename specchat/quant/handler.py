@@ -210,13 +210,14 @@ class WeightSwitch:
         """Weight accounting for the UI, `--json` and benchmarks: all weights, the linear ones (the output head
         included), and the same linears in bf16; the running form, how its MXFP4 weights were made, and what
         is kept in memory to switch back (nothing, unless the model has no file)."""
-        linear, linear_bf16 = 0, 0
+        linear, linear_bf16, gguf_types = 0, 0, set()
         for module in self.model.modules():
-            if isinstance(module, nn.Linear):
-                linear += module.weight.numel() * module.weight.element_size()
-                linear_bf16 += module.weight.numel() * 2
-            elif isinstance(module, Fp4Linear):  # packed codes + scales are its only copy of the weight
-                linear += module.nbytes
+            if isinstance(module, (nn.Linear, Fp4Linear)):
+                gguf_types.add(getattr(module, "gguf_type", None))
+                # An Fp4Linear's packed codes + scales are its only copy of the weight; a CPU linear reading a GGUF
+                # file's blocks (engine/cpu_weights.py) counts its blocks and what it holds beside them.
+                stored = getattr(module, "nbytes", None)
+                linear += module.weight.numel() * module.weight.element_size() if stored is None else stored
                 linear_bf16 += module.in_features * module.out_features * 2
         return {
             "weights_bytes": weight_bytes(self.model),
@@ -226,6 +227,8 @@ class WeightSwitch:
             "weights_dtype": str(model_dtype(self.model)).removeprefix("torch."),
             "weights_method": self.method,  # how the MXFP4 weights were made: gptq-rot (cached), rtn-mse, ...
             "weights_restore_bytes": self.stash_bytes,  # memory kept to switch back
+            # the GGUF block types the CPU kernels read the file's linears as ("Q4_1+Q8_0"), None where none
+            "weights_gguf": "+".join(sorted(t for t in gguf_types if t)) or None,
         }
 
 

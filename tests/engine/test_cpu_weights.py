@@ -37,14 +37,43 @@ def test_every_linear_is_packed(default_engine, eager_engine):
     assert not any(isinstance(m, BlockLinear) for m in eager_engine.model.modules())
 
 
-def test_packed_weights_are_the_float_weights(default_engine):
-    for module in default_engine.model.modules():
+def test_packed_weights_are_the_float_weights(default_engine, eager_engine):
+    """The blocks hold the loader's float32 values bit for bit, whole and by rows (the heads' draft rows)."""
+    eager = dict(eager_engine.model.named_modules())
+    for name, module in default_engine.model.named_modules():
         if isinstance(module, BlockLinear):
-            if module.kind == "q4_1":
-                weight = cpu_gemv.q4_dequantize(module.codes, module.d, module.m)
-            else:
-                weight = cpu_gemv.q8_dequantize(module.codes, module.d)
-            assert torch.equal(weight, module.weight)
+            assert torch.equal(module.dequantized(), eager[name].weight), name
+            index = torch.tensor([0, 7, module.out_features - 1])
+            assert torch.equal(module.rows(index, torch.float32), eager[name].weight[index]), name
+
+
+def test_int8_rows_free_the_float_weights(default_engine, eager_engine):
+    """Under int8 activation rows (the default where the CPU has them) no block linear reads its float weight, so
+    the load drops them (the tied head's is the embedding's); `.weight` still reads as the values, and the model's
+    counted bytes are the blocks'. fp32 rows take the float GEMM for a prompt: the weights come back, the same
+    values."""
+    from specchat.engine.cpu_weights import drop_float_weights, set_activations
+    from specchat.kernels import cpu_gemv_i8
+    from specchat.quant.modules import weight_bytes
+
+    if not cpu_gemv_i8.available():
+        pytest.skip("no int8 activation kernels on this CPU")
+    model, wqkv = default_engine.model, eager_engine.model.layers[0].attn.wqkv.weight
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear) and m is not model.lm_head]
+    assert layers and all(m.holds_weight for m in layers)  # the fixture's fp32 rows
+    fp32_bytes = weight_bytes(model)
+    try:
+        set_activations(model, "int8")
+        assert drop_float_weights(model) == len(layers)
+        assert not any(m.holds_weight for m in layers)
+        assert model.lm_head.weight is model.embed.weight
+        assert torch.equal(layers[0].weight, wqkv)
+        memory = default_engine.memory()
+        assert memory["weights_bytes"] == weight_bytes(model) < fp32_bytes * 0.7
+        assert memory["weights_gguf"] == "Q4_1+Q8_0"
+    finally:
+        set_activations(model, "fp32")
+    assert all(m.holds_weight for m in layers) and torch.equal(layers[0]._parameters["weight"], wqkv)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -126,3 +155,23 @@ def test_auto_dtype_keeps_float32_where_the_block_kernels_read_a_gguf(tmp_path, 
     assert any(isinstance(m, BlockLinear) for m in engine.model.modules())
     eager = Engine.load(EngineConfig(model=str(path), device="cpu", eager=True))
     assert next(eager.model.parameters()).dtype == torch.bfloat16
+
+
+def test_a_new_weight_makes_a_block_linear_plain():
+    """Assigning a weight to a linear that reads GGUF blocks (GPTQ does, to a block's twin, with the quantized
+    values) makes it a plain linear over that weight: the blocks would go on multiplying the old one."""
+    from torch import nn
+
+    from specchat.engine.cpu_weights import drop_float_weights, quantize_q8_0, set_activations
+    from specchat.engine.drafters.heads_cpu import block_linear
+
+    torch.manual_seed(0)
+    old = torch.randn(48, 64)
+    linear = block_linear(old, quantize_q8_0(old), "q8_0")
+    drop_float_weights(linear)
+    new = torch.randn(48, 64)
+    linear.weight = nn.Parameter(new, requires_grad=False)
+    assert type(linear) is nn.Linear and not linear._buffers
+    x = torch.randn(3, 64)
+    assert torch.equal(linear(x), x @ new.T)
+    assert set_activations(linear, "fp32") == 0

@@ -19,6 +19,7 @@ def test_unquantized_weights_are_named_by_their_dtype():
     assert weights_format(BFLOAT16, "float16") == "float16"  # as wide as bfloat16: only --dtype tells them apart
     assert weights_format({**FLOAT32, "weights_format": "mxfp4", "weights_method": "gptq"}, "float32") == "mxfp4 (gptq)"
     assert weights_format({}) == "n/a"
+    assert weights_format({**FLOAT32, "weights_gguf": "Q4_1+Q8_0"}, "float32") == "gguf Q4_1+Q8_0"  # CPU blocks
 
 
 async def test_the_panel_and_the_welcome_name_the_dtype_asked_for():

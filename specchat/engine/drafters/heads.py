@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat.engine.cpu_weights import BlockLinear
 from specchat.engine.cuda_graph import GraphedFunction
 from specchat.engine.drafters import heads_cpu
 from specchat.engine.drafters.base import Draft, Drafter
@@ -165,7 +166,8 @@ class DraftVocabOutput:
     def __init__(self, model: Transformer, draft_vocab: torch.Tensor) -> None:
         self.norm = model.norm
         head = model.lm_head
-        if isinstance(head, Fp4Linear):  # MXFP4: only these rows dequantized, not the whole head
+        if isinstance(head, Fp4Linear) or (isinstance(head, BlockLinear) and not head.holds_weight):
+            # MXFP4, or GGUF blocks without their float weight (cpu_weights.drop_weight): only these rows dequantized
             rows = head.rows(draft_vocab.to(head.codes.device), model.norm.weight.dtype)
         else:
             weight = head.weight.detach()
