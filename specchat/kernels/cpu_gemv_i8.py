@@ -39,6 +39,7 @@ from functools import cache
 import torch
 
 from specchat.kernels import cpu_build, cpu_gemv
+from specchat.kernels.mxfp4 import E8M0_NAN, e2m1_to_float, pack_nibbles, unpack_nibbles
 
 BLOCK = cpu_gemv.BLOCK  # weights per quantization block (GGUF Q4_1 / Q8_0), and activations per int8 scale
 GROUP = 16  # output rows interleaved in one vector: one 32-bit lane each
@@ -56,7 +57,7 @@ C_SOURCE = r"""
 #define I8_PF 1024
 
 /* Activation rows quantized per block of 32: q [M, K] int8, d [M, G] scale, s [M, G] = d * sum(q) (Q4_1's
-   offset term), sum [M, G] = sum(q) (Q8_0's correction of the +128 codes). */
+   offset term), sum [M, G] = sum(q) (the correction of Q8_0's +128 codes and MXFP4's +12 ones). */
 typedef struct {
   int8_t* q;
   float* d;
@@ -64,33 +65,81 @@ typedef struct {
   int32_t* sum;
 } Acts;
 
+enum { I8_Q8 = 0, I8_Q4 = 1, I8_FP4 = 2 }; /* the weights a tile reads: GGUF Q8_0, GGUF Q4_1, MXFP4 */
+
+/* MXFP4 element codes (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 by code & 7) as dpbusd's unsigned
+   operand: twice the value plus FP4_OFFSET, 0..24, exact. One shuffle_epi8 looks up 16 codes' bytes at once. */
+#define FP4_OFFSET 12
+#define FP4_TABLE 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+
+/* A block of 32 times R = H_32 / sqrt(32), in place: a RotatedFp4Linear's rows (the rotation its weight was
+   quantized under) as cpu_gemv's fp4_gemm rotates them, the same operations in the same order (`fwht_ref`). */
+static inline void i8_fwht32(float v[32]) {
+  for (int h = 1; h < 32; h *= 2)
+    for (int j = 0; j < 32; j += 2 * h)
+      for (int t = j; t < j + h; t++) {
+        const float a = v[t], b = v[t + h];
+        v[t] = a + b;
+        v[t + h] = a - b;
+      }
+  for (int j = 0; j < 32; j++) v[j] *= 0.17677669529663687f; /* 1 / sqrt(32) */
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define I8_INLINE static inline __attribute__((always_inline))
 
 #define I8_OK 1
 
-/* dx = amax / 127, xq = round-half-even(x * (1 / dx)) (cvtps_epi32 under the default rounding mode), 0 where
-   amax = 0; |x * (1 / dx)| <= 127 up to one rounding, so the saturating pack to int8 never clips. */
-void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
-  const int G = K / 32;
-  for (size_t b = 0; b < (size_t)M * G; b++) {
-    const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
-    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-    const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-    _mm_storeu_si128((__m128i*)(q + b * 32), _mm512_cvtsepi32_epi8(ql));
-    _mm_storeu_si128((__m128i*)(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
-    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
-    d[b] = db;
-    sum[b] = total;
-    s[b] = db * (float)total;
+/* One block of 32 (its elements 0-15 in lo, 16-31 in hi): dx = amax / 127, xq = round-half-even(x * (1 / dx))
+   (cvtps_epi32 under the default rounding mode), 0 where amax = 0; |x * (1 / dx)| <= 127 up to one rounding, so the
+   saturating pack to int8 never clips. */
+I8_INLINE void i8_quantize_lanes(__m512 lo, __m512 hi, int8_t* q, float* d, float* s, int32_t* sum) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+  const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+  const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(ql));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qh));
+  const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+  *d = db;
+  *sum = total;
+  *s = db * (float)total;
+}
+
+/* One butterfly stage of i8_fwht32 over 16 lanes, for h = 1, 2, 4 or 8: `partner` holds each lane's partner (lane
+   t +- h), `upper` marks the lanes t + h, which get partner - v = v[t] - v[t + h]; the others v + partner. Each
+   lane is the scalar loop's a + b or a - b of the same two floats, so the same bits. */
+I8_INLINE __m512 butterfly(__m512 v, __m512 partner, __mmask16 upper) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, partner), upper, partner, v);
+}
+
+I8_INLINE void i8_quantize_block(int rotate, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
+  __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  if (rotate) { /* i8_fwht32 in registers: h = 1, 2, 4, 8 within each half, then 16 across them */
+    for (int half = 0; half < 2; half++) {
+      __m512 v = half ? hi : lo;
+      v = butterfly(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);
+      v = butterfly(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);
+      v = butterfly(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);
+      v = butterfly(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);
+      if (half) hi = v; else lo = v;
+    }
+    const __m512 scale = _mm512_set1_ps(0.17677669529663687f), sum16 = _mm512_add_ps(lo, hi);
+    hi = _mm512_mul_ps(_mm512_sub_ps(lo, hi), scale);
+    lo = _mm512_mul_ps(sum16, scale);
   }
+  i8_quantize_lanes(lo, hi, q, d, s, sum);
 }
 
 /* 16 float16 scales -> float32 (exact: every float16 is a float32). */
 I8_INLINE __m512 load_half16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+/* 16 E8M0 scales e -> the float32 whose exponent bits are e: 2^(e - 127) for e = 1..254, 0.0 for e = 0 (the
+   exact 2^-127 is a float32 subnormal; repack_fp4 refuses e = 255, NaN). */
+I8_INLINE __m512 load_e8m0_16(const uint8_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)), 23));
+}
 
 I8_INLINE __m512i broadcast_word(const int8_t* p) {
   int32_t word;
@@ -185,6 +234,46 @@ I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a,
   store_groups(R, NR, N, acc, y, grp);
 }
 
+/* MXFP4 as Q4_1's tile reads its nibbles (repack_fp4 stores them in Q4_1's order), each code then looked up as
+   2 e2m1(code) + FP4_OFFSET; the low chain starts at -FP4_OFFSET * sum(xq), so the two end as sum_j 2 e2m1(c_j) xq_j,
+   exactly. Then acc += (2^(e - 127) * (dx / 2)) * isum. */
+I8_INLINE void fp4i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const uint8_t* e,
+                          float* y, int grp) {
+  const int G = K / 32;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_TABLE));
+  __m512 acc[I8_MMAX][4];
+  for (int i = 0; i < R; i++)
+    for (int r = 0; r < NR; r++) acc[i][r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512i lo_sum[I8_MMAX][4], hi_sum[I8_MMAX][4];
+    for (int i = 0; i < R; i++)
+      for (int r = 0; r < NR; r++) {
+        lo_sum[i][r] = _mm512_set1_epi32(-FP4_OFFSET * a->sum[(size_t)i * G + g]);
+        hi_sum[i][r] = _mm512_setzero_si512();
+      }
+    for (int v = 0; v < 4; v++)
+      for (int r = 0; r < NR; r++) {
+        const uint8_t* b = w + (((size_t)(grp + r) * G + g) * 4 + v) * 64;
+        _mm_prefetch((const char*)(b + I8_PF), _MM_HINT_T0);
+        const __m512i packed = _mm512_loadu_si512(b);
+        const __m512i wl = _mm512_shuffle_epi8(table, _mm512_and_si512(packed, nibble));
+        const __m512i wh = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble));
+        for (int i = 0; i < R; i++) {
+          const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
+          lo_sum[i][r] = _mm512_dpbusd_epi32(lo_sum[i][r], wl, broadcast_word(xq));
+          hi_sum[i][r] = _mm512_dpbusd_epi32(hi_sum[i][r], wh, broadcast_word(xq + 16));
+        }
+      }
+    for (int r = 0; r < NR; r++) {
+      const __m512 dg = load_e8m0_16(e + ((size_t)(grp + r) * G + g) * 16);
+      for (int i = 0; i < R; i++)
+        acc[i][r] = combine(acc[i][r], _mm512_add_epi32(lo_sum[i][r], hi_sum[i][r]), dg,
+                            0.5f * a->d[(size_t)i * G + g]);
+    }
+  }
+  store_groups(R, NR, N, acc, y, grp);
+}
+
 /* Groups g0 <= group < g1 for `rows` activation rows: NR groups at a time, then the rest one at a time. The tile
    shape changes the speed, never the values. */
 #define I8_TILES(TILE, R, NR, ...)                                             \
@@ -215,12 +304,19 @@ static void q8i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, 
   I8_DISPATCH(q8i8_tile, w, d)
 }
 
-static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d, const uint16_t* m,
-                     float* y, int g0, int g1) {
-  if (m != NULL)
-    q4i8_chunk(rows, N, K, a, w, d, m, y, g0, g1);
+static void fp4i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const uint8_t* e, float* y, int g0,
+                        int g1) {
+  I8_DISPATCH(fp4i8_tile, w, e)
+}
+
+static void i8_chunk(int kind, int rows, int N, int K, const Acts* a, const uint8_t* w, const void* d,
+                     const uint16_t* m, float* y, int g0, int g1) {
+  if (kind == I8_Q4)
+    q4i8_chunk(rows, N, K, a, w, (const uint16_t*)d, m, y, g0, g1);
+  else if (kind == I8_Q8)
+    q8i8_chunk(rows, N, K, a, w, (const uint16_t*)d, y, g0, g1);
   else
-    q8i8_chunk(rows, N, K, a, w, d, y, g0, g1);
+    fp4i8_chunk(rows, N, K, a, w, (const uint8_t*)d, y, g0, g1);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -235,35 +331,44 @@ static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, co
    whose magnitudes (at most 128) multiply the activations with the codes' signs applied to them (llama.cpp's
    trick): 2 x 128 x 127 fits. A group's 16 output lanes are two 8-lane halves of its 64-byte vectors. */
 
-/* The AVX-512 quantization's math: dx = amax / 127, xq = round-half-even(x * (1 / dx)), 0 where amax = 0. */
-void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
-  const int G = K / 32;
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (size_t b = 0; b < (size_t)M * G; b++) {
-    __m256 v[4], mx;
-    for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
-    mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
-                       _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
-    int32_t qi[32];
-    for (int j = 0; j < 4; j++)
-      _mm256_storeu_si256((__m256i*)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv))));
-    int32_t total = 0;
-    for (int j = 0; j < 32; j++) {
-      q[b * 32 + j] = (int8_t)qi[j];
-      total += qi[j];
-    }
-    d[b] = db;
-    sum[b] = total;
-    s[b] = db * (float)total;
+/* The AVX-512 quantization's math: dx = amax / 127, xq = round-half-even(x * (1 / dx)), 0 where amax = 0; where
+   `rotate`, of the block times R (the scalar i8_fwht32: the same bits as the AVX-512 butterflies). */
+I8_INLINE void i8_quantize_block(int rotate, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
+  float rotated[32];
+  if (rotate) {
+    memcpy(rotated, x, sizeof rotated);
+    i8_fwht32(rotated);
+    x = rotated;
   }
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], mx;
+  for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + 8 * j);
+  mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                     _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+  int32_t qi[32];
+  for (int j = 0; j < 4; j++)
+    _mm256_storeu_si256((__m256i*)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv))));
+  int32_t total = 0;
+  for (int j = 0; j < 32; j++) {
+    q[j] = (int8_t)qi[j];
+    total += qi[j];
+  }
+  *d = db;
+  *sum = total;
+  *s = db * (float)total;
 }
 
 I8_INLINE __m256 load_half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+/* 8 E8M0 scales -> float32 from their exponent bits, as the AVX-512 tiles' load_e8m0_16 (e = 0: 0.0). */
+I8_INLINE __m256 load_e8m0_8(const uint8_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)), 23));
+}
 
 I8_INLINE __m256i word8(const int8_t* p) {
   int32_t word;
@@ -291,16 +396,20 @@ I8_INLINE void store8(const int R, int N, __m256 acc[], float* y, int n) {
 
 /* R rows (at most I8_RMAX2) times the 8 outputs of half h of group grp. A block's integer sums per row: Q4_1's
    maddubs pairs (at most 2 x 15 x 127) add up in 16-bit lanes, eight of them at most 30,480, and become 32-bit
-   once per block (one madd); Q8_0's (at most 2 x 128 x 127) are widened at once. The same integers as dpbusd. */
-I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
+   once per block (one madd); Q8_0's (at most 2 x 128 x 127) are widened at once, and so are MXFP4's (a word's
+   two pairs at most 4 x 24 x 127; eight would pass 32,767), after a start at -FP4_OFFSET * sum(xq). The same
+   integers as dpbusd. */
+I8_INLINE void i8_half(const int KIND, const int R, int N, int K, const Acts* a, const uint8_t* w, const void* d,
                        const uint16_t* m, float* y, int grp, int h) {
-  const int G = K / 32, words = Q4 ? 4 : 8;
+  const int G = K / 32, words = KIND == I8_Q8 ? 8 : 4;
   const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(FP4_TABLE));
   __m256 acc[I8_RMAX2];
   for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
   for (int g = 0; g < G; g++) {
     __m256i sum[I8_RMAX2];
-    for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_si256();
+    for (int i = 0; i < R; i++)
+      sum[i] = KIND == I8_FP4 ? _mm256_set1_epi32(-FP4_OFFSET * a->sum[(size_t)i * G + g]) : _mm256_setzero_si256();
     const uint8_t* blk = w + ((size_t)grp * G + g) * words * 64 + 32 * h;
     for (int v = 0; v < words; v++) {
       /* Every 64-byte line ahead, as the AVX-512 tiles do, in the first half's pass (the second reads the same
@@ -308,14 +417,18 @@ I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, c
          row on an AMD EPYC (docs/benchmarks.md, thirty-third session). */
       if (h == 0) _mm_prefetch((const char*)(blk + (size_t)v * 64 + I8_PF), _MM_HINT_T0);
       const __m256i packed = _mm256_loadu_si256((const __m256i*)(blk + (size_t)v * 64));
-      if (Q4) {
-        const __m256i wl = _mm256_and_si256(packed, nibble);
-        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+      if (KIND != I8_Q8) {
+        __m256i wl = _mm256_and_si256(packed, nibble), wh = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+        if (KIND == I8_FP4) {
+          wl = _mm256_shuffle_epi8(table, wl);
+          wh = _mm256_shuffle_epi8(table, wh);
+        }
         for (int i = 0; i < R; i++) {
           const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wl, word8(xq)),
                                                  _mm256_maddubs_epi16(wh, word8(xq + 16)));
-          sum[i] = _mm256_add_epi16(sum[i], pairs);
+          sum[i] = KIND == I8_Q4 ? _mm256_add_epi16(sum[i], pairs)
+                                 : _mm256_add_epi32(sum[i], _mm256_madd_epi16(pairs, ones));
         }
       } else {
         const __m256i ws = _mm256_xor_si256(packed, flip); /* the signed code */
@@ -327,17 +440,19 @@ I8_INLINE void i8_half(const int Q4, const int R, int N, int K, const Acts* a, c
       }
     }
     const size_t at = ((size_t)grp * G + g) * 16 + 8 * h;
-    const __m256 dg = load_half8(d + at), mg = Q4 ? load_half8(m + at) : _mm256_setzero_ps();
+    const __m256 dg = KIND == I8_FP4 ? load_e8m0_8((const uint8_t*)d + at) : load_half8((const uint16_t*)d + at);
+    const __m256 mg = KIND == I8_Q4 ? load_half8(m + at) : _mm256_setzero_ps();
     for (int i = 0; i < R; i++) {
-      const __m256i isum = Q4 ? _mm256_madd_epi16(sum[i], ones) : sum[i];
-      acc[i] = combine8(acc[i], isum, dg, a->d[(size_t)i * G + g]);
-      if (Q4) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(mg, _mm256_set1_ps(a->s[(size_t)i * G + g])));
+      const __m256i isum = KIND == I8_Q4 ? _mm256_madd_epi16(sum[i], ones) : sum[i];
+      const float dx = a->d[(size_t)i * G + g];
+      acc[i] = combine8(acc[i], isum, dg, KIND == I8_FP4 ? 0.5f * dx : dx);
+      if (KIND == I8_Q4) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(mg, _mm256_set1_ps(a->s[(size_t)i * G + g])));
     }
   }
   store8(R, N, acc, y, grp * 16 + 8 * h);
 }
 
-I8_INLINE void i8_rows2(const int Q4, int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
+I8_INLINE void i8_rows2(const int KIND, int rows, int N, int K, const Acts* a, const uint8_t* w, const void* d,
                         const uint16_t* m, float* y, int g0, int g1) {
   for (int i0 = 0; i0 < rows; i0 += I8_RMAX2) {
     const int G = K / 32, r = rows - i0 < I8_RMAX2 ? rows - i0 : I8_RMAX2;
@@ -347,49 +462,64 @@ I8_INLINE void i8_rows2(const int Q4, int rows, int N, int K, const Acts* a, con
       for (int h = 0; h < 2; h++) {
         if (grp * 16 + 8 * h >= N) break;
         switch (r) {
-          case 1: i8_half(Q4, 1, N, K, &sub, w, d, m, yi, grp, h); break;
-          case 2: i8_half(Q4, 2, N, K, &sub, w, d, m, yi, grp, h); break;
-          case 3: i8_half(Q4, 3, N, K, &sub, w, d, m, yi, grp, h); break;
-          case 4: i8_half(Q4, 4, N, K, &sub, w, d, m, yi, grp, h); break;
-          default: i8_half(Q4, 5, N, K, &sub, w, d, m, yi, grp, h); break;
+          case 1: i8_half(KIND, 1, N, K, &sub, w, d, m, yi, grp, h); break;
+          case 2: i8_half(KIND, 2, N, K, &sub, w, d, m, yi, grp, h); break;
+          case 3: i8_half(KIND, 3, N, K, &sub, w, d, m, yi, grp, h); break;
+          case 4: i8_half(KIND, 4, N, K, &sub, w, d, m, yi, grp, h); break;
+          default: i8_half(KIND, 5, N, K, &sub, w, d, m, yi, grp, h); break;
         }
       }
   }
 }
 
-static void i8_chunk(int rows, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d, const uint16_t* m,
-                     float* y, int g0, int g1) {
-  if (m != NULL)
-    i8_rows2(1, rows, N, K, a, w, d, m, y, g0, g1);
+static void i8_chunk(int kind, int rows, int N, int K, const Acts* a, const uint8_t* w, const void* d,
+                     const uint16_t* m, float* y, int g0, int g1) {
+  if (kind == I8_Q4)
+    i8_rows2(I8_Q4, rows, N, K, a, w, d, m, y, g0, g1);
+  else if (kind == I8_Q8)
+    i8_rows2(I8_Q8, rows, N, K, a, w, d, m, y, g0, g1);
   else
-    i8_rows2(0, rows, N, K, a, w, d, m, y, g0, g1);
+    i8_rows2(I8_FP4, rows, N, K, a, w, d, m, y, g0, g1);
 }
 #endif
 
 #ifdef I8_OK
 int i8_has_vnni(void) { return 1; }
 
+/* Rows r0 .. r1 - 1 of x quantized per block into `all`, each block first times R where `rotate`. */
+static void i8_prepare(int rotate, size_t r0, size_t r1, int K, const float* x, const Acts* all) {
+  const size_t G = (size_t)K / 32;
+  for (size_t b = r0 * G; b < r1 * G; b++)
+    i8_quantize_block(rotate, x + b * 32, all->q + b * 32, all->d + b, all->s + b, all->sum + b);
+}
+
+/* x [M, K] -> q [M, K], d, s, sum [M, K / 32] (Acts); `rotate`: x's blocks times R first. */
+void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum, int rotate) {
+  const Acts all = {q, d, s, sum};
+  i8_prepare(rotate, 0, (size_t)M, K, x, &all);
+}
+
 /* Groups g0 .. g1 - 1 of 16 outputs of all M rows (quantized: `all`), I8_MMAX rows at a time. */
-static void i8_rows(int M, int N, int K, const Acts* all, const uint8_t* w, const uint16_t* d, const uint16_t* m,
-                    float* y, int g0, int g1) {
+static void i8_rows(int kind, int M, int N, int K, const Acts* all, const uint8_t* w, const void* d,
+                    const uint16_t* m, float* y, int g0, int g1) {
   const int G = K / 32;
   for (int i0 = 0; i0 < M; i0 += I8_MMAX) {
     const int rows = M - i0 < I8_MMAX ? M - i0 : I8_MMAX;
     const size_t at = (size_t)i0 * G;
     const Acts a = {all->q + (size_t)i0 * K, all->d + at, all->s + at, all->sum + at};
-    i8_chunk(rows, N, K, &a, w, d, m, y + (size_t)i0 * N, g0, g1);
+    i8_chunk(kind, rows, N, K, &a, w, d, m, y + (size_t)i0 * N, g0, g1);
   }
 }
 
-/* y [M, N] = x [M, K] W^T for repacked Q4_1 (m != NULL) or Q8_0 (m == NULL) weights: the rows quantized once,
-   then I8_MMAX rows at a time, `threads` > 1 splitting the groups of 16 outputs, each thread taking its groups of
-   every row chunk in one OpenMP region (a region per chunk, 256 for a 2,048-row prompt, made each thread wait for
+/* y [M, N] = x [M, K] W^T for repacked weights of `kind` (`rotate`: x's blocks times R first): the rows quantized
+   once, then I8_MMAX rows at a time, `threads` > 1 splitting the groups of 16 outputs, each thread taking its groups
+   of every row chunk in one OpenMP region (a region per chunk, 256 for a 2,048-row prompt, made each thread wait for
    the other 256 times a linear: with a third busy process on 2 cores a 2,048-token prefill took 42 s against 16;
    docs/benchmarks.md, thirty-fifth session). Returns 0, or -1 without memory for the quantized rows. */
 #define I8_PARALLEL_QUANTIZE 32 /* rows from which the threads quantize them too (a prompt's: 2.7% of a 2,048-token
                                    prefill on one thread; a decode step's stay on the caller, without a barrier) */
-int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_t* d, const uint16_t* m, float* y,
-            int threads) {
+static int i8_run(int kind, int rotate, int M, int N, int K, const float* x, const uint8_t* w, const void* d,
+                  const uint16_t* m, float* y, int threads) {
   const int G = K / 32, groups = (N + 15) / 16;
   const size_t mg = (size_t)M * G;
   char* scratch = malloc((size_t)M * K + mg * (2 * sizeof(float) + sizeof(int32_t)));
@@ -401,40 +531,55 @@ int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-      for (int t = 0; t < threads; t++) {
-        const size_t r0 = (size_t)M * t / threads, r1 = (size_t)M * (t + 1) / threads;
-        i8_quantize_rows((int)(r1 - r0), K, x + r0 * K, all.q + r0 * K, all.d + r0 * G, all.s + r0 * G,
-                         all.sum + r0 * G);
-      } /* (the loop's barrier: every row quantized before any is read) */
+      for (int t = 0; t < threads; t++)
+        i8_prepare(rotate, (size_t)M * t / threads, (size_t)M * (t + 1) / threads, K, x, &all);
+      /* (the loop's barrier: every row quantized before any is read) */
 #pragma omp for schedule(static)
       for (int t = 0; t < threads; t++)
-        i8_rows(M, N, K, &all, w, d, m, y, (int)((long)groups * t / threads),
+        i8_rows(kind, M, N, K, &all, w, d, m, y, (int)((long)groups * t / threads),
                 (int)((long)groups * (t + 1) / threads));
     }
     free(scratch);
     return 0;
   }
 #endif
-  i8_quantize_rows(M, K, x, all.q, all.d, all.s, all.sum);
+  i8_prepare(rotate, 0, (size_t)M, K, x, &all);
 #ifdef _OPENMP
   if (threads > 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++)
-      i8_rows(M, N, K, &all, w, d, m, y, (int)((long)groups * t / threads),
+      i8_rows(kind, M, N, K, &all, w, d, m, y, (int)((long)groups * t / threads),
               (int)((long)groups * (t + 1) / threads));
   } else
 #endif
-    i8_rows(M, N, K, &all, w, d, m, y, 0, groups);
+    i8_rows(kind, M, N, K, &all, w, d, m, y, 0, groups);
   free(scratch);
   return 0;
+}
+
+/* Repacked Q4_1 (m != NULL: float16 scales d and offsets m) or Q8_0 (m == NULL) weights. */
+int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_t* d, const uint16_t* m, float* y,
+            int threads) {
+  return i8_run(m != NULL ? I8_Q4 : I8_Q8, 0, M, N, K, x, w, d, m, y, threads);
+}
+
+/* Repacked MXFP4 weights (repack_fp4: codes w, E8M0 scales e); `rotate`: a RotatedFp4Linear's, x's blocks times R
+   before they are quantized. */
+int fp4i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint8_t* e, float* y, int threads,
+               int rotate) {
+  return i8_run(I8_FP4, rotate, M, N, K, x, w, e, NULL, y, threads);
 }
 #else
 /* Built without AVX512-VNNI / AVX512-BW or AVX2: i8_has_vnni() says so, available() is False and nothing calls
    these. */
 int i8_has_vnni(void) { return 0; }
-void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {}
+void i8_quantize_rows(int M, int K, const float* x, int8_t* q, float* d, float* s, int32_t* sum, int rotate) {}
 int i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint16_t* d, const uint16_t* m, float* y,
             int threads) {
+  return -1;
+}
+int fp4i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint8_t* e, float* y, int threads,
+               int rotate) {
   return -1;
 }
 #endif
@@ -456,8 +601,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.i8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.i8_gemm.restype = ctypes.c_int
-    lib.i8_quantize_rows.argtypes = [i32, i32, ptr, ptr, ptr, ptr, ptr]
+    lib.i8_quantize_rows.argtypes = [i32, i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.i8_quantize_rows.restype = None
+    if hasattr(lib, "fp4i8_gemm"):  # (an earlier revision's build, benchmarks/cpu_gemv.py's baseline, has none)
+        lib.fp4i8_gemm.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
+        lib.fp4i8_gemm.restype = ctypes.c_int
     return lib
 
 
@@ -502,9 +650,48 @@ def repack_q8(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return _interleave(shifted.view(torch.int32), n, g, Q8_WORDS), _scales(d)
 
 
+def _check_fp4(codes: torch.Tensor, scales: torch.Tensor) -> None:
+    n, g = scales.shape
+    assert codes.dtype == scales.dtype == torch.uint8 and codes.shape == (n, g * BLOCK // 2), (codes.shape, g)
+    assert codes.device.type == scales.device.type == "cpu", codes.device
+    if bool((scales == E8M0_NAN).any()):
+        raise ValueError("cpu_gemv_i8: an MXFP4 block with a NaN scale (E8M0 0xFF)")
+
+
+def repack_fp4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 in the interchange layout (codes uint8 [N, K/2], element 2j of a block in the low nibble of its byte j;
+    E8M0 scales uint8 [N, K/32], none 0xFF) -> (words, scales) in the kernel's layout: each block's bytes reordered
+    to Q4_1's (byte j: element j low, element j + 16 high), then interleaved as repack_q4's; the scales as stored,
+    [ceil(N/16), G, 16]. The same bytes as the interchange form, rows padded to a whole group of 16."""
+    _check_fp4(codes, scales)
+    n, g = scales.shape
+    elements = unpack_nibbles(codes).view(n, g, BLOCK)  # [N, G, 32] codes 0..15
+    q4_order = elements[..., : BLOCK // 2] | (elements[..., BLOCK // 2 :] << 4)  # [N, G, 16]
+    groups = -(-n // GROUP)
+    padded = torch.zeros(groups * GROUP, g, dtype=torch.uint8)
+    padded[:n] = scales
+    words = _interleave(q4_order.view(n, g * Q4_WORDS * 4).view(torch.int32), n, g, Q4_WORDS)
+    return words, padded.view(groups, GROUP, g).transpose(1, 2).contiguous()
+
+
+def unpack_fp4(
+    words: torch.Tensor, scales: torch.Tensor, n: int, index: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """repack_fp4's inverse: (words, scales) of N rows -> interchange (codes uint8 [N, K/2], scales uint8 [N, K/32]),
+    or of rows `index` [R] only (an embedding's lookup: [R, K/2], [R, K/32])."""
+    groups, g, _ = scales.shape
+    rows = torch.arange(n) if index is None else index.reshape(-1).long()
+    q4_order = words.view(groups, g, Q4_WORDS, GROUP, 4)[rows // GROUP, :, :, rows % GROUP]  # [R, G, 4, 4]
+    q4_order = q4_order.reshape(-1, g, BLOCK // 2)
+    elements = torch.cat([q4_order & 15, q4_order >> 4], dim=-1)  # [R, G, 32]: element j of each block at j
+    codes = pack_nibbles(elements.view(-1, g * BLOCK))
+    return codes, scales[rows // GROUP, :, rows % GROUP]
+
+
 class Bound:
     """A Q4_1 (m given) or Q8_0 weight repacked and checked once: `bound(x, threads)` -> x @ W^T with int8
-    activations. The same interface as cpu_gemv.Bound (n, k, tensors, call); `tensors` are the repacked ones."""
+    activations. The same interface as cpu_gemv.Bound (n, k, kind, tensors, call); `tensors` are the repacked
+    ones."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None):
         lib = _library()
@@ -512,7 +699,7 @@ class Bound:
         self.k = codes.shape[1] * (2 if m is not None else 1)
         assert self.k % BLOCK == 0 and d.shape == (codes.shape[0], self.k // BLOCK), (codes.shape, d.shape)
         assert codes.dtype == (torch.uint8 if m is not None else torch.int8) and d.dtype == torch.float32
-        self.n = codes.shape[0]
+        self.n, self.kind = codes.shape[0], "q4_1" if m is not None else "q8_0"
         self.tensors = repack_q4(codes, d, m) if m is not None else repack_q8(codes, d)
         self._fn = lib.i8_gemm
         self._ptrs = tuple(t.data_ptr() for t in self.tensors) + ((None,) if m is None else ())
@@ -529,15 +716,48 @@ class Bound:
         return y
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The C quantizer on x [M, K] float32 -> (xq int8 [M, K], dx, dx * sum(xq) float32 [M, K/32], sum(xq) int32)."""
+class Fp4Bound:
+    """MXFP4 weights of N outputs in repack_fp4's layout (words, scales), checked once: `bound(x, threads)` -> x @ W^T
+    (`rotate`: (x R) @ W^T, a RotatedFp4Linear's) with int8 activations. The interface of Bound and cpu_gemv.Bound
+    (n, k, kind, rotate, tensors, call); `tensors` are the ones given, held so their pointers stay valid."""
+
+    kind = "mxfp4"
+
+    def __init__(self, words: torch.Tensor, scales: torch.Tensor, n: int, rotate: bool = False):
+        lib = _library()
+        assert lib is not None and hasattr(lib, "fp4i8_gemm"), "cpu_gemv_i8.available() is False"
+        groups, g, lanes = scales.shape
+        assert lanes == GROUP and groups == -(-n // GROUP) and scales.dtype == torch.uint8, (scales.shape, n)
+        assert words.dtype == torch.uint8 and words.shape == (groups, g, Q4_WORDS, GROUP * 4), words.shape
+        assert words.is_contiguous() and scales.is_contiguous() and not words.is_cuda and not scales.is_cuda
+        assert not bool((scales == E8M0_NAN).any()), "an MXFP4 block with a NaN scale"
+        self.n, self.k, self.rotate = n, g * BLOCK, rotate
+        self.tensors = (words, scales)
+        self._fn = lib.fp4i8_gemm
+        self._ptrs = (words.data_ptr(), scales.data_ptr())
+
+    def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous on the CPU -> [M, N] float32."""
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self.k or x.is_cuda:
+            raise ValueError(
+                f"cpu_gemv_i8: x must be float32 [M, {self.k}] contiguous on the CPU, got {x.dtype} {x.shape}"
+            )
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        if self._fn(x.shape[0], self.n, self.k, x.data_ptr(), *self._ptrs, y.data_ptr(), threads, self.rotate):
+            raise MemoryError("cpu_gemv_i8: no memory for the quantized activation rows")
+        return y
+
+
+def quantize_rows(x: torch.Tensor, rotate: bool = False) -> tuple[torch.Tensor, ...]:
+    """The C quantizer on x [M, K] float32 (`rotate`: x's blocks times R first) -> (xq int8 [M, K], dx,
+    dx * sum(xq) float32 [M, K/32], sum(xq) int32)."""
     lib = _library()
     assert lib is not None, "cpu_gemv_i8.available() is False"
     assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] % BLOCK == 0, x.shape
     m, k = x.shape
     out = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // BLOCK), torch.empty(m, k // BLOCK))
     total = torch.empty(m, k // BLOCK, dtype=torch.int32)
-    lib.i8_quantize_rows(m, k, x.data_ptr(), *(t.data_ptr() for t in out), total.data_ptr())
+    lib.i8_quantize_rows(m, k, x.data_ptr(), *(t.data_ptr() for t in out), total.data_ptr(), int(rotate))
     return (*out, total)
 
 
@@ -579,3 +799,33 @@ def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torc
     """x [M, K] float32 @ W^T for a GGUF Q8_0 W with int8 activations, as the C kernel computes it."""
     xq, dx, _, _ = quantize_rows_ref(x)
     return _combine(_block_dots(xq, codes), d, dx, None)
+
+
+def fwht_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 with each block of 32 times R = H_32 / sqrt(32), as the C kernel's i8_fwht32 computes it
+    (its butterflies in its order, then the scale, each rounded once: the same bits; mxfp4.rotate_blocks, a matmul,
+    rounds otherwise)."""
+    v = x.reshape(-1, BLOCK).clone()  # [M * K/32, 32]
+    h = 1
+    while h < BLOCK:
+        pairs = v.view(-1, BLOCK // (2 * h), 2, h)  # [blocks, butterfly groups, (t, t + h), h]
+        a, b = pairs[:, :, 0].clone(), pairs[:, :, 1].clone()
+        pairs[:, :, 0], pairs[:, :, 1] = a + b, a - b
+        h *= 2
+    return (v * torch.tensor(0.17677669529663687, dtype=torch.float32)).view(x.shape)
+
+
+def e8m0_ref(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 codes e (uint8, none 0xFF) -> float32 with exponent bits e: 2^(e - 127), and 0.0 for e = 0 (the kernel's
+    reading: the exact 2^-127 is a float32 subnormal; mxfp4.scales_to_float gives it)."""
+    return (scales.to(torch.int32) << 23).view(torch.float32)
+
+
+def fp4_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, rotate: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for an MXFP4 W (interchange codes / scales, no NaN block) with int8 activations, as
+    the C kernel computes it: per block sum_j (2 e2m1(c_j)) xq_j (exact integers), then y += (2^(e - 127) * (dx / 2))
+    * that sum over the blocks in order. `rotate`: x's blocks times R first (fwht_ref)."""
+    _check_fp4(codes, scales)
+    xq, dx, _, _ = quantize_rows_ref(fwht_ref(x) if rotate else x)
+    twice = 2 * e2m1_to_float(unpack_nibbles(codes))  # [N, K]: integers -12..12
+    return _combine(_block_dots(xq, twice), e8m0_ref(scales), dx * 0.5, None)

@@ -106,3 +106,133 @@ def test_bad_rows_raise():
         bound(torch.randn(2, K).double(), 1)
     with pytest.raises(ValueError, match="contiguous"):
         bound(torch.randn(K, 2).T, 1)
+
+
+# --- MXFP4 weights ---------------------------------------------------------------------------------------------
+def fp4(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 codes and scales [n, K]: blocks of other scales, an all-zero block (scale code 0), and a block
+    too small for E8M0's range (scale code 0 with nonzero codes: the int8 kernel and its reference read 2^-127 as
+    0)."""
+    from specchat.kernels.mxfp4 import quantize_mxfp4
+
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.rand(n, K // 32, generator=g).repeat_interleave(32, 1) * 4
+    weight = torch.randn(n, K, generator=g) * spread
+    weight[0, :32] = 0.0
+    weight[n - 1, 64:96] *= 1e-39  # below 2^-125
+    codes, scales = quantize_mxfp4(weight)
+    assert int(scales[0, 0]) == 0 and int(scales[n - 1, 2]) == 0 and bool(codes[n - 1, 32:48].ne(0).any())
+    return codes, scales
+
+
+def fp4_bound(codes: torch.Tensor, scales: torch.Tensor, rotate: bool = False) -> cpu_gemv_i8.Fp4Bound:
+    return cpu_gemv_i8.Fp4Bound(*cpu_gemv_i8.repack_fp4(codes, scales), codes.shape[0], rotate=rotate)
+
+
+@pytest.mark.parametrize("n", [N, 7])  # N: 6 groups of 16 and a partial one; 7: one partial group
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_fp4_equals_reference_bit_for_bit(n, threads, rotate):
+    """1-9 rows (every tile shape and a second chunk) and 40 (the threads quantize the rows too): the kernel's bits
+    are fp4_linear_ref's, the block rotation in C included."""
+    codes, scales = fp4(n, n)
+    bound = fp4_bound(codes, scales, rotate)
+    for m in (*range(1, 10), 40):
+        x = rows(m, m)
+        assert torch.equal(bound(x, threads), cpu_gemv_i8.fp4_linear_ref(x, codes, scales, rotate)), m
+
+
+def test_fp4_rows_do_not_depend_on_the_batch():
+    codes, scales = fp4(N, 1)
+    for rotate in (False, True):
+        bound = fp4_bound(codes, scales, rotate)
+        x = rows(9, 3)
+        batch = bound(x, 2)
+        for i in range(9):
+            assert torch.equal(bound(x[i : i + 1].contiguous(), 1)[0], batch[i])
+
+
+def test_rotated_rows_quantize_as_the_reference():
+    """The C rotation (butterflies) equals fwht_ref bit for bit, and both are mxfp4.rotate_blocks up to rounding."""
+    from specchat.kernels.mxfp4 import rotate_blocks
+
+    x = rows(5, 7)
+    got, ref = cpu_gemv_i8.quantize_rows(x, rotate=True), cpu_gemv_i8.quantize_rows_ref(cpu_gemv_i8.fwht_ref(x))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    torch.testing.assert_close(cpu_gemv_i8.fwht_ref(x), rotate_blocks(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fp4_integer_part_is_exact():
+    """Integer activations with a 127 in every block (dx = 1) and scale 2^0: the output is the exact product of x
+    and the E2M1 values (half-integers), which float32 holds."""
+    from specchat.kernels.mxfp4 import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(-127, 128, (5, K), generator=g).float()
+    x[:, ::32] = 127.0
+    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    scales = torch.full((N, K // 32), 127, dtype=torch.uint8)
+    exact = x.double() @ dequantize_mxfp4(codes, scales).double().T
+    assert torch.equal(fp4_bound(codes, scales)(x, 2).double(), exact)
+
+
+def test_fp4_close_to_float_activations():
+    """8-bit rows cost well under 1% of the output's norm (a wrong nibble, lane or table entry would cost ~100%)."""
+    codes, scales = fp4(N, 4)
+    x = rows(5, 5)
+    for rotate in (False, True):
+        exact = cpu_gemv.fp4_linear_ref(x, codes, scales, rotate)
+        assert (fp4_bound(codes, scales, rotate)(x, 1) - exact).norm() / exact.norm() < 0.01
+
+
+def test_fp4_repack_holds_the_same_bytes_and_unpacks_exactly():
+    codes, scales = fp4(N, 5)
+    words, packed_scales = cpu_gemv_i8.repack_fp4(codes, scales)
+    groups = -(-N // 16)
+    assert words.numel() == groups * 16 * K // 2 and packed_scales.numel() == groups * 16 * K // 32
+    back = cpu_gemv_i8.unpack_fp4(words, packed_scales, N)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
+    index = torch.tensor([[99, 0], [17, 17]])
+    picked = cpu_gemv_i8.unpack_fp4(words, packed_scales, N, index)
+    assert torch.equal(picked[0], codes[index.flatten()]) and torch.equal(picked[1], scales[index.flatten()])
+
+
+def test_fp4_nan_scale_is_refused():
+    codes, scales = fp4(N, 6)
+    scales[3, 4] = 0xFF
+    with pytest.raises(ValueError, match="NaN scale"):
+        cpu_gemv_i8.repack_fp4(codes, scales)
+    with pytest.raises(ValueError, match="NaN scale"):
+        cpu_gemv_i8.fp4_linear_ref(rows(1, 0), codes, scales)
+
+
+def test_the_avx2_build_gives_the_same_bits():
+    """The AVX2 build (maddubs + madd for dpbusd: what CPUs without AVX512-VNNI run) against the references: Q4_1,
+    Q8_0 and MXFP4 (rotated and not), 1-9 rows (its tiles of up to 5 and a second pass), 1 and 2 threads."""
+    from pathlib import Path
+
+    from specchat.kernels import cpu_build
+
+    cpuinfo = Path("/proc/cpuinfo")
+    host = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if not all(flag in host for flag in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU cannot run the AVX2 build")
+    lib = cpu_build.load("cpu_gemv_i8_test_avx2", cpu_gemv_i8.C_SOURCE, (*cpu_gemv.CFLAGS, "-mno-avx512f"))
+    lib = lib and cpu_gemv_i8.bind(lib)
+    if lib is None:
+        pytest.skip("no C compiler")
+    q4w, q8w, (codes, scales) = q4(7), q8(7), fp4(N, 7)  # (96 rows of GGUF blocks: test_cpu_gemv's weights)
+    q4p, q8p, fp4p = cpu_gemv_i8.repack_q4(*q4w), cpu_gemv_i8.repack_q8(*q8w), cpu_gemv_i8.repack_fp4(codes, scales)
+    for m in range(1, 10):
+        x = rows(m, 10 + m)
+        for threads in (1, 2):
+            n = q4w[0].shape[0]
+            y4, y8, yf = torch.empty(m, n), torch.empty(m, n), torch.empty(m, N)
+            assert lib.i8_gemm(m, n, K, x.data_ptr(), *(t.data_ptr() for t in q4p), y4.data_ptr(), threads) == 0
+            assert lib.i8_gemm(m, n, K, x.data_ptr(), *(t.data_ptr() for t in q8p), None, y8.data_ptr(), threads) == 0
+            assert torch.equal(y4, cpu_gemv_i8.q4_linear_ref(x, *q4w))
+            assert torch.equal(y8, cpu_gemv_i8.q8_linear_ref(x, *q8w))
+            for rotate in (0, 1):
+                ptrs = (x.data_ptr(), *(t.data_ptr() for t in fp4p), yf.data_ptr())
+                assert lib.fp4i8_gemm(m, N, K, *ptrs, threads, rotate) == 0
+                assert torch.equal(yf, cpu_gemv_i8.fp4_linear_ref(x, codes, scales, bool(rotate))), (m, rotate)
