@@ -13,8 +13,8 @@ below), so its output equals the per-op path bit for bit, which tests/kernels/te
 
 `BlockWeights` takes the pointers of one block's weights once (as cpu_gemv.Bound does for one linear): each of
 the four linears as GGUF Q4_1 or Q8_0 blocks (float activations, cpu_gemv.py, or int8 activations, cpu_gemv_i8.py)
-or MXFP4 codes (float activations, cpu_gemv.fp4_gemm, the x blocks rotated there for a RotatedFp4Linear),
-the two norm weights, and the optional q/k/v bias.
+or MXFP4 codes (float activations, cpu_gemv.fp4_gemm, or int8 ones, cpu_gemv_i8's fp4i8_gemm; the x blocks rotated
+there for a RotatedFp4Linear), the two norm weights, and the optional q/k/v bias.
 
 `draft_chain` does the same for the draft heads' greedy chain (engine/drafters/heads.py, packed by heads_cpu.py):
 per draft position two norms, the head's up and down linears around a SiLU, the final norm, the draft-vocabulary
@@ -39,7 +39,8 @@ typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 bloc
   const void* m;
   int n, k;
   int int8_act;      /* 1: cpu_gemv_i8's repacked blocks, int8 activations; 0: cpu_gemv's, float activations */
-  int fp4;           /* 1: MXFP4 codes and E8M0 scales (cpu_gemv's fp4_gemm); 2: the same, x's blocks rotated */
+  int fp4;           /* 1: MXFP4 codes and E8M0 scales (cpu_gemv's fp4_gemm, or with int8_act cpu_gemv_i8's
+                        fp4i8_gemm over repack_fp4's layout); 2: the same, x's blocks rotated */
 } Weight;
 
 typedef struct {
@@ -53,6 +54,8 @@ typedef struct {
 
 /* Returns 0, or -1 without memory for the int8 kernel's quantized rows. */
 static int linear(const Weight* w, int rows, const float* x, float* y, int threads) {
+  if (w->fp4 && w->int8_act)
+    return fp4i8_gemm(rows, w->n, w->k, x, (const uint8_t*)w->codes, (const uint8_t*)w->d, y, threads, w->fp4 == 2);
   if (w->fp4)
     return fp4_gemm(rows, w->n, w->k, x, (const uint8_t*)w->codes, (const uint8_t*)w->d, y, threads, w->fp4 == 2);
   if (w->int8_act)
@@ -336,14 +339,14 @@ def built() -> bool:
     return _library.cache_info().currsize > 0 or cpu_build.library_path("cpu_block", _source(), cpu_ops.CFLAGS).exists()
 
 
-BoundWeight = cpu_gemv.Bound | cpu_gemv_i8.Bound  # float or int8 activations
+BoundWeight = cpu_gemv.Bound | cpu_gemv_i8.Bound | cpu_gemv_i8.Fp4Bound  # float or int8 activations
 
 
 def _weight(bound: BoundWeight) -> Weight:
     codes, d, *m = bound.tensors
-    int8_act = isinstance(bound, cpu_gemv_i8.Bound)
-    assert int8_act or bound.kind in ("q4_1", "q8_0", "mxfp4"), bound.kind
-    fp4 = 0 if int8_act or bound.kind != "mxfp4" else 1 + bound.rotate
+    int8_act = isinstance(bound, cpu_gemv_i8.Bound | cpu_gemv_i8.Fp4Bound)
+    assert bound.kind in ("q4_1", "q8_0", "mxfp4"), bound.kind
+    fp4 = 1 + bound.rotate if bound.kind == "mxfp4" else 0
     return Weight(codes.data_ptr(), d.data_ptr(), m[0].data_ptr() if m else None, bound.n, bound.k, int8_act, fp4)
 
 

@@ -5,7 +5,10 @@ weights), plus the bias if any: 4.25 bits per weight. `forward` is `kernels.mxfp
 Triton dequant-matmul on CUDA (codes and scales in the kernel's layout, made once by `prepare_weight`), and on
 the CPU a dequantization into a scratch buffer shared by all layers followed by F.linear, so no dense copy of
 the weight outlives a call; except that on the CPU a step's few rows (up to cpu_gemv.MAX_ROWS) go through a C
-kernel reading the codes as stored (`cpu_gemv.fp4_gemm`, bound once by `bound`; docs/mxfp4.md).
+kernel reading the codes as stored (`cpu_gemv.fp4_gemm`, bound once by `bound`; docs/mxfp4.md). With int8
+activation rows (`set_activations("int8")`, `--cpu-act int8`: the engine's default where the CPU has AVX512-VNNI or
+AVX2) the codes and scales are repacked, in place of the interchange ones, for cpu_gemv_i8's MXFP4 x int8 kernel,
+which then takes every row count on the CPU.
 
 `RotatedFp4Linear` stores W R instead of W, with R = blockdiag(H_32 / sqrt(32)) the orthonormal 32-point
 Hadamard transform of each block of 32 inputs, and computes (x R)(W R)^T = x W^T. Rotating a block spreads its
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specchat.kernels import cpu_gemv
+from specchat.kernels import cpu_gemv, cpu_gemv_i8
 from specchat.kernels.mxfp4 import BLOCK_SIZE, Rule, dequantize_mxfp4, quantize_mxfp4, rotate_blocks
 from specchat.kernels.mxfp4_layout import gather_rows
 from specchat.kernels.mxfp4_matmul import Mxfp4Weight, mxfp4_linear, prepare_weight, unprepare_weight
@@ -64,12 +67,16 @@ class Fp4Linear(nn.Module):
 
     @property
     def weight_mxfp4(self) -> Mxfp4Weight:
-        """The packed weight as the matmul reads it (a view of this module's buffers)."""
+        """The packed weight as the matmul reads it (a view of this module's buffers; a copy in the interchange
+        layout where they are the int8 kernel's)."""
         prepared, exp_offset, has_nan = self._layout
-        return Mxfp4Weight(self.out_features, self.in_features, self.codes, self.scales, prepared, exp_offset, has_nan)
+        codes, scales = self.packed() if self.int8_rows else (self.codes, self.scales)
+        return Mxfp4Weight(self.out_features, self.in_features, codes, scales, prepared, exp_offset, has_nan)
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Interchange (codes uint8 [N, Kp/2], scales uint8 [N, Kp/32]), e.g. to save a checkpoint."""
+        if self.int8_rows:
+            return cpu_gemv_i8.unpack_fp4(self.codes, self.scales, self.out_features)
         return unprepare_weight(self.weight_mxfp4)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -85,7 +92,10 @@ class Fp4Linear(nn.Module):
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` [R] of the weight, dequantized: [R, K] in `dtype` (an embedding lookup)."""
-        codes, scales = gather_rows(self.weight_mxfp4, index)
+        if self.int8_rows:
+            codes, scales = cpu_gemv_i8.unpack_fp4(self.codes, self.scales, self.out_features, index)
+        else:
+            codes, scales = gather_rows(self.weight_mxfp4, index)
         return dequantize_mxfp4(codes, scales, torch.float32, k=self.in_features).to(dtype)
 
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:
@@ -103,13 +113,20 @@ class Fp4Linear(nn.Module):
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
     rotated = False  # RotatedFp4Linear: the weight was quantized as W R, so x is rotated by R first
-    gemm_for_many_rows = True  # (as BlockLinear's: above cpu_gemv.MAX_ROWS rows, mxfp4_linear's dense GEMM)
+    int8_rows = False  # the CPU kernel's activation rows: float32, or int8 (set_activations; buffers repacked)
+
+    @property
+    def gemm_for_many_rows(self) -> bool:
+        """Whether rows above cpu_gemv.MAX_ROWS take mxfp4_linear's dense GEMM (as BlockLinear's float rows do);
+        the int8 kernel takes any number (as Int8BlockLinear's)."""
+        return not self.int8_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ dequant(W)^T + b: on the CPU a step's few rows (up to cpu_gemv.MAX_ROWS) through the C kernel,
         which reads the codes as stored (cpu_gemv.fp4_linear: 4.25 bits a weight, float32 sums, a row's result
-        whatever its batch; a rotated layer's rotation in it too); more rows, and CUDA, through mxfp4_linear. A
-        whole block of such layers runs as one C call (engine/cpu_fusion.CpuBlock, through `bound`)."""
+        whatever its batch; a rotated layer's rotation in it too), or with int8 rows any number of rows through
+        cpu_gemv_i8's kernel; more float rows, and CUDA, through mxfp4_linear. A whole block of such layers runs as
+        one C call (engine/cpu_fusion.CpuBlock, through `bound`)."""
         rows = x.numel() // self.in_features
         bound = None if x.is_cuda or self.takes_gemm(rows) else self.bound()
         if bound is None:
@@ -121,19 +138,43 @@ class Fp4Linear(nn.Module):
 
     def takes_gemm(self, rows: int) -> bool:
         """Whether `rows` rows take mxfp4_linear's dense GEMM on the CPU rather than the kernel."""
-        return rows > cpu_gemv.MAX_ROWS
+        return self.gemm_for_many_rows and rows > cpu_gemv.MAX_ROWS
 
-    def bound(self) -> cpu_gemv.Bound | None:
-        """The codes and scales bound for cpu_gemv's MXFP4 kernel (again after they were replaced), or None where
-        it cannot read them (no compiled kernels, the CUDA kernel's layout, a NaN block, K not whole blocks)."""
+    def bound(self) -> cpu_gemv.Bound | cpu_gemv_i8.Fp4Bound | None:
+        """The codes and scales bound for the CPU's MXFP4 kernel of the module's rows (again after they were
+        replaced): cpu_gemv's (float rows) or cpu_gemv_i8's (int8 rows), or None where the float one cannot read
+        them (no compiled kernels, the CUDA kernel's layout, a NaN block, K not whole blocks)."""
         codes = self.codes
         bound = self.__dict__.get("_cpu_bound")
         if bound is None or bound[0] != codes.data_ptr():
-            prepared, _, has_nan = self._layout
-            ok = not (prepared or has_nan or codes.is_cuda) and self.in_features % BLOCK_SIZE == 0
-            kernel = cpu_gemv.Bound(codes, self.scales, rotate=self.rotated) if ok and cpu_gemv.available() else None
+            if self.int8_rows:
+                kernel = cpu_gemv_i8.Fp4Bound(codes, self.scales, self.out_features, rotate=self.rotated)
+            else:
+                ok = self._cpu_readable() and cpu_gemv.available()
+                kernel = cpu_gemv.Bound(codes, self.scales, rotate=self.rotated) if ok else None
             bound = self.__dict__["_cpu_bound"] = (codes.data_ptr(), kernel)
         return bound[1]
+
+    def _cpu_readable(self) -> bool:
+        """Whether the CPU kernels can read the interchange codes (not the CUDA layout, no NaN block, whole blocks)."""
+        prepared, _, has_nan = self._layout
+        return not (prepared or has_nan or self.codes.is_cuda) and self.in_features % BLOCK_SIZE == 0
+
+    def set_activations(self, activations: str) -> bool:
+        """The CPU kernel's activation rows: "int8" (cpu_gemv_i8's MXFP4 x int8 kernel, for any number of rows; the
+        codes and scales repacked for it in place of the interchange ones: the same bytes, no copy kept) or "fp32"
+        (cpu_gemv's float kernel, the interchange layout back). Bound now, not in the first step. Returns whether
+        the module multiplies with those rows: int8 needs cpu_gemv_i8.available() and codes the CPU kernels read."""
+        assert activations in ("fp32", "int8"), activations
+        int8 = activations == "int8"
+        if int8 != self.int8_rows:
+            if int8 and not (self._cpu_readable() and cpu_gemv_i8.available()):
+                return False
+            relaid = cpu_gemv_i8.repack_fp4(self.codes, self.scales) if int8 else self.packed()
+            self.codes, self.scales = relaid  # (registered buffers: replaced in place)
+            self.int8_rows = int8
+        self.bound()
+        return True
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -184,3 +225,9 @@ class Fp4Embedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the MXFP4 output head"
+
+
+def set_fp4_activations(model: nn.Module, activations: str) -> int:
+    """`Fp4Linear.set_activations` on every Fp4Linear of `model` ("fp32" or "int8"); returns how many multiply with
+    those rows. The engine's --cpu-act for MXFP4 weights, as engine/cpu_weights.set_activations is for GGUF blocks."""
+    return sum(module.set_activations(activations) for module in model.modules() if isinstance(module, Fp4Linear))

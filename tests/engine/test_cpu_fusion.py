@@ -317,13 +317,12 @@ def test_whole_block_call_equals_the_block_one_kernel_at_a_time(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_mxfp4_blocks_run_as_one_call_equal_to_the_kernel_at_a_time(monkeypatch):
-    """MXFP4 linears (rotated and not) read by cpu_gemv's fp4 kernel: the whole block in C equals the block one
-    module at a time bit for bit, and both the plain modules (mxfp4_linear's dequantized weights, the rotation in
-    torch) within float32 rounding over two layers."""
+def mxfp4_model(seed: int, head: bool = False) -> Transformer:
+    """The tiny model with MXFP4 block linears, rotated in even layers (RotatedFp4Linear) and not in odd ones, and
+    with `head` an MXFP4 lm_head (then every linear of a step reads MXFP4: batch-independent under int8 rows)."""
     from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear
 
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     model = Transformer(CFG).eval()
     for i, block in enumerate(model.layers):
         kind = RotatedFp4Linear if i % 2 == 0 else Fp4Linear
@@ -332,6 +331,18 @@ def test_mxfp4_blocks_run_as_one_call_equal_to_the_kernel_at_a_time(monkeypatch)
             kind.from_linear(block.mlp.w_gate_up),
             kind.from_linear(block.mlp.w_down),
         )
+    if head:
+        model.lm_head = Fp4Linear.from_linear(model.lm_head)
+    return model
+
+
+def test_mxfp4_blocks_run_as_one_call_equal_to_the_kernel_at_a_time(monkeypatch):
+    """MXFP4 linears (rotated and not) read by cpu_gemv's fp4 kernel: the whole block in C equals the block one
+    module at a time bit for bit, and both the plain modules (mxfp4_linear's dequantized weights, the rotation in
+    torch) within float32 rounding over two layers."""
+    from specchat.quant.fp4_linear import Fp4Linear
+
+    model = mxfp4_model(2)
     cpu_fusion.fuse(model)
     calls = counted(monkeypatch, cpu_block, "decode_layers")
     whole, whole_pool = run_steps(model, FEEDS)
@@ -346,6 +357,33 @@ def test_mxfp4_blocks_run_as_one_call_equal_to_the_kernel_at_a_time(monkeypatch)
     plain, _ = run_steps(model, FEEDS, cpu_kernels=False)
     for a, b in zip(whole, plain, strict=True):  # (the rotation as butterflies in C, as a matmul in torch)
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_mxfp4_blocks_with_int8_rows_run_as_one_call_and_verify_as_they_decode(monkeypatch):
+    """MXFP4 linears with int8 rows (cpu_gemv_i8's kernel, `--cpu-act int8`): the whole blocks in C equal the
+    modules one at a time bit for bit, rows verified together equal the same rows decoded one at a time (lossless
+    speculation), the prompt takes the whole-block call too, and the logits stay close to float rows'."""
+    from specchat.kernels import cpu_gemv_i8
+    from specchat.quant.fp4_linear import set_fp4_activations
+
+    if not cpu_gemv_i8.available():
+        pytest.skip("no AVX512-VNNI or AVX2")
+    model = mxfp4_model(3, head=True)
+    assert set_fp4_activations(model, "int8") == 4 * CFG.num_layers + 1
+    cpu_fusion.fuse(model)
+    prompt, tokens = [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3]
+    calls = counted(monkeypatch, cpu_block, "decode_layers")
+    verified, _ = run_steps(model, [prompt, tokens])
+    decoded, _ = run_steps(model, [prompt, *([t] for t in tokens)])
+    assert len(calls) == 8  # every step, the prefills too
+    assert torch.equal(verified[1], torch.cat(decoded[1:]))
+    monkeypatch.setattr(cpu_fusion.CpuBlock, "block_weights", lambda self: None)
+    ops, _ = run_steps(model, [prompt, tokens])
+    assert torch.equal(verified[1], ops[1]) and torch.equal(verified[0], ops[0])
+    monkeypatch.undo()
+    set_fp4_activations(model, "fp32")  # the float kernel's buffers back, bound again by the next step
+    floats, _ = run_steps(model, [prompt, tokens])
+    assert (verified[1] - floats[1]).norm() / floats[1].norm() < 0.02
 
 
 @pytest.mark.parametrize("kv_format", ["fp16", "bf16"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,3 +84,59 @@ def test_cpu_kernel_takes_a_steps_rows_and_mxfp4_linear_the_rest() -> None:
             assert torch.equal(fp4(many), mxfp4_linear(plain, fp4.weight_mxfp4, fp4.bias))
     odd = Fp4Linear.from_linear(nn.Linear(80, 8))  # K = 80: padded blocks, mxfp4_linear
     assert odd.bound() is None
+
+
+def test_int8_rows_repack_the_buffers_in_place_and_take_every_row_count() -> None:
+    """set_activations("int8"): the codes and scales become cpu_gemv_i8's layout in place of the interchange ones
+    (the same bytes, no copy beside), every row count takes its kernel (fp4_linear_ref's bits, a row alone as in a
+    batch), the interchange form and an embedding's rows read back exactly; "fp32" puts the float kernel's back."""
+    from specchat.kernels import cpu_gemv, cpu_gemv_i8
+
+    if not cpu_gemv_i8.available():
+        return
+    torch.manual_seed(5)
+    for cls in (Fp4Linear, RotatedFp4Linear):
+        fp4 = cls.from_linear(nn.Linear(96, 48, bias=True))
+        codes, scales = fp4.packed()
+        nbytes, dense = fp4.nbytes, fp4.dequantized(torch.float32)
+        assert fp4.set_activations("int8") and fp4.int8_rows
+        assert fp4.nbytes == nbytes and set(dict(fp4.named_buffers())) == {"codes", "scales"}
+        assert isinstance(fp4.bound(), cpu_gemv_i8.Fp4Bound) and not fp4.takes_gemm(10_000)
+        assert torch.equal(fp4.packed()[0], codes) and torch.equal(fp4.packed()[1], scales)
+        index = torch.tensor([3, 47, 3])
+        assert torch.equal(fp4.rows(index, torch.float32), dense[index])
+        x = torch.randn(cpu_gemv.MAX_ROWS + 6, 96)
+        with torch.inference_mode():
+            got = fp4(x)
+            want = cpu_gemv_i8.fp4_linear_ref(x, codes, scales, rotate=cls.rotated) + fp4.bias
+            assert torch.equal(got, want) and torch.equal(fp4(x[5:6]), got[5:6])
+        assert fp4.set_activations("fp32") and not fp4.int8_rows
+        assert torch.equal(fp4.codes, codes) and torch.equal(fp4.scales, scales)
+        assert isinstance(fp4.bound(), cpu_gemv.Bound) and fp4.takes_gemm(cpu_gemv.MAX_ROWS + 1)
+    odd = Fp4Linear.from_linear(nn.Linear(80, 8))  # K = 80: padded blocks, which the CPU kernels do not read
+    assert not odd.set_activations("int8") and not odd.int8_rows
+
+
+def test_the_engines_mxfp4_linears_take_cpu_act_rows_and_speculation_stays_exact(engine, tiny_model_dir) -> None:
+    """A switch to MXFP4 on the CPU gives its linears the rows --cpu-act picks (auto: int8 where cpu_gemv_i8 loads),
+    as loading with --weights mxfp4 does (--cpu-act int8 was refused there); greedy speculation equals plain greedy
+    decoding on them."""
+    from specchat.config import EngineConfig, SamplingParams, SpecParams
+    from specchat.engine.engine import Engine
+    from specchat.kernels import cpu_gemv_i8
+
+    def rows_of(e: Engine) -> set[bool]:
+        return {m.int8_rows for m in e.model.modules() if isinstance(m, Fp4Linear)}
+
+    int8 = cpu_gemv_i8.available()
+    engine.set_weights("mxfp4")
+    assert rows_of(engine) == {int8}
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = engine.encode_prompt("a b a b a b a b a b")
+    plain = engine.submit(prompt, sampling, SpecParams("none", k=0)).result().token_ids
+    assert engine.submit(prompt, sampling, SpecParams("ngram", k=4)).result().token_ids == plain
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", weights="mxfp4")
+    assert rows_of(Engine.load(config)) == {int8}
+    assert rows_of(Engine.load(dataclasses.replace(config, cpu_act="fp32"))) == {False}
+    if int8:
+        assert rows_of(Engine.load(dataclasses.replace(config, cpu_act="int8"))) == {True}
