@@ -148,9 +148,11 @@ class Engine:
     def release_caller_threads(self) -> None:
         """On the CPU, end the calling thread's OpenMP workers: a thread other than the one that steps, done with
         its kernel work (loading, a weights or KV switch), must not keep them (`cpu_build.release_openmp_threads`
-        says why). The next parallel region of this thread, if any, starts a pool again."""
+        says why). The next parallel region of this thread, if any, starts a pool again. That work also freed
+        large buffers (a first load's dequantized weights, a switch's old modules): their pages go back."""
         if self.device.type == "cpu":
             cpu_build.release_openmp_threads()
+            cpu_build.release_free_memory()
 
     @contextlib.contextmanager
     def _callers_kernel_work(self) -> Iterator[None]:

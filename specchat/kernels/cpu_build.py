@@ -60,6 +60,27 @@ def release_openmp_threads() -> bool:
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
 
 
+def release_free_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim); True where there was one to ask.
+
+    Call it after large buffers were freed: the first load of a GGUF dequantizes every tensor (and drops the
+    linears' float32 copies again, engine/cpu_weights.drop_float_weights), and glibc keeps what was freed inside
+    its heap. After the default model's first load the process held 1,099 MB, 773 MB after the trim (a later
+    load, from the converted files, 546 MB either way)."""
+    trim = _malloc_trim()
+    return trim is not None and trim(0) == 1
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
 @cache
 def _openmp_pause() -> Callable[[int], int] | None:
     """omp_pause_resource_all of the runtime torch and the kernels share, or None where there is none."""

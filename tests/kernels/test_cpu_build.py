@@ -83,3 +83,32 @@ def test_release_ends_the_calling_threads_openmp_workers():
     finally:
         torch.set_num_threads(threads)
     assert seen["released"] and seen["after"] < seen["busy"]
+
+
+def test_free_heap_pages_go_back_to_the_system():
+    """release_free_memory trims glibc's heap: the freed pages of a large buffer made of many small allocations
+    (which glibc keeps in its heap, not in a mapping of their own) leave the process's resident set."""
+    import platform
+    import sys
+
+    from specchat.kernels import cpu_build
+
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    import ctypes
+
+    malloc, free = ctypes.CDLL(None).malloc, ctypes.CDLL(None).free
+    malloc.restype, malloc.argtypes, free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    blocks = [malloc(64 << 10) for _ in range(2048)]  # 128 MB in 64 KB pieces: heap memory, under mmap's threshold
+    for b in blocks:
+        ctypes.memset(b, 1, 64 << 10)
+    held = resident_mb()
+    for b in blocks:
+        free(b)
+    assert cpu_build.release_free_memory()
+    assert resident_mb() < held - 64
