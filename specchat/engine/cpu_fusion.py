@@ -103,7 +103,8 @@ class CpuBlock(Block):
 
     def weight_state(self) -> tuple:
         """What the bound weights are made of: the four linears, their classes (BlockLinear or Int8BlockLinear:
-        which kernels read the blocks), their codes and biases, then the two norms' weights."""
+        which kernels read the blocks), their codes (an Fp4Linear's are replaced when its rows change kind:
+        Fp4Linear.set_activations) and biases, then the two norms' weights."""
         modules = self._modules
         attn, mlp = modules["attn"]._modules, modules["mlp"]._modules
         q, o, g, d = attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"]  # (spelt out: it runs every step)

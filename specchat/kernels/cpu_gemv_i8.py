@@ -1,4 +1,5 @@
-"""Block-quantized matrix products on the CPU with int8 activations: GGUF Q4_1 / Q8_0 weights, AVX512-VNNI or AVX2.
+"""Block-quantized matrix products on the CPU with int8 activations: GGUF Q4_1 / Q8_0 and MXFP4 weights,
+AVX512-VNNI or AVX2.
 
 kernels/cpu_gemv.py dequantizes each weight block to float32 and does one float FMA per weight and activation row,
 so a 5-row verification step costs ~2x a 1-row decode step on a 2-core CPU. Here, as llama.cpp does, each
@@ -7,10 +8,15 @@ activation row is quantized per block of 32 to int8 with one float32 scale, and 
     dx = max|x_j| / 127,  xq_j = round(x_j / dx)  (round half to even; xq_j in -127..127, all zero where dx = 0)
     Q4_1 (w_j = dw * q_j + mw, q_j in 0..15):  sum_j w_j x_j ~= (dw * dx) * sum_j q_j xq_j + mw * (dx * sum_j xq_j)
     Q8_0 (w_j = dw * q_j, q_j in -127..127):   sum_j w_j x_j ~= (dw * dx) * sum_j q_j xq_j
+    MXFP4 (w_j = 2^(e-127) * v_j, v_j E2M1):   sum_j w_j x_j ~= (2^(e-127) * (dx / 2)) * sum_j (2 v_j) xq_j
 
 `_mm512_dpbusd_epi32` multiplies unsigned by signed bytes and adds each four products into a 32-bit lane: 64
 products an instruction, against 16 for a float FMA. Q4_1 codes are unsigned already; Q8_0 codes are stored
 offset by 128 (0..255) and the block's sum starts at -128 * sum_j xq_j, which makes it exactly sum_j q_j xq_j.
+MXFP4 codes become 2 v_j + 12 (0..24; twice an E2M1 value is an integer in -12..12) by one shuffle_epi8 per 16, and
+the block's sum starts at -12 * sum_j xq_j. Its scale is the float32 with exponent bits e (e = 0 reads as 0.0, not
+the subnormal 2^-127; e = 255, NaN, is refused by `repack_fp4`). A RotatedFp4Linear's rows are rotated per block
+(x R, a fast Walsh-Hadamard transform) before they are quantized.
 
 Layout: the weights are repacked once (`repack_q4` / `repack_q8`) so that a 32-bit lane is one output row: per
 group of 16 output rows and block g, word v (4 consecutive bytes of the block, as GGUF stores them) of each of the
@@ -19,13 +25,16 @@ in its high nibbles (GGUF's layout), so one load and two masks give the lanes fo
 each broadcast to all lanes. The integer block sums come out one per output lane, with no horizontal reduction;
 the scales are stored [group, block, 16] to match, as float16 (GGUF's own scale type, exact in float32; float32
 scales made a Q4_1 weight 0.75 bytes, float16 0.625: the single-thread decode step reads its weights from DRAM).
-Rows past N (a last partial group) are zero weights, not stored.
+Rows past N (a last partial group) are zero weights, not stored. MXFP4 (`repack_fp4`) takes the same layout: each
+block's bytes reordered to Q4_1's nibble order, the E8M0 scales [group, block, 16] as stored (the same bytes as the
+interchange form, which `unpack_fp4` gives back).
 
 The float combination is fixed: per (row, output), over the blocks in order, acc += (dw * dx) * isum, then (Q4_1)
-acc += mw * (dx * sum xq), each product and sum rounded once (no FMA contraction). The integer sums are exact, so
-an output depends only on its own activation row, never on the batch, tile or thread (a verification step gives
-plain decoding's logits bit for bit: lossless speculation stays exact), and `q4_linear_ref` / `q8_linear_ref`
-below, the same math in plain torch, give the same bits. Without AVX512-VNNI and AVX512-BW at build time the
+acc += mw * (dx * sum xq) (MXFP4: acc += (2^(e-127) * (dx * 0.5)) * isum), each product and sum rounded once (no
+FMA contraction). The integer sums are exact, so an output depends only on its own activation row, never on the
+batch, tile or thread (a verification step gives plain decoding's logits bit for bit: lossless speculation stays
+exact), and `q4_linear_ref` / `q8_linear_ref` / `fp4_linear_ref` below, the same math in plain torch, give the
+same bits. Without AVX512-VNNI and AVX512-BW at build time the
 AVX2 build emulates dpbusd with maddubs + madd (the same integers, so the same bits; 2.4x the float AVX2 kernels
 per token on an AMD EPYC, docs/benchmarks.md); without either, `available()` is False and callers keep float
 activations (kernels/cpu_gemv.py).
