@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.engine.model import Linear, Transformer
-from specchat.kernels import cpu_gemv, cpu_gemv_i8
+from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
 
@@ -60,7 +60,7 @@ class BlockLinear(nn.Linear):
     gemm_for_many_rows = True  # float rows: above cpu_gemv.MAX_ROWS the float GEMM is faster than the block kernels
 
     def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
-        # Only reached where normal lookup fails: `.weight` after `drop_weight` is the blocks' values, made for
+        # Only reached where normal lookup fails: `.weight` after `release_unread_weights` is the blocks' values, made for
         # the caller (the heads' draft rows, a switch to MXFP4, GPTQ), never kept.
         if name == "weight" and "weight" not in self._parameters and "codes" in self._buffers:
             return self.dequantized()
@@ -93,7 +93,7 @@ class BlockLinear(nn.Linear):
 
     @property
     def holds_weight(self) -> bool:
-        """Whether the float weight is resident beside the blocks (see `drop_weight`)."""
+        """Whether the float weight is resident beside the blocks (see `release_unread_weights`)."""
         return "weight" in self._parameters
 
     @property
@@ -191,7 +191,7 @@ def set_activations(model: nn.Module, activations: str) -> int:
     with a module once made, so switching back and forth (benchmarks/spec_decode.py --cpu-act) costs nothing.
 
     fp32 rows take the float GEMM for a prompt: a linear's float weight dropped under int8 rows
-    (`drop_float_weights`) is made again, from the blocks."""
+    (`release_unread_weights`) is made again, from the blocks."""
     cls = ACTIVATION_CLASSES[activations]
     assert cls is BlockLinear or cpu_gemv_i8.available(), "cpu_gemv_i8.available() is False"
     count = 0
@@ -205,24 +205,26 @@ def set_activations(model: nn.Module, activations: str) -> int:
     return count
 
 
-def drop_float_weights(model: nn.Module) -> int:
-    """Free the float weights of the linears that read only their blocks (int8 rows: a prompt's too), except one
-    another module holds (a tied output head's is the embedding's); returns how many. Their `.weight` then reads
-    as the blocks' values, made on each read. Where the weights were dequantized from the file at this load (no
-    cache yet) they were ~425 MB of the default model's process, float32; `set_activations(model, "fp32")` makes
-    them again."""
+def release_unread_weights(model: nn.Module) -> int:
+    """What the linears that read only their int8 repack (int8 rows: a prompt's too) no longer read, released;
+    returns how many linears. Their float weights are freed, except one another module holds (a tied output head's
+    is the embedding's): `.weight` then reads as the blocks' values, made on each read. Where the weights were
+    dequantized from the file at this load (no cache yet) they were ~425 MB of the default model's process,
+    float32; `set_activations(model, "fp32")` makes them again. Their GGUF blocks stay, for those reads, but their
+    pages go back (`cpu_build.page_out`): mapped from the cached blocks file, they are read from it again if ever
+    read (the default model's 106 MB at every load after the first)."""
     held: dict[int, int] = {}
     for module in model.modules():
         for parameter in module._parameters.values():
             if parameter is not None:
                 held[id(parameter)] = held.get(id(parameter), 0) + 1
-    count = 0
-    for module in model.modules():
-        weight = module._parameters.get("weight") if isinstance(module, Int8BlockLinear) else None
+    linears = [module for module in model.modules() if isinstance(module, Int8BlockLinear)]
+    for linear in linears:
+        weight = linear._parameters.get("weight")
         if weight is not None and held[id(weight)] == 1:
-            del module._parameters["weight"]
-            count += 1
-    return count
+            del linear._parameters["weight"]
+    cpu_build.page_out(t for linear in linears for name, t in linear._buffers.items() if name in ("codes", "d", "m"))
+    return len(linears)
 
 
 def _restore_weight(linear: BlockLinear) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from specchat.config import EngineConfig
 from specchat.engine import cpu_fusion
-from specchat.engine.cpu_weights import drop_float_weights, pack_blocks, set_activations
+from specchat.engine.cpu_weights import pack_blocks, release_unread_weights, set_activations
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_transform import load_or_calibrate
 from specchat.engine.loader import Progress, build_model, load_checkpoint
@@ -183,7 +183,7 @@ def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu
     elif cpu_act == "auto" and cpu_gemv_i8.available():
         set_activations(model, "int8")  # the GGUF-block linears, if the model has any; the rest stays float
         set_fp4_activations(model, "int8")  # and the MXFP4 ones (--weights mxfp4)
-    drop_float_weights(model)  # int8 rows read only the blocks
+    release_unread_weights(model)  # int8 rows read only the blocks
     cpu_fusion.fuse(model)
 
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
 
@@ -64,11 +64,42 @@ def release_free_memory() -> bool:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim); True where there was one to ask.
 
     Call it after large buffers were freed: the first load of a GGUF dequantizes every tensor (and drops the
-    linears' float32 copies again, engine/cpu_weights.drop_float_weights), and glibc keeps what was freed inside
+    linears' float32 copies again, engine/cpu_weights.release_unread_weights), and glibc keeps what was freed inside
     its heap. After the default model's first load the process held 1,099 MB, 773 MB after the trim (a later
     load, from the converted files, 546 MB either way)."""
     trim = _malloc_trim()
     return trim is not None and trim(0) == 1
+
+
+MADV_PAGEOUT = 21  # linux/mman.h (Linux 5.4+): reclaim these pages now; never loses data
+
+
+def page_out(tensors: Iterable[torch.Tensor]) -> int:
+    """Ask the kernel to reclaim the whole pages of these CPU tensors, which nothing is about to read; returns the
+    bytes asked for (0 where madvise or MADV_PAGEOUT is missing). Pages mapped from a file (the CPU weight blocks
+    read from their cached safetensors) leave the resident set and are read from the file again at their next
+    access; anonymous ones go to swap, where there is one, else stay. The values never change."""
+    advise = _madvise()
+    if advise is None:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for t in tensors:
+        start = -(-t.data_ptr() // page) * page  # whole pages inside the tensor only
+        end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+        if end > start and advise(start, end - start, MADV_PAGEOUT) == 0:
+            total += end - start
+    return total
+
+
+@cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        advise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    advise.argtypes, advise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return advise
 
 
 @cache

@@ -52,7 +52,7 @@ def test_int8_rows_free_the_float_weights(default_engine, eager_engine):
     the load drops them (the tied head's is the embedding's); `.weight` still reads as the values, and the model's
     counted bytes are the blocks'. fp32 rows take the float GEMM for a prompt: the weights come back, the same
     values."""
-    from specchat.engine.cpu_weights import drop_float_weights, set_activations
+    from specchat.engine.cpu_weights import release_unread_weights, set_activations
     from specchat.kernels import cpu_gemv_i8
     from specchat.quant.modules import weight_bytes
 
@@ -64,7 +64,7 @@ def test_int8_rows_free_the_float_weights(default_engine, eager_engine):
     fp32_bytes = weight_bytes(model)
     try:
         set_activations(model, "int8")
-        assert drop_float_weights(model) == len(layers)
+        assert release_unread_weights(model) == len(layers) + 1  # the head's blocks too
         assert not any(m.holds_weight for m in layers)
         assert model.lm_head.weight is model.embed.weight
         assert torch.equal(layers[0].weight, wqkv)
@@ -162,13 +162,13 @@ def test_a_new_weight_makes_a_block_linear_plain():
     values) makes it a plain linear over that weight: the blocks would go on multiplying the old one."""
     from torch import nn
 
-    from specchat.engine.cpu_weights import drop_float_weights, quantize_q8_0, set_activations
+    from specchat.engine.cpu_weights import quantize_q8_0, release_unread_weights, set_activations
     from specchat.engine.drafters.heads_cpu import block_linear
 
     torch.manual_seed(0)
     old = torch.randn(48, 64)
     linear = block_linear(old, quantize_q8_0(old), "q8_0")
-    drop_float_weights(linear)
+    release_unread_weights(linear)
     new = torch.randn(48, 64)
     linear.weight = nn.Parameter(new, requires_grad=False)
     assert type(linear) is nn.Linear and not linear._buffers

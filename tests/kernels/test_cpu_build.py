@@ -112,3 +112,31 @@ def test_free_heap_pages_go_back_to_the_system():
         free(b)
     assert cpu_build.release_free_memory()
     assert resident_mb() < held - 64
+
+
+def test_page_out_releases_a_mapped_files_pages_and_keeps_its_values(tmp_path):
+    """page_out on a tensor mapped from a file (as the CPU weight blocks are, from their cached safetensors): its
+    pages leave the resident set, and reading it again reads the same values from the file."""
+    import sys
+
+    import numpy as np
+
+    from specchat.kernels import cpu_build
+
+    if sys.platform != "linux":
+        pytest.skip("madvise(MADV_PAGEOUT) is Linux's")
+    path = tmp_path / "blocks.bin"
+    values = np.arange(16 << 20, dtype=np.int32)  # 64 MB
+    values.tofile(path)
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.int32, mode="c"))  # private, as safetensors maps
+
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    assert int(mapped.sum()) == int(values.sum())  # every page read in
+    held = resident_mb()
+    if cpu_build.page_out([mapped]) == 0:
+        pytest.skip("no MADV_PAGEOUT on this kernel")
+    assert resident_mb() < held - 32
+    assert torch.equal(mapped, torch.from_numpy(values))
