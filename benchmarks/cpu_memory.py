@@ -64,13 +64,12 @@ def main() -> None:
         )
         for load in range(1, args.loads + 1):
             env = {**os.environ, "SPECCHAT_HOME": str(home)}
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, args.model, str(args.answer)],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
+            done = subprocess.run(
+                [sys.executable, "-c", CHILD, args.model, str(args.answer)], env=env, capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                sys.exit(f"load {load} failed:\n{done.stderr[-2000:]}")
+            out = done.stdout
             r = json.loads(out.strip().splitlines()[-1])
             print(
                 f"{load:>4} | {r['load_s']:6.2f} | {r['rss_loaded'] / mb:7.0f} MB | {r['rss_answered'] / mb:9.0f} MB"
