@@ -48,7 +48,7 @@ from functools import cache
 import torch
 
 from specchat.kernels import cpu_build, cpu_gemv
-from specchat.kernels.mxfp4 import E8M0_NAN, e2m1_to_float, pack_nibbles, unpack_nibbles
+from specchat.kernels.mxfp4 import E8M0_NAN, e2m1_to_float, pack_nibbles, scales_to_float, unpack_nibbles
 
 BLOCK = cpu_gemv.BLOCK  # weights per quantization block (GGUF Q4_1 / Q8_0), and activations per int8 scale
 GROUP = 16  # output rows interleaved in one vector: one 32-bit lane each
@@ -683,18 +683,27 @@ def repack_fp4(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
     return words, padded.view(groups, GROUP, g).transpose(1, 2).contiguous()
 
 
-def unpack_fp4(
-    words: torch.Tensor, scales: torch.Tensor, n: int, index: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """repack_fp4's inverse: (words, scales) of N rows -> interchange (codes uint8 [N, K/2], scales uint8 [N, K/32]),
-    or of rows `index` [R] only (an embedding's lookup: [R, K/2], [R, K/32])."""
+def _fp4_elements(words: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` [R] of repack_fp4's (words, scales) -> (element codes uint8 [R, K], 0..15, E8M0 scales [R, K/32])."""
     groups, g, _ = scales.shape
-    rows = torch.arange(n) if index is None else index.reshape(-1).long()
     q4_order = words.view(groups, g, Q4_WORDS, GROUP, 4)[rows // GROUP, :, :, rows % GROUP]  # [R, G, 4, 4]
     q4_order = q4_order.reshape(-1, g, BLOCK // 2)
     elements = torch.cat([q4_order & 15, q4_order >> 4], dim=-1)  # [R, G, 32]: element j of each block at j
-    codes = pack_nibbles(elements.view(-1, g * BLOCK))
-    return codes, scales[rows // GROUP, :, rows % GROUP]
+    return elements.view(-1, g * BLOCK), scales[rows // GROUP, :, rows % GROUP]
+
+
+def unpack_fp4(words: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """repack_fp4's inverse: (words, scales) of N rows -> interchange (codes uint8 [N, K/2], scales uint8 [N, K/32])."""
+    elements, row_scales = _fp4_elements(words, scales, torch.arange(n))
+    return pack_nibbles(elements), row_scales
+
+
+def fp4_rows(words: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [R] of repack_fp4's (words, scales), dequantized: [R, K] float32, dequantize_mxfp4's values (an
+    embedding's lookup, without the interchange form between)."""
+    elements, row_scales = _fp4_elements(words, scales, index.reshape(-1).long())
+    values = e2m1_to_float(elements).view(*row_scales.shape, BLOCK) * scales_to_float(row_scales)[..., None]
+    return values.view(elements.shape)
 
 
 class Bound:

@@ -93,9 +93,8 @@ class Fp4Linear(nn.Module):
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` [R] of the weight, dequantized: [R, K] in `dtype` (an embedding lookup)."""
         if self.int8_rows:
-            codes, scales = cpu_gemv_i8.unpack_fp4(self.codes, self.scales, self.out_features, index)
-        else:
-            codes, scales = gather_rows(self.weight_mxfp4, index)
+            return cpu_gemv_i8.fp4_rows(self.codes, self.scales, index).to(dtype)  # (K: whole blocks)
+        codes, scales = gather_rows(self.weight_mxfp4, index)
         return dequantize_mxfp4(codes, scales, torch.float32, k=self.in_features).to(dtype)
 
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:

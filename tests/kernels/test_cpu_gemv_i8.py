@@ -186,6 +186,8 @@ def test_fp4_close_to_float_activations():
 
 
 def test_fp4_repack_holds_the_same_bytes_and_unpacks_exactly():
+    from specchat.kernels.mxfp4 import dequantize_mxfp4
+
     codes, scales = fp4(N, 5)
     words, packed_scales = cpu_gemv_i8.repack_fp4(codes, scales)
     groups = -(-N // 16)
@@ -193,8 +195,8 @@ def test_fp4_repack_holds_the_same_bytes_and_unpacks_exactly():
     back = cpu_gemv_i8.unpack_fp4(words, packed_scales, N)
     assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
     index = torch.tensor([[99, 0], [17, 17]])
-    picked = cpu_gemv_i8.unpack_fp4(words, packed_scales, N, index)
-    assert torch.equal(picked[0], codes[index.flatten()]) and torch.equal(picked[1], scales[index.flatten()])
+    picked = cpu_gemv_i8.fp4_rows(words, packed_scales, index)
+    assert torch.equal(picked, dequantize_mxfp4(codes, scales)[index.flatten()])
 
 
 def test_fp4_nan_scale_is_refused():
