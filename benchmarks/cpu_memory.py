@@ -1,7 +1,7 @@
 """Resident memory of the default engine on the CPU: a first load (nothing cached: the GGUF parsed and dequantized,
 the derived files written) and a second one (from the derived files), each in a fresh process.
 
-    python benchmarks/cpu_memory.py [--model smollm2-135m] [--loads 2] [--answer 32]
+    python benchmarks/cpu_memory.py [--model smollm2-135m] [--weights auto] [--loads 2] [--answer 32]
 
 A scratch $SPECCHAT_HOME whose models/ links to the real cache's (no download; the kernels' build is copied, so
 it is not timed) is made and removed around the loads. Per load: the seconds `Engine.load` took, the process's
@@ -28,9 +28,9 @@ from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.engine import Engine
 from specchat.ui.bridge import rss_bytes
 
-model, answer = sys.argv[1], int(sys.argv[2])
+model, weights, answer = sys.argv[1], sys.argv[2], int(sys.argv[3])
 start = time.perf_counter()
-engine = Engine.load(EngineConfig(model=model, device="cpu"))
+engine = Engine.load(EngineConfig(model=model, device="cpu", weights=weights))
 seconds = time.perf_counter() - start
 loaded = rss_bytes()
 params = SamplingParams(max_tokens=answer, ignore_eos=True)
@@ -48,6 +48,7 @@ print(json.dumps({
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--weights", default="auto", help="EngineConfig.weights: auto (as loaded), mxfp4, ...")
     parser.add_argument("--loads", type=int, default=2, help="loads in fresh processes; the first finds no cache")
     parser.add_argument("--answer", type=int, default=32, help="tokens of the greedy answer after each load")
     args = parser.parse_args()
@@ -65,7 +66,10 @@ def main() -> None:
         for load in range(1, args.loads + 1):
             env = {**os.environ, "SPECCHAT_HOME": str(home)}
             done = subprocess.run(
-                [sys.executable, "-c", CHILD, args.model, str(args.answer)], env=env, capture_output=True, text=True
+                [sys.executable, "-c", CHILD, args.model, args.weights, str(args.answer)],
+                env=env,
+                capture_output=True,
+                text=True,
             )
             if done.returncode != 0:
                 sys.exit(f"load {load} failed:\n{done.stderr[-2000:]}")
