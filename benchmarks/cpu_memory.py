@@ -6,7 +6,9 @@ the derived files written) and a second one (from the derived files), each in a 
 A scratch $SPECCHAT_HOME whose models/ links to the real cache's (no download; the kernels' build is copied, so
 it is not timed) is made and removed around the loads. Per load: the seconds `Engine.load` took, the process's
 resident set after it (ui.bridge.rss_bytes, what the TUI's memory panel shows) and after a short greedy answer,
-its peak, and the engine's own accounting of its weights (`memory()`: every weight tensor, and the linears).
+its peak, and the engine's own accounting of its weights (`memory()`: every weight tensor, and the linears). The
+files a load writes are synced to disk before the next one: pages of a file still being written back cannot be
+paged out (cpu_build.page_out), which made a load right after the first hold ~38 MB more.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
             if done.returncode != 0:
                 sys.exit(f"load {load} failed:\n{done.stderr[-2000:]}")
             out = done.stdout
+            os.sync()  # the derived files just written: dirty page-cache pages cannot be paged out until written back
             r = json.loads(out.strip().splitlines()[-1])
             print(
                 f"{load:>4} | {r['load_s']:6.2f} | {r['rss_loaded'] / mb:7.0f} MB | {r['rss_answered'] / mb:9.0f} MB"
