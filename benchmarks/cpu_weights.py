@@ -6,7 +6,7 @@
 `bf16` is the checkpoint's own weights (on the CPU: the GGUF file's Q4_1 / Q8_0 blocks), `mxfp4` the engine's MXFP4
 weights (`Engine.set_weights`, the cached GPTQ result: run `specchat quantize` once first, or the first switch
 computes it), each with the activation rows of `--cpu-act` (auto: int8 where cpu_gemv_i8 loads; a comma list runs
-each: `fp32,int8` sets them between prompts, engine/cpu_weights.set_activations and fp4_linear.set_fp4_activations).
+each: `fp32,int8` sets them between prompts, engine/cpu_weights.set_activations).
 One engine; eval prompts of the shipped prompt set, each run alone under every (format, rows, drafter), the
 formats and rows switched between prompts in alternating order so that a busy machine slows them alike (the
 switch is not timed). Decode tok/s per configuration (median over --repeats of the prompts' total), its ratio to
@@ -31,13 +31,11 @@ from specchat.engine.cpu_weights import set_activations
 from specchat.engine.engine import Engine
 from specchat.engine.train_heads import CATEGORIES, load_prompt_set
 from specchat.kernels import cpu_gemv_i8
-from specchat.quant.fp4_linear import set_fp4_activations
 
 
 def use_rows(engine: Engine, rows: str) -> None:
     """The GGUF-block and MXFP4 linears' activation rows ("fp32" or "int8")."""
     set_activations(engine.model, rows)
-    set_fp4_activations(engine.model, rows)
 
 
 def main() -> None:

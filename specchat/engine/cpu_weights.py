@@ -29,6 +29,7 @@ from torch import nn
 
 from specchat.engine.model import Linear, Transformer
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
+from specchat.quant.fp4_linear import set_fp4_activations
 
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
 
@@ -186,9 +187,10 @@ ACTIVATION_CLASSES = {"fp32": BlockLinear, "int8": Int8BlockLinear}  # config.CP
 
 
 def set_activations(model: nn.Module, activations: str) -> int:
-    """Make the packed linears multiply with `activations` ("fp32" or "int8") rows; returns how many were packed.
-    int8 needs cpu_gemv_i8.available() (a CPU with AVX512-VNNI or AVX2); the caller checks it. The repacked blocks stay
-    with a module once made, so switching back and forth (benchmarks/spec_decode.py --cpu-act) costs nothing.
+    """Make the linears the CPU kernels read (GGUF blocks, and MXFP4 codes: `Fp4Linear.set_activations`) multiply
+    with `activations` ("fp32" or "int8") rows; returns how many do. int8 needs cpu_gemv_i8.available() (a CPU with
+    AVX512-VNNI or AVX2); the caller checks it. A block linear's repacked blocks stay with it once made, so switching
+    back and forth (benchmarks/spec_decode.py --cpu-act) costs nothing; an MXFP4 one repacks its codes in place.
 
     fp32 rows take the float GEMM for a prompt: a linear's float weight dropped under int8 rows
     (`release_unread_weights`) is made again, from the blocks."""
@@ -202,7 +204,7 @@ def set_activations(model: nn.Module, activations: str) -> int:
             if cls.gemm_for_many_rows:
                 _restore_weight(module)
             count += 1
-    return count
+    return count + set_fp4_activations(model, activations)
 
 
 def release_unread_weights(model: nn.Module) -> int:

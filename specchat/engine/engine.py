@@ -31,7 +31,7 @@ from specchat.engine.fusion import FusedTransformer, fuse_linears
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import auto_format
 from specchat.engine.loader import Progress
-from specchat.engine.loading import ThreadGovernor, load_parts, make_runner, mxfp4_activations, pack_cpu_weights
+from specchat.engine.loading import ThreadGovernor, load_parts, make_runner, pack_cpu_weights, use_cpu_rows
 from specchat.engine.model import Transformer
 from specchat.engine.sampling import make_generator
 from specchat.engine.scheduler import Scheduler
@@ -395,7 +395,7 @@ class Engine:
                     # Bf16Linear) again, as at load
                     pack_cpu_weights(self.model, sources.model_path, sources.dense_file, self.config.cpu_act)
                 if switched and fmt == "mxfp4" and self.pool.cpu_kernels:  # --cpu-act's rows for the MXFP4 linears
-                    mxfp4_activations(self.model, self.config.cpu_act)
+                    use_cpu_rows(self.model, self.config.cpu_act)
                 if switched and isinstance(self.model, FusedTransformer):  # the switch's dense linears are plain ones
                     fuse_linears(self.model)
                 self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights

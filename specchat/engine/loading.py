@@ -27,7 +27,6 @@ from specchat.engine.tokenizer import Tokenizer, gguf_tokenizer
 from specchat.errors import ConfigError
 from specchat.kernels import cpu_block, cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
-from specchat.quant.fp4_linear import set_fp4_activations
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
 
@@ -179,29 +178,29 @@ def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu
     if path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
     if cpu_act == "int8":
-        use_cpu_activations(model, cpu_act, cpu_kernels=True)
-    elif cpu_act == "auto" and cpu_gemv_i8.available():
-        set_activations(model, "int8")  # the GGUF-block linears, if the model has any; the rest stays float
-        set_fp4_activations(model, "int8")  # and the MXFP4 ones (--weights mxfp4)
-    release_unread_weights(model)  # int8 rows read only the blocks
+        use_cpu_activations(model, cpu_act, cpu_kernels=True)  # its ConfigError where no linear can
+    use_cpu_rows(model, cpu_act)
     cpu_fusion.fuse(model)
 
 
-def mxfp4_activations(model: Transformer, cpu_act: str) -> None:
-    """After a switch to MXFP4 weights on the CPU kernels: their linears (new modules, float rows) multiply with the
-    rows `cpu_act` picks, as the GGUF blocks' at load: int8 for int8, and for auto where cpu_gemv_i8 loads."""
+def use_cpu_rows(model: Transformer, cpu_act: str) -> None:
+    """The activation rows `cpu_act` picks for the linears the CPU kernels read (GGUF blocks, MXFP4 codes): int8 for
+    int8, and for auto where cpu_gemv_i8 loads (the linears that can take them: the rest keep float rows); then what
+    int8 rows never read is released (cpu_weights.release_unread_weights). At load, and after a switch of the
+    weights (Engine.set_weights)."""
     if cpu_act == "int8" or (cpu_act == "auto" and cpu_gemv_i8.available()):
-        set_fp4_activations(model, "int8")
+        set_activations(model, "int8")
+    release_unread_weights(model)
 
 
 def use_cpu_activations(model: Transformer, activations: str, cpu_kernels: bool) -> None:
-    """--cpu-act int8: the GGUF-block linears take int8 activation rows; a ConfigError where they cannot."""
+    """--cpu-act int8: the GGUF-block and MXFP4 linears take int8 activation rows; a ConfigError where they cannot."""
     flag = f"--cpu-act {activations}"
     if not cpu_kernels:
         raise ConfigError(f"{flag} needs the CPU block kernels: a CPU device (--device cpu or auto without CUDA)")
     if not cpu_gemv_i8.available():
         raise ConfigError(f"{flag} needs a CPU with AVX512-VNNI or AVX2 and a C compiler; use --cpu-act fp32 here")
-    if set_activations(model, activations) + set_fp4_activations(model, activations) == 0:
+    if set_activations(model, activations) == 0:
         raise ConfigError(f"{flag} needs GGUF Q4_1 / Q8_0 weights read as blocks or MXFP4 weights (float32)")
 
 
