@@ -16,18 +16,18 @@ N, K = 96, 320  # 10 blocks of 32 per row
 BLOCK = cpu_gemv.BLOCK
 
 
-def q4_weights(seed: int) -> tuple[torch.Tensor, ...]:
+def q4_weights(seed: int, n: int = N) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
-    d = (torch.rand(N, K // 32, generator=g) * 0.02).half().float()  # GGUF's scales are float16
-    m = (-torch.rand(N, K // 32, generator=g) * 0.1).half().float()
+    codes = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, K // 32, generator=g) * 0.02).half().float()  # GGUF's scales are float16
+    m = (-torch.rand(n, K // 32, generator=g) * 0.1).half().float()
     return codes, d, m
 
 
-def q8_weights(seed: int) -> tuple[torch.Tensor, ...]:
+def q8_weights(seed: int, n: int = N) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
-    return codes, (torch.rand(N, K // 32, generator=g) * 0.01).half().float()
+    codes = torch.randint(-127, 128, (n, K), dtype=torch.int8, generator=g)
+    return codes, (torch.rand(n, K // 32, generator=g) * 0.01).half().float()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])

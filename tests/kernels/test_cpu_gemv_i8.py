@@ -15,11 +15,11 @@ N, K = 100, 320  # 10 blocks of 32 per row; 100 outputs = 6 groups of 16 and a p
 
 
 def q4(seed: int, n: int = N) -> tuple[torch.Tensor, ...]:
-    return tuple(t[:n].contiguous() for t in q4_weights(seed))
+    return q4_weights(seed, n)
 
 
 def q8(seed: int, n: int = N) -> tuple[torch.Tensor, ...]:
-    return tuple(t[:n].contiguous() for t in q8_weights(seed))
+    return q8_weights(seed, n)
 
 
 def rows(m: int, seed: int) -> torch.Tensor:
@@ -223,7 +223,7 @@ def test_the_avx2_build_gives_the_same_bits():
     lib = lib and cpu_gemv_i8.bind(lib)
     if lib is None:
         pytest.skip("no C compiler")
-    q4w, q8w, (codes, scales) = q4(7), q8(7), fp4(N, 7)  # (96 rows of GGUF blocks: test_cpu_gemv's weights)
+    q4w, q8w, (codes, scales) = q4(7), q8(7), fp4(N, 7)
     q4p, q8p, fp4p = cpu_gemv_i8.repack_q4(*q4w), cpu_gemv_i8.repack_q8(*q8w), cpu_gemv_i8.repack_fp4(codes, scales)
     for m in range(1, 10):
         x = rows(m, 10 + m)
