@@ -10,7 +10,9 @@ cpu_gemv.MAX_ROWS (a prompt's prefill) keep the float GEMM with float rows. `unp
 
 `set_activations(model, "int8")` re-classes the packed linears as `Int8BlockLinear`, which multiply with int8
 activation rows (kernels/cpu_gemv_i8.py, AVX512-VNNI: `--cpu-act int8`); that rounds each activation to 8 bits
-per block of 32, so unlike the packing it changes the numbers (docs/benchmarks.md measures the perplexity).
+per block of 32, so unlike the packing it changes the numbers (docs/benchmarks.md measures the perplexity). Those
+read only their repacked blocks, prompts included, so `release_unread_weights` frees their float weights (`.weight`
+then reads as the blocks' values, made for the caller) and pages out the GGUF-layout blocks.
 """
 
 from __future__ import annotations
