@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat.engine.loader import gguf_reader
 from specchat.engine.model import Linear, Transformer
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.fp4_linear import set_fp4_activations
@@ -300,9 +301,7 @@ def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> tuple[str, tu
 
 def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
     """{linear name: (kind, (codes, d[, m]))} for the model's linears that the GGUF file stores as blocks."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    tensors = {t.name: t for t in gguf_reader(gguf_path).tensors}
     names = _sources(model)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     names["lm_head"] = [(head, None)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,34 @@ SUPPORTED_GGUF = ("llama", "qwen2")
 GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models up to this size in float32
 
 log = logging.getLogger(__name__)
+
+_readers: dict[Path, object] | None = None  # GGUF files parsed within one_parse_per_file()
+
+
+@contextlib.contextmanager
+def one_parse_per_file() -> Iterator[None]:
+    """Within it, `gguf_reader` parses each GGUF file once: a first load reads its tensors for the float weights
+    and again for the CPU kernels' blocks, and gguf's reader takes ~2 s over the default model's vocabulary."""
+    global _readers
+    outer = _readers
+    _readers = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _readers = outer
+
+
+def gguf_reader(path: Path):  # -> gguf.GGUFReader
+    """gguf's reader of `path` (shared within one_parse_per_file). Raises what gguf raises on a damaged file."""
+    from gguf import GGUFReader
+
+    shared = _readers
+    if shared is not None and path in shared:
+        return shared[path]
+    reader = GGUFReader(str(path))
+    if shared is not None:
+        shared[path] = reader
+    return reader
 
 
 # --- checking a model's shape -------------------------------------------------------------------------------
@@ -150,11 +178,10 @@ def _relabelled(progress: Progress | None, why: str) -> Progress | None:
 
 
 def _load_gguf(path: Path, progress: Progress | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     try:
-        reader = GGUFReader(str(path))
+        reader = gguf_reader(path)
     except Exception as exc:  # gguf raises ValueError / struct errors / IndexError on damaged files
         raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     cfg = gguf_config(reader, path)

@@ -20,7 +20,7 @@ from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import pack_blocks, release_unread_weights, set_activations
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_transform import load_or_calibrate
-from specchat.engine.loader import Progress, build_model, load_checkpoint
+from specchat.engine.loader import Progress, build_model, load_checkpoint, one_parse_per_file
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
 from specchat.engine.tokenizer import Tokenizer, gguf_tokenizer
@@ -242,25 +242,26 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     if cpu_kernels:
         build_cpu_kernels(progress)
     dtype = pick_dtype(config.dtype, device, reads_cpu_blocks(spec, cpu_kernels))
-    model, packed, meta, converted = load_model(path, dtype, device, progress)
-    tokenizer = load_tokenizer(spec, path)
-    weights = weight_switch(
-        model,
-        packed,
-        meta,
-        path,
-        config.weights,
-        dense_file=converted,
-        encode=tokenizer.encode,
-        tokenizer_dir=tokenizer_dir(spec, path),
-        progress=progress,
-    )
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads())
-    if cpu_kernels:
-        pack_cpu_weights(model, path, converted, config.cpu_act)
-    elif config.cpu_act == "int8":  # --device auto that found CUDA: its one-line error
-        use_cpu_activations(model, config.cpu_act, cpu_kernels)
+    with one_parse_per_file():  # (a first load reads a GGUF's tensors twice: float weights, then CPU blocks)
+        model, packed, meta, converted = load_model(path, dtype, device, progress)
+        tokenizer = load_tokenizer(spec, path)
+        weights = weight_switch(
+            model,
+            packed,
+            meta,
+            path,
+            config.weights,
+            dense_file=converted,
+            encode=tokenizer.encode,
+            tokenizer_dir=tokenizer_dir(spec, path),
+            progress=progress,
+        )
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads())
+        if cpu_kernels:
+            pack_cpu_weights(model, path, converted, config.cpu_act)
+        elif config.cpu_act == "int8":  # --device auto that found CUDA: its one-line error
+            use_cpu_activations(model, config.cpu_act, cpu_kernels)
     budget = config.kv_memory or default_kv_budget(device)
     c = model.cfg
     pool = KVPool.from_budget(

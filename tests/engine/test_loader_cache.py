@@ -241,3 +241,40 @@ def test_each_rebuild_is_one_line_on_stderr(gguf, tmp_path):
     assert len(lines) == 2 and all(line.startswith("specchat: note: ") for line in lines), lines
     assert "weights.safetensors" in lines[0] and "rebuilding it from tiny.gguf" in lines[0]
     assert "tokenizer.json" in lines[1] and "converting the tokenizer again from tiny.gguf" in lines[1]
+
+
+def test_a_first_load_parses_the_gguf_once_for_its_weights_and_blocks(tmp_path, monkeypatch):
+    """A first load reads the file's tensors twice (the float weights, then the CPU kernels' blocks); within the
+    load both take one parse of the file (gguf's reader takes seconds over a real vocabulary)."""
+    import gguf as gguf_package
+
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+    from specchat.kernels import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("no CPU block kernels: nothing reads the blocks")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", blocks=True)
+    parsed: list[str] = []
+    reader = gguf_package.GGUFReader
+
+    class Counting(reader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", Counting)
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path / "home"))
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32")
+    Engine.load(config)  # converts the tokenizer too (through transformers, its own parse), kept
+    weights = [*(tmp_path / "home").rglob("weights.safetensors"), *(tmp_path / "home").rglob("cpu_blocks.safetensors")]
+    assert len(weights) == 2
+    for cached in weights:
+        cached.unlink()
+    parsed.clear()
+    engine = Engine.load(config)
+    assert parsed == [str(path)]
+    assert engine.memory()["weights_gguf"]  # the blocks were read
+    with loader.one_parse_per_file():
+        assert loader.gguf_reader(path) is loader.gguf_reader(path)
+    assert loader.gguf_reader(path) is not loader.gguf_reader(path)
