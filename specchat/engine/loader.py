@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
@@ -30,27 +31,27 @@ GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models
 
 log = logging.getLogger(__name__)
 
-_readers: dict[Path, object] | None = None  # GGUF files parsed within one_parse_per_file()
+# GGUF files parsed within one_parse_per_file(), per thread (a context variable: another thread's load, the TUI's
+# on its executor, has its own)
+_readers: ContextVar[dict[Path, object] | None] = ContextVar("gguf_readers", default=None)
 
 
 @contextlib.contextmanager
 def one_parse_per_file() -> Iterator[None]:
     """Within it, `gguf_reader` parses each GGUF file once: a first load reads its tensors for the float weights
     and again for the CPU kernels' blocks, and gguf's reader takes ~2 s over the default model's vocabulary."""
-    global _readers
-    outer = _readers
-    _readers = {} if outer is None else outer
+    token = _readers.set({} if _readers.get() is None else _readers.get())
     try:
         yield
     finally:
-        _readers = outer
+        _readers.reset(token)
 
 
 def gguf_reader(path: Path):  # -> gguf.GGUFReader
     """gguf's reader of `path` (shared within one_parse_per_file). Raises what gguf raises on a damaged file."""
     from gguf import GGUFReader
 
-    shared = _readers
+    shared = _readers.get()
     if shared is not None and path in shared:
         return shared[path]
     reader = GGUFReader(str(path))

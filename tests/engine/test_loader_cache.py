@@ -278,3 +278,29 @@ def test_a_first_load_parses_the_gguf_once_for_its_weights_and_blocks(tmp_path, 
     with loader.one_parse_per_file():
         assert loader.gguf_reader(path) is loader.gguf_reader(path)
     assert loader.gguf_reader(path) is not loader.gguf_reader(path)
+
+
+def test_the_shared_parse_is_the_loading_threads_own(gguf):
+    """A load on another thread (the TUI loads on an executor) shares nothing with this one's: a scope open there
+    leaves this thread parsing afresh, and ends without leaving one open here."""
+    import threading
+
+    opened, release = threading.Event(), threading.Event()
+
+    def load_elsewhere() -> None:
+        with loader.one_parse_per_file():
+            loader.gguf_reader(gguf)
+            opened.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=load_elsewhere)
+    thread.start()
+    try:
+        assert opened.wait(10)
+        assert loader.gguf_reader(gguf) is not loader.gguf_reader(gguf)
+        with loader.one_parse_per_file():
+            assert loader.gguf_reader(gguf) is loader.gguf_reader(gguf)
+    finally:
+        release.set()
+        thread.join()
+    assert loader.gguf_reader(gguf) is not loader.gguf_reader(gguf)
