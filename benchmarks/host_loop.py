@@ -8,7 +8,9 @@ This runs a tiny random model on the CPU with the GPU's step path forced on (ste
 padded to one width, drafts made and verified "on the device" by a table drafter that taps a hidden row, as the
 heads do) and reports wall time per step less the time in the model's forward, the argmax and the drafting step's
 verdicts and next drafts (one graph replay on a GPU): the host's own work, which on a GPU runs beside the kernels.
-Configurations: `none` (plain decoding) and `table` (drafting k = 4).
+Configurations: `none` (plain decoding), a drafter's name (drafting k = 4: `table`, a bigram table that taps a
+hidden row; `ngram`) and NAME-off (that drafter under `--k auto` with its batch's draft gate held at cap 0 for every
+step: what an adaptive drafter costs the host where the gate keeps drafting off, as at 32 sessions on the H200).
 glibc's allocator is told to keep large blocks (mallopt): a step's logits (160 rows of the vocabulary at 32
 sessions drafting, 31 MB) would otherwise be mapped and unmapped every step, ~0.8 ms a step that a GPU, whose
 graphs keep their buffers, does not pay (and that came and went from run to run).
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.adaptive import DraftGate
 from specchat.engine.engine import Engine
 from specchat.kernels import cpu_ops
 from tests.conftest import save_tiny_hf
@@ -80,7 +83,14 @@ def main() -> None:
     print(f"{'sessions':>8} {'config':>7} {'steps':>6} {'host ms/step':>12} {'host us/request/step':>20}")
     for sessions in map(int, args.sessions.split(",")):
         for config in args.configs.split(","):
-            spec = SpecParams("none", k=0) if config == "none" else SpecParams(config, k=4)
+            gate_off = config.endswith("-off")
+            if config == "none":
+                spec = SpecParams("none", k=0)
+            else:
+                spec = SpecParams(config.removesuffix("-off"), k=None if gate_off else 4)
+            allow, peek = DraftGate.allow, DraftGate.peek
+            if gate_off:
+                DraftGate.allow, DraftGate.peek = (lambda gate: 0), (lambda gate: False)
             run(sessions, spec)  # warm-up
             steps, host = min((run(sessions, spec) for _ in range(args.repeats)), key=lambda r: r[1])
             print(f"{sessions:>8} {config:>7} {steps:>6} {host:>12.3f} {host * 1e3 / sessions:>20.1f}", flush=True)
@@ -92,6 +102,7 @@ def main() -> None:
                 out = io.StringIO()
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
                 print("\n".join(out.getvalue().splitlines()[6:]), flush=True)
+            DraftGate.allow, DraftGate.peek = allow, peek
 
 
 if __name__ == "__main__":
