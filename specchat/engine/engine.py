@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
+from specchat.engine import cpu_fusion
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
@@ -398,7 +399,11 @@ class Engine:
                     use_cpu_rows(self.model, self.config.cpu_act)
                 if switched and isinstance(self.model, FusedTransformer):  # the switch's dense linears are plain ones
                     fuse_linears(self.model)
+                if switched and self.pool.cpu_kernels:  # the old weights go now, not at the next step's binding
+                    cpu_fusion.unbind(self.model)
                 self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
+            if self.device.type == "cpu":
+                cpu_build.release_free_memory()  # (their pages back to the system)
 
     def apply(self, command: Callable[[], None]) -> Future:
         """Run a change to engine state between steps (on the engine's thread).
