@@ -37,12 +37,31 @@ BLOCK = 32  # weights per quantization block (GGUF Q4_1 / Q8_0)
 MAX_ROWS = 64  # activation rows (tokens) per call above which callers dequantize and use a float GEMM
 CHUNK_ROWS = 8  # rows the kernel keeps in registers at once (MMAX in the C source)
 
+# The 32-point fast Walsh-Hadamard transform of a RotatedFp4Linear's rows (x's blocks times R = H_32 / sqrt(32)), in
+# both kernel modules' sources (cpu_gemv_i8's too, which also builds alone; guarded, so one library holds it once).
+FWHT32_SOURCE = r"""
+#ifndef SPECCHAT_FWHT32
+#define SPECCHAT_FWHT32
+/* A block of 32 times R, in place: butterflies h = 1, 2, 4, 8, 16, then 1 / sqrt(32) (cpu_gemv_i8.fwht_ref). */
+static inline void fwht32(float v[32]) {
+  for (int h = 1; h < 32; h *= 2)
+    for (int j = 0; j < 32; j += 2 * h)
+      for (int t = j; t < j + h; t++) {
+        const float a = v[t], b = v[t + h];
+        v[t] = a + b;
+        v[t + h] = a - b;
+      }
+  for (int j = 0; j < 32; j++) v[j] *= 0.17677669529663687f; /* 1 / sqrt(32) */
+}
+#endif
+"""
+
 C_SOURCE = r"""
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-
+""" + FWHT32_SOURCE + r"""
 /* An E8M0 scale code as the float32 2^(s - 127) (s = 0: the subnormal 2^-127; 0xFF, NaN, is the caller's to avoid). */
 static inline float e8m0(uint8_t s) {
   const uint32_t bits = s ? (uint32_t)s << 23 : 0x00400000u;
@@ -84,16 +103,22 @@ INLINE void store_tile(const int R, const int NR, int N, __m512 lo_acc[][4], __m
    each call so the accumulators live in registers. Every (row, output) pair is summed the same way whatever the
    tile: the low and high 16 weights of each block into two accumulators, over the blocks in order, added and
    reduced once at the end. So a token's logits do not depend on its batch, its tile or its thread. The NR
-   outputs share each x load, and the 2 * R * NR independent accumulators hide the FMA latency. */
-INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, const uint8_t* q, const float* d,
-                    const float* m, float* y, int n) {
+   outputs share each x load, and the 2 * R * NR independent accumulators hide the FMA latency.
+
+   4-bit codes [N, K/2] looked up in their block's table of 16 values with one permute (vpermps reads only the
+   low 4 bits of each index, so no masking of the nibbles): Q4_1's w(q) = d * q + m for q = 0..15, or (FP4) MXFP4's
+   E2M1 values times the block's E8M0 scale 2^(s - 127) (exact). One FMA builds a Q4_1 table with gguf's values: d
+   is a float16 (11 significant bits) and q < 16, so d * q is exact in float32 and the one rounding of fma(d, q, m)
+   is the rounding of gguf's d * q + m. An MXFP4 block's low nibbles are its even elements and the high ones its
+   odd elements: fp4_gemm hands the tiles x with each block's even elements first, so lo / hi pair with x's two
+   halves as in the other kernels. The next tile's codes are prefetched (the rows NR ahead, same offset), which the
+   hardware prefetcher does not do across rows. */
+INLINE void nibble_tile(const int FP4, const int R, const int NR, int N, int K, const float* x, const uint8_t* q,
+                        const float* d, const float* m, const uint8_t* s, float* y, int n) {
   const int G = K / 32;
-  /* The 16 values a block's codes can take, w(q) = d * q + m for q = 0..15, looked up per code with one
-     permute; vpermps reads only the low 4 bits of each index, so no masking of the nibbles. One FMA builds the
-     table with gguf's values: d is a float16 (11 significant bits) and q < 16, so d * q is exact in float32
-     and the one rounding of fma(d, q, m) is the rounding of gguf's d * q + m. The next tile's codes are
-     prefetched (the rows NR ahead, same offset), which the hardware prefetcher does not do across rows. */
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 values = FP4 ? _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
+                                             -1.5f, -2.0f, -3.0f, -4.0f, -6.0f)
+                            : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
   zero_tile(R, NR, lo_acc, hi_acc);
   for (int g = 0; g < G; g++) {
@@ -102,14 +127,21 @@ INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, con
       const size_t row = (size_t)(n + r);
       const uint8_t* b = q + row * (K / 2) + g * 16;
       _mm_prefetch((const char*)(b + (size_t)NR * (K / 2)), _MM_HINT_T0);
-      __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
-      __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[row * G + g]), _mm512_set1_ps(m[row * G + g]));
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+      const size_t at = row * G + g;
+      const __m512 table = FP4 ? _mm512_mul_ps(values, _mm512_set1_ps(e8m0(s[at])))
+                               : _mm512_fmadd_ps(values, _mm512_set1_ps(d[at]), _mm512_set1_ps(m[at]));
       lo[r] = _mm512_permutexvar_ps(idx, table);
       hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
     }
     fma_block(R, NR, K, x, g, lo, hi, lo_acc, hi_acc);
   }
   store_tile(R, NR, N, lo_acc, hi_acc, y, n);
+}
+
+INLINE void q4_tile(const int R, const int NR, int N, int K, const float* x, const uint8_t* q, const float* d,
+                    const float* m, float* y, int n) {
+  nibble_tile(0, R, NR, N, K, x, q, d, m, NULL, y, n);
 }
 
 INLINE void q8_tile(const int R, const int NR, int N, int K, const float* x, const int8_t* q, const float* d,
@@ -153,31 +185,10 @@ INLINE void bf16_tile(const int R, const int NR, int N, int K, const float* x, c
   store_tile(R, NR, N, lo_acc, hi_acc, y, n);
 }
 
-/* MXFP4 (codes [N, K/2], element 2j in the low nibble of byte j; one E8M0 scale a block): a block's 16 possible
-   values are the E2M1 table times its scale (exact), looked up per nibble as Q4_1's are. The low nibbles are the
-   block's even elements and the high ones its odd elements: fp4_gemm hands the tiles x with each block's even
-   elements first, so lo / hi pair with x's two halves as in the other kernels. */
+/* MXFP4 (codes [N, K/2], element 2j in the low nibble of byte j; one E8M0 scale a block): nibble_tile's. */
 INLINE void fp4_tile(const int R, const int NR, int N, int K, const float* x, const uint8_t* q, const uint8_t* s,
                      float* y, int n) {
-  const int G = K / 32;
-  const __m512 e2m1 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
-                                     -2.0f, -3.0f, -4.0f, -6.0f);
-  __m512 lo_acc[MMAX][4], hi_acc[MMAX][4];
-  zero_tile(R, NR, lo_acc, hi_acc);
-  for (int g = 0; g < G; g++) {
-    __m512 lo[4], hi[4];
-    for (int r = 0; r < NR; r++) {
-      const size_t row = (size_t)(n + r);
-      const uint8_t* b = q + row * (K / 2) + g * 16;
-      _mm_prefetch((const char*)(b + (size_t)NR * (K / 2)), _MM_HINT_T0);
-      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
-      const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0(s[row * G + g])));
-      lo[r] = _mm512_permutexvar_ps(idx, table);
-      hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
-    }
-    fma_block(R, NR, K, x, g, lo, hi, lo_acc, hi_acc);
-  }
-  store_tile(R, NR, N, lo_acc, hi_acc, y, n);
+  nibble_tile(1, R, NR, N, K, x, q, NULL, NULL, s, y, n);
 }
 
 /* Tiles sized to the 32 vector registers: 4 outputs at a time for 1 or 2 rows, 2 for 3-4, 1 for 5-8; the
@@ -518,16 +529,7 @@ int fp4_gemm(int M, int N, int K, const float* x, const uint8_t* q, const uint8_
   for (size_t i = 0; i < (size_t)M * K; i += 32) {
     float v[32];
     memcpy(v, x + i, sizeof v);
-    if (rotate) {
-      for (int h = 1; h < 32; h *= 2)
-        for (int j = 0; j < 32; j += 2 * h)
-          for (int t = j; t < j + h; t++) {
-            const float a = v[t], b = v[t + h];
-            v[t] = a + b;
-            v[t + h] = a - b;
-          }
-      for (int j = 0; j < 32; j++) v[j] *= 0.17677669529663687f;  /* 1 / sqrt(32) */
-    }
+    if (rotate) fwht32(v);
     for (int j = 0; j < 16; j++) {
       xs[i + j] = v[2 * j];
       xs[i + 16 + j] = v[2 * j + 1];

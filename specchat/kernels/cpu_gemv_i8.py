@@ -64,6 +64,7 @@ C_SOURCE = r"""
 /* Bytes ahead of each weight load to prefetch: the head (28 MB on the default model) streams from L3 ~1.5x
    faster with it (benchmarks/cpu_gemv.py; 512-4096 measured, 1024 best). */
 #define I8_PF 1024
+""" + cpu_gemv.FWHT32_SOURCE + r"""
 
 /* Activation rows quantized per block of 32: q [M, K] int8, d [M, G] scale, s [M, G] = d * sum(q) (Q4_1's
    offset term), sum [M, G] = sum(q) (the correction of Q8_0's +128 codes and MXFP4's +12 ones). */
@@ -80,19 +81,6 @@ enum { I8_Q8 = 0, I8_Q4 = 1, I8_FP4 = 2 }; /* the weights a tile reads: GGUF Q8_
    operand: twice the value plus FP4_OFFSET, 0..24, exact. One shuffle_epi8 looks up 16 codes' bytes at once. */
 #define FP4_OFFSET 12
 #define FP4_TABLE 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
-
-/* A block of 32 times R = H_32 / sqrt(32), in place: a RotatedFp4Linear's rows (the rotation its weight was
-   quantized under) as cpu_gemv's fp4_gemm rotates them, the same operations in the same order (`fwht_ref`). */
-static inline void i8_fwht32(float v[32]) {
-  for (int h = 1; h < 32; h *= 2)
-    for (int j = 0; j < 32; j += 2 * h)
-      for (int t = j; t < j + h; t++) {
-        const float a = v[t], b = v[t + h];
-        v[t] = a + b;
-        v[t + h] = a - b;
-      }
-  for (int j = 0; j < 32; j++) v[j] *= 0.17677669529663687f; /* 1 / sqrt(32) */
-}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -116,7 +104,7 @@ I8_INLINE void i8_quantize_lanes(__m512 lo, __m512 hi, int8_t* q, float* d, floa
   *s = db * (float)total;
 }
 
-/* One butterfly stage of i8_fwht32 over 16 lanes, for h = 1, 2, 4 or 8: `partner` holds each lane's partner (lane
+/* One butterfly stage of fwht32 over 16 lanes, for h = 1, 2, 4 or 8: `partner` holds each lane's partner (lane
    t +- h), `upper` marks the lanes t + h, which get partner - v = v[t] - v[t + h]; the others v + partner. Each
    lane is the scalar loop's a + b or a - b of the same two floats, so the same bits. */
 I8_INLINE __m512 butterfly(__m512 v, __m512 partner, __mmask16 upper) {
@@ -125,7 +113,7 @@ I8_INLINE __m512 butterfly(__m512 v, __m512 partner, __mmask16 upper) {
 
 I8_INLINE void i8_quantize_block(int rotate, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
   __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
-  if (rotate) { /* i8_fwht32 in registers: h = 1, 2, 4, 8 within each half, then 16 across them */
+  if (rotate) { /* fwht32 in registers: h = 1, 2, 4, 8 within each half, then 16 across them */
     for (int half = 0; half < 2; half++) {
       __m512 v = half ? hi : lo;
       v = butterfly(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);
@@ -171,26 +159,35 @@ I8_INLINE void store_groups(const int R, const int NR, int N, __m512 acc[][4], f
 }
 
 /* One tile: R activation rows times NR groups of 16 outputs from group grp (compile-time R and NR at each call,
-   so the accumulators live in registers). Two integer chains per (row, group), low and high nibbles, to hide
-   dpbusd's latency; their sum is exact. */
-I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
-                         const uint16_t* m, float* y, int grp) {
-  const int G = K / 32;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+   so the accumulators live in registers), of 4-bit codes in Q4_1's nibble order: Q4_1's own (KIND I8_Q4), or
+   MXFP4's (I8_FP4: repack_fp4 stores them in that order), each code then looked up as 2 e2m1(code) + FP4_OFFSET,
+   the low chain starting at -FP4_OFFSET * sum(xq), so the two end as sum_j 2 e2m1(c_j) xq_j, exactly. Two integer
+   chains per (row, group), low and high nibbles, to hide dpbusd's latency; their sum is exact. Then Q4_1:
+   acc += (d * dx) * isum, then acc += m * (dx * sum xq); MXFP4: acc += (2^(e - 127) * (dx / 2)) * isum. */
+I8_INLINE void nib_i8_tile(const int KIND, const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w,
+                           const void* scales, const uint16_t* m, float* y, int grp) {
+  const int G = K / 32, fp4 = KIND == I8_FP4;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_TABLE));
   __m512 acc[I8_MMAX][4];
   for (int i = 0; i < R; i++)
     for (int r = 0; r < NR; r++) acc[i][r] = _mm512_setzero_ps();
   for (int g = 0; g < G; g++) {
     __m512i lo_sum[I8_MMAX][4], hi_sum[I8_MMAX][4];
     for (int i = 0; i < R; i++)
-      for (int r = 0; r < NR; r++) lo_sum[i][r] = hi_sum[i][r] = _mm512_setzero_si512();
+      for (int r = 0; r < NR; r++) {
+        lo_sum[i][r] = fp4 ? _mm512_set1_epi32(-FP4_OFFSET * a->sum[(size_t)i * G + g]) : _mm512_setzero_si512();
+        hi_sum[i][r] = _mm512_setzero_si512();
+      }
     for (int v = 0; v < 4; v++)
       for (int r = 0; r < NR; r++) {
         const uint8_t* b = w + (((size_t)(grp + r) * G + g) * 4 + v) * 64;
         _mm_prefetch((const char*)(b + I8_PF), _MM_HINT_T0);
         const __m512i packed = _mm512_loadu_si512(b);
-        const __m512i wl = _mm512_and_si512(packed, nibble);
-        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        __m512i wl = _mm512_and_si512(packed, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        if (fp4) {
+          wl = _mm512_shuffle_epi8(table, wl);
+          wh = _mm512_shuffle_epi8(table, wh);
+        }
         for (int i = 0; i < R; i++) {
           const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
           lo_sum[i][r] = _mm512_dpbusd_epi32(lo_sum[i][r], wl, broadcast_word(xq));
@@ -199,14 +196,21 @@ I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a,
       }
     for (int r = 0; r < NR; r++) {
       const size_t at = ((size_t)(grp + r) * G + g) * 16;
-      const __m512 dg = load_half16(d + at), mg = load_half16(m + at);
+      const __m512 dg = fp4 ? load_e8m0_16((const uint8_t*)scales + at) : load_half16((const uint16_t*)scales + at);
+      const __m512 mg = fp4 ? _mm512_setzero_ps() : load_half16(m + at);
       for (int i = 0; i < R; i++) {
-        acc[i][r] = combine(acc[i][r], _mm512_add_epi32(lo_sum[i][r], hi_sum[i][r]), dg, a->d[(size_t)i * G + g]);
-        acc[i][r] = _mm512_add_ps(acc[i][r], _mm512_mul_ps(mg, _mm512_set1_ps(a->s[(size_t)i * G + g])));
+        const float dx = a->d[(size_t)i * G + g];
+        acc[i][r] = combine(acc[i][r], _mm512_add_epi32(lo_sum[i][r], hi_sum[i][r]), dg, fp4 ? 0.5f * dx : dx);
+        if (!fp4) acc[i][r] = _mm512_add_ps(acc[i][r], _mm512_mul_ps(mg, _mm512_set1_ps(a->s[(size_t)i * G + g])));
       }
     }
   }
   store_groups(R, NR, N, acc, y, grp);
+}
+
+I8_INLINE void q4i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
+                         const uint16_t* m, float* y, int grp) {
+  nib_i8_tile(I8_Q4, R, NR, N, K, a, w, d, m, y, grp);
 }
 
 I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const uint16_t* d,
@@ -243,44 +247,9 @@ I8_INLINE void q8i8_tile(const int R, const int NR, int N, int K, const Acts* a,
   store_groups(R, NR, N, acc, y, grp);
 }
 
-/* MXFP4 as Q4_1's tile reads its nibbles (repack_fp4 stores them in Q4_1's order), each code then looked up as
-   2 e2m1(code) + FP4_OFFSET; the low chain starts at -FP4_OFFSET * sum(xq), so the two end as sum_j 2 e2m1(c_j) xq_j,
-   exactly. Then acc += (2^(e - 127) * (dx / 2)) * isum. */
 I8_INLINE void fp4i8_tile(const int R, const int NR, int N, int K, const Acts* a, const uint8_t* w, const uint8_t* e,
                           float* y, int grp) {
-  const int G = K / 32;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_TABLE));
-  __m512 acc[I8_MMAX][4];
-  for (int i = 0; i < R; i++)
-    for (int r = 0; r < NR; r++) acc[i][r] = _mm512_setzero_ps();
-  for (int g = 0; g < G; g++) {
-    __m512i lo_sum[I8_MMAX][4], hi_sum[I8_MMAX][4];
-    for (int i = 0; i < R; i++)
-      for (int r = 0; r < NR; r++) {
-        lo_sum[i][r] = _mm512_set1_epi32(-FP4_OFFSET * a->sum[(size_t)i * G + g]);
-        hi_sum[i][r] = _mm512_setzero_si512();
-      }
-    for (int v = 0; v < 4; v++)
-      for (int r = 0; r < NR; r++) {
-        const uint8_t* b = w + (((size_t)(grp + r) * G + g) * 4 + v) * 64;
-        _mm_prefetch((const char*)(b + I8_PF), _MM_HINT_T0);
-        const __m512i packed = _mm512_loadu_si512(b);
-        const __m512i wl = _mm512_shuffle_epi8(table, _mm512_and_si512(packed, nibble));
-        const __m512i wh = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble));
-        for (int i = 0; i < R; i++) {
-          const int8_t* xq = a->q + (size_t)i * K + g * 32 + 4 * v;
-          lo_sum[i][r] = _mm512_dpbusd_epi32(lo_sum[i][r], wl, broadcast_word(xq));
-          hi_sum[i][r] = _mm512_dpbusd_epi32(hi_sum[i][r], wh, broadcast_word(xq + 16));
-        }
-      }
-    for (int r = 0; r < NR; r++) {
-      const __m512 dg = load_e8m0_16(e + ((size_t)(grp + r) * G + g) * 16);
-      for (int i = 0; i < R; i++)
-        acc[i][r] = combine(acc[i][r], _mm512_add_epi32(lo_sum[i][r], hi_sum[i][r]), dg,
-                            0.5f * a->d[(size_t)i * G + g]);
-    }
-  }
-  store_groups(R, NR, N, acc, y, grp);
+  nib_i8_tile(I8_FP4, R, NR, N, K, a, w, e, NULL, y, grp);
 }
 
 /* Groups g0 <= group < g1 for `rows` activation rows: NR groups at a time, then the rest one at a time. The tile
@@ -341,12 +310,12 @@ static void i8_chunk(int kind, int rows, int N, int K, const Acts* a, const uint
    trick): 2 x 128 x 127 fits. A group's 16 output lanes are two 8-lane halves of its 64-byte vectors. */
 
 /* The AVX-512 quantization's math: dx = amax / 127, xq = round-half-even(x * (1 / dx)), 0 where amax = 0; where
-   `rotate`, of the block times R (the scalar i8_fwht32: the same bits as the AVX-512 butterflies). */
+   `rotate`, of the block times R (the scalar fwht32: the same bits as the AVX-512 butterflies). */
 I8_INLINE void i8_quantize_block(int rotate, const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
   float rotated[32];
   if (rotate) {
     memcpy(rotated, x, sizeof rotated);
-    i8_fwht32(rotated);
+    fwht32(rotated);
     x = rotated;
   }
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -820,7 +789,7 @@ def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torc
 
 
 def fwht_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 with each block of 32 times R = H_32 / sqrt(32), as the C kernel's i8_fwht32 computes it
+    """x [M, K] float32 with each block of 32 times R = H_32 / sqrt(32), as the C kernel's fwht32 computes it
     (its butterflies in its order, then the scale, each rounded once: the same bits; mxfp4.rotate_blocks, a matmul,
     rounds otherwise)."""
     v = x.reshape(-1, BLOCK).clone()  # [M * K/32, 32]
