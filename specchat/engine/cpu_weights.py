@@ -64,8 +64,8 @@ class BlockLinear(nn.Linear):
     gemm_for_many_rows = True  # float rows: above cpu_gemv.MAX_ROWS the float GEMM is faster than the block kernels
 
     def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
-        # Only reached where normal lookup fails: `.weight` after `release_unread_weights` is the blocks' values, made for
-        # the caller (the heads' draft rows, a switch to MXFP4, GPTQ), never kept.
+        # Only reached where normal lookup fails: `.weight` after `release_unread_weights` is the blocks' values,
+        # made for the caller (the heads' draft rows, a switch to MXFP4, GPTQ), never kept.
         if name == "weight" and "weight" not in self._parameters and "codes" in self._buffers:
             return self.dequantized()
         return super().__getattr__(name)

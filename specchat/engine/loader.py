@@ -40,7 +40,8 @@ _readers: ContextVar[dict[Path, object] | None] = ContextVar("gguf_readers", def
 def one_parse_per_file() -> Iterator[None]:
     """Within it, `gguf_reader` parses each GGUF file once: a first load reads its tensors for the float weights
     and again for the CPU kernels' blocks, and gguf's reader takes ~2 s over the default model's vocabulary."""
-    token = _readers.set({} if _readers.get() is None else _readers.get())
+    outer = _readers.get()
+    token = _readers.set({} if outer is None else outer)  # (nested: the outer scope's)
     try:
         yield
     finally:

@@ -95,7 +95,7 @@ def page_out(tensors: Iterable[torch.Tensor]) -> int:
 @cache
 def _madvise() -> Callable[[int, int, int], int] | None:
     try:
-        advise = ctypes.CDLL(None, use_errno=True).madvise
+        advise = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
         return None
     advise.argtypes, advise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int

@@ -56,12 +56,12 @@ static inline void fwht32(float v[32]) {
 #endif
 """
 
-C_SOURCE = r"""
+_KERNELS = r"""
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-""" + FWHT32_SOURCE + r"""
+
 /* An E8M0 scale code as the float32 2^(s - 127) (s = 0: the subnormal 2^-127; 0xFF, NaN, is the caller's to avoid). */
 static inline float e8m0(uint8_t s) {
   const uint32_t bits = s ? (uint32_t)s << 23 : 0x00400000u;
@@ -546,6 +546,7 @@ void bf16_gemm(int M, int N, int K, const float* x, const uint16_t* w, float* y,
   bf16_all(M, N, K, x, w, y, threads);
 }
 """
+C_SOURCE = FWHT32_SOURCE + _KERNELS
 
 # -O3 and the host's vector units; no contraction of multiply-adds into FMAs beyond the ones written (the
 # plain-C path's dequantization rounds twice, as gguf's reference does).

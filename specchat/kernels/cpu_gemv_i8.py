@@ -55,7 +55,7 @@ GROUP = 16  # output rows interleaved in one vector: one 32-bit lane each
 Q4_WORDS, Q8_WORDS = 4, 8  # 4-byte words per block and output row: 16 bytes of nibbles, 32 bytes of int8 codes
 Q8_OFFSET = 128  # added to the signed Q8_0 codes so they are dpbusd's unsigned operand
 
-C_SOURCE = r"""
+_KERNELS = r"""
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -64,7 +64,6 @@ C_SOURCE = r"""
 /* Bytes ahead of each weight load to prefetch: the head (28 MB on the default model) streams from L3 ~1.5x
    faster with it (benchmarks/cpu_gemv.py; 512-4096 measured, 1024 best). */
 #define I8_PF 1024
-""" + cpu_gemv.FWHT32_SOURCE + r"""
 
 /* Activation rows quantized per block of 32: q [M, K] int8, d [M, G] scale, s [M, G] = d * sum(q) (Q4_1's
    offset term), sum [M, G] = sum(q) (the correction of Q8_0's +128 codes and MXFP4's +12 ones). */
@@ -562,6 +561,7 @@ int fp4i8_gemm(int M, int N, int K, const float* x, const uint8_t* w, const uint
 }
 #endif
 """
+C_SOURCE = cpu_gemv.FWHT32_SOURCE + _KERNELS
 
 
 @cache

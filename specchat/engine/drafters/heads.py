@@ -167,7 +167,8 @@ class DraftVocabOutput:
         self.norm = model.norm
         head = model.lm_head
         if isinstance(head, Fp4Linear) or (isinstance(head, BlockLinear) and not head.holds_weight):
-            # MXFP4, or GGUF blocks without their float weight (cpu_weights.release_unread_weights): only these rows dequantized
+            # MXFP4, or GGUF blocks without their float weight (cpu_weights.release_unread_weights): only these
+            # rows dequantized
             rows = head.rows(draft_vocab.to(head.codes.device), model.norm.weight.dtype)
         else:
             weight = head.weight.detach()
