@@ -46,7 +46,7 @@ def run_sessions(
     same work at different concurrency and their throughputs compare directly.
     """
     assert not engine.running_in_background, "the benchmark drives the engine's steps itself"
-    engine.reset_metrics()
+    engine.reset_metrics(whole_run=True)  # (the newest latencies alone would be the run's tail, as the batch drains)
     caps_before = gate_caps(engine)
     peak = 0
     todo = list(range(requests or sessions))

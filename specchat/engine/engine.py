@@ -499,10 +499,11 @@ class Engine:
             self._thread = None
 
     # --- accounting -------------------------------------------------------------------------------------------
-    def reset_metrics(self) -> None:
-        """Start the engine-wide aggregates afresh (benchmarks measure one phase at a time)."""
+    def reset_metrics(self, whole_run: bool = False) -> None:
+        """Start the engine-wide aggregates afresh (benchmarks measure one phase at a time); `whole_run`: latency
+        percentiles over every sample from now on, not only the newest (EngineMetrics.latency_window)."""
         with self._lock:
-            self.metrics = EngineMetrics()
+            self.metrics = EngineMetrics(latency_window=None) if whole_run else EngineMetrics()
 
     def snapshot(self) -> Snapshot:
         """Speculation, throughput, latency, queue depth and memory, now (engine.telemetry's definitions)."""

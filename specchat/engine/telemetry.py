@@ -46,7 +46,9 @@ class Snapshot:
 @dataclass(slots=True)
 class EngineMetrics:
     rate_window_s: float = 2.0
-    latency_window: int = 2048
+    # ITL and TTFT samples kept for the percentiles: the newest 2,048 (what the panels show), None for all of them
+    # (a benchmark's run: the newest alone are its tail, where the batch drains)
+    latency_window: int | None = 2048
     spec_window: int = 128
     spec: SpecStats = field(default_factory=SpecStats)
     tokens_total: int = 0
@@ -121,9 +123,9 @@ class EngineMetrics:
         )
 
 
-def _push(values: deque[float], new: list[float], limit: int) -> None:
+def _push(values: deque[float], new: list[float], limit: int | None) -> None:
     values.extend(new)
-    while len(values) > limit:
+    while limit is not None and len(values) > limit:
         values.popleft()
 
 

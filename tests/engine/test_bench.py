@@ -27,6 +27,8 @@ def test_sessions_run_every_request_with_bounded_concurrency(tiny_engine):
     assert max(in_flight_seen) == 2  # never more than `sessions` at once, and the slots were kept full
     assert result.tok_per_s > 0 and not tiny_engine.handles
     assert result.memory["weights_format"] == "float32"  # named by dtype, as generate --json names it
+    # the latency percentiles are the whole run's: every inter-token gap kept, not the newest window's
+    assert tiny_engine.metrics.latency_window is None and len(tiny_engine.metrics.itl_ms) == 5 * 5
 
 
 def test_synthetic_bench_json_rows():
