@@ -128,6 +128,17 @@ def bench_sessions(
         "TTFT P50 ms",
     ]
     print_table([*headers, "acceptance", "tokens/step", "KV tokens peak", "gate caps"], rows)
+    if len(runs) > 2:  # each counted round, against the first configuration of its count in the same round
+        click.echo("tok/s by round (the first left out; in brackets: against the first drafter, same round):")
+        for i, r in enumerate(runs[1]):
+            base_at = next(j for j, b in enumerate(runs[1]) if (b.sessions, b.step_ahead) == (r.sessions, r.step_ahead))
+            each = [
+                f"{run[i].tok_per_s:,.0f}"
+                + (f" ({run[i].tok_per_s / run[base_at].tok_per_s:.2f}x)" if i != base_at else "")
+                for run in runs[1:]
+            ]
+            mode = "" if len(modes) == 1 else f" (step ahead {'on' if r.step_ahead else 'off'})"
+            click.echo(f"  {r.sessions} {r.drafter}{mode}: " + " / ".join(each))
 
 
 def cap_shares(caps: dict[int, int]) -> str:

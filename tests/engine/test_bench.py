@@ -94,6 +94,22 @@ def test_bench_sessions_run_the_requests_asked(tiny_model_dir, tmp_path):
     assert bad.exit_code != 0 and "--requests" in bad.output
 
 
+def test_bench_table_lists_each_counted_rounds_throughput(tiny_model_dir, tmp_path):
+    """Over three rounds or more the table is followed by every counted round's tok/s, each drafter's against
+    the first of its session count in the same round (paired: a round's noise hits both)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a b c\n")
+    args = ["bench", str(tiny_model_dir), "--device", "cpu", "--sessions", "2", "--prompts", str(prompts),
+            "--max-tokens", "4", "--drafter", "none,ngram", "--rounds", "3"]  # fmt: skip
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    lines = run.output.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("tok/s by round")))
+    none, ngram = lines[at + 1], lines[at + 2]
+    assert none.startswith("  2 none: ") and none.count(" / ") == 1 and "x)" not in none
+    assert ngram.startswith("  2 ngram: ") and ngram.count("x)") == 2
+
+
 def test_synthetic_drafter_accepts_at_per_position_rates():
     """--acceptance r1,r2,..: draft j is accepted at rate r_j once those before it were (the last rate after)."""
     import random
