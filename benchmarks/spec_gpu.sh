@@ -5,7 +5,8 @@
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
-# beside the shipped one; SESSIONS and REQUESTS set `gate`'s load (default 8,32 and 32); COMMIT names the tree
+# beside the shipped one; SESSIONS and REQUESTS set `gate`'s load (default 8,32 and 32), SESSIONS and ROUNDS `long`'s
+# (8,32 and 3); COMMIT names the tree
 # measured (the device's .git may be stale). Each part is bounded by `timeout` and logs to $OUT/spec_<part>.log (OUT
 # defaults to ./gpu-out). `auto` and `long` report each configuration's
 # run of median throughput over its warm rounds (`bench --rounds 3`: the slower of the second and third).
@@ -33,7 +34,9 @@ for part in "${parts[@]}"; do
         | tee -a "$log" ;;
     long)  # --k auto at 8 and 32 sessions over 128 requests (slots refilled: no batch that ends on its slowest
       # request, and runs ~4x longer than `auto`'s at 32 sessions, whose plain decoding varied 23-30k tok/s)
-      timeout 300 python -m specchat bench smollm2-135m --device cuda --sessions 8,32 --requests 128 --rounds 3 \
+      # (SESSIONS and ROUNDS override 8,32 and 3: over 3+ rounds the bench prints each round's paired ratios)
+      timeout 300 python -m specchat bench smollm2-135m --device cuda --sessions "${SESSIONS:-8,32}" --requests 128 \
+        --rounds "${ROUNDS:-3}" \
         --prompts benchmarks/session_prompts.txt --max-tokens 128 --drafter "${DRAFTERS:-none,heads,ngram+heads}" \
         --k auto 2>&1 | tee -a "$log" ;;
     trace)  # what the draft gate saw and chose at one session, step by step (benchmarks/gate_trace.py: the trace
