@@ -389,6 +389,7 @@ MAX_TRIAL_EVERY = 2048  # ... doubling after each trial that confirmed it, up to
 TRIAL_STEPS = 8  # steps of a trial
 TRIAL_SHARE = 0.01  # after a trial that confirmed the choice: at most this share of the time goes to the next
 CLIMB_MARGIN = 0.05  # from plain decoding, a cap timed at most this much slower than plain is worth twice it
+CLIMB_GAIN = 0.03  # ... and twice a cap c > 1 is tried only where c was timed this much faster than c / 2
 GAIN_MARGIN = 0.1  # a cap is preferred to plain decoding only where timed this much faster (per 8 requests)
 MARGIN_BATCH = 8  # batch buckets larger than this ask drafting for a margin larger in proportion (`gain_margin`)
 MAX_GAIN_MARGIN = 0.5  # ... at most this (drafting twice as fast as plain decoding)
@@ -532,17 +533,20 @@ class DraftGate:
 
     def _from_plain(self) -> int:
         """The cap a trial from plain decoding tries: cap 1 first; twice the largest cap timed while drafting
-        more got faster (cap 1 within CLIMB_MARGIN of plain decoding, each larger cap faster than half it): a
-        batch where one draft barely pays but four do (the H200 at 8 sessions: a first trial at cap 1 timed a
-        little slower than plain held some runs at plain decoding, 0.95x where k = 4 ran 1.06-1.16x); else the
-        fastest cap timed."""
+        more got faster (cap 1 within CLIMB_MARGIN of plain decoding, each larger cap CLIMB_GAIN faster than half
+        it): a batch where one draft barely pays but four do (the H200 at 8 sessions: a first trial at cap 1 timed
+        a little slower than plain held some runs at plain decoding, 0.95x where k = 4 ran 1.06-1.16x); else the
+        fastest cap timed. (On the H200 at 32 sessions caps 1 and 2 were timed within 0.3% of each other, short
+        of the batch's margin over plain decoding, and the climb to cap 4 went on: 27 of the heads' 49 steps of
+        trials in a run, each trial spreading the requests' ends, whose slots then refill one by one in steps that
+        cost 1.7-4 ms against 1.0; forty-third session, docs/benchmarks.md.)"""
         times = self.ms_per_token
         drafting = [cap for cap in GATE_CAPS[1:] if cap in times]
         if not drafting:
             return GATE_CAPS[1]
         top = drafting[-1]
         below = times.get(top // 2 if top > 1 else 0)
-        faster = below is not None and times[top] < below * (1.0 + CLIMB_MARGIN if top == 1 else 1.0)
+        faster = below is not None and times[top] < below * (1.0 + CLIMB_MARGIN if top == 1 else 1.0 - CLIMB_GAIN)
         if faster and top < self.top and 2 * top not in times:
             return 2 * top
         return min(drafting, key=lambda cap: (times[cap], cap))

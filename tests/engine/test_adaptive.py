@@ -612,6 +612,18 @@ def test_draft_gate_climbs_from_plain_decoding_while_drafting_more_gets_faster()
         assert 4 not in caps if preferred == 0 else caps[-100:].count(4) > 90
 
 
+def test_draft_gate_climbs_from_plain_decoding_only_while_a_cap_gains_on_half_it():
+    """From plain decoding, where cap 2 is timed within CLIMB_GAIN of cap 1 and neither beats plain decoding by
+    the batch's margin (32 requests: 40%), cap 4 gets no trial (on the H200 at 32 sessions: caps 1 and 2 at
+    0.809 and 0.807 ms a token against plain's 1.089); where cap 2 gains 10% on cap 1, cap 4 gets its trial."""
+    for cap2, tried in ((0.806, False), (0.73, True)):
+        gate, caps = DraftGate(margin=gain_margin(32)), []
+        for _ in range(FIRST_TRIAL_AFTER + 2 * TRIAL_STEPS + 3 * RAMP_AFTER + 8):
+            caps.append(gate.allow())
+            gate.observe(caps[-1], 4 * {0: 1.089, 1: 0.809, 2: cap2, 4: 0.70, 8: 0.7}[caps[-1]], 4)
+        assert (4 in caps) == tried and gate.preferred() == 0
+
+
 def test_draft_gate_climbs_caps_while_each_is_faster():
     """Where drafting pays more the more it drafts, the cap climbs 1 -> 2 -> 4 -> 8 by trials RAMP_AFTER steps
     apart; where k = 1 pays and k = 2 does not, it stays at 1 (and plain decoding and cap 2 get trials in turn)."""
