@@ -34,6 +34,7 @@ from specchat.engine.kv_pages import auto_format
 from specchat.engine.loader import Progress
 from specchat.engine.loading import ThreadGovernor, load_parts, make_runner, pack_cpu_weights, use_cpu_rows
 from specchat.engine.model import Transformer
+from specchat.engine.prompt_bound import TokenBound
 from specchat.engine.sampling import make_generator
 from specchat.engine.scheduler import Scheduler
 from specchat.engine.sequence import Event, Finished, Sequence
@@ -103,6 +104,7 @@ class Engine:
         self.model = model
         self.weights = weights or weight_switch(model, {}, None, None)
         self.tokenizer = tokenizer
+        self.token_bound = TokenBound.of(tokenizer.backend)  # None: prompts are encoded whole before they are measured
         self.pool = pool
         self.config = config
         self.model_spec = model_spec
@@ -220,19 +222,15 @@ class Engine:
     def encode_prompt(
         self, prompt: Prompt, system: str | None = None, raw: bool = False, tools: list | None = None
     ) -> list[int]:
-        """A prompt (text, chat messages or token ids) -> token ids, validated against the context."""
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError("empty prompt")
-            if raw:
-                ids = self.tokenizer.encode(prompt)
-            else:
-                messages = ([{"role": "system", "content": system}] if system else []) + [
-                    {"role": "user", "content": prompt}
-                ]
-                ids = self.tokenizer.encode_chat(messages, tools=tools)
-        elif prompt and isinstance(prompt[0], dict):
-            ids = self.tokenizer.encode_chat(prompt, tools=tools)
+        """A prompt (text, chat messages or token ids) -> token ids, validated against the context. A text too long
+        to fit is refused before it is encoded: encoding megabytes takes seconds and holds the GIL (every stream and
+        the server's /health stall meanwhile)."""
+        limit = self.model.cfg.max_position
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+            text, add_special_tokens = self._prompt_text(prompt, system, raw, tools)
+            if self.token_bound and (at_least := self.token_bound.reaches(text, limit)) is not None:
+                raise PromptError(_past_context(f"at least {at_least}", limit))
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             vocab = self.model.cfg.vocab_size
@@ -241,13 +239,22 @@ class Engine:
                 raise PromptError(f"token id {bad!r} is not in the model's vocabulary (0 .. {vocab - 1})")
         if not ids:
             raise PromptError("empty prompt")
-        limit = self.model.cfg.max_position
         if len(ids) >= limit:
-            raise PromptError(
-                f"prompt is {len(ids)} tokens; the model's context holds {limit}, a prompt at most {limit - 1} "
-                "(one position is left for the answer)"
-            )
+            raise PromptError(_past_context(str(len(ids)), limit))
         return ids
+
+    def _prompt_text(
+        self, prompt: str | list[dict], system: str | None, raw: bool, tools: list | None
+    ) -> tuple[str, bool]:
+        """The text a prompt of text or chat messages encodes from, and whether the tokenizer adds its special tokens
+        (not to a rendered chat template, which holds the BOS token where the model wants one)."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("empty prompt")
+            if raw:
+                return prompt, True
+            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.tokenizer.render_chat(prompt, tools=tools), False
 
     def submit(
         self,
@@ -513,6 +520,14 @@ class Engine:
     def memory(self) -> dict:
         """Bytes of weights and KV cache, and what they would be in bf16 (quant.handler, engine.kv_cache)."""
         return {**self.weights.memory(), **self.pool.memory(self.model.cfg.max_position)}
+
+
+def _past_context(tokens: str, limit: int) -> str:
+    """Why a prompt of `tokens` tokens ("9000", "at least 9000") is refused by a context of `limit`."""
+    return (
+        f"prompt is {tokens} tokens; the model's context holds {limit}, a prompt at most {limit - 1} "
+        "(one position is left for the answer)"
+    )
 
 
 def _gated_k(drafter: Drafter, sampling: SamplingParams) -> int | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -260,6 +261,27 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served, 
         get(served[0] + "/v1/chat/completions")
     assert wrong_method.value.code == 405 and json.loads(wrong_method.value.read())["error"]["message"]
     assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices  # still up
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_encoded(served, monkeypatch):
+    """A 15.6 MB prompt was 5.8M tokens encoded (~15 s holding the GIL: /health and every stream stalled) before its
+    400; a text longer than the context times the longest token is refused unencoded, chat and completions alike."""
+    url, engine = served
+    encoded, encode = [], engine.tokenizer.encode
+    monkeypatch.setattr(
+        engine.tokenizer, "encode", lambda text, **kw: (encoded.append(len(text)), encode(text, **kw))[1]
+    )
+    text = "lorem ipsum dolor sit amet " * 2000
+    for path, body in (
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}]}),
+        ("/v1/completions", {"model": "tiny", "prompt": text}),
+    ):
+        status, answer = post_raw(url + path, json.dumps(body).encode())
+        message = answer["error"]["message"]
+        assert status == 400 and message.startswith("prompt is at least ") and "context holds 256" in message, answer
+    assert encoded == []
+    status, answer = post_raw(url + "/v1/completions", json.dumps({"model": "tiny", "prompt": "word " * 400}).encode())
+    assert status == 400 and re.match(r"prompt is \d+ tokens", answer["error"]["message"]) and encoded  # counted
 
 
 def test_a_client_that_disconnects_cancels_its_request(served):
