@@ -9,6 +9,8 @@ Errors a client causes are ApiError, which the app answers with OpenAI's error b
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from specchat.errors import ConfigError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; a client that sends more gets the same 400 it would get there
+CALL_ID_LENGTH = 9  # alphanumerics, the tool call ids Mistral's templates insist on (agent.toolcalls.call_id)
 
 
 # SamplingParams' messages start with the field's CLI name -> the request's field
@@ -253,6 +256,12 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
+def new_call_id() -> str:
+    """A tool call's id, random: unique across responses, as a client that keys tool results by id needs (the parser's
+    ids count calls within one reply, the same in every response)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(CALL_ID_LENGTH))
+
+
 def usage(fin: Finished) -> dict:
     """OpenAI's usage, with the speculation that produced the tokens (engine.stats definitions)."""
     stats = fin.stats
@@ -286,7 +295,11 @@ def tool_calls(text: str) -> tuple[str, list[dict]]:
     """(content without the call markup, OpenAI tool_calls) from a reply to a request with tools."""
     parsed = parse_tool_calls(text)
     calls = [
-        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        {
+            "id": new_call_id(),
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+        }
         for call in parsed.calls
     ]
     return (parsed.content if calls else text), calls

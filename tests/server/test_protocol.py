@@ -15,6 +15,7 @@ from specchat.server.protocol import (
     GenerationRequest,
     StreamChunks,
     chunk,
+    completion,
     parse_request,
     sse,
     usage_chunk,
@@ -104,3 +105,22 @@ def test_a_bad_sampling_field_is_named_in_the_error(field: str, value) -> None:
 def test_temperature_two_is_accepted_as_openai_accepts_it() -> None:
     body = {"messages": [{"role": "user", "content": "w"}], "temperature": 2}
     assert parse_request(body, chat=True, default_spec=SpecParams()).sampling.temperature == 2.0
+
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+
+
+def tool_reply(text: str, tools: list[dict]) -> dict:
+    """The choice of a non-streamed answer whose model wrote `text` to a request offering `tools`."""
+    fin = Finished(1, "stop", text, [5, 6], 10, SpecStats(), 0.1, 0.1)
+    req = GenerationRequest(chat=True, prompt=[{"role": "user", "content": "w"}], sampling=SamplingParams(),
+                            spec=SpecParams(), tools=tools)  # fmt: skip
+    return completion(req, "chatcmpl-1", "m", fin)["choices"][0]
+
+
+def test_tool_call_ids_are_unique_across_responses_and_nine_alphanumerics() -> None:
+    """Every response's first call was "c00000000": a client that keys tool results by id mixed up two turns."""
+    text = '<tool_call>[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]</tool_call>'
+    ids = [call["id"] for _ in range(20) for call in tool_reply(text, [ADD_TOOL])["message"]["tool_calls"]]
+    assert len(ids) == 40 and len(set(ids)) == 40
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)  # as Mistral's templates insist
