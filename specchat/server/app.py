@@ -265,7 +265,7 @@ def create_app(
             return
         calls: list[dict] = []
         if req.tools:  # with tools the reply is held back: calls are known only at its end
-            content, calls = tool_calls(fin.text)
+            content, calls = tool_calls(fin.text, req.tools)
             delta: dict = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]

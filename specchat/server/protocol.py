@@ -291,9 +291,14 @@ def refused(fin: Finished) -> bool:
     return fin.reason == "error" and not fin.token_ids
 
 
-def tool_calls(text: str) -> tuple[str, list[dict]]:
-    """(content without the call markup, OpenAI tool_calls) from a reply to a request with tools."""
+def tool_calls(text: str, tools: list[dict]) -> tuple[str, list[dict]]:
+    """(content without the call markup, OpenAI tool_calls) from a reply to a request offering `tools`. A reply that
+    calls a function the request did not declare is all content, as OpenAI's: the client is never asked to run a
+    name the model made up (say, delete_all_files), and no text of the reply is lost."""
     parsed = parse_tool_calls(text)
+    declared = {tool["function"]["name"] for tool in tools}
+    if any(call.name not in declared for call in parsed.calls):
+        return text, []
     calls = [
         {
             "id": new_call_id(),
@@ -308,7 +313,7 @@ def tool_calls(text: str) -> tuple[str, list[dict]]:
 def completion(req: GenerationRequest, rid: str, model: str, fin: Finished) -> dict:
     """The whole response of a request that did not stream."""
     if req.chat:
-        content, calls = tool_calls(fin.text) if req.tools else (fin.text, [])
+        content, calls = tool_calls(fin.text, req.tools) if req.tools else (fin.text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if calls:
             message["tool_calls"] = calls

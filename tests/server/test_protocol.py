@@ -124,3 +124,23 @@ def test_tool_call_ids_are_unique_across_responses_and_nine_alphanumerics() -> N
     ids = [call["id"] for _ in range(20) for call in tool_reply(text, [ADD_TOOL])["message"]["tool_calls"]]
     assert len(ids) == 40 and len(set(ids)) == 40
     assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)  # as Mistral's templates insist
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "delete_all_files", "arguments": {}}',
+        'Sure.<tool_call>[{"name": "add", "arguments": {}}, {"name": "rm", "arguments": {"path": "/"}}]</tool_call>',
+    ],
+)
+def test_a_call_to_a_function_the_request_did_not_declare_stays_content(text: str) -> None:
+    """The model's made-up function came back as a tool call, finish_reason "tool_calls", for the client to run."""
+    choice = tool_reply(text, [ADD_TOOL])
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == text
+
+
+def test_a_call_to_a_declared_function_is_a_tool_call() -> None:
+    choice = tool_reply('Sure.<tool_call>[{"name": "add", "arguments": {"a": 1}}]</tool_call>', [ADD_TOOL])
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["add"]
