@@ -96,9 +96,13 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.get("best_of") not in (None, 1):
             raise ApiError(400, "only best_of = 1 is supported", "best_of")
-    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
-    if max_tokens is not None and max_tokens <= 0:
-        raise ApiError(400, f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
+    limits = {
+        name: _field(body, name, int) for name in ("max_completion_tokens", "max_tokens")
+    }  # OpenAI's new name first
+    for name, limit in limits.items():
+        if limit is not None and limit <= 0:  # a 0 is refused, not taken for an absent field
+            raise ApiError(400, f"{name} must be > 0, got {limit}", name)
+    max_tokens = next((limit for limit in limits.values() if limit is not None), None)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:

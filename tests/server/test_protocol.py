@@ -144,3 +144,18 @@ def test_a_call_to_a_declared_function_is_a_tool_call() -> None:
     choice = tool_reply('Sure.<tool_call>[{"name": "add", "arguments": {"a": 1}}]</tool_call>', [ADD_TOOL])
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
     assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["add"]
+
+
+@pytest.mark.parametrize("field", ["max_completion_tokens", "max_tokens"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_token_limit_of_zero_or_less_is_a_400_naming_its_field(field: str, value: int) -> None:
+    """max_completion_tokens: 0 was read as absent: the answer ran to the context."""
+    body = {"messages": [{"role": "user", "content": "w"}], "max_tokens": 5, field: value}
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == field and field in refused.value.message
+
+
+def test_max_completion_tokens_rules_over_max_tokens() -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "max_completion_tokens": 3, "max_tokens": 9}
+    assert parse_request(body, chat=True, default_spec=SpecParams()).max_tokens == 3
