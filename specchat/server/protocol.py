@@ -1,8 +1,10 @@
 """The OpenAI chat-completions and completions protocol: request bodies in, response and chunk JSON out.
 
-Only what the engine does is accepted: n = 1, no logprobs. OpenAI's defaults apply where a field is absent
-(temperature 1, top_p 1, max_tokens up to the context). Speculation can be set per request with two fields
-beside the standard ones (the `extra_body` of the openai client): `drafter` and `k` (an integer or "auto").
+Only what the engine does is accepted: n = 1, no logprobs, JSON mode, penalties, logit bias or legacy functions
+(their values that ask for nothing pass: response_format text, penalties of 0, an empty logit_bias, null). OpenAI's
+defaults apply where a field is absent (temperature 1, top_p 1, max_tokens up to the context). Speculation can be
+set per request with two fields beside the standard ones (the `extra_body` of the openai client): `drafter` and `k`
+(an integer or "auto").
 Errors a client causes are ApiError, which the app answers with OpenAI's error body and a 4xx status.
 """
 
@@ -96,9 +98,8 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.get("best_of") not in (None, 1):
             raise ApiError(400, "only best_of = 1 is supported", "best_of")
-    limits = {
-        name: _field(body, name, int) for name in ("max_completion_tokens", "max_tokens")
-    }  # OpenAI's new name first
+    _refuse_output_shaping(body)
+    limits = {name: _field(body, name, int) for name in ("max_completion_tokens", "max_tokens")}  # the newer first
     for name, limit in limits.items():
         if limit is not None and limit <= 0:  # a 0 is refused, not taken for an absent field
             raise ApiError(400, f"{name} must be > 0, got {limit}", name)
@@ -134,6 +135,23 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         tools=_tools(body) if chat else [],
         max_tokens=max_tokens,
     )
+
+
+def _refuse_output_shaping(body: dict) -> None:
+    """A 400 naming a field that would shape the output in a way the engine does not (a JSON mode, penalties, biased
+    logits, legacy functions), unless its value asks for nothing: clients send penalties of 0, a text
+    response_format or an empty logit_bias explicitly. A value of the wrong type is a 400 too."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _field(body, name, (int, float), 0) != 0:  # (NaN too)
+            raise ApiError(400, f"only {name} = 0 is supported", name)
+    if _field(body, "logit_bias", dict, {}):
+        raise ApiError(400, "logit_bias is not supported", "logit_bias")
+    if _field(body, "response_format", dict, {"type": "text"}).get("type") != "text":
+        raise ApiError(400, 'only response_format {"type": "text"} is supported (no JSON mode)', "response_format")
+    if _field(body, "functions", list, []):
+        raise ApiError(400, "functions are not supported: declare tools", "functions")
+    if _field(body, "function_call", (str, dict), "none") not in ("none", "auto"):
+        raise ApiError(400, 'function_call is not supported: declare tools (tool_choice "auto")', "function_call")
 
 
 def _messages(messages: Any) -> list[dict]:

@@ -159,3 +159,51 @@ def test_a_token_limit_of_zero_or_less_is_a_400_naming_its_field(field: str, val
 def test_max_completion_tokens_rules_over_max_tokens() -> None:
     body = {"messages": [{"role": "user", "content": "w"}], "max_completion_tokens": 3, "max_tokens": 9}
     assert parse_request(body, chat=True, default_spec=SpecParams()).max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("response_format", "json"),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("presence_penalty", "abc"),
+        ("frequency_penalty", True),
+        ("logit_bias", {"50256": -100}),
+        ("logit_bias", [1, 2]),
+        ("functions", [{"name": "add", "parameters": {}}]),
+        ("function_call", {"name": "add"}),
+        ("function_call", 3),
+    ],
+)
+@pytest.mark.parametrize("chat", [True, False])
+def test_output_shaping_the_engine_does_not_do_is_a_400_naming_the_field(field: str, value, chat: bool) -> None:
+    """A JSON mode, penalties, a logit bias, legacy functions were accepted and silently not done."""
+    body = {"messages": [{"role": "user", "content": "w"}], "prompt": "w", field: value}
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=chat, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == field and field in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "text"}},
+        {"presence_penalty": 0, "frequency_penalty": 0.0},
+        {"logit_bias": {}},
+        {"functions": [], "function_call": "none"},
+        {
+            "response_format": None,
+            "presence_penalty": None,
+            "logit_bias": None,
+            "functions": None,
+            "function_call": None,
+        },
+    ],
+)
+def test_output_shaping_values_that_ask_for_nothing_are_accepted(fields: dict) -> None:
+    """Many clients send these explicitly."""
+    body = {"messages": [{"role": "user", "content": "w"}], **fields}
+    assert parse_request(body, chat=True, default_spec=SpecParams()).chat
