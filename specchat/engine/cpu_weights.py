@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -310,6 +310,7 @@ def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, tuple[str, tup
 
 
 def _save(cache: Path, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {f"{name}.{i}": t for name, (_, arrays) in blocks.items() for i, t in enumerate(arrays)}
@@ -317,9 +318,10 @@ def _save(cache: Path, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]) 
     try:
         save_file(tensors, str(partial), metadata={name: kind for name, (kind, _) in blocks.items()})
         os.replace(partial, cache)
-    except OSError as exc:  # a full disk or a read-only folder: packed again at the next load
-        log.warning("specchat: note: cannot cache the CPU weight blocks (%s)", exc)
-        partial.unlink(missing_ok=True)
+    except (OSError, SafetensorError) as exc:  # a full disk, a read-only folder: packed again at the next load
+        log.warning("specchat: note: cannot save %s (%s); loading without it", cache, exc)
+        with suppress(OSError):  # NotADirectoryError where the folder is a file
+            partial.unlink(missing_ok=True)
 
 
 def _load(cache: Path) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]] | None:

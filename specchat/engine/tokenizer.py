@@ -244,8 +244,7 @@ def gguf_tokenizer(gguf_path: Path, folder: Path) -> Tokenizer:
             return _read_conversion(folder)
         except (ModelFormatError, OSError) as exc:
             log.warning("specchat: note: %s; converting the tokenizer again from %s", exc, gguf_path.name)
-    export_gguf_tokenizer(gguf_path, folder)
-    return Tokenizer.from_dir(folder)
+    return export_gguf_tokenizer(gguf_path, folder)
 
 
 def _read_conversion(folder: Path) -> Tokenizer:
@@ -255,11 +254,13 @@ def _read_conversion(folder: Path) -> Tokenizer:
     return Tokenizer.from_dir(folder)
 
 
-def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    """Convert a GGUF file's tokenizer metadata into tokenizer.json + config + chat template in out_dir.
+def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Tokenizer:
+    """Convert a GGUF file's tokenizer metadata into tokenizer.json + config + chat template in out_dir, and load it.
 
     The files are written into a fresh folder beside out_dir, which then takes out_dir's place: out_dir is a whole
-    conversion or absent, whatever happens to the process meanwhile.
+    conversion or absent, whatever happens to the process meanwhile. Where out_dir cannot be written (a read-only
+    cache, a file where its folder should be, a full disk) the conversion goes to a temporary folder instead, with a
+    note: the model loads, only the next load converts again.
     """
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -269,6 +270,18 @@ def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # transformers raises many kinds of errors for unsupported GGUF tokenizers
         raise ModelFormatError(f"{gguf_path}: cannot convert the GGUF tokenizer ({exc})") from None
+    try:
+        _save_conversion(tok, out_dir)
+    except OSError as exc:
+        log.warning("specchat: note: cannot save %s (%s); loading without it", out_dir, exc)
+        with tempfile.TemporaryDirectory(prefix="specchat-tokenizer-") as scratch:
+            tok.save_pretrained(scratch)
+            return Tokenizer.from_dir(Path(scratch))  # read whole into memory: the folder may go
+    return Tokenizer.from_dir(out_dir)
+
+
+def _save_conversion(tok, out_dir: Path) -> None:
+    """Save a transformers tokenizer as out_dir through a staging folder beside it (see export_gguf_tokenizer)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".part"))
     try:

@@ -12,10 +12,12 @@ import ctypes
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from functools import cache
 from pathlib import Path
 
@@ -126,9 +128,10 @@ def _openmp_pause() -> Callable[[int], int] | None:
     return pause
 
 
-def compile_library(source: str, cflags: list[str], target: Path, openmp: Path | None) -> None:
+def compile_library(source: str, cflags: list[str], target: Path, openmp: Path | None) -> ctypes.CDLL:
     """Build `source` into the shared library `target` (atomically: a concurrent process sees the old file or the
-    whole new one)."""
+    whole new one) and load it. Where `target` cannot be written (a read-only $SPECCHAT_HOME, a full disk) the build
+    is loaded from where it was made, with a note: the kernels run, only the next start builds them again."""
     cc = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / f"{target.stem}.c"
@@ -139,8 +142,17 @@ def compile_library(source: str, cflags: list[str], target: Path, openmp: Path |
             cmd[1:1] = ["-fopenmp"]
             cmd += [str(openmp), f"-Wl,-rpath,{openmp.parent}"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(out, target)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.part")  # beside target: the rename is atomic
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(out, partial)
+            os.replace(partial, target)
+        except OSError as exc:
+            log.warning("specchat: note: cannot save %s (%s); loading without it", target, exc)
+            with suppress(OSError):
+                partial.unlink(missing_ok=True)
+            return ctypes.CDLL(str(out))  # loaded before the folder goes: the mapping outlives the file
+    return ctypes.CDLL(str(target))
 
 
 def enabled() -> bool:
@@ -161,9 +173,9 @@ def load(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
         return None
     target = library_path(name, source, cflags)
     try:
-        if not target.exists():
-            compile_library(source, list(cflags), target, torch_openmp())
-        return ctypes.CDLL(str(target))
+        if target.exists():
+            return ctypes.CDLL(str(target))
+        return compile_library(source, list(cflags), target, torch_openmp())
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("specchat: CPU kernels %s unavailable (%s); using the torch path", name, exc)
         return None

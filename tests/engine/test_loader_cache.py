@@ -204,6 +204,38 @@ def test_a_damaged_tokenizer_conversion_is_redone_with_a_note(gguf, fresh_ids, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]  # no staging or old folder left
 
 
+def test_a_tokenizer_folder_that_cannot_be_made_is_skipped_with_a_note(gguf, fresh_ids, tmp_path, caplog):
+    (tmp_path / "derived").write_text("a file where the folder should be")
+    folder = tmp_path / "derived" / "tokenizer"
+    with caplog.at_level(logging.WARNING):
+        assert gguf_tokenizer(gguf, folder).encode_chat(MESSAGES) == fresh_ids
+    [note] = notes(caplog)
+    assert f"cannot save {folder}" in note and "loading without it" in note
+
+
+def test_a_tokenizer_conversion_that_cannot_be_saved_is_skipped_with_a_note(
+    gguf, fresh_ids, tmp_path, monkeypatch, caplog
+):
+    from transformers import PreTrainedTokenizerBase
+
+    real_save = PreTrainedTokenizerBase.save_pretrained
+    saves: list[str] = []
+
+    def disk_full_once(self, save_directory, *args, **kwargs):
+        saves.append(save_directory)
+        if len(saves) == 1:  # the cache's staging folder: half a file, then the disk is full
+            (Path(save_directory) / "tokenizer.json").write_bytes(b"{")
+            raise OSError(28, "No space left on device")
+        return real_save(self, save_directory, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", disk_full_once)
+    with caplog.at_level(logging.WARNING):
+        assert gguf_tokenizer(gguf, tmp_path / "tokenizer").encode_chat(MESSAGES) == fresh_ids
+    [note] = notes(caplog)
+    assert "cannot save" in note and "No space left on device" in note
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging folder
+
+
 def test_load_tokenizer_heals_the_derived_folder(gguf, fresh_ids, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
     spec = resolve(str(gguf))
@@ -241,6 +273,28 @@ def test_each_rebuild_is_one_line_on_stderr(gguf, tmp_path):
     assert len(lines) == 2 and all(line.startswith("specchat: note: ") for line in lines), lines
     assert "weights.safetensors" in lines[0] and "rebuilding it from tiny.gguf" in lines[0]
     assert "tokenizer.json" in lines[1] and "converting the tokenizer again from tiny.gguf" in lines[1]
+
+
+@pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["run", "--plain"]], ids=["generate", "run --plain"])
+def test_a_cache_that_cannot_be_written_costs_a_note_per_file(tmp_path, command):
+    """A file where $SPECCHAT_HOME/derived should be (or a read-only home): the weights, the tokenizer and the CPU
+    blocks each have their note and the model answers. The tokenizer's conversion ended every command in a
+    NotADirectoryError, the CPU blocks' save in a SafetensorError."""
+    from specchat.kernels import cpu_build
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", blocks=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "derived").write_text("a file where the folder should be")
+    if cpu_build.kernel_dir().is_dir():
+        (home / "kernels").symlink_to(cpu_build.kernel_dir())  # built already: not built again here
+    env = {**os.environ, "SPECCHAT_HOME": str(home)}
+    args = [sys.executable, "-m", "specchat", *command, str(path), "--max-tokens", "4", "--drafter", "none"]
+    done = subprocess.run(args, env=env, input="hi\n", capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("specchat:")]
+    assert ours and all(line.startswith("specchat: note: cannot save ") for line in ours), done.stderr
+    assert any("/tokenizer (" in line for line in ours) and "Traceback" not in done.stderr
 
 
 def test_a_first_load_parses_the_gguf_once_for_its_weights_and_blocks(tmp_path, monkeypatch):

@@ -44,6 +44,21 @@ def test_a_first_build_is_a_load_stage(monkeypatch):
     assert calls == [] and built == [1]
 
 
+def test_a_kernel_folder_that_cannot_be_written_loads_the_build_with_a_note(tmp_path, monkeypatch, caplog):
+    """A read-only $SPECCHAT_HOME had every start build the kernels, fail to save them and run the torch path."""
+    import logging
+
+    (tmp_path / "kernels").write_text("a file where the folder should be")
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    source = "int specchat_answer(void) { return 42; }"
+    with caplog.at_level(logging.WARNING):
+        lib = cpu_build.load("unwritable_home_test", source, ("-O1", "-shared", "-fPIC"))
+    assert lib is not None and lib.specchat_answer() == 42
+    [note] = [r.getMessage() for r in caplog.records]
+    assert note.startswith("specchat: note: cannot save ") and "loading without it" in note
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels"]
+
+
 def test_kernels_turned_off_build_nothing(monkeypatch):
     monkeypatch.setenv("SPECCHAT_CPU_KERNELS", "0")
     assert not cpu_build.enabled()
