@@ -66,7 +66,8 @@ def bench_sessions(
     run of median throughput over the rounds after the first is reported (with two rounds: the second): on a GPU
     the first round still meets first-time shapes (an eager prefill step beside drafting requests compiles its
     kernels once), and at 32 sessions one run of the default model takes ~130 ms, whose plain decoding varied by a
-    quarter between calls. Requests are greedy, or sampled at `temperature` (unseeded, as API clients send them);
+    quarter between calls. Before the rounds each configuration runs short and untimed (warm_configurations), so
+    one round, the CPU's default, is timed warm too. Requests are greedy, or sampled at `temperature` (unseeded, as API clients send them);
     `requests` per run (default: the largest session count), the prompts cycled."""
     from specchat.bench.sessions import run_sessions
     from specchat.config import SamplingParams
@@ -84,6 +85,7 @@ def bench_sessions(
     # the graphs of every batch bucket and drafter's taps: none captured mid-run
     engine.warm_up(StderrProgress(), sessions=max(counts), drafters=[spec.drafter for spec in specs])
     requests = requests or max(counts)  # every count runs the same requests, so their throughputs compare
+    warm_configurations(engine, prompts, specs, modes, sampling, min(requests, len(prompts)))
     runs = []  # per round, a result per (count, mode, drafter)
     for _ in range(rounds or (2 if engine.device.type == "cuda" else 1)):
         runs.append([])
@@ -139,6 +141,26 @@ def bench_sessions(
             ]
             mode = "" if len(modes) == 1 else f" (step ahead {'on' if r.step_ahead else 'off'})"
             click.echo(f"  {r.sessions} {r.drafter}{mode}: " + " / ".join(each))
+
+
+WARM_UP_REQUESTS = 2  # an untimed run of each configuration, before the timed rounds
+WARM_UP_TOKENS = 4
+
+
+def warm_configurations(engine, prompts: list[str], specs, modes, sampling, distinct: int) -> None:
+    """Untimed, before the timed rounds, so that every timed run is warm whatever the round count: each of the
+    `distinct` prompts the runs send is prefilled once (a later configuration found them in the prefix cache, the
+    first did not), then each configuration runs WARM_UP_REQUESTS requests of WARM_UP_TOKENS tokens (its drafter
+    built, its buffers allocated). On the CPU, where the bench runs one round, the first configuration was timed
+    cold: `--drafter none,none,none` gave 12, 101 and 100 tok/s, the first's TTFT 2.3 s."""
+    from specchat.bench.sessions import run_sessions
+
+    short = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, WARM_UP_TOKENS))
+    run_sessions(engine, prompts, distinct, dataclasses.replace(short, max_tokens=1), specs[0], requests=distinct)
+    for mode in modes:
+        engine.spec_step.runs_ahead = mode
+        for spec in specs:
+            run_sessions(engine, prompts, WARM_UP_REQUESTS, short, spec, requests=WARM_UP_REQUESTS)
 
 
 def cap_shares(caps: dict[int, int]) -> str:

@@ -110,6 +110,37 @@ def test_bench_table_lists_each_counted_rounds_throughput(tiny_model_dir, tmp_pa
     assert ngram.startswith("  2 ngram: ") and ngram.count("x)") == 2
 
 
+def test_bench_runs_each_configuration_untimed_before_its_timed_run(tiny_model_dir, tmp_path, monkeypatch):
+    """One round (the CPU's default) counts its runs: each configuration ran short and untimed first, and every
+    prompt was prefilled once, so the first configuration is not timed cold (12 tok/s where the same one ran at 100
+    next, on the default model) nor without the prefix cache the later ones found."""
+    from specchat.bench import sessions
+
+    calls = []
+
+    def recording(engine, prompts, n, sampling, spec, requests=None):
+        calls.append((spec.drafter, engine.spec_step.runs_ahead, requests, sampling.max_tokens))
+        return run_sessions(engine, prompts, n, sampling, spec, requests)
+
+    monkeypatch.setattr(sessions, "run_sessions", recording)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a b c\nhello there\nthree\n")
+    args = ["bench", str(tiny_model_dir), "--device", "cpu", "--sessions", "2", "--prompts", str(prompts),
+            "--max-tokens", "6", "--drafter", "none,ngram", "--json"]  # fmt: skip
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    rows = [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
+    assert [(r["drafter"], r["completion_tokens"]) for r in rows] == [("none", 12), ("ngram", 12)]  # the timed ones
+    mode = calls[-1][1]
+    assert calls == [
+        ("none", mode, 2, 1),  # the prompts the runs send (2 requests: the first two), prefilled
+        ("none", mode, 2, 4),  # each configuration, short
+        ("ngram", mode, 2, 4),
+        ("none", mode, 2, 6),  # then the timed round
+        ("ngram", mode, 2, 6),
+    ]
+
+
 def test_synthetic_drafter_accepts_at_per_position_rates():
     """--acceptance r1,r2,..: draft j is accepted at rate r_j once those before it were (the last rate after)."""
     import random
