@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.options import DTYPE_HELP, StderrProgress, spec_params
+from specchat.cli.options import DTYPE_HELP, StderrProgress, check_drafter_arg, k_flag
 from specchat.config import DEVICES, DRAFTER_SYNTAX, DTYPE_CHOICES, KV_CHOICES, WEIGHT_CHOICES, EngineConfig
 from specchat.errors import SpecchatError
 
@@ -86,9 +86,13 @@ def agent(
     from specchat.agent.script import load_script
 
     script = load_script(script_path)
+    if drafter is not None:
+        check_drafter_arg(drafter)  # the script's own drafter is the script's: a missing file runs without it
     if drafter is not None or k is not None:
         current = script.speculation
-        override = spec_params(drafter or current.drafter, k or ("auto" if current.k is None else str(current.k)))
+        override = dataclasses.replace(
+            current, drafter=drafter or current.drafter, k=current.k if k is None else k_flag(k)
+        )  # the script's k_max kept
         script = dataclasses.replace(script, speculation=override)
     script = dataclasses.replace(script, weights=weights or script.weights, kv=kv or script.kv)
     config = EngineConfig(model=script.model, device=device, dtype=dtype, weights=script.weights, kv_format=script.kv)

@@ -21,8 +21,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
-from specchat.errors import ConfigError, ModelNotFoundError
+from specchat.cli.options import check_drafter_arg
+from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams
+from specchat.errors import ConfigError, ModelNotFoundError, SpecchatError
 from specchat.registry import cache_dir, read_toml, resolve
 
 # a key of the file -> the `run` parameter it stands in for (theme has no flag)
@@ -58,7 +59,7 @@ class RunDefaults:
         if self.model is not None:
             resolve_model(self.model)
         if self.drafter is not None:
-            check_drafter_name(self.drafter)
+            check_drafter_arg(self.drafter, setting="drafter")  # its file too: not blamed on a --drafter flag later
         if self.k is not None:
             check_k(self.k)
         for key, choices in (("weights", WEIGHT_CHOICES), ("kv", KV_CHOICES)):
@@ -119,7 +120,7 @@ def load_defaults(path: Path | None = None) -> RunDefaults:
         if key in data:
             try:
                 RunDefaults(**{key: data[key]})
-            except ConfigError as exc:
+            except SpecchatError as exc:  # a ConfigError, or the ModelNotFoundError of a draft-model:NAME
                 message = str(exc)
                 raise ConfigError(f"{path}: {message if message.startswith(key) else f'{key}: {message}'}") from None
     return RunDefaults(**data)

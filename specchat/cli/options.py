@@ -230,33 +230,39 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: in
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
 
 
-def check_drafter_arg(drafter: str) -> None:
-    """The file, directory or model a `kind:ARG` drafter names exists (checked before the target loads)."""
+def check_drafter_arg(drafter: str, setting: str | None = None) -> None:
+    """The file, directory or model a `kind:ARG` drafter names exists (checked before the target loads). The error
+    names `setting` where a file gave the value (config.toml's `drafter`), else the flag: `--drafter VALUE: why`."""
     kind, _, arg = check_drafter_name(drafter).partition(":")
     if not arg:
         return
+    where = setting or f"--drafter {drafter}"
     if DRAFTER_ARGS[kind] in ("FILE", "DIR"):
         why = path_problem(Path(arg).expanduser(), arg, directory=DRAFTER_ARGS[kind] == "DIR")
         if why is not None:
-            raise ConfigError(f"--drafter {drafter}: {why}")
+            raise ConfigError(f"{where}: {why}")
     if DRAFTER_ARGS[kind] == "NAME":
         from specchat.registry import resolve
 
         try:
             resolve(arg)
         except ModelNotFoundError as exc:
-            raise ModelNotFoundError(f"--drafter {drafter}: {exc}") from None
+            raise ModelNotFoundError(f"{where}: {exc}") from None
+
+
+def k_flag(k: str) -> int | None:
+    """--k's value: draft tokens per step, None for 'auto'."""
+    if k == "auto":
+        return None
+    try:
+        return int(k)
+    except ValueError:
+        raise ConfigError(f"--k must be an integer or 'auto', got {k!r}") from None
 
 
 def spec_params(drafter: str, k: str) -> SpecParams:
     check_drafter_arg(drafter)  # a typo or a missing file fails before the model loads
-    if k == "auto":
-        return SpecParams(drafter=drafter, k=None)
-    try:
-        value = int(k)
-    except ValueError:
-        raise ConfigError(f"--k must be an integer or 'auto', got {k!r}") from None
-    return SpecParams(drafter=drafter, k=value)
+    return SpecParams(drafter=drafter, k=k_flag(k))
 
 
 class StderrProgress:

@@ -48,6 +48,18 @@ def test_a_misspelt_drafter_is_one_line_and_a_nonzero_exit(tiny_model_dir, tmp_p
     assert "unknown drafter 'nosuch' (available: none | ngram |" in result.stderr and "Traceback" not in result.output
 
 
+def test_k_alone_keeps_the_scripts_drafter_and_is_not_blamed_for_it(tiny_model_dir, tmp_path):
+    """--k with a script whose heads file is missing: the script's drafter is handled as without --k (a warning, no
+    speculation), not `--drafter heads:...: no such file`, a flag not given; the script's k_max stays."""
+    script = write_script(tmp_path, tiny_model_dir)
+    script.write_text(script.read_text() + '[speculation]\ndrafter = "heads:missing.safetensors"\nk_max = 12\n')
+    args = ["agent", str(script), "--headless", "--device", "cpu", "--concurrency", "1", "--k", "10"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "--drafter" not in result.stderr
+    assert f"drafter 'heads:{tmp_path / 'missing.safetensors'}' is not available here" in result.stderr
+
+
 def test_a_conversation_that_outgrows_the_context_ends_its_run_with_an_error(tiny_model_dir, tmp_path):
     script = write_script(tmp_path, tiny_model_dir, tools='["python", "read_file", "write_file", "list_dir"]')
     result = CliRunner().invoke(main, ["agent", str(script), "--json", "--device", "cpu"])

@@ -48,6 +48,9 @@ def test_every_key(tmp_path: Path, tiny_model_dir: Path):
         ('temperature = "hot"', "temperature must be a number, got 'hot'"),
         ('theme = "neon"', "theme must be one of"),
         ('drafter = "nope"', "drafter: unknown drafter 'nope'"),
+        ('drafter = "heads:/nonexistent"', "drafter: no such file /nonexistent"),
+        ('drafter = "eagle:/nonexistent"', "drafter: no such directory /nonexistent"),
+        ('drafter = "draft-model:nonesuch"', "drafter: unknown model 'nonesuch'"),
         ('model = "./missing.gguf"', "model: model file not found: ./missing.gguf"),
         ('system = ["a"]', "system must be a string"),
     ],
@@ -80,6 +83,16 @@ def test_run_with_a_bad_file_is_one_line(tmp_path: Path):
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
         f"specchat: error: {tmp_path / 'config.toml'}: k must be an integer or 'auto', got 'lots'"
+    ]
+
+
+def test_a_missing_drafter_file_in_the_file_is_not_blamed_on_a_flag(tmp_path: Path):
+    """It said `--drafter heads:/nonexistent: no such file /nonexistent`, a flag the user never gave."""
+    write(tmp_path, 'drafter = "heads:/nonexistent"\n')
+    result = run_plain(tmp_path)
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"specchat: error: {tmp_path / 'config.toml'}: drafter: no such file /nonexistent"
     ]
 
 
