@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from specchat.engine.prompt_bound import byte_level_chars
 from specchat.errors import ModelFormatError, PromptError
 from specchat.safetensors_io import read_json_object
 
@@ -168,9 +169,7 @@ def _byte_table(backend: HFTokenizer) -> list[bytes] | None:
     added = backend.get_added_tokens_decoder()
     if any(not token.special for token in added.values()):
         return None
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    to_byte = {chr(b): b for b in printable}  # GPT-2's bytes_to_unicode, inverted: the others from U+0100 on
-    to_byte.update((chr(256 + i), b) for i, b in enumerate(sorted(set(range(256)) - set(printable))))
+    to_byte = {char: b for b, char in byte_level_chars().items()}
     vocab = {token: i for token, i in backend.get_vocab(with_added_tokens=False).items() if i not in added}
     if not set("".join(vocab)) <= to_byte.keys():  # a token outside the byte alphabet: not byte-level after all
         return None
