@@ -234,7 +234,8 @@ def _spec(body: dict, default: SpecParams) -> SpecParams:
     k = body.get("k", "auto" if default.k is None else default.k)
     if not isinstance(drafter, str):
         raise ApiError(400, "drafter must be a string", "drafter")
-    if ":" in drafter and drafter != default.drafter:  # a file, a folder or a model: the server's disk, the hub
+    # a file, a folder or a model (bare draft-model: the registry's default one): the server's disk, the hub
+    if (":" in drafter or drafter == "draft-model") and drafter != default.drafter:
         raise ApiError(
             400,
             f"drafter {drafter!r}: a request names a built-in drafter (such as ngram, heads or ngram+heads); drafters "

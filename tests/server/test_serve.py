@@ -245,8 +245,9 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served, 
     )
     assert status == 413 and "up to 1,000" in answer["error"]["message"]
     monkeypatch.undo()
-    with pytest.raises(openai.BadRequestError, match="chosen when the server starts"):  # not the server's disk
-        client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "heads:/etc/hostname"})
+    for drafter in ("heads:/etc/hostname", "draft-model"):  # not the server's disk, nor a default draft model
+        with pytest.raises(openai.BadRequestError, match="chosen when the server starts"):
+            client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": drafter})
     for path, body in (
         ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'),
         ("/v1/completions", b'{"model": "tiny", "prompt": "\\udc80x"}'),
