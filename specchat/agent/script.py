@@ -27,7 +27,8 @@ from specchat.agent.tools import (
 )
 from specchat.agent.usertools import load_user_tools
 from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
-from specchat.errors import ConfigError, path_problem
+from specchat.errors import ConfigError, ModelNotFoundError, path_problem
+from specchat.registry import resolve
 
 DEFAULT_MODEL = "smollm2-135m"
 STOP_KINDS = ("tool", "tag", "regex")
@@ -229,8 +230,13 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _model(model: str, base: Path) -> str:
-    """An alias or hub id unchanged; a path (./x, ../x, /x, ~/x or *.gguf) made absolute and checked."""
+    """An alias or hub id unchanged (and known: resolving touches no network); a path (./x, ../x, /x, ~/x or *.gguf)
+    made absolute and checked."""
     if not model.startswith(("./", "../", "/", "~")) and not model.endswith(".gguf"):
+        try:
+            resolve(model)
+        except ModelNotFoundError as error:
+            raise ConfigError(f"model: {error}") from None
         return model
     path = (base / Path(model).expanduser()).resolve()
     if not path.exists():

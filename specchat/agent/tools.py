@@ -167,6 +167,16 @@ class Toolbox:
         return result
 
 
+def check_confirm(config: ToolsConfig, confirm: ConfirmFn | None) -> None:
+    """A shell that asks before each command (confirm = true, its default) needs someone to ask: `confirm`."""
+    shell = config.builtin.get("shell")
+    if shell is not None and shell.confirm and confirm is None:
+        raise ConfigError(
+            "tools.shell.confirm: the shell asks before each command (confirm = true, the default), which needs "
+            "the TUI; set confirm = false"
+        )
+
+
 def build_toolbox(
     config: ToolsConfig,
     workspace: Path,
@@ -179,9 +189,7 @@ def build_toolbox(
     `cancelled` is set (the session's cancel, Ctrl-C), a call in flight ends at once: its processes are killed
     and an in-process tool is no longer waited for."""
     cancelled = cancelled or threading.Event()
-    shell = config.builtin.get("shell")
-    if shell is not None and shell.confirm and confirm is None:
-        raise ConfigError("tools.shell asks before each command, which needs the TUI; set confirm = false")
+    check_confirm(config, confirm)
     room = Workspace(workspace)
     isolation = isolation or detect_isolation()
     factories = {

@@ -14,7 +14,7 @@ import click
 
 from specchat.cli.options import DTYPE_HELP, StderrProgress, check_drafter_arg, k_flag
 from specchat.config import DEVICES, DRAFTER_SYNTAX, DTYPE_CHOICES, KV_CHOICES, WEIGHT_CHOICES, EngineConfig
-from specchat.errors import SpecchatError
+from specchat.errors import ConfigError, SpecchatError
 
 TUI_MODULE = "specchat.ui.agent"  # the TUI's agent view, when it has one
 TUI_ENTRY = "run_agent_app"  # run_agent_app(script, config, concurrency) -> None
@@ -30,9 +30,14 @@ def tui_launcher() -> Callable | None:
 def run_headless(script, config: EngineConfig, concurrency: int | None, as_json: bool) -> list:
     """Load the engine, run every task, print a readable trace (or JSONL events) on stdout; the runs' outcomes."""
     from specchat.agent.runner import AgentSession
+    from specchat.agent.tools import check_confirm
     from specchat.agent.trace import JsonlWriter, TracePrinter
     from specchat.engine.engine import Engine
 
+    try:
+        check_confirm(script.tools, None)  # nobody to ask: before the model loads, naming the script
+    except ConfigError as error:
+        raise ConfigError(f"{script.path}: {error}") from None
     engine = Engine.load(config, progress=StderrProgress())
     session = AgentSession(engine, script, concurrency)
     if session.warning:

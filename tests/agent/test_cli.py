@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from specchat.cli import main
@@ -58,6 +59,17 @@ def test_k_alone_keeps_the_scripts_drafter_and_is_not_blamed_for_it(tiny_model_d
     assert result.exit_code == 0, result.output
     assert "--drafter" not in result.stderr
     assert f"drafter 'heads:{tmp_path / 'missing.safetensors'}' is not available here" in result.stderr
+
+
+def test_a_shell_that_asks_is_one_line_naming_the_script_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """Headless, nobody can answer the shell's questions: the line named neither the script nor the key."""
+    script = write_script(tmp_path, tiny_model_dir, tools='["shell"]')
+    script.write_text(script.read_text() + '[tools.shell]\nallow = ["ls"]\n')
+    monkeypatch.setattr("specchat.engine.engine.Engine.load", lambda *a, **k: pytest.fail("loaded the model"))
+    result = CliRunner().invoke(main, ["agent", str(script), "--headless", "--device", "cpu"])
+    assert result.exit_code == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"specchat: error: {script}: tools.shell.confirm: ") and "confirm = false" in line
 
 
 def test_a_conversation_that_outgrows_the_context_ends_its_run_with_an_error(tiny_model_dir, tmp_path):
