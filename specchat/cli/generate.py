@@ -92,7 +92,8 @@ def with_system(prompt: str | list[dict], system: str | None) -> str | list[dict
 
 
 def submit_all(engine, items: list[PromptItem], sampling, spec, system, raw, from_file: bool) -> list:
-    """A RequestHandle per prompt, or the Finished error of a prompt the engine refused (the others still run)."""
+    """A RequestHandle per prompt, or the Finished error of a prompt the engine refused (the others still run):
+    with --json each gets its record, and any failure ends the command in one error line after them."""
     submitted = []
     for item in items:
         if item.prompt is not None and raw and not isinstance(item.prompt, str):
@@ -103,10 +104,8 @@ def submit_all(engine, items: list[PromptItem], sampling, spec, system, raw, fro
         try:
             own = sampling if item.max_tokens is None else dataclasses.replace(sampling, max_tokens=item.max_tokens)
             submitted.append(engine.submit(with_system(item.prompt, system), own, spec, system=system, raw=raw))
-        except PromptError as exc:
-            if not from_file:  # a single prompt's problem is the command's one error line
-                raise PromptError(f"{item.where}: {exc}") from None
-            submitted.append(failed(str(exc)))
+        except PromptError as exc:  # a file's prompt is named by its line later; --prompt or stdin here
+            submitted.append(failed(str(exc) if from_file else f"{item.where}: {exc}"))
     return submitted
 
 

@@ -91,3 +91,22 @@ def test_ctrl_c_during_a_json_request_keeps_its_text_so_far():
     assert handle.cancelled and partial.text == "Hello sea" and partial.token_ids == [5, 6]
     record = result_json({}, "m", partial)
     assert record["finish_reason"] == "cancelled" and record["text"] == "Hello sea" and "interrupted" in record["error"]
+
+
+@pytest.mark.parametrize("source", ["--prompt", "stdin"])
+def test_json_prints_the_record_of_a_single_prompt_refused_at_submit(tiny_model_dir: Path, source: str):
+    """--json prints one record per prompt, failed ones included: a single prompt beyond the context printed none,
+    only the error line."""
+    long = "word " * 400  # the tiny model's context holds 256
+    args = ["generate", str(tiny_model_dir), "--raw", "--json", "--max-tokens", "4"]
+    if source == "--prompt":
+        result = CliRunner().invoke(main, [*args, "-p", long])
+    else:
+        result = CliRunner().invoke(main, args, input=long)
+    assert result.exit_code == 1
+    [record] = [json.loads(line) for line in result.stdout.splitlines()]
+    assert record["finish_reason"] == "error" and record["error"].startswith(f"{source}: prompt is ")
+    assert result.stderr.strip().splitlines() == [f"specchat: error: {record['error']}"]
+    streamed = CliRunner().invoke(main, [*args[:3], "--max-tokens", "4", "-p", long])
+    assert streamed.exit_code == 1 and streamed.stdout == ""
+    assert streamed.stderr.strip().splitlines() == [f"specchat: error: --prompt: {record['error'].split(': ', 1)[1]}"]
