@@ -110,7 +110,13 @@ class KVPool:
         cpu_kernels: bool = False,
     ) -> KVPool:
         fmt = auto_format(dtype, cpu_kernels, head_dim) if kv_format == "auto" else kv_format
-        num_pages = budget_bytes // (bytes_per_token(fmt, num_layers, num_kv_heads, head_dim) * page_size)
+        page_bytes = bytes_per_token(fmt, num_layers, num_kv_heads, head_dim) * page_size
+        num_pages = budget_bytes // page_bytes
+        if num_pages <= 0:
+            raise KVCacheFullError(
+                f"the KV memory budget of {budget_bytes:,} bytes holds no page: one page is {page_bytes:,} bytes "
+                f"({page_size} tokens of {fmt} KV) for this model (raise --kv-memory)"
+            )
         return cls(
             num_layers, num_kv_heads, head_dim, num_pages, page_size, dtype, device, fmt, rotate, key_transform,
             cpu_kernels,

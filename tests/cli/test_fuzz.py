@@ -151,7 +151,7 @@ FLAG_CASES = [
     ("--kv-memory 0", [*GEN, "--kv-memory", "0"], ["--kv-memory"]),
     ("--kv-memory -5M", [*GEN, "--kv-memory", "-5M"], ["--kv-memory"]),
     ("--kv-memory lots", [*GEN, "--kv-memory", "lots"], ["--kv-memory"]),
-    ("--kv-memory 1K (no page fits)", [*GEN, "--kv-memory", "1K"], ["KV"]),
+    ("--kv-memory 1K (no page fits)", [*GEN, "--kv-memory", "1K"], ["--kv-memory", "holds no page"]),
     ("--kv int3", [*GEN, "--kv", "int3"], ["--kv"]),
     ("--dtype fp8", [*GEN, "--dtype", "fp8"], ["--dtype"]),
     ("--weights int4", [*GEN, "--weights", "int4"], ["--weights"]),
