@@ -144,24 +144,28 @@ def collect(handle) -> Finished:
 
 
 def stream(handle) -> Finished:
-    """Print a request's text as it comes."""
+    """Print a request's text as it comes, then end its line (not for a request that failed before any text: its
+    error is the only output)."""
+    wrote = False
     for event in handle.events():
         if isinstance(event, TextDelta) and event.text:
             click.echo(event.text, nl=False)
+            wrote = True
         elif isinstance(event, Finished):
-            click.echo()
+            if wrote or event.error is None:
+                click.echo()
             return event
     raise AssertionError("a request's events end with Finished")
 
 
 def timing_line(fin: Finished, drafter: str) -> str:
     """What one answer took, in one line: prompt, time to first token, decode rate, and the speculation."""
-    s = fin.stats
-    parts = [
-        f"prompt {fin.prompt_tokens} tokens",
-        f"first token {time_to_first_token(fin) * 1e3:.0f} ms",
-        f"{len(fin.token_ids)} tokens in {fin.decode_s:.2f} s, {fin.tok_per_s:.1f} tok/s",
-    ]
+    s, n = fin.stats, len(fin.token_ids)
+    parts = [f"prompt {fin.prompt_tokens} tokens", f"first token {time_to_first_token(fin) * 1e3:.0f} ms"]
+    if n > 1:
+        parts.append(f"{n} tokens in {fin.decode_s:.2f} s, {fin.tok_per_s:.1f} tok/s")
+    else:  # the decode rate is over the gaps after the first token: with one token or none there is none to time
+        parts.append(f"{n} token{'' if n == 1 else 's'}")
     if s.drafted:
         parts.append(f"{s.tokens_per_step:.2f} tokens/step, {s.acceptance_rate:.0%} of {s.drafted} drafts accepted")
     parts.append(f"drafter {drafter}")

@@ -110,3 +110,18 @@ def test_json_prints_the_record_of_a_single_prompt_refused_at_submit(tiny_model_
     streamed = CliRunner().invoke(main, [*args[:3], "--max-tokens", "4", "-p", long])
     assert streamed.exit_code == 1 and streamed.stdout == ""
     assert streamed.stderr.strip().splitlines() == [f"specchat: error: --prompt: {record['error'].split(': ', 1)[1]}"]
+
+
+def test_one_token_has_no_decode_rate_to_show():
+    """The rate is over the gaps after the first token: one token gave "1 tokens in 0.00 s, 0.0 tok/s"."""
+    line = timing_line(finished([(0, 0)], elapsed_s=0.3, decode_s=0.0), "none")
+    assert line == "[prompt 12 tokens · first token 300 ms · 1 token · drafter none]"
+
+
+def test_a_streamed_prompt_that_fails_before_any_text_prints_nothing_on_stdout(tiny_model_dir: Path):
+    """A prompt the KV pool cannot hold fails in the engine: stdout had an empty line before the error line."""
+    args = ["generate", str(tiny_model_dir), "--raw", "-p", "word " * 150, "--kv-memory", "64K", "--kv", "fp32"]
+    result = CliRunner().invoke(main, [*args, "--max-tokens", "4", "--no-stats"])  # a pool of 128 tokens
+    assert result.exit_code == 1 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("specchat: error: ") and "KV cache" in line
