@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 
 def int_list(text: str, what: str, least: int = 0) -> list[int]:
+    """A comma-separated list of integers >= least; an empty item ("1,,2", "1,") is refused, not skipped."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         raise ConfigError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
     if not values or min(values) < least:

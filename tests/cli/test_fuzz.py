@@ -220,6 +220,7 @@ FLAG_CASES = [
     ("bench --sessions 0", ["bench", "{tiny}", "--sessions", "0", "--prompts", "{text}/ok.txt"], ["--sessions"]),
     ("bench --sessions -1", ["bench", "{tiny}", "--sessions", "-1", "--prompts", "{text}/ok.txt"], [">= 1"]),
     ("bench --sessions abc", ["bench", "{tiny}", "--sessions", "abc", "--prompts", "{text}/ok.txt"], ["--sessions"]),
+    ("bench --sessions 1,,2", ["bench", "{tiny}", "--sessions", "1,,2", "--prompts", "{text}/ok.txt"], ["--sessions"]),
     (
         "bench --temperature -1",
         ["bench", "{tiny}", "--sessions", "1", "--prompts", "{text}/ok.txt", "--temperature", "-1"],
