@@ -486,3 +486,19 @@ def test_run_workspace_copy_and_scratch(tmp_path: Path):
         assert list(scratch.iterdir()) == []
     with run_workspace(tmp_path, copy=False) as same:
         assert same == tmp_path
+
+
+def test_the_docs_show_the_markers_the_tools_write(workspace: Path):
+    """docs/agents.md showed "N bytes omitted" alone; the cap of in-process results counts characters."""
+    import re
+
+    marker = r"\[\.\.\. output truncated: [^\]]*\]"
+
+    def markers(text: str) -> set[str]:
+        return {re.sub(r"\d+", "N", re.sub(r"\s+", " ", found)) for found in re.findall(marker, text)}
+
+    docs = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    process = run_python("print('a' * 5_000)", workspace, timeout_s=20, output_cap=1000).output
+    assert markers(process) == {"[... output truncated: N bytes omitted ...]"}
+    assert markers(cap_text("x" * 500, 200)) == {"[... output truncated: N characters omitted ...]"}
+    assert markers(docs) == markers(process) | markers(cap_text("x" * 500, 200))
