@@ -239,7 +239,13 @@ def _invoke(tool: Tool, arguments: dict[str, Any]) -> ToolResult:
             return ToolResult(True, value)
         if value is None:
             return ToolResult(True, "(no result)")
-        return ToolResult(True, json.dumps(value, ensure_ascii=False, default=str))  # (a cycle raises here)
+        try:
+            return ToolResult(True, json.dumps(value, ensure_ascii=False))  # (a cycle raises here)
+        except TypeError as error:  # an object JSON cannot hold: its repr would have passed as the tool's answer
+            return ToolResult(
+                False, "", f"{tool.name} returned a value that is not JSON-serialisable ({error}); a tool returns a "
+                "string, a ToolResult or a JSON-serialisable value"
+            )  # fmt: skip
     except SandboxError as error:
         return ToolResult(False, "", str(error))
     except (Exception, SystemExit) as error:  # a tool's sys.exit() is its failure, not the agent's

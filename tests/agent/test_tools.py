@@ -240,6 +240,24 @@ def test_a_tools_odd_results_are_its_failures_or_valid_text():
         result.content.encode("utf-8")  # encodes: the prompt it goes into does too
 
 
+def test_a_value_json_cannot_hold_is_the_tools_error_not_its_repr():
+    """A tool returns a string, a ToolResult or a JSON-serialisable value: object() passed as ok with its repr."""
+
+    def opaque(n: int) -> object:
+        """Returns an object JSON cannot hold."""
+        return object()
+
+    def numbers(n: int) -> list:
+        """Returns a JSON list."""
+        return [n, {"half": n / 2}]
+
+    box = Toolbox([function_tool(opaque), function_tool(numbers)])
+    result = box.call("opaque", {"n": 1})
+    assert not result.ok and result.content == ""
+    assert result.error.startswith("opaque returned a value that is not JSON-serialisable (Object of type object ")
+    assert box.call("numbers", {"n": 3}) == ToolResult(True, '[3, {"half": 1.5}]')
+
+
 USER_MODULE = '''
 from typing import Literal
 
