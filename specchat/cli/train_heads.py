@@ -168,7 +168,7 @@ def train_heads(
             f"{label} {i + 1}: top-1 {acc:.3f}   at k={i + 1}: chain estimate {tps:.2f}, "
             f"greedy run {run:.2f} tokens/step"
         )
-    click.echo(f"wrote {out} ({report['eval_positions']} held-out positions)")
+    click.echo(f"wrote {out} ({report['eval_positions']} held-out positions scored)")
 
 
 def register(group: click.Group) -> None:

@@ -605,7 +605,12 @@ def train_heads(
     records = trainer.answers()
     log(f"{len(records)} answers, {sum(len(r['output_ids']) for r in records)} tokens")
     feats = trainer.features(records)
-    log(f"{len(feats['hidden'])} positions, {int(feats['is_eval'].sum())} held out")
+    held_out = feats["is_eval"]
+    scored = held_out & (feats["windows"][:, 1] >= 0)  # what report() scores: x_{t+2} exists
+    log(
+        f"{len(feats['hidden'])} positions, {int(held_out.sum())} held out, {int(scored.sum())} of them scored "
+        "(an answer's last position has no token after the next for a head to draft)"
+    )
     heads = trainer.train(records, feats)
     report = trainer.report(heads, feats)
     spec = engine.model_spec

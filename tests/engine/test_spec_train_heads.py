@@ -60,8 +60,12 @@ def test_train_heads_writes_usable_heads_and_resumes(tiny_engine, tmp_path):
     stages = []
     progress = lambda stage, done, total: stages.append(stage.split()[0])
     out = tmp_path / "heads.safetensors"
-    report = train_heads(tiny_engine, cfg, out, progress, lambda line: None)
+    logged: list[str] = []
+    report = train_heads(tiny_engine, cfg, out, progress, logged.append)
     assert {"answers", "features", "train"} <= set(stages)
+    # the positions line and the report count the same held-out positions (they said 16 and 15)
+    [positions] = [line for line in logged if " held out, " in line]
+    assert f"{report['eval_positions']} of them scored" in positions
     assert len(report["top1"]) == 2 and all(0.0 <= a <= 1.0 for a in report["top1"])
     assert report["tokens_per_step"][0] >= 1.0
     assert all(1.0 <= run <= k + 1 for k, run in enumerate(report["run_tokens_per_step"], 1))
