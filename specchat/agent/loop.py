@@ -74,6 +74,13 @@ class Turn:
         return stats
 
 
+def merged_stats_json(stats: SpecStats) -> dict:
+    """Stats merged over requests (a turn's, a run's, a session's) as JSON, without the recent_* rates: a merge
+    keeps no recent steps, so they read 0.0 beside totals of 0.525 and 2.33, and over requests in flight together
+    there is no one "now"."""
+    return {key: value for key, value in stats.to_json().items() if not key.startswith("recent_")}
+
+
 def nudge_text(stop: StopCondition, structured: bool) -> str:
     """What a reply with no tool call and no answer gets back."""
     finish = {
@@ -116,7 +123,7 @@ class AgentRun:
             )
         )
         reason, answer = self._loop()
-        stats = {**self.stats.to_json(), **self._throughput()}
+        stats = {**merged_stats_json(self.stats), **self._throughput()}
         elapsed = round(time.perf_counter() - self.started, 3)
         self.emit(RunEnd(self.index, reason, self.step, self.tokens, elapsed, answer, stats))
         outcome = (self.index, reason, answer, self.step, self.tokens, self.prompt_tokens)
@@ -174,7 +181,7 @@ class AgentRun:
         self.prompt_tokens += sum(piece.prompt_tokens for piece in turn.pieces)
         self.decode_s += sum(piece.decode_s for piece in turn.pieces)
         prompt_tokens = turn.pieces[0].prompt_tokens
-        step_stats = {**stats.to_json(), "prompt_tokens": prompt_tokens, "requests": len(turn.pieces)}
+        step_stats = {**merged_stats_json(stats), "prompt_tokens": prompt_tokens, "requests": len(turn.pieces)}
         elapsed = round(time.perf_counter() - self.started, 3)
         self.emit(Step(self.index, self.step, turn.text, turn.tokens, turn.reason, elapsed, step_stats))
         return turn

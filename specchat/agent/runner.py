@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from specchat.agent.demos import demo_messages
-from specchat.agent.loop import AgentRun, EventSink, RunOutcome
+from specchat.agent.loop import AgentRun, EventSink, RunOutcome, merged_stats_json
 from specchat.agent.sandbox import run_workspace
 from specchat.agent.script import AgentScript
 from specchat.agent.toolcalls import template_renders_tools, tools_system_prompt
@@ -66,7 +66,7 @@ def session_end(outcomes: list[RunOutcome], elapsed_s: float, hit_tokens: int | 
         tokens=tokens,
         tok_per_s=round(tokens / elapsed_s, 3) if elapsed_s > 0 else 0.0,
         prefix_hit_rate=hit_rate,
-        stats={**stats.to_json(), "prompt_tokens": prompt_tokens},
+        stats={**merged_stats_json(stats), "prompt_tokens": prompt_tokens},
     )
 
 

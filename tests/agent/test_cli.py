@@ -29,6 +29,9 @@ def test_json_writes_one_typed_event_per_line(tiny_model_dir, tmp_path):
     assert sorted(end["run"] for end in ends) == [0, 1]
     assert all(end["reason"] == "max_steps" and "tokens_per_step" in end["stats"] for end in ends)
     assert records[-1]["type"] == "session_end" and records[-1]["runs"] == 2
+    # merged stats keep no recent steps: their recent_* rates read 0.0 beside the totals, so they are left out
+    merged = [r["stats"] for r in records if r["type"] in ("step", "run_end", "session_end")]
+    assert all("tokens_per_step" in stats and not any(key.startswith("recent_") for key in stats) for stats in merged)
 
 
 def test_headless_prints_a_trace_and_overrides_apply(tiny_model_dir, tmp_path):
