@@ -117,8 +117,10 @@ class Scheduler:
         gated_next = self._gated_off and not self._gated[0].peek()
         running = self.running
         if gated_next:  # nobody drafts now or next: only drafters that need every position's rows (EAGLE) tap
-            # (a step before a trial taps, so that the trial's first step drafts from the newest row)
-            running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history]
+            # (a step before a trial taps, so that the trial's first step drafts from the newest row), and requests
+            # the gate does not hold (a fixed k, a seeded sampled request: `_adaptive_cap`) whose prompt ends now:
+            # they draft next step, and a seeded one that skipped it would draw other numbers than alone
+            running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history or not _gated(s)]
         return StepPlan(items, self.drafters.taps(running), ahead, gated_next), events
 
     def _admit(self, events: list[Event]) -> None:
@@ -369,6 +371,11 @@ class Scheduler:
         if not self.running:
             self._timed = None
         return events
+
+
+def _gated(seq: Sequence) -> bool:
+    """Whether a DraftGate may hold the request's k (`_adaptive_cap`): adaptive, and not seeded."""
+    return seq.adaptive is not None and not _seeded(seq)
 
 
 def _seeded(seq: Sequence) -> bool:

@@ -410,8 +410,10 @@ class EagleDrafter(Drafter):
             steps = self._graphed_steps(ids, depth, ctx, logits, s, position)
         else:
             steps = []
+            own = [min(ks[i], depth) for i in ready]  # past its own k a sampled request draws nothing
             for j in range(depth):
-                chosen, probs = choose_tokens(group, logits, self.head.draft_vocab, self.vocab_size)
+                drawing = [j < k for k in own]
+                chosen, probs = choose_tokens(group, logits, self.head.draft_vocab, self.vocab_size, drawing)
                 steps.append((chosen, probs))
                 if j + 1 == depth:
                     break

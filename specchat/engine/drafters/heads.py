@@ -184,14 +184,22 @@ class DraftVocabOutput:
 
 
 def choose_tokens(
-    seqs: list[Sequence], logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int
+    seqs: list[Sequence],
+    logits: torch.Tensor,
+    draft_vocab: torch.Tensor,
+    vocab_size: int,
+    drawing: list[bool] | None = None,
 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """Draft logits [B, Vd] over `draft_vocab` (target ids) -> a token per request, and the distribution q it was
-    drawn from over the full vocabulary (None for a greedy request: a point mass on the argmax)."""
+    drawn from over the full vocabulary (None for a greedy request: a point mass on the argmax).
+
+    drawing: which requests draft at this position (default: all). A sampled request past its own k takes the
+    argmax without a draw from its generator (its token there is never drafted): a batch drafts as deep as its
+    deepest k, and a seeded request's draws, and so its text, must not depend on the k of the others."""
     best = draft_vocab[cpu_ops.argmax(logits)].tolist()
     tokens, probs = [], []
     for b, seq in enumerate(seqs):
-        if seq.sampling.greedy:
+        if seq.sampling.greedy or (drawing is not None and not drawing[b]):
             tokens.append(best[b])
             probs.append(None)
             continue
@@ -289,14 +297,13 @@ class HeadsDrafter(Drafter):
             ready = [i for i in ready if not seqs[i].sampling.greedy]
             if not ready:
                 return drafts
-        group = [seqs[i] for i in ready]
+        group, own = [seqs[i] for i in ready], [min(ks[i], depth) for i in ready]
         rows, newest = [seq.hidden[self.cfg.tap][-1] for seq in group], [seq.newest for seq in group]
-        steps = self.draft_steps(group, *self.chain_inputs(rows, newest), depth)
-        for b, i in enumerate(ready):
-            k = min(ks[i], depth)
+        steps = self.draft_steps(group, *self.chain_inputs(rows, newest), depth, own)
+        for b, k in enumerate(own):
             tokens = [steps[j][0][b] for j in range(k)]
             qs = [steps[j][1][b] for j in range(k)]
-            drafts[i] = Draft(tokens, None if qs[0] is None else torch.stack(qs))
+            drafts[ready[b]] = Draft(tokens, None if qs[0] is None else torch.stack(qs))
         return drafts
 
     def greedy_drafts(self, group: list[Sequence], depth: int) -> list[list[int]]:
@@ -330,18 +337,25 @@ class HeadsDrafter(Drafter):
         return hidden, torch.tensor(newest, device=hidden.device)
 
     def draft_steps(
-        self, group: list[Sequence], hidden: torch.Tensor, prev: torch.Tensor, depth: int
+        self, group: list[Sequence], hidden: torch.Tensor, prev: torch.Tensor, depth: int, ks: list[int] | None = None
     ) -> list[tuple[list[int], list[torch.Tensor | None]]]:
         """Position by position, each request's token (greedy or sampled with its generator) and the distribution
-        it was drawn from: [(tokens [B], probs [B])] * depth. The reference `greedy_chain` is held to."""
+        it was drawn from: [(tokens [B], probs [B])] * depth. ks: each request's own k (default: depth); past it
+        a sampled request draws nothing (`choose_tokens`), its entries there are not its drafts. The reference
+        `greedy_chain` is held to."""
+        ks = [depth] * len(group) if ks is None else ks
         if not self.cfg.sequential:
             states = torch.stack([block(hidden) for block in self.heads.blocks[:depth]])  # [depth, B, d]
             logits = self.output(states)  # [depth, B, Vd]
-            return [choose_tokens(group, logits[i], self.draft_vocab, self.vocab_size) for i in range(depth)]
+            return [
+                choose_tokens(group, logits[j], self.draft_vocab, self.vocab_size, [j < k for k in ks])
+                for j in range(depth)
+            ]
         state, steps = hidden, []
-        for block in self.heads.blocks[:depth]:
+        for j, block in enumerate(self.heads.blocks[:depth]):
             state = block(state, self.embed(prev).to(state.dtype))  # [B, d] (packed heads: float32)
-            tokens, probs = choose_tokens(group, self.output(state), self.draft_vocab, self.vocab_size)
+            drawing = [j < k for k in ks]
+            tokens, probs = choose_tokens(group, self.output(state), self.draft_vocab, self.vocab_size, drawing)
             steps.append((tokens, probs))
             prev = torch.tensor(tokens, device=hidden.device)
         return steps
