@@ -41,11 +41,14 @@ class Scheduler:
         max_running: int = 64,
         max_batch_tokens: int = 2048,
         uniform_widths: bool = False,
+        chunk_beside_decoding: int | None = None,
     ) -> None:
         self.pool = pool
         self.drafters = drafters
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
+        # a prompt's chunk in a step that also decodes requests, at most (None: max_batch_tokens): they wait on it
+        self.chunk_beside_decoding = chunk_beside_decoding
         # the runner pads a step's requests to its widest (CUDA graphs): one request's big k widens them all
         self.uniform_widths = uniform_widths
         self.waiting: deque[Sequence] = deque()
@@ -252,6 +255,8 @@ class Scheduler:
                         k = self._draft_len(seq, cap) if uniform else min(self._draft_len(seq), cap)
                     items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
                     budget -= 1 + k
+            if items and self.chunk_beside_decoding is not None:
+                budget = min(budget, self.chunk_beside_decoding)
             for seq in self.running:  # prompts (all but their last token may come from the prefix cache)
                 if (seq.in_prefill or seq.num_cached < seq.num_tokens - 1) and budget > 0:
                     chunk = seq.tokens_from(seq.num_cached, seq.num_cached + budget)

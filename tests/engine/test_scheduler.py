@@ -141,3 +141,38 @@ def test_tokens_from_is_a_slice_of_all_ids():
             for stop in (None, *range(-1, len(prompt) + len(output) + 2)):
                 assert seq.tokens_from(start, stop) == seq.all_ids[start:stop], (prompt, output, start, stop)
         assert seq.newest == seq.all_ids[-1]
+
+
+def test_a_prompt_beside_decoding_requests_is_fed_in_short_chunks_on_the_cpu(tiny_engine):
+    """On the CPU a step that decodes requests feeds at most CPU_CHUNK_BESIDE_DECODING tokens of a prompt, so the
+    decoding ones are not held for a whole max-batch-tokens chunk (the default model, a 3,356-token prompt beside a
+    stream: its longest gap 2.6 s -> 0.58 s, the prompt's first token as soon); a prompt alone takes the whole
+    budget. (test_cpu_act holds a prompt's logits the same however it is chunked.)"""
+    from specchat.engine.engine import CPU_CHUNK_BESIDE_DECODING
+
+    scheduler = tiny_engine.scheduler
+    assert scheduler.chunk_beside_decoding == CPU_CHUNK_BESIDE_DECODING
+    fed: list[list[int]] = []
+    plan = scheduler._plan
+
+    def recorded(events, now):
+        items = plan(events, now)
+        fed.append([len(item.feed) for item in items])
+        return items
+
+    scheduler._plan = recorded
+    try:
+        for chunk, word in ((16, "alpha"), (None, "beta")):  # (other words: nothing from the prefix cache)
+            scheduler.chunk_beside_decoding = chunk
+            sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+            stream = tiny_engine.submit("hello there", sampling)
+            for _ in range(3):
+                tiny_engine.step()
+            fed.clear()
+            prompt = tiny_engine.submit(" ".join([word] * 10), SamplingParams(max_tokens=2))
+            run_all(tiny_engine, [stream, prompt])
+            widest = max(max(sizes) for sizes in fed if len(sizes) > 1)  # steps that decoded beside the prompt
+            assert widest == 16 if chunk else widest > 16, fed
+    finally:
+        scheduler._plan = plan
+        scheduler.chunk_beside_decoding = CPU_CHUNK_BESIDE_DECODING
