@@ -68,8 +68,8 @@ def bench_sessions(
     the first round still meets first-time shapes (an eager prefill step beside drafting requests compiles its
     kernels once), and at 32 sessions one run of the default model takes ~130 ms, whose plain decoding varied by a
     quarter between calls. Before the rounds each configuration runs short and untimed (warm_configurations), so
-    one round, the CPU's default, is timed warm too. Requests are greedy, or sampled at `temperature` (unseeded, as API clients send them);
-    `requests` per run (default: the largest session count), the prompts cycled."""
+    one round, the CPU's default, is timed warm too. Requests are greedy, or sampled at `temperature` (unseeded,
+    as API clients send them); `requests` per run (default: the largest session count), the prompts cycled."""
     from specchat.bench.sessions import run_sessions
     from specchat.config import SamplingParams
     from specchat.engine.engine import Engine
