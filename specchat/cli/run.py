@@ -173,9 +173,11 @@ class PlainChat:
                     reply, error = event.text, event.error
                     s = event.stats
                     click.echo()  # the answer's line ends on stdout, which may be a file of answers
+                    n = len(event.token_ids)  # (a decode rate needs a gap after the first token: one token has none)
+                    rate = f"{event.tok_per_s:.1f} tok/s, " if n > 1 else ""
                     click.echo(
-                        f"[{len(event.token_ids)} tokens, {event.tok_per_s:.1f} tok/s, "
-                        f"{s.tokens_per_step or 1:.2f} tokens/step, {event.reason}]",
+                        f"[{n} token{'' if n == 1 else 's'}, {rate}{s.tokens_per_step or 1:.2f} tokens/step, "
+                        f"{event.reason}]",
                         err=True,
                     )
         except KeyboardInterrupt:

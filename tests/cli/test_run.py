@@ -133,3 +133,14 @@ def test_leaving_before_the_model_has_loaded_ends_the_chat_cleanly(default_model
         )  # fmt: skip
         assert proc.returncode == status, proc.stderr
         assert b"terminate" not in proc.stderr and b"FATAL" not in proc.stderr and b"Traceback" not in proc.stderr
+
+
+def test_an_answer_of_one_token_shows_no_decode_rate(tiny_engine, monkeypatch, capsys):
+    """The rate is over the gaps after the first token: one token has none to time (it read 0.0 tok/s)."""
+    loading: Future = Future()
+    loading.set_result(tiny_engine)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    chat = PlainChat(loading, LoadProgress(), SamplingParams(max_tokens=1, ignore_eos=True), SpecParams("none", 0))
+    plain_repl(chat)
+    err = capsys.readouterr().err
+    assert "[1 token, " in err and "tok/s" not in err
