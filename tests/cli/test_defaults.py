@@ -77,23 +77,19 @@ def test_run_takes_the_file_and_flags_win(tmp_path: Path, tiny_model_dir: Path):
     assert f"loading {tiny_model_dir.name} (drafter none, k auto)" in result.stderr
 
 
-def test_run_with_a_bad_file_is_one_line(tmp_path: Path):
-    write(tmp_path, 'k = "lots"\n')
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ('k = "lots"', "k must be an integer or 'auto', got 'lots'"),
+        # it said `--drafter heads:/nonexistent: no such file /nonexistent`, a flag the user never gave
+        ('drafter = "heads:/nonexistent"', "drafter: no such file /nonexistent"),
+    ],
+)
+def test_run_with_a_bad_file_is_one_line_naming_it(tmp_path: Path, line: str, why: str):
+    write(tmp_path, line + "\n")
     result = run_plain(tmp_path)
     assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == [
-        f"specchat: error: {tmp_path / 'config.toml'}: k must be an integer or 'auto', got 'lots'"
-    ]
-
-
-def test_a_missing_drafter_file_in_the_file_is_not_blamed_on_a_flag(tmp_path: Path):
-    """It said `--drafter heads:/nonexistent: no such file /nonexistent`, a flag the user never gave."""
-    write(tmp_path, 'drafter = "heads:/nonexistent"\n')
-    result = run_plain(tmp_path)
-    assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == [
-        f"specchat: error: {tmp_path / 'config.toml'}: drafter: no such file /nonexistent"
-    ]
+    assert result.stderr.strip().splitlines() == [f"specchat: error: {tmp_path / 'config.toml'}: {why}"]
 
 
 def test_the_plain_chat_gets_the_files_system_prompt_and_temperature(tmp_path: Path, tiny_model_dir, monkeypatch):
