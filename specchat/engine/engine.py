@@ -13,6 +13,7 @@ and applied between steps, so they take effect on the next step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -106,7 +107,6 @@ class Engine:
         self.model = model
         self.weights = weights or weight_switch(model, {}, None, None)
         self.tokenizer = tokenizer
-        self.token_bound = TokenBound.of(tokenizer.backend)  # None: prompts are encoded whole before they are measured
         self.pool = pool
         self.config = config
         self.model_spec = model_spec
@@ -231,7 +231,9 @@ class Engine:
         limit = self.model.cfg.max_position
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
             text, add_special_tokens = self._prompt_text(prompt, system, raw, tools)
-            if self.token_bound and (at_least := self.token_bound.reaches(text, limit)) is not None:
+            # (a token covers a character or more: a text shorter than the context cannot reach it)
+            bound = self.token_bound if len(text) >= limit else None
+            if bound is not None and (at_least := bound.reaches(text, limit)) is not None:
                 raise PromptError(_past_context(f"at least {at_least}", limit))
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
@@ -245,6 +247,12 @@ class Engine:
         if len(ids) >= limit:
             raise PromptError(_past_context(str(len(ids)), limit))
         return ids
+
+    @functools.cached_property
+    def token_bound(self) -> TokenBound | None:
+        """The fewest tokens a text can encode to (None: prompts are encoded whole before they are measured); read
+        from the vocabulary (~28 ms) at the first text as long as the context, not at every start."""
+        return TokenBound.of(self.tokenizer.backend)
 
     def _prompt_text(
         self, prompt: str | list[dict], system: str | None, raw: bool, tools: list | None
