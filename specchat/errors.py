@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 
@@ -43,3 +44,9 @@ def path_problem(path: Path, shown: str, directory: bool = False) -> str | None:
     if path.is_file():
         return None
     return f"{shown} is a directory, not a file" if path.is_dir() else f"no such file {shown}"
+
+
+def note_not_saved(log: logging.Logger, path: Path, exc: Exception) -> None:
+    """The one note for a cache the load could not write (a read-only or full disk, a file where its folder should
+    be): the load goes on without it, and only the next one does the work again."""
+    log.warning("specchat: note: cannot save %s (%s); loading without it", path, exc)

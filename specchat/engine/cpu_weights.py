@@ -31,6 +31,7 @@ from torch import nn
 
 from specchat.engine.loader import gguf_reader
 from specchat.engine.model import Linear, Transformer
+from specchat.errors import note_not_saved
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.fp4_linear import set_fp4_activations
 
@@ -319,7 +320,7 @@ def _save(cache: Path, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]) 
         save_file(tensors, str(partial), metadata={name: kind for name, (kind, _) in blocks.items()})
         os.replace(partial, cache)
     except (OSError, SafetensorError) as exc:  # a full disk, a read-only folder: packed again at the next load
-        log.warning("specchat: note: cannot save %s (%s); loading without it", cache, exc)
+        note_not_saved(log, cache, exc)
         with suppress(OSError):  # NotADirectoryError where the folder is a file
             partial.unlink(missing_ok=True)
 

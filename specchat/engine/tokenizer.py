@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
 from specchat.engine.prompt_bound import byte_level_chars
-from specchat.errors import ModelFormatError, PromptError
+from specchat.errors import ModelFormatError, PromptError, note_not_saved
 from specchat.safetensors_io import read_json_object
 
 # End-of-turn markers of common chat templates; those present in a vocabulary stop generation.
@@ -272,7 +272,7 @@ def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Tokenizer:
     try:
         _save_conversion(tok, out_dir)
     except OSError as exc:
-        log.warning("specchat: note: cannot save %s (%s); loading without it", out_dir, exc)
+        note_not_saved(log, out_dir, exc)
         with tempfile.TemporaryDirectory(prefix="specchat-tokenizer-") as scratch:
             tok.save_pretrained(scratch)
             return Tokenizer.from_dir(Path(scratch))  # read whole into memory: the folder may go

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specchat.engine.model import ModelConfig, skeleton
-from specchat.errors import ModelFormatError
+from specchat.errors import ModelFormatError, note_not_saved
 from specchat.safetensors_io import read_safetensors
 
 STALE_PARTIAL_S = 600  # a partial cache file this old belongs to a write that was killed
@@ -47,7 +47,7 @@ def write_converted(cache: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor]) 
             os.fsync(f.fileno())
         partial.replace(cache)
     except (OSError, SafetensorError) as exc:
-        log.warning("specchat: note: cannot save %s (%s); loading without it", cache, exc)
+        note_not_saved(log, cache, exc)
         if partial is not None:
             partial.unlink(missing_ok=True)
         return

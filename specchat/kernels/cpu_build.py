@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from specchat.errors import note_not_saved
+
 log = logging.getLogger(__name__)
 
 # Module attributes where the engine keeps these kernels' bindings of a module's tensors (ctypes views:
@@ -148,7 +150,7 @@ def compile_library(source: str, cflags: list[str], target: Path, openmp: Path |
             shutil.copyfile(out, partial)
             os.replace(partial, target)
         except OSError as exc:
-            log.warning("specchat: note: cannot save %s (%s); loading without it", target, exc)
+            note_not_saved(log, target, exc)
             with suppress(OSError):
                 partial.unlink(missing_ok=True)
             return ctypes.CDLL(str(out))  # loaded before the folder goes: the mapping outlives the file
