@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from specchat.kernels.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from specchat.kernels.attention import AttentionMetadata, paged_attention_reference
+from specchat.kernels.attention_triton import paged_attention
 from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -28,22 +28,23 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specchat.kernels import attention
+from specchat.kernels import attention_triton
 
-FORMATS = {"bf16": (0, 0), "mxfp4": (1, 1), "k8v4": (2, 1)}  # key format, value format (attention._FMT_IDS)
+FORMATS = {"bf16": (0, 0), "mxfp4": (1, 1), "k8v4": (2, 1)}  # key format, value format (attention_triton._FMT_IDS)
 DIVISIBLE = ("stride_qt", "stride_qh", "stride_kh", "stride_ks", "stride_ksh", "stride_vh", "stride_vs")
 DIVISIBLE += ("stride_vsh", "stride_tb", "stride_ot", "stride_oh", "stride_op")
 _OP = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);")
 
 
 def compile_kernel(args: argparse.Namespace) -> triton.compiler.CompiledKernel:
-    fn = attention._paged_attention_kernel
+    fn = attention_triton._paged_attention_kernel
     k_fmt, v_fmt = FORMATS[args.pages]
     quantized = k_fmt != 0
     const = dict(
         K_FMT=k_fmt, V_FMT=v_fmt, DOT_DTYPE=tl.float16 if quantized else tl.bfloat16, PRECISION="tf32", GROUP=4,
         HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=args.block_n, SB=4, PDL=False, OFFSETS=tl.int32,
-        KEY_ROWS=not args.query_rows, DECODE=attention.DECODE_E4M3 if args.decode == "e4m3" else attention.DECODE_BITS,
+        KEY_ROWS=not args.query_rows,
+        DECODE=attention_triton.DECODE_E4M3 if args.decode == "e4m3" else attention_triton.DECODE_BITS,
     )  # fmt: skip
     if quantized:  # one int32 word of scales per row: a stride of 1, which a launch specialises as a constant
         const.update(stride_kss=1, stride_vss=1)
@@ -83,9 +84,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", choices=sorted(FORMATS), default="mxfp4")
     parser.add_argument("--query-rows", action="store_true", help="the query rows as the MMA's rows")
-    parser.add_argument("--block-n", type=int, default=attention.QUANT_BLOCK_N)
+    parser.add_argument("--block-n", type=int, default=attention_triton.QUANT_BLOCK_N)
     parser.add_argument("--warps", type=int, default=4)
-    parser.add_argument("--stages", type=int, default=attention.QUANT_NUM_STAGES)
+    parser.add_argument("--stages", type=int, default=attention_triton.QUANT_NUM_STAGES)
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     parser.add_argument("--decode", choices=("e4m3", "bits"), default="e4m3")
     parser.add_argument("--lines", action="store_true")

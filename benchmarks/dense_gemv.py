@@ -1,4 +1,5 @@
-"""The dense GEMV (kernels/dense_gemv.py) against cuBLAS (F.linear) per linear, on a small model's shapes (CUDA).
+"""The dense GEMV (kernels/dense_gemv_triton.py) against cuBLAS (F.linear) per linear, on a small model's shapes
+(CUDA).
 
     python benchmarks/dense_gemv.py [--shape smollm2-135m] [--ms 1,4,16] [--sweep]
 
@@ -20,7 +21,8 @@ from mxfp4_matmul import L2_DEFEAT_BYTES, graph_time_us
 
 from specchat.bench.synthetic import SHAPES
 from specchat.kernels import pdl
-from specchat.kernels.dense_gemv import GemvConfig, choose_config, dense_gemv
+from specchat.kernels.dense_gemv import GemvConfig, choose_config
+from specchat.kernels.dense_gemv_triton import dense_gemv
 
 SWEEP = [GemvConfig(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (2, 3))]
 

@@ -63,7 +63,8 @@ for part in "${parts[@]}"; do
       done
       timeout 120 python benchmarks/profile_step.py --weights bf16 2>&1 | tee -a "$log" ;;
     small)  # the default model's shape (smollm2-135m, random bf16 weights): a step of ~300 short kernels. Its
-      # linears on cuBLAS (SPECCHAT_DENSE_GEMV=0) and through kernels/dense_gemv.py (under PDL: every kernel ours),
+      # linears on cuBLAS (SPECCHAT_DENSE_GEMV=0) and through kernels/dense_gemv_triton.py (under PDL: every kernel
+      # ours),
       # alternating: the step's kernels and wall time on CUDA graphs, then decode tok/s at 1 and 8 sessions
       timeout 150 python benchmarks/dense_gemv.py --ms 1,4,16 ${SWEEP:+--sweep} 2>&1 | tee -a "$log"
       for dense in 0 1; do

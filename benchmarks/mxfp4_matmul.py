@@ -87,14 +87,14 @@ def _import_kernels():
     except ImportError:
         root = Path(__file__).resolve().parents[1] / "specchat" / "kernels"
         modules = []
-        names = ("mxfp4", "mxfp4_layout", "mxfp4_matmul_kernel", "mxfp4_dequant", "mxfp4_matmul")
+        names = ("mxfp4", "mxfp4_layout", "mxfp4_dequant", "mxfp4_matmul", "mxfp4_matmul_kernel")
         for name in names:
             spec = importlib.util.spec_from_file_location(f"specchat.kernels.{name}", root / f"{name}.py")
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
             modules.append(module)
-        return modules[0], modules[1], modules[2], modules[4]
+        return modules[0], modules[1], modules[4], modules[3]
 
 
 mxfp4, layout, mm, linear = _import_kernels()

@@ -52,7 +52,8 @@ for part in "${parts[@]}"; do
         --acceptance "${RATES:-0.533,0.515,0.542,0.571}" 2>&1 | grep -v "^done:" | tee -a "$log" ;;
     ahead)  # plain steps launched ahead of the host, on and off, alternating (docs/gpu.md)
       timeout 200 python benchmarks/step_ahead_gpu.py --sessions 1,8,32 --reps 3 --max-tokens 64 2>&1 | tee -a "$log" ;;
-    chain)  # the heads' fused greedy chain (kernels/draft_heads.py) against the plain one, each beside plain decoding
+    chain)  # the heads' fused greedy chain (kernels/draft_heads_triton.py) against the plain one, each beside plain
+      # decoding
       for fused in 1 0; do
         echo "--- SPECCHAT_FUSED_HEADS=$fused" | tee -a "$log"
         SPECCHAT_FUSED_HEADS=$fused timeout 200 "${bench[@]}" --drafter none,heads --k 4 2>&1 | tee -a "$log"

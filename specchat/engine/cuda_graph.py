@@ -42,7 +42,6 @@ from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner, Rows, StepBatch, StepOutput, TokenContext, joined, sub_batch, to_device
 from specchat.kernels import dense_gemv, pdl
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
-from specchat.kernels.fused import advance_step
 from specchat.kernels.mxfp4_matmul import graphed_steps
 from specchat.quant.fp4_linear import Fp4Linear
 
@@ -484,6 +483,8 @@ class CudaGraphRunner(ModelRunner):
 
     @torch.inference_mode()
     def _capture(self, b: int, q: int, ctx: int, taps: tuple[int, ...]) -> _Graph:
+        from specchat.kernels import fused_triton
+
         dev, ps = self.device, self.pool.page_size
         rows, width = b * q, -(-ctx // ps)
         staging = _Staging(
@@ -512,7 +513,7 @@ class CudaGraphRunner(ModelRunner):
         def forward():
             if q > 1:  # a width forward_advanced may take: its requests moved by `advance` first (0 elsewhere), and
                 # every replay's slots made from the tables here (`_replay` stages none)
-                advance_step(positions.view(b, q), new_slots, ctx_lens, tables, advance, ps)
+                fused_triton.advance_step(positions.view(b, q), new_slots, ctx_lens, tables, advance, ps)
             kv.record(ids)
             return self.model(ids, positions, kv, taps=taps)
 

@@ -1,8 +1,9 @@
 """The fused elementwise kernels as a transform of the model (docs/style.md #3): swap modules in, swap them out.
 
 `fuse(model)` re-classes the model's `Transformer`, `Attention`, `RMSNorm`, `Rotary` and `SiluAndMul` modules
-(engine/model.py) as the subclasses below, whose forward runs the Triton kernels of kernels/fused.py where they are
-supported (CUDA, or the CPU under TRITON_INTERPRET=1) and the plain module's forward otherwise; `unfuse(model)`
+(engine/model.py) as the subclasses below, whose forward runs the Triton kernels of kernels/fused_triton.py where
+kernels/fused.py says they run (CUDA, or the CPU under TRITON_INTERPRET=1; the kernels' module is imported at the
+first launch, so a CPU process never imports Triton) and the plain module's forward otherwise; `unfuse(model)`
 swaps them back. The parameters and state stay the same objects, so a model can be fused after loading and
 unfused for checking. Besides one kernel per elementwise job, two fusions cut kernels per layer:
 
@@ -11,7 +12,7 @@ unfused for checking. Besides one kernel per elementwise job, two fusions cut ke
 - `FusedAttention` stores the step's keys and values in dense KV pages from the rotary kernel (the pool's write,
   two index_put kernels a layer, otherwise).
 - `FusedLinear` runs steps of at most 16 rows of dense (bf16/fp16) weights through the Triton GEMV of
-  kernels/dense_gemv.py instead of cuBLAS, so a decode step's kernels are all ours and chain under PDL
+  kernels/dense_gemv_triton.py instead of cuBLAS, so a decode step's kernels are all ours and chain under PDL
   (kernels/pdl.py), and `FusedMLP` runs gate_up through its gated form: silu(gate) * up in the GEMV, one kernel
   less a layer. More rows (prefill, many sessions), and MXFP4 weights (`Fp4Linear`), keep their own paths. The
   default model's shape decodes 1.24x faster at batch 1 on the H200 with it (SPECCHAT_DENSE_GEMV=0 turns it off).
@@ -35,7 +36,9 @@ class FusedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not fused.rms_norm_supported(x, self.weight):
             return super().forward(x)
-        return fused.rms_norm(x, self.weight, self.eps)
+        from specchat.kernels import fused_triton
+
+        return fused_triton.rms_norm(x, self.weight, self.eps)
 
 
 class FusedRotary(Rotary):
@@ -44,21 +47,27 @@ class FusedRotary(Rotary):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not fused.rope_qk_supported(q):
             return super().forward(q, k, cos, sin)
-        return fused.rope_qk(q, k, cos, sin)
+        from specchat.kernels import fused_triton
+
+        return fused_triton.rope_qk(q, k, cos, sin)
 
 
 class FusedSiluAndMul(SiluAndMul):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not fused.silu_mul_supported(x):
             return super().forward(x)
-        return fused.silu_mul(x)
+        from specchat.kernels import fused_triton
+
+        return fused_triton.silu_mul(x)
 
 
 class FusedLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not dense_gemv.wanted(x, self.weight, self.bias):
             return super().forward(x)
-        return dense_gemv.dense_gemv(x, self.weight, self.bias)
+        from specchat.kernels import dense_gemv_triton
+
+        return dense_gemv_triton.dense_gemv(x, self.weight, self.bias)
 
 
 class FusedMLP(MLP):
@@ -66,7 +75,9 @@ class FusedMLP(MLP):
         gate_up = self.w_gate_up
         if type(gate_up) is not FusedLinear or not dense_gemv.wanted(x, gate_up.weight, gate_up.bias):
             return super().forward(x)  # (an MXFP4 Fp4Linear, or too many rows)
-        return self.w_down(dense_gemv.dense_gemv(x, gate_up.weight, gate_up.bias, gated=True))
+        from specchat.kernels import dense_gemv_triton
+
+        return self.w_down(dense_gemv_triton.dense_gemv(x, gate_up.weight, gate_up.bias, gated=True))
 
 
 class FusedAttention(Attention):
@@ -81,13 +92,15 @@ class FusedAttention(Attention):
             q, k = self.rotary(q, k, cos, sin)
             out = kv.attend(self.layer, q, k, v)
         else:
-            q, k = fused.rope_qk(q, k, cos, sin, v=v, pages=pages)
+            from specchat.kernels import fused_triton
+
+            q, k = fused_triton.rope_qk(q, k, cos, sin, v=v, pages=pages)
             out = kv.attend(self.layer, q, k, v, written=True)
         return self.wo(out.reshape(x.shape[0], self.q_size))
 
 
 class FusedTransformer(Transformer):
-    """The layer loop with each residual add fused into the norm after it (`fused.add_rms_norm`); the same
+    """The layer loop with each residual add fused into the norm after it (`fused_triton.add_rms_norm`); the same
     arithmetic as Block.forward's adds followed by the norms, so the same bits."""
 
     def forward(
@@ -101,16 +114,18 @@ class FusedTransformer(Transformer):
         x = self.embed(ids)
         if not fused.rms_norm_supported(x, self.norm.weight):
             return super().forward(ids, positions, kv, taps, logits_at)
+        from specchat.kernels import fused_triton
+
         cos, sin = self.rope(positions)
         hidden: dict[int, torch.Tensor] = {}
         layers = self.layers
         normed = layers[0].attn_norm(x) if len(layers) else self.norm(x)
         for i, block in enumerate(layers):
-            x, normed = fused.add_rms_norm(
+            x, normed = fused_triton.add_rms_norm(
                 x, block.attn(normed, cos, sin, kv), block.mlp_norm.weight, block.mlp_norm.eps
             )
             after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            x, normed = fused.add_rms_norm(x, block.mlp(normed), after.weight, after.eps)
+            x, normed = fused_triton.add_rms_norm(x, block.mlp(normed), after.weight, after.eps)
             if i in taps:
                 hidden[i] = x
         if logits_at is not None:

@@ -17,7 +17,7 @@ import torch
 
 from specchat.engine.kv_pages import DENSE_FORMATS, QUANTIZED_FORMATS
 from specchat.kernels import cpu_attention
-from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention, paged_attention_supported
+from specchat.kernels.attention import AttentionMetadata, causal_attention, paged_attention_supported
 
 if TYPE_CHECKING:
     from specchat.engine.kv_cache import KVPool
@@ -89,7 +89,9 @@ class KVBatch:
         if self.all_fresh:
             out = self._attend_fresh(q, k, v)
         elif self._paged(q, k, max(self.q_lens)):
-            out = paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
+            from specchat.kernels import attention_triton
+
+            out = attention_triton.paged_attention(q, store.k[layer], store.v[layer], self.metadata(), self.scale)
         elif self._paged(q, k, max(n for n, c in zip(self.q_lens, self.ctx_lens, strict=True) if n != c)):
             out = self._attend_split(layer, q, k, v)
         else:
@@ -116,10 +118,12 @@ class KVBatch:
         """A step that mixes fresh prompts with decoding / verifying requests (a new request admitted beside
         running ones): the prompts attend to their own keys, the others go through the paged kernel together,
         instead of every request reading its context back one at a time."""
+        from specchat.kernels import attention_triton
+
         fresh_rows, paged_rows, paged_meta = self._split()
         out = torch.empty_like(q)
         out[fresh_rows] = self._causal_each(q[fresh_rows], k[fresh_rows], v[fresh_rows], self._fresh_lens)
-        out[paged_rows] = paged_attention(
+        out[paged_rows] = attention_triton.paged_attention(
             q[paged_rows], self.store.k[layer], self.store.v[layer], paged_meta, self.scale
         )
         return out

@@ -13,12 +13,15 @@ model decodes 1.21x faster at one session with it (1,078-1,083 -> 1,312-1,317 to
 `gated=True` multiplies by a fused gate_up weight [2I, K] and returns silu(gate) * up [M, I] (engine/model.py's
 MLP): each program computes BLOCK_N gate rows and the same up rows, so the SiLU-and-mul kernel and the
 [M, 2I] round trip go away. The gate and up values are rounded to x's dtype first and then combined as
-kernels/fused.py's `silu_mul` combines them, so the result equals `silu_mul(dense_gemv(x, W))` bit for bit where
+kernels/fused_triton.py's `silu_mul` combines them, so the result equals `silu_mul(dense_gemv(x, W))` bit for bit where
 both run the same launch configuration (the sums' order follows it).
 
 y^T = W @ x^T on the tensor cores (tl.dot, fp32 accumulation) with x's rows padded to 16; the portable path
 (`fast=False`: float32 products, the interpreter's) is the same code with the operands cast up. The reference is
 F.linear (tests/kernels/test_dense_gemv.py).
+
+The kernel and its launcher, `dense_gemv`, are in kernels/dense_gemv_triton.py. This module says where it runs
+(`supported`, `wanted`) and how it is launched (`choose_config`), and imports no Triton: the CPU path asks it too.
 """
 
 from __future__ import annotations
@@ -27,85 +30,17 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from specchat.kernels import pdl
 from specchat.kernels.fused import INTERPRET
 
 MAX_ROWS = 16  # one 16-row tile of x (the MMA's n); more rows go to cuBLAS
 DTYPES = (torch.bfloat16, torch.float16)
-PREFETCH_TILES = 2  # with PDL: weight tiles per program prefetched into the L2 before the wait
 ENABLED = os.environ.get("SPECCHAT_DENSE_GEMV", "1") != "0"  # read once; SPECCHAT_DENSE_GEMV=0: cuBLAS (A/B runs)
-
-
-@triton.jit
-def _dense_gemv_kernel(
-    x_ptr,  # [M, K]
-    w_ptr,  # [N, K] (gated: [2 * N, K], gate rows then up rows)
-    b_ptr,  # [N] bias (gated: [2 * N]), or anything when HAS_BIAS is off
-    y_ptr,  # [M, N]
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    FAST: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.minimum(offs_n, N - 1)  # clamped rather than masked: the loads stay unmasked along N
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if PDL:  # the weights are constant: start their first tiles towards the L2 while the kernel before runs
-        for i in tl.static_range(PREFETCH):
-            if i * BLOCK_K < K:
-                pdl.prefetch_l2(w_ptr + rows * stride_wn + i * BLOCK_K)
-                if GATED:
-                    pdl.prefetch_l2(w_ptr + (rows + N) * stride_wn + i * BLOCK_K)
-    pdl.wait(PDL)  # x and y are other kernels' too: nothing of them before this
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, 16]: x^T
-    m_live = offs_m[None, :] < M
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_live = (k0 + offs_k) < K
-        xt = tl.load(x_ptrs + k0, mask=m_live & k_live[:, None], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=k_live[None, :], other=0.0)
-        if not FAST:
-            xt, w = xt.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(w, xt, acc, input_precision="ieee")
-        if GATED:
-            up = tl.load(w_ptrs + N * stride_wn + k0, mask=k_live[None, :], other=0.0)
-            if not FAST:
-                up = up.to(tl.float32)
-            acc_up = tl.dot(up, xt, acc_up, input_precision="ieee")
-    pdl.launch_dependents(PDL)
-    dtype = y_ptr.dtype.element_ty
-    if HAS_BIAS:  # added to the float32 sums, rounded once (as cuBLAS's epilogue does)
-        acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
-        if GATED:
-            acc_up += tl.load(b_ptr + N + rows).to(tl.float32)[:, None]
-    y = acc.to(dtype)
-    if GATED:  # silu(gate) * up as fused.silu_mul rounds it, from the values an ungated launch would store
-        gate = y.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, y, mask=m_live & (offs_n[:, None] < N))
 
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    """Launch parameters of `_dense_gemv_kernel`."""
+    """Launch parameters of `_dense_gemv_kernel` (kernels/dense_gemv_triton.py)."""
 
     block_n: int = 16
     block_k: int = 128
@@ -152,34 +87,3 @@ def wanted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """Whether the engine's fused linears (engine/fusion.py) take this call here: `supported`, unless
     SPECCHAT_DENSE_GEMV=0 keeps every dense linear on cuBLAS (A/B benchmarks)."""
     return ENABLED and supported(x, weight, bias)
-
-
-def dense_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    gated: bool = False,
-    config: GemvConfig | None = None,
-    fast: bool | None = None,
-) -> torch.Tensor:
-    """F.linear(x [..., K], weight [N, K], bias) -> [..., N] in x's dtype; gated: weight [2I, K] (and bias [2I])
-    -> silu(gate) * up [..., I].
-
-    fast: the tensor-core path (default on CUDA); otherwise float32 products (the interpreter's).
-    """
-    assert supported(x, weight, bias), (x.shape, x.dtype, x.stride(), weight.shape, weight.dtype)
-    x2 = x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    assert weight.shape[1] == k and (not gated or weight.shape[0] % 2 == 0), (x.shape, weight.shape)
-    if fast is None:
-        fast = x.is_cuda
-    config = config or choose_config(n, k, gated, m)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None, FAST=fast,
-        PREFETCH=PREFETCH_TILES, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
-        **pdl.launch_options(x.device),
-    )  # fmt: skip
-    return y.view(*x.shape[:-1], n)

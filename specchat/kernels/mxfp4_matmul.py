@@ -7,18 +7,19 @@ for the device it sits on; `mxfp4_linear` is F.linear with that weight:
 - CUDA: the Triton kernel (kernels/mxfp4_matmul_kernel.py) reads a re-laid-out copy (kernels/mxfp4_layout.py,
   same bytes per weight, K padded to 128, N to 128). From DENSE_MIN_ROWS rows on (prefill chunks), where
   cuBLAS on bf16 weights outruns it, the weight is decoded into the shared scratch buffer instead
-  (`dequantize_prepared_into`, a Triton kernel; at most DENSE_MAX_WEIGHTS at a time, by slabs of rows) and
-  multiplied there. Eager steps take it from DENSE_MIN_ROWS rows (below, an eager forward is bound by host work
-  and the slabs' extra launches cost more than the GPU saves); the CUDA-graph runner captures its prefill graphs
-  within `graphed_steps`, where it is taken from GRAPHED_DENSE_MIN_ROWS: the capture's eager warm-ups take the
-  same path, so they compile the decode kernel and grow the scratch, which a capture cannot do (a capture takes
-  the copy only where the scratch already holds the slab, else the kernel).
+  (`dequantize_prepared_into`, a Triton kernel: kernels/mxfp4_dequant_triton.py; at most DENSE_MAX_WEIGHTS at a
+  time, by slabs of rows) and multiplied there. Eager steps take it from DENSE_MIN_ROWS rows (below, an eager
+  forward is bound by host work and the slabs' extra launches cost more than the GPU saves); the CUDA-graph
+  runner captures its prefill graphs within `graphed_steps`, where it is taken from GRAPHED_DENSE_MIN_ROWS: the
+  capture's eager warm-ups take the same path, so they compile the decode kernel and grow the scratch, which a
+  capture cannot do (a capture takes the copy only where the scratch already holds the slab, else the kernel).
 - CPU: the plain codes and scales are dequantized into a scratch buffer that all layers share
   (kernels/mxfp4_dequant.py), then F.linear, so no dequantized copy outlives the call. A weight larger than
   SCRATCH_MAX_WEIGHTS (an output head: 49152 x 576 on the default model) goes through in slices of output
   rows, so the scratch stays the size of a block's largest linear.
 
-`unprepare_weight` gives the interchange form back, bit for bit (e.g. to save a checkpoint).
+`unprepare_weight` gives the interchange form back, bit for bit (e.g. to save a checkpoint). Both Triton modules
+are imported at the first launch on CUDA: the CPU path never imports Triton.
 """
 
 from __future__ import annotations
@@ -29,17 +30,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from specchat.kernels.mxfp4_dequant import (
-    DEFAULT_SCRATCH,
-    DequantScratch,
-    dequantize_prepared_into,
-    dequantize_weight_into,
-)
+from specchat.kernels.mxfp4_dequant import DEFAULT_SCRATCH, DequantScratch, dequantize_weight_into
 from specchat.kernels.mxfp4_layout import ROW_GROUP, Mxfp4Weight, prepare_weight, unprepare_weight
-from specchat.kernels.mxfp4_matmul_kernel import ACTIVATION_DTYPES, mxfp4_matmul_triton
 
 __all__ = ["Mxfp4Weight", "mxfp4_linear", "prepare_weight", "unprepare_weight"]
 
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCRATCH_MAX_WEIGHTS = 1 << 22  # CPU: weights dequantized at once (16 MiB of float32); larger ones go by rows
 DENSE_MIN_ROWS = 2048  # CUDA, eager steps: this many rows multiply a decoded copy (H200, docs/mxfp4.md)
 GRAPHED_DENSE_MIN_ROWS = 512  # CUDA, within `graphed_steps` (prefill graphs, whose launches cost nothing)
@@ -77,7 +73,9 @@ def mxfp4_linear(
         ):
             y = dequantized_linear(x2, weight, None, scratch, DENSE_MAX_WEIGHTS)
         else:
-            y = mxfp4_matmul_triton(x2, weight)
+            from specchat.kernels import mxfp4_matmul_kernel
+
+            y = mxfp4_matmul_kernel.mxfp4_matmul_triton(x2, weight)
         y = y.reshape(*x.shape[:-1], weight.n)
         return y if bias is None else y + bias
     return dequantized_linear(x, weight, bias, scratch, SCRATCH_MAX_WEIGHTS)
@@ -119,6 +117,8 @@ def _dequantize_rows(weight: Mxfp4Weight, r0: int, r1: int, x: torch.Tensor, scr
     """Rows r0..r1 of the weight, decoded into scratch in x's dtype."""
     out = scratch.get((r1 - r0, weight.k), x.dtype, x.device)
     if weight.prepared:
-        return dequantize_prepared_into(weight, r0, out)
+        from specchat.kernels import mxfp4_dequant_triton
+
+        return mxfp4_dequant_triton.dequantize_prepared_into(weight, r0, out)
     part = Mxfp4Weight(r1 - r0, weight.k, weight.codes[r0:r1], weight.scales[r0:r1], prepared=False)
     return dequantize_weight_into(part, out)

@@ -28,18 +28,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specchat.kernels import pdl
+from specchat.kernels import pdl, pdl_triton
 from specchat.kernels.device import sm_count
 from specchat.kernels.mxfp4 import BLOCK_SIZE
 from specchat.kernels.mxfp4_decode import decode_bf16_asm, decode_float, word_bytes
 from specchat.kernels.mxfp4_layout import K_TILE, N_TILE, ROW_GROUP, WORD_ELEMS, Mxfp4Weight
+from specchat.kernels.mxfp4_matmul import ACTIVATION_DTYPES
 
 BLOCK_MS = (8, 16, 32, 64, 128, 256)  # activation rows per program (the MMA's n)
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # the range choose_config picks from (8, 128, 256 measured no better)
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipeline buffers per program (the H200 has 227 KB per SM)
 MAX_SPLIT_K = 32  # what a launch may ask for (benchmarks sweep up to one k-step per program)
 CHOSEN_MAX_SPLIT_K = 16  # what choose_config picks from (the H200 sweeps' range)
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_GROUP = tl.constexpr(ROW_GROUP)
 _TILE_WORDS = tl.constexpr(ROW_GROUP * K_TILE // WORD_ELEMS)  # int32 words per (row group, k-tile): 4 KB
 
@@ -143,9 +143,9 @@ def _mxfp4_matmul_kernel(
     if PDL:  # the weights are constant: start their first iterations towards the L2 while the kernel before runs
         for i in tl.static_range(PREFETCH):  # a row's 64 bytes of a tile, its scale word: each line twice or more
             it = tl.minimum(start + i, iterations - 1)
-            pdl.prefetch_l2(w_ptr + row_offs + it * TILES * _TILE_WORDS)
-            pdl.prefetch_l2(s_ptr + scale_offs + it * TILES * _ROW_GROUP)
-    pdl.wait(PDL)  # x, the output and the split-K workspace are other kernels' too: nothing of them before this
+            pdl_triton.prefetch_l2(w_ptr + row_offs + it * TILES * _TILE_WORDS)
+            pdl_triton.prefetch_l2(s_ptr + scale_offs + it * TILES * _ROW_GROUP)
+    pdl_triton.wait(PDL)  # x, the output and the split-K workspace are other kernels' too: nothing of them before this
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     acc_e = tl.zeros([BLOCK_N, EXTRA_COLS], dtype=tl.float32)  # the second tile's
     for it in range(start, stop):
@@ -161,7 +161,7 @@ def _mxfp4_matmul_kernel(
             acc_e = tl.dot(w, xe, acc_e, input_precision="ieee")
     # the next kernel (a short one) launches now, not earlier: launched at the start, the kernels after it would
     # launch too and park, and their weight prefetches would be evicted by this one's stream before they run
-    pdl.launch_dependents(PDL)
+    pdl_triton.launch_dependents(PDL)
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)

@@ -4,7 +4,7 @@ A decode step at batch 1 is a chain of short kernels (per layer: norm, the QKV m
 attention, its merge, the output matmul, norm, gate_up, SiLU-and-mul, down). Each waits for the one before it to
 finish, so every boundary costs the next kernel's launch, its programs' start and the ramp of its first loads.
 With PDL a kernel is launched while the one before it still runs (`launch_pdl=True` on its launch; inside a CUDA
-graph the edge becomes a programmatic one):
+graph the edge becomes a programmatic one). A kernel calls, from kernels/pdl_triton.py:
 
 - `launch_dependents(PDL)` (griddepcontrol.launch_dependents): once every program of this kernel has passed it,
   the next PDL kernel of the stream may launch. Kernels here call it first thing.
@@ -23,7 +23,8 @@ benchmarks/pdl_gpu.py; it wins over scope).
 Measured on the H200 (docs/benchmarks.md, "Eighth lease"): 1.02-1.05x at batch 1 with MXFP4 weights, where
 every kernel of a layer is ours; 0.97-0.99x where cuBLAS runs the linears between them (bf16 weights), so those
 steps launch as before. Every kernel takes the same flag as its `PDL` constexpr and its `launch_pdl`; with it off
-the kernels compile exactly as before.
+the kernels compile exactly as before. This module is the host side (the CUDA-graph runner's `scope` is on the
+CPU path too): it imports no Triton.
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ import os
 from collections.abc import Iterator
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENV = "SPECCHAT_PDL"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -87,26 +85,3 @@ def override(on: bool | None) -> Iterator[None]:
         yield
     finally:
         _override = before
-
-
-@triton.jit
-def wait(PDL: tl.constexpr):
-    """Block until the kernel before this one has finished and its writes are visible (PDL only)."""
-    if PDL:
-        gdc_wait()
-
-
-@triton.jit
-def launch_dependents(PDL: tl.constexpr):
-    """Let the next PDL kernel of the stream launch once every program has passed here (PDL only)."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask the L2 to fetch the lines at `ptrs` (a tensor of pointers), without waiting for them (CUDA only; worth
-    its instructions where a kernel before still runs: under PDL)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )

@@ -108,10 +108,10 @@ def test_fuse_keeps_the_model_output_and_unfuse_restores_it():
 
 @kernel_test
 def test_a_half_precision_model_decodes_through_the_dense_gemv(monkeypatch):
-    """fp16 weights: steps of up to 16 rows run every linear through kernels/dense_gemv.py (gate_up in its gated
+    """fp16 weights: steps of up to 16 rows run every linear through kernels/dense_gemv_triton.py (gate_up in its gated
     form, so the SiLU kernel is skipped) with logits within fp16 rounding of the plain model's; longer ones take
     F.linear as before."""
-    from specchat.kernels import dense_gemv
+    from specchat.kernels import dense_gemv, dense_gemv_triton
 
     monkeypatch.setattr(dense_gemv, "ENABLED", True)
     torch.manual_seed(0)
@@ -120,9 +120,9 @@ def test_a_half_precision_model_decodes_through_the_dense_gemv(monkeypatch):
     want = [logits(model, ids) for ids in (short, long)]
     fuse(model)
     calls = []
-    real = dense_gemv.dense_gemv
+    real = dense_gemv_triton.dense_gemv
     monkeypatch.setattr(
-        dense_gemv, "dense_gemv", lambda *a, **kw: calls.append(kw.get("gated", False)) or real(*a, **kw)
+        dense_gemv_triton, "dense_gemv", lambda *a, **kw: calls.append(kw.get("gated", False)) or real(*a, **kw)
     )
     got = logits(model, short)
     assert calls.count(True) == CFG.num_layers and calls.count(False) == 3 * CFG.num_layers + 1

@@ -234,12 +234,13 @@ def test_the_split_of_a_mixed_step_equals_reading_every_context_back(tmp_path, m
     kernel's torch reference in its place, gives the gathered path's logits on the CPU; the CUDA run of the
     kernel itself is tests/engine/test_kv_cuda.py's."""
     import specchat.engine.kv_batch as kv_batch
+    from specchat.kernels import attention_triton
     from specchat.kernels.attention import paged_attention_reference
     from tests.engine.test_kv_cuda import mixed_step_logits
 
     path = save_tiny_hf(tmp_path, {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}, seed=3)
     gathered = mixed_step_logits(path, "cpu")
-    monkeypatch.setattr(kv_batch, "paged_attention", paged_attention_reference)
+    monkeypatch.setattr(attention_triton, "paged_attention", paged_attention_reference)
     monkeypatch.setattr(kv_batch.KVBatch, "_paged", lambda self, q, k, max_q: max_q <= 9)
     split = []
     original = kv_batch.KVBatch._attend_split

@@ -12,16 +12,14 @@ import pytest
 import torch
 
 from specchat.kernels.attention import (
-    DECODE_BITS,
-    DECODE_E4M3,
     MAX_BLOCK_M,
     AttentionMetadata,
     causal_attention,
     fill_partitions,
-    paged_attention,
     paged_attention_reference,
     paged_attention_supported,
 )
+from specchat.kernels.attention_triton import DECODE_BITS, DECODE_E4M3, paged_attention
 from specchat.kernels.kv_quant import PageTensor
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 

@@ -11,10 +11,10 @@ from specchat.kernels.kv_quant import (
     PageTensor,
     dequantize_mxfp4_rows,
     dequantize_mxfp8,
-    quantize_into_pages,
     quantize_mxfp4_rows,
     quantize_mxfp8,
 )
+from specchat.kernels.kv_quant_triton import quantize_into_pages
 from specchat.kernels.mxfp4 import E8M0_BIAS, E8M0_NAN, RULES, dequantize_mxfp4, quantize_mxfp4
 from tests.kernels.interpreter import DEVICE, kernel_test
 

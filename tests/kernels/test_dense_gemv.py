@@ -1,4 +1,5 @@
-"""The dense GEMV (kernels/dense_gemv.py) against F.linear, and its gated form against silu_mul of the plain one.
+"""The dense GEMV (kernels/dense_gemv_triton.py) against F.linear, and its gated form against silu_mul of the plain
+one.
 
 Kernel tests run on CUDA, or on CPU under TRITON_INTERPRET=1 (`test_kernels_under_interpreter` reruns this file in
 a subprocess with it set; the interpreter has no bf16, so there the tests take float16).
@@ -10,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specchat.kernels.dense_gemv import MAX_ROWS, GemvConfig, choose_config, dense_gemv, supported
-from specchat.kernels.fused import silu_mul
+from specchat.kernels.dense_gemv import MAX_ROWS, GemvConfig, choose_config, supported
+from specchat.kernels.dense_gemv_triton import dense_gemv
+from specchat.kernels.fused_triton import silu_mul
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -1,5 +1,5 @@
-"""The heads' greedy chain in fused kernels (kernels/draft_heads.py) against the plain chain, its reference
-(`HeadsDrafter.plain_chain`). Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (fp32 only there)."""
+"""The heads' greedy chain in fused kernels (kernels/draft_heads_triton.py) against the plain chain, its
+reference (`HeadsDrafter.plain_chain`). Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (fp32 only there)."""
 
 from __future__ import annotations
 

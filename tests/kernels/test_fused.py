@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from specchat.engine.model import ModelConfig, RMSNorm, Rotary, RotaryEmbedding, SiluAndMul
-from specchat.kernels.fused import (
-    add_rms_norm,
-    rms_norm,
-    rms_norm_supported,
-    rope_qk,
-    rope_qk_supported,
-    silu_mul,
-    silu_mul_supported,
-)
+from specchat.kernels.fused import rms_norm_supported, rope_qk_supported, silu_mul_supported
+from specchat.kernels.fused_triton import add_rms_norm, rms_norm, rope_qk, silu_mul
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -136,7 +129,7 @@ def test_kernels_under_interpreter():
 def test_advance_kernel_moves_positions_context_and_slots_as_the_reference():
     """Three requests of q = 5 staged at advance 0, moved by 0, 3 and 4 (one across a page boundary, one on a
     page of its table that is not the next in the pool)."""
-    from specchat.kernels.fused import advance_step, advance_step_ref
+    from specchat.kernels.fused_triton import advance_step, advance_step_ref
 
     n, q, width, page = 3, 5, 6, 16
     starts = torch.tensor([1, 12, 40])

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from specchat.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from specchat.kernels.mxfp4_dequant import DequantScratch, dequantize_prepared_into
+from specchat.kernels.mxfp4_dequant import DequantScratch
+from specchat.kernels.mxfp4_dequant_triton import dequantize_prepared_into
 from specchat.kernels.mxfp4_layout import Mxfp4Weight, prepare_weight
 from specchat.kernels.mxfp4_matmul import DENSE_MIN_ROWS, dequantized_linear, mxfp4_linear
 from specchat.kernels.mxfp4_matmul_kernel import (

@@ -362,13 +362,15 @@ class HeadsDrafter(Drafter):
 
     def greedy_chain(self, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h_t [B, d] and the newest tokens [B] -> the heads' greedy drafts [B, depth], all on the device (what
-        `chain` captures): on a Triton device in five launches a head (kernels/draft_heads.py), else
+        `chain` captures): on a Triton device in five launches a head (kernels/draft_heads_triton.py), else
         `plain_chain`. Packed heads on the CPU run it as one C call instead (`greedy_drafts`:
         heads_cpu.draft_chain, the same calls in the same order)."""
         blocks, rows = self.heads.blocks[:depth], self.output.rows.weight
         if self.fused_chain and draft_heads.supported(hidden, blocks, self.embed.weight, rows):
-            return draft_heads.greedy_chain(blocks, self.embed.weight, self.output.norm, rows, self.draft_vocab,
-                                            hidden, prev)  # fmt: skip
+            from specchat.kernels import draft_heads_triton
+
+            return draft_heads_triton.greedy_chain(blocks, self.embed.weight, self.output.norm, rows,
+                                                   self.draft_vocab, hidden, prev)  # fmt: skip
         return self.plain_chain(depth, hidden, prev)
 
     def plain_chain(self, depth: int, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
