@@ -123,7 +123,8 @@ class Scheduler:
             # (a step before a trial taps, so that the trial's first step drafts from the newest row), and requests
             # the gate does not hold (a fixed k, a seeded sampled request: `_adaptive_cap`) whose prompt ends now:
             # they draft next step, and a seeded one that skipped it would draw other numbers than alone
-            running = [s for s in running if self.drafters.get(s.spec.drafter).tap_history or not _gated(s)]
+            history = {name: self.drafters.get(name).tap_history for name in {s.spec.drafter for s in running}}
+            running = [s for s in running if history[s.spec.drafter] or not _gated(s)]
         return StepPlan(items, self.drafters.taps(running), ahead, gated_next), events
 
     def _admit(self, events: list[Event]) -> None:
@@ -251,6 +252,8 @@ class Scheduler:
                         seq.adaptive.capped = uniform
                     if cap is None or seq.adaptive is None:
                         k = self._draft_len(seq)
+                    elif cap == 0:  # (what the clipping below gives, without its per-request work: the steady
+                        k = 0  # state of a large batch on the GPU, whose steps are host-bound)
                     else:
                         k = self._draft_len(seq, cap) if uniform else min(self._draft_len(seq), cap)
                     items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
@@ -322,23 +325,25 @@ class Scheduler:
             # trial's, and timed as plain decoding's it was the freshest plain time whenever a trial was judged
             # (on the H200 plain decoding was then priced ~15% above its steady steps: 1.08 / 1.25 ms per token
             # where its steps took 0.93 / 0.99 at 8 / 32 sessions; twenty-seventh session)
-            if self._gated is not None:
+            if self._gated is not None and self._gated[2] > 0:  # (held at k = 0, nothing was drafted)
                 self._gated[0].observe_drafts((o.drafted, o.accepted) for o in result.outcomes if o is not None)
             before_trial = self._gated_off and not plan.gated_next
             alone = self._gated is not None and not before_trial and all(len(item.feed) == 1 for item in plan.items)
             steady = (self._gated[0], self._gated[2]) if alone else None
             if alone and steady == self._steady:
                 gate, start, limit = self._gated
-                tokens = gate.expected_tokens(o.drafted for o in result.outcomes if o is not None)
+                drafts = (o.drafted for o in result.outcomes if o is not None)
+                tokens = gate.expected_tokens(drafts) if limit > 0 else float(decoding)  # (one token each)
                 self._timed = (gate, limit, tokens, decoding, start)
             self._steady = steady
         else:
             self._steady = None
+        gated_off = self._gated_off
         for item, outcome, hidden in zip(plan.items, result.outcomes, result.hidden, strict=True):
             seq = item.seq
             if hidden:
                 self._keep_hidden(seq, hidden)
-            elif self._gated_off and seq.hidden:  # not tapped this step: the row it holds is no longer the newest
+            elif gated_off and seq.hidden:  # not tapped this step: the row it holds is no longer the newest
                 seq.hidden = {}
             if outcome is None:  # a chunk of a long prompt: cached, nothing to sample yet
                 seq.num_cached += len(item.feed)
@@ -357,7 +362,7 @@ class Scheduler:
                 seq.stats.observe_step(rec)
                 if seq.adaptive is None:
                     seq.k = seq.spec.k or 0
-                elif not self._gated_off:  # a step the gate held at k = 0 teaches the controller nothing
+                elif not gated_off:  # a step the gate held at k = 0 teaches the controller nothing
                     # the time of this step had every decode request drafted this request's k (StepCosts); not
                     # for its first decode step, whose drafting builds the n-gram index over the whole prompt and
                     # whose time the controller would keep for that k until it drafts as many again. A seeded
