@@ -16,10 +16,10 @@ from textual.widgets import Label, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
 
 from specchat.engine.sequence import Finished
+from specchat.ui.pacing import StreamPacer
 from specchat.ui.store import ChatStore
 
 NOT_SENT = "not sent"  # the stored reason of a message typed while the model loaded that it could not take
-STREAM_INTERVAL_S = 0.05  # the reply's Markdown grows at most 20 times a second, whatever the token rate
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 PLACEHOLDER = "Message (Enter sends, Ctrl+J new line)"
 WAITING = "waiting for the model…"
@@ -167,6 +167,8 @@ class ChatPane(Vertical):
         self.unshown = ""  # reply text not handed to the Markdown stream yet
         self.stream_lock = asyncio.Lock()
         self.shown_at = 0.0
+        self.pacer = StreamPacer()  # how often the reply's Markdown grows: at most 20 times a second, whatever the
+        # token rate, and less while the frames that redraw it take more than a share of a core (ui/pacing.py)
 
     def compose(self):
         with VerticalScroll(classes="transcript"):
@@ -274,13 +276,13 @@ class ChatPane(Vertical):
         self.reply_stream = Markdown.get_stream(self.reply.query_one(Markdown))
 
     async def append(self, text: str) -> None:
-        """New text of the running reply (all of one step at once); shown at most every STREAM_INTERVAL_S."""
+        """New text of the running reply (all of one step at once); shown when the pacer says."""
         if self.reply_stream is None or not text:
             return
         self.reply_text += text
         self.reply.content = self.reply_text
         self.unshown += text
-        if time.monotonic() - self.shown_at >= STREAM_INTERVAL_S:
+        if self.pacer.due(self.shown_at):
             await self.show_pending()
 
     async def show_pending(self) -> None:
@@ -293,10 +295,12 @@ class ChatPane(Vertical):
             self.shown_at = time.monotonic()
             self.store.update_message(self.reply_db_id, self.reply_text)
             await self.reply_stream.write(text)
+            self.pacer.observe()
 
     async def finish(self, event: Finished) -> None:
         """The reply ended: the streamed text (which the engine makes equal to the final one), figures, stored."""
         await self.show_pending()
+        self.pacer.pause()
         async with self.stream_lock:
             if self.reply_stream is not None:
                 # a reply that ends before any text (a prompt the KV cache turns away) would stop a stream whose task
