@@ -310,17 +310,24 @@ class KVPool:
 
     def can_append(self, needs: dict[int, int]) -> bool:
         """Whether every request in `needs` (seq_id -> new tokens) can grow by that many tokens at once."""
-        return sum(self.extra_pages_needed(s, n) for s, n in needs.items()) <= self.num_free_pages
+        # (extra_pages_needed, inline: a step asks this of every running request several times, and at 32
+        # sessions on a GPU the host's bookkeeping is the step's time)
+        lengths, tables, ps, extra = self.lengths, self.tables, self.page_size, 0
+        for s, n in needs.items():
+            extra += max(0, -(-(lengths[s] + n) // ps) - len(tables[s]))
+        return extra <= self.num_free_pages
 
     def append(self, seq_id: int, num_new: int) -> None:
         """Grow a request by num_new tokens, taking pages as needed (their KV is written by the forward)."""
-        extra = self.extra_pages_needed(seq_id, num_new)
-        if extra > self.num_free_pages:
-            raise KVCacheFullError(
-                f"KV cache full: {num_new} more tokens need {extra} pages, {self.num_free_pages} free"
-            )
-        self.tables[seq_id].extend(self._take_page() for _ in range(extra))
-        self.lengths[seq_id] += num_new
+        table, length = self.tables[seq_id], self.lengths[seq_id] + num_new
+        extra = -(-length // self.page_size) - len(table)  # (extra_pages_needed, inline: a step's hot path)
+        if extra > 0:
+            if extra > self.num_free_pages:
+                raise KVCacheFullError(
+                    f"KV cache full: {num_new} more tokens need {extra} pages, {self.num_free_pages} free"
+                )
+            table.extend(self._take_page() for _ in range(extra))
+        self.lengths[seq_id] = length
 
     def slots(self, table: list[int], start: int, stop: int) -> torch.Tensor | slice:
         """Slots of positions start..stop-1 of a block table: a slice when they are consecutive."""
@@ -352,7 +359,9 @@ class KVPool:
             table = self.tables[seq_id]
             tables.append(list(table))
             ctx_lens.append(start + n)
-            if slots:
+            if slots and n == 1:  # (a decode step's one token)
+                new_slots.append(table[start // ps] * ps + start % ps)
+            elif slots:
                 new_slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
         return tables, ctx_lens, new_slots
 
