@@ -7,6 +7,7 @@ downloads nothing (the tiny models' tokenizer is built here: tests/tiny_tokenize
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,26 @@ def save_tiny_hf(path: Path, overrides: dict | None = None, seed: int = 0) -> Pa
     model.save_pretrained(str(path), safe_serialization=True)
     save_tiny_tokenizer(path, config.vocab_size)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def derived_caches_go_with_the_session(tmp_path_factory):
+    """What the engine derives from a model (registry.derived_dir: a converted tokenizer, dequantized weights, CPU
+    blocks, a KV transform) is cached in the user's cache by the model's path, and the tests' models live in
+    temporary folders: each run left ~30 folders there (341, 1.8 GB, on a machine that ran the suite for a few
+    days). At the session's end the folders of its models (GGUF files and HF folders under its temporary
+    directory, child processes' included) go; no other's."""
+    from specchat.registry import derived_dir
+
+    yield
+    base = tmp_path_factory.getbasetemp()
+    models = [*base.rglob("*.gguf"), *(config.parent for config in base.rglob("config.json"))]
+    for model in models:
+        try:
+            folder = derived_dir(model)
+        except OSError:  # gone meanwhile
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
