@@ -305,13 +305,10 @@ class KVPool:
         if length % self.page_size:
             self._make_private(seq_id, keep - 1)
 
-    def extra_pages_needed(self, seq_id: int, num_new: int) -> int:
-        return max(0, self.pages_for(self.lengths[seq_id] + num_new) - len(self.tables[seq_id]))
-
     def can_append(self, needs: dict[int, int]) -> bool:
         """Whether every request in `needs` (seq_id -> new tokens) can grow by that many tokens at once."""
-        # (extra_pages_needed, inline: a step asks this of every running request several times, and at 32
-        # sessions on a GPU the host's bookkeeping is the step's time)
+        # (the pages each needs beyond its table, without a method call per request: a step asks this of every
+        # running request several times, and at 32 sessions on a GPU the host's bookkeeping is the step's time)
         lengths, tables, ps, extra = self.lengths, self.tables, self.page_size, 0
         for s, n in needs.items():
             extra += max(0, -(-(lengths[s] + n) // ps) - len(tables[s]))
@@ -320,7 +317,7 @@ class KVPool:
     def append(self, seq_id: int, num_new: int) -> None:
         """Grow a request by num_new tokens, taking pages as needed (their KV is written by the forward)."""
         table, length = self.tables[seq_id], self.lengths[seq_id] + num_new
-        extra = -(-length // self.page_size) - len(table)  # (extra_pages_needed, inline: a step's hot path)
+        extra = -(-length // self.page_size) - len(table)  # (pages_for, inline: a step's hot path)
         if extra > 0:
             if extra > self.num_free_pages:
                 raise KVCacheFullError(
