@@ -59,6 +59,26 @@ def test_a_kernel_folder_that_cannot_be_written_loads_the_build_with_a_note(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels"]
 
 
+@pytest.mark.parametrize(
+    ("compiler", "why"),
+    [("no-such-cc", "no C compiler 'no-such-cc' on PATH; install gcc or clang"), ("false", "the compiler failed")],
+)
+def test_kernels_that_cannot_be_built_are_told_once(tmp_path, monkeypatch, caplog, compiler, why):
+    """Without a compiler the default model decoded 60 tok/s on the torch path (~360 on the kernels) and nothing
+    said why."""
+    import logging
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setattr(cpu_build, "_noted", False)
+    with caplog.at_level(logging.WARNING):
+        for name in (f"{compiler}_a", f"{compiler}_b"):  # two libraries, one note (`load` keeps each answer)
+            assert cpu_build.load(name, "int specchat_answer(void) { return 42; }", ("-O1", "-shared", "-fPIC")) is None
+    [note] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert note.startswith("specchat: note: the CPU kernels could not be built (" + why)
+    assert note.endswith("decoding runs on the slower torch path")
+
+
 def test_kernels_turned_off_build_nothing(monkeypatch):
     monkeypatch.setenv("SPECCHAT_CPU_KERNELS", "0")
     assert not cpu_build.enabled()
