@@ -172,6 +172,8 @@ def library_path(name: str, source: str, cflags: tuple[str, ...]) -> Path:
 def load(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The library `name` built from `source` (on first use, then cached on disk), or None where it cannot be."""
     if not enabled():
+        if sys.platform != "linux":  # (SPECCHAT_CPU_KERNELS=0 is the user's own choice: nothing to tell)
+            _note_torch_path(f"they are built on Linux only, not {sys.platform}")
         return None
     target = library_path(name, source, cflags)
     try:
@@ -180,28 +182,29 @@ def load(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
         return compile_library(source, list(cflags), target, torch_openmp())
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("specchat: CPU kernels %s unavailable (%s); using the torch path", name, exc)
-        _note_no_build(exc)
+        _note_torch_path(_why_not_built(exc))
         return None
 
 
-_noted = False  # whether this process told the user its kernels could not be built
+_noted = False  # whether this process told the user its kernels are not there
 
 
-def _note_no_build(exc: Exception) -> None:
-    """Once a process: the C kernels could not be built, so decoding runs on the torch path (on the 2-core Xeon the
-    default model decodes 60 tok/s there against ~360 on the kernels): a user without a compiler should know."""
-    global _noted
-    if _noted:
-        return
-    _noted = True
+def _why_not_built(exc: Exception) -> str:
     if isinstance(exc, FileNotFoundError):
-        why = f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH; install gcc or clang, or name one in $CC"
-    elif isinstance(exc, subprocess.CalledProcessError):
+        return f"no C compiler {os.environ.get('CC', 'cc')!r} on PATH; install gcc or clang, or name one in $CC"
+    if isinstance(exc, subprocess.CalledProcessError):
         lines = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
-        why = f"the compiler failed: {lines[0] if lines else exc}"
-    else:
-        why = str(exc)
-    log.warning("specchat: note: the CPU kernels could not be built (%s); decoding runs on the slower torch path", why)
+        return f"the compiler failed: {lines[0] if lines else exc}"
+    return str(exc)
+
+
+def _note_torch_path(why: str) -> None:
+    """Once a process: no C kernels, so decoding runs on the torch path (on the 2-core Xeon the default model decodes
+    60 tok/s there against ~360 on the kernels): a user without a compiler, or on macOS, should know why."""
+    global _noted
+    if not _noted:
+        _noted = True
+        log.warning("specchat: note: no CPU kernels (%s); decoding runs on the slower torch path", why)
 
 
 def load_part(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:

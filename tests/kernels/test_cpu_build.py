@@ -75,8 +75,28 @@ def test_kernels_that_cannot_be_built_are_told_once(tmp_path, monkeypatch, caplo
         for name in (f"{compiler}_a", f"{compiler}_b"):  # two libraries, one note (`load` keeps each answer)
             assert cpu_build.load(name, "int specchat_answer(void) { return 42; }", ("-O1", "-shared", "-fPIC")) is None
     [note] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert note.startswith("specchat: note: the CPU kernels could not be built (" + why)
+    assert note.startswith("specchat: note: no CPU kernels (" + why)
     assert note.endswith("decoding runs on the slower torch path")
+
+
+def test_a_platform_without_the_kernels_is_told_once_and_turning_them_off_is_not(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(cpu_build, "_noted", False)
+    monkeypatch.setenv("SPECCHAT_CPU_KERNELS", "0")
+    source = "int specchat_answer(void) { return 42; }"
+    with caplog.at_level(logging.WARNING):
+        assert cpu_build.load("turned_off", source, ("-O1",)) is None
+        assert not caplog.records
+        monkeypatch.delenv("SPECCHAT_CPU_KERNELS")
+        monkeypatch.setattr(cpu_build.sys, "platform", "darwin")
+        assert cpu_build.load("on_macos_a", source, ("-O1",)) is None
+        assert cpu_build.load("on_macos_b", source, ("-O1",)) is None
+    [note] = [r.getMessage() for r in caplog.records]
+    assert (
+        note
+        == "specchat: note: no CPU kernels (they are built on Linux only, not darwin); decoding runs on the slower torch path"
+    )
 
 
 def test_kernels_turned_off_build_nothing(monkeypatch):
