@@ -7,7 +7,7 @@ every figure) and its setters.
 from __future__ import annotations
 
 import os
-import resource
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -45,13 +45,19 @@ class ProgressPoster:
 
 
 def rss_bytes() -> int | None:
-    """Resident memory of this process (Linux /proc; elsewhere the peak from getrusage)."""
+    """Resident memory of this process (Linux /proc; elsewhere the peak from getrusage; None where neither is, as
+    on Windows, which has no `resource` module: the panel shows n/a)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if os.uname().sysname == "Darwin" else peak * 1024
+        pass
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def gpu_bytes(engine: ChatEngine) -> int | None:

@@ -36,3 +36,24 @@ async def test_without_dtype_the_width_names_it(tiny_engine, make_app):
     async with app.run_test(size=SIZE) as pilot:
         panel = app.main.query_one(MemoryPanel)
         await wait_for(pilot, lambda: "weights float32" in str(panel.render()), what="the memory reading")
+
+
+def test_resident_memory_without_proc_or_resource(monkeypatch):
+    """macOS has no /proc (the peak from getrusage, in bytes there); Windows has no `resource` either (n/a)."""
+    import builtins
+    import sys
+
+    from specchat.ui import bridge
+
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    peak = bridge.rss_bytes()
+    assert peak is not None and peak > 10_000_000  # this process's peak, in bytes (KiB on Linux, scaled)
+    monkeypatch.setitem(sys.modules, "resource", None)  # `import resource` fails, as on Windows
+    assert bridge.rss_bytes() is None
