@@ -624,6 +624,9 @@ class DraftGate:
         (simulated at one session, drafting 1.7x faster than plain at k = 4: the gate ran 1.07x plain, mostly
         plain decoding; tests/engine/test_adaptive.py). The counts pool every drafting step's positions, at
         whatever cap."""
+        depths = list(depths)
+        if not any(depths):  # a step the gate held at k = 0 (most of a large batch's on the GPU): one token each
+            return float(len(depths))
         reach, share = [1.0], 1.0  # reach[d]: the tokens a request drafting d emits on average
         for a, n in zip(self.accepted, self.drafted, strict=True):
             # the share of requests whose first i drafts are all kept cannot grow with i; a deep position drafted

@@ -161,9 +161,12 @@ class Scheduler:
     def _draft_len(self, seq: Sequence, k: int | None = None) -> int:
         """k (default: the request's own) for this step, clipped so that the step cannot overrun max tokens or the
         context (0 without a drafter: nothing to reserve room for)."""
-        if isinstance(self.drafters.get(seq.spec.drafter), NoDrafter):
+        k = seq.k if k is None else k
+        # (k = 0 first, without a drafter lookup or draft_room: a step the gate holds at 0, most of a large batch's
+        # on the GPU, whose steps are host-bound, asks it of every request)
+        if k <= 0 or isinstance(self.drafters.get(seq.spec.drafter), NoDrafter):
             return 0
-        return max(0, min(seq.k if k is None else k, seq.draft_room))
+        return min(k, max(0, seq.draft_room))
 
     @property
     def _gated_off(self) -> bool:
@@ -252,8 +255,6 @@ class Scheduler:
                         seq.adaptive.capped = uniform
                     if cap is None or seq.adaptive is None:
                         k = self._draft_len(seq)
-                    elif cap == 0:  # (what the clipping below gives, without its per-request work: the steady
-                        k = 0  # state of a large batch on the GPU, whose steps are host-bound)
                     else:
                         k = self._draft_len(seq, cap) if uniform else min(self._draft_len(seq), cap)
                     items.append(Scheduled(seq, seq.tokens_from(seq.num_cached), k))
@@ -325,15 +326,14 @@ class Scheduler:
             # trial's, and timed as plain decoding's it was the freshest plain time whenever a trial was judged
             # (on the H200 plain decoding was then priced ~15% above its steady steps: 1.08 / 1.25 ms per token
             # where its steps took 0.93 / 0.99 at 8 / 32 sessions; twenty-seventh session)
-            if self._gated is not None and self._gated[2] > 0:  # (held at k = 0, nothing was drafted)
+            if self._gated is not None:
                 self._gated[0].observe_drafts((o.drafted, o.accepted) for o in result.outcomes if o is not None)
             before_trial = self._gated_off and not plan.gated_next
             alone = self._gated is not None and not before_trial and all(len(item.feed) == 1 for item in plan.items)
             steady = (self._gated[0], self._gated[2]) if alone else None
             if alone and steady == self._steady:
                 gate, start, limit = self._gated
-                drafts = (o.drafted for o in result.outcomes if o is not None)
-                tokens = gate.expected_tokens(drafts) if limit > 0 else float(decoding)  # (one token each)
+                tokens = gate.expected_tokens(o.drafted for o in result.outcomes if o is not None)
                 self._timed = (gate, limit, tokens, decoding, start)
             self._steady = steady
         else:
