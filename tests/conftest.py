@@ -65,8 +65,10 @@ def derived_caches_go_with_the_session(tmp_path_factory):
 
     yield
     base = tmp_path_factory.getbasetemp()
-    models = [*base.rglob("*.gguf"), *(config.parent for config in base.rglob("config.json"))]
-    for model in models:
+    for path in base.rglob("*"):  # (one walk: a GGUF file, or an HF folder by its config.json)
+        if path.suffix != ".gguf" and path.name != "config.json":
+            continue
+        model = path if path.suffix == ".gguf" else path.parent
         try:
             folder = derived_dir(model)
         except OSError:  # gone meanwhile

@@ -81,8 +81,11 @@ def parse_tool_calls(text: str, step: int = 0) -> ParsedReply:
     return _parse_json(text, step)
 
 
+CALL_ID_LENGTH = 9  # alphanumerics: the length of tool call ids Mistral's templates insist on
+
+
 def call_id(step: int, index: int) -> str:
-    """A call id: 9 alphanumerics, the length Mistral's templates insist on; unique per (step, index)."""
+    """A call id of CALL_ID_LENGTH alphanumerics; unique per (step, index)."""
     return f"c{step:04d}{index:04d}"
 
 

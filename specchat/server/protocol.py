@@ -18,14 +18,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from specchat.agent.toolcalls import parse_tool_calls, template_renders_tools, tools_system_prompt
+from specchat.agent.toolcalls import CALL_ID_LENGTH, parse_tool_calls, template_renders_tools, tools_system_prompt
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
 from specchat.errors import ConfigError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; a client that sends more gets the same 400 it would get there
-CALL_ID_LENGTH = 9  # alphanumerics, the tool call ids Mistral's templates insist on (agent.toolcalls.call_id)
 
 
 # SamplingParams' messages start with the field's CLI name -> the request's field
