@@ -4,7 +4,8 @@ Only what the engine does is accepted: n = 1, no logprobs, JSON mode, penalties,
 (their values that ask for nothing pass: response_format text, penalties of 0, an empty logit_bias, null). OpenAI's
 defaults apply where a field is absent (temperature 1, top_p 1, max_tokens up to the context). Speculation can be
 set per request with two fields beside the standard ones (the `extra_body` of the openai client): `drafter` and `k`
-(an integer or "auto").
+(an integer or "auto"); `ignore_eos` (as vLLM takes it, which benchmark clients send) writes on past the model's
+end-of-text tokens up to max_tokens or a stop string.
 Errors a client causes are ApiError, which the app answers with OpenAI's error body and a 4xx status.
 """
 
@@ -120,6 +121,7 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
             seed=_field(body, "seed", int),
             max_tokens=max_tokens or 1,  # the real cap is set once the prompt's length is known
             stop=stop,
+            ignore_eos=bool(_field(body, "ignore_eos", bool, False)),
         )
     except ConfigError as exc:  # SamplingParams names the field first: "top_p must be ..."
         raise ApiError(400, str(exc), SAMPLING_FIELDS.get(str(exc).split(" ", 1)[0])) from None

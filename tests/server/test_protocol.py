@@ -107,6 +107,16 @@ def test_temperature_two_is_accepted_as_openai_accepts_it() -> None:
     assert parse_request(body, chat=True, default_spec=SpecParams()).sampling.temperature == 2.0
 
 
+def test_ignore_eos_is_read_as_vllm_reads_it() -> None:
+    """Benchmark clients send vLLM's ignore_eos to get answers of max_tokens; it was accepted and dropped."""
+    body = {"messages": [{"role": "user", "content": "w"}]}
+    assert not parse_request(body, chat=True, default_spec=SpecParams()).sampling.ignore_eos
+    assert parse_request({**body, "ignore_eos": True}, chat=True, default_spec=SpecParams()).sampling.ignore_eos
+    with pytest.raises(ApiError) as refused:
+        parse_request({**body, "ignore_eos": "yes"}, chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == "ignore_eos"
+
+
 ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
 
 
