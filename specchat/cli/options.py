@@ -32,7 +32,7 @@ cpu_act_option = click.option(
     type=click.Choice(CPU_ACTIVATIONS),
     default="auto",
     show_default=True,
-    help="CPU, GGUF Q4_1/Q8_0 weights: activation rows of the block kernels; int8 = per block of 32, AVX512-VNNI "
+    help="CPU, quantized GGUF weights: activation rows of the block kernels; int8 = per block of 32, AVX512-VNNI "
     "or AVX2 (auto: int8 where the CPU has it, fp32 elsewhere and with --eager)",
 )
 

@@ -1,11 +1,13 @@
 """A GGUF model's linears on the CPU read as the file stores them (Q4_1 / Q8_0 blocks), as a transform.
 
 The loader dequantizes every GGUF tensor to float32 (engine/loader.py); a decode step then reads 4 bytes per
-weight. `pack_blocks(model, gguf_path)` re-classes each `nn.Linear` whose every source tensor in the file is Q4_1
-or Q8_0 as a `BlockLinear`, which keeps the file's blocks beside the float weight and multiplies the few rows of
-a decode or verification step with kernels/cpu_gemv.py (0.625 / 1.06 bytes per weight). The weights are the
-same numbers either way (the kernels dequantize as gguf does), so this costs no accuracy; rows above
-cpu_gemv.MAX_ROWS (a prompt's prefill) keep the float GEMM with float rows. `unpack(model)` swaps the plain modules back
+weight. `pack_blocks(model, gguf_path)` re-classes each `nn.Linear` whose every source tensor in the file is
+quantized as a `BlockLinear`, which keeps the file's blocks beside the float weight and multiplies the few rows of
+a decode or verification step with kernels/cpu_gemv.py (0.625 / 1.06 bytes per weight). For Q4_1, Q8_0 and Q4_0
+files the weights are the same numbers either way (the kernels dequantize as gguf does), so this costs no
+accuracy; Q4_K is read as Q4_1 blocks whose scales are rounded to float16, the other quantized types (Q6_K, Q5_K,
+...) as Q8_0 blocks requantized from their values (AS_Q4_1, QUANTIZED: docs/benchmarks.md measures what that
+changes). Rows above cpu_gemv.MAX_ROWS (a prompt's prefill) keep the float GEMM with float rows. `unpack(model)` swaps the plain modules back
 (docs/style.md #3, #6: the model code is unchanged, `--eager` never packs).
 
 `set_activations(model, "int8")` re-classes the packed linears as `Int8BlockLinear`, which multiply with int8
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +39,28 @@ from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.fp4_linear import set_fp4_activations
 
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
+Q4_0_BYTES, Q4_K_BYTES = 18, 144  # Q4_0: fp16 d + codes of 32; Q4_K: fp16 d, dmin, 12 bytes of scales, 256 codes
+
+# The GGUF types of a linear's tensors that the kernels read: Q4_1 and Q8_0 as stored, Q4_0 and Q4_K as the Q4_1
+# blocks of 32 that hold the same values (`as_q4_1`), every other quantized type requantized to Q8_0 from its
+# values (`as_q8_0`): the K-quant files most models are published in (Q4_K_M: Q4_K with Q6_K for some tensors)
+# decode on the block kernels instead of as float32 weights, 4 bytes each. Float tensors (F32, F16, BF16) are not
+# read as blocks.
+AS_Q4_1 = frozenset({"Q4_1", "Q4_0", "Q4_K"})
+QUANTIZED = AS_Q4_1 | {
+    "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+    "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+}  # fmt: skip
+
+
+class Blocks(NamedTuple):
+    """A linear's weight as the kernels read it: `kind` "q4_1" (codes, d, m) or "q8_0" (codes, d), and the GGUF
+    types of the file's tensors it was read from ("Q4_K+Q6_K"; the kind's own name where read as stored)."""
+
+    kind: str
+    arrays: tuple[torch.Tensor, ...]
+    source: str
+
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +87,7 @@ class BlockLinear(nn.Linear):
     the blocks, large ones the float weight. Output and bias as nn.Linear's."""
 
     kind: str  # "q4_1" | "q8_0"
+    source: str  # the GGUF types of the file's tensors the blocks were read from, "+"-joined
     gemm_for_many_rows = True  # float rows: above cpu_gemv.MAX_ROWS the float GEMM is faster than the block kernels
 
     def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
@@ -80,7 +106,7 @@ class BlockLinear(nn.Linear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight's float32 values from its blocks: the loader's values, bit for bit (gguf's dequantization,
-        kernels/cpu_gemv.py)."""
+        kernels/cpu_gemv.py), where the file stored them as these blocks hold them (`source`; module docstring)."""
         return self._dequantize(self._buffers["codes"], self._buffers["d"], self._buffers.get("m"))
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +119,8 @@ class BlockLinear(nn.Linear):
 
     @property
     def gguf_type(self) -> str:
-        """The file's block type, as GGUF names it ("Q4_1", "Q8_0"): what the memory panel shows."""
+        """The block type the kernels read, as GGUF names it ("Q4_1", "Q8_0"); the file's types it was read from
+        are `source` ("Q4_K+Q6_K"). The memory panel shows both."""
         return self.kind.upper()
 
     @property
@@ -256,6 +283,51 @@ def _q8_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
     return torch.from_numpy(codes), torch.from_numpy(d)
 
 
+def _q4_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
+    """GGUF Q4_0 bytes (w = d * (q - 8)) -> the Q4_1 arrays of the same values: the same codes, m = -8 d."""
+    blocks = raw.reshape(rows, -1, Q4_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(-8.0 * d)
+
+
+def _q4_k(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
+    """GGUF Q4_K bytes -> Q4_1 arrays. A super-block of 256 holds 8 sub-blocks of 32, w = d * sc * q - dmin * mn
+    with 6-bit sc and mn: each sub-block is a Q4_1 block with scale d * sc and offset -dmin * mn, rounded to
+    float16 as the int8 kernels hold block scales (a relative change of at most 2^-11 in a scale; exact where it
+    fits). Its codes are 4 x 32 bytes, the low nibbles one sub-block and the high ones the next; a Q4_1 block's
+    16 bytes hold its values 0-15 in the low nibbles and 16-31 in the high ones."""
+    from gguf.quants import Q4_K
+
+    blocks = raw.reshape(-1, Q4_K_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = (d * sc).astype(np.float16).astype(np.float32).reshape(rows, -1)
+    offset = (-dmin * mn).astype(np.float16).astype(np.float32).reshape(rows, -1)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(-1, 8, 2, 16)  # [super-block, sub-block, half, 16]
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, -1)
+    return torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale), torch.from_numpy(offset)
+
+
+def as_q4_1(raw: np.ndarray, gguf_type: str, rows: int) -> tuple[torch.Tensor, ...]:
+    """The raw bytes of a GGUF tensor of `rows` rows and a type in AS_Q4_1 -> Q4_1 arrays (codes, d, m)."""
+    return {"Q4_1": _q4_1, "Q4_0": _q4_0, "Q4_K": _q4_k}[gguf_type](raw, rows)
+
+
+def as_q8_0(raw: np.ndarray, gguf_type: str, rows: int) -> tuple[torch.Tensor, ...]:
+    """The raw bytes of a quantized GGUF tensor of `rows` rows -> Q8_0 arrays (codes, d): as stored for Q8_0,
+    else its values (gguf's dequantization) quantized by gguf's Q8_0 quantizer: 8 bits a value and a float16
+    scale per 32, finer than the 2-6 bit source types it reads."""
+    from gguf import GGMLQuantizationType, quants
+
+    if gguf_type != "Q8_0":
+        values = quants.dequantize(raw, GGMLQuantizationType[gguf_type]).reshape(rows, -1)
+        raw = quants.quantize(values.astype(np.float32), GGMLQuantizationType.Q8_0)
+    return _q8_0(raw, rows)
+
+
 def _unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     """loader._unpermute_rope on rows of any trailing shape (a row's blocks move with it)."""
     rows = t.shape[0]
@@ -281,27 +353,25 @@ def _sources(model: Transformer) -> dict[str, list[tuple[str, int | None]]]:
     return out
 
 
-def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> tuple[str, tuple[torch.Tensor, ...]] | None:
-    """The blocks of the tensors `names` concatenated along rows, if all are Q4_1 or all Q8_0; else None."""
-    from gguf import GGMLQuantizationType as Q
-
+def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> Blocks | None:
+    """The blocks of the tensors `names` concatenated along rows, as Q4_1 where every one reads as Q4_1 blocks
+    (`as_q4_1`), else as Q8_0 (`as_q8_0`); None where one is missing or a float tensor (F32 / F16 / BF16: a file
+    that asks for full precision keeps it)."""
     parts = [tensors.get(name) for name, _ in names]
-    if any(t is None for t in parts):
+    if any(t is None or t.tensor_type.name not in QUANTIZED for t in parts):
         return None
-    kinds = {t.tensor_type for t in parts}
-    if kinds not in ({Q.Q4_1}, {Q.Q8_0}):
-        return None
-    kind = "q4_1" if kinds == {Q.Q4_1} else "q8_0"
-    read = _q4_1 if kind == "q4_1" else _q8_0
+    kind = "q4_1" if all(t.tensor_type.name in AS_Q4_1 for t in parts) else "q8_0"
+    read = as_q4_1 if kind == "q4_1" else as_q8_0
     pieces = []
     for t, (_, heads) in zip(parts, names, strict=True):
-        arrays = read(np.asarray(t.data), int(t.shape[-1]))
+        arrays = read(np.asarray(t.data), t.tensor_type.name, int(t.shape[-1]))
         pieces.append([_unpermute_rows(a, heads) if heads else a for a in arrays])
-    return kind, tuple(torch.cat(column).contiguous() for column in zip(*pieces, strict=True))
+    source = "+".join(sorted({t.tensor_type.name for t in parts}))
+    return Blocks(kind, tuple(torch.cat(column).contiguous() for column in zip(*pieces, strict=True)), source)
 
 
-def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
-    """{linear name: (kind, (codes, d[, m]))} for the model's linears that the GGUF file stores as blocks."""
+def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, Blocks]:
+    """{linear name: its Blocks} for the model's linears that the GGUF file stores quantized."""
     tensors = {t.name: t for t in gguf_reader(gguf_path).tensors}
     names = _sources(model)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
@@ -310,14 +380,14 @@ def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, tuple[str, tup
     return {name: blocks for name, blocks in found.items() if blocks is not None}
 
 
-def _save(cache: Path, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]) -> None:
+def _save(cache: Path, blocks: dict[str, Blocks]) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    tensors = {f"{name}.{i}": t for name, (_, arrays) in blocks.items() for i, t in enumerate(arrays)}
+    tensors = {f"{name}.{i}": t for name, b in blocks.items() for i, t in enumerate(b.arrays)}
     partial = cache.with_suffix(f".partial-{os.getpid()}")
     try:
-        save_file(tensors, str(partial), metadata={name: kind for name, (kind, _) in blocks.items()})
+        save_file(tensors, str(partial), metadata={name: f"{b.kind} {b.source}" for name, b in blocks.items()})
         os.replace(partial, cache)
     except (OSError, SafetensorError) as exc:  # a full disk, a read-only folder: packed again at the next load
         note_not_saved(log, cache, exc)
@@ -325,26 +395,28 @@ def _save(cache: Path, blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]]) 
             partial.unlink(missing_ok=True)
 
 
-def _load(cache: Path) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]] | None:
+def _load(cache: Path) -> dict[str, Blocks] | None:
     from safetensors import safe_open
 
     try:
         with safe_open(str(cache), "pt") as f:
             kinds, keys = f.metadata() or {}, set(f.keys())
             out = {}
-            for name, kind in kinds.items():
+            for name, value in kinds.items():
+                kind, _, source = value.partition(" ")  # "q4_1 Q4_K" (a cache before the source: "q4_1")
                 count = 3 if kind == "q4_1" else 2
                 if any(f"{name}.{i}" not in keys for i in range(count)):
                     return None
-                out[name] = (kind, tuple(f.get_tensor(f"{name}.{i}") for i in range(count)))
+                arrays = tuple(f.get_tensor(f"{name}.{i}") for i in range(count))
+                out[name] = Blocks(kind, arrays, source or kind.upper())
             return out
     except Exception:  # safetensors raises its own error types on damaged files; the cache is rebuilt
         return None
 
 
 def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) -> int:
-    """Re-class the model's linears that the GGUF file stores as Q4_1 / Q8_0 blocks (float32 model only);
-    returns how many. The float weights stay: large batches and `unpack` use them. With `cache` (a safetensors
+    """Re-class the model's linears that the GGUF file stores quantized (float32 model only) as block linears
+    (Q4_1 or Q8_0 blocks: `_blocks`); returns how many. The float weights stay: large batches and `unpack` use them. With `cache` (a safetensors
     path) the blocks are read from the file once (parsing a GGUF takes seconds) and from the cache after."""
     if not cpu_gemv.available() or next(model.parameters()).dtype != torch.float32:
         return 0
@@ -355,13 +427,13 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
             _save(cache, blocks)
     packed = 0
     modules = dict(model.named_modules())
-    for name, (kind, arrays) in blocks.items():
+    for name, (kind, arrays, source) in blocks.items():
         linear = modules.get(name)
         if not isinstance(linear, nn.Linear) or isinstance(linear, BlockLinear) or kind not in ("q4_1", "q8_0"):
             continue
         if arrays[0].shape[0] != linear.out_features or arrays[1].shape[1] * 32 != linear.in_features:
             continue
-        as_block_linear(linear, kind, arrays)
+        as_block_linear(linear, kind, arrays).source = source
         packed += 1
     return packed
 
@@ -370,6 +442,7 @@ def as_block_linear(linear: nn.Linear, kind: str, blocks: tuple[torch.Tensor, ..
     """Re-class `linear` in place to read GGUF `blocks` of its weight ("q4_1": codes, d, m; "q8_0": codes, d)."""
     linear.__class__ = BlockLinear
     linear.kind = kind
+    linear.source = kind.upper()
     for buffer, value in zip(("codes", "d", "m"), blocks, strict=False):
         linear.register_buffer(buffer, value, persistent=False)
     return linear

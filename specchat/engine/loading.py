@@ -57,7 +57,7 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def pick_dtype(name: str | None, device: torch.device, cpu_blocks: bool = False) -> torch.dtype:
     """The model dtype: as asked; for `auto` (or None), bfloat16 on CUDA and on a CPU with native bfloat16,
     float32 on other CPUs and wherever `cpu_blocks` (a GGUF model the CPU's C kernels will read as Q4_1 / Q8_0
-    blocks: they compute in float32 and decode 5.6x faster than torch's bfloat16 linears on an AMX CPU,
+    blocks, whatever its quantized types: they compute in float32 and decode 5.6x faster than torch's bfloat16 linears on an AMX CPU,
     docs/benchmarks.md)."""
     if name in (None, "auto"):
         native = device.type == "cuda" or (cpu_has_native_bf16() and not cpu_blocks)
@@ -171,8 +171,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, progress: P
 
 
 def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu_act: str) -> None:
-    """A CPU model, for the C kernels (not --eager): its linears that a GGUF file stores as Q4_1 / Q8_0 blocks read
-    them as stored, with the activation rows `cpu_act` picks, and the CPU kernels' modules swapped in
+    """A CPU model, for the C kernels (not --eager): its linears that a GGUF file stores quantized read Q4_1 / Q8_0
+    blocks (as stored, or converted: cpu_weights.AS_Q4_1), with the activation rows `cpu_act` picks, and the CPU kernels' modules swapped in
     (cpu_fusion.fuse; a bf16 model's linears: cpu_weights.Bf16Linear). At load, and again where a switch back from
     MXFP4 weights (Engine.set_weights) has put plain dense linears in their place."""
     if path.is_file():
@@ -201,7 +201,7 @@ def use_cpu_activations(model: Transformer, activations: str, cpu_kernels: bool)
     if not cpu_gemv_i8.available():
         raise ConfigError(f"{flag} needs a CPU with AVX512-VNNI or AVX2 and a C compiler; use --cpu-act fp32 here")
     if set_activations(model, activations) == 0:
-        raise ConfigError(f"{flag} needs GGUF Q4_1 / Q8_0 weights read as blocks or MXFP4 weights (float32)")
+        raise ConfigError(f"{flag} needs quantized GGUF weights read as blocks or MXFP4 weights (float32)")
 
 
 @dataclass(slots=True)

@@ -210,10 +210,11 @@ class WeightSwitch:
         """Weight accounting for the UI, `--json` and benchmarks: all weights, the linear ones (the output head
         included), and the same linears in bf16; the running form, how its MXFP4 weights were made, and what
         is kept in memory to switch back (nothing, unless the model has no file)."""
-        linear, linear_bf16, gguf_types = 0, 0, set()
+        linear, linear_bf16, gguf_types, sources = 0, 0, set(), set()
         for module in self.model.modules():
             if isinstance(module, (nn.Linear, Fp4Linear)):
                 gguf_types.add(getattr(module, "gguf_type", None))
+                sources.update(getattr(module, "source", "").split("+"))
                 # An Fp4Linear's packed codes + scales are its only copy of the weight; a CPU linear reading a GGUF
                 # file's blocks (engine/cpu_weights.py) counts its blocks and what it holds beside them.
                 stored = getattr(module, "nbytes", None)
@@ -227,9 +228,18 @@ class WeightSwitch:
             "weights_dtype": str(model_dtype(self.model)).removeprefix("torch."),
             "weights_method": self.method,  # how the MXFP4 weights were made: gptq-rot (cached), rtn-mse, ...
             "weights_restore_bytes": self.stash_bytes,  # memory kept to switch back
-            # the GGUF block types the CPU kernels read the file's linears as ("Q4_1+Q8_0"), None where none
-            "weights_gguf": "+".join(sorted(t for t in gguf_types if t)) or None,
+            # the GGUF block types the CPU kernels read the file's linears as ("Q4_1+Q8_0"; "Q4_1+Q8_0 from
+            # Q4_K+Q6_K" where the file stores others: engine/cpu_weights.py), None where none
+            "weights_gguf": _gguf_label(gguf_types - {None}, sources - {""}),
         }
+
+
+def _gguf_label(kinds: set[str], sources: set[str]) -> str | None:
+    """ "Q4_1+Q8_0", or "Q4_1+Q8_0 from Q4_K+Q6_K" where the file's types are not the kinds read."""
+    if not kinds:
+        return None
+    label = "+".join(sorted(kinds))
+    return label if sources <= kinds else f"{label} from {'+'.join(sorted(sources))}"
 
 
 def _check(fmt: str) -> None:

@@ -1,0 +1,94 @@
+"""GGUF files in the types most models are published in (Q4_K_M: Q4_K with Q6_K for some tensors; Q4_0, Q5_*)
+on the CPU's block kernels (engine/cpu_weights.py): each type's conversion against gguf's own dequantization, and a
+Q4_K_M-like file decoding on the block kernels as the float model decodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.cpu_weights import BlockLinear, as_q4_1, as_q8_0
+from specchat.kernels import cpu_gemv
+from tests.engine.tiny_gguf import random_kquant, write_tiny_gguf
+
+needs_kernels = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler")
+ROWS, COLUMNS = 8, 512
+
+
+def values(raw: np.ndarray, gguf_type: str) -> torch.Tensor:
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[gguf_type]).reshape(ROWS, COLUMNS).copy())
+
+
+def test_q4_k_reads_as_q4_1_blocks_of_its_values():
+    """Each sub-block of 32 is a Q4_1 block (scale d * sc, offset -dmin * mn): the same values as gguf's
+    dequantization where those products fit float16 (power-of-two super-block scales, as here)."""
+    raw = random_kquant("Q4_K", ROWS, COLUMNS, np.random.default_rng(0))
+    codes, d, m = as_q4_1(raw, "Q4_K", ROWS)
+    assert codes.shape == (ROWS, COLUMNS // 2) and d.shape == m.shape == (ROWS, COLUMNS // 32)
+    assert torch.equal(cpu_gemv.q4_dequantize(codes, d, m), values(raw, "Q4_K"))
+
+
+def test_q4_k_scales_that_float16_cannot_hold_are_rounded_by_at_most_its_step():
+    raw = random_kquant("Q4_K", ROWS, COLUMNS, np.random.default_rng(1)).reshape(-1, 144)
+    scales = np.random.default_rng(2).uniform(1e-4, 3e-4, size=(raw.shape[0], 2)).astype(np.float16)
+    raw[:, 0:4] = scales.view(np.uint8)
+    raw = raw.reshape(ROWS, -1)
+    codes, d, m = as_q4_1(raw, "Q4_K", ROWS)
+    assert torch.equal(d, d.half().float()) and torch.equal(m, m.half().float())  # what the int8 kernels hold
+    ref = values(raw, "Q4_K")
+    bound = 2.0**-11 * (15 * d.abs() + m.abs()).repeat_interleave(32, dim=1)  # half a float16 step of each
+    error = (cpu_gemv.q4_dequantize(codes, d, m) - ref).abs()
+    assert (error <= bound + 1e-9).all() and error.max() > 0
+
+
+def test_q4_0_reads_as_q4_1_exactly():
+    raw = quantize(np.random.default_rng(3).standard_normal((ROWS, COLUMNS)).astype(np.float32),
+                   GGMLQuantizationType.Q4_0)  # fmt: skip
+    assert torch.equal(cpu_gemv.q4_dequantize(*as_q4_1(raw, "Q4_0", ROWS)), values(raw, "Q4_0"))
+
+
+@pytest.mark.parametrize("gguf_type", ["Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q8_0"])
+def test_other_types_read_as_q8_0_within_half_its_step(gguf_type: str):
+    """Requantized from gguf's values by gguf's Q8_0 quantizer (Q8_0 itself as stored): each value within half a
+    Q8_0 step of its block (d / 2), and the rounding of d to float16 at the block's largest code (127 times half
+    a float16 step: d 2^-11, or 2^-25 where d is subnormal)."""
+    rng = np.random.default_rng(4)
+    if gguf_type.endswith("_K"):
+        raw = random_kquant(gguf_type, ROWS, COLUMNS, rng)
+    else:
+        raw = quantize(rng.standard_normal((ROWS, COLUMNS)).astype(np.float32), GGMLQuantizationType[gguf_type])
+    codes, d = as_q8_0(raw, gguf_type, ROWS)
+    error = (cpu_gemv.q8_dequantize(codes, d) - values(raw, gguf_type)).abs()
+    assert (error <= d.repeat_interleave(32, dim=1) * (0.5 + 127 * 2.0**-11) + 127 * 2.0**-25).all()
+    assert (error.max() == 0) == (gguf_type == "Q8_0")
+
+
+@needs_kernels
+def test_a_q4_k_m_file_decodes_on_the_block_kernels(tmp_path):
+    """Every linear of a Q4_K_M-like file reads blocks (Q4_1 where all its tensors are Q4_K, else Q8_0), the
+    memory panel names both, greedy decoding gives the float model's tokens (the float32 rows' kernels, and the
+    default rows with speculation equal to plain decoding), and a second load reads the same from the cache."""
+    from specchat.engine.engine import Engine
+
+    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def greedy(engine: Engine, drafter: str = "none") -> list[int]:
+        spec = SpecParams(drafter, k=3 if drafter != "none" else 0)
+        return engine.submit("hello there", sampling, spec).result().token_ids
+
+    eager = greedy(Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", eager=True)))
+    for cpu_act in ("fp32", "auto", "auto"):  # the last one from the blocks cache
+        engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act))
+        kinds = {name: (m.kind, m.source) for name, m in engine.model.named_modules() if isinstance(m, BlockLinear)}
+        assert len(kinds) == 9
+        assert kinds["layers.0.attn.wqkv"] == ("q8_0", "Q4_K+Q6_K") and kinds["layers.1.mlp.w_down"] == ("q8_0", "Q6_K")
+        assert kinds["layers.0.mlp.w_gate_up"] == kinds["layers.1.attn.wo"] == ("q4_1", "Q4_K")
+        assert engine.weights.memory()["weights_gguf"] == "Q4_1+Q8_0 from Q4_K+Q6_K"
+        assert greedy(engine) == eager
+        assert greedy(engine, "ngram") == eager
+        engine.close()
