@@ -53,6 +53,11 @@ QUANTIZED = AS_Q4_1 | {
 }  # fmt: skip
 
 
+# The blocks cache's format, in its metadata: a cache of another (one written before K-quants were read, holding
+# only a K-quant file's Q4_1 / Q8_0 linears) is rebuilt.
+CACHE_FORMAT = "2"
+
+
 class Blocks(NamedTuple):
     """A linear's weight as the kernels read it: `kind` "q4_1" (codes, d, m) or "q8_0" (codes, d), and the GGUF
     types of the file's tensors it was read from ("Q4_K+Q6_K"; the kind's own name where read as stored)."""
@@ -387,7 +392,8 @@ def _save(cache: Path, blocks: dict[str, Blocks]) -> None:
     tensors = {f"{name}.{i}": t for name, b in blocks.items() for i, t in enumerate(b.arrays)}
     partial = cache.with_suffix(f".partial-{os.getpid()}")
     try:
-        save_file(tensors, str(partial), metadata={name: f"{b.kind} {b.source}" for name, b in blocks.items()})
+        metadata = {name: f"{b.kind} {b.source}" for name, b in blocks.items()} | {"__format__": CACHE_FORMAT}
+        save_file(tensors, str(partial), metadata=metadata)
         os.replace(partial, cache)
     except (OSError, SafetensorError) as exc:  # a full disk, a read-only folder: packed again at the next load
         note_not_saved(log, cache, exc)
@@ -400,15 +406,17 @@ def _load(cache: Path) -> dict[str, Blocks] | None:
 
     try:
         with safe_open(str(cache), "pt") as f:
-            kinds, keys = f.metadata() or {}, set(f.keys())
+            kinds, keys = dict(f.metadata() or {}), set(f.keys())
+            if kinds.pop("__format__", None) != CACHE_FORMAT:
+                return None
             out = {}
             for name, value in kinds.items():
-                kind, _, source = value.partition(" ")  # "q4_1 Q4_K" (a cache before the source: "q4_1")
+                kind, _, source = value.partition(" ")  # "q4_1 Q4_K"
                 count = 3 if kind == "q4_1" else 2
                 if any(f"{name}.{i}" not in keys for i in range(count)):
                     return None
                 arrays = tuple(f.get_tensor(f"{name}.{i}") for i in range(count))
-                out[name] = Blocks(kind, arrays, source or kind.upper())
+                out[name] = Blocks(kind, arrays, source)
             return out
     except Exception:  # safetensors raises its own error types on damaged files; the cache is rebuilt
         return None

@@ -92,3 +92,21 @@ def test_a_q4_k_m_file_decodes_on_the_block_kernels(tmp_path):
         assert greedy(engine) == eager
         assert greedy(engine, "ngram") == eager
         engine.close()
+
+
+@needs_kernels
+def test_a_blocks_cache_written_before_k_quants_were_read_is_rebuilt(tmp_path):
+    """A cache of an earlier version held only a K-quant file's Q4_1 / Q8_0 linears (here: none) and no format:
+    read as it is, the file's K-quant linears would stay float32 weights."""
+    from safetensors.torch import save_file
+
+    from specchat.engine.engine import Engine
+    from specchat.registry import derived_dir
+
+    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
+    cache = derived_dir(path) / "cpu_blocks.safetensors"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    save_file({}, str(cache), metadata={})  # what the old code wrote for a file of no Q4_1 / Q8_0 linear
+    engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    assert sum(isinstance(m, BlockLinear) for m in engine.model.modules()) == 9
+    engine.close()
