@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.engine.loader import gguf_reader
-from specchat.engine.model import Linear, Transformer
+from specchat.engine.model import Linear, ModelConfig, Transformer
 from specchat.errors import note_not_saved
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.fp4_linear import set_fp4_activations
@@ -339,9 +339,9 @@ def _unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.reshape(n_heads, rows // n_heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
-def _sources(model: Transformer) -> dict[str, list[tuple[str, int | None]]]:
-    """Our linear name -> its GGUF tensors in row order, each with the head count whose rope rows it permutes."""
-    cfg = model.cfg
+def _sources(cfg: ModelConfig, tensors: dict) -> dict[str, list[tuple[str, int | None]]]:
+    """Our linear name -> its GGUF tensors in row order (of the file's `tensors`, by name), each with the head count
+    whose rope rows it permutes."""
     permuted = cfg.arch == "llama"
     heads = (cfg.num_heads, cfg.num_kv_heads) if permuted else (None, None)
     out = {}
@@ -355,16 +355,22 @@ def _sources(model: Transformer) -> dict[str, list[tuple[str, int | None]]]:
         out[o + "attn.wo"] = [(b + "attn_output.weight", None)]
         out[o + "mlp.w_gate_up"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
         out[o + "mlp.w_down"] = [(b + "ffn_down.weight", None)]
+    out["lm_head"] = [("output.weight" if "output.weight" in tensors else "token_embd.weight", None)]
     return out
+
+
+def _read_as_blocks(tensors: dict, names: list[tuple[str, int | None]]) -> bool:
+    """Whether the tensors `names` are all in the file and quantized (F32 / F16 / BF16: a file that asks for full
+    precision keeps it)."""
+    return all(name in tensors and tensors[name].tensor_type.name in QUANTIZED for name, _ in names)
 
 
 def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> Blocks | None:
     """The blocks of the tensors `names` concatenated along rows, as Q4_1 where every one reads as Q4_1 blocks
-    (`as_q4_1`), else as Q8_0 (`as_q8_0`); None where one is missing or a float tensor (F32 / F16 / BF16: a file
-    that asks for full precision keeps it)."""
-    parts = [tensors.get(name) for name, _ in names]
-    if any(t is None or t.tensor_type.name not in QUANTIZED for t in parts):
+    (`as_q4_1`), else as Q8_0 (`as_q8_0`); None where they cannot be read as blocks (`_read_as_blocks`)."""
+    if not _read_as_blocks(tensors, names):
         return None
+    parts = [tensors[name] for name, _ in names]
     kind = "q4_1" if all(t.tensor_type.name in AS_Q4_1 for t in parts) else "q8_0"
     read = as_q4_1 if kind == "q4_1" else as_q8_0
     pieces = []
@@ -378,11 +384,15 @@ def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> Blocks | None
 def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, Blocks]:
     """{linear name: its Blocks} for the model's linears that the GGUF file stores quantized."""
     tensors = {t.name: t for t in gguf_reader(gguf_path).tensors}
-    names = _sources(model)
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    names["lm_head"] = [(head, None)]
-    found = {name: _blocks(tensors, sources) for name, sources in names.items()}
+    found = {name: _blocks(tensors, sources) for name, sources in _sources(model.cfg, tensors).items()}
     return {name: blocks for name, blocks in found.items() if blocks is not None}
+
+
+def deferred_tensors(cfg: ModelConfig, tensors: dict) -> set[str]:
+    """The GGUF tensors `pack_blocks` will read as blocks, which the loader need not dequantize (loader.load_gguf's
+    `defer`): every linear's but the embedding's, which a tied output head reads too."""
+    groups = [names for names in _sources(cfg, tensors).values() if _read_as_blocks(tensors, names)]
+    return {name for names in groups for name, _ in names} - {"token_embd.weight"}
 
 
 def _save(cache: Path, blocks: dict[str, Blocks]) -> None:
@@ -424,8 +434,10 @@ def _load(cache: Path) -> dict[str, Blocks] | None:
 
 def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) -> int:
     """Re-class the model's linears that the GGUF file stores quantized (float32 model only) as block linears
-    (Q4_1 or Q8_0 blocks: `_blocks`); returns how many. The float weights stay: large batches and `unpack` use them. With `cache` (a safetensors
-    path) the blocks are read from the file once (parsing a GGUF takes seconds) and from the cache after."""
+    (Q4_1 or Q8_0 blocks: `_blocks`); returns how many. The float weights stay (large batches and `unpack` use
+    them), but for those the loader deferred (meta tensors: `deferred_tensors`), which `.weight` then reads from
+    the blocks. With `cache` (a safetensors path) the blocks are read from the file once (parsing a GGUF takes
+    seconds) and from the cache after."""
     if not cpu_gemv.available() or next(model.parameters()).dtype != torch.float32:
         return 0
     blocks = _load(cache) if cache is not None and cache.exists() else None
@@ -442,6 +454,8 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
         if arrays[0].shape[0] != linear.out_features or arrays[1].shape[1] * 32 != linear.in_features:
             continue
         as_block_linear(linear, kind, arrays).source = source
+        if linear._parameters["weight"].is_meta:  # deferred by the loader: `.weight` reads the blocks' values
+            del linear._parameters["weight"]
         packed += 1
     return packed
 

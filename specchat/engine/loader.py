@@ -25,6 +25,8 @@ from specchat.quant.checkpoint import is_mxfp4_checkpoint, read_mxfp4_state
 from specchat.safetensors_io import read_json_object, read_safetensors
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+# (config, GGUF tensors by name) -> the names of those the caller reads another way (load_gguf's `defer`)
+Deferral = Callable[[ModelConfig, dict[str, object]], set[str]]
 
 SUPPORTED_GGUF = ("llama", "qwen2")
 GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models up to this size in float32
@@ -148,7 +150,7 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf(
-    path: Path, progress: Progress | None = None, cache: Path | None = None
+    path: Path, progress: Progress | None = None, cache: Path | None = None, defer: Deferral | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read and dequantize every tensor of a GGUF file (float32), renamed to our parameter names.
 
@@ -157,6 +159,11 @@ def load_gguf(
     cache heals itself: a cached file that does not load (truncated, not safetensors, tensors that do not fit
     its config) is deleted and rebuilt from the GGUF file, with a note on stderr and in the progress label; a
     cache that cannot be written (a full disk, a read-only folder) is skipped with a note.
+
+    `defer(cfg, tensors)` names GGUF tensors the caller reads another way (the CPU kernels' blocks:
+    cpu_weights.deferred_tensors); in a model too large for the cache they are not dequantized but left as meta
+    tensors of their shape, so that a large K-quant file on the CPU never holds its linears in float32 (an 8B
+    model: 32 GB) on the way to its blocks.
     """
     if cache is not None and cache.exists():
         try:
@@ -166,8 +173,9 @@ def load_gguf(
             with contextlib.suppress(OSError):  # a file we may not remove is replaced by the rebuilt one, or skipped
                 cache.unlink()
             progress = _relabelled(progress, "rebuilding the unreadable cache")
-    cfg, sd = _load_gguf(path, progress)
-    if cache is not None and sum(t.numel() for t in sd.values()) * 4 <= GGUF_CACHE_MAX_BYTES:
+    cfg, sd = _load_gguf(path, progress, defer)
+    deferred = any(t.is_meta for t in sd.values())
+    if cache is not None and not deferred and sum(t.numel() for t in sd.values()) * 4 <= GGUF_CACHE_MAX_BYTES:
         write_converted(cache, cfg, sd)
     return cfg, sd
 
@@ -179,7 +187,9 @@ def _relabelled(progress: Progress | None, why: str) -> Progress | None:
     return lambda what, done, total: progress(f"{what} ({why})", done, total)
 
 
-def _load_gguf(path: Path, progress: Progress | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(
+    path: Path, progress: Progress | None, defer: Deferral | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     try:
@@ -187,9 +197,15 @@ def _load_gguf(path: Path, progress: Progress | None) -> tuple[ModelConfig, dict
     except Exception as exc:  # gguf raises ValueError / struct errors / IndexError on damaged files
         raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     cfg = gguf_config(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    large = sum(int(np.prod(t.shape)) for t in reader.tensors) * 4 > GGUF_CACHE_MAX_BYTES
+    deferred = defer(cfg, tensors) if defer is not None and large else set()
     raw: dict[str, torch.Tensor] = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
+        if t.name in deferred:  # its shape only: gguf lists a tensor's dimensions innermost first
+            raw[t.name] = torch.empty(tuple(int(n) for n in reversed(t.shape)), device="meta")
+            continue
         try:
             values = dequantize(t.data, t.tensor_type)
         except Exception as exc:
@@ -359,6 +375,11 @@ def load_mxfp4_dir(path: Path, progress: Progress | None = None) -> tuple[ModelC
 
 
 # --- building the module ------------------------------------------------------------------------------------
+def _placed(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`t` on the device in `dtype`; a meta tensor (a deferred GGUF tensor: load_gguf) stays one, in `dtype`."""
+    return t.to(dtype=dtype) if t.is_meta else t.to(device=device, dtype=dtype)
+
+
 def build_model(
     cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
@@ -374,7 +395,7 @@ def build_model(
         got = state_dict[name]
         if tuple(got.shape) != tuple(ref.shape):
             raise ModelFormatError(f"tensor {name} has shape {tuple(got.shape)}, the config implies {tuple(ref.shape)}")
-    tensors = {name: state_dict[name].to(device=device, dtype=dtype) for name in expected}
+    tensors = {name: _placed(state_dict[name], dtype, device) for name in expected}
     if cfg.tie_embeddings:
         tensors["lm_head.weight"] = tensors["embed.weight"]
     model.load_state_dict(tensors, assign=True, strict=True)
@@ -385,9 +406,10 @@ def build_model(
 
 
 def load_checkpoint(
-    path: Path, progress: Progress | None = None, cache: Path | None = None
+    path: Path, progress: Progress | None = None, cache: Path | None = None, defer: Deferral | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A GGUF file or an HF-style directory -> (config, state dict in our names); `cache`: see load_gguf."""
+    """A GGUF file or an HF-style directory -> (config, state dict in our names); `cache`, `defer`: see
+    load_gguf."""
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or directory")
     if path.is_dir():
@@ -395,5 +417,5 @@ def load_checkpoint(
             return load_mxfp4_dir(path, progress)
         return load_hf_dir(path, progress)
     if path.suffix.lower() == ".gguf":
-        return load_gguf(path, progress, cache)
+        return load_gguf(path, progress, cache, defer)
     raise ModelFormatError(f"{path}: expected a .gguf file or a directory with config.json + *.safetensors")

@@ -17,14 +17,14 @@ import torch
 
 from specchat.config import EngineConfig
 from specchat.engine import cpu_fusion
-from specchat.engine.cpu_weights import pack_blocks, release_unread_weights, set_activations
+from specchat.engine.cpu_weights import deferred_tensors, pack_blocks, release_unread_weights, set_activations
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_transform import load_or_calibrate
 from specchat.engine.loader import Progress, build_model, load_checkpoint, one_parse_per_file
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
 from specchat.engine.tokenizer import Tokenizer, gguf_tokenizer
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels import cpu_block, cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
 from specchat.quant.handler import WeightSwitch, weight_switch
@@ -160,11 +160,15 @@ def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
     return Tokenizer.from_dir(folder)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None = None):
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None = None, blocks: bool = False
+):
     """(model on the device, packed MXFP4 weights, checkpoint metadata and the converted weights file, if any: what
-    the weight switch needs) of the fetched model at `path`."""
+    the weight switch needs) of the fetched model at `path`. `blocks`: the CPU kernels will read its quantized
+    linears as blocks (pack_cpu_weights), so a large GGUF's are not dequantized (loader.load_gguf's `defer`)."""
     cache = derived_dir(path) / "weights.safetensors" if path.is_file() else None
-    model_cfg, state = load_checkpoint(path, progress=progress, cache=cache)
+    defer = deferred_tensors if blocks else None
+    model_cfg, state = load_checkpoint(path, progress=progress, cache=cache, defer=defer)
     packed, meta = take_packed(state), checkpoint_metadata(path)
     model = build_model(model_cfg, state, dtype, device)
     return model, packed, meta, cache
@@ -177,6 +181,9 @@ def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu
     MXFP4 weights (Engine.set_weights) has put plain dense linears in their place."""
     if path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
+        unread = [name for name, p in model.named_parameters() if p.is_meta]
+        if unread:  # (load_gguf deferred them for the blocks, which did not take them: a bug, said plainly)
+            raise ModelFormatError(f"{path}: {unread[0]} was left for the CPU blocks, which did not read it")
     if cpu_act == "int8":
         use_cpu_activations(model, cpu_act, cpu_kernels=True)  # its ConfigError where no linear can
     use_cpu_rows(model, cpu_act)
@@ -241,9 +248,11 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     path = fetch(spec, progress=progress)  # (a model that cannot be fetched fails before the kernels' first build)
     if cpu_kernels:
         build_cpu_kernels(progress)
-    dtype = pick_dtype(config.dtype, device, reads_cpu_blocks(spec, cpu_kernels))
+    cpu_blocks = reads_cpu_blocks(spec, cpu_kernels)
+    dtype = pick_dtype(config.dtype, device, cpu_blocks)
+    blocks = cpu_blocks and dtype == torch.float32 and config.weights in ("auto", "bf16")  # (mxfp4 reads floats)
     with one_parse_per_file():  # (a first load reads a GGUF's tensors twice: float weights, then CPU blocks)
-        model, packed, meta, converted = load_model(path, dtype, device, progress)
+        model, packed, meta, converted = load_model(path, dtype, device, progress, blocks)
         tokenizer = load_tokenizer(spec, path)
         weights = weight_switch(
             model,

@@ -110,3 +110,43 @@ def test_a_blocks_cache_written_before_k_quants_were_read_is_rebuilt(tmp_path):
     engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32"))
     assert sum(isinstance(m, BlockLinear) for m in engine.model.modules()) == 9
     engine.close()
+
+
+@needs_kernels
+def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monkeypatch):
+    """Past GGUF_CACHE_MAX_BYTES in float32 (an 8B model: 32 GB) the loader leaves the linears the CPU blocks read
+    as meta tensors instead of dequantizing them; the blocks then stand for them (a prompt's float GEMM under fp32
+    rows reads `.weight`, made from the blocks per call), and the model decodes as the float model does, under
+    either activation rows."""
+    from specchat.engine import loader
+    from specchat.engine.cpu_weights import deferred_tensors
+    from specchat.engine.engine import Engine
+
+    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
+    _, small = loader.load_gguf(path, defer=deferred_tensors)
+    assert not any(t.is_meta for t in small.values())  # a model the cache takes is read whole, as before
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "GGUF_CACHE_MAX_BYTES", 0)
+        _, large = loader.load_gguf(path, defer=deferred_tensors)
+        linears = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
+        assert {name for name, t in large.items() if t.is_meta} == {name for name in large if name.endswith(linears)}
+        deferred, load_gguf = [], loader.load_gguf
+
+        def counted(*args, **kwargs):
+            cfg, state = load_gguf(*args, **kwargs)
+            deferred.append(sum(t.is_meta for t in state.values()))
+            return cfg, state
+
+        patch.setattr(loader, "load_gguf", counted)
+        sampling, plain, tokens = SamplingParams(max_tokens=24, ignore_eos=True), SpecParams("none", k=0), []
+        for cpu_act in ("auto", "fp32"):
+            engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act))
+            long_prompt = engine.encode_prompt("hello there " * 25)  # more rows than the block kernels take
+            blocks = [m for m in engine.model.modules() if isinstance(m, BlockLinear)]
+            assert len(blocks) == 9 and not any(m.holds_weight for m in blocks)
+            tokens.append([engine.submit(p, sampling, plain).result().token_ids for p in ("hello there", long_prompt)])
+            engine.close()
+        assert deferred == [9, 9]
+    eager = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", eager=True))
+    expected = [eager.submit(p, sampling, plain).result().token_ids for p in ("hello there", long_prompt)]
+    assert tokens == [expected] * 2
