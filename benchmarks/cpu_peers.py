@@ -156,6 +156,8 @@ def main() -> None:
         variants[before] = ({"before": True}, "none", 4)
     if args.only:
         variants = {name: v for name, v in variants.items() if any(part in name for part in args.only.split(","))}
+        if not variants:  # (the peers' rows take the prompts' token ids from a specchat engine)
+            ap.error(f"--only {args.only}: no specchat row matches")
     engines: dict[tuple, object] = {}
     runners = {}
     for name, (kwargs, drafter, k) in variants.items():

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.cpu_weights import BlockLinear, as_q4_1, as_q8_0
 from specchat.kernels import cpu_gemv
+from specchat.registry import derived_dir
 from tests.engine.tiny_gguf import random_kquant, write_tiny_gguf
 
 needs_kernels = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler")
@@ -69,9 +70,10 @@ def test_other_types_read_as_q8_0_within_half_its_step(gguf_type: str):
 
 @needs_kernels
 def test_a_q4_k_m_file_decodes_on_the_block_kernels(tmp_path):
-    """Every linear of a Q4_K_M-like file reads blocks (Q4_1 where all its tensors are Q4_K, else Q8_0), the
-    memory panel names both, greedy decoding gives the float model's tokens (the float32 rows' kernels, and the
-    default rows with speculation equal to plain decoding), and a second load reads the same from the cache."""
+    """Every linear of a Q4_K_M-like file reads blocks (Q4_1 where all its tensors are Q4_K, else Q8_0) and the
+    memory panel names both. Under float32 rows greedy decoding gives the tokens of the float model whose weights
+    are the blocks' values (the kernels differ from a float GEMM in summation order only); under the default rows
+    speculation equals plain decoding, and a second load (from the blocks cache) decodes the same."""
     from specchat.engine.engine import Engine
 
     path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
@@ -81,17 +83,24 @@ def test_a_q4_k_m_file_decodes_on_the_block_kernels(tmp_path):
         spec = SpecParams(drafter, k=3 if drafter != "none" else 0)
         return engine.submit("hello there", sampling, spec).result().token_ids
 
-    eager = greedy(Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", eager=True)))
+    eager = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", eager=True))
+    tokens = []
     for cpu_act in ("fp32", "auto", "auto"):  # the last one from the blocks cache
         engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act))
-        kinds = {name: (m.kind, m.source) for name, m in engine.model.named_modules() if isinstance(m, BlockLinear)}
+        blocks = {name: m for name, m in engine.model.named_modules() if isinstance(m, BlockLinear)}
+        kinds = {name: (m.kind, m.source) for name, m in blocks.items()}
         assert len(kinds) == 9
         assert kinds["layers.0.attn.wqkv"] == ("q8_0", "Q4_K+Q6_K") and kinds["layers.1.mlp.w_down"] == ("q8_0", "Q6_K")
         assert kinds["layers.0.mlp.w_gate_up"] == kinds["layers.1.attn.wo"] == ("q4_1", "Q4_K")
         assert engine.weights.memory()["weights_gguf"] == "Q4_1+Q8_0 from Q4_K+Q6_K"
-        assert greedy(engine) == eager
-        assert greedy(engine, "ngram") == eager
+        if cpu_act == "fp32":
+            for name, linear in blocks.items():
+                eager.model.get_submodule(name).weight.copy_(linear.dequantized())
+            assert greedy(engine) == greedy(eager)
+        tokens.append(greedy(engine))
+        assert greedy(engine, "ngram") == tokens[-1]
         engine.close()
+    assert tokens[1] == tokens[2]
 
 
 @needs_kernels
@@ -101,7 +110,6 @@ def test_a_blocks_cache_written_before_k_quants_were_read_is_rebuilt(tmp_path):
     from safetensors.torch import save_file
 
     from specchat.engine.engine import Engine
-    from specchat.registry import derived_dir
 
     path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
     cache = derived_dir(path) / "cpu_blocks.safetensors"
@@ -116,8 +124,8 @@ def test_a_blocks_cache_written_before_k_quants_were_read_is_rebuilt(tmp_path):
 def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monkeypatch):
     """Past GGUF_CACHE_MAX_BYTES in float32 (an 8B model: 32 GB) the loader leaves the linears the CPU blocks read
     as meta tensors instead of dequantizing them; the blocks then stand for them (a prompt's float GEMM under fp32
-    rows reads `.weight`, made from the blocks per call), and the model decodes as the float model does, under
-    either activation rows."""
+    rows reads `.weight`, made from the blocks per call), and the model decodes as it does when its float weights
+    were loaded, under either activation rows."""
     from specchat.engine import loader
     from specchat.engine.cpu_weights import deferred_tensors
     from specchat.engine.engine import Engine
@@ -125,6 +133,18 @@ def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monk
     path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
     _, small = loader.load_gguf(path, defer=deferred_tensors)
     assert not any(t.is_meta for t in small.values())  # a model the cache takes is read whole, as before
+    sampling, plain = SamplingParams(max_tokens=24, ignore_eos=True), SpecParams("none", k=0)
+    prompts = ["hello there", "hello there " * 25]  # the second: more rows than the block kernels take
+
+    def answers(cpu_act: str, deferring: bool) -> list[list[int]]:
+        engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act))
+        blocks = [m for m in engine.model.modules() if isinstance(m, BlockLinear)]
+        assert len(blocks) == 9 and (not deferring or not any(m.holds_weight for m in blocks))
+        out = [engine.submit(engine.encode_prompt(p), sampling, plain).result().token_ids for p in prompts]
+        engine.close()
+        return out
+
+    expected = {cpu_act: answers(cpu_act, deferring=False) for cpu_act in ("auto", "fp32")}
     with monkeypatch.context() as patch:
         patch.setattr(loader, "GGUF_CACHE_MAX_BYTES", 0)
         _, large = loader.load_gguf(path, defer=deferred_tensors)
@@ -138,15 +158,7 @@ def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monk
             return cfg, state
 
         patch.setattr(loader, "load_gguf", counted)
-        sampling, plain, tokens = SamplingParams(max_tokens=24, ignore_eos=True), SpecParams("none", k=0), []
         for cpu_act in ("auto", "fp32"):
-            engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act))
-            long_prompt = engine.encode_prompt("hello there " * 25)  # more rows than the block kernels take
-            blocks = [m for m in engine.model.modules() if isinstance(m, BlockLinear)]
-            assert len(blocks) == 9 and not any(m.holds_weight for m in blocks)
-            tokens.append([engine.submit(p, sampling, plain).result().token_ids for p in ("hello there", long_prompt)])
-            engine.close()
+            (derived_dir(path) / "weights.safetensors").unlink(missing_ok=True)  # (the float cache of the loads above)
+            assert answers(cpu_act, deferring=True) == expected[cpu_act]
         assert deferred == [9, 9]
-    eager = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", eager=True))
-    expected = [eager.submit(p, sampling, plain).result().token_ids for p in ("hello there", long_prompt)]
-    assert tokens == [expected] * 2

@@ -32,24 +32,29 @@ def random_kquant(gguf_type: str, rows: int, columns: int, rng: np.random.Genera
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, blocks: bool = False, kquants: bool = False) -> Path:
+def write_tiny_gguf(
+    path: Path, seed: int = 0, blocks: bool = False, kquants: bool = False, shape: tuple[int, ...] | None = None
+) -> Path:
     """A 2-layer llama GGUF with a byte-level BPE vocabulary (ids 0-2 special, bos 1, eos 2) and a ChatML template;
     with `blocks`, the linears' weights stored as Q8_0 blocks (what the CPU block kernels read), else float32; with
-    `kquants`, 256 wide and stored as a Q4_K_M file stores them (Q4_K, Q6_K: KQUANT_TYPES)."""
+    `kquants`, 256 wide and stored as a Q4_K_M file stores them (Q4_K, Q6_K: KQUANT_TYPES). `shape`: (hidden, ffn,
+    layers, heads, kv heads) instead (benchmarks/cpu_gguf_large.py writes a 1B-parameter one)."""
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
     from gguf.quants import quantize
 
-    hidden, ffn = (KQUANT_HIDDEN, KQUANT_FFN) if kquants else (HIDDEN, FFN)
+    hidden, ffn, layers, heads, kv_heads = shape or (
+        (KQUANT_HIDDEN, KQUANT_FFN, LAYERS, HEADS, KV_HEADS) if kquants else (HIDDEN, FFN, LAYERS, HEADS, KV_HEADS)
+    )
 
     model = json.loads(tiny_tokenizer_json(VOCAB))["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_context_length(256)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
@@ -61,27 +66,28 @@ def write_tiny_gguf(path: Path, seed: int = 0, blocks: bool = False, kquants: bo
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHATML_TEMPLATE)
     rng = np.random.default_rng(seed)
-    head_dim = hidden // HEADS
+    head_dim = hidden // heads
     shapes = {"token_embd.weight": (VOCAB, hidden), "output_norm.weight": (hidden,), "output.weight": (VOCAB, hidden)}
-    for i in range(LAYERS):
+    for i in range(layers):
         b = f"blk.{i}."
         shapes |= {
-            b + "attn_q.weight": (HEADS * head_dim, hidden),
-            b + "attn_k.weight": (KV_HEADS * head_dim, hidden),
-            b + "attn_v.weight": (KV_HEADS * head_dim, hidden),
-            b + "attn_output.weight": (hidden, HEADS * head_dim),
+            b + "attn_q.weight": (heads * head_dim, hidden),
+            b + "attn_k.weight": (kv_heads * head_dim, hidden),
+            b + "attn_v.weight": (kv_heads * head_dim, hidden),
+            b + "attn_output.weight": (hidden, heads * head_dim),
             b + "attn_norm.weight": (hidden,),
             b + "ffn_norm.weight": (hidden,),
             b + "ffn_gate.weight": (ffn, hidden),
             b + "ffn_up.weight": (ffn, hidden),
             b + "ffn_down.weight": (hidden, ffn),
         }
-    for name, shape in shapes.items():
-        data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        if kquants and len(shape) == 2 and name != "token_embd.weight":
+    for name, dims in shapes.items():
+        if kquants and len(dims) == 2 and name != "token_embd.weight":
             kind = KQUANT_TYPES.get(name.split(".")[-2], "Q4_K")
-            writer.add_tensor(name, random_kquant(kind, *shape, rng), raw_dtype=GGMLQuantizationType[kind])
-        elif blocks and len(shape) == 2 and name != "token_embd.weight":
+            writer.add_tensor(name, random_kquant(kind, *dims, rng), raw_dtype=GGMLQuantizationType[kind])
+            continue
+        data = (rng.standard_normal(dims) * 0.05).astype(np.float32)
+        if blocks and len(dims) == 2 and name != "token_embd.weight":
             q8 = GGMLQuantizationType.Q8_0
             writer.add_tensor(name, quantize(data, q8), raw_dtype=q8)
         else:
