@@ -330,7 +330,7 @@ def as_q8_0(raw: np.ndarray, gguf_type: str, rows: int) -> tuple[torch.Tensor, .
     if gguf_type == "Q8_0":
         return _q8_0(raw, rows)
     values = quants.dequantize(raw, GGMLQuantizationType[gguf_type]).reshape(rows, -1)
-    return quantize_q8_0(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)))
+    return quantize_q8_0(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)))  # (gguf's, below)
 
 
 def _unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -472,14 +472,11 @@ def as_block_linear(linear: nn.Linear, kind: str, blocks: tuple[torch.Tensor, ..
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> its Q8_0 blocks as pack_blocks holds a GGUF file's (codes int8 [N, K], d float32 [N, K/32]):
-    gguf's own quantizer, bit for bit (d = max|w| / 127 per block of 32; codes w / d rounded half away from zero,
-    with d as computed; d stored as float16), in torch: ~10x faster than gguf's numpy, which loading a K-quant
-    file pays for every tensor it requantizes (`as_q8_0`)."""
-    blocks = weight.detach().float().reshape(weight.shape[0], -1, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    scaled = blocks * torch.where(d == 0, 0.0, 1 / d)
-    codes = scaled.sign() * (scaled.abs() + 0.5).floor()
-    return codes.to(torch.int8).reshape(weight.shape), d.squeeze(-1).half().float()
+    gguf's own quantizer (d = max|w| / 127 per block of 32, as float16), its bytes read as `read_blocks` reads."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(weight.detach().float().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return _q8_0(raw, weight.shape[0])
 
 
 def unpack(model: nn.Module) -> int:
