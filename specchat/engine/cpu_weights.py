@@ -443,8 +443,9 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
     blocks = _load(cache) if cache is not None and cache.exists() else None
     if blocks is None:
         blocks = read_blocks(model, gguf_path)
-        if cache is not None:
+        if cache is not None:  # then read back: blocks mapped from the file, whose pages int8 rows can give back
             _save(cache, blocks)
+            blocks = (_load(cache) if cache.exists() else None) or blocks
     packed = 0
     modules = dict(model.named_modules())
     for name, (kind, arrays, source) in blocks.items():
