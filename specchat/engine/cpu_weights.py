@@ -36,7 +36,7 @@ from specchat.engine.loader import gguf_reader
 from specchat.engine.model import Linear, ModelConfig, Transformer
 from specchat.errors import note_not_saved
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
-from specchat.quant.fp4_linear import set_fp4_activations
+from specchat.quant.fp4_linear import TiedEmbedding, set_fp4_activations
 
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
 Q4_0_BYTES, Q4_K_BYTES = 18, 144  # Q4_0: fp16 d + codes of 32; Q4_K: fp16 d, dmin, 12 bytes of scales, 256 codes
@@ -109,10 +109,12 @@ class BlockLinear(nn.Linear):
             _to_plain(self, keep_weight=False)
         nn.Module.__setattr__(self, name, value)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight's float32 values from its blocks: the loader's values, bit for bit (gguf's dequantization,
-        kernels/cpu_gemv.py), where the file stored them as these blocks hold them (`source`; module docstring)."""
-        return self._dequantize(self._buffers["codes"], self._buffers["d"], self._buffers.get("m"))
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight's values from its blocks, float32 unless `dtype`: the loader's values, bit for bit (gguf's
+        dequantization, kernels/cpu_gemv.py), where the file stored them as these blocks hold them (`source`;
+        module docstring)."""
+        weight = self._dequantize(self._buffers["codes"], self._buffers["d"], self._buffers.get("m"))
+        return weight if dtype == torch.float32 else weight.to(dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` [R] of the weight, dequantized: [R, K] in `dtype` (as Fp4Linear.rows)."""
@@ -390,9 +392,10 @@ def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, Blocks]:
 
 def deferred_tensors(cfg: ModelConfig, tensors: dict) -> set[str]:
     """The GGUF tensors `pack_blocks` will read as blocks, which the loader need not dequantize (loader.load_gguf's
-    `defer`): every linear's but the embedding's, which a tied output head reads too."""
+    `defer`): every linear's, the embedding's where the output head is tied to it (`tie_embedding`)."""
     groups = [names for names in _sources(cfg, tensors).values() if _read_as_blocks(tensors, names)]
-    return {name for names in groups for name, _ in names} - {"token_embd.weight"}
+    deferred = {name for names in groups for name, _ in names}
+    return deferred if cfg.tie_embeddings else deferred - {"token_embd.weight"}
 
 
 def _save(cache: Path, blocks: dict[str, Blocks]) -> None:
@@ -459,6 +462,20 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
             del linear._parameters["weight"]
         packed += 1
     return packed
+
+
+def tie_embedding(model: Transformer) -> bool:
+    """Where the output head is tied to the embedding and reads blocks, the embedding reads its rows from them too
+    (quant/fp4_linear.TiedEmbedding: a lookup dequantizes the rows it needs, the values the table held), so the
+    float32 table is not held beside the blocks under int8 rows (the default model: 113 MB; a 1B Llama 3.2: 1 GB),
+    nor read from the file where the loader deferred it. Returns whether it did."""
+    head, embed = model.lm_head, model.embed
+    if not (model.cfg.tie_embeddings and isinstance(head, BlockLinear) and isinstance(embed, nn.Embedding)):
+        return False
+    model.embed = TiedEmbedding(head, torch.float32)
+    if head._parameters.get("weight") is not None and head._parameters["weight"].is_meta:
+        del head._parameters["weight"]  # (deferred with the embedding: `.weight` reads the blocks' values)
+    return True
 
 
 def as_block_linear(linear: nn.Linear, kind: str, blocks: tuple[torch.Tensor, ...]) -> BlockLinear:

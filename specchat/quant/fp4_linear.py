@@ -17,8 +17,9 @@ micro-rotation of MR-GPTQ, Egiazarian et al. 2025, "Bridging the Gap Between Pro
 Microscaling FP4 Quantization"). The cost is one [T, K/32, 32] x [32, 32] matmul on the input per layer (in the
 CPU kernel a 32-point fast Walsh-Hadamard transform of each block).
 
-`Fp4Embedding` is the token embedding of a model whose tied output head is an Fp4Linear: it looks rows up in
-the head's codes and dequantizes only those, so the tied matrix is held once, as MXFP4.
+`TiedEmbedding` is the token embedding of a model whose tied output head is an Fp4Linear (or, on the CPU, reads a
+GGUF file's blocks): it looks rows up in the head's codes and dequantizes only those, so the tied matrix is held
+once, as the head holds it.
 """
 
 from __future__ import annotations
@@ -200,14 +201,16 @@ class RotatedFp4Linear(Fp4Linear):
         return rotate_blocks(super().rows(index, torch.float32)).to(dtype)
 
 
-class Fp4Embedding(nn.Module):
-    """Token embedding tied to an MXFP4 output head: row i is the head's row i, dequantized on lookup.
+class TiedEmbedding(nn.Module):
+    """Token embedding tied to a quantized output head: row i is the head's row i, dequantized on lookup. The head
+    is an MXFP4 one (Fp4Linear: quant/modules.mxfp4_modules) or, on the CPU, one reading a GGUF file's blocks
+    (engine/cpu_weights.BlockLinear: `tie_embedding`); either has `rows(index, dtype)` and `dequantized(dtype)`.
 
     The head stays the model's `lm_head` module; this one only refers to it (it is not a submodule, so the model
     lists the head once, under its own name, and counts its bytes once).
     """
 
-    def __init__(self, head: Fp4Linear, dtype: torch.dtype) -> None:
+    def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.dtype = dtype
@@ -223,7 +226,7 @@ class Fp4Embedding(nn.Module):
         return self.head.rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the MXFP4 output head"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the output head ({type(self.head).__name__})"
 
 
 def set_fp4_activations(model: nn.Module, activations: str) -> int:

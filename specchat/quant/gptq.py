@@ -55,6 +55,7 @@ from specchat.kernels.mxfp4 import (
     scales_to_float,
 )
 from specchat.quant.fp4_linear import rotate_blocks
+from specchat.quant.modules import model_dtype
 
 if TYPE_CHECKING:  # annotations only: the engine imports this package, never the other way round
     from specchat.engine.model import Block, Transformer
@@ -240,7 +241,7 @@ def calibrate(
     settings = settings or GptqSettings()
     wanted = set(names)
     device = next(model.parameters()).device
-    dtype = model.embed.weight.dtype
+    dtype = model_dtype(model)  # (a tied embedding reading the head's blocks makes its whole table for .weight)
     positions = torch.arange(max(len(s) for s in sequences), device=device)
     hidden = [model.embed(s.to(device)) for s in sequences]  # per sequence [L, hidden]
     result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -1,7 +1,7 @@
 """The live bf16 <-> MXFP4 toggle of a model's weights: `WeightSwitch`, built at load by `weight_switch`.
 
 The two forms are quant.modules': dense (nn.Linear in the model dtype) and MXFP4 (Fp4Linear, and for a tied
-output head an Fp4Embedding reading the head's rows). Neither is kept in memory while the other runs; each comes
+output head a TiedEmbedding reading the head's rows). Neither is kept in memory while the other runs; each comes
 back from a file when the switch needs it.
 
 Where the MXFP4 form comes from, in order (reported as `weights_method`):

@@ -10,7 +10,7 @@ pattern over module names (`layers.*.mlp.w_down`); a leading `-` removes what th
 MXFP4 model keeps 0.42x the bf16 bytes instead of 0.27x (docs/benchmarks.md).
 
 A tied embedding (the output head's matrix, also used for token lookup) follows the head: when the head is
-MXFP4 the embedding becomes an `Fp4Embedding` reading the head's rows (`mxfp4_modules`), so the matrix is held
+MXFP4 the embedding becomes a `TiedEmbedding` reading the head's rows (`mxfp4_modules`), so the matrix is held
 once, as MXFP4; when the head goes back to dense, so does the embedding, sharing its weight again.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
-from specchat.quant.fp4_linear import Fp4Embedding, Fp4Linear, RotatedFp4Linear, rotate_blocks
+from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, TiedEmbedding, rotate_blocks
 
 DEFAULT_LAYERS = "all"
 ROTATION = "hadamard32"
@@ -81,7 +81,7 @@ def swap_modules(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, n
 def model_dtype(model: nn.Module) -> torch.dtype:
     """The dtype the model computes in (its embedding's, dense or MXFP4)."""
     embed = model.get_submodule(EMBED)
-    return embed.dtype if isinstance(embed, Fp4Embedding) else embed.weight.dtype
+    return embed.dtype if isinstance(embed, TiedEmbedding) else embed.weight.dtype
 
 
 def tied(model: nn.Module) -> bool:
@@ -112,10 +112,10 @@ def fp4_modules(model: nn.Module, packed: Packed, rotated: bool = False) -> dict
 
 
 def mxfp4_modules(model: nn.Module, packed: Packed, rotated: bool = False) -> dict[str, nn.Module]:
-    """`fp4_modules`, and for a tied head an `Fp4Embedding` over the new head in place of the dense embedding."""
+    """`fp4_modules`, and for a tied head a `TiedEmbedding` over the new head in place of the dense embedding."""
     modules: dict[str, nn.Module] = dict(fp4_modules(model, packed, rotated))
     if HEAD in modules and tied(model):
-        modules[EMBED] = Fp4Embedding(modules[HEAD], model_dtype(model))
+        modules[EMBED] = TiedEmbedding(modules[HEAD], model_dtype(model))
     return modules
 
 
@@ -141,7 +141,7 @@ def dense_from(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, 
         if fp4.bias is not None:
             linear.bias = nn.Parameter(fp4.bias.detach().clone(), requires_grad=False)
         modules[name] = linear
-    if HEAD in modules and isinstance(model.get_submodule(EMBED), Fp4Embedding):
+    if HEAD in modules and isinstance(model.get_submodule(EMBED), TiedEmbedding):
         with torch.device("meta"):
             embed = nn.Embedding(model.cfg.vocab_size, model.cfg.hidden_size)
         embed.weight = modules[HEAD].weight

@@ -272,7 +272,7 @@ def test_packed_chain_reports_each_drafts_probability_and_propose_keeps_the_conf
 def test_an_mxfp4_target_packs_its_heads_with_the_block_kernels_settings():
     """An MXFP4 output head (the CPU's block kernels read it: a verification row costs as on GGUF blocks) gets the
     GGUF target's gate; its draft-vocabulary rows are its dequantized rows quantized to Q8_0."""
-    from specchat.quant.fp4_linear import Fp4Embedding, Fp4Linear
+    from specchat.quant.fp4_linear import Fp4Linear, TiedEmbedding
 
     torch.manual_seed(0)
     model = Transformer(CFG).eval()
@@ -288,7 +288,7 @@ def test_an_mxfp4_target_packs_its_heads_with_the_block_kernels_settings():
         assert torch.equal(c_chain(drafter, 3, hidden, prev), drafter.greedy_chain(3, hidden, prev))
     # the embedding tied to the MXFP4 head, as `--weights mxfp4` holds the default model: no table to read, so the
     # chain reads a bf16 copy of it (its drafts' inputs rounded: drafts, not outputs, may differ from the modules')
-    model.embed = Fp4Embedding(model.lm_head, torch.float32)
+    model.embed = TiedEmbedding(model.lm_head, torch.float32)
     tied = HeadsDrafter(heads, model)
     assert tied.c_chain is not None and tied.c_chain.tensors[3].dtype == torch.bfloat16
     with torch.inference_mode():

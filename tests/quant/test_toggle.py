@@ -109,14 +109,14 @@ def test_the_toggled_weights_are_the_cached_gptq_weights(engine, tiny_model_dir)
 def test_a_tied_head_is_mxfp4_and_the_embedding_reads_its_rows(tied_model_dir) -> None:
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
-    from specchat.quant.fp4_linear import Fp4Embedding
+    from specchat.quant.fp4_linear import TiedEmbedding
 
     engine = Engine.load(EngineConfig(model=str(tied_model_dir), device="cpu", dtype="float32"))
     model = engine.model
     table = model.embed.weight.clone()
     dense = engine.memory()
     engine.set_weights("mxfp4")
-    assert isinstance(model.lm_head, Fp4Linear) and isinstance(model.embed, Fp4Embedding)
+    assert isinstance(model.lm_head, Fp4Linear) and isinstance(model.embed, TiedEmbedding)
     ids = torch.tensor([[0, 5], [49151, 5]])
     assert torch.equal(model.embed(ids), model.lm_head.dequantized(torch.float32)[ids])  # [2, 2, hidden]
     packed = engine.memory()

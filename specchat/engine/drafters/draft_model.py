@@ -24,6 +24,7 @@ from specchat.engine.kv_pages import bytes_per_token, format_for_dtype
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.sampling import probs_from_logits, sample_from_probs
+from specchat.quant.modules import model_dtype
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
@@ -130,7 +131,7 @@ def load_draft_model_drafter(name: str | None, engine) -> DraftModelDrafter:
     spec = resolve(name)
     label = f"draft-model:{spec.alias}" if name else "draft-model"
     own = engine.model_spec
-    dtype = engine.model.embed.weight.dtype
+    dtype = model_dtype(engine.model)
     if own is not None and spec.where == own.where:
         model = engine.model
     else:

@@ -51,7 +51,7 @@ from torch import nn
 from specchat.engine import cpu_fusion
 from specchat.engine.cpu_weights import BlockLinear, as_block_linear, quantize_q8_0, set_activations
 from specchat.kernels import cpu_block, cpu_gemv, cpu_gemv_i8, cpu_ops
-from specchat.quant.fp4_linear import Fp4Embedding, Fp4Linear
+from specchat.quant.fp4_linear import Fp4Linear, TiedEmbedding
 
 if TYPE_CHECKING:
     from specchat.engine.drafters.heads import DraftHeads, HeadsDrafter
@@ -173,9 +173,13 @@ def chain_weights(drafter: HeadsDrafter, model: Transformer) -> cpu_block.HeadsW
     heads, norm, embed = drafter.heads, drafter.output.norm, model.embed
     if not (cpu_block.available() and cpu_ops.available() and heads.cfg.sequential):
         return None
-    # an embedding held as MXFP4 (quant/fp4_linear.Fp4Embedding) has no table: the chain reads a bf16 copy (half
-    # the bytes of float32; the drafts' inputs only, verification reads the target's own)
-    embed = embed.weight.to(torch.bfloat16) if isinstance(embed, Fp4Embedding) else getattr(embed, "weight", None)
+    # an embedding tied to a quantized head (quant/fp4_linear.TiedEmbedding) has no table: the chain reads a copy,
+    # of an MXFP4 head's rows in bf16 (half the bytes of float32; the drafts' inputs only, verification reads the
+    # target's own), of a GGUF-block head's in float32 (the table's values, as when the embedding held it)
+    if isinstance(embed, TiedEmbedding):
+        embed = embed.weight if isinstance(embed.head, BlockLinear) else embed.weight.to(torch.bfloat16)
+    else:
+        embed = getattr(embed, "weight", None)
     if not isinstance(embed, torch.Tensor) or embed.dtype not in cpu_block.EMBED_DTYPES or not embed.is_contiguous():
         return None
     norms = [n for b in heads.blocks for n in (b.state_norm, b.embed_norm)]
