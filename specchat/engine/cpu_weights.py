@@ -465,16 +465,15 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
 
 
 def tie_embedding(model: Transformer) -> bool:
-    """Where the output head is tied to the embedding and reads blocks, the embedding reads its rows from them too
-    (quant/fp4_linear.TiedEmbedding: a lookup dequantizes the rows it needs, the values the table held), so the
-    float32 table is not held beside the blocks under int8 rows (the default model: 113 MB; a 1B Llama 3.2: 1 GB),
-    nor read from the file where the loader deferred it. Returns whether it did."""
+    """Where the loader deferred a tied embedding with its output head (a large file: `deferred_tensors`) and the
+    head reads blocks, the embedding reads its rows from them (quant/fp4_linear.TiedEmbedding: a lookup dequantizes
+    the rows it needs), so the float32 table is never made (a 1B Llama 3.2: 1 GB). A table the loader made stays:
+    mapped from the float cache it costs only the rows read, and the heads' chain reads it in place. Returns
+    whether it tied."""
     head, embed = model.lm_head, model.embed
-    if not (model.cfg.tie_embeddings and isinstance(head, BlockLinear) and isinstance(embed, nn.Embedding)):
+    if not (isinstance(head, BlockLinear) and isinstance(embed, nn.Embedding) and embed.weight.is_meta):
         return False
     model.embed = TiedEmbedding(head, torch.float32)
-    if head._parameters.get("weight") is not None and head._parameters["weight"].is_meta:
-        del head._parameters["weight"]  # (deferred with the embedding: `.weight` reads the blocks' values)
     return True
 
 

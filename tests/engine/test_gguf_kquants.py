@@ -121,16 +121,19 @@ def test_a_blocks_cache_written_before_k_quants_were_read_is_rebuilt(tmp_path):
 
 
 @needs_kernels
-def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monkeypatch, tied: bool):
     """Past GGUF_CACHE_MAX_BYTES in float32 (an 8B model: 32 GB) the loader leaves the linears the CPU blocks read
-    as meta tensors instead of dequantizing them; the blocks then stand for them (a prompt's float GEMM under fp32
-    rows reads `.weight`, made from the blocks per call), and the model decodes as it does when its float weights
-    were loaded, under either activation rows."""
+    as meta tensors instead of dequantizing them, and a tied embedding with its head; the blocks then stand for
+    them (a prompt's float GEMM under fp32 rows reads `.weight`, made from the blocks per call; the embedding
+    looks its rows up in the head's blocks), and the model decodes as it does when its float weights were loaded,
+    under either activation rows."""
     from specchat.engine import loader
     from specchat.engine.cpu_weights import deferred_tensors
     from specchat.engine.engine import Engine
+    from specchat.quant.fp4_linear import TiedEmbedding
 
-    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
+    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True, tied=tied)
     _, small = loader.load_gguf(path, defer=deferred_tensors)
     assert not any(t.is_meta for t in small.values())  # a model the cache takes is read whole, as before
     sampling, plain = SamplingParams(max_tokens=24, ignore_eos=True), SpecParams("none", k=0)
@@ -140,6 +143,7 @@ def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monk
         engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act))
         blocks = [m for m in engine.model.modules() if isinstance(m, BlockLinear)]
         assert len(blocks) == 9 and (not deferring or not any(m.holds_weight for m in blocks))
+        assert isinstance(engine.model.embed, TiedEmbedding) == (tied and deferring)
         out = [engine.submit(engine.encode_prompt(p), sampling, plain).result().token_ids for p in prompts]
         engine.close()
         return out
@@ -149,12 +153,13 @@ def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monk
         patch.setattr(loader, "GGUF_CACHE_MAX_BYTES", 0)
         _, large = loader.load_gguf(path, defer=deferred_tensors)
         linears = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
+        linears += ("embed.weight",) if tied else ()
         assert {name for name, t in large.items() if t.is_meta} == {name for name in large if name.endswith(linears)}
         deferred, load_gguf = [], loader.load_gguf
 
         def counted(*args, **kwargs):
             cfg, state = load_gguf(*args, **kwargs)
-            deferred.append(sum(t.is_meta for t in state.values()))
+            deferred.append(len({id(t) for t in state.values() if t.is_meta}))
             return cfg, state
 
         patch.setattr(loader, "load_gguf", counted)

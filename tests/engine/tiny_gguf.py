@@ -33,12 +33,18 @@ def random_kquant(gguf_type: str, rows: int, columns: int, rng: np.random.Genera
 
 
 def write_tiny_gguf(
-    path: Path, seed: int = 0, blocks: bool = False, kquants: bool = False, shape: tuple[int, ...] | None = None
+    path: Path,
+    seed: int = 0,
+    blocks: bool = False,
+    kquants: bool = False,
+    shape: tuple[int, ...] | None = None,
+    tied: bool = False,
 ) -> Path:
     """A 2-layer llama GGUF with a byte-level BPE vocabulary (ids 0-2 special, bos 1, eos 2) and a ChatML template;
     with `blocks`, the linears' weights stored as Q8_0 blocks (what the CPU block kernels read), else float32; with
     `kquants`, 256 wide and stored as a Q4_K_M file stores them (Q4_K, Q6_K: KQUANT_TYPES). `shape`: (hidden, ffn,
-    layers, heads, kv heads) instead (benchmarks/cpu_gguf_large.py writes a 1B-parameter one)."""
+    layers, heads, kv heads) instead (benchmarks/cpu_gguf_large.py writes a 1B-parameter one). `tied`: no output
+    tensor (the head is the embedding), with `kquants` a Q6_K embedding."""
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
     from gguf.quants import quantize
 
@@ -67,7 +73,9 @@ def write_tiny_gguf(
     writer.add_chat_template(CHATML_TEMPLATE)
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
-    shapes = {"token_embd.weight": (VOCAB, hidden), "output_norm.weight": (hidden,), "output.weight": (VOCAB, hidden)}
+    shapes = {"token_embd.weight": (VOCAB, hidden), "output_norm.weight": (hidden,)}
+    if not tied:
+        shapes["output.weight"] = (VOCAB, hidden)
     for i in range(layers):
         b = f"blk.{i}."
         shapes |= {
@@ -82,8 +90,8 @@ def write_tiny_gguf(
             b + "ffn_down.weight": (hidden, ffn),
         }
     for name, dims in shapes.items():
-        if kquants and len(dims) == 2 and name != "token_embd.weight":
-            kind = KQUANT_TYPES.get(name.split(".")[-2], "Q4_K")
+        if kquants and len(dims) == 2 and (tied or name != "token_embd.weight"):
+            kind = KQUANT_TYPES.get(name.split(".")[-2], "Q6_K" if name == "token_embd.weight" else "Q4_K")
             writer.add_tensor(name, random_kquant(kind, *dims, rng), raw_dtype=GGMLQuantizationType[kind])
             continue
         data = (rng.standard_normal(dims) * 0.05).astype(np.float32)
