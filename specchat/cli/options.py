@@ -148,15 +148,18 @@ def gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def available_memory(device) -> int:
+def available_memory(device) -> int | None:
     """Bytes a new allocation can get: free memory of a CUDA device; on the CPU, MemAvailable within the cgroup's
-    limit (Linux), else the physical memory."""
+    limit (Linux), else the physical memory; None where neither can be read (Windows has no sysconf)."""
     import torch
 
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
     try:
         meminfo = Path("/proc/meminfo").read_text()
         available = next(
@@ -177,7 +180,7 @@ def check_memory_ask(nbytes: int, device_name: str, what: str) -> None:
 
     device = pick_device(device_name)
     free = available_memory(device)
-    if nbytes > free:
+    if free is not None and nbytes > free:  # (unknown: the allocation itself says so if it fails)
         where = "the GPU" if device.type == "cuda" else "this machine"
         raise ConfigError(f"{what} needs {gib(nbytes)} but {where} has {gib(free)} free")
 

@@ -159,3 +159,15 @@ def test_a_model_cache_that_cannot_be_written_is_one_line(tmp_path: Path):
     home.write_text("")
     proc = run_cli("pull", env={"SPECCHAT_HOME": str(home)})
     assert_one_line_error(proc, "cannot write the model cache", "SPECCHAT_HOME", str(home))
+
+
+def test_a_machine_that_does_not_say_its_memory_runs_without_the_check(monkeypatch):
+    """Windows has no os.sysconf: the memory check of --kv-memory / bench --synthetic is skipped there rather than
+    ending in an AttributeError."""
+    import torch
+
+    from specchat.cli.options import available_memory, check_memory_ask
+
+    monkeypatch.delattr(os, "sysconf")
+    assert available_memory(torch.device("cpu")) is None
+    check_memory_ask(1 << 60, "cpu", "--kv-memory 1E")  # no error: nothing to compare with
