@@ -54,8 +54,8 @@ QUANTIZED = AS_Q4_1 | {
 
 
 # The blocks cache's format, in its metadata: a cache of another (one written before K-quants were read, holding
-# only a K-quant file's Q4_1 / Q8_0 linears) is rebuilt.
-CACHE_FORMAT = "2"
+# only a K-quant file's Q4_1 / Q8_0 linears; or before an untied embedding's blocks were kept) is rebuilt.
+CACHE_FORMAT = "3"
 
 
 class Blocks(NamedTuple):
@@ -122,7 +122,7 @@ class BlockLinear(nn.Linear):
         return self._dequantize(codes[index], d[index], None if m is None else m[index]).to(dtype)
 
     def _dequantize(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemv.q4_dequantize(codes, d, m) if self.kind == "q4_1" else cpu_gemv.q8_dequantize(codes, d)
+        return dequantize_blocks(self.kind, codes, d, m)
 
     @property
     def gguf_type(self) -> str:
@@ -342,8 +342,8 @@ def _unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _sources(cfg: ModelConfig, tensors: dict) -> dict[str, list[tuple[str, int | None]]]:
-    """Our linear name -> its GGUF tensors in row order (of the file's `tensors`, by name), each with the head count
-    whose rope rows it permutes."""
+    """Our linear name (and "embed" for an untied embedding) -> its GGUF tensors in row order (of the file's
+    `tensors`, by name), each with the head count whose rope rows it permutes."""
     permuted = cfg.arch == "llama"
     heads = (cfg.num_heads, cfg.num_kv_heads) if permuted else (None, None)
     out = {}
@@ -357,7 +357,10 @@ def _sources(cfg: ModelConfig, tensors: dict) -> dict[str, list[tuple[str, int |
         out[o + "attn.wo"] = [(b + "attn_output.weight", None)]
         out[o + "mlp.w_gate_up"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
         out[o + "mlp.w_down"] = [(b + "ffn_down.weight", None)]
-    out["lm_head"] = [("output.weight" if "output.weight" in tensors else "token_embd.weight", None)]
+    if "output.weight" in tensors:  # an untied embedding: its own blocks (embedding_from_blocks)
+        out["lm_head"], out["embed"] = [("output.weight", None)], [("token_embd.weight", None)]
+    else:
+        out["lm_head"] = [("token_embd.weight", None)]
     return out
 
 
@@ -392,10 +395,9 @@ def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, Blocks]:
 
 def deferred_tensors(cfg: ModelConfig, tensors: dict) -> set[str]:
     """The GGUF tensors `pack_blocks` will read as blocks, which the loader need not dequantize (loader.load_gguf's
-    `defer`): every linear's, the embedding's where the output head is tied to it (`tie_embedding`)."""
-    groups = [names for names in _sources(cfg, tensors).values() if _read_as_blocks(tensors, names)]
-    deferred = {name for names in groups for name, _ in names}
-    return deferred if cfg.tie_embeddings else deferred - {"token_embd.weight"}
+    `defer`): every linear's and the embedding's (`embedding_from_blocks`)."""
+    groups = _sources(cfg, tensors).values()
+    return {name for names in groups if _read_as_blocks(tensors, names) for name, _ in names}
 
 
 def _save(cache: Path, blocks: dict[str, Blocks]) -> None:
@@ -437,7 +439,7 @@ def _load(cache: Path) -> dict[str, Blocks] | None:
 
 def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) -> int:
     """Re-class the model's linears that the GGUF file stores quantized (float32 model only) as block linears
-    (Q4_1 or Q8_0 blocks: `_blocks`); returns how many. The float weights stay (large batches and `unpack` use
+    (Q4_1 or Q8_0 blocks: `_blocks`), and a deferred embedding (`embedding_from_blocks`); returns how many linears. The float weights stay (large batches and `unpack` use
     them), but for those the loader deferred (meta tensors: `deferred_tensors`), which `.weight` then reads from
     the blocks. With `cache` (a safetensors path) the blocks are read from the file once (parsing a GGUF takes
     seconds) and from the cache after."""
@@ -461,19 +463,55 @@ def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) 
         if linear._parameters["weight"].is_meta:  # deferred by the loader: `.weight` reads the blocks' values
             del linear._parameters["weight"]
         packed += 1
+    embedding_from_blocks(model, blocks)
     return packed
 
 
-def tie_embedding(model: Transformer) -> bool:
-    """Where the loader deferred a tied embedding with its output head (a large file: `deferred_tensors`) and the
-    head reads blocks, the embedding reads its rows from them (quant/fp4_linear.TiedEmbedding: a lookup dequantizes
-    the rows it needs), so the float32 table is never made (a 1B Llama 3.2: 1 GB). A table the loader made stays:
-    mapped from the float cache it costs only the rows read, and the heads' chain reads it in place. Returns
-    whether it tied."""
+def dequantize_blocks(kind: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """float32 values of Q4_1 ("q4_1": codes, d, m) or Q8_0 ("q8_0": codes, d) blocks, as gguf dequantizes them."""
+    return cpu_gemv.q4_dequantize(codes, d, m) if kind == "q4_1" else cpu_gemv.q8_dequantize(codes, d)
+
+
+class BlockEmbedding(TiedEmbedding):
+    """A token embedding read from its own GGUF blocks (an untied file's `token_embd`, which the loader deferred:
+    `deferred_tensors`): a lookup dequantizes the rows it needs, as a tied one reads its head's (TiedEmbedding, of
+    which it is its own head). The blocks are this module's buffers, counted as the model's weights."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        kind, arrays, source = blocks
+        nn.Module.__init__(self)
+        self.kind, self.source, self.dtype = kind, source, torch.float32
+        self.num_embeddings, self.embedding_dim = arrays[0].shape[0], arrays[1].shape[1] * cpu_gemv.BLOCK
+        for name, value in zip(("codes", "d", "m"), arrays, strict=False):
+            self.register_buffer(name, value, persistent=False)
+        object.__setattr__(self, "head", self)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` [R] of the table, [R, hidden] in `dtype`."""
+        m = self._buffers.get("m")
+        return dequantize_blocks(self.kind, self.codes[index], self.d[index], None if m is None else m[index]).to(dtype)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole table [V, hidden] in `dtype`, made on each call."""
+        return dequantize_blocks(self.kind, self.codes, self.d, self._buffers.get("m")).to(dtype)
+
+
+def embedding_from_blocks(model: Transformer, blocks: dict[str, Blocks]) -> bool:
+    """Where the loader deferred the embedding (a large file: `deferred_tensors`), it reads its rows from blocks
+    (a lookup dequantizes the rows it needs), so its float32 table is never made (a Llama 3.2 1B's tied one: 1 GB,
+    a Llama 3.1 8B's: 2 GB): a tied one from the output head's (TiedEmbedding), an untied one from its own
+    (BlockEmbedding). A table the loader made stays: mapped from the float cache it costs only the rows read, and
+    the heads' chain reads it in place. Returns whether it did."""
     head, embed = model.lm_head, model.embed
-    if not (isinstance(head, BlockLinear) and isinstance(embed, nn.Embedding) and embed.weight.is_meta):
+    if not (isinstance(embed, nn.Embedding) and embed.weight.is_meta):
         return False
-    model.embed = TiedEmbedding(head, torch.float32)
+    if model.cfg.tie_embeddings and isinstance(head, BlockLinear):
+        model.embed = TiedEmbedding(head, torch.float32)
+        return True
+    own = blocks.get("embed")
+    if own is None or own.arrays[0].shape[0] != embed.num_embeddings:
+        return False  # (the loader's caller names the tensor left unread)
+    model.embed = BlockEmbedding(own)
     return True
 
 

@@ -22,7 +22,6 @@ from specchat.engine.cpu_weights import (
     pack_blocks,
     release_unread_weights,
     set_activations,
-    tie_embedding,
 )
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_transform import load_or_calibrate
@@ -187,7 +186,6 @@ def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu
     MXFP4 weights (Engine.set_weights) has put plain dense linears in their place."""
     if path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
-        tie_embedding(model)
         unread = [name for name, p in model.named_parameters() if p.is_meta]
         if unread:  # (load_gguf deferred them for the blocks, which did not take them: a bug, said plainly)
             raise ModelFormatError(f"{path}: {unread[0]} was left for the CPU blocks, which did not read it")

@@ -44,7 +44,7 @@ def write_tiny_gguf(
     with `blocks`, the linears' weights stored as Q8_0 blocks (what the CPU block kernels read), else float32; with
     `kquants`, 256 wide and stored as a Q4_K_M file stores them (Q4_K, Q6_K: KQUANT_TYPES). `shape`: (hidden, ffn,
     layers, heads, kv heads) instead (benchmarks/cpu_gguf_large.py writes a 1B-parameter one). `tied`: no output
-    tensor (the head is the embedding), with `kquants` a Q6_K embedding."""
+    tensor (the head is the embedding). With `kquants` the embedding is Q6_K."""
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
     from gguf.quants import quantize
 
@@ -90,7 +90,7 @@ def write_tiny_gguf(
             b + "ffn_down.weight": (hidden, ffn),
         }
     for name, dims in shapes.items():
-        if kquants and len(dims) == 2 and (tied or name != "token_embd.weight"):
+        if kquants and len(dims) == 2:
             kind = KQUANT_TYPES.get(name.split(".")[-2], "Q6_K" if name == "token_embd.weight" else "Q4_K")
             writer.add_tensor(name, random_kquant(kind, *dims, rng), raw_dtype=GGMLQuantizationType[kind])
             continue
