@@ -4,8 +4,8 @@
         [--only plain,auto]   # specchat rows whose names contain one of these
         [--model FILE.gguf]   # default: the default model's Q4_1 GGUF
 
-Every engine decodes the same file (the default model's Q4_1 GGUF, or --model's), greedy, --new-tokens tokens per prompt with
-EOS ignored, on the same cores (--threads, default: what specchat picks, engine/loading.cpu_threads). Decode rate
+Every engine decodes the same file (the default model's Q4_1 GGUF, or --model's), greedy, --new-tokens tokens per
+prompt with EOS ignored, on the same cores (--threads, default: what specchat picks, engine/loading.cpu_threads). Decode rate
 = (new tokens - 1) / (generation time - time to the first token), so each prompt's prefill is left out; the
 figure per engine is the median over prompts x runs, the runs interleaved across engines so a change in the
 machine's load hits all of them. Rows: specchat per dtype, weights (the GGUF blocks read by the CPU kernels, or
@@ -203,7 +203,8 @@ def main() -> None:
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     print(
-        f"`python benchmarks/cpu_peers.py --runs {args.runs} --model {args.model}` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {cpu} "
+        f"`python benchmarks/cpu_peers.py --runs {args.runs} --model {args.model}` — "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {cpu} "
     )
     print(f"file {path.name}: {'+'.join(sorted(types))}")
     print(f"({platform.machine()}, {os.cpu_count()} cores, {threads} threads), load average {os.getloadavg()[0]:.1f}")

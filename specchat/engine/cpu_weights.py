@@ -7,8 +7,8 @@ a decode or verification step with kernels/cpu_gemv.py (0.625 / 1.06 bytes per w
 files the weights are the same numbers either way (the kernels dequantize as gguf does), so this costs no
 accuracy; Q4_K is read as Q4_1 blocks whose scales are rounded to float16, the other quantized types (Q6_K, Q5_K,
 ...) as Q8_0 blocks requantized from their values (AS_Q4_1, QUANTIZED: docs/benchmarks.md measures what that
-changes). Rows above cpu_gemv.MAX_ROWS (a prompt's prefill) keep the float GEMM with float rows. `unpack(model)` swaps the plain modules back
-(docs/style.md #3, #6: the model code is unchanged, `--eager` never packs).
+changes). Rows above cpu_gemv.MAX_ROWS (a prompt's prefill) keep the float GEMM with float rows. `unpack(model)`
+swaps the plain modules back (docs/style.md #3, #6: the model code is unchanged, `--eager` never packs).
 
 `set_activations(model, "int8")` re-classes the packed linears as `Int8BlockLinear`, which multiply with int8
 activation rows (kernels/cpu_gemv_i8.py, AVX512-VNNI: `--cpu-act int8`); that rounds each activation to 8 bits
@@ -439,10 +439,11 @@ def _load(cache: Path) -> dict[str, Blocks] | None:
 
 def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) -> int:
     """Re-class the model's linears that the GGUF file stores quantized (float32 model only) as block linears
-    (Q4_1 or Q8_0 blocks: `_blocks`), and a deferred embedding (`embedding_from_blocks`); returns how many linears. The float weights stay (large batches and `unpack` use
-    them), but for those the loader deferred (meta tensors: `deferred_tensors`), which `.weight` then reads from
-    the blocks. With `cache` (a safetensors path) the blocks are read from the file once (parsing a GGUF takes
-    seconds) and from the cache after."""
+    (Q4_1 or Q8_0 blocks: `_blocks`), and read a deferred embedding from blocks (`embedding_from_blocks`);
+    returns how many linears. The float weights stay (large batches and `unpack` use them), but for those the
+    loader deferred (meta tensors: `deferred_tensors`), which `.weight` then reads from the blocks. With `cache`
+    (a safetensors path) the blocks are read from the file once (parsing a GGUF takes seconds) and from the cache
+    after."""
     if not cpu_gemv.available() or next(model.parameters()).dtype != torch.float32:
         return 0
     blocks = _load(cache) if cache is not None and cache.exists() else None

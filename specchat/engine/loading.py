@@ -62,8 +62,8 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def pick_dtype(name: str | None, device: torch.device, cpu_blocks: bool = False) -> torch.dtype:
     """The model dtype: as asked; for `auto` (or None), bfloat16 on CUDA and on a CPU with native bfloat16,
     float32 on other CPUs and wherever `cpu_blocks` (a GGUF model the CPU's C kernels will read as Q4_1 / Q8_0
-    blocks, whatever its quantized types: they compute in float32 and decode 5.6x faster than torch's bfloat16 linears on an AMX CPU,
-    docs/benchmarks.md)."""
+    blocks, whatever its quantized types: they compute in float32 and decode 5.6x faster than torch's bfloat16
+    linears on an AMX CPU, docs/benchmarks.md)."""
     if name in (None, "auto"):
         native = device.type == "cuda" or (cpu_has_native_bf16() and not cpu_blocks)
         name = "bfloat16" if native else "float32"
@@ -181,9 +181,10 @@ def load_model(
 
 def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu_act: str) -> None:
     """A CPU model, for the C kernels (not --eager): its linears that a GGUF file stores quantized read Q4_1 / Q8_0
-    blocks (as stored, or converted: cpu_weights.AS_Q4_1), with the activation rows `cpu_act` picks, and the CPU kernels' modules swapped in
-    (cpu_fusion.fuse; a bf16 model's linears: cpu_weights.Bf16Linear). At load, and again where a switch back from
-    MXFP4 weights (Engine.set_weights) has put plain dense linears in their place."""
+    blocks (as stored, or converted: cpu_weights.AS_Q4_1), with the activation rows `cpu_act` picks, and the CPU
+    kernels' modules swapped in (cpu_fusion.fuse; a bf16 model's linears: cpu_weights.Bf16Linear). At load, and
+    again where a switch back from MXFP4 weights (Engine.set_weights) has put plain dense linears in their
+    place."""
     if path.is_file():
         pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
         unread = [name for name, p in model.named_parameters() if p.is_meta]
