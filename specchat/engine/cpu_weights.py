@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.engine.loader import gguf_reader
+from specchat.engine.loader import Progress, gguf_reader
 from specchat.engine.model import Linear, ModelConfig, Transformer
 from specchat.errors import note_not_saved
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
@@ -52,6 +52,8 @@ QUANTIZED = AS_Q4_1 | {
     "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
 }  # fmt: skip
 
+
+BLOCKS_STAGE = "reading CPU weight blocks"  # the progress label of a first load's conversion (read_blocks)
 
 # The blocks cache's format, in its metadata: a cache of another (one written before K-quants were read, holding
 # only a K-quant file's Q4_1 / Q8_0 linears; or before an untied embedding's blocks were kept) is rebuilt.
@@ -386,10 +388,17 @@ def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> Blocks | None
     return Blocks(kind, tuple(torch.cat(column).contiguous() for column in zip(*pieces, strict=True)), source)
 
 
-def read_blocks(model: Transformer, gguf_path: Path) -> dict[str, Blocks]:
-    """{linear name: its Blocks} for the model's linears that the GGUF file stores quantized."""
+def read_blocks(model: Transformer, gguf_path: Path, progress: Progress | None = None) -> dict[str, Blocks]:
+    """{linear name: its Blocks} for the model's linears that the GGUF file stores quantized. `progress` hears
+    ("reading CPU weight blocks", linears done, linears): a K-quant file's first load converts for seconds (a
+    1B-parameter one: ~10 s)."""
     tensors = {t.name: t for t in gguf_reader(gguf_path).tensors}
-    found = {name: _blocks(tensors, sources) for name, sources in _sources(model.cfg, tensors).items()}
+    sources = _sources(model.cfg, tensors)
+    found = {}
+    for i, (name, names) in enumerate(sources.items()):
+        found[name] = _blocks(tensors, names)
+        if progress:
+            progress(BLOCKS_STAGE, i + 1, len(sources))
     return {name: blocks for name, blocks in found.items() if blocks is not None}
 
 
@@ -437,18 +446,20 @@ def _load(cache: Path) -> dict[str, Blocks] | None:
         return None
 
 
-def pack_blocks(model: Transformer, gguf_path: Path, cache: Path | None = None) -> int:
+def pack_blocks(
+    model: Transformer, gguf_path: Path, cache: Path | None = None, progress: Progress | None = None
+) -> int:
     """Re-class the model's linears that the GGUF file stores quantized (float32 model only) as block linears
     (Q4_1 or Q8_0 blocks: `_blocks`), and read a deferred embedding from blocks (`embedding_from_blocks`);
     returns how many linears. The float weights stay (large batches and `unpack` use them), but for those the
     loader deferred (meta tensors: `deferred_tensors`), which `.weight` then reads from the blocks. With `cache`
-    (a safetensors path) the blocks are read from the file once (parsing a GGUF takes seconds) and from the cache
-    after."""
+    (a safetensors path) the blocks are read from the file once (parsing a GGUF takes seconds; `progress`: see
+    read_blocks) and from the cache after."""
     if not cpu_gemv.available() or next(model.parameters()).dtype != torch.float32:
         return 0
     blocks = _load(cache) if cache is not None and cache.exists() else None
     if blocks is None:
-        blocks = read_blocks(model, gguf_path)
+        blocks = read_blocks(model, gguf_path, progress)
         if cache is not None:  # then read back: blocks mapped from the file, whose pages int8 rows can give back
             _save(cache, blocks)
             blocks = (_load(cache) if cache.exists() else None) or blocks

@@ -179,14 +179,17 @@ def load_model(
     return model, packed, meta, cache
 
 
-def pack_cpu_weights(model: Transformer, path: Path, converted: Path | None, cpu_act: str) -> None:
+def pack_cpu_weights(
+    model: Transformer, path: Path, converted: Path | None, cpu_act: str, progress: Progress | None = None
+) -> None:
     """A CPU model, for the C kernels (not --eager): its linears that a GGUF file stores quantized read Q4_1 / Q8_0
     blocks (as stored, or converted: cpu_weights.AS_Q4_1), with the activation rows `cpu_act` picks, and the CPU
     kernels' modules swapped in (cpu_fusion.fuse; a bf16 model's linears: cpu_weights.Bf16Linear). At load, and
     again where a switch back from MXFP4 weights (Engine.set_weights) has put plain dense linears in their
     place."""
     if path.is_file():
-        pack_blocks(model, path, cache=converted.parent / "cpu_blocks.safetensors" if converted else None)
+        cache = converted.parent / "cpu_blocks.safetensors" if converted else None
+        pack_blocks(model, path, cache=cache, progress=progress)
         unread = [name for name, p in model.named_parameters() if p.is_meta]
         if unread:  # (load_gguf deferred them for the blocks, which did not take them: a bug, said plainly)
             raise ModelFormatError(f"{path}: {unread[0]} was left for the CPU blocks, which did not read it")
@@ -274,7 +277,7 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads())
         if cpu_kernels:
-            pack_cpu_weights(model, path, converted, config.cpu_act)
+            pack_cpu_weights(model, path, converted, config.cpu_act, progress)
         elif config.cpu_act == "int8":  # --device auto that found CUDA: its one-line error
             use_cpu_activations(model, config.cpu_act, cpu_kernels)
     budget = config.kv_memory or default_kv_budget(device)

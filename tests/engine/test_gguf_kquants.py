@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
-from specchat.engine.cpu_weights import BlockEmbedding, BlockLinear, as_q4_1, as_q8_0
+from specchat.engine.cpu_weights import BLOCKS_STAGE, BlockEmbedding, BlockLinear, as_q4_1, as_q8_0
 from specchat.kernels import cpu_gemv
 from specchat.registry import derived_dir
 from tests.engine.tiny_gguf import random_kquant, write_tiny_gguf
@@ -84,9 +84,10 @@ def test_a_q4_k_m_file_decodes_on_the_block_kernels(tmp_path):
         return engine.submit("hello there", sampling, spec).result().token_ids
 
     eager = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", eager=True))
-    tokens = []
+    tokens, stages = [], []
     for cpu_act in ("fp32", "auto", "auto"):  # the last one from the blocks cache
-        engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act))
+        config = EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_act=cpu_act)
+        engine = Engine.load(config, lambda what, done, total: stages.append((what, done, total)))
         blocks = {name: m for name, m in engine.model.named_modules() if isinstance(m, BlockLinear)}
         kinds = {name: (m.kind, m.source) for name, m in blocks.items()}
         assert len(kinds) == 9
@@ -101,6 +102,8 @@ def test_a_q4_k_m_file_decodes_on_the_block_kernels(tmp_path):
         assert greedy(engine, "ngram") == tokens[-1]
         engine.close()
     assert tokens[1] == tokens[2]
+    converted = [(done, total) for what, done, total in stages if what == BLOCKS_STAGE]
+    assert converted[-1] == (10, 10) and len(converted) == 10  # the first load's 9 linears and embedding; no other
 
 
 @needs_kernels
