@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from pathlib import Path
@@ -395,11 +396,14 @@ def read_blocks(model: Transformer, gguf_path: Path, progress: Progress | None =
     tensors = {t.name: t for t in gguf_reader(gguf_path).tensors}
     sources = _sources(model.cfg, tensors)
     found = {}
-    for i, (name, names) in enumerate(sources.items()):
-        found[name] = _blocks(tensors, names)
-        if progress:
-            progress(BLOCKS_STAGE, i + 1, len(sources))
-    return {name: blocks for name, blocks in found.items() if blocks is not None}
+    # numpy and torch release the GIL in their array work, so the linears convert on every core at once
+    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
+        futures = {pool.submit(_blocks, tensors, names): name for name, names in sources.items()}
+        for i, future in enumerate(as_completed(futures)):
+            found[futures[future]] = future.result()
+            if progress:
+                progress(BLOCKS_STAGE, i + 1, len(sources))
+    return {name: found[name] for name in sources if found[name] is not None}
 
 
 def deferred_tensors(cfg: ModelConfig, tensors: dict) -> set[str]:
