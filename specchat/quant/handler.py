@@ -235,7 +235,7 @@ class WeightSwitch:
 
 
 def _gguf_label(kinds: set[str], sources: set[str]) -> str | None:
-    """ "Q4_1+Q8_0", or "Q4_1+Q8_0 from Q4_K+Q6_K" where the file's types are not the kinds read."""
+    """The block kinds read, "Q4_1+Q8_0", and the file's types where they differ: "Q4_1+Q8_0 from Q4_K+Q6_K"."""
     if not kinds:
         return None
     label = "+".join(sorted(kinds))

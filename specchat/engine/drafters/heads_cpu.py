@@ -49,7 +49,13 @@ import torch
 from torch import nn
 
 from specchat.engine import cpu_fusion
-from specchat.engine.cpu_weights import BlockLinear, as_block_linear, quantize_q8_0, set_activations
+from specchat.engine.cpu_weights import (
+    BlockEmbedding,
+    BlockLinear,
+    as_block_linear,
+    quantize_q8_0,
+    set_activations,
+)
 from specchat.kernels import cpu_block, cpu_gemv, cpu_gemv_i8, cpu_ops
 from specchat.quant.fp4_linear import Fp4Linear, TiedEmbedding
 
@@ -175,9 +181,11 @@ def chain_weights(drafter: HeadsDrafter, model: Transformer) -> cpu_block.HeadsW
         return None
     # an embedding tied to a quantized head (quant/fp4_linear.TiedEmbedding) has no table: the chain reads a copy,
     # of an MXFP4 head's rows in bf16 (half the bytes of float32; the drafts' inputs only, verification reads the
-    # target's own), of a GGUF-block head's in float32 (the table's values, as when the embedding held it)
+    # target's own), of GGUF blocks (the head's, or its own: BlockEmbedding) in float32 (the table's values, as when
+    # the embedding held it)
     if isinstance(embed, TiedEmbedding):
-        embed = embed.weight if isinstance(embed.head, BlockLinear) else embed.weight.to(torch.bfloat16)
+        gguf = isinstance(embed.head, (BlockLinear, BlockEmbedding))
+        embed = embed.weight if gguf else embed.weight.to(torch.bfloat16)
     else:
         embed = getattr(embed, "weight", None)
     if not isinstance(embed, torch.Tensor) or embed.dtype not in cpu_block.EMBED_DTYPES or not embed.is_contiguous():
