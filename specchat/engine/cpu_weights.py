@@ -116,16 +116,11 @@ class BlockLinear(nn.Linear):
         """The weight's values from its blocks, float32 unless `dtype`: the loader's values, bit for bit (gguf's
         dequantization, kernels/cpu_gemv.py), where the file stored them as these blocks hold them (`source`;
         module docstring)."""
-        weight = self._dequantize(self._buffers["codes"], self._buffers["d"], self._buffers.get("m"))
-        return weight if dtype == torch.float32 else weight.to(dtype)
+        return block_values(self, dtype=dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` [R] of the weight, dequantized: [R, K] in `dtype` (as Fp4Linear.rows)."""
-        codes, d, m = self._buffers["codes"], self._buffers["d"], self._buffers.get("m")
-        return self._dequantize(codes[index], d[index], None if m is None else m[index]).to(dtype)
-
-    def _dequantize(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        return dequantize_blocks(self.kind, codes, d, m)
+        return block_values(self, index, dtype)
 
     @property
     def gguf_type(self) -> str:
@@ -483,9 +478,16 @@ def pack_blocks(
     return packed
 
 
-def dequantize_blocks(kind: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """float32 values of Q4_1 ("q4_1": codes, d, m) or Q8_0 ("q8_0": codes, d) blocks, as gguf dequantizes them."""
-    return cpu_gemv.q4_dequantize(codes, d, m) if kind == "q4_1" else cpu_gemv.q8_dequantize(codes, d)
+def block_values(
+    module: nn.Module, index: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The values of a module's GGUF blocks (its `kind` and buffers: Q4_1 codes, d, m or Q8_0 codes, d), of its rows
+    `index` if given, in `dtype`: gguf's dequantization (kernels/cpu_gemv.py)."""
+    codes, d, m = (module._buffers.get(name) for name in ("codes", "d", "m"))
+    if index is not None:
+        codes, d, m = codes[index], d[index], None if m is None else m[index]
+    values = cpu_gemv.q4_dequantize(codes, d, m) if module.kind == "q4_1" else cpu_gemv.q8_dequantize(codes, d)
+    return values if dtype == torch.float32 else values.to(dtype)
 
 
 class BlockEmbedding(TiedEmbedding):
@@ -504,12 +506,11 @@ class BlockEmbedding(TiedEmbedding):
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` [R] of the table, [R, hidden] in `dtype`."""
-        m = self._buffers.get("m")
-        return dequantize_blocks(self.kind, self.codes[index], self.d[index], None if m is None else m[index]).to(dtype)
+        return block_values(self, index, dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole table [V, hidden] in `dtype`, made on each call."""
-        return dequantize_blocks(self.kind, self.codes, self.d, self._buffers.get("m")).to(dtype)
+        return block_values(self, dtype=dtype)
 
 
 def embedding_from_blocks(model: Transformer, blocks: dict[str, Blocks]) -> bool:
