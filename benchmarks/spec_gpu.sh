@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
-#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto long cost rates ahead profile chain kernels gate
+#   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto long cost rates ahead hostgap profile chain kernels gate
 #                                             joins trace
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
@@ -61,6 +61,10 @@ for part in "${parts[@]}"; do
     kernels)  # where a step's device time goes, plain and heads, by kernel (torch profiler)
       timeout 300 python benchmarks/profile_spec.py --sessions 1,8,32 --configs none,heads:4 --kernels 25 \
         2>&1 | grep -v USDT | tee -a "$log" ;;
+    hostgap)  # what the host does more per step for the heads held at cap 0 than for plain decoding, 32 sessions:
+      # torch ops per step and the host functions by own time (the gates learnt in the first pair; the second timed)
+      timeout 400 python benchmarks/profile_spec.py --sessions 32 --requests 128 \
+        --configs none,heads:auto,none,heads:auto --host-ops 40 --cprofile 2>&1 | grep -v USDT | tee -a "$log" ;;
     profile)
       timeout 200 python benchmarks/profile_spec.py --sessions 1,8,32 --configs none,ngram:4,ngram:auto --cprofile \
         2>&1 | tee -a "$log" ;;
