@@ -17,8 +17,11 @@ import argparse
 import contextlib
 import copy
 import cProfile
+import gc
 import io
+import os
 import pstats
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -331,6 +334,61 @@ class HostCalls:
         )
 
 
+class ProcessTime:
+    """What the process did besides the engine's own thread over a pass: each thread's CPU time (Linux:
+    /proc/self/task), the calling thread's CPU time against the wall, and the garbage collector's passes and time.
+    A step on the GPU is host-bound at 32 sessions, so another thread busy on the same cores, or a collector pass,
+    shows as a slower step."""
+
+    def __enter__(self) -> ProcessTime:
+        self.gc = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+        self.threads = self._thread_ticks()
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.thread_time() - self.cpu
+        after = self._thread_ticks()
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.others: dict[str, float] = defaultdict(float)  # by thread name (torch's pool threads share one)
+        for tid, (name, ticks) in after.items():
+            if tid != threading.get_native_id():
+                self.others[name] += (ticks - self.threads.get(tid, (name, 0))[1]) * 1e3 / tick
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            entry = self.gc[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._gc_start
+
+    @staticmethod
+    def _thread_ticks() -> dict[int, tuple[str, int]]:
+        """{thread id: (name, user + system clock ticks)} of this process's threads (empty off Linux)."""
+        ticks = {}
+        for task in Path("/proc/self/task").glob("*"):
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            ticks[int(task.name)] = (name, int(fields[11]) + int(fields[12]))
+        return ticks
+
+    def report(self, steps: int) -> str:
+        busy = {name: round(ms) for name, ms in sorted(self.others.items(), key=lambda kv: -kv[1]) if ms > 0}
+        gcs = ", ".join(f"gen{g} {n} ({ms * 1e3:.1f} ms)" for g, (n, ms) in self.gc.items() if n)
+        return (
+            f"  process: this thread's CPU {self.cpu * 1e3:.0f} of {self.wall * 1e3:.0f} ms wall; other threads' CPU ms "
+            f"{busy or 'none'}; collector {gcs or 'idle'} ({sum(ms for _, ms in self.gc.values()) * 1e6 / max(1, steps):.1f}"
+            " us a step)"
+        )
+
+
 def kernel_table(profile: torch.profiler.profile, steps: int, n: int, cuda: bool = True) -> str:
     """The n kernels (on the CPU: ops) with the most own time over the plain pass, per step (graph replays'
     kernels included)."""
@@ -383,7 +441,7 @@ def main() -> None:
             activities = [activity] * bool(args.kernels) + [torch.profiler.ProfilerActivity.CPU] * bool(args.host_ops)
             kernels = torch.profiler.profile(activities=list(set(activities))) if activities else None
             calls = HostCalls(host_calls()) if args.host_calls else contextlib.nullcontext()
-            with SlowSteps(engine) as slow, kernels or contextlib.nullcontext(), calls:
+            with SlowSteps(engine) as slow, kernels or contextlib.nullcontext(), calls, ProcessTime() as process:
                 if profiler:
                     profiler.enable()
                 plain = run_sessions(engine, prompts, sessions, sampling, spec_of(config), requests=args.requests)
@@ -415,6 +473,7 @@ def main() -> None:
                 flush=True,
             )
             print(slow.report(), flush=True)
+            print(process.report(steps), flush=True)
             if gates:
                 print(f"  draft gates after the timed pass, ms per emitted token: {gates}", flush=True)
                 print(f"  steps of the timed pass by the cap its gate allowed: {caps}", flush=True)
