@@ -416,6 +416,9 @@ def main() -> None:
         help="end requests at the model's end-of-text token (default: max tokens each, as `specchat bench`)",
     )
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() after the warm-up (as vLLM's engine does)"
+    )
     parser.add_argument("--host-calls", action="store_true", help="host time per step of HOST_CALLS (unsynced)")
     parser.add_argument(
         "--kernels", type=int, default=0, help="print the N kernels with the most device time (torch profiler)"
@@ -432,6 +435,9 @@ def main() -> None:
     engine.warm_up(sessions=max(map(int, args.sessions.split(","))), drafters=drafters)  # every graph replayed
     for config in configs:  # warm-up: drafters built, kernels compiled
         run_sessions(engine, prompts, 8, SamplingParams(max_tokens=16), spec_of(config))
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     header = f"{'sessions':>8} {'config':>10} {'tok/s':>8} {'ms/step':>8} {'tok/step':>8}  phases (ms/step, synced)"
     print(header)
     for sessions in map(int, args.sessions.split(",")):

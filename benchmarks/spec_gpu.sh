@@ -63,8 +63,10 @@ for part in "${parts[@]}"; do
         2>&1 | grep -v USDT | tee -a "$log" ;;
     hostgap)  # what the host does more per step for the heads held at cap 0 than for plain decoding, 32 sessions:
       # torch ops per step and the host functions by own time (the gates learnt in the first pair; the second timed)
+      # (HOSTGAP_FLAGS: other flags, e.g. --gc-freeze; default --host-ops 40 --cprofile)
       timeout 400 python benchmarks/profile_spec.py --sessions 32 --requests 128 \
-        --configs none,heads:auto,none,heads:auto --host-ops 40 --cprofile 2>&1 | grep -v USDT | tee -a "$log" ;;
+        --configs "${CONFIGS:-none,heads:auto,none,heads:auto}" ${HOSTGAP_FLAGS---host-ops 40 --cprofile} 2>&1 \
+        | grep -v USDT | tee -a "$log" ;;
     profile)
       timeout 200 python benchmarks/profile_spec.py --sessions 1,8,32 --configs none,ngram:4,ngram:auto --cprofile \
         2>&1 | tee -a "$log" ;;
