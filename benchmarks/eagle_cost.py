@@ -1,6 +1,7 @@
 """What one EAGLE-3 draft position costs against one target step, at a real model's width (random weights).
 
     python benchmarks/eagle_cost.py [--shape llama-3.1-8b] [--context 512] [--batch 1,8] [--draft-vocab 32000]
+                                    [--weights bf16,mxfp4]
 
 Target: a plain decode step of the synthetic model (bench/synthetic.py), through the engine's runner (CUDA
 graphs on CUDA unless --eager). Head: one draft position of an EAGLE-3 head at the target's width (fc + one
@@ -8,6 +9,8 @@ decoder layer + the draft-vocabulary lm_head + argmax), through EagleHead with i
 context, eagerly (the catch-up and ungraphed chains run so); and, on CUDA, as the drafter's greedy chain runs it
 after the catch-up: EagleDrafter's captured chain of depth 2 and 4 (one graph replay and one read-back each), a
 position costing (depth 4 - depth 2) / 2. Medians over --steps; the ratio is the issue-13 yardstick (<= 8%).
+--weights: bf16 (both dense), mxfp4 (every linear of the target, its output head included, as `bench --synthetic
+--weights mxfp4` quantizes it, and of the head, as the drafter takes its target's form: EagleHead.to_mxfp4).
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import time
 
 import torch
 
-from specchat.bench.synthetic import SHAPES, random_model
+from specchat.bench.synthetic import SHAPES, quantize_all, random_model
 from specchat.engine.cuda_graph import CTX_BUCKETS
 from specchat.engine.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.loading import make_runner
 from specchat.engine.runner import StepBatch
+from specchat.quant.fp4_linear import Fp4Linear
 
 
 def timed(fn, steps: int, device: torch.device) -> float:
@@ -113,6 +117,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--weights", default="bf16,mxfp4", help="bf16 and/or mxfp4 (target and head), in this order")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -120,12 +125,16 @@ def main() -> None:
     vocab = min(args.draft_vocab, model.cfg.vocab_size)
     head = EagleHead(EagleConfig.for_target(model.cfg, vocab)).to(device=device, dtype=dtype).eval()
     graphs = device.type == "cuda" and not args.eager
-    print("| shape | batch | target step ms | eager draft position ms | ratio | graphed chain depth 2 / 4 ms | "
+    print("| shape | weights | batch | target step ms | eager draft position ms | ratio | graphed chain depth 2 / 4 ms | "
           "graphed position ms | ratio |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for batch in [int(b) for b in args.batch.split(",")]:
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    cases = [(w, int(b)) for w in args.weights.split(",") for b in args.batch.split(",")]
+    for weights, batch in cases:
+        if weights == "mxfp4" and not any(isinstance(m, Fp4Linear) for m in model.modules()):
+            quantize_all(model)
+            head.to_mxfp4()
         t_target, t_draft = measure(model, head, batch, args.context, args.steps, args.eager)
-        row = f"| {args.shape} | {batch} | {t_target:.3f} | {t_draft:.3f} | {t_draft / t_target:.1%} |"
+        row = f"| {args.shape} | {weights} | {batch} | {t_target:.3f} | {t_draft:.3f} | {t_draft / t_target:.1%} |"
         if graphs:
             t2, t4 = measure_chain(model, head, batch, args.context, args.steps)
             per = (t4 - t2) / 2

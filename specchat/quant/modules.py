@@ -97,11 +97,14 @@ def round_to_nearest(model: nn.Module, names: Sequence[str], rule: Rule = "mse",
     return packed
 
 
-def fp4_modules(model: nn.Module, packed: Packed, rotated: bool = False) -> dict[str, Fp4Linear]:
+def fp4_modules(
+    model: nn.Module, packed: Packed, rotated: bool = False, dtype: torch.dtype | None = None
+) -> dict[str, Fp4Linear]:
     """Fp4Linear modules (RotatedFp4Linear if the packed weights are W R) for the named linears of `model`, on
-    its device, biases copied from the modules they replace."""
+    its device, biases copied from the modules they replace; computing in `dtype` (default: the model's,
+    `model_dtype`, for a module without its embedding)."""
     device = next(model.parameters()).device
-    dtype = model_dtype(model)
+    dtype = model_dtype(model) if dtype is None else dtype
     cls = RotatedFp4Linear if rotated else Fp4Linear
     modules = {}
     for name, (codes, scales) in packed.items():

@@ -14,10 +14,18 @@ from safetensors.torch import save_file
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.drafters import Drafter
-from specchat.engine.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, default_aux_layers, is_eagle_dir
+from specchat.engine.drafters.eagle import (
+    LINEARS,
+    EagleConfig,
+    EagleDrafter,
+    EagleHead,
+    default_aux_layers,
+    is_eagle_dir,
+)
 from specchat.engine.runner import StepBatch
 from specchat.engine.train_eagle import EagleTrainConfig, EagleTrainer, train_eagle
 from specchat.errors import ConfigError, ModelFormatError
+from specchat.quant.fp4_linear import Fp4Linear
 
 
 def random_head(model, draft_vocab: int = 2000, seed: int = 0) -> EagleHead:
@@ -178,3 +186,34 @@ def test_training_learns_the_tiny_models_answers(tiny_engine, tmp_path):
     tiny_engine.drafters["eagle:trained"] = EagleDrafter.from_dir(out, tiny_engine.model, 4096)
     fin = tiny_engine.submit("def f(x):", SamplingParams(max_tokens=12), SpecParams("eagle:trained", k=3)).result()
     assert len(fin.token_ids) >= 1 and fin.stats.drafted > 0
+
+
+def test_an_mxfp4_head_drafts_what_a_dense_head_of_its_values_drafts(tiny_engine):
+    """The head's MXFP4 form (`follow_weights("mxfp4")`: its linears through the MXFP4 kernels) against its
+    reference, the dense head holding the dequantized values: the same drafts, kept as often, and the outputs
+    plain greedy decoding gives."""
+    quantized = random_eagle(tiny_engine, graphs=False)
+    quantized.follow_weights("mxfp4")
+    assert quantized.weights == "mxfp4"
+    assert all(isinstance(quantized.head.get_submodule(name), Fp4Linear) for name in LINEARS)
+    reference = random_eagle(tiny_engine, graphs=False)
+    with torch.no_grad():
+        for name in LINEARS:
+            reference.head.get_submodule(name).weight.copy_(
+                quantized.head.get_submodule(name).dequantized(torch.float32)
+            )
+    tiny_engine.drafters["eagle:mxfp4"], tiny_engine.drafters["eagle:ref"] = quantized, reference
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in ("def f(x):", "The quick brown fox"):
+        plain = tiny_engine.submit(prompt, greedy).result().token_ids
+        runs = [
+            tiny_engine.submit(prompt, greedy, SpecParams(name, k=3)).result() for name in ("eagle:mxfp4", "eagle:ref")
+        ]
+        assert [r.token_ids for r in runs] == [plain, plain]
+        assert runs[0].stats.drafted == runs[1].stats.drafted > 0
+        assert runs[0].stats.accepted == runs[1].stats.accepted
+    quantized.follow_weights("bf16")  # the dense linears back, as loaded
+    assert quantized.weights == "bf16"
+    fresh = random_head(tiny_engine.model)
+    for name in LINEARS:
+        assert torch.equal(quantized.head.get_submodule(name).weight, fresh.get_submodule(name).weight)

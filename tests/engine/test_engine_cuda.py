@@ -121,6 +121,27 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
     assert any(key[1] == 5 for key in keys), "no step padded to k = 4 was replayed from a graph"
 
 
+def test_an_mxfp4_eagle_heads_graphed_chain_keeps_speculation_lossless(cuda_tiny_model_dir):
+    """The EAGLE-3 head in MXFP4 (the form it takes beside MXFP4 target weights): its greedy chain replays from
+    graphs, and on either path speculation gives plain greedy decoding's outputs."""
+    from specchat.engine.engine import Engine
+    from tests.engine.test_eagle import random_eagle
+
+    prompts = ["Hi", "Tell me about the sea and the ships on it.", "1 2 3 4 5 6 7 8 9 10 11 12", "Why?"]
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="float32", eager=eager))
+        eagle = engine.drafters["eagle:random"] = random_eagle(engine, graphs=not eager)
+        eagle.follow_weights("mxfp4")
+        results = [h.result() for h in [engine.submit(p, sampling, SpecParams("eagle:random", k=4)) for p in prompts]]
+        assert sum(r.stats.drafted for r in results) > 0
+        outputs[eager] = [r.token_ids for r in results]
+        outputs["plain", eager] = [engine.submit(p, sampling).result().token_ids for p in prompts]
+        assert bool(eagle.chain.graphs) == (not eager)
+    assert outputs[False] == outputs["plain", False] and outputs[True] == outputs["plain", True]
+
+
 def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
     """Engine.load on CUDA captures the batch-1 graphs of widths 1..WARM_UP_K + 1 behind the progress bar
     (issue 18), leaves no cached prefix and fresh metrics, and the first chat request then replays without

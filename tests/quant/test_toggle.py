@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specchat.config import SamplingParams
+from specchat.config import SamplingParams, SpecParams
+from specchat.engine.drafters.eagle import LINEARS
 from specchat.engine.sequence import TextDelta
 from specchat.quant.fp4_linear import Fp4Linear
 
@@ -209,3 +210,22 @@ def test_toggle_uses_the_cached_gptq_result(tiny_model_dir, tmp_path, monkeypatc
     made = cache_dir(tiny_model_dir).stat().st_mtime_ns
     assert CliRunner().invoke(main, args).exit_code == 0  # the same settings again: the cache is reused
     assert cache_dir(tiny_model_dir).stat().st_mtime_ns == made
+
+
+def test_an_eagle_head_takes_the_targets_weights_form(engine, tmp_path) -> None:
+    """An EAGLE-3 head's linears follow the target's live switch (MXFP4 with MXFP4 weights, its dense ones back
+    after), and one built while the target is MXFP4 starts so; speculation stays lossless on MXFP4."""
+    from tests.engine.test_eagle import random_eagle, random_head
+
+    engine.drafters["eagle:rand"] = drafter = random_eagle(engine, graphs=False)
+    random_head(engine.model).save(tmp_path / "eagle", {"model": "tiny"})
+    engine.set_weights("mxfp4")
+    later = engine.drafter(f"eagle:{tmp_path / 'eagle'}")
+    assert drafter.weights == later.weights == "mxfp4"
+    assert all(isinstance(drafter.head.get_submodule(name), Fp4Linear) for name in LINEARS)
+    plain = engine.submit(PROMPT, GREEDY).result().token_ids
+    spec = engine.submit(PROMPT, GREEDY, SpecParams("eagle:rand", k=3)).result()
+    assert spec.token_ids == plain and spec.stats.drafted > 0
+    engine.set_weights("bf16")
+    assert drafter.weights == later.weights == "bf16"
+    assert not any(isinstance(m, Fp4Linear) for m in drafter.head.modules())

@@ -71,6 +71,10 @@ class Drafter:
     def warm_up(self, sessions: int) -> None:
         """Prepare for batches of up to `sessions` requests before the first step (capture CUDA graphs)."""
 
+    def follow_weights(self, fmt: str) -> None:
+        """The target's weights are now `fmt` (config.WEIGHT_FORMATS): a drafter with large weights of its own may
+        take the same form (the EAGLE-3 head). Called when it is built and at every switch."""
+
 
 class NoDrafter(Drafter):
     """Plain decoding."""
@@ -110,7 +114,9 @@ def make_drafter(name: str, context) -> Drafter:
         from specchat.engine.drafters.eagle import EagleDrafter
 
         folder = _shipped_file(arg, context, "eagle")
-        return EagleDrafter.from_dir(folder, context.model, context.pool.capacity_tokens, not context.config.eager)
+        drafter = EagleDrafter.from_dir(folder, context.model, context.pool.capacity_tokens, not context.config.eager)
+        drafter.follow_weights(context.weights.current)
+        return drafter
     if kind == "ngram+heads":
         from specchat.engine.drafters.hybrid import NgramThenHeads
 

@@ -35,6 +35,11 @@ class DrafterCache:
         """Drop what the request's drafter keeps for it (the request finished, was preempted or switched)."""
         self.get(seq.spec.drafter).release(seq)
 
+    def follow_weights(self, fmt: str) -> None:
+        """The target's weights switched to `fmt`: every drafter built so far hears it (`Drafter.follow_weights`)."""
+        for drafter in self.by_name.values():
+            drafter.follow_weights(fmt)
+
     def taps(self, seqs: Iterable[Sequence]) -> tuple[int, ...]:
         """Target layers whose hidden states the requests' drafters read, sorted."""
         names = {seq.spec.drafter for seq in seqs}

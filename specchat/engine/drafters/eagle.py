@@ -44,11 +44,13 @@ from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import MLP, Attention, KVAttention, ModelConfig, RMSNorm, RotaryEmbedding, Transformer
 from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
+from specchat.quant.modules import fp4_modules, model_dtype, round_to_nearest, swap_modules
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+LINEARS = ("fc", "attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head")  # EagleHead's, in order
 WEIGHTS_FILE = "model.safetensors"
 DRAFT_SLACK_TOKENS = 64 * 16  # the head's KV pool holds the target's capacity plus room for drafts in flight
 
@@ -202,6 +204,12 @@ class EagleHead(nn.Module):
         s = r + self.mlp(self.post_norm(r))
         return self.lm_head(self.norm(s)).float(), s
 
+    def to_mxfp4(self) -> dict[str, nn.Module]:
+        """Every linear (LINEARS) as MXFP4 in place, by round to nearest (quant.modules, the MSE rule), computing
+        in the head's dtype; returns the dense modules they replace."""
+        dtype = self.norm.weight.dtype
+        return swap_modules(self, fp4_modules(self, round_to_nearest(self, LINEARS), dtype=dtype))
+
     # --- files --------------------------------------------------------------------------------------------
     def state_for_file(self) -> dict[str, torch.Tensor]:
         """Weights under the names of the EAGLE-3 layout (q/k/v and gate/up unfused)."""
@@ -323,22 +331,25 @@ class EagleDrafter(Drafter):
     tap_history = True
 
     def __init__(self, head: EagleHead, model: Transformer, pool_tokens: int, graphs: bool = True) -> None:
-        weight = model.lm_head.weight
-        self.head = head.to(device=weight.device, dtype=weight.dtype).eval()
+        # (not the target's lm_head weight: an MXFP4 head's is dequantized whole at each read)
+        self.device, self.dtype = model.norm.weight.device, model_dtype(model)
+        self.head = head.to(device=self.device, dtype=self.dtype).eval()
+        # while the head is MXFP4 (`follow_weights`): the dense linears it replaced, kept in host memory
+        self._dense: dict[str, nn.Module] | None = None
         self.cfg = head.cfg
         self.taps = head.cfg.taps
         self.embed = model.embed
         self.vocab_size = model.cfg.vocab_size
         c = head.cfg
-        per_token = 2 * c.num_kv_heads * c.head_dim * weight.element_size()
+        per_token = 2 * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         self.pool = KVPool.from_budget(
             (pool_tokens + DRAFT_SLACK_TOKENS) * per_token,
             1,
             c.num_kv_heads,
             c.head_dim,
             16,
-            weight.dtype,
-            weight.device,
+            self.dtype,
+            self.device,
             rotate=False,
         )
         self.real: dict[int, int] = {}  # request -> rows of its cache that hold target positions (not drafts)
@@ -347,7 +358,7 @@ class EagleDrafter(Drafter):
         # bucket; padding rows write to a scratch page of the head's pool and attend to one key there
         layer = c.layer_config()
         group = layer.num_heads // layer.num_kv_heads
-        graphs = graphs and weight.is_cuda and paged_attention_supported(c.head_dim, group, 1)
+        graphs = graphs and self.device.type == "cuda" and paged_attention_supported(c.head_dim, group, 1)
         self.scratch_page = 0
         if graphs:
             self.pool.add(SCRATCH_SEQ, [])
@@ -356,10 +367,32 @@ class EagleDrafter(Drafter):
         scratch_slot = self.scratch_page * self.pool.page_size
         self.chain = GraphedFunction(
             self.greedy_chain,
-            lambda: tuple(p.data_ptr() for p in self.embed.parameters()),
+            lambda: (*(p.data_ptr() for p in self.embed.parameters()), *map(id, self._linears())),
             enabled=graphs,
             pads=(0.0, 0.0, 0, scratch_slot, self.scratch_page, 1),
         )
+
+    def _linears(self) -> list[nn.Module]:
+        return [self.head.get_submodule(name) for name in LINEARS]
+
+    @property
+    def weights(self) -> str:
+        """The form of the head's linears: "mxfp4" or "bf16" (unquantized, in the target's dtype)."""
+        return "bf16" if self._dense is None else "mxfp4"
+
+    def follow_weights(self, fmt: str) -> None:
+        """The head's linears take the target's form: MXFP4 (round to nearest) with MXFP4 target weights, the
+        dense ones back (as loaded) otherwise. On an 8B target the head is ~0.42B weights, 0.85 GB in bf16 read
+        at every draft position; against an MXFP4 target step, which reads ~4 GB at 4.25 bits, a bf16 head cost
+        14% of it a position (docs/benchmarks.md). Verification keeps drafting lossless either way."""
+        if (fmt == "mxfp4") == (self._dense is not None):
+            return
+        if fmt == "mxfp4":
+            self._dense = {name: module.to("cpu") for name, module in self.head.to_mxfp4().items()}
+        else:
+            assert self._dense is not None
+            swap_modules(self.head, {name: module.to(self.device) for name, module in self._dense.items()})
+            self._dense = None
 
     @classmethod
     def from_dir(cls, folder: Path, model: Transformer, pool_tokens: int, graphs: bool = True) -> EagleDrafter:
@@ -391,8 +424,7 @@ class EagleDrafter(Drafter):
             tokens.extend(seq.all_ids[first + 1 : seq.num_cached + 1])  # x_{i+1} for each row i
             positions.extend(range(first, seq.num_cached))
             seq.hidden = {}
-        device = self.head.lm_head.weight.device
-        dtype = self.head.lm_head.weight.dtype
+        device, dtype = self.device, self.dtype
         u = self.head.fc(torch.cat(rows).to(dtype))
         counts = [r.shape[0] for r in rows]
         kv = self.pool.prepare(ids, counts, self.scale)
@@ -475,7 +507,7 @@ class EagleDrafter(Drafter):
 
     def warm_up(self, sessions: int) -> None:
         """Capture the chain's graphs for k = 2..4 (the default k and below), every batch bucket up to `sessions`'."""
-        c, device, dtype = self.cfg, self.head.lm_head.weight.device, self.head.lm_head.weight.dtype
+        c, device, dtype = self.cfg, self.device, self.dtype
         width = CTX_BUCKETS[0] // self.pool.page_size
 
         def row(key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
