@@ -142,6 +142,21 @@ def test_an_mxfp4_eagle_heads_graphed_chain_keeps_speculation_lossless(cuda_tiny
     assert outputs[False] == outputs["plain", False] and outputs[True] == outputs["plain", True]
 
 
+def test_a_kv_switch_under_mxfp4_weights_recaptures_prompt_graphs(cuda_tiny_model_dir):
+    """MXFP4 weights, then a KV format switch: the graphs are captured anew (prompts of 512+ tokens take the
+    decoded-weight path inside the prefill graph), and the same prompt still answers."""
+    from specchat.engine.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="bfloat16"))
+    engine.set_weights("mxfp4")
+    prompt = " ".join(f"item {i}" for i in range(300))
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert len(engine.submit(prompt, sampling).result().token_ids) == 8
+    engine.set_kv("mxfp4")
+    assert len(engine.submit(prompt + " more", sampling).result().token_ids) == 8
+    assert engine.runner.prefills, "no prefill graph was captured"
+
+
 def test_load_warms_up_so_the_first_answer_captures_nothing(cuda_tiny_model_dir, tmp_path, monkeypatch):
     """Engine.load on CUDA captures the batch-1 graphs of widths 1..WARM_UP_K + 1 behind the progress bar
     (issue 18), leaves no cached prefix and fresh metrics, and the first chat request then replays without

@@ -40,6 +40,7 @@ from torch import nn
 from specchat.engine.cuda_graph import CTX_BUCKETS, SCRATCH_SEQ, GraphedFunction, StaticKVBatch
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.drafters.heads import choose_tokens
+from specchat.engine.fusion import fuse, fuse_linears
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import MLP, Attention, KVAttention, ModelConfig, RMSNorm, RotaryEmbedding, Transformer
 from specchat.errors import ConfigError, ModelFormatError
@@ -334,6 +335,10 @@ class EagleDrafter(Drafter):
         # (not the target's lm_head weight: an MXFP4 head's is dequantized whole at each read)
         self.device, self.dtype = model.norm.weight.device, model_dtype(model)
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
+        self.fused = graphs and self.device.type == "cuda"
+        if self.fused:  # the target's fused kernels (engine/fusion.py): a norm in one kernel, not five, and so on
+            fuse(self.head)
+            fuse_linears(self.head)
         # while the head is MXFP4 (`follow_weights`): the dense linears it replaced, kept in host memory
         self._dense: dict[str, nn.Module] | None = None
         self.cfg = head.cfg
@@ -393,6 +398,8 @@ class EagleDrafter(Drafter):
             assert self._dense is not None
             swap_modules(self.head, {name: module.to(self.device) for name, module in self._dense.items()})
             self._dense = None
+            if self.fused:
+                fuse_linears(self.head)
 
     @classmethod
     def from_dir(cls, folder: Path, model: Transformer, pool_tokens: int, graphs: bool = True) -> EagleDrafter:
