@@ -157,6 +157,12 @@ def main() -> None:
         "--eager drafts with; on a float target the heads' drafting before they read Q8_0 blocks there too)",
     )
     ap.add_argument(
+        "--eagle-mxfp4",
+        action="store_true",
+        help="also the drafter eagle%%mxfp4: the shipped EAGLE-3 head with MXFP4 linears (the form it takes beside "
+        "MXFP4 target weights), beside `eagle` in float",
+    )
+    ap.add_argument(
         "--heads-file",
         action="append",
         default=[],
@@ -183,6 +189,11 @@ def main() -> None:
             add_heads(engine, f"#{name}" + ("" if floor is None else f"~{floor:g}"), Path(path), min_confidence=floor)
     if args.heads_float:
         add_heads(engine, "%float", cpu_blocks=False)
+    if args.eagle_mxfp4:
+        from specchat.engine.drafters.base import make_drafter
+
+        engine.drafters["eagle%mxfp4"] = quantized = make_drafter("eagle", engine)
+        quantized.follow_weights("mxfp4")
     for heads_k in filter(None, args.hybrid_heads_k.split(",")):
         from specchat.engine.drafters.hybrid import NgramThenHeads
 

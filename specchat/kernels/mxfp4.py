@@ -193,14 +193,17 @@ def dequantize_mxfp4(
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """The orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two): symmetric, its own inverse. Made once
-    per order and dtype (on the CPU it is every RotatedFp4Linear call's: built anew it took a fifth of an MXFP4
-    decode step there); read it, do not write it."""
+    per order, dtype and device (on the CPU it is every RotatedFp4Linear call's: built anew it took a fifth of an
+    MXFP4 decode step there; on CUDA a copy from the host at each call cannot be captured in a graph, and a rotated
+    model's graphs are captured after the warm-up runs that make it); read it, do not write it."""
     assert n > 0 and n & (n - 1) == 0, n
-    return _hadamard(n, dtype).to(device=device)
+    return _hadamard(n, dtype, torch.device(device))
 
 
 @cache
-def _hadamard(n: int, dtype: torch.dtype) -> torch.Tensor:
+def _hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return _hadamard(n, dtype, torch.device("cpu")).to(device=device)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])

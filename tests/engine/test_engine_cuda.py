@@ -142,9 +142,10 @@ def test_an_mxfp4_eagle_heads_graphed_chain_keeps_speculation_lossless(cuda_tiny
     assert outputs[False] == outputs["plain", False] and outputs[True] == outputs["plain", True]
 
 
-def test_a_kv_switch_under_mxfp4_weights_recaptures_prompt_graphs(cuda_tiny_model_dir):
-    """MXFP4 weights, then a KV format switch: the graphs are captured anew (prompts of 512+ tokens take the
-    decoded-weight path inside the prefill graph), and the same prompt still answers."""
+def test_switches_to_mxfp4_weights_and_kv_recapture_graphs(cuda_tiny_model_dir):
+    """The live switch to MXFP4 weights (the toggle's GPTQ checkpoint: rotated blocks, whose Hadamard matrix a
+    graph must not copy from the host), then a KV format switch: the graphs are captured anew (prompts of 512+
+    tokens take the decoded-weight path inside the prefill graph), and the same prompt still answers."""
     from specchat.engine.engine import Engine
 
     engine = Engine.load(EngineConfig(model=str(cuda_tiny_model_dir), device="cuda", dtype="bfloat16"))
