@@ -247,6 +247,11 @@ class CudaGraphRunner(ModelRunner):
         if signature != self._signature:  # weights or KV format switched: captured pointers are stale
             self.graphs.clear()
             self.prefills.clear()
+            # and new pools: PyTorch releases a private pool once no graph holds it, and a capture into a released
+            # pool's handle fails (an internal assert of its caching allocator: seen on the H100 at the first
+            # capture after a live switch to MXFP4 weights)
+            self.mempool = torch.cuda.graph_pool_handle()
+            self.after_pool = torch.cuda.graph_pool_handle()
             self._signature = signature
             self._pdl_rows = self._rows_under_pdl()
             self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]  # a shrinking KV switch may renumber it
