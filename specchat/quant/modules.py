@@ -101,8 +101,8 @@ def fp4_modules(
     model: nn.Module, packed: Packed, rotated: bool = False, dtype: torch.dtype | None = None
 ) -> dict[str, Fp4Linear]:
     """Fp4Linear modules (RotatedFp4Linear if the packed weights are W R) for the named linears of `model`, on
-    its device, biases copied from the modules they replace; computing in `dtype` (default: the model's,
-    `model_dtype`, for a module without its embedding)."""
+    its device, biases copied from the modules they replace, computing in `dtype` (default: the model's,
+    `model_dtype`; a module without an embedding, such as an EAGLE-3 head, passes its own)."""
     device = next(model.parameters()).device
     dtype = model_dtype(model) if dtype is None else dtype
     cls = RotatedFp4Linear if rotated else Fp4Linear
