@@ -171,3 +171,36 @@ def test_a_large_k_quant_file_is_never_held_in_float32_on_the_cpu(tmp_path, monk
             (derived_dir(path) / "weights.safetensors").unlink(missing_ok=True)  # (the float cache of the loads above)
             assert answers(cpu_act, deferring=True) == expected[cpu_act]
         assert deferred == [9, 9] if tied else [10, 10]  # (a tied head is the embedding's tensor)
+
+
+DEFERRED_LOAD = """
+import sys
+from specchat.config import EngineConfig, SamplingParams
+from specchat.engine import loader
+from specchat.engine.engine import Engine
+
+loader.GGUF_CACHE_MAX_BYTES = 0  # a large file: its linears deferred as meta tensors
+engine = Engine.load(EngineConfig(model=sys.argv[1], device="cpu"))
+assert any(t.is_meta for t in engine.model.state_dict().values()) is False
+engine.submit("hello", SamplingParams(max_tokens=2, ignore_eos=True)).result()
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_deferred_load_does_not_import_torchs_compiler(tmp_path):
+    """Fusing deferred (meta) q/k/v and gate/up tensors makes a meta tensor of the rows directly: torch.cat's meta
+    kernel imports torch._dynamo, which took 1.5-1.6 s of a 2.4 s load of a 1B GGUF from its blocks cache and
+    ~0.15 GB of its memory (docs/benchmarks.md, forty-sixth session)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", kquants=True)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "SPECCHAT_HOME": str(tmp_path / "home")}
+    out = subprocess.run(
+        [sys.executable, "-c", DEFERRED_LOAD, str(path)], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
