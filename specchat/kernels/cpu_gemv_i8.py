@@ -594,11 +594,14 @@ def available() -> bool:
 
 
 def _interleave(words: torch.Tensor, n: int, g: int, per_block: int) -> torch.Tensor:
-    """int32 words [N, G * per_block] -> [ceil(N/16), G, per_block, 16] (rows past N zero), as bytes."""
+    """int32 words [N, G * per_block] -> [ceil(N/16), G, per_block, 16] (rows past N zero), as bytes: one pass
+    over the weight where N is whole groups (every load repacks every linear)."""
     groups = -(-n // GROUP)
-    padded = torch.zeros(groups * GROUP, g * per_block, dtype=torch.int32)
-    padded[:n] = words
-    return padded.view(groups, GROUP, g, per_block).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    if groups * GROUP != n:
+        padded = torch.zeros(groups * GROUP, g * per_block, dtype=torch.int32)
+        padded[:n] = words
+        words = padded
+    return words.reshape(groups, GROUP, g, per_block).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
 
 
 def _scales(t: torch.Tensor) -> torch.Tensor:
@@ -624,7 +627,7 @@ def repack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[to
 def repack_q8(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """GGUF Q8_0 (codes int8 [N, K], d [N, K/32]) -> (words of codes + 128, d) in the kernel's layout."""
     n, g = d.shape
-    shifted = (codes.to(torch.int16) + Q8_OFFSET).to(torch.uint8)
+    shifted = codes.contiguous().view(torch.uint8) ^ Q8_OFFSET  # x + 128 mod 256: its sign bit flipped
     return _interleave(shifted.view(torch.int32), n, g, Q8_WORDS), _scales(d)
 
 
