@@ -23,11 +23,13 @@ import torch
 
 from specchat.bench.synthetic import SHAPES, quantize_all, random_model
 from specchat.engine.cuda_graph import CTX_BUCKETS
-from specchat.engine.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from specchat.engine.drafters.eagle import LINEARS, EagleConfig, EagleDrafter, EagleHead
+from specchat.engine.fusion import fuse, fuse_linears
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.loading import make_runner
 from specchat.engine.runner import StepBatch
 from specchat.quant.fp4_linear import Fp4Linear
+from specchat.quant.modules import quantize_linears
 
 
 def timed(fn, steps: int, device: torch.device) -> float:
@@ -119,6 +121,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--weights", default="bf16,mxfp4", help="bf16 and/or mxfp4 (target and head), in this order")
     args = ap.parse_args()
+    formats = args.weights.split(",")
+    if formats not in (["bf16"], ["mxfp4"], ["bf16", "mxfp4"]):  # (quantizing in place cannot be undone)
+        ap.error(f"--weights: bf16, mxfp4 or bf16,mxfp4, got {args.weights!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(SHAPES[args.shape], dtype, device)
@@ -128,11 +133,14 @@ def main() -> None:
     print("| shape | weights | batch | target step ms | eager draft position ms | ratio | graphed chain depth 2 / 4 ms | "
           "graphed position ms | ratio |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    cases = [(w, int(b)) for w in args.weights.split(",") for b in args.batch.split(",")]
+    if graphs:  # the head as EagleDrafter runs it on CUDA (measure_chain's drafter would fuse it in place anyway)
+        fuse(head)
+        fuse_linears(head)
+    cases = [(w, int(b)) for w in formats for b in args.batch.split(",")]
     for weights, batch in cases:
         if weights == "mxfp4" and not any(isinstance(m, Fp4Linear) for m in model.modules()):
             quantize_all(model)
-            head.to_mxfp4()
+            quantize_linears(head, LINEARS, dtype=dtype)
         t_target, t_draft = measure(model, head, batch, args.context, args.steps, args.eager)
         row = f"| {args.shape} | {weights} | {batch} | {t_target:.3f} | {t_draft:.3f} | {t_draft / t_target:.1%} |"
         if graphs:

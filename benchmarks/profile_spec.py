@@ -381,10 +381,10 @@ class ProcessTime:
 
     def report(self, steps: int) -> str:
         busy = {name: round(ms) for name, ms in sorted(self.others.items(), key=lambda kv: -kv[1]) if ms > 0}
-        gcs = ", ".join(f"gen{g} {n} ({ms * 1e3:.1f} ms)" for g, (n, ms) in self.gc.items() if n)
+        gcs = ", ".join(f"gen{g} {n} ({s * 1e3:.1f} ms)" for g, (n, s) in self.gc.items() if n)
         return (
             f"  process: this thread's CPU {self.cpu * 1e3:.0f} of {self.wall * 1e3:.0f} ms wall; other threads' CPU ms "
-            f"{busy or 'none'}; collector {gcs or 'idle'} ({sum(ms for _, ms in self.gc.values()) * 1e6 / max(1, steps):.1f}"
+            f"{busy or 'none'}; collector {gcs or 'idle'} ({sum(s for _, s in self.gc.values()) * 1e6 / max(1, steps):.1f}"
             " us a step)"
         )
 

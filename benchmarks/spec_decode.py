@@ -160,7 +160,7 @@ def main() -> None:
         "--eagle-mxfp4",
         action="store_true",
         help="also the drafter eagle%%mxfp4: the shipped EAGLE-3 head with MXFP4 linears (the form it takes beside "
-        "MXFP4 target weights), beside `eagle` in float",
+        "MXFP4 target weights), beside `eagle`, which takes the target's form (float here: the CPU's target)",
     )
     ap.add_argument(
         "--heads-file",

@@ -30,7 +30,7 @@ from specchat.engine.model import ModelConfig, Transformer
 from specchat.engine.runner import ModelRunner, StepBatch
 from specchat.engine.stats import percentile
 from specchat.errors import ConfigError
-from specchat.quant.modules import fp4_modules, round_to_nearest, select_linears, swap_modules, weight_bytes
+from specchat.quant.modules import quantize_linears, select_linears, weight_bytes
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(
@@ -153,8 +153,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
 def quantize_all(model: Transformer) -> None:
     """Every linear to MXFP4 in place, the untied output head included (as gpt-fast's int4 yardstick does),
     by round to nearest with the OCP rule."""
-    names = select_linears(model, "all")
-    swap_modules(model, fp4_modules(model, round_to_nearest(model, names, "ocp")))
+    quantize_linears(model, select_linears(model, "all"), "ocp")
 
 
 def sample_accepted(rng: random.Random, k: int, rates: tuple[float, ...]) -> int:

@@ -612,6 +612,11 @@ class GraphedFunction:
         graph_.replay()
         return tuple(out[:n] for out in static_out) if isinstance(static_out, tuple) else static_out[:n]
 
+    def reset(self) -> None:
+        """Drop every graph (what fn reads changed in a way `signature` cannot see: modules moved and back)."""
+        self.graphs.clear()
+        self._baked = self.signature()
+
     def warm_up(self, sessions: int, keys: Iterable[Hashable], row: Callable[[Hashable], Seq[torch.Tensor]]) -> None:
         """Capture now the graph of each key for every batch bucket up to `sessions`' (`row(key)`: one row of each
         input, for shapes and types), so that the first steps capture nothing. Nothing to do where fn runs directly."""

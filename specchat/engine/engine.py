@@ -419,9 +419,9 @@ class Engine:
                     fuse_linears(self.model)
                 if switched and self.pool.cpu_kernels:  # the old weights go now, not at the next step's binding
                     cpu_fusion.unbind(self.model)
+                self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
                 if switched:  # drafters with weights of their own (EAGLE-3 heads) take the same form
                     self.drafters.follow_weights(fmt)
-                self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
             if self.device.type == "cpu":
                 cpu_build.release_free_memory()  # (their pages back to the system)
 

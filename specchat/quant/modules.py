@@ -114,6 +114,14 @@ def fp4_modules(
     return modules
 
 
+def quantize_linears(
+    model: nn.Module, names: Sequence[str], rule: Rule = "mse", dtype: torch.dtype | None = None
+) -> dict[str, nn.Module]:
+    """The named dense linears of `model` as MXFP4 in place, by round to nearest (`rule`), computing in `dtype`
+    (`fp4_modules`); returns the dense modules they replace."""
+    return swap_modules(model, fp4_modules(model, round_to_nearest(model, names, rule), dtype=dtype))
+
+
 def mxfp4_modules(model: nn.Module, packed: Packed, rotated: bool = False) -> dict[str, nn.Module]:
     """`fp4_modules`, and for a tied head a `TiedEmbedding` over the new head in place of the dense embedding."""
     modules: dict[str, nn.Module] = dict(fp4_modules(model, packed, rotated))

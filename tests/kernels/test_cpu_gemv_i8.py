@@ -46,17 +46,19 @@ def test_quantization_rounds_half_to_even():
 
 @pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 20, 40])  # 40: the threads quantize the rows too
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q4_equals_reference_bit_for_bit(m, threads):
+@pytest.mark.parametrize("n", [N, 96])  # 96: whole groups of 16 (the repack's path without padding)
+def test_q4_equals_reference_bit_for_bit(m, threads, n):
     """The reference does the same integer sums and the same float operations in the same order."""
-    codes, d, m_ = q4(m)
+    codes, d, m_ = q4(m, n)
     x = rows(m, 1)
     assert torch.equal(cpu_gemv_i8.Bound(codes, d, m_)(x, threads), cpu_gemv_i8.q4_linear_ref(x, codes, d, m_))
 
 
 @pytest.mark.parametrize("m", [1, 5, 17, 33])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q8_equals_reference_bit_for_bit(m, threads):
-    codes, d = q8(m)
+@pytest.mark.parametrize("n", [N, 96])
+def test_q8_equals_reference_bit_for_bit(m, threads, n):
+    codes, d = q8(m, n)
     x = rows(m, 2)
     assert torch.equal(cpu_gemv_i8.Bound(codes, d)(x, threads), cpu_gemv_i8.q8_linear_ref(x, codes, d))
 

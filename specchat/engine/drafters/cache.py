@@ -37,7 +37,7 @@ class DrafterCache:
 
     def follow_weights(self, fmt: str) -> None:
         """The target's weights switched to `fmt`: every drafter built so far hears it (`Drafter.follow_weights`)."""
-        for drafter in self.by_name.values():
+        for drafter in list(self.by_name.values()):  # (a copy: another thread may build one meanwhile)
             drafter.follow_weights(fmt)
 
     def taps(self, seqs: Iterable[Sequence]) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specchat.config import WEIGHT_FORMATS
 from specchat.engine.cuda_graph import CTX_BUCKETS, SCRATCH_SEQ, GraphedFunction, StaticKVBatch
 from specchat.engine.drafters.base import Draft, Drafter
 from specchat.engine.drafters.heads import choose_tokens
@@ -45,7 +46,7 @@ from specchat.engine.kv_cache import KVPool
 from specchat.engine.model import MLP, Attention, KVAttention, ModelConfig, RMSNorm, RotaryEmbedding, Transformer
 from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
-from specchat.quant.modules import fp4_modules, model_dtype, round_to_nearest, swap_modules
+from specchat.quant.modules import model_dtype, quantize_linears, swap_modules
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
@@ -205,12 +206,6 @@ class EagleHead(nn.Module):
         s = r + self.mlp(self.post_norm(r))
         return self.lm_head(self.norm(s)).float(), s
 
-    def to_mxfp4(self) -> dict[str, nn.Module]:
-        """Every linear (LINEARS) as MXFP4 in place, by round to nearest (quant.modules, the MSE rule), computing
-        in the head's dtype; returns the dense modules they replace."""
-        dtype = self.norm.weight.dtype
-        return swap_modules(self, fp4_modules(self, round_to_nearest(self, LINEARS), dtype=dtype))
-
     # --- files --------------------------------------------------------------------------------------------
     def state_for_file(self) -> dict[str, torch.Tensor]:
         """Weights under the names of the EAGLE-3 layout (q/k/v and gate/up unfused)."""
@@ -339,8 +334,10 @@ class EagleDrafter(Drafter):
         if self.fused:  # the target's fused kernels (engine/fusion.py): a norm in one kernel, not five, and so on
             fuse(self.head)
             fuse_linears(self.head)
-        # while the head is MXFP4 (`follow_weights`): the dense linears it replaced, kept in host memory
-        self._dense: dict[str, nn.Module] | None = None
+        # the form of the head's linears (`follow_weights`), and the other form's modules, kept in host memory:
+        # the dense ones as loaded while MXFP4 runs, the MXFP4 ones once made (a switch back and forth quantizes once)
+        self.weights = WEIGHT_FORMATS[0]
+        self._other: dict[str, nn.Module] | None = None
         self.cfg = head.cfg
         self.taps = head.cfg.taps
         self.embed = model.embed
@@ -380,26 +377,23 @@ class EagleDrafter(Drafter):
     def _linears(self) -> list[nn.Module]:
         return [self.head.get_submodule(name) for name in LINEARS]
 
-    @property
-    def weights(self) -> str:
-        """The form of the head's linears: "mxfp4" or "bf16" (unquantized, in the target's dtype)."""
-        return "bf16" if self._dense is None else "mxfp4"
-
     def follow_weights(self, fmt: str) -> None:
-        """The head's linears take the target's form: MXFP4 (round to nearest) with MXFP4 target weights, the
-        dense ones back (as loaded) otherwise. On an 8B target the head is ~0.42B weights, 0.85 GB in bf16 read
-        at every draft position; against an MXFP4 target step, which reads ~4 GB at 4.25 bits, a bf16 head cost
-        14% of it a position (docs/benchmarks.md). Verification keeps drafting lossless either way."""
-        if (fmt == "mxfp4") == (self._dense is not None):
+        """The head's linears take the target's form (config.WEIGHT_FORMATS): MXFP4 (round to nearest, the MSE
+        rule) with MXFP4 target weights, the dense ones (as loaded) otherwise. On an 8B target the head is ~0.42B
+        weights, 0.85 GB in bf16 read at every draft position; against an MXFP4 target step, which reads ~4 GB at
+        4.25 bits, a bf16 head cost 14% of it a position (docs/benchmarks.md, forty-sixth session). Verification
+        keeps drafting lossless either way. The chain's graphs are dropped: they bake in the modules' buffers, and
+        modules brought back from host memory are the same objects at new addresses."""
+        assert fmt in WEIGHT_FORMATS, fmt
+        if fmt == self.weights:
             return
-        if fmt == "mxfp4":
-            self._dense = {name: module.to("cpu") for name, module in self.head.to_mxfp4().items()}
+        if self._other is None:  # the first switch to MXFP4: quantized now
+            replaced = quantize_linears(self.head, LINEARS, dtype=self.dtype)
         else:
-            assert self._dense is not None
-            swap_modules(self.head, {name: module.to(self.device) for name, module in self._dense.items()})
-            self._dense = None
-            if self.fused:
-                fuse_linears(self.head)
+            replaced = swap_modules(self.head, {name: m.to(self.device) for name, m in self._other.items()})
+        self._other = {name: module.to("cpu") for name, module in replaced.items()}
+        self.weights = fmt
+        self.chain.reset()
 
     @classmethod
     def from_dir(cls, folder: Path, model: Transformer, pool_tokens: int, graphs: bool = True) -> EagleDrafter:
