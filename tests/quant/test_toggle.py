@@ -229,3 +229,23 @@ def test_an_eagle_head_takes_the_targets_weights_form(engine, tmp_path) -> None:
     engine.set_weights("bf16")
     assert drafter.weights == later.weights == "bf16"
     assert not any(isinstance(m, Fp4Linear) for m in drafter.head.modules())
+
+
+def test_an_eagle_head_reads_a_tied_targets_embedding_as_it_is_now(tied_model_dir) -> None:
+    """A switch of a tied target replaces its embedding module (the MXFP4 head's rows, then a dense table again):
+    the EAGLE-3 drafter embeds its drafts through the module the target holds now, not the one it was built
+    beside, which would keep the dense table alive beside the MXFP4 head."""
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+    from tests.engine.test_eagle import random_eagle
+
+    engine = Engine.load(EngineConfig(model=str(tied_model_dir), device="cpu", dtype="float32"))
+    engine.drafters["eagle:rand"] = drafter = random_eagle(engine, graphs=False)
+    plain = engine.submit(PROMPT, GREEDY).result().token_ids
+    engine.set_weights("mxfp4")
+    assert drafter.embed is engine.model.embed and drafter.weights == "mxfp4"
+    plain_mxfp4 = engine.submit(PROMPT, GREEDY).result().token_ids
+    assert engine.submit(PROMPT, GREEDY, SpecParams("eagle:rand", k=3)).result().token_ids == plain_mxfp4
+    engine.set_weights("bf16")
+    assert drafter.embed is engine.model.embed and isinstance(drafter.embed, torch.nn.Embedding)
+    assert engine.submit(PROMPT, GREEDY, SpecParams("eagle:rand", k=3)).result().token_ids == plain

@@ -340,7 +340,7 @@ class EagleDrafter(Drafter):
         self._other: dict[str, nn.Module] | None = None
         self.cfg = head.cfg
         self.taps = head.cfg.taps
-        self.embed = model.embed
+        self._model = model  # its embedding read where used: a weights switch of a tied target replaces the module
         self.vocab_size = model.cfg.vocab_size
         c = head.cfg
         per_token = 2 * c.num_kv_heads * c.head_dim * self.dtype.itemsize
@@ -373,6 +373,11 @@ class EagleDrafter(Drafter):
             enabled=graphs,
             pads=(0.0, 0.0, 0, scratch_slot, self.scratch_page, 1),
         )
+
+    @property
+    def embed(self) -> nn.Module:
+        """The target's token embedding as it is now (a dense table, or an MXFP4 head's rows where tied)."""
+        return self._model.embed
 
     def _linears(self) -> list[nn.Module]:
         return [self.head.get_submodule(name) for name in LINEARS]
