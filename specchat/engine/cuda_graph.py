@@ -600,9 +600,8 @@ class GraphedFunction:
         bucket = _bucket(n, BATCH_BUCKETS)
         if not self.enabled or inputs[0].device.type != "cuda" or bucket is None:
             return self.fn(key, *inputs)
-        if (baked := self.signature()) != self._baked:  # weights swapped under the graphs
-            self.graphs.clear()
-            self._baked = baked
+        if self.signature() != self._baked:  # weights swapped under the graphs
+            self.reset()
         graph = self.graphs.get((bucket, key)) or self.capture(bucket, key, inputs)
         graph_, static_in, static_out = graph
         for i, (buf, x) in enumerate(zip(static_in, inputs, strict=True)):

@@ -330,8 +330,7 @@ class EagleDrafter(Drafter):
         # (not the target's lm_head weight: an MXFP4 head's is dequantized whole at each read)
         self.device, self.dtype = model.norm.weight.device, model_dtype(model)
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
-        self.fused = graphs and self.device.type == "cuda"
-        if self.fused:  # the target's fused kernels (engine/fusion.py): a norm in one kernel, not five, and so on
+        if graphs and self.device.type == "cuda":  # the target's fused kernels (engine/fusion.py): one-kernel norms
             fuse(self.head)
             fuse_linears(self.head)
         # the form of the head's linears (`follow_weights`), and the other form's modules, kept in host memory:
@@ -369,7 +368,7 @@ class EagleDrafter(Drafter):
         scratch_slot = self.scratch_page * self.pool.page_size
         self.chain = GraphedFunction(
             self.greedy_chain,
-            lambda: (*(p.data_ptr() for p in self.embed.parameters()), *map(id, self._linears())),
+            lambda: tuple(p.data_ptr() for p in self.embed.parameters()),  # (the head's own: `follow_weights`)
             enabled=graphs,
             pads=(0.0, 0.0, 0, scratch_slot, self.scratch_page, 1),
         )
@@ -378,9 +377,6 @@ class EagleDrafter(Drafter):
     def embed(self) -> nn.Module:
         """The target's token embedding as it is now (a dense table, or an MXFP4 head's rows where tied)."""
         return self._model.embed
-
-    def _linears(self) -> list[nn.Module]:
-        return [self.head.get_submodule(name) for name in LINEARS]
 
     def follow_weights(self, fmt: str) -> None:
         """The head's linears take the target's form (config.WEIGHT_FORMATS): MXFP4 (round to nearest, the MSE
