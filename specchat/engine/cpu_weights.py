@@ -33,14 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat.engine.gguf_file import q4_0_arrays, q4_1_arrays, q8_0_arrays
 from specchat.engine.loader import Progress, gguf_reader
 from specchat.engine.model import Linear, ModelConfig, Transformer
 from specchat.errors import note_not_saved
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.fp4_linear import TiedEmbedding, set_fp4_activations
 
-Q4_1_BYTES, Q8_0_BYTES = 20, 34  # bytes per block of 32: fp16 d (+ fp16 m) + codes
-Q4_0_BYTES, Q4_K_BYTES = 18, 144  # Q4_0: fp16 d + codes of 32; Q4_K: fp16 d, dmin, 12 bytes of scales, 256 codes
+Q4_K_BYTES = 144  # Q4_K: fp16 d, dmin, 12 bytes of scales, 256 codes
 
 # The GGUF types of a linear's tensors that the kernels read: Q4_1 and Q8_0 as stored, Q4_0 and Q4_K as the Q4_1
 # blocks of 32 that hold the same values (`as_q4_1`), every other quantized type requantized to Q8_0 from its
@@ -271,31 +271,6 @@ def _restore_weight(linear: BlockLinear) -> None:
         linear._parameters["weight"] = nn.Parameter(linear.dequantized(), requires_grad=False)
 
 
-def _q4_1(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
-    """GGUF Q4_1 bytes of a [rows, K] tensor -> codes [rows, K/2], d, m [rows, K/32] (float32)."""
-    blocks = raw.reshape(rows, -1, Q4_1_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = np.ascontiguousarray(blocks[..., 4:]).reshape(rows, -1)
-    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
-
-
-def _q8_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
-    """GGUF Q8_0 bytes of a [rows, K] tensor -> codes int8 [rows, K], d [rows, K/32] (float32)."""
-    blocks = raw.reshape(rows, -1, Q8_0_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
-    return torch.from_numpy(codes), torch.from_numpy(d)
-
-
-def _q4_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
-    """GGUF Q4_0 bytes (w = d * (q - 8)) -> the Q4_1 arrays of the same values: the same codes, m = -8 d."""
-    blocks = raw.reshape(rows, -1, Q4_0_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
-    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(-8.0 * d)
-
-
 def _q4_k(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
     """GGUF Q4_K bytes -> Q4_1 arrays. A super-block of 256 holds 8 sub-blocks of 32, w = d * sc * q - dmin * mn
     with 6-bit sc and mn: each sub-block is a Q4_1 block with scale d * sc and offset -dmin * mn, rounded to
@@ -318,7 +293,7 @@ def _q4_k(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, ...]:
 
 def as_q4_1(raw: np.ndarray, gguf_type: str, rows: int) -> tuple[torch.Tensor, ...]:
     """The raw bytes of a GGUF tensor of `rows` rows and a type in AS_Q4_1 -> Q4_1 arrays (codes, d, m)."""
-    return {"Q4_1": _q4_1, "Q4_0": _q4_0, "Q4_K": _q4_k}[gguf_type](raw, rows)
+    return {"Q4_1": q4_1_arrays, "Q4_0": q4_0_arrays, "Q4_K": _q4_k}[gguf_type](raw, rows)
 
 
 def as_q8_0(raw: np.ndarray, gguf_type: str, rows: int) -> tuple[torch.Tensor, ...]:
@@ -328,7 +303,7 @@ def as_q8_0(raw: np.ndarray, gguf_type: str, rows: int) -> tuple[torch.Tensor, .
     from gguf import GGMLQuantizationType, quants
 
     if gguf_type == "Q8_0":
-        return _q8_0(raw, rows)
+        return q8_0_arrays(raw, rows)
     values = quants.dequantize(raw, GGMLQuantizationType[gguf_type]).reshape(rows, -1)
     return quantize_q8_0(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)))  # (gguf's, below)
 
@@ -548,7 +523,7 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from gguf import GGMLQuantizationType, quants
 
     raw = quants.quantize(weight.detach().float().contiguous().numpy(), GGMLQuantizationType.Q8_0)
-    return _q8_0(raw, weight.shape[0])
+    return q8_0_arrays(raw, weight.shape[0])
 
 
 def unpack(model: nn.Module) -> int:

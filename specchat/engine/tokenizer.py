@@ -256,35 +256,139 @@ def _read_conversion(folder: Path) -> Tokenizer:
 def export_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Tokenizer:
     """Convert a GGUF file's tokenizer metadata into tokenizer.json + config + chat template in out_dir, and load it.
 
+    Byte-level BPE vocabularies (`tokenizer.ggml.model` "gpt2": SmolLM, Llama 3, Qwen 2) of a known pre-tokenizer
+    are built directly (`byte_level_bpe`, ~0.5 s for the default model); every other one goes through transformers'
+    GGUF converter (the default model took 8.2 s there, mostly importing transformers and parsing the file again).
+
     The files are written into a fresh folder beside out_dir, which then takes out_dir's place: out_dir is a whole
     conversion or absent, whatever happens to the process meanwhile. Where out_dir cannot be written (a read-only
     cache, a file where its folder should be, a full disk) the conversion goes to a temporary folder instead, with a
     note: the model loads, only the next load converts again.
     """
+    from specchat.engine.loader import gguf_reader
+
+    direct = byte_level_bpe(gguf_reader(gguf_path))
+    save = direct.save if direct is not None else _transformers_conversion(gguf_path).save_pretrained
+    try:
+        _save_conversion(save, out_dir)
+    except OSError as exc:
+        note_not_saved(log, out_dir, exc)
+        with tempfile.TemporaryDirectory(prefix="specchat-tokenizer-") as scratch:
+            save(scratch)
+            return Tokenizer.from_dir(Path(scratch))  # read whole into memory: the folder may go
+    return Tokenizer.from_dir(out_dir)
+
+
+def _transformers_conversion(gguf_path: Path):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity(logging.ERROR)
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # transformers raises many kinds of errors for unsupported GGUF tokenizers
         raise ModelFormatError(f"{gguf_path}: cannot convert the GGUF tokenizer ({exc})") from None
-    try:
-        _save_conversion(tok, out_dir)
-    except OSError as exc:
-        note_not_saved(log, out_dir, exc)
-        with tempfile.TemporaryDirectory(prefix="specchat-tokenizer-") as scratch:
-            tok.save_pretrained(scratch)
-            return Tokenizer.from_dir(Path(scratch))  # read whole into memory: the folder may go
-    return Tokenizer.from_dir(out_dir)
 
 
-def _save_conversion(tok, out_dir: Path) -> None:
-    """Save a transformers tokenizer as out_dir through a staging folder beside it (see export_gguf_tokenizer)."""
+# How `tokenizer.ggml.pre` splits text before the byte-level BPE: the pre-tokenizers whose split is GPT-2's own (the
+# ByteLevel pre-tokenizer's regex), and the others by their pattern (Llama 3's from Meta's tiktoken model, Qwen 2's
+# from its tokenizer.json). A pre-tokenizer named in neither goes through transformers' converter.
+GPT2_SPLIT = frozenset({None, "default", "gpt-2", "smollm"})
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+class ByteLevelConversion:
+    """A byte-level BPE tokenizer built from GGUF metadata, and what its tokenizer_config.json and chat template say;
+    `save(folder)` writes the three files Tokenizer.from_dir reads."""
+
+    def __init__(self, backend: HFTokenizer, config: dict, template: str | None) -> None:
+        self.backend, self.config, self.template = backend, config, template
+
+    def save(self, folder) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tokenizer.json").write_text(self.backend.to_str(), encoding="utf-8")  # (OSError on a full disk)
+        (folder / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n")
+        if self.template is not None:
+            (folder / "chat_template.jinja").write_text(self.template, encoding="utf-8")
+
+
+def byte_level_bpe(gguf) -> ByteLevelConversion | None:
+    """The tokenizer a GGUF file's `gpt2` vocabulary describes (None for any other kind, or an unknown
+    pre-tokenizer), built as transformers' GGUF converter builds it: the same vocabulary (a token outside the byte
+    alphabet respelled from its UTF-8 bytes), merges, split, added tokens (control ones special, user-defined ones
+    whole) and BOS / EOS template, so both encode every text alike (tests/engine/test_gguf_tokenizer.py)."""
+    from tokenizers import AddedToken, Regex, models, pre_tokenizers, processors
+
+    pre = gguf.get("tokenizer.ggml.pre")
+    tokens, merges = gguf.get("tokenizer.ggml.tokens"), gguf.get("tokenizer.ggml.merges")
+    if gguf.get("tokenizer.ggml.model") != "gpt2" or (pre not in GPT2_SPLIT and pre not in SPLITS):
+        return None
+    if not isinstance(tokens, list) or not isinstance(merges, list):
+        return None
+    chars = byte_level_chars()
+    alphabet = set(chars.values())
+    vocab = {
+        token if set(token) <= alphabet else "".join(chars[b] for b in token.encode("utf-8")): i
+        for i, token in enumerate(tokens)
+    }
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    backend = HFTokenizer(
+        models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
+    if pre in SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    types = gguf.get("tokenizer.ggml.token_type") or []
+    control = [t for t, kind in zip(tokens, types, strict=False) if kind == CONTROL and set(t) <= alphabet]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    known = backend.get_vocab(with_added_tokens=True)
+    user = [t for t, kind in zip(tokens, types, strict=False) if kind == USER_DEFINED and t in known]
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+    special = {}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        tid = gguf.get(f"tokenizer.ggml.{key}_token_id")
+        special[name] = tokens[tid] if isinstance(tid, int) and 0 <= tid < len(tokens) else None
+    ids = backend.get_vocab(with_added_tokens=True)
+    add = {end: bool(gguf.get(f"tokenizer.ggml.add_{end}_token")) and special[end] in ids for end in ("bos", "eos")}
+
+    def sequence(piece: str, type_id: int) -> str:  # [BOS] piece [EOS], as the file asks
+        return " ".join(
+            [*([f"{special['bos']}:{type_id}"] if add["bos"] else []), f"{piece}:{type_id}"]
+            + ([f"{special['eos']}:{type_id}"] if add["eos"] else [])
+        )
+
+    single, pair = sequence("$A", 0), f"{sequence('$A', 0)} {sequence('$B', 1)}"
+    backend.post_processor = processors.TemplateProcessing(
+        single=single,
+        pair=pair,
+        special_tokens=[(special[end], ids[special[end]]) for end in ("bos", "eos") if add[end]],
+    )
+    config = {f"{name}_token": text for name, text in special.items()}
+    config.update(add_bos_token=add["bos"], add_eos_token=add["eos"], tokenizer_class="PreTrainedTokenizerFast")
+    template = gguf.get("tokenizer.chat_template")
+    return ByteLevelConversion(backend, config, template if isinstance(template, str) else None)
+
+
+def _save_conversion(save, out_dir: Path) -> None:
+    """`save(folder)` into a staging folder beside out_dir, which then becomes out_dir (see export_gguf_tokenizer)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".part"))
     try:
-        tok.save_pretrained(str(staging))
+        save(str(staging))
         _replace_folder(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -216,19 +216,19 @@ def test_a_tokenizer_folder_that_cannot_be_made_is_skipped_with_a_note(gguf, fre
 def test_a_tokenizer_conversion_that_cannot_be_saved_is_skipped_with_a_note(
     gguf, fresh_ids, tmp_path, monkeypatch, caplog
 ):
-    from transformers import PreTrainedTokenizerBase
+    from specchat.engine.tokenizer import ByteLevelConversion
 
-    real_save = PreTrainedTokenizerBase.save_pretrained
+    real_save = ByteLevelConversion.save
     saves: list[str] = []
 
-    def disk_full_once(self, save_directory, *args, **kwargs):
-        saves.append(save_directory)
+    def disk_full_once(self, folder):
+        saves.append(folder)
         if len(saves) == 1:  # the cache's staging folder: half a file, then the disk is full
-            (Path(save_directory) / "tokenizer.json").write_bytes(b"{")
+            (Path(folder) / "tokenizer.json").write_bytes(b"{")
             raise OSError(28, "No space left on device")
-        return real_save(self, save_directory, *args, **kwargs)
+        return real_save(self, folder)
 
-    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", disk_full_once)
+    monkeypatch.setattr(ByteLevelConversion, "save", disk_full_once)
     with caplog.at_level(logging.WARNING):
         assert gguf_tokenizer(gguf, tmp_path / "tokenizer").encode_chat(MESSAGES) == fresh_ids
     [note] = notes(caplog)
@@ -299,9 +299,7 @@ def test_a_cache_that_cannot_be_written_costs_a_note_per_file(tmp_path, command)
 
 def test_a_first_load_parses_the_gguf_once_for_its_weights_and_blocks(tmp_path, monkeypatch):
     """A first load reads the file's tensors twice (the float weights, then the CPU kernels' blocks); within the
-    load both take one parse of the file (gguf's reader takes seconds over a real vocabulary)."""
-    import gguf as gguf_package
-
+    load both take one parse of the file."""
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
     from specchat.kernels import cpu_gemv
@@ -310,17 +308,17 @@ def test_a_first_load_parses_the_gguf_once_for_its_weights_and_blocks(tmp_path, 
         pytest.skip("no CPU block kernels: nothing reads the blocks")
     path = write_tiny_gguf(tmp_path / "tiny.gguf", blocks=True)
     parsed: list[str] = []
-    reader = gguf_package.GGUFReader
+    reader = loader.GGUFFile
 
     class Counting(reader):
-        def __init__(self, path, *args, **kwargs):
+        def __init__(self, path):
             parsed.append(str(path))
-            super().__init__(path, *args, **kwargs)
+            super().__init__(path)
 
-    monkeypatch.setattr(gguf_package, "GGUFReader", Counting)
+    monkeypatch.setattr(loader, "GGUFFile", Counting)
     monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path / "home"))
     config = EngineConfig(model=str(path), device="cpu", dtype="float32")
-    Engine.load(config)  # converts the tokenizer too (through transformers, its own parse), kept
+    Engine.load(config)  # converts the tokenizer too, kept
     weights = [*(tmp_path / "home").rglob("weights.safetensors"), *(tmp_path / "home").rglob("cpu_blocks.safetensors")]
     assert len(weights) == 2
     for cached in weights:
