@@ -176,3 +176,41 @@ def test_a_prompt_beside_decoding_requests_is_fed_in_short_chunks_on_the_cpu(tin
     finally:
         scheduler._plan = plan
         scheduler.chunk_beside_decoding = CPU_CHUNK_BESIDE_DECODING
+
+
+def test_a_large_batch_holds_waiting_requests_to_join_together(tiny_engine):
+    """With `join_wait_s` (CUDA graphs: engine.JOIN_WAIT_MS), a batch of JOIN_MIN_RUNNING or more holds a lone
+    waiting request back until an eighth of the batch can join at once or the first has waited that long; its
+    steps may still run ahead meanwhile. Without it (the CPU), a request joins at once."""
+    from specchat.engine.scheduler import JOIN_MIN_RUNNING
+
+    scheduler = tiny_engine.scheduler
+    assert scheduler.join_wait_s == 0  # the CPU's runner replays no graphs
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    handles = [tiny_engine.submit(f"request {i}", sampling, listen_only=True) for i in range(JOIN_MIN_RUNNING)]
+    tiny_engine.step()
+    assert len(scheduler.running) == JOIN_MIN_RUNNING
+    try:
+        scheduler.join_wait_s = 60.0
+        handles.append(first := tiny_engine.submit("a late one", sampling, listen_only=True))
+        for _ in range(2):
+            plan, _ = scheduler.schedule()
+            assert [s.seq_id for s in scheduler.waiting] == [first.request_id] and plan.ahead
+            scheduler.postprocess(plan, tiny_engine.spec_step.run(plan))
+        handles.append(tiny_engine.submit("another", sampling, listen_only=True))  # 2: an eighth of 17 running
+        tiny_engine.step()
+        assert not scheduler.waiting and len(scheduler.running) == JOIN_MIN_RUNNING + 2
+        handles.append(tiny_engine.submit("one more", sampling, listen_only=True))
+        scheduler.waiting[0].t_submit -= 61.0  # waited past join_wait_s: it joins alone
+        tiny_engine.step()
+        assert not scheduler.waiting
+        scheduler.join_wait_s = 0.0
+        handles.append(tiny_engine.submit("and the last", sampling, listen_only=True))
+        tiny_engine.step()
+        assert not scheduler.waiting
+    finally:
+        scheduler.join_wait_s = 0.0
+        for handle in handles:
+            tiny_engine.cancel(handle.request_id)
+        while scheduler.has_work():
+            tiny_engine.step()
