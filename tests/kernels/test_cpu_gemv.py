@@ -141,10 +141,13 @@ def test_dequantize_is_gguf_reference():
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
 
-    from specchat.engine.cpu_weights import _q4_1, _q8_0
+    from specchat.engine.gguf_file import q4_1_arrays, q8_0_arrays
 
     w = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
-    for kind, read, deq in ((Q.Q4_1, _q4_1, cpu_gemv.q4_dequantize), (Q.Q8_0, _q8_0, cpu_gemv.q8_dequantize)):
+    for kind, read, deq in (
+        (Q.Q4_1, q4_1_arrays, cpu_gemv.q4_dequantize),
+        (Q.Q8_0, q8_0_arrays, cpu_gemv.q8_dequantize),
+    ):
         raw = quantize(w, kind)
         expected = torch.from_numpy(np.asarray(dequantize(raw, kind), dtype=np.float32)).view(N, K)
         assert torch.equal(deq(*read(raw, N)), expected)
