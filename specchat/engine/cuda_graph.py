@@ -177,6 +177,10 @@ class CudaGraphRunner(ModelRunner):
         layer = self.model.layers[0]
         return (id(self.pool.store), id(layer.attn.wqkv), id(layer.mlp.w_down), id(self.model.lm_head))
 
+    def invalidate(self) -> None:
+        """Every graph goes now, as when the signature changes (`_check_signature`)."""
+        self._reset(self._state_signature())
+
     def padded_width(self, widths: Seq[int]) -> int | None:
         q = max(widths)
         return q if q <= MAX_GRAPH_Q and _bucket(len(widths), BATCH_BUCKETS) is not None else None
@@ -245,16 +249,19 @@ class CudaGraphRunner(ModelRunner):
     def _check_signature(self) -> None:
         signature = self._state_signature()
         if signature != self._signature:  # weights or KV format switched: captured pointers are stale
-            self.graphs.clear()
-            self.prefills.clear()
-            # and new pools: PyTorch releases a private pool once no graph holds it, and a capture into a released
-            # pool's handle fails (an internal assert of its caching allocator: seen on the H100 at the first
-            # capture after a live switch to MXFP4 weights)
-            self.mempool = torch.cuda.graph_pool_handle()
-            self.after_pool = torch.cuda.graph_pool_handle()
-            self._signature = signature
-            self._pdl_rows = self._rows_under_pdl()
-            self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]  # a shrinking KV switch may renumber it
+            self._reset(signature)
+
+    def _reset(self, signature: tuple) -> None:
+        self.graphs.clear()
+        self.prefills.clear()
+        # and new pools: PyTorch releases a private pool once no graph holds it, and a capture into a released
+        # pool's handle fails (an internal assert of its caching allocator: seen on the H100 at the first capture
+        # after a live switch to MXFP4 weights)
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.after_pool = torch.cuda.graph_pool_handle()
+        self._signature = signature
+        self._pdl_rows = self._rows_under_pdl()
+        self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]  # a shrinking KV switch may renumber it
 
     def _prefill_bucket(self, batch: StepBatch, i: int) -> int | None:
         """The prefill graph's length for request i, if it feeds a fresh prompt that one can take."""

@@ -384,7 +384,9 @@ class Engine:
             raise ConfigError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
         with self._callers_kernel_work(), self._lock:
             self._drain_commands()
+            self.spec_step.drop_ahead()  # (its step reserved room in the pages about to be converted)
             self.pool.convert(fmt)
+            self.spec_step.invalidate()
 
     def resolve_formats(self, weights: str = "auto", kv: str = "auto") -> tuple[str, str]:
         """The (weights, KV page format) that settings mean on this model: "auto" weights are the form its file
@@ -426,6 +428,7 @@ class Engine:
                 self.pool.clear_prefix_cache()  # cached prefixes hold keys/values computed with the other weights
                 if switched:  # drafters with weights of their own (EAGLE-3 heads) take the same form
                     self.drafters.follow_weights(fmt)
+                    self.spec_step.invalidate()
             if self.device.type == "cpu":
                 cpu_build.release_free_memory()  # (their pages back to the system)
 

@@ -136,6 +136,10 @@ class ModelRunner:
     ) -> None:
         """Prepare `replay_after` of fn for steps of width q that tap `taps` (nothing to prepare here)."""
 
+    def invalidate(self) -> None:
+        """The model's weights or the KV pool's format switched: drop whatever was built over the old ones (a
+        CUDA-graph runner's graphs; nothing here)."""
+
     def forward_advanced(
         self, batch: StepBatch, ids: torch.Tensor, advance: torch.Tensor, taps: Seq[int] = ()
     ) -> StepOutput:

@@ -40,6 +40,7 @@ from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutp
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 from specchat.kernels import cpu_ops
+from specchat.quant.fp4_linear import embedding_pointer
 
 PAD_TOKEN = 0  # fills a padded request's rows past its drafts; their logits are never read
 
@@ -300,7 +301,9 @@ class SpecStep:
         # a drafting step's verdicts and the next step's drafts, one CUDA graph per batch bucket, drafter and k
         self._verdicts = GraphedFunction(
             self._verdicts_and_drafts,
-            lambda: runner.model.embed.weight.data_ptr(),  # (read every step: iterating parameters() cost ~6% of it)
+            # (read every step: iterating parameters() cost ~6% of it; a tied MXFP4 embedding's `weight` would dequantize
+            # the whole table at each read, at a new address: every step's graph captured anew)
+            lambda: embedding_pointer(runner.model.embed),
             enabled=runner.overlaps,
         )
         self._ahead: _Ahead | _DraftAhead | None = None
@@ -351,6 +354,13 @@ class SpecStep:
             if rows:
                 return self._continue(plan, ahead, rows)
         return self._run(plan)
+
+    def invalidate(self) -> None:
+        """The weights or the KV format switched: forget the step ahead and every graph that baked in the old ones
+        (explicitly: a signature of module ids or pointers may meet the new modules at the old addresses)."""
+        self.drop_ahead()
+        self._verdicts.reset()
+        self.runner.invalidate()
 
     def drop_ahead(self) -> None:
         """Forget a step launched ahead (before the engine changes weights, KV format or drafters under it)."""

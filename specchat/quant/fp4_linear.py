@@ -229,6 +229,16 @@ class TiedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the output head ({type(self.head).__name__})"
 
 
+def embedding_pointer(embed: nn.Module) -> int:
+    """Where the table a token embedding reads lives, without making one: a TiedEmbedding's `weight` dequantizes the
+    whole table anew (a fresh pointer each time), so for it the head's codes."""
+    head = getattr(embed, "head", None)
+    if head is None:
+        return embed.weight.data_ptr()
+    codes = getattr(head, "codes", None)
+    return codes.data_ptr() if isinstance(codes, torch.Tensor) else id(head)
+
+
 def set_fp4_activations(model: nn.Module, activations: str) -> int:
     """`Fp4Linear.set_activations` on every Fp4Linear of `model` ("fp32" or "int8"); returns how many multiply with
     those rows. The engine's --cpu-act for MXFP4 weights, as engine/cpu_weights.set_activations is for GGUF blocks."""

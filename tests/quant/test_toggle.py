@@ -112,14 +112,21 @@ def test_a_tied_head_is_mxfp4_and_the_embedding_reads_its_rows(tied_model_dir) -
     from specchat.engine.engine import Engine
     from specchat.quant.fp4_linear import TiedEmbedding
 
+    from specchat.quant.fp4_linear import embedding_pointer
+
     engine = Engine.load(EngineConfig(model=str(tied_model_dir), device="cpu", dtype="float32"))
     model = engine.model
     table = model.embed.weight.clone()
     dense = engine.memory()
+    invalidated = []
+    engine.runner.invalidate = lambda: invalidated.append(True)  # (what drops a CUDA-graph runner's graphs)
     engine.set_weights("mxfp4")
+    assert invalidated == [True]
     assert isinstance(model.lm_head, Fp4Linear) and isinstance(model.embed, TiedEmbedding)
     ids = torch.tensor([[0, 5], [49151, 5]])
     assert torch.equal(model.embed(ids), model.lm_head.dequantized(torch.float32)[ids])  # [2, 2, hidden]
+    # what the drafting graphs' signature reads: the head's codes, not a table dequantized anew at each read
+    assert embedding_pointer(model.embed) == model.lm_head.codes.data_ptr() == embedding_pointer(model.embed)
     packed = engine.memory()
     # the tied matrix is held once, as MXFP4: no dense embedding is left
     vocab, hidden = table.shape
@@ -129,6 +136,9 @@ def test_a_tied_head_is_mxfp4_and_the_embedding_reads_its_rows(tied_model_dir) -
     engine.set_weights("bf16")
     assert isinstance(model.embed, torch.nn.Embedding) and model.lm_head.weight is model.embed.weight
     assert torch.equal(model.embed.weight, table) and engine.memory() == dense
+    assert embedding_pointer(model.embed) == model.embed.weight.data_ptr() and invalidated == [True, True]
+    engine.set_kv("fp16")
+    assert invalidated == [True, True, True]
 
 
 def test_loading_with_mxfp4_keeps_no_dense_copy(tiny_model_dir) -> None:
