@@ -39,8 +39,8 @@ for part in "${parts[@]}"; do
         --rounds "${ROUNDS:-3}" \
         --prompts benchmarks/session_prompts.txt --max-tokens 128 --drafter "${DRAFTERS:-none,heads,ngram+heads}" \
         --k auto 2>&1 | tee -a "$log" ;;
-    joinwait)  # `long`'s bench with requests held to join a large batch together (Scheduler._holds_joins, the
-      # default 4 ms) and with each joining at once (0), alternating, two runs each
+    joinwait)  # `long`'s bench with requests held up to 4 ms to join a large batch together (Scheduler._holds_joins)
+      # and with each joining at once (0, the default), alternating, two runs each
       for wait in 0 4 0 4; do
         echo "--- SPECCHAT_JOIN_WAIT_MS=$wait" | tee -a "$log"
         SPECCHAT_JOIN_WAIT_MS=$wait timeout 150 python -m specchat bench smollm2-135m --device cuda \

@@ -55,9 +55,9 @@ log = logging.getLogger(__name__)
 WARM_UP_K = 4
 # On the CPU a step that decodes requests feeds at most this many tokens of a prompt beside them
 CPU_CHUNK_BESIDE_DECODING = 256  # (a 3,356-token prompt beside a stream: its longest gap 2.6 s -> 0.58 s)
-# On CUDA graphs a request waits at most this long to join a large running batch with others (Scheduler._holds_joins);
-# SPECCHAT_JOIN_WAIT_MS overrides it (0: each joins at once; A/B runs)
-JOIN_WAIT_MS = float(os.environ.get("SPECCHAT_JOIN_WAIT_MS", "4"))
+# On CUDA graphs a request may wait this long to join a large running batch with others (Scheduler._holds_joins).
+# Off (0) until measured on a GPU: SPECCHAT_JOIN_WAIT_MS=4 turns it on (benchmarks/spec_gpu.sh joinwait, A/B runs)
+JOIN_WAIT_MS = float(os.environ.get("SPECCHAT_JOIN_WAIT_MS", "0"))
 
 
 class RequestHandle:

@@ -145,7 +145,8 @@ class Scheduler:
         sessions of the default model on the H100 each lone join cost the batch 1.1-1.5 ms (a step: 1.0), and
         requests that end at different steps (drafting, or answers of different lengths) each joined alone. So
         with at least JOIN_MIN_RUNNING running, requests wait until an eighth of the batch (at most JOIN_BATCH)
-        can join at once, or until the first has waited `join_wait_s`."""
+        can join at once, or until the first has waited `join_wait_s` (engine.JOIN_WAIT_MS: off by default until
+        a GPU run measures it)."""
         if self.join_wait_s <= 0 or not self.waiting or len(self.running) < JOIN_MIN_RUNNING:
             return False
         together = min(JOIN_BATCH, len(self.running) // JOIN_SHARE, self.max_running - len(self.running))
