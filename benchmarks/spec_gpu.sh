@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speculation on the GPU, in one device call (issue 13; results in docs/benchmarks.md):
 #   bash benchmarks/spec_gpu.sh [PART ...]    PART: tests sessions auto long cost rates ahead hostgap profile chain kernels gate
-#                                             joins trace joinwait
+#                                             joins trace
 #                                             (default: tests sessions auto cost)
 # Needs the default model's GGUF in $SPECCHAT_HOME/models/smollm2-135m/ and the `gguf` package (see docs/gpu.md).
 # DRAFTERS=a,b,... picks the drafters of `sessions` and `auto`; EAGLE=DIR benchmarks another EAGLE-3 head directory
@@ -39,14 +39,6 @@ for part in "${parts[@]}"; do
         --rounds "${ROUNDS:-3}" \
         --prompts benchmarks/session_prompts.txt --max-tokens 128 --drafter "${DRAFTERS:-none,heads,ngram+heads}" \
         --k auto 2>&1 | tee -a "$log" ;;
-    joinwait)  # `long`'s bench with requests held up to 4 ms to join a large batch together (Scheduler._holds_joins)
-      # and with each joining at once (0, the default), alternating, two runs each
-      for wait in 0 4 0 4; do
-        echo "--- SPECCHAT_JOIN_WAIT_MS=$wait" | tee -a "$log"
-        SPECCHAT_JOIN_WAIT_MS=$wait timeout 150 python -m specchat bench smollm2-135m --device cuda \
-          --sessions "${SESSIONS:-8,32}" --requests 128 --rounds "${ROUNDS:-3}" --prompts benchmarks/session_prompts.txt \
-          --max-tokens 128 --drafter "${DRAFTERS:-none,heads,ngram+heads}" --k auto 2>&1 | tee -a "$log"
-      done ;;
     trace)  # what the draft gate saw and chose at one session, step by step (benchmarks/gate_trace.py: the trace
       # comes back as $OUT/gate_trace.json), beside fixed k = 4; DRAFTERS' first drafter (default: heads)
       first=${DRAFTERS:-heads}

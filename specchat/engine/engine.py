@@ -55,9 +55,6 @@ log = logging.getLogger(__name__)
 WARM_UP_K = 4
 # On the CPU a step that decodes requests feeds at most this many tokens of a prompt beside them
 CPU_CHUNK_BESIDE_DECODING = 256  # (a 3,356-token prompt beside a stream: its longest gap 2.6 s -> 0.58 s)
-# On CUDA graphs a request may wait this long to join a large running batch with others (Scheduler._holds_joins).
-# Off (0) until measured on a GPU: SPECCHAT_JOIN_WAIT_MS=4 turns it on (benchmarks/spec_gpu.sh joinwait, A/B runs)
-JOIN_WAIT_MS = float(os.environ.get("SPECCHAT_JOIN_WAIT_MS", "0"))
 
 
 class RequestHandle:
@@ -117,9 +114,8 @@ class Engine:
         self.runner = make_runner(model, pool, eager=config.eager)
         self.drafters = DrafterCache(self._build_drafter)
         chunk = CPU_CHUNK_BESIDE_DECODING if self.device.type == "cpu" else None
-        wait_s = JOIN_WAIT_MS / 1e3 if self.runner.overlaps else 0.0  # (on the CPU a prompt's forward is its own)
         self.scheduler = Scheduler(
-            pool, self.drafters, config.max_running, config.max_batch_tokens, self.runner.pads_widths, chunk, wait_s
+            pool, self.drafters, config.max_running, config.max_batch_tokens, self.runner.pads_widths, chunk
         )
         self.spec_step = SpecStep(self.runner, self.drafters)
         self.governor = ThreadGovernor.for_device(self.device)  # fewer CPU threads while other processes crowd them

@@ -26,10 +26,6 @@ from specchat.engine.stats import StepRecord
 GateKey = tuple[tuple[str, ...], int]
 
 
-JOIN_MIN_RUNNING = 16  # a batch this large holds waiting requests back to join together (`_holds_joins`)
-JOIN_SHARE, JOIN_BATCH = 8, 4  # up to an eighth of the running batch joins at once, at most 4
-
-
 def gate_key(drafters: Iterable[str]) -> GateKey:
     """A batch's DraftGate key: its requests' drafters (what a step costs and accepts depends on them) and its
     size bucket (the next power of two)."""
@@ -46,7 +42,6 @@ class Scheduler:
         max_batch_tokens: int = 2048,
         uniform_widths: bool = False,
         chunk_beside_decoding: int | None = None,
-        join_wait_s: float = 0.0,
     ) -> None:
         self.pool = pool
         self.drafters = drafters
@@ -56,9 +51,6 @@ class Scheduler:
         self.chunk_beside_decoding = chunk_beside_decoding
         # the runner pads a step's requests to its widest (CUDA graphs): one request's big k widens them all
         self.uniform_widths = uniform_widths
-        # how long a request may wait to join a large running batch with others (`_holds_joins`); 0: never
-        self.join_wait_s = join_wait_s
-        self._holding = False  # whether this step holds the waiting requests back (`_holds_joins`)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # what decode steps cost on this device, for adaptive K
@@ -120,14 +112,11 @@ class Scheduler:
         events: list[Event] = []
         for seq in [s for s in self.live() if s.finish_reason == "cancelled"]:
             self._finish(seq, events)
-        self._holding = self._holds_joins(now)
-        if not self._holding:
-            self._admit(events)
+        self._admit(events)
         items = self._plan(events, now) if self.running else []
-        # the next step may be launched ahead of this one's tokens where no admission can change it (requests held
-        # back join it if admitted next, as requests arriving meanwhile do); adaptive requests decode plainly in it
-        # too where their batch's gate keeps them from drafting now and next
-        ahead = self._holding or not self.waiting or len(self.running) >= self.max_running
+        # the next step may be launched ahead of this one's tokens where no admission can change it; adaptive
+        # requests decode plainly in it too where their batch's gate keeps them from drafting now and next
+        ahead = not self.waiting or len(self.running) >= self.max_running
         gated_next = self._gated_off and not self._gated[0].peek()
         running = self.running
         if gated_next:  # nobody drafts now or next: only drafters that need every position's rows (EAGLE) tap
@@ -137,22 +126,6 @@ class Scheduler:
             history = {name: self.drafters.get(name).tap_history for name in {s.spec.drafter for s in running}}
             running = [s for s in running if history[s.spec.drafter] or not _gated(s)]
         return StepPlan(items, self.drafters.taps(running), ahead, gated_next), events
-
-    def _holds_joins(self, now: float) -> bool:
-        """Whether to hold the waiting requests back this step, so that they join the running batch together: on a
-        runner of CUDA graphs the prompts admitted beside running requests take a replay of their own (the step
-        ahead cannot take them), as long as a decoding step of a small model, whatever their number. At 32
-        sessions of the default model on the H100 each lone join cost the batch 1.1-1.5 ms (a step: 1.0), and
-        requests that end at different steps (drafting, or answers of different lengths) each joined alone. So
-        with at least JOIN_MIN_RUNNING running, requests wait until an eighth of the batch (at most JOIN_BATCH)
-        can join at once, or until the first has waited `join_wait_s` (engine.JOIN_WAIT_MS: off by default until
-        a GPU run measures it)."""
-        if self.join_wait_s <= 0 or not self.waiting or len(self.running) < JOIN_MIN_RUNNING:
-            return False
-        together = min(JOIN_BATCH, len(self.running) // JOIN_SHARE, self.max_running - len(self.running))
-        if len(self.waiting) >= together:
-            return False
-        return now - self.waiting[0].t_submit < self.join_wait_s
 
     def _admit(self, events: list[Event]) -> None:
         while self.waiting and len(self.running) < self.max_running:

@@ -110,9 +110,7 @@ def test_the_toggled_weights_are_the_cached_gptq_weights(engine, tiny_model_dir)
 def test_a_tied_head_is_mxfp4_and_the_embedding_reads_its_rows(tied_model_dir) -> None:
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
-    from specchat.quant.fp4_linear import TiedEmbedding
-
-    from specchat.quant.fp4_linear import embedding_pointer
+    from specchat.quant.fp4_linear import TiedEmbedding, embedding_pointer
 
     engine = Engine.load(EngineConfig(model=str(tied_model_dir), device="cpu", dtype="float32"))
     model = engine.model
