@@ -67,7 +67,7 @@ class GGUFFile:
         self.tensors: list[GGUFTensor] = []
         try:
             self._parse()
-        except (struct.error, IndexError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+        except (struct.error, IndexError, UnicodeDecodeError, OverflowError, MemoryError, RecursionError) as exc:
             raise ModelFormatError(f"{path}: not a readable GGUF file (damaged or truncated: {exc})") from None
 
     def get(self, key: str, default=None):

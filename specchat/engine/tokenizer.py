@@ -327,10 +327,12 @@ def byte_level_bpe(gguf) -> ByteLevelConversion | None:
 
     pre = gguf.get("tokenizer.ggml.pre")
     tokens, merges = gguf.get("tokenizer.ggml.tokens"), gguf.get("tokenizer.ggml.merges")
-    if gguf.get("tokenizer.ggml.model") != "gpt2" or (pre not in GPT2_SPLIT and pre not in SPLITS):
+    if gguf.get("tokenizer.ggml.model") != "gpt2" or not (pre is None or isinstance(pre, str)):
         return None
-    if not isinstance(tokens, list) or not isinstance(merges, list):
+    if pre not in GPT2_SPLIT and pre not in SPLITS:
         return None
+    if not all(isinstance(x, list) and all(isinstance(t, str) for t in x) for x in (tokens, merges)):
+        return None  # (transformers' converter says what is wrong with them)
     chars = byte_level_chars()
     alphabet = set(chars.values())
     vocab = {
@@ -338,9 +340,12 @@ def byte_level_bpe(gguf) -> ByteLevelConversion | None:
         for i, token in enumerate(tokens)
     }
     pairs = [tuple(merge.split(" ")) for merge in merges]
-    backend = HFTokenizer(
-        models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-    )
+    try:
+        backend = HFTokenizer(
+            models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+        )
+    except Exception as exc:  # the tokenizers library raises plain Exceptions (a merge of tokens not in the vocabulary)
+        raise ModelFormatError(f"{gguf.path}: cannot build the GGUF tokenizer ({exc})") from None
     if pre in SPLITS:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [

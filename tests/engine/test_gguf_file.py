@@ -117,3 +117,11 @@ def test_damaged_files_name_what_is_wrong(files, tmp_path):
         assert str(path) in str(info.value), name
     with pytest.raises(ModelFormatError, match="cannot read the file"):
         GGUFFile(tmp_path / "absent.gguf")
+
+
+def test_arrays_nested_past_pythons_recursion_are_a_damaged_file(tmp_path):
+    nested = struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(header(items=1) + nested + struct.pack("<IQ", 4, 0))
+    with pytest.raises(ModelFormatError, match="damaged or truncated"):
+        GGUFFile(path)

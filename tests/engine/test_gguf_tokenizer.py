@@ -101,3 +101,16 @@ def test_other_tokenizers_go_through_transformers(tmp_path, monkeypatch):
     assert called == [unknown] and converted.encode(TEXTS[0], False)
     direct = export_gguf_tokenizer(write_vocabulary(tmp_path / "v.gguf", None), tmp_path / "direct")
     assert called == [unknown] and direct.encode(TEXTS[0], False)  # not through transformers
+
+
+def test_a_vocabulary_that_does_not_hold_its_merges_is_a_bad_file(tmp_path, monkeypatch):
+    """A merge of tokens the vocabulary lacks ends in one ModelFormatError naming the file; a pre-tokenizer that is
+    not a name leaves the file to transformers' converter."""
+    from specchat.errors import ModelFormatError
+
+    gguf = GGUFFile(write_vocabulary(tmp_path / "v.gguf", None))
+    monkeypatch.setitem(gguf.metadata, "tokenizer.ggml.merges", ["no such", *gguf.metadata["tokenizer.ggml.merges"]])
+    with pytest.raises(ModelFormatError, match=r"v\.gguf: cannot build the GGUF tokenizer"):
+        byte_level_bpe(gguf)
+    monkeypatch.setitem(gguf.metadata, "tokenizer.ggml.pre", ["llama-bpe"])
+    assert byte_level_bpe(gguf) is None
