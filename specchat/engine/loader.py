@@ -52,8 +52,8 @@ def one_parse_per_file() -> Iterator[None]:
 
 
 def gguf_reader(path: Path) -> GGUFFile:
-    """The parsed GGUF file at `path` (shared within one_parse_per_file). Raises ModelFormatError on a damaged
-    file, OSError on one that cannot be opened."""
+    """The parsed GGUF file at `path` (shared within one_parse_per_file). Raises ModelFormatError on a file that
+    cannot be opened or is damaged."""
     shared = _readers.get()
     if shared is not None and path in shared:
         return shared[path]
