@@ -234,16 +234,32 @@ class LoadedModel:
 KERNEL_STAGE = "building the CPU kernels for this machine (once)"
 
 
-def build_cpu_kernels(progress: Progress | None, beat_s: float = 1.0) -> None:
-    """The CPU kernels compiled where they are not yet (once per machine, compiler and version: ~20 s on 2 cores),
-    the wait shown as a stage of the load rather than as a silent first call: `progress` hears the stage every
-    `beat_s` while the compiler runs (so a log, where stderr is not a terminal, gets its "still running" line)."""
+def start_cpu_kernels(progress: Progress | None) -> threading.Event | None:
+    """Start compiling the CPU kernels on a thread of their own where `build_cpu_kernels` would build them, so that
+    the compiler runs while the model downloads; the Event is set when it is done. None: nothing to build here."""
     if progress is None or not cpu_build.enabled() or cpu_block.built():
-        return  # (without a progress to hear it, the kernels build at their first use)
+        return None  # (without a progress to hear it, the kernels build at their first use)
     done = threading.Event()
-    compiler = threading.Thread(target=lambda: (cpu_block.available(), done.set()), daemon=True)
+
+    def compile_them() -> None:
+        try:
+            cpu_block.available()  # (a failed build is the torch path, with a note: it raises nothing)
+        finally:
+            done.set()
+
+    threading.Thread(target=compile_them, daemon=True).start()
+    return done
+
+
+def build_cpu_kernels(progress: Progress | None, beat_s: float = 1.0, started: threading.Event | None = None) -> None:
+    """The CPU kernels compiled where they are not yet (once per machine, compiler and version: ~20-30 s on 2 cores),
+    the wait shown as a stage of the load rather than as a silent first call: `progress` hears the stage every
+    `beat_s` while the compiler runs (so a log, where stderr is not a terminal, gets its "still running" line).
+    `started`: the build `start_cpu_kernels` began, waited for here."""
+    done = started if started is not None else start_cpu_kernels(progress)
+    if done is None or progress is None:
+        return
     progress(KERNEL_STAGE, 0, 0)
-    compiler.start()
     while not done.wait(beat_s):
         progress(KERNEL_STAGE, 0, 0)
     progress(KERNEL_STAGE, 1, 1)
@@ -254,9 +270,12 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     spec = resolve(config.model)
     device = pick_device(config.device)
     cpu_kernels = device.type == "cpu" and not config.eager  # the C kernels; --eager keeps plain torch
-    path = fetch(spec, progress=progress)  # (a model that cannot be fetched fails before the kernels' first build)
+    # the kernels' first build runs while the model downloads (a model that cannot be fetched fails at once; the
+    # build, on a daemon thread, goes on only while the process does)
+    compiling = start_cpu_kernels(progress) if cpu_kernels else None
+    path = fetch(spec, progress=progress)
     if cpu_kernels:
-        build_cpu_kernels(progress)
+        build_cpu_kernels(progress, started=compiling)
     cpu_blocks = reads_cpu_blocks(spec, cpu_kernels)
     dtype = pick_dtype(config.dtype, device, cpu_blocks)
     blocks = cpu_blocks and dtype == torch.float32 and config.weights in ("auto", "bf16")  # (mxfp4 reads floats)

@@ -44,6 +44,35 @@ def test_a_first_build_is_a_load_stage(monkeypatch):
     assert calls == [] and built == [1]
 
 
+def test_the_first_build_runs_while_the_model_downloads(monkeypatch):
+    """load_parts starts the kernels' build before fetching the model, so the compiler and the download overlap; a
+    model that cannot be fetched fails at once, not after the build."""
+    from specchat.config import EngineConfig
+    from specchat.errors import OfflineError
+
+    compiling, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(cpu_block, "built", lambda: False)  # as on a fresh machine
+    monkeypatch.setattr(cpu_block, "available", lambda: compiling.set() or release.wait(10) or True)
+    seen = []
+
+    def fetch(spec, progress=None):
+        seen.append(compiling.wait(5))  # the build has started before the download ends
+        raise OfflineError("no network")
+
+    monkeypatch.setattr(loading, "fetch", fetch)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(OfflineError):
+            loading.load_parts(EngineConfig(device="cpu"), progress=lambda *a: None)
+        assert seen == [True] and time.perf_counter() - start < 5  # not held up by the build
+    finally:
+        release.set()
+    calls = []
+    started = loading.start_cpu_kernels(lambda *a: None)
+    loading.build_cpu_kernels(lambda *a: calls.append(a), beat_s=0.05, started=started)
+    assert started.is_set() and calls[-1] == (loading.KERNEL_STAGE, 1, 1)
+
+
 def test_a_kernel_folder_that_cannot_be_written_loads_the_build_with_a_note(tmp_path, monkeypatch, caplog):
     """A read-only $SPECCHAT_HOME had every start build the kernels, fail to save them and run the torch path."""
     import logging
