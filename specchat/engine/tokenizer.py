@@ -3,8 +3,8 @@
 At run time we use the `tokenizers` library on a `tokenizer.json` plus the model's Jinja chat template,
 rendered the way HF transformers renders it (sandboxed Jinja, trim_blocks / lstrip_blocks, `tojson`,
 `raise_exception`, `strftime_now`). A GGUF file carries its vocabulary, merges and template in metadata;
-`gguf_tokenizer` converts them once (through transformers' GGUF converter) into such a directory, and again
-if that copy is damaged.
+`gguf_tokenizer` converts them once into such a directory (a byte-level BPE vocabulary directly,
+`byte_level_bpe`; any other through transformers' GGUF converter), and again if that copy is damaged.
 """
 
 from __future__ import annotations
