@@ -359,15 +359,14 @@ def byte_level_bpe(gguf) -> ByteLevelConversion | None:
     types = gguf.get("tokenizer.ggml.token_type") or []
     control = [t for t, kind in zip(tokens, types, strict=False) if kind == CONTROL and set(t) <= alphabet]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    known = backend.get_vocab(with_added_tokens=True)
-    user = [t for t, kind in zip(tokens, types, strict=False) if kind == USER_DEFINED and t in known]
+    ids = backend.get_vocab(with_added_tokens=True)  # (the user-defined tokens below are in it already: same ids)
+    user = [t for t, kind in zip(tokens, types, strict=False) if kind == USER_DEFINED and t in ids]
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
     special = {}
     for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         tid = gguf.get(f"tokenizer.ggml.{key}_token_id")
         special[name] = tokens[tid] if isinstance(tid, int) and 0 <= tid < len(tokens) else None
-    ids = backend.get_vocab(with_added_tokens=True)
     add = {end: bool(gguf.get(f"tokenizer.ggml.add_{end}_token")) and special[end] in ids for end in ("bos", "eos")}
 
     def sequence(piece: str, type_id: int) -> str:  # [BOS] piece [EOS], as the file asks
