@@ -28,6 +28,14 @@ DRAFTER_CHOICES = (*DRAFTERS, "default")
 DRAFTER_SYNTAX = " | ".join(f"{d}[:{DRAFTER_ARGS[d]}]" if d in DRAFTER_ARGS else d for d in DRAFTER_CHOICES)
 SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed takes a 64-bit seed
 WHOLE_HEAD_DRAFTERS = ("heads", "ngram+heads")  # they read rows of the target's whole output head (not under --tp)
+# `specchat quantize` (quant.quantize): its methods, the MXFP4 block scale rules (kernels.mxfp4) and its defaults
+QUANT_METHODS = ("gptq", "rtn")
+DEFAULT_QUANT_METHOD = "gptq"
+MXFP4_RULES = ("ocp", "roundup", "mse")
+DEFAULT_QUANT_RULE = "mse"
+DEFAULT_QUANT_LAYERS = "all"  # layer selection (quant.modules)
+CALIBRATION_TOKENS = 8192  # all 6,569 tokens of the shipped text: better than 2,048 on the dev text (benchmarks.md)
+DEFAULT_DAMP = 0.01  # GPTQ: fraction of mean(diag(H)) added to the diagonal
 
 
 KIND_NAMES = {str: "a string", bool: "True or False", int: "an integer"}

@@ -13,10 +13,12 @@ import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from specchat.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 HEADER_LEN_BYTES = 8  # the little-endian uint64 that opens every safetensors file
 

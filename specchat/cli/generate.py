@@ -31,7 +31,6 @@ from specchat.cli.options import (
     spec_params,
     tp_option,
 )
-from specchat.engine.api import named_weights
 from specchat.engine.sequence import Finished, TextDelta
 from specchat.engine.stats import SpecStats
 from specchat.errors import PromptError, SpecchatError
@@ -48,6 +47,8 @@ def time_to_first_token(fin: Finished) -> float:
 def memory_json(engine, dtype: str) -> dict:
     """engine.memory(), with unquantized weights named by the model dtype ("float32"): quant.handler says "bf16"
     for every unquantized form."""
+    from specchat.engine.api import named_weights  # imports torch: not for `specchat --help`
+
     return named_weights(engine.memory(), dtype)
 
 

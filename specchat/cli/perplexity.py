@@ -22,7 +22,6 @@ from importlib import resources
 from pathlib import Path
 
 import click
-import torch
 
 from specchat.cli.inputs import read_nonempty_text
 from specchat.cli.options import StderrProgress, engine_config, model_options
@@ -75,6 +74,8 @@ def perplexity(
 ) -> PerplexityResult:
     """Perplexity of `engine`'s model on token ids, windows of `context` tokens every `stride` tokens; `chunk`:
     at most that many tokens a forward (None: the history and the scored tokens in one forward each)."""
+    import torch
+
     from specchat.engine.runner import StepBatch
 
     if not 0 < stride <= context:

@@ -17,26 +17,31 @@ import click
 
 from specchat.cli.inputs import read_nonempty_text
 from specchat.cli.options import StderrProgress, model_argument
-from specchat.config import DEVICES, DTYPES
-from specchat.errors import ConfigError
-from specchat.quant.quantize import (
+from specchat.config import (
     CALIBRATION_TOKENS,
     DEFAULT_DAMP,
-    DEFAULT_LAYERS,
-    DEFAULT_METHOD,
-    DEFAULT_RULE,
-    METHODS,
-    RULES,
+    DEFAULT_QUANT_LAYERS,
+    DEFAULT_QUANT_METHOD,
+    DEFAULT_QUANT_RULE,
+    DEVICES,
+    DTYPES,
+    MXFP4_RULES,
+    QUANT_METHODS,
 )
+from specchat.errors import ConfigError
 from specchat.registry import default_model
 
 
 @click.command()
 @model_argument
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="checkpoint directory (default: cache)")
-@click.option("--method", type=click.Choice(METHODS), default=DEFAULT_METHOD, show_default=True)
-@click.option("--rule", type=click.Choice(RULES), default=DEFAULT_RULE, show_default=True, help="block scale rule")
-@click.option("--layers", default=DEFAULT_LAYERS, show_default=True, help="linears to quantize (docs/quantization.md)")
+@click.option("--method", type=click.Choice(QUANT_METHODS), default=DEFAULT_QUANT_METHOD, show_default=True)
+@click.option(
+    "--rule", type=click.Choice(MXFP4_RULES), default=DEFAULT_QUANT_RULE, show_default=True, help="block scale rule"
+)
+@click.option(
+    "--layers", default=DEFAULT_QUANT_LAYERS, show_default=True, help="linears to quantize (docs/quantization.md)"
+)
 @click.option("--rotate/--no-rotate", default=None, help="32-point block Hadamard rotation [default: on for gptq]")
 @click.option("--act-order/--no-act-order", default=True, show_default=True, help="GPTQ: largest H diagonal first")
 @click.option("--damp", type=float, default=DEFAULT_DAMP, show_default=True, help="GPTQ: dampening, x mean(diag H)")

@@ -5,13 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.stats import SpecStats, StepRecord
 from specchat.engine.tokenizer import ByteStreamDecoder, StreamDecoder
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(enum.Enum):

@@ -41,6 +41,8 @@ from typing import Literal
 
 import torch
 
+from specchat.config import MXFP4_RULES
+
 BLOCK_SIZE = 32  # elements sharing one E8M0 scale
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # by code & 7
 E2M1_SIGN_BIT = 0x8
@@ -59,7 +61,7 @@ E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 E2M1_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
 
 Rule = Literal["ocp", "roundup", "mse"]
-RULES: tuple[str, ...] = ("ocp", "roundup", "mse")
+RULES: tuple[str, ...] = MXFP4_RULES
 _MSE_EXP_OFFSETS = (0, 1, -1)  # candidates relative to the ocp exponent, in tie-break order
 
 

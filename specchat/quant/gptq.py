@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specchat.config import CALIBRATION_TOKENS, DEFAULT_DAMP
 from specchat.kernels.cpu_build import KERNEL_CACHES
 from specchat.kernels.mxfp4 import (
     BLOCK_SIZE,
@@ -61,10 +62,8 @@ if TYPE_CHECKING:  # annotations only: the engine imports this package, never th
     from specchat.engine.model import Block, Transformer
 
 CALIBRATION_TEXT = "calibration_heapq.txt"  # specchat/data/text; a different text from the held-out one
-CALIBRATION_TOKENS = 8192  # all 6,569 tokens of the shipped text: better than 2,048 on the dev text (benchmarks.md)
 CALIBRATION_SEQ_LEN = 1024  # tokens per calibration sequence (the perplexity tool's default context)
 CHUNK_COLUMNS = 128  # columns per lazy-batch chunk (a multiple of BLOCK_SIZE)
-DEFAULT_DAMP = 0.01  # fraction of mean(diag(H)) added to the diagonal
 
 Progress = Callable[[str, int, int], None]
 

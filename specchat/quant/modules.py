@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from specchat.config import DEFAULT_QUANT_LAYERS
 from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
 from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, TiedEmbedding, rotate_blocks
 
-DEFAULT_LAYERS = "all"
+DEFAULT_LAYERS = DEFAULT_QUANT_LAYERS
 ROTATION = "hadamard32"
 LINEAR_TYPES = (nn.Linear, Fp4Linear)
 BLOCK_LINEARS = "layers.*"

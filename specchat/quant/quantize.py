@@ -23,6 +23,7 @@ from pathlib import Path
 
 from torch import nn
 
+from specchat.config import DEFAULT_QUANT_METHOD, DEFAULT_QUANT_RULE, QUANT_METHODS
 from specchat.errors import ConfigError
 from specchat.kernels.mxfp4 import RULES, Rule
 from specchat.quant.checkpoint import (
@@ -47,9 +48,9 @@ from specchat.quant.gptq import (
 )
 from specchat.quant.modules import DEFAULT_LAYERS, ROTATION, round_to_nearest, select_linears
 
-METHODS = ("gptq", "rtn")
-DEFAULT_METHOD = "gptq"
-DEFAULT_RULE: Rule = "mse"
+METHODS = QUANT_METHODS
+DEFAULT_METHOD = DEFAULT_QUANT_METHOD
+DEFAULT_RULE: Rule = DEFAULT_QUANT_RULE
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 CHECKPOINT_FILES = {WEIGHTS_FILE, METADATA_FILE, "config.json", *TOKENIZER_FILES}  # what a checkpoint folder holds
