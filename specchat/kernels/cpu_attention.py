@@ -702,23 +702,42 @@ INLINE void attend_group(const int NC, const int TK, const int TV, const Plan* p
     default: CALL(KV_F32, KV_F32)                           \
   }
 
+/* The same pairs as definitions: FOR_KV_TYPES(DEFINE) expands DEFINE(TK, TV) for each, so that each pair's code is a
+   function of its own (NOINLINE), called through KV_TYPES. Every pair's tiles inlined into one dispatching function
+   made gcc's passes superlinear in its size: the first run's build of the kernels took ~1.5x as long. */
+#define FOR_KV_TYPES(DEFINE) \
+  DEFINE(KV_F16, KV_F16) DEFINE(KV_BF16, KV_BF16) DEFINE(KV_MX8, KV_MX4) DEFINE(KV_MX4, KV_MX4) DEFINE(KV_F32, KV_F32)
+#if defined(VEC_FLOATS) && VEC_FLOATS == 8 && defined(__GNUC__) && !defined(__clang__)
+/* gcc 12.2's loop vectorizer (-O3) broke the AVX2 row at head_dim 128 (NC = 16) beside the other head_dims' rows:
+   every output wrong, while the same code alone in a function was right (docs/benchmarks.md, "Forty-eighth
+   session"). These loops are intrinsics already, so the pass has nothing to add to them. */
+#define NOINLINE static __attribute__((noinline, optimize("no-tree-loop-vectorize")))
+#else
+#define NOINLINE static __attribute__((noinline))
+#endif
+
 #ifdef VEC_FLOATS
 /* The vector build's row with NC = head_dim / VEC_FLOATS a compile-time constant at each call; other head_dims
    take the plain loops. */
-#define ATTEND_T(TK, TV) attend_vec(NC, TK, TV, p, table, n, q, kp, vp, s, out); return;
-#define ATTEND(D) { const int NC = (D) / VEC_FLOATS; KV_TYPES(ATTEND_T) }
-#define PLAIN_T(TK, TV) attend_plain(TK, TV, p, table, n, q, kp, vp, s, out); return;
+#define ATTEND(D, TK, TV) \
+  case D: attend_vec((D) / VEC_FLOATS, TK, TV, p, table, n, q, kp, vp, s, out); return;
+#define ROW_FN(TK, TV)                                                                                              \
+  NOINLINE void attend_row_##TK##_##TV(const Plan* p, const int32_t* table, int n, const float* q, Pages kp,       \
+                                       Pages vp, float* s, float* out) {                                           \
+    switch (p->head_dim) {                                                                                          \
+      ATTEND(16, TK, TV) ATTEND(32, TK, TV) ATTEND(64, TK, TV) ATTEND(128, TK, TV) ATTEND(256, TK, TV)              \
+      default: attend_plain(TK, TV, p, table, n, q, kp, vp, s, out);                                                \
+    }                                                                                                               \
+  }
+FOR_KV_TYPES(ROW_FN)
+#undef ROW_FN
+#undef ATTEND
+#define ROW_T(TK, TV) attend_row_##TK##_##TV(p, table, n, q, kp, vp, s, out); return;
 static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, Pages kp, Pages vp, float* s,
                        float* out) {
-  switch (p->head_dim) {
-    case 16: ATTEND(16)
-    case 32: ATTEND(32)
-    case 64: ATTEND(64)
-    case 128: ATTEND(128)
-    case 256: ATTEND(256)
-    default: KV_TYPES(PLAIN_T)
-  }
+  KV_TYPES(ROW_T)
 }
+#undef ROW_T
 #else
 #define PLAIN_T(TK, TV) attend_plain(TK, TV, p, table, n, q, kp, vp, s, out); return;
 static void attend_row(const Plan* p, const int32_t* table, int n, const float* q, Pages kp, Pages vp, float* s,
@@ -748,28 +767,37 @@ static int tile_rows(int D) {
   return 1;
 }
 
+#ifdef HAVE_TILE
+#define KV_TILE(NC, RR, TK, TV) \
+  case RR: attend_tile(NC, RR, TK, TV, p, table, ns, qs, kp, vp, s, s_row, outs); return 1;
+#define KV_TILES(D, TK, TV) \
+  case D: switch (R) { KV_TILE((D) / VEC_FLOATS, 2, TK, TV) KV_TILE((D) / VEC_FLOATS, 3, TK, TV) KV_TILE((D) / VEC_FLOATS, 4, TK, TV) } break;
+#if VEC_FLOATS == 16
+#define TILES_128(TK, TV) case 128: switch (R) { KV_TILE(8, 2, TK, TV) } break;
+#else
+#define TILES_128(TK, TV)
+#endif
+/* Whether the pair's tiles took the R rows (1), or they go one at a time (0). */
+#define TILES_FN(TK, TV)                                                                                          \
+  NOINLINE int attend_tiles_##TK##_##TV(const Plan* p, const int32_t* table, int R, const int* ns,               \
+                                        const float* const* qs, Pages kp, Pages vp, float* s, long s_row,        \
+                                        float* const* outs) {                                                    \
+    switch (p->head_dim) { KV_TILES(16, TK, TV) KV_TILES(32, TK, TV) KV_TILES(64, TK, TV) TILES_128(TK, TV) }             \
+    return 0;                                                                                                     \
+  }
+FOR_KV_TYPES(TILES_FN)
+#undef TILES_FN
+#undef TILES_128
+#undef KV_TILES
+#undef KV_TILE
+#endif
+
 static void attend_rows(const Plan* p, const int32_t* table, int R, const int* ns, const float* const* qs, Pages kp,
                         Pages vp, float* s, long s_row, float* const* outs) {
 #ifdef HAVE_TILE
-#define TILE_T(TK, TV) attend_tile(NC, RR, TK, TV, p, table, ns, qs, kp, vp, s, s_row, outs); return;
-#define TILE(NC_, RR_) { const int NC = NC_, RR = RR_; KV_TYPES(TILE_T) }
-#define TILES(NC) \
-  switch (R) {    \
-    case 2: TILE(NC, 2) \
-    case 3: TILE(NC, 3) \
-    case 4: TILE(NC, 4) \
-  }
-  if (R > 1) switch (p->head_dim) {
-      case 16: TILES(16 / VEC_FLOATS) break;
-      case 32: TILES(32 / VEC_FLOATS) break;
-      case 64: TILES(64 / VEC_FLOATS) break;
-#if VEC_FLOATS == 16
-      case 128: if (R == 2) { TILE(8, 2) } break;
-#endif
-    }
-#undef TILES
-#undef TILE
-#undef TILE_T
+#define TILES_T(TK, TV) if (attend_tiles_##TK##_##TV(p, table, R, ns, qs, kp, vp, s, s_row, outs)) return; break;
+  if (R > 1) { KV_TYPES(TILES_T) }
+#undef TILES_T
 #endif
   for (int r = 0; r < R; r++) attend_row(p, table, ns[r], qs[r], kp, vp, s, outs[r]);
 }
@@ -796,17 +824,25 @@ static int group_size(int pairs, int GP) {
 }
 
 #ifdef HAVE_GROUP
-#define GROUP_T(TK, TV) attend_group(NC, TK, TV, p, table, P, ns, qs, kp, vp, s, s_row, outs, buf); return;
-#define GROUP(NC_) { const int NC = NC_; KV_TYPES(GROUP_T) }
+#define GROUP(NC, TK, TV) attend_group(NC, TK, TV, p, table, P, ns, qs, kp, vp, s, s_row, outs, buf); return;
+#define GROUP_FN(TK, TV)                                                                                         \
+  NOINLINE void attend_pairs_##TK##_##TV(const Plan* p, const int32_t* table, int P, const int* ns,             \
+                                         const float* const* qs, Pages kp, Pages vp, float* s, long s_row,      \
+                                         float* const* outs, float* buf) {                                      \
+    switch (p->head_dim) {                                                                                       \
+      case 16: GROUP(2, TK, TV)                                                                                  \
+      case 32: GROUP(4, TK, TV)                                                                                  \
+      default: GROUP(8, TK, TV)                                                                                  \
+    }                                                                                                            \
+  }
+FOR_KV_TYPES(GROUP_FN)
+#undef GROUP_FN
+#undef GROUP
+#define GROUP_T(TK, TV) attend_pairs_##TK##_##TV(p, table, P, ns, qs, kp, vp, s, s_row, outs, buf); return;
 static void attend_pairs(const Plan* p, const int32_t* table, int P, const int* ns, const float* const* qs,
                          Pages kp, Pages vp, float* s, long s_row, float* const* outs, float* buf) {
-  switch (p->head_dim) {
-    case 16: GROUP(2)
-    case 32: GROUP(4)
-    default: GROUP(8)
-  }
+  KV_TYPES(GROUP_T)
 }
-#undef GROUP
 #undef GROUP_T
 #endif
 
