@@ -703,7 +703,7 @@ INLINE void attend_group(const int NC, const int TK, const int TV, const Plan* p
   }
 
 /* The same pairs as definitions: FOR_KV_TYPES(DEFINE) expands DEFINE(TK, TV) for each, so that each pair's code is a
-   function of its own (NOINLINE), called through KV_TYPES. Every pair's tiles inlined into one dispatching function
+   function of its own (KV_FN), called through KV_TYPES. Every pair's tiles inlined into one dispatching function
    made gcc's passes superlinear in its size: the first run's build of the kernels took ~1.5x as long. */
 #define FOR_KV_TYPES(DEFINE) \
   DEFINE(KV_F16, KV_F16) DEFINE(KV_BF16, KV_BF16) DEFINE(KV_MX8, KV_MX4) DEFINE(KV_MX4, KV_MX4) DEFINE(KV_F32, KV_F32)
@@ -711,9 +711,20 @@ INLINE void attend_group(const int NC, const int TK, const int TV, const Plan* p
 /* gcc 12.2's loop vectorizer (-O3) broke the AVX2 row at head_dim 128 (NC = 16) beside the other head_dims' rows:
    every output wrong, while the same code alone in a function was right (docs/benchmarks.md, "Forty-eighth
    session"). These loops are intrinsics already, so the pass has nothing to add to them. */
-#define NOINLINE static __attribute__((noinline, optimize("no-tree-loop-vectorize")))
+#define KV_FN_ATTRS noinline, optimize("no-tree-loop-vectorize")
 #else
-#define NOINLINE static __attribute__((noinline))
+#define KV_FN_ATTRS noinline
+#endif
+/* KV_FN(RET, NAME, (PARAMS), BODY...): one pair's function. Static in a build of one translation unit; where the
+   library is built as two compiled side by side (kernels/cpu_block.py), defined in the one of these kernels
+   (KV_INSTANCES_DEFINE) and declared in the other (KV_INSTANCES_DECLARE), hidden outside the library. */
+#if defined(KV_INSTANCES_DECLARE)
+#define KV_FN(RET, NAME, PARAMS, ...) __attribute__((visibility("hidden"))) RET NAME PARAMS;
+#elif defined(KV_INSTANCES_DEFINE)
+#define KV_FN(RET, NAME, PARAMS, ...) \
+  __attribute__((KV_FN_ATTRS, visibility("hidden"))) RET NAME PARAMS { __VA_ARGS__ }
+#else
+#define KV_FN(RET, NAME, PARAMS, ...) static __attribute__((KV_FN_ATTRS)) RET NAME PARAMS { __VA_ARGS__ }
 #endif
 
 #ifdef VEC_FLOATS
@@ -721,14 +732,13 @@ INLINE void attend_group(const int NC, const int TK, const int TV, const Plan* p
    take the plain loops. */
 #define ATTEND(D, TK, TV) \
   case D: attend_vec((D) / VEC_FLOATS, TK, TV, p, table, n, q, kp, vp, s, out); return;
-#define ROW_FN(TK, TV)                                                                                              \
-  NOINLINE void attend_row_##TK##_##TV(const Plan* p, const int32_t* table, int n, const float* q, Pages kp,       \
-                                       Pages vp, float* s, float* out) {                                           \
-    switch (p->head_dim) {                                                                                          \
-      ATTEND(16, TK, TV) ATTEND(32, TK, TV) ATTEND(64, TK, TV) ATTEND(128, TK, TV) ATTEND(256, TK, TV)              \
-      default: attend_plain(TK, TV, p, table, n, q, kp, vp, s, out);                                                \
-    }                                                                                                               \
-  }
+#define ROW_FN(TK, TV)                                                                                        \
+  KV_FN(void, attend_row_##TK##_##TV,                                                                          \
+        (const Plan* p, const int32_t* table, int n, const float* q, Pages kp, Pages vp, float* s, float* out), \
+        switch (p->head_dim) {                                                                                 \
+          ATTEND(16, TK, TV) ATTEND(32, TK, TV) ATTEND(64, TK, TV) ATTEND(128, TK, TV) ATTEND(256, TK, TV)     \
+          default: attend_plain(TK, TV, p, table, n, q, kp, vp, s, out);                                       \
+        })
 FOR_KV_TYPES(ROW_FN)
 #undef ROW_FN
 #undef ATTEND
@@ -778,13 +788,12 @@ static int tile_rows(int D) {
 #define TILES_128(TK, TV)
 #endif
 /* Whether the pair's tiles took the R rows (1), or they go one at a time (0). */
-#define TILES_FN(TK, TV)                                                                                          \
-  NOINLINE int attend_tiles_##TK##_##TV(const Plan* p, const int32_t* table, int R, const int* ns,               \
-                                        const float* const* qs, Pages kp, Pages vp, float* s, long s_row,        \
-                                        float* const* outs) {                                                    \
-    switch (p->head_dim) { KV_TILES(16, TK, TV) KV_TILES(32, TK, TV) KV_TILES(64, TK, TV) TILES_128(TK, TV) }             \
-    return 0;                                                                                                     \
-  }
+#define TILES_FN(TK, TV)                                                                                      \
+  KV_FN(int, attend_tiles_##TK##_##TV,                                                                         \
+        (const Plan* p, const int32_t* table, int R, const int* ns, const float* const* qs, Pages kp, Pages vp, \
+         float* s, long s_row, float* const* outs),                                                            \
+        switch (p->head_dim) { KV_TILES(16, TK, TV) KV_TILES(32, TK, TV) KV_TILES(64, TK, TV) TILES_128(TK, TV) } \
+        return 0;)
 FOR_KV_TYPES(TILES_FN)
 #undef TILES_FN
 #undef TILES_128
@@ -825,16 +834,15 @@ static int group_size(int pairs, int GP) {
 
 #ifdef HAVE_GROUP
 #define GROUP(NC, TK, TV) attend_group(NC, TK, TV, p, table, P, ns, qs, kp, vp, s, s_row, outs, buf); return;
-#define GROUP_FN(TK, TV)                                                                                         \
-  NOINLINE void attend_pairs_##TK##_##TV(const Plan* p, const int32_t* table, int P, const int* ns,             \
-                                         const float* const* qs, Pages kp, Pages vp, float* s, long s_row,      \
-                                         float* const* outs, float* buf) {                                      \
-    switch (p->head_dim) {                                                                                       \
-      case 16: GROUP(2, TK, TV)                                                                                  \
-      case 32: GROUP(4, TK, TV)                                                                                  \
-      default: GROUP(8, TK, TV)                                                                                  \
-    }                                                                                                            \
-  }
+#define GROUP_FN(TK, TV)                                                                                      \
+  KV_FN(void, attend_pairs_##TK##_##TV,                                                                        \
+        (const Plan* p, const int32_t* table, int P, const int* ns, const float* const* qs, Pages kp, Pages vp, \
+         float* s, long s_row, float* const* outs, float* buf),                                                \
+        switch (p->head_dim) {                                                                                 \
+          case 16: GROUP(2, TK, TV)                                                                            \
+          case 32: GROUP(4, TK, TV)                                                                            \
+          default: GROUP(8, TK, TV)                                                                            \
+        })
 FOR_KV_TYPES(GROUP_FN)
 #undef GROUP_FN
 #undef GROUP
@@ -845,6 +853,8 @@ static void attend_pairs(const Plan* p, const int32_t* table, int P, const int* 
 }
 #undef GROUP_T
 #endif
+
+/* ---- end of the kernels (KERNELS_END): the attention's own translation unit ends here ---- */
 
 /* ---- Quantize-on-append: kernels/kv_quant.py's quantize_rows, bit for bit, after the pages' rotation ---- */
 
@@ -1513,6 +1523,9 @@ int paged_attention(const Plan* p, const float* q, long q_stride, const float* k
   return failed ? -1 : 0;
 }
 """
+# the attention's kernels alone (each KV format's functions and what they inline), which kernels/cpu_block.py
+# compiles as a translation unit of their own beside the rest of the library
+C_KERNELS = C_SOURCE[: C_SOURCE.index("/* ---- end of the kernels")]
 
 
 class Plan(ctypes.Structure):

@@ -130,20 +130,45 @@ def _openmp_pause() -> Callable[[int], int] | None:
     return pause
 
 
-def compile_library(source: str, cflags: list[str], target: Path, openmp: Path | None) -> ctypes.CDLL:
-    """Build `source` into the shared library `target` (atomically: a concurrent process sees the old file or the
-    whole new one) and load it. Where `target` cannot be written (a read-only $SPECCHAT_HOME, a full disk) the build
-    is loaded from where it was made, with a note: the kernels run, only the next start builds them again."""
+Sources = str | tuple[str, ...]  # one C source, or the translation units of one library
+BUILD_TIMEOUT_S = 120  # per compiler command
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    """Run the compiler commands side by side; CalledProcessError (with its stderr) for the first that failed."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for cmd in commands]
+    try:
+        results = [proc.communicate(timeout=BUILD_TIMEOUT_S) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for cmd, proc, (out, err) in zip(commands, procs, results, strict=True):
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
+
+
+def compile_library(sources: Sources, cflags: list[str], target: Path, openmp: Path | None) -> ctypes.CDLL:
+    """Build `sources` into the shared library `target` (atomically: a concurrent process sees the old file or the
+    whole new one) and load it. Several translation units compile side by side, then link. Where `target` cannot be
+    written (a read-only $SPECCHAT_HOME, a full disk) the build is loaded from where it was made, with a note: the
+    kernels run, only the next start builds them again."""
     cc = os.environ.get("CC", "cc")
+    units = (sources,) if isinstance(sources, str) else sources
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / f"{target.stem}.c"
-        src.write_text(source)
+        srcs = [Path(tmp) / f"{target.stem}.{i}.c" for i in range(len(units))]
+        for src, text in zip(srcs, units, strict=True):
+            src.write_text(text)
         out = Path(tmp) / target.name
-        cmd = [cc, *cflags, str(src), "-o", str(out)]
-        if openmp is not None:
-            cmd[1:1] = ["-fopenmp"]
-            cmd += [str(openmp), f"-Wl,-rpath,{openmp.parent}"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        flags = ["-fopenmp", *cflags] if openmp is not None else list(cflags)
+        link = [str(openmp), f"-Wl,-rpath,{openmp.parent}"] if openmp is not None else []
+        if len(srcs) == 1:
+            _run_all([[cc, *flags, str(srcs[0]), "-o", str(out), *link]])
+        else:
+            objs = [src.with_suffix(".o") for src in srcs]
+            _run_all([[cc, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(srcs, objs, strict=True)])
+            _run_all([[cc, *flags, *map(str, objs), "-o", str(out), *link]])
         partial = target.with_name(f".{target.name}.{os.getpid()}.part")  # beside target: the rename is atomic
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -162,14 +187,14 @@ def enabled() -> bool:
     return sys.platform == "linux" and os.environ.get("SPECCHAT_CPU_KERNELS", "1") != "0"
 
 
-def library_path(name: str, source: str, cflags: tuple[str, ...]) -> Path:
+def library_path(name: str, source: Sources, cflags: tuple[str, ...]) -> Path:
     """Where the build of `source` with these flags is cached (keyed by them, the OpenMP runtime and torch)."""
     key = hashlib.sha1(f"{source}{list(cflags)}{torch_openmp()}{torch.__version__}".encode()).hexdigest()[:12]
     return kernel_dir() / f"{name}-{key}.so"
 
 
 @cache
-def load(name: str, source: str, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
+def load(name: str, source: Sources, cflags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The library `name` built from `source` (on first use, then cached on disk), or None where it cannot be."""
     if not enabled():
         if sys.platform != "linux":  # (SPECCHAT_CPU_KERNELS=0 is the user's own choice: nothing to tell)

@@ -152,6 +152,8 @@ INLINE void norm_row(int n, const float* x, const float* w, float eps, float* ou
   for (int j = 0; j < n; j++) out[j] = w[j] * (x[j] * r);
 }
 
+/* ---- end of the header (HEADER_END): what other modules' C sources build on ---- */
+
 void rms_norm(int rows, int n, const float* x, const float* w, float eps, float* out) {
   for (int i = 0; i < rows; i++) norm_row(n, x + (size_t)i * n, w, eps, out + (size_t)i * n);
 }
@@ -291,6 +293,8 @@ int argmax_rows(int rows, long n, const float* x, int64_t* out, int threads) {
   return 0;
 }
 """
+
+C_HEADER = C_SOURCE[: C_SOURCE.index("/* ---- end of the header")]  # includes, macros and inline helpers only
 
 # -O3 and the host's vector units; no contraction into fused multiply-adds beyond the ones written, so RoPE and
 # the residual add round as the torch reference does.

@@ -23,7 +23,7 @@ def test_every_kernel_module_uses_the_one_library():
     assert cpu_attention._library() is lib
     if cpu_gemv_i8.available():
         assert cpu_gemv_i8._library() is lib
-    assert cpu_build.library_path("cpu_block", cpu_block._source(), cpu_ops.CFLAGS).exists()  # what built() reads
+    assert cpu_build.library_path("cpu_block", cpu_block._sources(), cpu_ops.CFLAGS).exists()  # what built() reads
 
 
 def test_other_flags_build_their_own_library():
@@ -224,3 +224,30 @@ def test_page_out_releases_a_mapped_files_pages_and_keeps_its_values(tmp_path):
         pytest.skip("no MADV_PAGEOUT on this kernel")
     assert resident_mb() < held - 32
     assert torch.equal(mapped, torch.from_numpy(values))
+
+
+def test_a_library_of_two_units_links_them(tmp_path, monkeypatch):
+    """The kernels' library compiles as two translation units side by side (cpu_block._sources): a hidden function
+    of one is called from the other, and only the exported one is a symbol of the library."""
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    units = (
+        '__attribute__((visibility("hidden"))) int specchat_half(int x);\nint specchat_answer(void) { return specchat_half(84); }',
+        '__attribute__((visibility("hidden"))) int specchat_half(int x) { return x / 2; }',
+    )
+    lib = cpu_build.load("two_units_test", units, ("-O1", "-shared", "-fPIC"))
+    assert lib is not None and lib.specchat_answer() == 42
+    assert not hasattr(lib, "specchat_half")
+    assert cpu_build.library_path("two_units_test", units, ("-O1", "-shared", "-fPIC")).exists()
+
+
+def test_a_unit_that_fails_is_told_by_its_first_error_line(tmp_path, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_noted", False)
+    units = ("int specchat_answer(void) { return 42; }", "int specchat_broken(void) { return }")
+    with caplog.at_level(logging.WARNING):
+        assert cpu_build.load("broken_unit_test", units, ("-O1", "-shared", "-fPIC")) is None
+    [note] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert note.startswith("specchat: note: no CPU kernels (the compiler failed: ") and "1.c" in note
+    assert not list((tmp_path / "kernels").glob("broken_unit_test*"))
