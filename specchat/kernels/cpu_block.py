@@ -339,7 +339,7 @@ def combined(cflags: tuple[str, ...]) -> ctypes.CDLL | None:
 
 def built() -> bool:
     """Whether nothing is left to build: the library cached on disk, or loaded (or its build tried and failed) in
-    this process. A first build takes ~20 s on 2 cores."""
+    this process. A first build takes ~15-19 s on 2 cores."""
     return (
         _library.cache_info().currsize > 0 or cpu_build.library_path("cpu_block", _sources(), cpu_ops.CFLAGS).exists()
     )
