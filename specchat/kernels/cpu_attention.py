@@ -704,7 +704,7 @@ INLINE void attend_group(const int NC, const int TK, const int TV, const Plan* p
 
 /* The same pairs as definitions: FOR_KV_TYPES(DEFINE) expands DEFINE(TK, TV) for each, so that each pair's code is a
    function of its own (KV_FN), called through KV_TYPES. Every pair's tiles inlined into one dispatching function
-   made gcc's passes superlinear in its size: the first run's build of the kernels took ~1.5x as long. */
+   made gcc's passes superlinear in its size: the first run's build of the kernels took ~1.2x as long. */
 #define FOR_KV_TYPES(DEFINE) \
   DEFINE(KV_F16, KV_F16) DEFINE(KV_BF16, KV_BF16) DEFINE(KV_MX8, KV_MX4) DEFINE(KV_MX4, KV_MX4) DEFINE(KV_F32, KV_F32)
 #if defined(VEC_FLOATS) && VEC_FLOATS == 8 && defined(__GNUC__) && !defined(__clang__)
@@ -780,8 +780,13 @@ static int tile_rows(int D) {
 #ifdef HAVE_TILE
 #define KV_TILE(NC, RR, TK, TV) \
   case RR: attend_tile(NC, RR, TK, TV, p, table, ns, qs, kp, vp, s, s_row, outs); return 1;
-#define KV_TILES(D, TK, TV) \
-  case D: switch (R) { KV_TILE((D) / VEC_FLOATS, 2, TK, TV) KV_TILE((D) / VEC_FLOATS, 3, TK, TV) KV_TILE((D) / VEC_FLOATS, 4, TK, TV) } break;
+#define KV_TILES(D, TK, TV)                                                            \
+  case D:                                                                              \
+    switch (R) {                                                                       \
+      KV_TILE((D) / VEC_FLOATS, 2, TK, TV)                                             \
+      KV_TILE((D) / VEC_FLOATS, 3, TK, TV) KV_TILE((D) / VEC_FLOATS, 4, TK, TV)        \
+    }                                                                                  \
+    break;
 #if VEC_FLOATS == 16
 #define TILES_128(TK, TV) case 128: switch (R) { KV_TILE(8, 2, TK, TV) } break;
 #else
@@ -854,7 +859,7 @@ static void attend_pairs(const Plan* p, const int32_t* table, int P, const int* 
 #undef GROUP_T
 #endif
 
-/* ---- end of the kernels (KERNELS_END): the attention's own translation unit ends here ---- */
+/* ---- end of the kernels: the attention's own translation unit ends here (C_KERNELS) ---- */
 
 /* ---- Quantize-on-append: kernels/kv_quant.py's quantize_rows, bit for bit, after the pages' rotation ---- */
 

@@ -152,7 +152,7 @@ INLINE void norm_row(int n, const float* x, const float* w, float eps, float* ou
   for (int j = 0; j < n; j++) out[j] = w[j] * (x[j] * r);
 }
 
-/* ---- end of the header (HEADER_END): what other modules' C sources build on ---- */
+/* ---- end of the header: what other modules' C sources build on (C_HEADER) ---- */
 
 void rms_norm(int rows, int n, const float* x, const float* w, float eps, float* out) {
   for (int i = 0; i < rows; i++) norm_row(n, x + (size_t)i * n, w, eps, out + (size_t)i * n);
