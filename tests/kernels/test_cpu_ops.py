@@ -338,7 +338,8 @@ def test_the_kernels_of_the_other_builds(build):
     """This module's attention tests and the fused CPU blocks' (tests/engine/test_cpu_fusion.py) again, on the AVX2
     + FMA build and the plain C one (what CPUs without AVX-512 run; each a library of its own). gcc 12.2 broke the
     AVX2 build's row at head_dim 128 (every output wrong) where the AVX-512 build was right: only a run of that
-    build finds such a thing."""
+    build finds such a thing. (The real default model's test is left out: it needs the model fetched, and the
+    native runs hold its fused path to eager.)"""
     if platform.machine() != "x86_64":
         pytest.skip("these are x86 builds")
     host = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
@@ -351,7 +352,7 @@ def test_the_kernels_of_the_other_builds(build):
         "from specchat.kernels import cpu_gemv, cpu_ops\n"
         f"cpu_ops.CFLAGS = (*cpu_ops.CFLAGS, *{OTHER_BUILDS[build]!r})\n"
         f"cpu_gemv.CFLAGS = [*cpu_gemv.CFLAGS, *{OTHER_BUILDS[build]!r}]\n"
-        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{tests!r}, '-k', 'not other_builds']))\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{tests!r}, '-k', 'not other_builds and not default_model']))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
