@@ -26,7 +26,6 @@ from specchat.config import DEFAULT_QUANT_LAYERS
 from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
 from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, TiedEmbedding, rotate_blocks
 
-DEFAULT_LAYERS = DEFAULT_QUANT_LAYERS
 ROTATION = "hadamard32"
 LINEAR_TYPES = (nn.Linear, Fp4Linear)
 BLOCK_LINEARS = "layers.*"
@@ -50,7 +49,7 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def select_linears(model: nn.Module, layers: str = DEFAULT_LAYERS) -> list[str]:
+def select_linears(model: nn.Module, layers: str = DEFAULT_QUANT_LAYERS) -> list[str]:
     """Module names chosen by a layer selection (see the module docstring), in module order."""
     names = linear_names(model)
     chosen: set[str] = set()

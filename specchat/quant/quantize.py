@@ -23,7 +23,14 @@ from pathlib import Path
 
 from torch import nn
 
-from specchat.config import DEFAULT_QUANT_METHOD, DEFAULT_QUANT_RULE, QUANT_METHODS
+from specchat.config import (
+    CALIBRATION_TOKENS,
+    DEFAULT_DAMP,
+    DEFAULT_QUANT_LAYERS,
+    DEFAULT_QUANT_METHOD,
+    DEFAULT_QUANT_RULE,
+    QUANT_METHODS,
+)
 from specchat.errors import ConfigError
 from specchat.kernels.mxfp4 import RULES, Rule
 from specchat.quant.checkpoint import (
@@ -39,18 +46,12 @@ from specchat.quant.checkpoint import (
 )
 from specchat.quant.gptq import (
     CALIBRATION_TEXT,
-    CALIBRATION_TOKENS,
-    DEFAULT_DAMP,
     GptqSettings,
     calibrate,
     calibration_sequences,
     calibration_text,
 )
-from specchat.quant.modules import DEFAULT_LAYERS, ROTATION, round_to_nearest, select_linears
-
-METHODS = QUANT_METHODS
-DEFAULT_METHOD = DEFAULT_QUANT_METHOD
-DEFAULT_RULE: Rule = DEFAULT_QUANT_RULE
+from specchat.quant.modules import ROTATION, round_to_nearest, select_linears
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 CHECKPOINT_FILES = {WEIGHTS_FILE, METADATA_FILE, "config.json", *TOKENIZER_FILES}  # what a checkpoint folder holds
@@ -60,9 +61,9 @@ CHECKPOINT_FILES = {WEIGHTS_FILE, METADATA_FILE, "config.json", *TOKENIZER_FILES
 class QuantizeSettings:
     """How `specchat quantize` makes a model's MXFP4 weights (one field per flag; see docs/quantization.md)."""
 
-    method: str = DEFAULT_METHOD
-    rule: Rule = DEFAULT_RULE  # block scale rule (kernels.mxfp4)
-    layers: str = DEFAULT_LAYERS  # layer selection (quant.modules)
+    method: str = DEFAULT_QUANT_METHOD
+    rule: Rule = DEFAULT_QUANT_RULE  # block scale rule (kernels.mxfp4)
+    layers: str = DEFAULT_QUANT_LAYERS  # layer selection (quant.modules)
     rotate: bool | None = None  # 32-point block Hadamard rotation; None: on for GPTQ, off for RTN
     act_order: bool = True  # GPTQ: largest H diagonal first
     damp: float = DEFAULT_DAMP  # GPTQ: dampening, x mean(diag H)
@@ -70,8 +71,8 @@ class QuantizeSettings:
     calibration_tokens: int = CALIBRATION_TOKENS  # GPTQ: at most this many calibration tokens
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method not in QUANT_METHODS:
+            raise ConfigError(f"method must be one of {', '.join(QUANT_METHODS)}, got {self.method!r}")
         if self.rule not in RULES:
             raise ConfigError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
         if self.calibration_tokens <= 0:
