@@ -252,7 +252,7 @@ def start_cpu_kernels(progress: Progress | None) -> threading.Event | None:
 
 
 def build_cpu_kernels(progress: Progress | None, beat_s: float = 1.0, started: threading.Event | None = None) -> None:
-    """The CPU kernels compiled where they are not yet (once per machine, compiler and version: ~20-30 s on 2 cores),
+    """The CPU kernels compiled where they are not yet (once per machine, compiler and version: ~15-20 s on 2 cores),
     the wait shown as a stage of the load rather than as a silent first call: `progress` hears the stage every
     `beat_s` while the compiler runs (so a log, where stderr is not a terminal, gets its "still running" line).
     `started`: the build `start_cpu_kernels` began, waited for here."""
@@ -274,7 +274,7 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     # build, on a daemon thread, goes on only while the process does)
     compiling = start_cpu_kernels(progress) if cpu_kernels else None
     path = fetch(spec, progress=progress)
-    if cpu_kernels:
+    if compiling is not None:  # (None: nothing to build, or no progress to show it)
         build_cpu_kernels(progress, started=compiling)
     cpu_blocks = reads_cpu_blocks(spec, cpu_kernels)
     dtype = pick_dtype(config.dtype, device, cpu_blocks)
