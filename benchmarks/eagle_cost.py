@@ -1,14 +1,15 @@
 """What one EAGLE-3 draft position costs against one target step, at a real model's width (random weights).
 
     python benchmarks/eagle_cost.py [--shape llama-3.1-8b] [--context 512] [--batch 1,8] [--draft-vocab 32000]
-                                    [--weights bf16,mxfp4]
+                                    [--weights bf16,mxfp4] [--rows 5]
 
 Target: a plain decode step of the synthetic model (bench/synthetic.py), through the engine's runner (CUDA
 graphs on CUDA unless --eager). Head: one draft position of an EAGLE-3 head at the target's width (fc + one
 decoder layer + the draft-vocabulary lm_head + argmax), through EagleHead with its own paged KV cache of the same
 context, eagerly (the catch-up and ungraphed chains run so); and, on CUDA, as the drafter's greedy chain runs it
 after the catch-up: EagleDrafter's captured chain of depth 2 and 4 (one graph replay and one read-back each), a
-position costing (depth 4 - depth 2) / 2. Medians over --steps; the ratio is the issue-13 yardstick (<= 8%).
+position costing (depth 4 - depth 2) / 2; and the catch-up over --rows newly verified rows a request before the
+chain, eager and on its graph. Medians over --steps; the ratio is the issue-13 yardstick (<= 8%).
 --weights: bf16 (both dense), mxfp4 (every linear of the target, its output head included, as `bench --synthetic
 --weights mxfp4` quantizes it, and of the head, as the drafter takes its target's form: EagleHead.to_mxfp4).
 """
@@ -23,7 +24,7 @@ import torch
 
 from specchat.bench.synthetic import SHAPES, quantize_all, random_model
 from specchat.engine.cuda_graph import CTX_BUCKETS
-from specchat.engine.drafters.eagle import LINEARS, EagleConfig, EagleDrafter, EagleHead
+from specchat.engine.drafters.eagle import CATCH_UP_ROWS, LINEARS, EagleConfig, EagleDrafter, EagleHead
 from specchat.engine.fusion import fuse, fuse_linears
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.loading import make_runner
@@ -111,6 +112,35 @@ def measure_chain(model, head: EagleHead, batch: int, context: int, steps: int) 
     return timed(lambda: chain(2), steps, device), timed(lambda: chain(4), steps, device)
 
 
+@torch.inference_mode()
+def measure_catch_up(model, head: EagleHead, batch: int, context: int, steps: int, rows: int) -> tuple[float, float]:
+    """(eager ms, graphed ms) of EagleDrafter's catch-up over `rows` newly verified rows a request (k = 4 with
+    every draft accepted: 5), `batch` requests with `context` positions in the head's cache: what a drafting step
+    runs before its chain (the host's padding and reservation included, the read-back of the chain not)."""
+    cfg, device = model.cfg, next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    drafter = EagleDrafter(head, model, pool_tokens=batch * (context + 64))
+    ids = list(range(batch))
+    for b in ids:
+        drafter.pool.add(b, [])
+        drafter.pool.append(b, context)
+    taps = [torch.randn(rows, 3 * cfg.hidden_size, device=device, dtype=dtype) for _ in ids]
+    tokens = [[1] * rows for _ in ids]
+    firsts = [context] * batch
+    width = next(r for r in CATCH_UP_ROWS if r >= rows)
+    ctx = next(b for b in CTX_BUCKETS if b >= context + width)
+
+    def catch_up(graphed: bool) -> None:
+        for b in ids:
+            drafter.pool.truncate(b, context)
+        if graphed:
+            drafter._graphed_catch_up(ids, taps, tokens, firsts, width, ctx)
+        else:
+            drafter.eager_catch_up(ids, taps, tokens, firsts)
+
+    return timed(lambda: catch_up(False), steps, device), timed(lambda: catch_up(True), steps, device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -119,6 +149,9 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument(
+        "--rows", type=int, default=5, help="newly verified rows a request for the catch-up (k + 1 at most)"
+    )
     ap.add_argument("--weights", default="bf16,mxfp4", help="bf16 and/or mxfp4 (target and head), in this order")
     args = ap.parse_args()
     formats = args.weights.split(",")
@@ -131,8 +164,8 @@ def main() -> None:
     head = EagleHead(EagleConfig.for_target(model.cfg, vocab)).to(device=device, dtype=dtype).eval()
     graphs = device.type == "cuda" and not args.eager
     print("| shape | weights | batch | target step ms | eager draft position ms | ratio | graphed chain depth 2 / 4 ms | "
-          "graphed position ms | ratio |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "graphed position ms | ratio | catch-up eager / graphed ms |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     if graphs:  # the head as EagleDrafter runs it on CUDA (measure_chain's drafter would fuse it in place anyway)
         fuse(head)
         fuse_linears(head)
@@ -146,9 +179,10 @@ def main() -> None:
         if graphs:
             t2, t4 = measure_chain(model, head, batch, args.context, args.steps)
             per = (t4 - t2) / 2
-            row += f" {t2:.3f} / {t4:.3f} | {per:.3f} | {per / t_target:.1%} |"
+            eager_up, graphed_up = measure_catch_up(model, head, batch, args.context, args.steps, args.rows)
+            row += f" {t2:.3f} / {t4:.3f} | {per:.3f} | {per / t_target:.1%} | {eager_up:.3f} / {graphed_up:.3f} |"
         else:
-            row += " - | - | - |"
+            row += " - | - | - | - |"
         print(row, flush=True)
 
 

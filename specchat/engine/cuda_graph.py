@@ -84,6 +84,15 @@ class StaticKVBatch(KVBatch):
         assert self.static_meta is not None, "a prefill graph attends to its own keys"
         return self.static_meta
 
+    # Its tables are the metadata's, on the device: cached context is read by the paged kernel only (whose shapes
+    # the graphs' makers check before they capture), never gathered through the host's tables or the CPU kernel.
+    # (On a CPU that is the Triton interpreter: what tests the graphed functions' padding without a GPU.)
+    def cpu_pages(self, layer: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        return None
+
+    def _paged(self, q: torch.Tensor, k: torch.Tensor, max_q: int) -> bool:
+        return True
+
 
 class _Staging:
     """A graph's inputs packed in two device buffers (int64: token ids, positions, slots...; int32: context lengths

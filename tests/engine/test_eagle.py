@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specchat.config import SamplingParams, SpecParams
+from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.drafters import Drafter
 from specchat.engine.drafters.eagle import (
+    CATCH_UP_ROWS,
     LINEARS,
     EagleConfig,
     EagleDrafter,
@@ -26,6 +27,8 @@ from specchat.engine.runner import StepBatch
 from specchat.engine.train_eagle import EagleTrainConfig, EagleTrainer, train_eagle
 from specchat.errors import ConfigError, ModelFormatError
 from specchat.quant.fp4_linear import Fp4Linear
+from tests.conftest import save_tiny_hf
+from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 
 def random_head(model, draft_vocab: int = 2000, seed: int = 0) -> EagleHead:
@@ -230,3 +233,50 @@ def test_an_mxfp4_head_computes_with_its_dequantized_values(tiny_engine):
         assert torch.equal(quantized.head.get_submodule(name).weight, fresh.get_submodule(name).weight)
     quantized.follow_weights("mxfp4")
     assert all(quantized.head.get_submodule(name) is module for name, module in fp4.items())
+
+
+@kernel_test
+def test_the_padded_catch_up_equals_the_eager_one(tmp_path):
+    """The catch-up over each request's newly verified rows (a ragged batch of 1..k + 1 rows), padded to a width
+    (on CUDA replayed from a graph; on a CPU through the Triton interpreter's paged kernel), gives the eager
+    catch-up's draft logits and states, step after step over the keys each one wrote (two copies of each request,
+    one caught up eagerly, one padded). Batches of 1, 3 and 5 requests (padding requests in a graph's batch
+    bucket), rows up to 9 (k = 8), contexts across pages; head_dim 32, the smallest the paged kernel takes."""
+    from specchat.engine.engine import Engine
+
+    model = save_tiny_hf(tmp_path / "m", {"hidden_size": 128, "intermediate_size": 256})
+    engine = Engine.load(EngineConfig(model=str(model), device=DEVICE, dtype="float32"))
+    eagle = random_eagle(engine)
+    h, vocab = 3 * engine.model.cfg.hidden_size, engine.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def ints(high: int, n: int) -> list[int]:
+        return torch.randint(1, high, (n,), generator=gen).tolist()
+
+    with torch.inference_mode():
+        for batch in (1, 3, 5):
+            context = ints(40, batch)
+            rows = [torch.randn(n, h, generator=gen).to(DEVICE) for n in context]
+            tokens = [ints(vocab, n) for n in context]
+            ids = {padded: [100 * (1 + padded) + i for i in range(batch)] for padded in (False, True)}
+            for padded in (False, True):  # the requests' earlier positions, eagerly
+                for i in ids[padded]:
+                    eagle.pool.add(i, [])
+                eagle.eager_catch_up(ids[padded], rows, tokens, [0] * batch)
+            for _ in range(3):
+                counts = ints(10, batch)
+                rows = [torch.randn(m, h, generator=gen).to(DEVICE) for m in counts]
+                tokens = [ints(vocab, m) for m in counts]
+                firsts = [eagle.pool.lengths[i] for i in ids[False]]
+                width = next(r for r in CATCH_UP_ROWS if r >= max(counts))
+                eager = eagle.eager_catch_up(ids[False], rows, tokens, firsts)
+                padded = eagle._graphed_catch_up(ids[True], rows, tokens, firsts, width, 1024)
+                torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+            for i in ids[False] + ids[True]:
+                eagle.pool.free(i)
+    assert bool(eagle.catch_up.graphs) == (DEVICE == "cuda")
+
+
+@subprocess_test
+def test_kernels_under_interpreter():
+    run_under_interpreter([__file__], "padded_catch_up")

@@ -114,8 +114,9 @@ def test_heads_and_eagle_steps_and_mixed_k_replay_graphs(cuda_tiny_model_dir):
             keys = set(engine.runner.graphs)
             assert heads.chain.graphs, "the heads' greedy chain was not replayed from a graph"
             assert eagle.chain.graphs, "EAGLE's greedy chain was not replayed from a graph"
+            assert eagle.catch_up.graphs, "EAGLE's catch-up was not replayed from a graph"
         else:
-            assert not heads.chain.graphs and not eagle.chain.graphs
+            assert not heads.chain.graphs and not eagle.chain.graphs and not eagle.catch_up.graphs
     assert outputs[False] == outputs[True]
     assert any(key[3] for key in keys), "no step with taps was replayed from a graph"
     assert any(key[1] == 5 for key in keys), "no step padded to k = 4 was replayed from a graph"

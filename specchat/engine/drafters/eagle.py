@@ -55,6 +55,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 LINEARS = ("fc", "attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head")  # EagleHead's, in order
 WEIGHTS_FILE = "model.safetensors"
 DRAFT_SLACK_TOKENS = 64 * 16  # the head's KV pool holds the target's capacity plus room for drafts in flight
+CATCH_UP_ROWS = (2, 3, 5, 9)  # a graphed catch-up's rows per request (the newly verified: 1..k + 1, k up to 8)
 
 
 @dataclass(slots=True)
@@ -358,19 +359,25 @@ class EagleDrafter(Drafter):
         # greedy drafting: the chain after the catch-up is one CUDA graph per batch bucket, depth and context
         # bucket; padding rows write to a scratch page of the head's pool and attend to one key there
         layer = c.layer_config()
-        group = layer.num_heads // layer.num_kv_heads
-        graphs = graphs and self.device.type == "cuda" and paged_attention_supported(c.head_dim, group, 1)
-        self.scratch_page = 0
-        if graphs:
-            self.pool.add(SCRATCH_SEQ, [])
-            self.pool.append(SCRATCH_SEQ, self.pool.page_size)
-            self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]
+        self.group = layer.num_heads // layer.num_kv_heads
+        graphs = graphs and self.device.type == "cuda" and paged_attention_supported(c.head_dim, self.group, 1)
+        self.pool.add(SCRATCH_SEQ, [])  # (on every device: `padded_catch_up` runs on a CPU in the tests)
+        self.pool.append(SCRATCH_SEQ, self.pool.page_size)
+        self.scratch_page = self.pool.tables[SCRATCH_SEQ][0]
         scratch_slot = self.scratch_page * self.pool.page_size
         self.chain = GraphedFunction(
             self.greedy_chain,
             lambda: tuple(p.data_ptr() for p in self.embed.parameters()),  # (the head's own: `follow_weights`)
             enabled=graphs,
             pads=(0.0, 0.0, 0, scratch_slot, self.scratch_page, 1),
+        )
+        # the catch-up over each request's newly verified rows, padded to a bucket of rows per request: a graph
+        # per batch bucket, rows bucket and context bucket (a prompt's first catch-up, longer, runs eagerly)
+        self.catch_up = GraphedFunction(
+            self.padded_catch_up,
+            lambda: tuple(p.data_ptr() for p in self.embed.parameters()),
+            enabled=graphs,
+            pads=(0.0, 0, self.scratch_page),
         )
 
     @property
@@ -412,7 +419,7 @@ class EagleDrafter(Drafter):
         group = [seqs[i] for i in ready]
         ids = [seq.seq_id for seq in group]
         # 1. Catch up on the positions the target processed: their u from the fused taps, their next tokens.
-        rows, tokens, positions = [], [], []
+        rows, tokens, firsts = [], [], []
         for seq in group:
             taps = [seq.hidden[t] for t in self.taps]
             m = taps[0].shape[0]
@@ -423,18 +430,17 @@ class EagleDrafter(Drafter):
             self.pool.truncate(seq.seq_id, self.real[seq.seq_id])  # drop the last step's draft positions
             self.real[seq.seq_id] += m
             rows.append(torch.cat(taps, dim=-1))  # [m, 3h_t]
-            tokens.extend(seq.all_ids[first + 1 : seq.num_cached + 1])  # x_{i+1} for each row i
-            positions.extend(range(first, seq.num_cached))
+            tokens.append(seq.all_ids[first + 1 : seq.num_cached + 1])  # x_{i+1} for each row i
+            firsts.append(first)
             seq.hidden = {}
-        device, dtype = self.device, self.dtype
-        u = self.head.fc(torch.cat(rows).to(dtype))
+        device = self.device
         counts = [r.shape[0] for r in rows]
-        kv = self.pool.prepare(ids, counts, self.scale)
-        logits, s = self.head(
-            self.embed(torch.tensor(tokens, device=device)), u, torch.tensor(positions, device=device), kv
-        )
-        last = torch.tensor(counts, device=device).cumsum(0) - 1
-        logits, s = logits[last], s[last]  # [B, Vd], [B, h]: the rows at each request's newest token
+        width = next((r for r in CATCH_UP_ROWS if r >= max(counts)), None)
+        ctx = width and next((b for b in CTX_BUCKETS if b >= max(self.pool.lengths[i] for i in ids) + width), None)
+        if ctx and self.catch_up.enabled and paged_attention_supported(self.cfg.head_dim, self.group, width):
+            logits, s = self._graphed_catch_up(ids, rows, tokens, firsts, width, ctx)
+        else:
+            logits, s = self.eager_catch_up(ids, rows, tokens, firsts)
         # 2. Then one position per further draft: the previous draft's s and token.
         depth = max(ks[i] for i in ready)
         position = torch.tensor([seq.num_cached for seq in group], device=device)
@@ -458,6 +464,78 @@ class EagleDrafter(Drafter):
             qs = [steps[j][1][b] for j in range(k)]
             drafts[i] = Draft([steps[j][0][b] for j in range(k)], None if qs[0] is None else torch.stack(qs))
         return drafts
+
+    def eager_catch_up(
+        self, ids: list[int], rows: list[torch.Tensor], tokens: list[list[int]], firsts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over each request's unread rows (fused taps [m, 3h_t], the tokens after them, the first one's
+        position) -> the draft logits [B, Vd] and state s [B, h] at each request's newest row; the reference of
+        `padded_catch_up`."""
+        device, counts = self.device, [r.shape[0] for r in rows]
+        u = self.head.fc(torch.cat(rows).to(self.dtype))
+        kv = self.pool.prepare(ids, counts, self.scale)
+        flat = [t for request in tokens for t in request]
+        positions = [p for first, m in zip(firsts, counts, strict=True) for p in range(first, first + m)]
+        logits, s = self.head(
+            self.embed(torch.tensor(flat, device=device)), u, torch.tensor(positions, device=device), kv
+        )
+        last = torch.tensor(counts, device=device).cumsum(0) - 1
+        return logits[last], s[last]
+
+    def _graphed_catch_up(
+        self, ids: list[int], rows: list[torch.Tensor], tokens: list[list[int]], firsts: list[int], width: int, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`eager_catch_up` through `catch_up`: each request's rows padded to `width`, its room reserved in the pool
+        on the host, one packed int64 row a request (tokens, positions, slots, row count, context before)."""
+        before = [self.pool.lengths[i] for i in ids]
+        counts = [r.shape[0] for r in rows]
+        tables, _, slots = self.pool.reserve(ids, counts)
+        pages = ctx // self.pool.page_size
+        ints, at = [], 0
+        for b, m in enumerate(counts):
+            pad = [0] * (width - m)
+            ints.extend(tokens[b] + pad)
+            ints.extend([*range(firsts[b], firsts[b] + m), *pad])
+            ints.extend(slots[at : at + m] + pad)
+            ints.extend((m, before[b]))
+            at += m
+        taps = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        if taps.shape[1] < width:
+            taps = torch.nn.functional.pad(taps, (0, 0, 0, width - taps.shape[1]))
+        device = self.device
+        return self.catch_up(
+            (width, ctx),
+            taps.to(self.dtype),
+            torch.tensor(ints, device=device).view(len(ids), 3 * width + 2),
+            torch.tensor(
+                [t + [self.scratch_page] * (pages - len(t)) for t in tables], dtype=torch.int32, device=device
+            ),
+        )
+
+    def padded_catch_up(
+        self, key: tuple[int, int], taps: torch.Tensor, ints: torch.Tensor, tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The catch-up of `width` rows a request (key: width, context bucket), all on the device: fused taps [B,
+        width, 3h_t], per request [tokens | positions | slots (width each) | rows m | context before] int64 and its
+        block table [B, ctx / page] int32 -> draft logits [B, Vd] and state s [B, h] at row m - 1. Rows past m
+        (and padding requests, m = 0) read token 0 at position 0 and write their keys to the scratch page; the
+        real rows attend causally, so they never see them. `eager_catch_up` is its reference."""
+        width, ctx = key
+        b, device = taps.shape[0], taps.device
+        counts, before = ints[:, 3 * width], ints[:, 3 * width + 1]
+        real = torch.arange(width, device=device) < counts[:, None]  # [B, width]
+        tokens = ints[:, :width].masked_fill(~real, 0).reshape(-1)
+        positions = ints[:, width : 2 * width].masked_fill(~real, 0).reshape(-1)
+        slots = ints[:, 2 * width : 3 * width].masked_fill(~real, self.scratch_page * self.pool.page_size).reshape(-1)
+        q_starts = torch.arange(b, dtype=torch.int32, device=device) * width
+        q_lens = torch.full((b,), width, dtype=torch.int32, device=device)
+        ctx_lens = (before + width).to(torch.int32)
+        meta = AttentionMetadata(tables, q_starts, q_lens, ctx_lens, width, ctx, self.pool.page_size)
+        kv = StaticKVBatch(self.pool, meta, slots, width, self.scale)
+        u = self.head.fc(taps.reshape(b * width, -1))
+        logits, s = self.head(self.embed(tokens), u, positions, kv)
+        last = q_starts.long() + counts - 1
+        return logits[last], s[last]
 
     def _graphed_steps(
         self, ids: list[int], depth: int, ctx: int, logits: torch.Tensor, s: torch.Tensor, position: torch.Tensor
@@ -508,7 +586,8 @@ class EagleDrafter(Drafter):
         return torch.stack(tokens, dim=1)
 
     def warm_up(self, sessions: int) -> None:
-        """Capture the chain's graphs for k = 2..4 (the default k and below), every batch bucket up to `sessions`'."""
+        """Capture the chain's and the catch-up's graphs for k = 2..4 (the default k and below), every batch bucket up
+        to `sessions`'."""
         c, device, dtype = self.cfg, self.device, self.dtype
         width = CTX_BUCKETS[0] // self.pool.page_size
 
@@ -524,6 +603,16 @@ class EagleDrafter(Drafter):
             )
 
         self.chain.warm_up(sessions, [(depth, CTX_BUCKETS[0]) for depth in range(2, 5)], row)
+
+        def catch_up_row(key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+            rows = key[0]
+            return (
+                torch.zeros(1, rows, 3 * c.target_hidden_size, dtype=dtype, device=device),
+                torch.zeros(1, 3 * rows + 2, dtype=torch.long, device=device),
+                torch.full((1, width), self.scratch_page, dtype=torch.int32, device=device),
+            )
+
+        self.catch_up.warm_up(sessions, [(rows, CTX_BUCKETS[0]) for rows in CATCH_UP_ROWS if rows <= 5], catch_up_row)
 
     def release(self, seq: Sequence) -> None:
         if self.real.pop(seq.seq_id, None) is not None:
