@@ -44,8 +44,14 @@ for part in "${parts[@]}"; do
       first=${DRAFTERS:-heads}
       timeout 240 python benchmarks/gate_trace.py --device cuda --drafter "${first%%,*}" --sessions 1 --requests 32 \
         --rounds 2 --out "$OUT/gate_trace.json" 2>&1 | grep -v '^\s*$' | tail -12 | tee -a "$log" ;;
-    cost)
-      timeout 120 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch 1,8 2>&1 | tee -a "$log" ;;
+    cost)  # each case in a process of its own (one process measuring MXFP4 at batch 1 then 8 once failed the second
+      # runner's capture on the H200; docs/benchmarks.md, forty-sixth session)
+      for weights in bf16 mxfp4; do
+        for batch in 1 8; do
+          timeout 150 python benchmarks/eagle_cost.py --shape llama-3.1-8b --batch $batch --weights $weights 2>&1 \
+            | tee -a "$log"
+        done
+      done ;;
     rates)  # synthetic 8B MXFP4 at k = 4 with the heads' per-position acceptance (RATES: benchmarks/tree_estimate.py
       # --prompts eval, the chain acceptance by depth of the shipped heads); the head's own cost is `cost`'s
       timeout 240 python -m specchat bench --synthetic llama-3.1-8b --device cuda --weights mxfp4 --batch 1,8 --k 0,4 \
