@@ -390,8 +390,8 @@ class EagleDrafter(Drafter):
         rule) with MXFP4 target weights, the dense ones (as loaded) otherwise. On an 8B target the head is ~0.42B
         weights, 0.85 GB in bf16 read at every draft position; against an MXFP4 target step, which reads ~4 GB at
         4.25 bits, a bf16 head cost 14% of it a position (docs/benchmarks.md, forty-sixth session). Verification
-        keeps drafting lossless either way. The chain's graphs are dropped: they bake in the modules' buffers, and
-        modules brought back from host memory are the same objects at new addresses."""
+        keeps drafting lossless either way. The chain's and the catch-up's graphs are dropped: they bake in the
+        modules' buffers, and modules brought back from host memory are the same objects at new addresses."""
         assert fmt in WEIGHT_FORMATS, fmt
         if fmt == self.weights:
             return
@@ -402,6 +402,7 @@ class EagleDrafter(Drafter):
         self._other = {name: module.to("cpu") for name, module in replaced.items()}
         self.weights = fmt
         self.chain.reset()
+        self.catch_up.reset()
 
     @classmethod
     def from_dir(cls, folder: Path, model: Transformer, pool_tokens: int, graphs: bool = True) -> EagleDrafter:
