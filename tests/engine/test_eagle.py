@@ -241,12 +241,15 @@ def test_the_padded_catch_up_equals_the_eager_one(tmp_path):
     (on CUDA replayed from a graph; on a CPU through the Triton interpreter's paged kernel), gives the eager
     catch-up's draft logits and states, step after step over the keys each one wrote (two copies of each request,
     one caught up eagerly, one padded). Batches of 1, 3 and 5 requests (padding requests in a graph's batch
-    bucket), rows up to 9 (k = 8), contexts across pages; head_dim 32, the smallest the paged kernel takes."""
+    bucket), rows up to 9 (k = 8), contexts across pages; head_dim 32, the smallest the paged kernel takes. The
+    head's pages start as NaN: a padded tile must read no slot this step did not write (0 x NaN is NaN)."""
     from specchat.engine.engine import Engine
 
     model = save_tiny_hf(tmp_path / "m", {"hidden_size": 128, "intermediate_size": 256})
     engine = Engine.load(EngineConfig(model=str(model), device=DEVICE, dtype="float32"))
     eagle = random_eagle(engine)
+    for pages in (eagle.pool.store.k[0], eagle.pool.store.v[0]):  # what a page holds before it is written
+        pages.data.fill_(float("nan"))
     h, vocab = 3 * engine.model.cfg.hidden_size, engine.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
 

@@ -438,7 +438,12 @@ class EagleDrafter(Drafter):
         counts = [r.shape[0] for r in rows]
         width = next((r for r in CATCH_UP_ROWS if r >= max(counts)), None)
         ctx = width and next((b for b in CTX_BUCKETS if b >= max(self.pool.lengths[i] for i in ids) + width), None)
-        if ctx and self.catch_up.enabled and paged_attention_supported(self.cfg.head_dim, self.group, width):
+        if (
+            ctx
+            and self.catch_up.enabled
+            and paged_attention_supported(self.cfg.head_dim, self.group, width)
+            and self.pool.can_append(dict.fromkeys(ids, width))
+        ):
             logits, s = self._graphed_catch_up(ids, rows, tokens, firsts, width, ctx)
         else:
             logits, s = self.eager_catch_up(ids, rows, tokens, firsts)
@@ -486,25 +491,24 @@ class EagleDrafter(Drafter):
     def _graphed_catch_up(
         self, ids: list[int], rows: list[torch.Tensor], tokens: list[list[int]], firsts: list[int], width: int, ctx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`eager_catch_up` through `catch_up`: each request's rows padded to `width`, its room reserved in the pool
-        on the host, one packed int64 row a request (tokens, positions, slots, row count, context before)."""
+        """`eager_catch_up` through `catch_up`: each request's rows padded to `width`, as many slots reserved in the
+        pool (the padding's truncated again after), one packed int64 row a request (tokens, positions, slots, row
+        count, context before)."""
         before = [self.pool.lengths[i] for i in ids]
         counts = [r.shape[0] for r in rows]
-        tables, _, slots = self.pool.reserve(ids, counts)
-        pages = ctx // self.pool.page_size
-        ints, at = [], 0
+        tables, _, slots = self.pool.reserve(ids, [width] * len(ids))
+        ints = []
         for b, m in enumerate(counts):
             pad = [0] * (width - m)
             ints.extend(tokens[b] + pad)
             ints.extend([*range(firsts[b], firsts[b] + m), *pad])
-            ints.extend(slots[at : at + m] + pad)
+            ints.extend(slots[b * width : (b + 1) * width])
             ints.extend((m, before[b]))
-            at += m
         taps = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         if taps.shape[1] < width:
             taps = torch.nn.functional.pad(taps, (0, 0, 0, width - taps.shape[1]))
-        device = self.device
-        return self.catch_up(
+        device, pages = self.device, ctx // self.pool.page_size
+        out = self.catch_up(
             (width, ctx),
             taps.to(self.dtype),
             torch.tensor(ints, device=device).view(len(ids), 3 * width + 2),
@@ -512,22 +516,29 @@ class EagleDrafter(Drafter):
                 [t + [self.scratch_page] * (pages - len(t)) for t in tables], dtype=torch.int32, device=device
             ),
         )
+        for i, n, m in zip(ids, before, counts, strict=True):
+            self.pool.truncate(i, n + m)
+        return out
 
     def padded_catch_up(
         self, key: tuple[int, int], taps: torch.Tensor, ints: torch.Tensor, tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The catch-up of `width` rows a request (key: width, context bucket), all on the device: fused taps [B,
         width, 3h_t], per request [tokens | positions | slots (width each) | rows m | context before] int64 and its
-        block table [B, ctx / page] int32 -> draft logits [B, Vd] and state s [B, h] at row m - 1. Rows past m
-        (and padding requests, m = 0) read token 0 at position 0 and write their keys to the scratch page; the
-        real rows attend causally, so they never see them. `eager_catch_up` is its reference."""
+        block table [B, ctx / page] int32 -> draft logits [B, Vd] and state s [B, h] at row m - 1.
+
+        Rows past m read token 0 at position 0 and write their keys to their own slots past the request's end
+        (truncated after), which the real rows, attending causally, never weigh; but the kernel's tiles read them, so
+        they must hold numbers this step wrote, not a page's stale bytes (0 x NaN is NaN). Padding requests (m = 0)
+        write to the scratch page. `eager_catch_up` is its reference."""
         width, ctx = key
         b, device = taps.shape[0], taps.device
         counts, before = ints[:, 3 * width], ints[:, 3 * width + 1]
         real = torch.arange(width, device=device) < counts[:, None]  # [B, width]
         tokens = ints[:, :width].masked_fill(~real, 0).reshape(-1)
         positions = ints[:, width : 2 * width].masked_fill(~real, 0).reshape(-1)
-        slots = ints[:, 2 * width : 3 * width].masked_fill(~real, self.scratch_page * self.pool.page_size).reshape(-1)
+        scratch = self.scratch_page * self.pool.page_size
+        slots = ints[:, 2 * width : 3 * width].masked_fill((counts == 0)[:, None], scratch).reshape(-1)
         q_starts = torch.arange(b, dtype=torch.int32, device=device) * width
         q_lens = torch.full((b,), width, dtype=torch.int32, device=device)
         ctx_lens = (before + width).to(torch.int32)
