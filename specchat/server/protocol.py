@@ -89,7 +89,8 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
             raise ApiError(400, "prompt must be a non-empty string", "prompt")
     if _field(body, "n", int, 1) != 1:
         raise ApiError(400, "only n = 1 is supported", "n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+    logprobs = body.get("logprobs")  # (/v1/completions' logprobs 0 asks for the chosen tokens' own: 0 == False)
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") not in (None, 0):
         raise ApiError(400, "logprobs are not supported", "logprobs")
     if not chat:  # what /v1/completions would do differently with them, silently not done, is refused
         if body.get("echo") not in (None, False):

@@ -217,3 +217,20 @@ def test_output_shaping_values_that_ask_for_nothing_are_accepted(fields: dict) -
     """Many clients send these explicitly."""
     body = {"messages": [{"role": "user", "content": "w"}], **fields}
     assert parse_request(body, chat=True, default_spec=SpecParams()).chat
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("value", [0, 1, 5, True])
+def test_any_logprobs_asked_for_is_a_400(chat: bool, value) -> None:
+    """/v1/completions' `logprobs: 0` (the chosen tokens' logprobs) passed as absent (0 == False) and got none."""
+    body = {"messages": [{"role": "user", "content": "w"}], "prompt": "w", "logprobs": value}
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=chat, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == "logprobs"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_logprobs_false_or_null_is_accepted(chat: bool) -> None:
+    for value in (False, None):
+        body = {"messages": [{"role": "user", "content": "w"}], "prompt": "w", "logprobs": value, "top_logprobs": 0}
+        assert parse_request(body, chat=chat, default_spec=SpecParams()).chat == chat
