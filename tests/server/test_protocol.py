@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specchat.config import SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
@@ -234,3 +235,37 @@ def test_logprobs_false_or_null_is_accepted(chat: bool) -> None:
     for value in (False, None):
         body = {"messages": [{"role": "user", "content": "w"}], "prompt": "w", "logprobs": value, "top_logprobs": 0}
         assert parse_request(body, chat=chat, default_spec=SpecParams()).chat == chat
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 1e-300},
+        {"temperature": 1e-40},
+        {"temperature": 5e-324, "top_p": 5e-324},
+        {"top_p": 1e-300},
+        {"top_p": 1e-50, "top_k": 3},
+    ],
+)
+def test_a_tiny_temperature_or_top_p_samples_finite_probabilities(fields: dict) -> None:
+    """temperature 1e-300 or top_p 1e-300 made the sampler's probabilities NaN: the engine step failed, and with it
+    every answer in the batch (other clients' streams ended with the error)."""
+    from specchat.engine.sampling import probs_from_logits
+
+    body = {"messages": [{"role": "user", "content": "w"}], **fields}
+    sampling = parse_request(body, chat=True, default_spec=SpecParams()).sampling
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0)) * 30
+    if not sampling.greedy:
+        probs = probs_from_logits(logits, sampling)
+        assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+        assert (probs.argmax(-1) == logits.argmax(-1)).all() and (probs.max(-1).values == 1).all()
+
+
+def test_small_but_usable_temperatures_and_top_p_are_kept() -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "temperature": 0.01, "top_p": 0.001}
+    sampling = parse_request(body, chat=True, default_spec=SpecParams()).sampling
+    assert sampling.temperature == 0.01 and sampling.top_p == 0.001
+    for top_p in (0, float("nan")):
+        with pytest.raises(ApiError) as refused:
+            parse_request({**body, "top_p": top_p}, chat=True, default_spec=SpecParams())
+        assert refused.value.param == "top_p"
