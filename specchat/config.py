@@ -55,9 +55,15 @@ def check_drafter_name(name: str) -> str:
     return name
 
 
+# A positive temperature this small divides the logits past float32's range (1e-300 is 0 there): the sampler's
+# probabilities came out NaN and the engine step failed, ending every request of the batch with that error. Below
+# it, sampling is greedy, as in vLLM (its _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    """How tokens are chosen. temperature == 0 means greedy."""
+    """How tokens are chosen. A temperature of 0 (or below GREEDY_BELOW) means greedy."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -89,7 +95,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True)

@@ -33,9 +33,13 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         # Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
+        # (the top token by its index, not by the mass before it: a top_p under float32's smallest number, 1e-300,
+        # is 0 there, and 0 >= 0 took the top token too, leaving no token: NaN probabilities, a failed step)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        dropped = mass_before >= params.top_p
+        dropped[..., 0] = False
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specchat.config import SamplingParams
-from specchat.engine.sampling import probs_from_logits, sample_from_probs
+from specchat.engine.sampling import probs_from_logits, sample, sample_from_probs
 from specchat.engine.verify import plain_tokens, verify, verify_batch
 
 GREEDY = SamplingParams()
@@ -182,3 +182,36 @@ def test_greedy_verdicts_on_the_device_are_verify_batchs():
     want = verify_batch(logits, [f[1:].tolist() for f in fed], [None] * n, [SamplingParams()] * n, [None] * n)
     assert accepted.tolist() == [a for a, _ in want] and accepted.tolist()[:5] == [0, 1, 2, 3, 4]
     assert [target[b, : a + 1].tolist() for b, a in enumerate(accepted.tolist())] == [e for _, e in want]
+
+
+def test_vanishing_temperature_and_top_p_sample_the_top_token_instead_of_failing():
+    """A temperature or top_p of 1e-300 is 0 in float32: dividing the logits by it, or keeping no token past the
+    top one's mass (0 >= 0), gave NaN probabilities and failed the step of every request beside it. A temperature
+    below GREEDY_BELOW is greedy; any top_p keeps at least the top token."""
+    from specchat.config import GREEDY_BELOW
+
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, SamplingParams(temperature=1e-300), gen).tolist() == [1]
+    probs = probs_from_logits(logits, SamplingParams(temperature=0.7, top_p=1e-300))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    # top_p just under the top token's probability keeps it alone, just over keeps the next one too
+    top = torch.softmax(logits / 0.7, -1).max().item()
+    assert (probs_from_logits(logits, SamplingParams(temperature=0.7, top_p=top * 0.999)) > 0).sum().item() == 1
+    assert (probs_from_logits(logits, SamplingParams(temperature=0.7, top_p=top * 1.001)) > 0).sum().item() == 2
+
+
+def test_an_engine_answers_at_a_vanishing_temperature_and_top_p(tiny_engine):
+    """Through the engine (the CLI's and the server's path): the request is answered, greedily where the
+    temperature vanishes, and a sampled request beside it is answered too."""
+    prompt = "Tell me about the sea."
+    greedy = tiny_engine.submit(prompt, SamplingParams(max_tokens=8, ignore_eos=True)).result().token_ids
+    handles = [
+        tiny_engine.submit(prompt, SamplingParams(temperature=1e-300, max_tokens=8, ignore_eos=True)),
+        tiny_engine.submit(prompt, SamplingParams(temperature=0.8, top_p=1e-300, max_tokens=8, ignore_eos=True)),
+        tiny_engine.submit(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)),
+    ]
+    results = [h.result() for h in handles]
+    assert all(r.error is None and len(r.token_ids) == 8 for r in results)
+    assert results[0].token_ids == greedy and results[1].token_ids == greedy  # top_p ~0: the top token each step
