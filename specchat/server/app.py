@@ -40,9 +40,23 @@ from specchat.server.protocol import (
     tool_calls,
     with_tools,
 )
+from specchat.server.stopping import STOPPING_ERROR
 
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread (a 128k-token context is ~0.5 MB)
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client still waits
+
+
+ENGINE_FAILED = "the engine step failed"  # how engine.py's error for a step that raised begins
+
+
+def refusal(fin: Finished) -> ApiError:
+    """The error of a request that failed before writing anything. Only a request the server could never hold (more
+    KV cache than it has) is the client's 400: a step the engine failed is the server's 500, and a request ended by
+    the server's stop a 503; as 400s the openai client took them for the request's fault and did not retry."""
+    error = fin.error or "the request failed"
+    if error == STOPPING_ERROR:
+        return ApiError(503, error)
+    return ApiError(500 if error.startswith(ENGINE_FAILED) else 400, error)
 
 
 class ClientGone(Exception):
@@ -179,7 +193,7 @@ def create_app(
         finally:
             router().queues.pop(handle.request_id, None)
         if refused(fin):
-            raise ApiError(400, fin.error or "the request failed")
+            raise refusal(fin)
         return completion(req, rid, model, fin)
 
     async def submit(req: GenerationRequest):
@@ -260,7 +274,7 @@ def create_app(
 
     async def stream_end(req: GenerationRequest, chunks: StreamChunks, fin: Finished) -> AsyncIterator[bytes]:
         if refused(fin):  # nothing written: the error ends the stream
-            yield sse(ApiError(400, fin.error or "the request failed").body())
+            yield sse(refusal(fin).body())
             yield b"data: [DONE]\n\n"
             return
         calls: list[dict] = []

@@ -18,7 +18,7 @@ class StoppingServer(uvicorn.Server):
     without its end, and stderr got a CancelledError traceback. This server ends the engine's answers in flight
     `end_early_s` before that deadline (`Engine.end_all`), so each comes back as what it wrote so far: a completion
     with finish_reason "length" and the error, or its stream's last chunk and [DONE] (a request that wrote
-    nothing: a 400 naming the error)."""
+    nothing: a 503 naming the error)."""
 
     def __init__(self, config: uvicorn.Config, engine: ServedEngine, end_early_s: float = 2.0) -> None:
         super().__init__(config)

@@ -392,3 +392,37 @@ def test_a_non_streaming_answer_whose_client_hung_up_is_cancelled(served, monkey
     while not cancelled and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cancelled, "the server did not cancel the answer nobody waits for"
+
+
+def test_a_failed_engine_step_is_a_500_and_a_stop_a_503_not_the_clients_400(served, monkeypatch):
+    """A request that wrote nothing before the engine's step failed, or before the server stopped, got a 400
+    (invalid_request_error): the openai client took it for the request's fault and did not retry."""
+    url, engine = served
+
+    def broken(plan):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.spec_step, "run", broken)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5}
+    status, answer = post_raw(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 500 and answer["error"]["type"] == "server_error", (status, answer)
+    assert "the engine step failed: RuntimeError: boom" in answer["error"]["message"]
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        lines = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    assert json.loads(lines[0][6:])["error"]["type"] == "server_error" and lines[-1] == "data: [DONE]"
+    monkeypatch.undo()
+    from specchat.server.app import refusal
+    from specchat.server.stopping import STOPPING_ERROR
+
+    stats = SpecStats()
+    stopped = Finished(1, "error", "", [], 3, stats, 0.0, 0.0, error=STOPPING_ERROR)
+    assert refusal(stopped).status == 503 and refusal(stopped).body()["error"]["type"] == "server_error"
+    too_big = Finished(1, "error", "", [], 3, stats, 0.0, 0.0, error="request needs 401 tokens of KV cache")
+    assert refusal(too_big).status == 400
+    status, _ = post_raw(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200  # the engine goes on
