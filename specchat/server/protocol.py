@@ -244,8 +244,10 @@ def _tools(body: dict) -> list[dict]:
 
 
 def _spec(body: dict, default: SpecParams) -> SpecParams:
-    drafter = body.get("drafter", default.drafter)
-    k = body.get("k", "auto" if default.k is None else default.k)
+    drafter = body.get("drafter")  # null is absent, as for every other field (it was a 400)
+    drafter = default.drafter if drafter is None else drafter
+    k = body.get("k")
+    k = ("auto" if default.k is None else default.k) if k is None else k
     if not isinstance(drafter, str):
         raise ApiError(400, "drafter must be a string", "drafter")
     # a file, a folder or a model (bare draft-model: the registry's default one): the server's disk, the hub

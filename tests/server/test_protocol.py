@@ -269,3 +269,12 @@ def test_small_but_usable_temperatures_and_top_p_are_kept() -> None:
         with pytest.raises(ApiError) as refused:
             parse_request({**body, "top_p": top_p}, chat=True, default_spec=SpecParams())
         assert refused.value.param == "top_p"
+
+
+def test_a_null_drafter_or_k_is_the_servers_default() -> None:
+    """`"drafter": null` (a client's extra_body with None) was a 400 "drafter must be a string"; null is absent."""
+    default = SpecParams(drafter="ngram", k=3)
+    body = {"messages": [{"role": "user", "content": "w"}], "drafter": None, "k": None}
+    spec = parse_request(body, chat=True, default_spec=default).spec
+    assert spec.drafter == "ngram" and spec.k == 3
+    assert parse_request(body, chat=True, default_spec=SpecParams(drafter="none", k=None)).spec.k is None
