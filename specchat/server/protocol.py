@@ -268,9 +268,13 @@ def _spec(body: dict, default: SpecParams) -> SpecParams:
 
 def with_tools(messages: list[dict], tools: list[dict], chat_template: str) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools for the template): templates that render tools get them as they are; others (SmolLM2's
-    ChatML) get them spelled out in the system message, and tool turns as <tool_call> / <tool_response> text."""
-    if not tools or template_renders_tools(chat_template):
+    ChatML) get them spelled out in the system message, and tool turns as <tool_call> / <tool_response> text. The
+    tool turns are spelled out without tools too (tool_choice "none", or a follow-up that drops `tools`): ChatML
+    rendered such an assistant turn empty, its call lost, and the result as a "tool" turn the model never saw."""
+    if template_renders_tools(chat_template):
         return messages, tools or None
+    if not tools and not any(message.get("tool_calls") or message["role"] == "tool" for message in messages):
+        return messages, None
     out = []
     for message in messages:
         if message.get("tool_calls"):
@@ -283,9 +287,9 @@ def with_tools(messages: list[dict], tools: list[dict], chat_template: str) -> t
             out.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
         else:
             out.append({"role": message["role"], "content": message["content"]})
-    if out[0]["role"] == "system":
+    if tools and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": tools_system_prompt(out[0]["content"], tools)}
-    else:
+    elif tools:
         out.insert(0, {"role": "system", "content": tools_system_prompt("You are a helpful assistant.", tools)})
     return out, None
 

@@ -20,6 +20,7 @@ from specchat.server.protocol import (
     parse_request,
     sse,
     usage_chunk,
+    with_tools,
 )
 
 TEXTS = [
@@ -278,3 +279,35 @@ def test_a_null_drafter_or_k_is_the_servers_default() -> None:
     spec = parse_request(body, chat=True, default_spec=default).spec
     assert spec.drafter == "ngram" and spec.k == 3
     assert parse_request(body, chat=True, default_spec=SpecParams(drafter="none", k=None)).spec.k is None
+
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("tool_choice", ["none", None])
+def test_tool_turns_are_spelled_out_for_chatml_without_tools_too(tool_choice) -> None:
+    """tool_choice "none" (or a follow-up without `tools`) gave SmolLM2's ChatML the history as it came: the
+    assistant's call rendered as an empty turn, the result as a "tool" turn."""
+    call = {"id": "abc", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "add"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "abc", "content": "1"},
+        ],
+        "tools": [ADD_TOOL] if tool_choice else None,
+        "tool_choice": tool_choice,
+    }
+    req = parse_request(body, chat=True, default_spec=SpecParams())
+    messages, tools = with_tools(req.prompt, req.tools, CHATML)
+    assert tools is None and [m["role"] for m in messages] == ["user", "assistant", "user"]  # no tools prompt
+    assert messages[1]["content"] == '<tool_call>[{"name": "add", "arguments": {"a": 1}}]</tool_call>'
+    assert messages[2]["content"] == "<tool_response>\n1\n</tool_response>"
+    assert not any("tool_calls" in m for m in messages)
+
+
+def test_a_plain_history_without_tools_is_passed_as_it_came() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert with_tools(messages, [], CHATML) == (messages, None)
