@@ -20,15 +20,32 @@ class StoppingServer(uvicorn.Server):
     with finish_reason "length" and the error, or its stream's last chunk and [DONE] (a request that wrote
     nothing: a 503 naming the error)."""
 
-    def __init__(self, config: uvicorn.Config, engine: ServedEngine, end_early_s: float = 2.0) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: ServedEngine, end_early_s: float = 2.0, force_after_s: float = 2.0
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.end_early_s = end_early_s
+        self.force_after_s = force_after_s
+        self.ending_now = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:  # the first signal (a second one forces the exit, as uvicorn's does)
+        """The first signal stops gracefully (above). A second Ctrl-C forced uvicorn's exit at once: the handlers in
+        flight were cancelled, a CancelledError traceback per request went to stderr and each client got a plain
+        "Internal Server Error" or a cut stream. A second signal ends the answers now instead, so the server exits
+        as soon as they are sent (uvicorn's forced exit follows `force_after_s` later, or at a third Ctrl-C)."""
+        if not self.should_exit:  # the first signal
             grace = self.config.timeout_graceful_shutdown or 0
-            timer = threading.Timer(max(grace - self.end_early_s, 0.0), self.engine.end_all, args=(STOPPING_ERROR,))
-            timer.daemon = True
-            timer.start()
+            self._later(max(grace - self.end_early_s, 0.0), self.engine.end_all, STOPPING_ERROR)
+        elif not self.ending_now:  # the second: not uvicorn's forced exit yet
+            self.ending_now = True
+            self._later(0.0, self.engine.end_all, STOPPING_ERROR)  # (off the signal handler: end_all takes locks)
+            self._later(self.force_after_s, setattr, self, "force_exit", True)
+            return
         super().handle_exit(sig, frame)
+
+    @staticmethod
+    def _later(delay_s: float, function, *args) -> None:
+        timer = threading.Timer(delay_s, function, args=args)
+        timer.daemon = True
+        timer.start()

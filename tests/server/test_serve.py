@@ -426,3 +426,59 @@ def test_a_failed_engine_step_is_a_500_and_a_stop_a_503_not_the_clients_400(serv
     assert refusal(too_big).status == 400
     status, _ = post_raw(url + "/v1/chat/completions", json.dumps(body).encode())
     assert status == 200  # the engine goes on
+
+
+def test_a_second_ctrl_c_ends_the_answers_now_rather_than_cancelling_them(tiny_model_dir):
+    """A second Ctrl-C was uvicorn's forced exit: the handlers in flight were cancelled (a CancelledError traceback
+    each on stderr), a non-streaming client got a plain-text 500 and a stream was cut. Now the answers end at once
+    and come back as what they wrote; the server exits as soon as they are sent."""
+    import signal
+
+    from specchat.engine.engine import Engine
+    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    step = engine.step
+    engine.step = lambda: time.sleep(0.02) or step()  # answers still running at the stop
+    engine.start()
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=60
+    )
+    server = StoppingServer(config, engine, end_early_s=1.0, force_after_s=30)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5000, "ignore_eos": True}
+    answers: dict = {}
+
+    def ask(stream: bool) -> None:
+        data = json.dumps({**body, "stream": stream}).encode()
+        request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answers[stream] = (response.status, response.read().decode())
+        except Exception as exc:  # a 500, a cut stream
+            answers[stream] = (None, repr(exc))
+
+    clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for client in clients:
+        client.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    server.handle_exit(signal.SIGINT, None)
+    time.sleep(0.3)
+    server.handle_exit(signal.SIGINT, None)
+    for client in clients:
+        client.join(30)
+    thread.join(30)
+    engine.close()
+    assert not thread.is_alive() and time.monotonic() - start < 15  # not the 60 s grace
+    status, text = answers[False]
+    assert status == 200, text
+    choice = json.loads(text)["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] and STOPPING_ERROR in choice["error"]
+    status, text = answers[True]
+    assert status == 200 and STOPPING_ERROR in text and text.rstrip().endswith("data: [DONE]"), text
