@@ -46,7 +46,8 @@ MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread (
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client still waits
 
 
-ENGINE_FAILED = "the engine step failed"  # how engine.py's error for a step that raised begins
+ENGINE_FAILED = ("the engine step failed", "the engine failed")  # how engine.py's errors begin: a step that
+# raised, and its loop's catch-all
 
 
 def refusal(fin: Finished) -> ApiError:

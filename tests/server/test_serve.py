@@ -424,6 +424,8 @@ def test_a_failed_engine_step_is_a_500_and_a_stop_a_503_not_the_clients_400(serv
     assert refusal(stopped).status == 503 and refusal(stopped).body()["error"]["type"] == "server_error"
     too_big = Finished(1, "error", "", [], 3, stats, 0.0, 0.0, error="request needs 401 tokens of KV cache")
     assert refusal(too_big).status == 400
+    loop_error = Finished(1, "error", "", [], 3, stats, 0.0, 0.0, error="the engine failed: KeyError: 3")
+    assert refusal(loop_error).status == 500  # the engine loop's catch-all (engine.py's _loop)
     status, _ = post_raw(url + "/v1/chat/completions", json.dumps(body).encode())
     assert status == 200  # the engine goes on
 
