@@ -79,6 +79,42 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+class BodyReaders:
+    """The handlers still receiving their request's body. A client that stalls mid-upload held a stopping server for
+    uvicorn's whole grace (10 s), then got a plain-text 500, and stderr a CancelledError traceback; `stop()` (from
+    any thread, when the stopping server ends its answers: stopping.py) ends those reads with a 503 instead."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = False
+
+    async def read(self, request: Request) -> bytes:
+        if self.stopping:
+            raise ApiError(503, STOPPING_ERROR)
+        task = asyncio.current_task()
+        self.loop = asyncio.get_running_loop()
+        self.tasks.add(task)
+        try:
+            return await read_body(request)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            task.uncancel()
+            raise ApiError(503, STOPPING_ERROR) from None
+        finally:
+            self.tasks.discard(task)
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:  # on the event loop
+        for task in list(self.tasks):
+            task.cancel()
+
+
 def parse_json(raw: bytes) -> object:
     """The body as JSON, or a 400: not JSON, not UTF-8, nested deeper than the parser recurses (a RecursionError),
     or a number past Python's 4,300-digit limit (a ValueError) were 500s with a traceback."""
@@ -123,6 +159,7 @@ def create_app(
     app = FastAPI(title="specchat", docs_url=None, redoc_url=None)
     spec = default_spec or SpecParams(drafter="none", k=0)
     state: dict[str, EventRouter] = {}
+    app.state.body_readers = readers = BodyReaders()  # the stopping server ends their reads (stopping.py)
 
     def router() -> EventRouter:
         if "router" not in state:  # made on the server's loop, at the first request
@@ -176,7 +213,7 @@ def create_app(
             raise ApiError(
                 413, f"the request body is {int(length):,} bytes; this server takes up to {MAX_BODY_BYTES:,}"
             )
-        body = parse_json(await read_body(request))
+        body = parse_json(await readers.read(request))
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model):

@@ -36,13 +36,20 @@ class StoppingServer(uvicorn.Server):
         as soon as they are sent (uvicorn's forced exit follows `force_after_s` later, or at a third Ctrl-C)."""
         if not self.should_exit:  # the first signal
             grace = self.config.timeout_graceful_shutdown or 0
-            self._later(max(grace - self.end_early_s, 0.0), self.engine.end_all, STOPPING_ERROR)
+            self._later(max(grace - self.end_early_s, 0.0), self.end_answers)
         elif not self.ending_now:  # the second: not uvicorn's forced exit yet
             self.ending_now = True
-            self._later(0.0, self.engine.end_all, STOPPING_ERROR)  # (off the signal handler: end_all takes locks)
+            self._later(0.0, self.end_answers)  # (off the signal handler: end_all takes locks)
             self._later(self.force_after_s, setattr, self, "force_exit", True)
             return
         super().handle_exit(sig, frame)
+
+    def end_answers(self) -> None:
+        """End the engine's answers in flight, and the reads of request bodies still arriving (app.BodyReaders)."""
+        self.engine.end_all(STOPPING_ERROR)
+        readers = getattr(getattr(self.config.app, "state", None), "body_readers", None)
+        if readers is not None:
+            readers.stop()
 
     @staticmethod
     def _later(delay_s: float, function, *args) -> None:

@@ -484,3 +484,40 @@ def test_a_second_ctrl_c_ends_the_answers_now_rather_than_cancelling_them(tiny_m
     assert choice["finish_reason"] == "length" and choice["message"]["content"] and STOPPING_ERROR in choice["error"]
     status, text = answers[True]
     assert status == 200 and STOPPING_ERROR in text and text.rstrip().endswith("data: [DONE]"), text
+
+
+def test_a_stopping_server_ends_a_stalled_upload_with_a_503(tiny_model_dir):
+    """A client that sent its headers and part of its body held the stopping server for uvicorn's whole grace, then
+    got a plain-text 500 (its handler cancelled, a CancelledError traceback on stderr)."""
+    import signal
+
+    from specchat.engine.engine import Engine
+    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    engine.start()
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=8
+    )
+    server = StoppingServer(config, engine, end_early_s=7.5)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as stalled:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+        start = time.monotonic()
+        server.handle_exit(signal.SIGTERM, None)
+        reply = b""
+        while chunk := stalled.recv(65536):
+            reply += chunk
+            if b"}}" in reply:
+                break
+    thread.join(30)
+    engine.close()
+    head, _, body = reply.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 503"), reply
+    assert json.loads(body)["error"]["message"] == STOPPING_ERROR
+    assert time.monotonic() - start < 5  # not the whole grace
