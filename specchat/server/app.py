@@ -219,14 +219,25 @@ def create_app(
         if body.get("model") not in (None, model):
             raise unknown_model(body.get("model"))
         req = parse_request(body, chat, spec)
-        queue, handle = await submit(req)
+        try:
+            queue, handle = await submit(req)
+        except asyncio.CancelledError:
+            if not readers.stopping:
+                raise
+            asyncio.current_task().uncancel()  # uvicorn's deadline, the engine still in a step (below)
+            raise ApiError(503, STOPPING_ERROR) from None
         rid = new_id(chat)
         if req.stream:
             return StreamingResponse(stream(req, rid, queue, handle), media_type="text/event-stream")
         try:
             fin = await finished_while_connected(request, queue)
-        except (asyncio.CancelledError, ClientGone):
+        except (asyncio.CancelledError, ClientGone) as exc:
             handle.cancel()
+            if isinstance(exc, asyncio.CancelledError) and readers.stopping:
+                # uvicorn's deadline came while the engine was still in one step (a long prompt's prefill on the
+                # CPU): the end of the answers could not come in time; a 503, not a plain-text 500 and a traceback
+                asyncio.current_task().uncancel()
+                raise ApiError(503, STOPPING_ERROR) from None
             raise
         finally:
             router().queues.pop(handle.request_id, None)
@@ -257,7 +268,9 @@ def create_app(
             placed["handle"] = handle
 
         try:
-            await asyncio.wrap_future(engine.apply(place))
+            # shielded: a cancelled wait cancelled the engine's Future, whose set_result then raised on the engine's
+            # thread, and its loop's catch-all failed every live request ("the engine failed: InvalidStateError")
+            await asyncio.shield(asyncio.wrap_future(engine.apply(place)))
         except SpecchatError as exc:  # an unknown drafter, a bad k
             raise ApiError(400, str(exc), "drafter") from None
         return queue, placed["handle"]

@@ -521,3 +521,52 @@ def test_a_stopping_server_ends_a_stalled_upload_with_a_503(tiny_model_dir):
     assert head.startswith("HTTP/1.1 503"), reply
     assert json.loads(body)["error"]["message"] == STOPPING_ERROR
     assert time.monotonic() - start < 5  # not the whole grace
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_stop_whose_deadline_comes_mid_step_answers_a_503(tiny_model_dir, placed: bool):
+    """Ctrl-C while the engine ran one step longer than the grace (a long prompt's prefill on the CPU): the end of the
+    answers could not come before uvicorn's deadline, which cancelled the handler (a plain-text 500, a traceback;
+    cancelled while its request waited to be placed, it also failed every live request: "the engine failed")."""
+    import signal
+
+    from specchat.engine.engine import Engine
+    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+
+    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
+    step = engine.step
+    # steps longer than the grace: every one (the request waits to be placed), or those with a request to run
+    slow = (lambda: engine.scheduler.has_work()) if placed else (lambda: True)
+    engine.step = lambda: (time.sleep(2.5) if slow() else None) or step()
+    engine.start()
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=1
+    )
+    server = StoppingServer(config, engine, end_early_s=0.5)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    answers: dict = {}
+
+    def ask() -> None:
+        data = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 50}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", data=data, headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answers["reply"] = (response.status, response.read().decode())
+        except urllib.error.HTTPError as error:
+            answers["reply"] = (error.code, error.read().decode())
+
+    client = threading.Thread(target=ask)
+    client.start()
+    time.sleep(0.5)
+    server.handle_exit(signal.SIGTERM, None)
+    client.join(30)
+    thread.join(30)
+    engine.close()
+    status, text = answers["reply"]
+    assert status == 503 and json.loads(text)["error"]["message"] == STOPPING_ERROR, (status, text)
