@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 # Engine.load's CUDA warm-up captures verification widths up to k = 4 (what --k auto's gate tries first, and the
 # widest a drafter of the default model needs before adaptive K raises it); wider ones capture at first use
 WARM_UP_K = 4
+# How a request's error begins where the engine failed it: its step raised (a bug, a device error), or the engine's
+# own loop did (the server tells them from the requests' own faults by these)
+STEP_FAILED = "the engine step failed"
+LOOP_FAILED = "the engine failed"
 # On the CPU a step that decodes requests feeds at most this many tokens of a prompt beside them
 CPU_CHUNK_BESIDE_DECODING = 256  # (a 3,356-token prompt beside a stream: its longest gap 2.6 s -> 0.58 s)
 
@@ -471,7 +475,7 @@ class Engine:
                 except Exception as exc:  # a bug or a device error: the step's requests fail, the engine goes on
                     log.exception("engine step failed; its requests end with an error")
                     self.spec_step.drop_ahead()
-                    events += self.scheduler.fail(plan, f"the engine step failed: {type(exc).__name__}: {exc}")
+                    events += self.scheduler.fail(plan, f"{STEP_FAILED}: {type(exc).__name__}: {exc}")
         self._deliver(events)
         return events
 
@@ -512,7 +516,7 @@ class Engine:
                 self.step()
             except Exception as exc:  # outside any one request's step (a bug): end what is live, keep the loop
                 log.exception("engine loop error; live requests end with an error")
-                self._deliver(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}: {exc}"))
+                self._deliver(self.scheduler.fail_all(f"{LOOP_FAILED}: {type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
         if self._thread is not None:

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from specchat.config import SpecParams
 from specchat.engine.api import ServedEngine
+from specchat.engine.engine import LOOP_FAILED, STEP_FAILED
 from specchat.engine.sequence import Event, Finished, TextDelta
 from specchat.errors import ConfigError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
@@ -46,8 +47,7 @@ MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread (
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client still waits
 
 
-ENGINE_FAILED = ("the engine step failed", "the engine failed")  # how engine.py's errors begin: a step that
-# raised, and its loop's catch-all
+ENGINE_FAILED = (STEP_FAILED, LOOP_FAILED)  # how the errors of requests the engine failed begin
 
 
 def refusal(fin: Finished) -> ApiError:

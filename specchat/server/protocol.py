@@ -26,13 +26,6 @@ from specchat.errors import ConfigError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; a client that sends more gets the same 400 it would get there
-# A positive temperature or top_p this small reaches the engine's float32 sampling as 0 (or divides the logits past
-# float32's range): its probabilities came out NaN and the engine step failed, ending with that error the answer of
-# every request in the batch, other clients' included. Below GREEDY_BELOW a temperature is greedy (vLLM's
-# _SAMPLING_EPS); a top_p below MIN_TOP_P keeps the top token alone, as MIN_TOP_P does (the top token's probability is
-# at least 1 / vocabulary, over 1e-6 for any vocabulary under a million tokens), so it is raised to it.
-GREEDY_BELOW = 1e-5
-MIN_TOP_P = 1e-6
 
 
 # SamplingParams' messages start with the field's CLI name -> the request's field
@@ -121,15 +114,12 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         raise ApiError(
             400, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}", "temperature"
         )
-    if temperature < GREEDY_BELOW:
-        temperature = 0.0
-    top_p = float(_field(body, "top_p", (int, float), 1.0))
-    if 0.0 < top_p < MIN_TOP_P:  # (0 and NaN stay, for SamplingParams' 400)
-        top_p = MIN_TOP_P
     try:
+        # (a temperature or top_p so small that float32 takes it for 0, 1e-300, is greedy / keeps the top token:
+        # SamplingParams.greedy and sampling.probs_from_logits)
         sampling = SamplingParams(
             temperature=temperature,
-            top_p=top_p,
+            top_p=float(_field(body, "top_p", (int, float), 1.0)),
             top_k=_field(body, "top_k", int, 0),
             seed=_field(body, "seed", int),
             max_tokens=max_tokens or 1,  # the real cap is set once the prompt's length is known
