@@ -12,8 +12,14 @@ from specchat.engine.telemetry import Snapshot
 PREFIX = "specchat"
 
 
+def label_value(text: str) -> str:
+    """A label's value as the text format quotes it: backslash, double quote and newline escaped (a model named by a
+    path with a quote in it broke every line of the page for a scraper)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def render(snap: Snapshot, model: str) -> str:
-    label = f'model="{model}"'
+    label = f'model="{label_value(model)}"'
     spec, memory = snap.spec, snap.memory
     lines: list[str] = []
 

@@ -146,6 +146,17 @@ def test_completions_models_health_and_metrics(client, served):
     assert "specchat:kv_cache_usage_perc" in page and "specchat:tokens_per_second" in page
 
 
+def test_metrics_quote_a_model_name_that_needs_it(served):
+    """The model's name (a path as given) is a label value: its backslashes, quotes and newlines escaped as the
+    Prometheus text format wants, so the page still parses."""
+    from specchat.server.metrics import render
+
+    page = render(served[1].snapshot(), 'models/a "b" \\c\nd.gguf')
+    line = next(line for line in page.splitlines() if line.startswith("specchat:generation_tokens_total{"))
+    assert line.startswith('specchat:generation_tokens_total{model="models/a \\"b\\" \\\\c\\nd.gguf"} ')
+    assert len(page.splitlines()) == len(render(served[1].snapshot(), "tiny").splitlines())
+
+
 def test_bodies_past_what_the_parser_takes_are_400s_not_500s(served, monkeypatch):
     """Nesting past the parser's recursion and a number past Python's 4,300 digits were 500s with a traceback; a
     chunked upload (no Content-Length) past the body limit was read whole; a client gone mid-body a traceback."""
