@@ -38,7 +38,7 @@ from specchat.engine.model import Transformer
 from specchat.engine.prompt_bound import TokenBound
 from specchat.engine.sampling import make_generator
 from specchat.engine.scheduler import Scheduler
-from specchat.engine.sequence import Event, Finished, Sequence
+from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, Sequence
 from specchat.engine.spec_step import SpecStep
 from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.engine.tokenizer import Tokenizer
@@ -53,10 +53,6 @@ log = logging.getLogger(__name__)
 # Engine.load's CUDA warm-up captures verification widths up to k = 4 (what --k auto's gate tries first, and the
 # widest a drafter of the default model needs before adaptive K raises it); wider ones capture at first use
 WARM_UP_K = 4
-# How a request's error begins where the engine failed it: its step raised (a bug, a device error), or the engine's
-# own loop did (the server tells them from the requests' own faults by these)
-STEP_FAILED = "the engine step failed"
-LOOP_FAILED = "the engine failed"
 # On the CPU a step that decodes requests feeds at most this many tokens of a prompt beside them
 CPU_CHUNK_BESIDE_DECODING = 256  # (a 3,356-token prompt beside a stream: its longest gap 2.6 s -> 0.58 s)
 

@@ -40,6 +40,12 @@ class StepEvent:
     k_next: int
 
 
+# How a Finished error begins where the engine failed the request: its step raised (a bug, a device error), or the
+# engine's own loop did (the server tells these from a request's own faults by them)
+STEP_FAILED = "the engine step failed"
+LOOP_FAILED = "the engine failed"
+
+
 @dataclass(slots=True)
 class Finished:
     """The request ended: reason is stop | length | cancelled | error."""

@@ -24,8 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from specchat.config import SpecParams
 from specchat.engine.api import ServedEngine
-from specchat.engine.engine import LOOP_FAILED, STEP_FAILED
-from specchat.engine.sequence import Event, Finished, TextDelta
+from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, TextDelta
 from specchat.errors import ConfigError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
 from specchat.server.protocol import (
