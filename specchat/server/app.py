@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import suppress
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -106,8 +107,11 @@ class BodyReaders:
 
     def stop(self) -> None:
         self.stopping = True
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._cancel)
+        loop = self.loop
+        if loop is None or loop.is_closed():  # (the stop's timer can fire after the server's loop has ended)
+            return
+        with suppress(RuntimeError):  # closed since the check: no read is left to end
+            loop.call_soon_threadsafe(self._cancel)
 
     def _cancel(self) -> None:  # on the event loop
         for task in list(self.tasks):

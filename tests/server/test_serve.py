@@ -146,6 +146,20 @@ def test_completions_models_health_and_metrics(client, served):
     assert "specchat:kv_cache_usage_perc" in page and "specchat:tokens_per_second" in page
 
 
+def test_body_readers_stop_after_their_loop_closed():
+    """The stopping server's timer thread ends the body reads (BodyReaders.stop) and could fire after the event loop
+    had closed: `call_soon_threadsafe` raised in that thread ("Event loop is closed", a traceback on stderr)."""
+    import asyncio
+
+    from specchat.server.app import BodyReaders
+
+    readers = BodyReaders()
+    readers.loop = asyncio.new_event_loop()
+    readers.loop.close()
+    readers.stop()
+    assert readers.stopping
+
+
 def test_metrics_quote_a_model_name_that_needs_it(served):
     """The model's name (a path as given) is a label value: its backslashes, quotes and newlines escaped as the
     Prometheus text format wants, so the page still parses."""
