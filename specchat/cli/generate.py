@@ -198,6 +198,11 @@ def check_all_succeeded(items: list[PromptItem], results: list[Finished], prompt
 @click.option("--system", help="system message (chat template only)")
 @click.option("--raw", is_flag=True, help="tokenize the prompt as is, without the chat template")
 @sampling_options
+@click.option(
+    "--stop",
+    multiple=True,
+    help="end the answer where this text appears, leaving it out (repeatable; as the API's `stop`)",
+)
 @spec_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object per prompt instead of streaming text")
 @click.option(
@@ -219,6 +224,7 @@ def generate(
     top_p,
     top_k,
     seed,
+    stop,
     drafter,
     k,
     as_json,
@@ -231,7 +237,7 @@ def generate(
     if raw and system is not None:
         raise click.UsageError("--system goes into the chat template, which --raw skips: give one or the other")
     items = read_prompts(prompt, prompts_file)
-    sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed)
+    sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, weights=weights)
     engine = Engine.load(config, progress=StderrProgress())

@@ -229,8 +229,12 @@ def engine_config(model: str | None, device: str, dtype: str | None, **extra) ->
     return EngineConfig(model=model or default_model(), device=device, dtype=dtype, **{**settings, **extra})
 
 
-def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+def sampling_params(
+    max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...] = ()
+) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=list(stop)
+    )
 
 
 def check_drafter_arg(drafter: str, setting: str | None = None) -> None:

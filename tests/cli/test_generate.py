@@ -125,3 +125,17 @@ def test_a_streamed_prompt_that_fails_before_any_text_prints_nothing_on_stdout(t
     assert result.exit_code == 1 and result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("specchat: error: ") and "KV cache" in line
+
+
+def test_stop_ends_the_answer_where_its_text_appears(tiny_model_dir: Path):
+    """--stop (repeatable, as the API's `stop`): the answer ends before the first stop text it reaches, which is left
+    out, and its finish reason is "stop"; an empty one is refused in one line."""
+    args = [str(tiny_model_dir), "-p", "hi", "--max-tokens", "24", "--no-stats"]
+    whole = json.loads(generate(*args, "--json").stdout)["text"]
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    assert len(stop.strip()) > 0, whole
+    cut = json.loads(generate(*args, "--json", "--stop", stop, "--stop", "never in it 42").stdout)
+    assert cut["text"] == whole[: whole.index(stop)] and cut["finish_reason"] == "stop", (whole, stop, cut)
+    assert generate(*args, "--stop", stop).stdout == whole[: whole.index(stop)] + "\n"
+    refused = CliRunner().invoke(main, ["generate", *args, "--stop", ""])
+    assert refused.exit_code == 1 and "stop must be a list of non-empty strings" in refused.output
