@@ -50,6 +50,31 @@ def serving(app):
     thread.join(10)
 
 
+def stopping_server(model_dir, grace_s: float, before_step=None, log_level: str = "critical", **stopping):
+    """(engine, StoppingServer, its thread, port): the tiny model's engine, started (`before_step(engine)` run before
+    each of its steps: answers still running at a stop), served in a thread with uvicorn's grace `grace_s`;
+    `stopping` goes to StoppingServer (end_early_s, force_after_s)."""
+    from specchat.engine.engine import Engine
+    from specchat.server.stopping import StoppingServer
+
+    engine = Engine.load(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
+    if before_step is not None:
+        step = engine.step
+        engine.step = lambda: before_step(engine) or step()
+    engine.start()
+    port = free_port()
+    app = create_app(engine, "tiny")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, timeout_graceful_shutdown=grace_s)
+    server = StoppingServer(config, engine, **stopping)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    return engine, server, thread, port
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """(base url, engine): a server of its own engine on a free port, for this module."""
@@ -202,22 +227,12 @@ def test_a_stopping_server_returns_the_answers_in_flight(tiny_model_dir):
     client gets what its answer wrote, finish_reason "length" and the error; a streaming one its stream's end."""
     import signal
 
-    from specchat.engine.engine import Engine
-    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+    from specchat.server.stopping import STOPPING_ERROR
 
-    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
-    step = engine.step
-    engine.step = lambda: time.sleep(0.02) or step()  # ~50 tokens a second: answers still running at the stop
-    engine.start()
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="error", timeout_graceful_shutdown=3
+    # ~50 tokens a second: answers still running at the stop
+    engine, server, thread, port = stopping_server(
+        tiny_model_dir, 3, lambda _: time.sleep(0.02), log_level="error", end_early_s=2.5
     )
-    server = StoppingServer(config, engine, end_early_s=2.5)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True}
     answers: dict = {}
@@ -461,22 +476,12 @@ def test_a_second_ctrl_c_ends_the_answers_now_rather_than_cancelling_them(tiny_m
     and come back as what they wrote; the server exits as soon as they are sent."""
     import signal
 
-    from specchat.engine.engine import Engine
-    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+    from specchat.server.stopping import STOPPING_ERROR
 
-    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
-    step = engine.step
-    engine.step = lambda: time.sleep(0.02) or step()  # answers still running at the stop
-    engine.start()
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=60
+    # answers still running at the stop
+    engine, server, thread, port = stopping_server(
+        tiny_model_dir, 60, lambda _: time.sleep(0.02), end_early_s=1.0, force_after_s=30
     )
-    server = StoppingServer(config, engine, end_early_s=1.0, force_after_s=30)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5000, "ignore_eos": True}
     answers: dict = {}
@@ -516,20 +521,9 @@ def test_a_stopping_server_ends_a_stalled_upload_with_a_503(tiny_model_dir):
     got a plain-text 500 (its handler cancelled, a CancelledError traceback on stderr)."""
     import signal
 
-    from specchat.engine.engine import Engine
-    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+    from specchat.server.stopping import STOPPING_ERROR
 
-    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
-    engine.start()
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=8
-    )
-    server = StoppingServer(config, engine, end_early_s=7.5)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    engine, server, thread, port = stopping_server(tiny_model_dir, 8, end_early_s=7.5)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as stalled:
         stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
         time.sleep(0.5)
@@ -555,24 +549,14 @@ def test_a_stop_whose_deadline_comes_mid_step_answers_a_503(tiny_model_dir, plac
     cancelled while its request waited to be placed, it also failed every live request: "the engine failed")."""
     import signal
 
-    from specchat.engine.engine import Engine
-    from specchat.server.stopping import STOPPING_ERROR, StoppingServer
+    from specchat.server.stopping import STOPPING_ERROR
 
-    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
-    step = engine.step
-    # steps longer than the grace: every one (the request waits to be placed), or those with a request to run
-    slow = (lambda: engine.scheduler.has_work()) if placed else (lambda: True)
-    engine.step = lambda: (time.sleep(2.5) if slow() else None) or step()
-    engine.start()
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=1
-    )
-    server = StoppingServer(config, engine, end_early_s=0.5)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    def before_step(engine) -> None:
+        # steps longer than the grace: every one (the request waits to be placed), or those with a request to run
+        if not placed or engine.scheduler.has_work():
+            time.sleep(2.5)
+
+    engine, server, thread, port = stopping_server(tiny_model_dir, 1, before_step, end_early_s=0.5)
     answers: dict = {}
 
     def ask() -> None:
