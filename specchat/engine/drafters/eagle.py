@@ -601,7 +601,7 @@ class EagleDrafter(Drafter):
         """Capture the chain's and the catch-up's graphs for k = 2..4 (the default k and below), every batch bucket up
         to `sessions`'."""
         c, device, dtype = self.cfg, self.device, self.dtype
-        width = CTX_BUCKETS[0] // self.pool.page_size
+        width, k_max = CTX_BUCKETS[0] // self.pool.page_size, 4
 
         def row(key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
             depth = key[0]
@@ -614,7 +614,7 @@ class EagleDrafter(Drafter):
                 torch.zeros(1, dtype=torch.int32, device=device),
             )
 
-        self.chain.warm_up(sessions, [(depth, CTX_BUCKETS[0]) for depth in range(2, 5)], row)
+        self.chain.warm_up(sessions, [(depth, CTX_BUCKETS[0]) for depth in range(2, k_max + 1)], row)
 
         def catch_up_row(key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
             rows = key[0]
@@ -624,7 +624,8 @@ class EagleDrafter(Drafter):
                 torch.full((1, width), self.scratch_page, dtype=torch.int32, device=device),
             )
 
-        self.catch_up.warm_up(sessions, [(rows, CTX_BUCKETS[0]) for rows in CATCH_UP_ROWS if rows <= 5], catch_up_row)
+        widths = [(rows, CTX_BUCKETS[0]) for rows in CATCH_UP_ROWS if rows <= k_max + 1]
+        self.catch_up.warm_up(sessions, widths, catch_up_row)
 
     def release(self, seq: Sequence) -> None:
         if self.real.pop(seq.seq_id, None) is not None:
