@@ -87,18 +87,24 @@ def measure(model, head: EagleHead, batch: int, context: int, steps: int, eager:
     return timed(target_step, steps, device), timed(draft_position, steps, device)
 
 
+def drafter_at(model, head: EagleHead, batch: int, context: int) -> tuple[EagleDrafter, list[int]]:
+    """An EagleDrafter of `head` and its requests 0..batch-1, each with `context` positions in the head's cache."""
+    drafter = EagleDrafter(head, model, pool_tokens=batch * (context + 64))
+    ids = list(range(batch))
+    for b in ids:
+        drafter.pool.add(b, [])
+        drafter.pool.append(b, context)
+    return drafter, ids
+
+
 @torch.inference_mode()
 def measure_chain(model, head: EagleHead, batch: int, context: int, steps: int) -> tuple[float, float]:
     """(greedy chain of depth 2 ms, of depth 4 ms) through EagleDrafter's CUDA-graph chain, `batch` requests with
     `context` positions in the head's cache (their keys as the pool holds them: the cost, not the values)."""
     cfg, device = model.cfg, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    drafter = EagleDrafter(head, model, pool_tokens=batch * (context + 64))
+    drafter, ids = drafter_at(model, head, batch, context)
     assert drafter.chain.enabled, "the chain runs on CUDA graphs only"
-    ids = list(range(batch))
-    for b in ids:
-        drafter.pool.add(b, [])
-        drafter.pool.append(b, context)
     logits = torch.randn(batch, head.cfg.draft_vocab_size, device=device)
     s = torch.randn(batch, cfg.hidden_size, device=device, dtype=dtype)
     position = torch.full((batch,), context, device=device)
@@ -119,11 +125,7 @@ def measure_catch_up(model, head: EagleHead, batch: int, context: int, steps: in
     runs before its chain (the host's padding and reservation included, the read-back of the chain not)."""
     cfg, device = model.cfg, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    drafter = EagleDrafter(head, model, pool_tokens=batch * (context + 64))
-    ids = list(range(batch))
-    for b in ids:
-        drafter.pool.add(b, [])
-        drafter.pool.append(b, context)
+    drafter, ids = drafter_at(model, head, batch, context)
     taps = [torch.randn(rows, 3 * cfg.hidden_size, device=device, dtype=dtype) for _ in ids]
     tokens = [[1] * rows for _ in ids]
     firsts = [context] * batch
