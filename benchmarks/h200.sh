@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 measurement of issues 5 and 6 in one device call (see docs/benchmarks.md for the results):
 #   bash benchmarks/h200.sh [PART ...]     PART: env tests matmul sweep floor goals attention attention-sweep
-#                                          batch1 sessions profile kv fusion pdl prefill small real
+#                                          batch1 sessions profile kv fusion pdl prefill small real verify
 #                                          (default: env tests attention batch1 sessions)
 # Each part is bounded by `timeout`, logs to $OUT/h200_<part>.log (OUT defaults to ./h200-out), and a failing
 # part does not stop the next. Needs torch + triton + click; pytest for `tests` (installed from .devcarry-gpu/whl
@@ -83,6 +83,12 @@ for part in "${parts[@]}"; do
           --drafter "${DRAFTERS:-none,ngram+heads}" --k auto 2>&1 | grep -E "^\| [0-9]|Error|error" \
           | sed "s/^/dense=$dense /" | tee -a "$log"
       done ;;
+    verify)  # the default model's shape (random bf16 weights) on CUDA graphs: a plain step against a k = 4
+      # verification step (5 rows a request) at 1 and 8 requests, each with its kernels (where the extra rows go)
+      for b in ${BATCHES:-1 8}; do for r in 1 5; do
+        timeout 100 python benchmarks/profile_step.py --shape smollm2-135m --weights bf16 --fused --graph \
+          --batch $b --rows $r 2>&1 | head -${ROWS:-24} | tee -a "$log"
+      done; done ;;
     fusion)  # the layer fusions (add + norm, KV write in the rotary kernel) against the elementwise ones alone
       timeout 400 python benchmarks/fusion_gpu.py 2>&1 | tee -a "$log" ;;
     kv)  # issue 14's KV goal: 32k context, batch 8, MXFP4 weights, each KV format

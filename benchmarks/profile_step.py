@@ -1,13 +1,15 @@
 """Where one decode step's GPU time goes: torch profiler over eager steps of a synthetic model (CUDA).
 
     PYTHONPATH=. python benchmarks/profile_step.py [--shape llama-3.1-8b] [--weights bf16|mxfp4] [--fused]
-                                                   [--graph [--pdl on|off]]
+                                                   [--graph [--pdl on|off]] [--batch B] [--rows R]
 
 Kernels are grouped by name and sorted by total GPU time per step. By default the step runs eagerly (no CUDA
 graph), so the GPU time of each kernel is what a graph replay would spend on it, launch gaps aside. --graph
 replays the CUDA-graph runner's step (PDL as the runner chooses, or forced by --pdl) and also times whole steps:
 with PDL off the step's wall time less its kernels' sum is the gaps between them; with PDL on a kernel launched
-early counts its wait for the one before as its own time, so the sum can exceed the wall time.
+early counts its wait for the one before as its own time, so the sum can exceed the wall time. --batch B --rows R
+profiles a verification step instead: B requests feed R rows each (a k = R - 1 chain) with logits on every row,
+and each keeps one of them after the step, as a step that accepts no draft does.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--graph", action="store_true", help="replay the CUDA-graph runner's steps")
     parser.add_argument("--pdl", choices=("auto", "on", "off"), default="auto", help="with --graph")
+    parser.add_argument("--batch", type=int, default=1, help="requests in the step")
+    parser.add_argument("--rows", type=int, default=1, help="rows each request feeds (k + 1 under speculation)")
     args = parser.parse_args()
     with pdl.override({"auto": None, "on": True, "off": False}[args.pdl]):
         profile_steps(args)
@@ -46,7 +50,10 @@ def profile_steps(args: argparse.Namespace) -> None:
         from specchat.engine.fusion import fuse
 
         fuse(model)
-    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, 16, torch.bfloat16, "cuda")
+    rows, batch = args.rows, args.batch
+    page_size = 16
+    pages = batch * ((args.context + (args.steps + 60) + rows) // page_size + 2)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page_size, torch.bfloat16, "cuda")
     if args.graph:
         from specchat.engine.cuda_graph import CudaGraphRunner
 
@@ -54,14 +61,19 @@ def profile_steps(args: argparse.Namespace) -> None:
     else:
         runner = ModelRunner(model, pool)
     prompt = list(range(args.context))
-    pool.add(0, prompt)
-    runner.forward(StepBatch([0], [prompt], [0], [1]))
+    seqs = list(range(batch))
+    for seq in seqs:
+        pool.add(seq, prompt)
+        runner.forward(StepBatch([seq], [prompt], [0], [1]))
     length = args.context
 
     def step():
         nonlocal length
-        runner.forward(StepBatch([0], [[1]], [length], [1]))
+        runner.forward(StepBatch(seqs, [[1] * rows] * batch, [length] * batch, [rows] * batch))
         length += 1
+        if rows > 1:
+            for seq in seqs:
+                pool.truncate(seq, length)
 
     for _ in range(3):
         step()
@@ -82,7 +94,8 @@ def profile_steps(args: argparse.Namespace) -> None:
     rows = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows) / args.steps
-    print(f"{args.shape} {args.weights} fused={args.fused} graph={args.graph}: {total / 1e3:.2f} ms GPU per step, "
+    print(f"{args.shape} {args.weights} fused={args.fused} graph={args.graph} batch={batch} rows={rows}: "
+          f"{total / 1e3:.2f} ms GPU per step, "
           f"{sum(e.count for e in rows) / args.steps:.0f} kernels per step{wall}")  # fmt: skip
     print("| us per step | calls per step | kernel |\n|---:|---:|---|")
     for e in rows[:25]:
