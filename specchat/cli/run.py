@@ -56,7 +56,7 @@ def read_message() -> str | None:
     lines = []
     while True:
         try:
-            line = input("> " if not lines else ". ")
+            line = ask("> " if not lines else ". ")
         except EOFError:
             return "\n".join(lines) if lines else None
         if is_non_utf8(line):
@@ -66,6 +66,17 @@ def read_message() -> str | None:
             continue
         lines.append(line)
         return "\n".join(lines)
+
+
+def ask(prompt: str) -> str:
+    """input() with its prompt where a person reads it, never among the answers on stdout (a file or a pipe of
+    them): none when stdin is not a terminal (piped messages), on stderr when only stdout is redirected."""
+    if not sys.stdin.isatty():
+        return input()
+    if sys.stdout.isatty():
+        return input(prompt)  # readline's own prompt, which line editing redraws
+    click.echo(prompt, err=True, nl=False)
+    return input()
 
 
 class LoadProgress:

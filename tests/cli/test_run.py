@@ -144,3 +144,14 @@ def test_an_answer_of_one_token_shows_no_decode_rate(tiny_engine, monkeypatch, c
     plain_repl(chat)
     err = capsys.readouterr().err
     assert "[1 token, " in err and "tok/s" not in err
+
+
+def test_piped_answers_on_stdout_carry_no_prompts(tiny_model_dir: Path):
+    """`specchat run --plain < questions > answers`: stdout holds the answers alone, one line each; the "> "
+    prompts (input()'s, written to stdout) began every line of the file and ended it with a stray "> "."""
+    args = ["run", str(tiny_model_dir), "--plain", "--drafter", "none", "--max-tokens", "3"]
+    result = CliRunner().invoke(main, args, input="hello\nsecond line \\\ncontinued\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.split("\n")
+    assert len(lines) == 3 and lines[2] == "", result.stdout  # two answers, each ending its line
+    assert not any(line.startswith(("> ", ". ")) for line in lines), result.stdout
