@@ -32,6 +32,28 @@ from specchat.errors import ConfigError
 from specchat.registry import default_model
 
 
+def check_layers_text(layers: str) -> None:
+    """A --layers that names no term ("", ",") selects nothing: refused before the model loads."""
+    if not any(term.strip().removeprefix("-").strip() for term in layers.split(",")):
+        raise ConfigError(
+            f"--layers {layers!r} names no linears: give a comma list such as all, blocks, lm_head or a pattern "
+            "(docs/quantization.md)"
+        )
+
+
+def check_layers_select(model, layers: str) -> None:
+    """--layers must choose at least one linear of the loaded model: a selection whose terms remove all they add
+    ("blocks,-blocks") wrote a checkpoint of 0 MXFP4 linears and exited 0."""
+    from specchat.quant.modules import select_linears
+
+    try:
+        chosen = select_linears(model, layers)
+    except ValueError as exc:
+        raise ConfigError(f"--layers: {exc}") from None
+    if not chosen:
+        raise ConfigError(f"--layers {layers!r} selects no linear module (its terms remove what they add)")
+
+
 @click.command()
 @model_argument
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="checkpoint directory (default: cache)")
@@ -61,6 +83,7 @@ def quantize(
 
     if not math.isfinite(damp):
         raise ConfigError(f"--damp must be a finite number > 0, got {damp}")
+    check_layers_text(layers)
     if calibration is not None:
         read_nonempty_text(calibration, "--calibration")  # an empty or unreadable text fails before the model loads
     if out is not None:
@@ -77,6 +100,7 @@ def quantize(
     )
     progress = StderrProgress()
     engine = Engine.load(EngineConfig(model=model or default_model(), device=device, dtype=dtype), progress=progress)
+    check_layers_select(engine.model, layers)
     spec = resolve(engine.config.model)
     source = fetch(spec)
     result = quantize_to_checkpoint(

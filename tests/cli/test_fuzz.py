@@ -243,6 +243,16 @@ FLAG_CASES = [
         ["quantize", "{tiny}", "--out", "{root}/q", "--method", "rtn", "--layers", "bogus"],
         ["--layers", "bogus"],
     ),
+    (
+        "quantize --layers empty",
+        ["quantize", "{tiny}", "--out", "{root}/q", "--method", "rtn", "--layers", ""],
+        ["--layers", "names no linears"],
+    ),
+    (
+        "quantize --layers removing all it adds",
+        ["quantize", "{tiny}", "--out", "{root}/q", "--method", "rtn", "--layers", "blocks,lm_head,-layers.*,-lm_head"],
+        ["--layers", "selects no linear"],
+    ),
     ("quantize --out the model's folder", ["quantize", "{tiny}", "--out", "{tiny}"], ["--out", "not an MXFP4"]),
     ("quantize --out a folder of files", ["quantize", "{tiny}", "--out", "{text}"], ["--out", "holds"]),
     ("quantize --out under a file", ["quantize", "{tiny}", "--out", "{text}/ok.txt/q"], ["--out", "cannot make"]),
