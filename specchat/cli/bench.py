@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from click.core import ParameterSource
 
 from specchat.cli.inputs import read_prompt_lines
 from specchat.cli.options import (
@@ -17,6 +16,7 @@ from specchat.cli.options import (
     StderrProgress,
     check_memory_ask,
     cpu_act_option,
+    given_flags,
     model_argument,
     spec_params,
 )
@@ -264,13 +264,6 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
 # Flags of one mode only (their parameter names); given to the other, they are refused rather than ignored.
 SESSIONS_ONLY = ("dtype", "prompts_file", "max_tokens", "drafter", "rounds", "step_ahead", "temperature")
 SYNTHETIC_ONLY = ("batch", "acceptance", "context", "steps")
-
-
-def given_flags(ctx: click.Context, names: Sequence[str]) -> list[str]:
-    """The flags among parameters `names` that the command line (or the environment) set."""
-    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-    params = {p.name: p for p in ctx.command.params}
-    return [params[name].opts[0] for name in names if ctx.get_parameter_source(name) in given]
 
 
 @click.command()

@@ -7,9 +7,11 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from specchat.config import (
     CPU_ACTIVATIONS,
@@ -40,6 +42,13 @@ DTYPE_HELP = (
     "default auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else float32; float32 for a GGUF"
     " model on the CPU (its C block kernels compute in float32)"
 )
+
+
+def given_flags(ctx: click.Context, names: Sequence[str]) -> list[str]:
+    """The flags among parameters `names` that the command line (or the environment) set."""
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    params = {p.name: p for p in ctx.command.params}
+    return [params[name].opts[0] for name in names if ctx.get_parameter_source(name) in given]
 
 
 def check_model_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -10,8 +10,12 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.options import StderrProgress, engine_config, model_options
+from specchat.cli.options import StderrProgress, engine_config, given_flags, model_options
 from specchat.errors import ConfigError
+
+# Flags of one --arch only (their parameter names); given with the other, they are refused rather than ignored.
+HEADS_ONLY = ("num_heads", "parallel", "labels", "batch_size")  # (--tap has its own message)
+EAGLE_ONLY = ("batch_tokens", "ttt_steps")
 
 PLAIN_PROGRESS_EVERY_S = 10.0  # without a terminal: one progress line this often
 
@@ -133,6 +137,10 @@ def train_heads(
         raise ConfigError(f"--lr must be a finite number > 0, got {lr}")
     if tap is not None and arch == "eagle":
         raise click.UsageError("--tap is for --arch heads (an EAGLE-3 head reads three layers of its own choice)")
+    other_arch = given_flags(click.get_current_context(), EAGLE_ONLY if arch == "heads" else HEADS_ONLY)
+    if other_arch:  # refused, not ignored: `--arch eagle --heads 8` trained the eagle head it always trains
+        other = "eagle" if arch == "heads" else "heads"
+        raise click.UsageError(f"{', '.join(other_arch)}: for --arch {other}, not --arch {arch}")
     vocab = draft_vocab if draft_vocab is not None else (8192 if arch == "eagle" else 16384)
     data = {"draft_vocab": vocab, "max_tokens": max_tokens, "samples_per_prompt": samples, "seed": seed}
     data |= {"synth_prompts": synth_prompts, "max_prompts": max_prompts or 0}  # 0: every prompt of the train split

@@ -272,6 +272,21 @@ FLAG_CASES = [
         ["train-heads", "{tiny}", "--out", "{root}/e", "--arch", "eagle", "--tap", "1"],
         ["--tap"],
     ),
+    *(
+        (
+            f"train-heads --arch {arch} {' '.join(flags)}",
+            ["train-heads", "{tiny}", "--out", "{root}/" + out, "--arch", arch, *flags],
+            [f"for --arch {other}", flags[0]],
+        )
+        for arch, other, out, flags in (
+            ("eagle", "heads", "e", ["--heads", "8"]),
+            ("eagle", "heads", "e", ["--parallel"]),
+            ("eagle", "heads", "e", ["--labels", "soft"]),
+            ("eagle", "heads", "e", ["--batch-size", "64"]),
+            ("heads", "eagle", "h.safetensors", ["--ttt-steps", "3"]),
+            ("heads", "eagle", "h.safetensors", ["--batch-tokens", "4096"]),
+        )
+    ),
     (
         "train-heads --max-prompts 0",
         ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--max-prompts", "0"],
