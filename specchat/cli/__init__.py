@@ -76,6 +76,31 @@ def report(exc: BaseException, ctx: click.Context) -> int | None:
     return None
 
 
+def stdout_closed() -> bool:
+    """True where stdout is a pipe whose reader has gone (`| head -1` after its line): a BrokenPipeError from
+    anything else (a tool's subprocess, a socket) is not ours to explain. Without poll (Windows) it is assumed."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.__stdout__.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
+
+
+def report_closed_stdout() -> int:
+    """One line for output cut short by a reader that quit, and stdout pointed at /dev/null, so the interpreter's
+    own flush at exit does not fail again; the status is 1, as for any error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.__stdout__.fileno())
+    try:
+        click.echo("specchat: error: stdout was closed before the output ended (its reader quit)", err=True)
+    except OSError:  # stderr went with it (`2>&1 | head -1`): nowhere left to say so
+        os.dup2(devnull, sys.__stderr__.fileno())
+    return 1
+
+
 _EXIT_STATUS = [1]  # the status the command ends with, for exit hooks that must end the process themselves
 
 
@@ -106,6 +131,11 @@ class Group(click.Group):
                 raise
             _EXIT_STATUS[0] = code
             sys.exit(code)
+        except BrokenPipeError:
+            if not stdout_closed():
+                raise
+            _EXIT_STATUS[0] = report_closed_stdout()
+            sys.exit(_EXIT_STATUS[0])
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command with the whole first sentence of its help (click cuts it to the terminal's width with

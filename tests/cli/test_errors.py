@@ -171,3 +171,20 @@ def test_a_machine_that_does_not_say_its_memory_runs_without_the_check(monkeypat
     monkeypatch.delattr(os, "sysconf")
     assert available_memory(torch.device("cpu")) is None
     check_memory_ask(1 << 60, "cpu", "--kv-memory 1E")  # no error: nothing to compare with
+
+
+@pytest.mark.parametrize("args", [("models",), ("generate", "{tiny}", "-p", "hi", "--max-tokens", "3")])
+def test_a_closed_stdout_pipe_is_one_line(args, tiny_model_dir: Path):
+    """Output into a pipe whose reader has quit (`| head -1` after its line): one line saying so and exit 1; it
+    ended with exit 1 and nothing at all said, as if the command had failed for no reason."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    try:
+        argv = [a.replace("{tiny}", str(tiny_model_dir)) for a in args]
+        proc = subprocess.run(
+            [sys.executable, "-m", "specchat", *argv], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1
+    assert_one_line_error(proc, "specchat: error: stdout was closed")
