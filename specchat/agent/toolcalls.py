@@ -255,7 +255,20 @@ def _call_parts(item: object) -> tuple[str, dict[str, Any]]:
         arguments = {}
     if not isinstance(arguments, dict):
         raise ValueError(f"the arguments of {name} must be a JSON object")
-    return name, arguments
+    return _valid_strings(name), _valid_strings(arguments)
+
+
+def _valid_strings(value: Any) -> Any:
+    """A decoded value with every string made valid Unicode: JSON's "\\ud800" escape decodes to a lone surrogate,
+    which no prompt, trace or file name can encode (it ended every run in a traceback); it stays the escape the
+    model wrote, as text."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_valid_strings(key): _valid_strings(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_valid_strings(item) for item in value]
+    return value
 
 
 def _is_call(value: object) -> bool:

@@ -223,3 +223,13 @@ def test_tools_system_prompt_lists_tools_and_its_example_parses():
 def test_template_renders_tools():
     assert template_renders_tools("{% if tools %}...{% for c in message.tool_calls %}")
     assert not template_renders_tools("{% for message in messages %}<|im_start|>{{ message.content }}")
+
+
+def test_a_lone_surrogate_escape_becomes_valid_text():
+    """JSON's "\\ud800" decodes to a lone surrogate: the trace could not write the call (a traceback that ended every
+    run), nor a prompt or a file name hold it."""
+    reply = parse_tool_calls('<tool_call>{"name": "write_file", "arguments": {"path": "a\\ud800.txt", '
+                             '"content": ["x\\udc80", {"k\\ud800": "\\ud83d\\ude00"}]}}</tool_call>')  # fmt: skip
+    [call] = reply.calls
+    assert call.arguments == {"path": "a\\ud800.txt", "content": ["x\\udc80", {"k\\ud800": "\U0001f600"}]}
+    json.dumps(call.arguments, ensure_ascii=False).encode("utf-8")  # encodes: the trace and the prompt can hold it
