@@ -205,8 +205,8 @@ def _decode_at(text: str, start: int) -> tuple[object, int]:
     end = _balanced_end(text, start)
     if end is None:
         raise _DecodeError("the JSON is cut off (the reply probably hit its token limit)", None)
-    try:
-        return ast.literal_eval(text[start:end]), end
+    try:  # only what JSON holds: bytes, sets or complex numbers would pass as a call the trace cannot write
+        return json.loads(json.dumps(ast.literal_eval(text[start:end]), allow_nan=False)), end
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise _DecodeError(f"invalid JSON ({json_error.msg} at character {json_error.pos - start})", end) from None
 

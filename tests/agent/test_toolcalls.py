@@ -233,3 +233,14 @@ def test_a_lone_surrogate_escape_becomes_valid_text():
     [call] = reply.calls
     assert call.arguments == {"path": "a\\ud800.txt", "content": ["x\\udc80", {"k\\ud800": "\U0001f600"}]}
     json.dumps(call.arguments, ensure_ascii=False).encode("utf-8")  # encodes: the trace and the prompt can hold it
+
+
+def test_a_python_literal_call_holds_only_json_values():
+    """A Python-literal call with bytes, a set or a complex number passed as a call, and the trace's JSON of it raised
+    TypeError in the run's thread (a traceback that ended every run); a tuple is a JSON array."""
+    reply = parse_tool_calls("<tool_call>{'name': 'python', 'arguments': {'code': b'print(1)'}}</tool_call>")
+    assert reply.calls == [] and reply.errors[0].startswith("tool call could not be parsed: invalid JSON")
+    for value in ("{1, 2}", "1j"):
+        assert parse_tool_calls(f"{{'name': 'f', 'arguments': {{'x': {value}}}}}").errors
+    reply = parse_tool_calls("<tool_call>{'name': 'f', 'arguments': {'x': (1, 'a'), 2: None}}</tool_call>")
+    assert [call.arguments for call in reply.calls] == [{"x": [1, "a"], "2": None}]
