@@ -6,6 +6,7 @@ Every event names its run (the index of its task) so concurrent runs can share o
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import threading
@@ -146,16 +147,29 @@ def event_dict(event: Event) -> dict[str, Any]:
     return dataclasses.asdict(event)
 
 
+def writes_utf8(stream: TextIO) -> bool:
+    """Whether a text stream encodes every character (UTF-8, or no encoding: a StringIO); with
+    PYTHONIOENCODING=ascii or a latin-1 locale, stdout raised UnicodeEncodeError at the first other character."""
+    encoding = getattr(stream, "encoding", None)
+    if not encoding:
+        return True
+    try:
+        return codecs.lookup(encoding).name in ("utf-8", "utf-8-sig", "utf-16", "utf-32")
+    except LookupError:
+        return False
+
+
 class JsonlWriter:
     """Writes each event as one JSON object per line; safe to share between runs on several threads."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
         self.lock = threading.Lock()
+        self.ascii = not writes_utf8(stream)  # JSON's \u escapes where the stream cannot hold every character
 
     def write(self, event: Event) -> None:
         """Append one event and flush, so a crash loses at most the line being written."""
-        line = json.dumps(event_dict(event), ensure_ascii=False)
+        line = json.dumps(event_dict(event), ensure_ascii=self.ascii)
         with self.lock:
             self.stream.write(line + "\n")
             self.stream.flush()
@@ -174,14 +188,18 @@ class TracePrinter:
         self.width = width
         self.max_lines = max_lines
         self.lock = threading.Lock()
+        self.encoding = None if writes_utf8(stream) else stream.encoding
 
     def write(self, event: Event) -> None:
         """Print one event."""
         lines = self.format(event)
         if not lines:
             return
+        text = "\n".join(lines).translate(CONTROL_ESCAPES) + "\n"
+        if self.encoding is not None:  # characters the stream cannot hold as escapes (\u65e5), not an error
+            text = text.encode(self.encoding, "backslashreplace").decode(self.encoding)
         with self.lock:
-            self.stream.write("\n".join(lines).translate(CONTROL_ESCAPES) + "\n")
+            self.stream.write(text)
             self.stream.flush()
 
     def format(self, event: Event) -> list[str]:

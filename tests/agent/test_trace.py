@@ -121,3 +121,21 @@ def test_printer_escapes_control_characters():
     text = stream.getvalue()
     assert "\x1b" not in text and "\x07" not in text
     assert "before\\x1b[2Jafter" in text and "\\x1b]0;pwned\\x07\ttab" in text
+
+
+def test_a_stdout_that_is_not_utf8_gets_escapes_not_a_traceback():
+    """With PYTHONIOENCODING=ascii (or a latin-1 locale) a task or reply in another script raised UnicodeEncodeError
+    in the run's thread, and the session ended in a traceback."""
+    event = Final(run=0, step=1, answer="日本 ü \U0001f600", source="tag")
+    for encoding in ("ascii", "latin-1"):
+        raw = io.BytesIO()
+        stream = io.TextIOWrapper(raw, encoding=encoding)
+        JsonlWriter(stream).write(event)
+        TracePrinter(stream).write(event)
+        record, text = raw.getvalue().decode(encoding).split("\n", 1)
+        assert json.loads(record)["answer"] == "日本 ü \U0001f600"  # JSON's own escapes: the same string
+        assert text.startswith("[run 0] => final answer (tag): ") and "\\u65e5\\u672c" in text
+    utf8 = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    JsonlWriter(utf8).write(event)
+    utf8.flush()
+    assert "日本" in utf8.buffer.getvalue().decode("utf-8")
