@@ -168,7 +168,13 @@ class PlainChat:
         message is sent without it."""
         from specchat.engine.sequence import Finished, TextDelta
 
-        engine = self.engine()
+        try:
+            engine = self.engine()
+        except KeyboardInterrupt:  # Ctrl-C while the answer waits for the model: it stops that answer, as below
+            self.progress.shown.clear()  # (the load goes on, quietly again while the next message is typed)
+            click.echo("", err=True)
+            click.echo("[stopped]", err=True)
+            return
         try:
             handle = engine.submit([*self.messages, {"role": "user", "content": text}], self.sampling, self.spec)
         except SpecchatError as exc:  # a prompt too long for the context, say: the conversation is unchanged

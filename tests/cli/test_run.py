@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from specchat.cli import main
@@ -155,3 +156,32 @@ def test_piped_answers_on_stdout_carry_no_prompts(tiny_model_dir: Path):
     lines = result.stdout.split("\n")
     assert len(lines) == 3 and lines[2] == "", result.stdout  # two answers, each ending its line
     assert not any(line.startswith(("> ", ". ")) for line in lines), result.stdout
+
+
+class InterruptedOnce(Future):
+    """A load that the user's Ctrl-C interrupts the first time someone waits for it, then ends with `engine`."""
+
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.engine, self.waits = engine, 0
+
+    def done(self) -> bool:
+        return self.waits > 0
+
+    def result(self, timeout=None):
+        self.waits += 1
+        if self.waits == 1:
+            raise KeyboardInterrupt
+        return self.engine
+
+
+def test_ctrl_c_while_an_answer_waits_for_the_model_stops_that_answer(tiny_engine, monkeypatch, capsys):
+    """Ctrl-C after "(waiting for the model…)" stops that answer and the chat goes on, as Ctrl-C during an answer
+    does; it ended the REPL (exit 130) with whatever was typed lost."""
+    try:
+        chat = repl(["hi", "again"], InterruptedOnce(tiny_engine), monkeypatch)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while waiting for the model ended the chat")
+    err = capsys.readouterr().err
+    assert "[stopped]" in err and "[3 tokens" in err
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["again"]
