@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,13 +43,57 @@ def run_headless(script, config: EngineConfig, concurrency: int | None, as_json:
     session = AgentSession(engine, script, concurrency)
     if session.warning:
         click.echo(f"specchat: warning: {session.warning}", err=True)
-    sink = JsonlWriter(sys.stdout) if as_json else TracePrinter(sys.stdout)
+    sink = TraceSink(JsonlWriter(sys.stdout) if as_json else TracePrinter(sys.stdout), session)
     engine.start()
     try:
         with contextlib.redirect_stdout(sys.stderr):  # a tool's print() goes to stderr: stdout is the trace's
-            return session.run(sink.write)
+            outcomes = session.run(sink.write)
     finally:
         engine.close()
+    sink.check()
+    return outcomes
+
+
+class TraceSink:
+    """The trace's writer, guarded: once stdout fails (a full disk, a pipe whose reader has gone), the runs are
+    stopped and the failure is one line after them, where it was an OSError in a run's thread and a traceback."""
+
+    def __init__(self, writer, session) -> None:
+        self.writer = writer
+        self.session = session
+        self.failure: OSError | None = None
+
+    def write(self, event) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.writer.write(event)
+        except OSError as error:
+            self.failure = error
+            self.session.cancel()  # nobody reads what the runs do
+            discard(self.writer.stream)
+
+    def check(self) -> None:
+        """Raise the failure to write, if there was one, as one line."""
+        if self.failure is None:
+            return
+        error = self.failure
+        why = "its reader has gone (a broken pipe)" if isinstance(error, BrokenPipeError) else error.strerror or error
+        raise SpecchatError(f"cannot write the trace to stdout: {why}; the runs were stopped")
+
+
+def discard(stream) -> None:
+    """Point a failed stream's file descriptor (stdout's) at /dev/null, so that what is still buffered for it
+    flushes at exit without a second error ("Exception ignored ... BrokenPipeError")."""
+    try:
+        descriptor = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, descriptor)
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream)
+        pass
 
 
 def check_outcomes(outcomes: list) -> None:
@@ -90,6 +135,8 @@ def agent(
     """Run the tasks of an agent SCRIPT (TOML; see docs/agents.md), several at once, with tools."""
     from specchat.agent.script import load_script
 
+    if sys.stdout is None:  # started with stdout closed (>&-): no trace, and no terminal for the TUI
+        raise SpecchatError("stdout is closed: the runs' trace has nowhere to go")
     script = load_script(script_path)
     if drafter is not None:
         check_drafter_arg(drafter)  # the script's own drafter is the script's: a missing file runs without it

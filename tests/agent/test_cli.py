@@ -1,12 +1,19 @@
 """`specchat agent`: JSONL and the readable trace from a real (tiny, random) model; one-line errors."""
 
+import errno
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from specchat.agent.script import load_script
 from specchat.cli import main
+from specchat.config import EngineConfig
+from tests.agent.scripted_engine import ScriptedEngine
 
 
 def write_script(tmp_path: Path, model: Path, tools: str = "[]") -> Path:
@@ -145,3 +152,61 @@ def test_a_bad_weights_or_kv_in_a_script_is_one_line(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(main, ["agent", str(script), "--headless", "--device", "cpu"])
     assert result.exit_code != 0 and "kv must be one of auto, bf16" in result.output
     assert "Traceback" not in result.output
+
+
+class StdoutGone:
+    """A stdout whose every write fails as a full disk or a pipe whose reader has gone does."""
+
+    encoding = "utf-8"
+
+    def __init__(self, error: OSError) -> None:
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error
+
+    def flush(self) -> None:
+        pass
+
+
+class ScriptedCliEngine(ScriptedEngine):
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("error", "why"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+        (BrokenPipeError(errno.EPIPE, "Broken pipe"), "its reader has gone (a broken pipe)"),
+    ],
+)
+def test_a_stdout_that_fails_stops_the_runs_with_one_line(tmp_path, monkeypatch, error, why):
+    """`--json > /dev/full` ended in an OSError traceback from a run's thread, and the other runs went on."""
+    from specchat.cli.agent import run_headless
+    from specchat.errors import SpecchatError
+
+    script = tmp_path / "agent.toml"
+    script.write_text('tasks = ["a", "b", "c"]\n[stop]\ntag = "final"\n')
+    engine = ScriptedCliEngine(["<final>1</final>"] * 3)
+    monkeypatch.setattr("specchat.engine.engine.Engine.load", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(sys, "stdout", StdoutGone(error))
+    for as_json in (True, False):
+        with pytest.raises(SpecchatError) as raised:
+            run_headless(load_script(script), EngineConfig(model=str(tmp_path)), None, as_json)
+        assert str(raised.value) == f"cannot write the trace to stdout: {why}; the runs were stopped"
+    assert engine.requests == []  # the runs stopped at the first failed write: nothing was generated for nobody
+
+
+def test_a_closed_stdout_is_one_line_before_anything_loads(tmp_path):
+    """`specchat agent x.toml >&-`: sys.stdout is None, and the terminal check raised AttributeError."""
+    script = tmp_path / "agent.toml"
+    script.write_text('tasks = ["a"]\n')
+    command = [sys.executable, "-c", "from specchat.cli import main; main()", "agent", str(script)]
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.close(1), timeout=120)  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["specchat: error: stdout is closed: the runs' trace has nowhere to go"]
