@@ -95,7 +95,7 @@ def nudge_text(stop: StopCondition, structured: bool) -> str:
 class AgentRun:
     """One task's loop on the session's engine; every step is reported as events."""
 
-    def __init__(self, session: AgentSession, index: int, toolbox: Toolbox, emit: EventSink) -> None:
+    def __init__(self, session: AgentSession, index: int, toolbox: Toolbox | None, emit: EventSink) -> None:
         self.session = session
         self.script = session.script
         self.index = index
@@ -112,6 +112,16 @@ class AgentRun:
 
     def run(self) -> RunOutcome:
         """Run the loop to its end and report it."""
+        self._start()
+        return self._end(*self._loop())
+
+    def fail(self, message: str) -> RunOutcome:
+        """End the run before its first turn with a fatal error (its workspace could not be made, say)."""
+        self._start()
+        self.emit(Error(self.index, self.step, message, fatal=True))
+        return self._end("error", None)
+
+    def _start(self) -> None:
         spec = self.session.spec
         tools = [schema["function"]["name"] for schema in self.session.schemas]
         task = self.script.tasks[self.index]
@@ -122,7 +132,8 @@ class AgentRun:
                 self.index, task, self.script.model, spec.drafter, spec.k, tools, self.script.max_steps, weights, kv
             )
         )
-        reason, answer = self._loop()
+
+    def _end(self, reason: str, answer: str | None) -> RunOutcome:
         stats = {**merged_stats_json(self.stats), **self._throughput()}
         elapsed = round(time.perf_counter() - self.started, 3)
         self.emit(RunEnd(self.index, reason, self.step, self.tokens, elapsed, answer, stats))

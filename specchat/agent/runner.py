@@ -11,7 +11,9 @@ threads themselves. A run's wall-time limit cancels its request in the engine, s
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import shutil
 import threading
 import time
 from collections import Counter
@@ -172,6 +174,20 @@ class AgentSession:
             self._handles.discard(handle)
 
     def _run_one(self, index: int, emit: EventSink) -> RunOutcome:
-        with run_workspace(self.script.workspace, self.script.copy_workspace) as workspace:
+        with contextlib.ExitStack() as stack:
+            try:
+                workspace = stack.enter_context(run_workspace(self.script.workspace, self.script.copy_workspace))
+            except OSError as error:  # a full disk, an unreadable file: this run fails, the others go on
+                return AgentRun(self, index, None, emit).fail(f"cannot make the run's workspace: {os_problem(error)}")
             toolbox = build_toolbox(self.script.tools, workspace, self.confirm, cancelled=self.cancelled)
             return AgentRun(self, index, toolbox, emit).run()
+
+
+def os_problem(error: OSError) -> str:
+    """An OSError in words; shutil.copytree's Error (a list of (source, copy, why) for every file that failed) as its
+    first file's reason and how many more failed."""
+    failures = error.args[0] if isinstance(error, shutil.Error) and error.args else None
+    if isinstance(failures, list) and failures and isinstance(failures[0], tuple) and len(failures[0]) == 3:
+        more = f" (and {len(failures) - 1} more files)" if len(failures) > 1 else ""
+        return f"{failures[0][2]}{more}"
+    return str(error)

@@ -258,3 +258,28 @@ def test_worked_examples_end_in_a_final_answer_call_for_the_tool_stop(tmp_path):
     demo = engine.requests[0]["messages"][1:3]
     assert demo[0] == {"role": "user", "content": "What is 3 * 4?"}
     assert demo[1]["tool_calls"][0]["function"] == {"name": "final_answer", "arguments": {"answer": "12"}}
+
+
+def test_a_workspace_that_cannot_be_made_fails_its_run_not_the_session(tmp_path, monkeypatch):
+    """copy_workspace onto a full /tmp: shutil.Error from one run's thread ended the session in a traceback."""
+    import contextlib
+    import shutil
+
+    (tmp_path / "ws").mkdir()
+
+    @contextlib.contextmanager
+    def full_disk(source, copy):
+        if copy:
+            why = "[Errno 28] No space left on device"
+            raise shutil.Error([(str(source / "a"), "/tmp/x/a", why), (str(source / "b"), "/tmp/x/b", why)])
+        yield source
+
+    monkeypatch.setattr("specchat.agent.runner.run_workspace", full_disk)
+    path = write_script(tmp_path, 'workspace = "ws"\ncopy_workspace = true\n')
+    outcomes, events = run(ScriptedEngine([FINAL_CALL]), path)
+    assert [outcome.reason for outcome in outcomes] == ["error"]
+    [error] = [event for event in events if isinstance(event, Error)]
+    assert error.fatal and error.message == (
+        "cannot make the run's workspace: [Errno 28] No space left on device (and 1 more files)"
+    )
+    assert [type(event).__name__ for event in events] == ["RunStart", "Error", "RunEnd", "SessionEnd"]
