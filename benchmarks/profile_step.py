@@ -63,8 +63,8 @@ def profile_steps(args: argparse.Namespace) -> None:
     prompt = list(range(args.context))
     seqs = list(range(batch))
     for seq in seqs:
-        pool.add(seq, prompt)
-        runner.forward(StepBatch([seq], [prompt], [0], [1]))
+        cached = pool.add(seq, prompt)  # the requests after the first find the prompt's whole pages cached
+        runner.forward(StepBatch([seq], [prompt[cached:]], [cached], [1]))
     length = args.context
 
     def step():
@@ -91,14 +91,14 @@ def profile_steps(args: argparse.Namespace) -> None:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in rows) / args.steps
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in kernels) / args.steps
     print(f"{args.shape} {args.weights} fused={args.fused} graph={args.graph} batch={batch} rows={rows}: "
           f"{total / 1e3:.2f} ms GPU per step, "
-          f"{sum(e.count for e in rows) / args.steps:.0f} kernels per step{wall}")  # fmt: skip
+          f"{sum(e.count for e in kernels) / args.steps:.0f} kernels per step{wall}")  # fmt: skip
     print("| us per step | calls per step | kernel |\n|---:|---:|---|")
-    for e in rows[:25]:
+    for e in kernels[:25]:
         print(f"| {e.device_time_total / args.steps:.1f} | {e.count / args.steps:.0f} | {e.key[:90]} |")
 
 
