@@ -90,15 +90,13 @@ def stdout_closed() -> bool:
 
 
 def report_closed_stdout() -> int:
-    """One line for output cut short by a reader that quit, and stdout pointed at /dev/null, so the interpreter's
-    own flush at exit does not fail again; the status is 1, as for any error."""
+    """Output cut short by a reader that quit (`| head -1`) ends quietly, as `git log | head -1` or `cat | head -1`
+    do: the reader chose to stop, nothing failed. Stdout is pointed at /dev/null so that the interpreter's own
+    flush at exit does not fail again (an "Exception ignored" line), and the status is 141, what a shell reports
+    for a process that SIGPIPE ended (so `set -o pipefail` scripts see it as they see other tools')."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.__stdout__.fileno())
-    try:
-        click.echo("specchat: error: stdout was closed before the output ended (its reader quit)", err=True)
-    except OSError:  # stderr went with it (`2>&1 | head -1`): nowhere left to say so
-        os.dup2(devnull, sys.__stderr__.fileno())
-    return 1
+    return 128 + 13  # SIGPIPE
 
 
 _EXIT_STATUS = [1]  # the status the command ends with, for exit hooks that must end the process themselves
