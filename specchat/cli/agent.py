@@ -7,8 +7,10 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -30,15 +32,21 @@ def tui_launcher() -> Callable | None:
 
 def run_headless(script, config: EngineConfig, concurrency: int | None, as_json: bool) -> list:
     """Load the engine, run every task, print a readable trace (or JSONL events) on stdout; the runs' outcomes."""
-    from specchat.agent.runner import AgentSession
     from specchat.agent.tools import check_confirm
-    from specchat.agent.trace import JsonlWriter, TracePrinter
-    from specchat.engine.engine import Engine
 
     try:
         check_confirm(script.tools, None)  # nobody to ask: before the model loads, naming the script
     except ConfigError as error:
         raise ConfigError(f"{script.path}: {error}") from None
+    with second_interrupt_kills():
+        return _run_headless(script, config, concurrency, as_json)
+
+
+def _run_headless(script, config: EngineConfig, concurrency: int | None, as_json: bool) -> list:
+    from specchat.agent.runner import AgentSession
+    from specchat.agent.trace import JsonlWriter, TracePrinter
+    from specchat.engine.engine import Engine
+
     engine = Engine.load(config, progress=StderrProgress())
     session = AgentSession(engine, script, concurrency)
     if session.warning:
@@ -52,6 +60,30 @@ def run_headless(script, config: EngineConfig, concurrency: int | None, as_json:
         engine.close()
     sink.check()
     return outcomes
+
+
+@contextlib.contextmanager
+def second_interrupt_kills() -> Iterator[None]:
+    """The first Ctrl-C stops the runs (KeyboardInterrupt: exit 130); a second one while they wind down (the engine
+    closing, torch's exit hooks) ends the process at once, where it raised KeyboardInterrupt inside those hooks and
+    printed their traceback. Left alone where SIGINT is not Python's (ignored in a background job, say)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is interrupt:  # no Ctrl-C came: as it was
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class TraceSink:

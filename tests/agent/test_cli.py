@@ -1,6 +1,7 @@
 """`specchat agent`: JSONL and the readable trace from a real (tiny, random) model; one-line errors."""
 
 import errno
+import io
 import json
 import os
 import subprocess
@@ -210,3 +211,30 @@ def test_a_closed_stdout_is_one_line_before_anything_loads(tmp_path):
                             preexec_fn=lambda: os.close(1), timeout=120)  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.splitlines() == ["specchat: error: stdout is closed: the runs' trace has nowhere to go"]
+
+
+def test_a_second_ctrl_c_while_the_runs_wind_down_ends_the_process(tmp_path, monkeypatch):
+    """The first Ctrl-C raises KeyboardInterrupt (exit 130); a second one during the wind-down raised it again inside
+    torch's exit hooks, which printed a traceback. After the first, SIGINT is the default: the process just ends."""
+    import signal
+    import threading
+
+    from specchat.cli.agent import run_headless
+    from tests.agent.scripted_engine import HANG
+
+    script = tmp_path / "agent.toml"
+    script.write_text('tasks = ["a"]\n[stop]\ntag = "final"\n')
+    engines = iter([ScriptedCliEngine([HANG]), ScriptedCliEngine(["<final>1</final>"])])  # hangs until Ctrl-C; answers
+    monkeypatch.setattr("specchat.engine.engine.Engine.load", lambda *args, **kwargs: next(engines))
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            run_headless(load_script(script), EngineConfig(model=str(tmp_path)), None, True)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    run_headless(load_script(script), EngineConfig(model=str(tmp_path)), None, True)  # no Ctrl-C: as it was
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
