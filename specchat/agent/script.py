@@ -258,7 +258,7 @@ def _tasks(top: _Table, base: Path) -> list[str]:
     if path.suffix == ".toml":
         return _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
     try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
+        lines = path.read_bytes().decode("utf-8-sig").splitlines()  # a BOM (Windows editors) is no task
     except UnicodeDecodeError as error:
         raise ConfigError(f"tasks_file {path}: not valid UTF-8 (at byte {error.start})") from None
     except OSError as error:

@@ -264,3 +264,11 @@ def test_user_tool_module_errors_name_the_key(tmp_path: Path):
 def test_an_example_answer_that_matches_the_regex_stop_loads(tmp_path: Path):
     text = 'tasks = ["x"]\n[stop]\nregex = "ANSWER: (\\\\d+)"\n[[examples]]\ntask = "y"\nanswer = "ANSWER: 12"\n'
     assert load_script(write(tmp_path, text)).examples[0].answer == "ANSWER: 12"
+
+
+def test_a_tasks_file_with_a_byte_order_mark(tmp_path: Path):
+    """A tasks file saved by a Windows editor starts with a BOM: its '# comment' line became a task, and the BOM went
+    into the first prompt (the script itself was already read as utf-8-sig)."""
+    (tmp_path / "tasks.txt").write_bytes("\ufeff# comment\r\nfirst task\r\n".encode())
+    script = load_script(write(tmp_path, 'tasks_file = "tasks.txt"'))
+    assert script.tasks == ["first task"]
