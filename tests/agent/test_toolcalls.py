@@ -244,3 +244,12 @@ def test_a_python_literal_call_holds_only_json_values():
         assert parse_tool_calls(f"{{'name': 'f', 'arguments': {{'x': {value}}}}}").errors
     reply = parse_tool_calls("<tool_call>{'name': 'f', 'arguments': {'x': (1, 'a'), 2: None}}</tool_call>")
     assert [call.arguments for call in reply.calls] == [{"x": [1, "a"], "2": None}]
+
+
+def test_nan_and_infinity_in_arguments_are_an_error_not_a_call():
+    """json.loads takes NaN and Infinity: the call's event then wrote `NaN` into the JSONL trace, which strict JSON
+    parsers (jq, JSON.parse) refuse."""
+    reply = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": [1, {"y": -Infinity}]}}</tool_call>')
+    assert reply.calls == [] and "hold NaN or Infinity" in reply.errors[0]
+    assert parse_tool_calls('{"name": "f", "arguments": "{\\"x\\": NaN}"}').errors  # arguments as a JSON string
+    assert parse_tool_calls('{"name": "f", "arguments": {"x": 1e308}}').calls  # large, but a number
