@@ -88,7 +88,7 @@ def second_interrupt_kills() -> Iterator[None]:
 
 class TraceSink:
     """The trace's writer, guarded: once stdout fails (a full disk, a pipe whose reader has gone), the runs are
-    stopped and the failure is one line after them, where it was an OSError in a run's thread and a traceback."""
+    stopped and the failure is raised after them, where it was an OSError in a run's thread and a traceback."""
 
     def __init__(self, writer, session) -> None:
         self.writer = writer
@@ -103,14 +103,17 @@ class TraceSink:
         except OSError as error:
             self.failure = error
             self.session.cancel()  # nobody reads what the runs do
-            discard(self.writer.stream)
+            if not isinstance(error, BrokenPipeError):
+                discard(self.writer.stream)
 
     def check(self) -> None:
-        """Raise the failure to write, if there was one, as one line."""
+        """Raise the failure to write, if there was one: as one line, or, for a pipe whose reader quit (`| head`),
+        the BrokenPipeError itself, which the CLI ends quietly with status 141 as for every command."""
         if self.failure is None:
             return
-        error = self.failure
-        why = "its reader has gone (a broken pipe)" if isinstance(error, BrokenPipeError) else error.strerror or error
+        if isinstance(self.failure, BrokenPipeError):
+            raise self.failure
+        why = self.failure.strerror or self.failure
         raise SpecchatError(f"cannot write the trace to stdout: {why}; the runs were stopped")
 
 
