@@ -20,6 +20,7 @@ from typing import ClassVar, TypeVar
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widget import Widget
@@ -175,6 +176,11 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         if self.bridge is not None:
             self.bridge.detach()
 
+    def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
+        """A notification shows its text as it is: what it quotes (a title, a path, an error) may hold `[/]`, which
+        as markup ended the app with a MarkupError."""
+        super().notify(message, markup=markup, **kwargs)
+
     def show_store_notes(self) -> None:
         """What the chat store has to tell about its file: a broken one moved aside, another process's lock."""
         for note in self.store.take_notes():
@@ -325,7 +331,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
 
     def show_title(self, pane: ChatPane) -> None:
         """The chat's tab shows its title (its first message)."""
-        self.main.query_one(TabbedContent).get_tab(pane.parent.id).label = pane.title
+        self.main.query_one(TabbedContent).get_tab(pane.parent.id).label = Content(pane.title)  # as typed, not markup
 
     def show_welcome(self) -> None:
         """Empty chats name the model, its settings and the keys that change them (fresh after every change)."""

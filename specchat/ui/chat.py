@@ -131,7 +131,7 @@ class MessageView(Vertical, can_focus=True):
         self.notify("message copied")
 
     def set_footer(self, text: str) -> None:
-        self.query_one(".footer", Static).update(text)
+        self.query_one(".footer", Static).update(Text(text))  # an engine's error may hold `[/]`: not markup
 
 
 def finish_line(event: Finished) -> str:

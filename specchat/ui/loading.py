@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from textual import work
 from textual.containers import Vertical
+from textual.content import Content
 from textual.widgets import Label, ProgressBar
 
 from specchat.config import EngineConfig
@@ -39,15 +40,19 @@ class LoadingNotice(Vertical):
         self.model = model
 
     def compose(self):
-        yield Label(f"Loading [b]{self.model}[/b]: starting…", classes="what")
+        yield Label(self.what("starting…"), classes="what")
         yield ProgressBar(total=None, show_eta=False, classes="progress")
+
+    def what(self, what: str) -> Content:
+        """`Loading <model>: <what>`, the model in bold (a path: plain text, never markup)."""
+        return Content.assemble("Loading ", (self.model, "bold"), f": {what}")
 
     def on_mount(self) -> None:
         self.border_title = "Loading"
 
     def show_progress(self, what: str, done: int, total: int) -> None:
         """Update the label and the bar (indeterminate when total is 0)."""
-        self.query_one(".what", Label).update(f"Loading [b]{self.model}[/b]: {what}")
+        self.query_one(".what", Label).update(self.what(what))
         self.query_one(".progress", ProgressBar).update(total=total or None, progress=done)
 
 

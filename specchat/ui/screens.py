@@ -8,6 +8,7 @@ from typing import ClassVar
 from textual import events, on
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
@@ -66,14 +67,13 @@ class HistoryScreen(ModalScreen[int | None]):
             search.insert_text_at_cursor(event.character)
 
     def options(self) -> list[Option]:
-        return [
-            Option(
-                f"{c.title}  [dim]{time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}"
-                f" · {c.messages} messages · {c.model}[/dim]",
-                id=str(c.id),
-            )
-            for c in self.conversations
-        ]
+        """One per conversation: its title as typed (plain text, never markup), then when, how long, which model."""
+        options = []
+        for c in self.conversations:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
+            prompt = Content.assemble(f"{c.title}  ", (f"{when} · {c.messages} messages · {c.model}", "dim"))
+            options.append(Option(prompt, id=str(c.id)))
+        return options
 
     def empty_text(self, query: str) -> str:
         return f"no conversation mentions {query!r}" if query else "no saved conversations yet"
@@ -176,7 +176,9 @@ class ModelScreen(ModalScreen[str | None]):
             yield OptionList(
                 *(
                     Option(
-                        f"{m.alias}{'  (loaded)' if m.alias == self.current else ''}  [dim]{m.description}[/dim]",
+                        Content.assemble(
+                            f"{m.alias}{'  (loaded)' if m.alias == self.current else ''}  ", (m.description, "dim")
+                        ),
                         id=m.alias,
                     )
                     for m in self.models
