@@ -4,6 +4,7 @@ to the store as it happens."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import ClassVar
 
@@ -24,6 +25,28 @@ ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
 PLACEHOLDER = "Message (Enter sends, Ctrl+J new line)"
 WAITING = "waiting for the model…"
 INTERRUPTED = "interrupted: the chat closed before the answer ended"
+# a terminal's escape sequences in pasted text: CSI (colours, cursor moves), OSC (window title, links), and the
+# short ones; what the user wants of a pasted coloured log is its text
+ANSI_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-~]")
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
+
+
+def clean_text(text: str) -> str:
+    """Text pasted or sent as the user means it: a surrogate pair (a Windows terminal's emoji) as its character and a
+    lone surrogate as U+FFFD (neither UTF-8 nor SQLite takes one), CR LF and CR as line ends, escape sequences and
+    other control characters dropped (written to the screen they recoloured it, retitled the window or, cut short,
+    swallowed what came after)."""
+    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return CONTROL.sub("", ANSI_SEQUENCE.sub("", text))
+
+
+def visible(text: str) -> str:
+    """Text as the screen may show it: each control character but tab and newline as a visible symbol (U+2400's
+    block: ␛ for escape), never written to the terminal raw (an answer or a stored message may hold one)."""
+    return CONTROL.sub(
+        lambda m: chr(0x2400 + ord(m[0])) if m[0] < " " else "\u2421" if m[0] == "\x7f" else "\ufffd", text
+    )
 
 
 class PromptInput(TextArea):
@@ -49,12 +72,17 @@ class PromptInput(TextArea):
         self.prompt_index: int | None = None  # position while walking the prompts; None = editing a new one
         self.draft = ""
 
+    def _on_paste(self, event: events.Paste) -> None:
+        """Pasted text goes in cleaned (clean_text): a coloured log as its text, a lone surrogate as U+FFFD. (Textual
+        then calls TextArea's own handler, which inserts it.)"""
+        event.text = clean_text(event.text)
+
     async def _on_key(self, event: events.Key) -> None:
         """Enter sends; Ctrl+J / Shift+Enter insert a newline; everything else edits as usual."""
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            text = self.text.strip()
+            text = clean_text(self.text).strip()  # what got in otherwise (a recalled prompt) is cleaned too
             if text:
                 self.post_message(self.Submitted(self, text))
             return
@@ -117,13 +145,14 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self):
         yield Label(ROLE_LABELS.get(self.role, self.role), classes="role")
-        yield Markdown(self.content) if self.role == "assistant" else Static(Text(self.content), classes="text")
+        shown = visible(self.content)
+        yield Markdown(shown) if self.role == "assistant" else Static(Text(shown), classes="text")
         yield Static("", classes="footer")
 
     def show_text(self, text: str) -> None:
         """Replace a user message's text (a message waiting for the model takes in the next one typed)."""
         self.content = text
-        self.query_one(".text", Static).update(Text(text))
+        self.query_one(".text", Static).update(Text(visible(text)))
 
     def action_copy(self) -> None:
         """Copy the message's text to the clipboard."""
@@ -294,7 +323,7 @@ class ChatPane(Vertical):
             text, self.unshown = self.unshown, ""
             self.shown_at = time.monotonic()
             self.store.update_message(self.reply_db_id, self.reply_text)
-            await self.reply_stream.write(text)
+            await self.reply_stream.write(visible(text))
             self.pacer.observe()
 
     async def finish(self, event: Finished) -> None:

@@ -3,10 +3,13 @@ store or model. Each ends in one clear message in the UI and a chat that goes on
 
 from __future__ import annotations
 
+from textual import events
+from textual.widgets import Markdown
+
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
 from specchat.ui.chat import MessageView
-from tests.ui.conftest import SIZE, send, wait_for
+from tests.ui.conftest import SIZE, press_now, send, wait_for
 from tests.ui.fake_engine import FakeEngine
 
 
@@ -37,3 +40,29 @@ async def test_text_that_looks_like_markup_is_shown_as_typed(make_app, store):
         app.notify(f"saved /tmp/{text}")
         await pilot.pause()
         assert app.is_running
+
+
+async def test_pasted_control_characters_and_surrogates_are_cleaned(make_app, store):
+    """A pasted coloured log put its escape sequences into the prompt and the chat, raw: written to the terminal they
+    recoloured the screen or (an OSC cut short) swallowed what followed. A lone surrogate (half an emoji from a
+    Windows terminal) killed the store's writer thread: nothing more of any chat was saved."""
+    pasted = "\x1b[31mERROR\x1b[0m disk\r\nfull\x00 \x1b]0;title\x07\ud83d\ude00 half \ud800"
+    app = make_app(FakeEngine(total_tokens=6))
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.chat
+        app.post_message(events.Paste(pasted))  # as the terminal driver does: the app hands it to the focused prompt
+        await wait_for(pilot, lambda: pane.prompt_input.text, timeout=5, what="the paste")
+        assert pane.prompt_input.text == "ERROR disk\nfull \U0001f600 half \ufffd"
+        pane.prompt_input.load_text("typed \x1b[1mbold\x1b[0m and \ud800")  # recalled from an old store, say
+        press_now(app, "enter")
+        await wait_for(pilot, lambda: len(pane.messages) == 2, timeout=10, what="the answer")
+        assert pane.messages[0]["content"] == "typed bold and \ufffd"
+        await pane.begin_reply(99)
+        await pane.append("an answer with \x1b[2J escape")  # a model may emit one
+        await pane.show_pending()
+        await pilot.pause(0.2)
+        shown = pane.reply.query_one(Markdown).source
+        assert "\x1b" not in shown and "\u241b[2J" in shown
+        await pane.finish(Finished(99, "stop", "", [], 9, SpecStats(), 0.0, 0.0))
+    assert store.flush(2.0)
+    assert store.messages(pane.conversation_id)[0].content == "typed bold and \ufffd"
