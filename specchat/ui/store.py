@@ -74,6 +74,16 @@ class StoredMessage:
     meta: dict | None
 
 
+def storable(text: str) -> str:
+    """Text SQLite takes: a lone surrogate (half an emoji, from a pasted or typed field) as U+FFFD, a pair as its
+    character; as it was, one in any write made its thread end with a UnicodeEncodeError, and nothing more was saved."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 def default_path() -> Path:
     """chats.sqlite3 in $SPECCHAT_HOME (else ~/.cache/specchat)."""
     return cache_dir() / "chats.sqlite3"
@@ -181,22 +191,22 @@ class ChatStore:
 
     def new_conversation(self, title: str, model: str) -> int:
         conversation_id, now = self.new_id(), time.time()
-        self.writer.put(Write("conversation", (conversation_id, title, model, now, now)))
+        self.writer.put(Write("conversation", (conversation_id, storable(title), storable(model), now, now)))
         return conversation_id
 
     def add_message(self, conversation_id: int, role: str, content: str, meta: dict | None = None) -> int:
         message_id, now = self.new_id(), time.time()
         meta_text = json.dumps(meta) if meta else None
-        self.writer.put(Write("message", (message_id, conversation_id, role, content, meta_text, now)))
+        self.writer.put(Write("message", (message_id, conversation_id, role, storable(content), meta_text, now)))
         self.writer.put(Write("touch", (now, conversation_id)))
         return message_id
 
     def update_message(self, message_id: int, content: str, meta: dict | None = None) -> None:
-        self.writer.put(Write("update", (content, json.dumps(meta) if meta else None, message_id)))
+        self.writer.put(Write("update", (storable(content), json.dumps(meta) if meta else None, message_id)))
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         """Give a conversation a new title (its place in the list, by last update, stays)."""
-        self.writer.put(Write("rename", (title, conversation_id)))
+        self.writer.put(Write("rename", (storable(title), conversation_id)))
 
     def delete_conversation(self, conversation_id: int) -> None:
         self.writer.put(Write("delete", (conversation_id,)))

@@ -39,6 +39,11 @@ WRITES = {  # a kind of write -> its statement; ids are made by ChatStore, so a 
     "delete": "DELETE FROM conversations WHERE id = ?",
 }
 
+# a write the database refuses for good, so that trying again cannot help: a constraint, or values SQLite cannot
+# take (a string that is not UTF-8, an integer past 64 bits; anything else raised here would end the thread, and
+# nothing more would be saved)
+REFUSED = (sqlite3.IntegrityError, ValueError, OverflowError)
+
 log = logging.getLogger(__name__)
 
 
@@ -175,11 +180,11 @@ class StoreWriter:
         note) those it refuses."""
         try:
             self._transaction(db, writes)
-        except sqlite3.IntegrityError:
+        except REFUSED:
             for write in writes:
                 try:
                     self._transaction(db, [write])
-                except sqlite3.IntegrityError as exc:
+                except REFUSED as exc:
                     log.warning("dropped %s: %s", write, exc)
                     self._note(f"{self.path.name}: one change could not be saved and is dropped ({exc})")
 

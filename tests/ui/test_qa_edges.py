@@ -9,6 +9,7 @@ from textual.widgets import Markdown
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
 from specchat.ui.chat import MessageView
+from specchat.ui.store_writer import Write
 from tests.ui.conftest import SIZE, press_now, send, wait_for
 from tests.ui.fake_engine import FakeEngine
 
@@ -66,3 +67,16 @@ async def test_pasted_control_characters_and_surrogates_are_cleaned(make_app, st
         await pane.finish(Finished(99, "stop", "", [], 9, SpecStats(), 0.0, 0.0))
     assert store.flush(2.0)
     assert store.messages(pane.conversation_id)[0].content == "typed bold and \ufffd"
+
+
+def test_a_lone_surrogate_never_stops_the_store(store):
+    """A lone surrogate in any write (a system prompt or a title pasted into their fields) ended the store's writer
+    thread with a UnicodeEncodeError: every later write of every chat was lost, and each read waited its full second."""
+    conversation = store.new_conversation("half \ud83d an emoji", "m")
+    store.add_message(conversation, "system", "be \ud800 brief, \ud83d\ude00")
+    store.writer.put(Write("rename", ("\udfff", conversation)))  # past the store's own cleaning: dropped, noted
+    store.add_message(conversation, "user", "still saved")
+    assert store.flush(2.0)
+    assert [m.content for m in store.messages(conversation)] == ["be \ufffd brief, \U0001f600", "still saved"]
+    assert store.conversation(conversation).title == "half \ufffd an emoji"
+    assert any("could not be saved" in note for note in store.take_notes())
