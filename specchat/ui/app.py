@@ -33,7 +33,7 @@ from specchat.errors import SpecchatError
 from specchat.registry import cache_dir
 from specchat.ui.agent_runs import AgentRuns
 from specchat.ui.bridge import EngineBridge, load_engine
-from specchat.ui.chat import ChatPane, PromptInput
+from specchat.ui.chat import ChatPane, PromptInput, clean_text
 from specchat.ui.controls import ControlsPanel
 from specchat.ui.loading import EngineLoader, ModelLoading
 from specchat.ui.memory import MemoryPanel
@@ -409,6 +409,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         """New chats, and open chats not begun yet, start with `system` ("" = none; None = unchanged)."""
         if system is None:
             return
+        system = clean_text(system).strip()  # pasted into the field: as the prompt takes it (ui/chat.py)
         self.settings.system = system or None
         for pane in self.main.query(ChatPane):
             pane.set_system(self.settings.system)

@@ -60,7 +60,7 @@ class SavedConversations:
         text = to_markdown(pane.title, messages) if suffix == ".md" else to_json(pane.title, pane.model, messages)
         try:
             path = transcript_path(self.transcript_dir, pane.title, suffix)
-            path.write_text(text, encoding="utf-8")
+            path.write_text(text, encoding="utf-8", errors="replace")  # a lone surrogate of an old chat: "?"
         except OSError as exc:
             self.notify(f"could not save the chat in {self.transcript_dir}: {exc.strerror or exc}", severity="error")
             return None

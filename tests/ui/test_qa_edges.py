@@ -80,3 +80,20 @@ def test_a_lone_surrogate_never_stops_the_store(store):
     assert [m.content for m in store.messages(conversation)] == ["be \ufffd brief, \U0001f600", "still saved"]
     assert store.conversation(conversation).title == "half \ufffd an emoji"
     assert any("could not be saved" in note for note in store.take_notes())
+
+
+async def test_a_system_prompt_with_a_lone_surrogate_is_cleaned_and_the_chat_saves(make_app, tmp_path):
+    """A system prompt pasted with half an emoji (or an escape sequence) went into the chat as it was, and Ctrl+S then
+    ended the app with a UnicodeEncodeError writing the transcript."""
+    app = make_app(FakeEngine(total_tokens=6))
+    async with app.run_test(size=SIZE) as pilot:
+        app.set_system_prompt("be \x1b[1mbrief\x1b[0m \ud800")
+        assert app.settings.system == "be brief \ufffd"
+        pane = await app.action_new_chat()
+        assert pane.messages == [{"role": "system", "content": "be brief \ufffd"}]
+        pane.messages[0]["content"] = "from an old store \udfff"  # however one got in, saving never crashes
+        await send(pilot, app, "hi")
+        await wait_for(pilot, lambda: len(pane.messages) == 3, timeout=10, what="the answer")
+        path = app.save_transcript(".md")
+        assert path is not None and "from an old store ?" in path.read_text(encoding="utf-8")
+        assert app.is_running
