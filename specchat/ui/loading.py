@@ -8,6 +8,7 @@ to another model loads it the same way, the chats staying; if it fails, the prev
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -71,6 +72,12 @@ class ModelLoading:
             engine = self.loader(self.config, ProgressPoster(self))
         except SpecchatError as exc:
             self.post_message(LoadFailed(exc))
+            return
+        except Exception as exc:  # out of memory, a damaged file, our bug: one line, and a switch brings the previous
+            # model back (a worker's exception otherwise ended the app with a traceback, chats and all)
+            self.log.error(traceback.format_exc())
+            error = SpecchatError(f"{self.config.model} did not load: {type(exc).__name__}: {exc}")
+            self.post_message(LoadFailed(error))
             return
         self.post_message(EngineReady(engine))
 
