@@ -120,6 +120,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         self.chats_opened = 0
         self.keymap: dict[str, str] = {}  # binding id -> key, from $SPECCHAT_HOME/keymap.toml
         self.previous_config: EngineConfig | None = None  # while a switch loads another model: the one before
+        self.deleted: set[int] = set()  # conversations deleted in the history shown now: their tabs close after it
 
     @property
     def main(self) -> Screen:
@@ -367,10 +368,12 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
 
     async def action_close_chat(self) -> None:
         """Close the active chat (its conversation stays saved)."""
-        pane = self.chat
-        if pane is None:
-            return
-        if pane.busy:
+        if self.chat is not None:
+            await self.close_chat(self.chat)
+
+    async def close_chat(self, pane: ChatPane) -> None:
+        """Close a chat's tab, stopping its answer; a new chat opens where none is left."""
+        if pane.busy and self.engine is not None:
             self.engine.cancel(pane.request_id)
             self.requests.pop(pane.request_id, None)
         await self.main.query_one(TabbedContent).remove_pane(pane.parent.id)

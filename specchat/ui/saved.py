@@ -17,7 +17,25 @@ class SavedConversations:
 
     def action_history(self) -> None:
         """Browse saved conversations."""
-        self.push_screen(HistoryScreen(self.store), self.open_conversation)
+        self.deleted.clear()
+        self.push_screen(HistoryScreen(self.store), self.history_closed)
+
+    def on_history_screen_deleted(self, message: HistoryScreen.Deleted) -> None:
+        """A deleted conversation's open tabs close (an answer of it stops now): left open, every message sent there
+        was dropped by the store (its conversation is gone), and the chat went on unsaved."""
+        self.deleted.add(message.conversation_id)
+        for pane in self.main.query(ChatPane):
+            if pane.conversation_id == message.conversation_id and pane.busy and self.engine is not None:
+                self.engine.cancel(pane.request_id)
+
+    async def history_closed(self, conversation_id: int | None) -> None:
+        """Back from the history: close the deleted conversations' tabs (now, not under the dialog: a chat opened
+        beneath it, its prompt not styled yet, ended the app as the dialog's backdrop drew it), open the one picked."""
+        for pane in list(self.main.query(ChatPane)):
+            if pane.conversation_id in self.deleted:
+                await self.close_chat(pane)
+        self.deleted.clear()
+        await self.open_conversation(conversation_id)
 
     def on_history_screen_renamed(self, message: HistoryScreen.Renamed) -> None:
         """Open chats of a renamed conversation show its new title."""

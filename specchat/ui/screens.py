@@ -37,6 +37,13 @@ class HistoryScreen(ModalScreen[int | None]):
             self.conversation_id = conversation_id
             self.title = title
 
+    class Deleted(Message):
+        """A conversation was deleted (open chats of it close: nothing more of it could be saved)."""
+
+        def __init__(self, conversation_id: int) -> None:
+            super().__init__()
+            self.conversation_id = conversation_id
+
     def __init__(self, store: ChatStore) -> None:
         super().__init__()
         self.store = store
@@ -156,6 +163,7 @@ class HistoryScreen(ModalScreen[int | None]):
         if conversation_id is None:
             return
         self.store.delete_conversation(conversation_id)
+        self.post_message(self.Deleted(conversation_id))
         self.show_matches(self.query_one("#history-search", Input).value.strip())
         self.notify("conversation deleted", timeout=2)
 

@@ -12,6 +12,7 @@ from specchat.engine.stats import SpecStats
 from specchat.errors import SpecchatError
 from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import MessageView
+from specchat.ui.screens import HistoryScreen
 from specchat.ui.store_writer import Write
 from tests.ui.conftest import SIZE, press_now, send, wait_for
 from tests.ui.fake_engine import FakeEngine
@@ -128,3 +129,31 @@ async def test_a_model_that_fails_to_load_with_any_error_is_one_message(tiny_eng
         await wait_for(pilot, lambda: first.return_value is not None, timeout=10, what="the app to end")
     assert isinstance(first.return_value, SpecchatError)
     assert str(first.return_value) == "tiny did not load: OSError: [Errno 5] Input/output error"
+
+
+async def test_deleting_an_open_conversation_closes_its_tab(make_app, store):
+    """Deleting, in the history, a conversation open in a tab (its answer still streaming) left the tab on it: the
+    answer went on into a row that was gone, and every message sent there after was dropped by the store (its
+    conversation no longer existed), the chat going on unsaved."""
+    engine = FakeEngine(steps_per_s=50, total_tokens=2000)
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, app, "a long answer, please")
+        pane = app.chat
+        conversation_id, request_id = pane.conversation_id, pane.request_id
+        await wait_for(pilot, lambda: pane.reply_text, timeout=5, what="the answer to stream")
+        app.action_history()
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen), timeout=5, what="the history")
+        await pilot.pause()
+        await pilot.press("delete")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not pane.is_attached, timeout=5, what="the deleted chat's tab to close")
+        assert request_id in engine.cancelled and request_id not in app.requests
+        new = app.chat
+        assert new is not None and new.conversation_id is None
+        engine.total_tokens = 5
+        await send(pilot, app, "a new chat")
+        await wait_for(pilot, lambda: len(new.messages) == 2, timeout=10, what="the next answer")
+    assert store.flush(2.0) and store.conversation(conversation_id) is None
+    assert [m.content for m in store.messages(new.conversation_id)][:1] == ["a new chat"]
+    assert not any("could not be saved" in note for note in store.take_notes())
