@@ -154,7 +154,12 @@ class ChatStore:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only home, a file where the folder goes: one line from the CLI, no traceback
+            raise SpecchatError(
+                f"{self.path}: cannot make the folder of the chat database ({exc.strerror or exc})"
+            ) from None
         self.notes: deque[str] = deque(maxlen=32)  # for the UI to show, from this thread and the writer's
         self.db, note = open_database(self.path)
         if note is not None:

@@ -3,6 +3,7 @@ store or model. Each ends in one clear message in the UI and a chat that goes on
 
 from __future__ import annotations
 
+import pytest
 from textual import events
 from textual.widgets import Markdown
 
@@ -13,6 +14,7 @@ from specchat.errors import SpecchatError
 from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import MessageView
 from specchat.ui.screens import HistoryScreen
+from specchat.ui.store import ChatStore
 from specchat.ui.store_writer import Write
 from tests.ui.conftest import SIZE, press_now, send, wait_for
 from tests.ui.fake_engine import FakeEngine
@@ -157,3 +159,11 @@ async def test_deleting_an_open_conversation_closes_its_tab(make_app, store):
     assert store.flush(2.0) and store.conversation(conversation_id) is None
     assert [m.content for m in store.messages(new.conversation_id)][:1] == ["a new chat"]
     assert not any("could not be saved" in note for note in store.take_notes())
+
+
+def test_a_chat_folder_that_cannot_be_made_is_one_line(tmp_path):
+    """A data folder that cannot be made (a read-only home, a file where the folder goes) ended `specchat run` with
+    an OSError's traceback: the CLI turns only a SpecchatError into its one line."""
+    (tmp_path / "home").write_text("a file, not a folder")
+    with pytest.raises(SpecchatError, match=r"cannot make the folder of the chat database \(Not a directory\)"):
+        ChatStore(tmp_path / "home" / "specchat" / "chats.sqlite3")
