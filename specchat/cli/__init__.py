@@ -92,11 +92,24 @@ def stdout_closed() -> bool:
 def report_closed_stdout() -> int:
     """Output cut short by a reader that quit (`| head -1`) ends quietly, as `git log | head -1` or `cat | head -1`
     do: the reader chose to stop, nothing failed. Stdout is pointed at /dev/null so that the interpreter's own
-    flush at exit does not fail again (an "Exception ignored" line), and the status is 141, what a shell reports
-    for a process that SIGPIPE ended (so `set -o pipefail` scripts see it as they see other tools')."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.__stdout__.fileno())
+    flush at exit does not fail again, and the status is 141, what a shell reports for a process that SIGPIPE ended
+    (so `set -o pipefail` scripts see it as they see other tools')."""
+    discard(sys.__stdout__)
     return 128 + 13  # SIGPIPE
+
+
+def discard(stream) -> None:
+    """Point a failed stream's file descriptor (stdout's) at /dev/null, so that what is still buffered for it
+    flushes at exit without a second error ("Exception ignored ... BrokenPipeError")."""
+    try:
+        descriptor = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, descriptor)
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream)
+        pass
 
 
 _EXIT_STATUS = [1]  # the status the command ends with, for exit hooks that must end the process themselves

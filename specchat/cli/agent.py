@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import os
 import signal
 import sys
 import threading
@@ -104,6 +103,8 @@ class TraceSink:
             self.failure = error
             self.session.cancel()  # nobody reads what the runs do
             if not isinstance(error, BrokenPipeError):
+                from specchat.cli import discard
+
                 discard(self.writer.stream)
 
     def check(self) -> None:
@@ -115,20 +116,6 @@ class TraceSink:
             raise self.failure
         why = self.failure.strerror or self.failure
         raise SpecchatError(f"cannot write the trace to stdout: {why}; the runs were stopped")
-
-
-def discard(stream) -> None:
-    """Point a failed stream's file descriptor (stdout's) at /dev/null, so that what is still buffered for it
-    flushes at exit without a second error ("Exception ignored ... BrokenPipeError")."""
-    try:
-        descriptor = stream.fileno()
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, descriptor)
-        finally:
-            os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream)
-        pass
 
 
 def check_outcomes(outcomes: list) -> None:
