@@ -33,7 +33,7 @@ from specchat.errors import SpecchatError
 from specchat.registry import cache_dir
 from specchat.ui.agent_runs import AgentRuns
 from specchat.ui.bridge import EngineBridge, load_engine
-from specchat.ui.chat import ChatPane, PromptInput, clean_text
+from specchat.ui.chat import ChatPane, PromptInput, clean_text, with_user
 from specchat.ui.controls import ControlsPanel
 from specchat.ui.loading import EngineLoader, ModelLoading
 from specchat.ui.memory import MemoryPanel
@@ -294,7 +294,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
             self.show_title(pane)
             return
         try:
-            handle = self.submit_chat([*pane.messages, {"role": "user", "content": message.text}])
+            handle = self.submit_chat(with_user(pane.messages, message.text))
         except SpecchatError as exc:
             self.notify(str(exc), severity="error")
             return

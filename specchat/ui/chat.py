@@ -49,6 +49,15 @@ def visible(text: str) -> str:
     )
 
 
+def with_user(messages: list[dict], text: str) -> list[dict]:
+    """The conversation with the user's `text` as its next turn: joined to a user message that got no answer (one
+    typed while the model loaded, then the app quit or the load failed), so that roles still alternate (a chat
+    template that insists, as Mistral's and Gemma's do, otherwise refused every later message of that chat)."""
+    if messages and messages[-1]["role"] == "user":
+        return [*messages[:-1], {"role": "user", "content": f"{messages[-1]['content']}\n\n{text}"}]
+    return [*messages, {"role": "user", "content": text}]
+
+
 class PromptInput(TextArea):
     """Multi-line prompt: Enter sends, Ctrl+J (or Shift+Enter) starts a new line, Up/Down at the edges walk history."""
 
@@ -249,7 +258,10 @@ class ChatPane(Vertical):
                 if self.messages and self.messages[-1]["role"] == "user":
                     self.messages.pop()  # an answer that ended in an error leaves the conversation with its question
                 continue
-            self.messages.append({"role": m.role, "content": m.content})
+            if m.role == "user":
+                self.messages = with_user(self.messages, m.content)
+            else:
+                self.messages.append({"role": m.role, "content": m.content})
         await self.query_one(".transcript", VerticalScroll).mount_all(views)
         for view, m in zip(views, [m for m in stored if m.role != "system"], strict=True):
             if m.meta and m.meta.get("footer"):
@@ -263,7 +275,7 @@ class ChatPane(Vertical):
             for m in self.messages:  # the system message
                 self.store.add_message(self.conversation_id, m["role"], m["content"])
         view = MessageView("user", text, self.store.add_message(self.conversation_id, "user", text))
-        self.messages.append({"role": "user", "content": text})
+        self.messages = with_user(self.messages, text)
         await self.query(".welcome").remove()
         await self.query_one(".transcript", VerticalScroll).mount(view)
         return view
@@ -278,7 +290,7 @@ class ChatPane(Vertical):
             return
         joined = f"{self.waiting.content}\n\n{text}"
         self.waiting.show_text(joined)
-        self.messages[-1]["content"] = joined
+        self.messages = with_user(self.messages, text)
         self.store.update_message(self.waiting.db_id, joined)
 
     def waiting_sent(self, error: str | None = None) -> None:

@@ -3,6 +3,8 @@ store or model. Each ends in one clear message in the UI and a chat that goes on
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from textual import events
 from textual.widgets import Markdown
@@ -10,7 +12,7 @@ from textual.widgets import Markdown
 from specchat.config import EngineConfig
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
-from specchat.errors import SpecchatError
+from specchat.errors import PromptError, SpecchatError
 from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import MessageView
 from specchat.ui.screens import HistoryScreen
@@ -167,3 +169,38 @@ def test_a_chat_folder_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "home").write_text("a file, not a folder")
     with pytest.raises(SpecchatError, match=r"cannot make the folder of the chat database \(Not a directory\)"):
         ChatStore(tmp_path / "home" / "specchat" / "chats.sqlite3")
+
+
+class AlternatingEngine(FakeEngine):
+    """A fake engine whose chat template insists that roles alternate, as Mistral's and Gemma's do."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.submitted: list[list[dict]] = []
+
+    def submit(self, messages, sampling=None, spec=None, *, listen_only: bool = False):
+        roles = [m["role"] for m in messages if m["role"] != "system"]
+        if any(a == b for a, b in itertools.pairwise(roles)):
+            raise PromptError("the chat template rejected these messages: Conversation roles must alternate")
+        self.submitted.append(messages)
+        return super().submit(messages, sampling, spec, listen_only=listen_only)
+
+
+async def test_a_reopened_chat_whose_last_message_got_no_answer_goes_on(make_app, store):
+    """A message typed while the model loaded is stored at once; if the app quit (or the load failed) before it was
+    answered, the reopened chat ended in that user message and the next one made two in a row: a template that
+    insists on alternating roles refused it, and every later message of that chat, for good."""
+    conversation = store.new_conversation("typed while loading", "m")
+    store.add_message(conversation, "user", "typed while loading")
+    engine = AlternatingEngine(total_tokens=4)
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.open_conversation(conversation)
+        pane = app.chat
+        await send(pilot, app, "are you there?")
+        await wait_for(pilot, lambda: len(engine.submitted) == 1 and not pane.busy, timeout=10, what="the answer")
+        assert engine.submitted[0] == [{"role": "user", "content": "typed while loading\n\nare you there?"}]
+        assert [m["role"] for m in pane.messages] == ["user", "assistant"]
+        await send(pilot, app, "and again")
+        await wait_for(pilot, lambda: len(engine.submitted) == 2 and not pane.busy, timeout=10, what="the next answer")
+    assert [m.content for m in store.messages(conversation)][:2] == ["typed while loading", "are you there?"]
