@@ -208,7 +208,8 @@ def check_all_succeeded(items: list[PromptItem], results: list[Finished], prompt
 @click.option(
     "--stats/--no-stats",
     default=None,
-    help="a timing line on stderr after each streamed answer (default: when stderr is a terminal)",
+    help="a timing line on stderr after each streamed answer (default: when stderr is a terminal; with --json "
+    'each record carries the figures under "stats" instead)',
 )
 def generate(
     model,
