@@ -27,7 +27,6 @@ from specchat.ui.store_writer import StoreWriter, Write, journals
 READ_WAIT_S = 1.0  # longest a read waits for earlier writes (they wait while another process holds the lock)
 ID_RANDOM_BITS = 8  # low bits of a row id: two processes making a row in the same microsecond still differ
 SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26  # primary result codes of a file that is not a (whole) database
-SQLITE_TRANSIENT = {5, 6, 10}  # busy, locked, I/O error: a read that fails now may work later
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -219,14 +218,24 @@ class ChatStore:
     # --- reads: after the writes made before them ---------------------------------------------------------------
     def rows(self, query: str, params: tuple) -> list[tuple]:
         """A query's rows once earlier writes are in (waiting at most READ_WAIT_S); none, with a note, if the
-        database cannot be read now."""
+        database cannot be read now (locked, an I/O error) or no longer (damaged since the start: it raised
+        sqlite3.DatabaseError, and the app ended with a traceback)."""
         self.writer.flush(READ_WAIT_S)
         try:
             return self.db.execute(query, params).fetchall()
-        except sqlite3.OperationalError as exc:
-            if (exc.sqlite_errorcode or 0) & 0xFF not in SQLITE_TRANSIENT:
-                raise
-            self.notes.append(f"{self.path.name}: cannot read saved conversations now ({exc})")
+        except sqlite3.ProgrammingError:  # our own mistake (a closed store, bad SQL), not the file's
+            raise
+        except sqlite3.DatabaseError as exc:
+            if _broken(exc):
+                note = (
+                    f"{self.path.name} is damaged ({exc}): saved conversations cannot be read; the chat goes on, "
+                    "its changes are kept (at exit in an unsaved-writes file) and the next start moves the damaged "
+                    "file aside and saves them in a new one"
+                )
+            else:
+                note = f"{self.path.name}: cannot read saved conversations now ({exc})"
+            if note not in self.notes:  # one note for the reads of one action (the history reads twice)
+                self.notes.append(note)
             return []
 
     def conversations(self, limit: int = 200) -> list[Conversation]:

@@ -9,15 +9,16 @@ import pytest
 from textual import events
 from textual.widgets import Markdown
 
-from specchat.config import EngineConfig
+from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
 from specchat.errors import PromptError, SpecchatError
+from specchat.ui import store_writer
 from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import MessageView
 from specchat.ui.screens import HistoryScreen
 from specchat.ui.store import ChatStore
-from specchat.ui.store_writer import Write
+from specchat.ui.store_writer import Write, journals
 from tests.ui.conftest import SIZE, press_now, send, wait_for
 from tests.ui.fake_engine import FakeEngine
 
@@ -204,3 +205,40 @@ async def test_a_reopened_chat_whose_last_message_got_no_answer_goes_on(make_app
         await send(pilot, app, "and again")
         await wait_for(pilot, lambda: len(engine.submitted) == 2 and not pane.busy, timeout=10, what="the next answer")
     assert [m.content for m in store.messages(conversation)][:2] == ["typed while loading", "are you there?"]
+
+
+async def test_a_database_damaged_while_the_app_runs_is_one_message(tmp_path, monkeypatch):
+    """The chat database overwritten after the start: Ctrl+R (and opening a chat) ended the app with a traceback of
+    sqlite3.DatabaseError. Now the history opens empty, a notification names the damage, the chat goes on, and what
+    is typed after it is kept for the next start."""
+    monkeypatch.setattr(store_writer, "CLOSE_WAIT_S", 0.3)
+    path = tmp_path / "chats.sqlite3"
+    store = ChatStore(path)
+    conversations = [store.new_conversation(f"chat {n}", "m") for n in range(30)]
+    for conversation in conversations:
+        store.add_message(conversation, "user", "words " * 200)
+    store.close()  # in the main file, not the WAL
+    store = ChatStore(path)
+    app = SpecchatApp(
+        engine=FakeEngine(total_tokens=4),
+        sampling=SamplingParams(max_tokens=8),
+        spec=SpecParams(drafter="none", k=4),
+        store=store,
+        transcript_dir=tmp_path,
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        path.write_text("overwritten by another program\n" * 1000)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen), timeout=5, what="the history")
+        await wait_for(pilot, lambda: app._notifications, timeout=5, what="the note")
+        [note] = [n.message for n in app._notifications]
+        assert note.startswith("chats.sqlite3 is damaged (database disk image is malformed)")
+        await pilot.press("escape")
+        await app.open_conversation(conversations[0])
+        pane = app.chat
+        await send(pilot, app, "typed after the damage")
+        await wait_for(pilot, lambda: len(pane.messages) == 2, timeout=10, what="the answer")
+        assert app.is_running
+    store.close()
+    [journal] = journals(path)
+    assert "typed after the damage" in journal.read_text()

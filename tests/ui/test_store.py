@@ -255,3 +255,24 @@ def test_a_write_refused_for_good_is_dropped_alone_with_a_note(path):
     assert contents(store, kept) == ["before", "after"]
     assert any("could not be saved and is dropped" in n for n in store.take_notes())
     store.close()
+
+
+# --- a file damaged while the app runs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", [BROKEN["text"], BROKEN["truncated to half"]], ids=["text", "truncated to half"])
+def test_a_file_damaged_while_open_is_a_note_and_its_writes_are_kept(path, monkeypatch, damage):
+    """A database overwritten or cut short after the start made every read raise sqlite3.DatabaseError ("database
+    disk image is malformed"): the history, a chat being opened, ended the app with a traceback."""
+    monkeypatch.setattr(store_writer, "CLOSE_WAIT_S", 0.3)
+    store = ChatStore(path)
+    cid = next(iter(fill(store, conversations=30)))
+    store.close()  # the messages in the main file, not the WAL: reads go to the damaged pages
+    store = ChatStore(path)
+    damage(path)
+    assert store.conversations() == [] and store.messages(cid) == [] and store.conversation(cid) is None
+    assert store.recent_prompts() == [] and store.search("message") == []
+    [note] = store.take_notes()  # one, however many reads failed
+    assert note.startswith("chats.sqlite3 is damaged (database disk image is malformed)")
+    store.add_message(cid, "user", "typed after the damage")
+    store.close()
+    [journal] = journals(path)  # kept for the next start, which moves the damaged file aside
+    assert "typed after the damage" in journal.read_text()
