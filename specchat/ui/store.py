@@ -119,19 +119,33 @@ def _broken(exc: Exception) -> bool:
     return code in (SQLITE_CORRUPT, SQLITE_NOTADB)
 
 
-def move_aside(path: Path) -> Path:
-    """Rename a broken database (and its -wal / -shm files) to `<name>.broken-<time>`; the new name."""
+def move_aside(path: Path, reason: str) -> Path:
+    """Rename a broken database (and its -wal / -shm files) to `<name>.broken-<time>`; the new name. One that cannot
+    be moved (a read-only folder) is a SpecchatError naming it and `reason` (it was an OSError's traceback); so is a
+    -wal left behind, which a new database of that name would take for its own."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = path.with_name(f"{path.name}.broken-{stamp}")
     n = 1
     while aside.exists():
         n += 1
         aside = path.with_name(f"{path.name}.broken-{stamp}-{n}")
-    path.rename(aside)
+    try:
+        path.rename(aside)
+    except OSError as exc:
+        raise SpecchatError(
+            f"{path}: not a readable chat database ({reason}), and cannot move it aside ({exc.strerror or exc}); "
+            "move it away to start a new one"
+        ) from None
     for suffix in ("-wal", "-shm"):
         side = path.with_name(path.name + suffix)
-        if side.exists():
-            side.rename(aside.with_name(aside.name + suffix))
+        try:
+            if side.exists():
+                side.rename(aside.with_name(aside.name + suffix))
+        except OSError as exc:
+            raise SpecchatError(
+                f"{path}: not a readable chat database ({reason}); moved to {aside.name}, but cannot move {side.name} "
+                f"aside ({exc.strerror or exc}); move it beside {aside.name} to start a new one"
+            ) from None
     return aside
 
 
@@ -143,9 +157,14 @@ def open_database(path: Path) -> tuple[sqlite3.Connection, str | None]:
         if not _broken(exc):
             raise SpecchatError(f"{path}: cannot open the chat database ({exc})") from None
         reason = str(exc)
-    aside = move_aside(path)
-    note = f"{path} was not a readable chat database ({reason}): moved to {aside.name}; a new one is started"
-    return _connect(path), note
+    aside = move_aside(path, reason)
+    try:
+        db = _connect(path)
+    except (sqlite3.DatabaseError, NotAChatDatabase) as exc:
+        raise SpecchatError(
+            f"{path}: not a readable chat database ({reason}); moved to {aside.name}, but cannot start a new one ({exc})"
+        ) from None
+    return db, f"{path} was not a readable chat database ({reason}): moved to {aside.name}; a new one is started"
 
 
 class ChatStore:

@@ -4,6 +4,8 @@ store or model. Each ends in one clear message in the UI and a chat that goes on
 from __future__ import annotations
 
 import itertools
+import sqlite3
+from pathlib import Path
 
 import pytest
 from textual import events
@@ -13,6 +15,7 @@ from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
 from specchat.errors import PromptError, SpecchatError
+from specchat.ui import store as store_module
 from specchat.ui import store_writer
 from specchat.ui.app import SpecchatApp
 from specchat.ui.chat import MessageView
@@ -242,3 +245,49 @@ async def test_a_database_damaged_while_the_app_runs_is_one_message(tmp_path, mo
     store.close()
     [journal] = journals(path)
     assert "typed after the damage" in journal.read_text()
+
+
+@pytest.mark.parametrize("fails", ["the file", "its WAL", "the new file"])
+def test_a_broken_database_that_cannot_be_moved_aside_is_one_line(tmp_path, monkeypatch, fails):
+    """A broken database in a folder where it cannot be renamed (read-only) ended `specchat run` with an OSError's
+    traceback; so did a new database that could not be made after the move. Now one line names the file and the
+    reason, and the broken file stays as it was (never deleted, never opened beside a stale WAL)."""
+    path = tmp_path / "chats.sqlite3"
+    path.write_text("these are my notes, not a database\n" * 100)
+    path.with_name("chats.sqlite3-wal").write_bytes(b"")
+    rename = Path.rename
+
+    def refuse(self: Path, target: Path) -> Path:
+        if fails == "the file" or (fails == "its WAL" and self.name.endswith("-wal")):
+            raise PermissionError(13, "Permission denied", str(self))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse)
+    if fails == "the new file":
+        monkeypatch.setattr(store_module, "_connect", failing_after_move(store_module._connect))
+    with pytest.raises(SpecchatError) as raised:
+        ChatStore(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: not a readable chat database (file is not a database)")
+    assert "\n" not in message and "Traceback" not in message
+    if fails == "the file":
+        assert message.endswith("cannot move it aside (Permission denied); move it away to start a new one")
+        assert path.read_text().startswith("these are my notes")
+    elif fails == "its WAL":
+        assert "cannot move chats.sqlite3-wal aside (Permission denied)" in message
+        [aside] = tmp_path.glob("chats.sqlite3.broken-*")
+        assert aside.read_text().startswith("these are my notes") and not path.exists()
+    else:
+        assert "moved to chats.sqlite3.broken-" in message and "cannot start a new one (disk I/O error)" in message
+
+
+def failing_after_move(connect):
+    calls = []
+
+    def fail(path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise sqlite3.OperationalError("disk I/O error")
+        return connect(path)
+
+    return fail
