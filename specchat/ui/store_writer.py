@@ -6,7 +6,8 @@ is locked"), or the disk is full, the writes wait in memory and are tried again 
 the UI gets a note, and another once they are saved. A write the database refuses for good (a constraint: a
 message of a conversation deleted meanwhile) is dropped with a note. At close the thread has CLOSE_WAIT_S to
 finish; what it could not write goes to a journal beside the database (JSON lines naming a kind of write and its
-values, never SQL), which the next start queues before anything else.
+values, never SQL), which the next start queues before anything else. A journal that cannot be read stays, with a
+note; its lines that are not writes are skipped.
 """
 
 from __future__ import annotations
@@ -59,16 +60,20 @@ class Write:
 
     @staticmethod
     def from_json(line: str) -> Write | None:
-        """The write a journal line holds; None for a line that is not one (a journal cut short)."""
+        """The write a journal line holds; None for a line that is not one (a journal cut short, a kind that is not
+        a string, which raised TypeError at the start, values SQLite cannot take, which held up every write)."""
         try:
             data = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON; nested too deep
             return None
-        if not isinstance(data, dict) or data.get("kind") not in WRITES or not isinstance(data.get("args"), list):
+        if not isinstance(data, dict) or not isinstance(data.get("kind"), str) or data["kind"] not in WRITES:
             return None
-        if len(data["args"]) != WRITES[data["kind"]].count("?"):
+        args = data.get("args")
+        if not isinstance(args, list) or len(args) != WRITES[data["kind"]].count("?"):
             return None
-        return Write(data["kind"], tuple(data["args"]))
+        if not all(arg is None or isinstance(arg, int | float | str) for arg in args):
+            return None
+        return Write(data["kind"], tuple(args))
 
 
 def coalesce(writes: list[Write]) -> list[Write]:
@@ -107,8 +112,13 @@ class StoreWriter:
             self.cond.notify_all()
 
     def replay(self, journal: Path) -> None:
-        """Queue a journal's writes; the file goes once they are written."""
-        lines = journal.read_text(encoding="utf-8", errors="replace").splitlines()
+        """Queue a journal's writes; the file goes once they are written. One that cannot be read (it raised OSError
+        at the start) stays where it is, with a note."""
+        try:
+            lines = journal.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as exc:
+            self._note(f"cannot read {journal.name} ({exc.strerror or exc}): its changes are not applied; it stays")
+            return
         for write in filter(None, map(Write.from_json, lines)):
             self.put(write)
         with self.cond:
@@ -206,10 +216,20 @@ class StoreWriter:
             done_with = [journal for last, journal in self.forget if last <= taken]
             self.forget = [(last, journal) for last, journal in self.forget if last > taken]
         for journal in done_with:
-            journal.unlink(missing_ok=True)
+            self._forget(journal)
         with self.cond:
             self.done = taken
             self.cond.notify_all()
+
+    def _forget(self, journal: Path) -> None:
+        """A replayed journal's writes are in: delete it. A file that cannot be removed (it raised OSError in this
+        thread, which then ended: nothing more was saved) stays, with a note."""
+        try:
+            journal.unlink(missing_ok=True)
+        except OSError as exc:
+            self._note(
+                f"{journal.name} cannot be removed ({exc.strerror or exc}): it stays, and the next start applies it again"
+            )
 
     def _waiting_note(self, exc: sqlite3.Error) -> str:
         count = len(self.pending)

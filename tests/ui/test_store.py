@@ -276,3 +276,66 @@ def test_a_file_damaged_while_open_is_a_note_and_its_writes_are_kept(path, monke
     store.close()
     [journal] = journals(path)  # kept for the next start, which moves the damaged file aside
     assert "typed after the damage" in journal.read_text()
+
+
+# --- an unsaved-writes file that cannot be read, or holds what is not a write ------------------------------------------
+def journal_of(path: Path, lines: list[str]) -> Path:
+    journal = path.with_name(f"{path.name}.unsaved-20261201-000000-1.jsonl")
+    journal.write_text("\n".join(lines) + "\n")
+    return journal
+
+
+def test_a_journal_that_cannot_be_read_is_a_note_and_stays(path):
+    """A journal the start could not read ended `specchat run` with an OSError's traceback."""
+    journal = path.with_name(f"{path.name}.unsaved-20261201-000000-1.jsonl")
+    journal.mkdir()  # what read_text() cannot read, even as root
+    store = ChatStore(path)
+    [note] = store.take_notes()
+    assert note.startswith(f"cannot read {journal.name} (Is a directory): its changes are not applied")
+    cid = store.new_conversation("goes on", "m")
+    assert store.flush(2) and store.conversation(cid).title == "goes on"
+    store.close()
+    assert journals(path) == [journal]  # left for the user (and the next start)
+
+
+def test_a_malformed_journal_never_stops_the_start_or_the_writes(path):
+    """A journal line whose kind was not a string (a list) ended the start with a TypeError's traceback; one whose
+    values were not SQL values (a list) made every write of the session wait for good, noted as "cannot be written"
+    and never saved."""
+    store = ChatStore(path)
+    cid = store.new_conversation("chat", "tiny")
+    store.close()
+    lines = [
+        Write("message", (10, cid, "user", "kept", None, 0.0)).to_json(),
+        '{"kind": ["message"], "args": []}',
+        '{"kind": "rename", "args": [["a", "list"], 1]}',
+        "[" * 100_000,  # too deep for json
+        Write("message", (11, cid, "assistant", "also kept", None, 0.0)).to_json(),
+    ]
+    journal_of(path, lines)
+    store = ChatStore(path)
+    assert contents(store, cid) == ["kept", "also kept"]
+    store.add_message(cid, "user", "after")
+    assert store.flush(2) and contents(store, cid) == ["kept", "also kept", "after"]
+    assert journals(path) == []
+    store.close()
+
+
+def test_a_journal_that_cannot_be_removed_never_stops_the_writes(path, monkeypatch):
+    """Removing a replayed journal raised OSError in the writer's thread, which ended: nothing more was saved."""
+    store = ChatStore(path)
+    cid = store.new_conversation("chat", "tiny")
+    store.close()
+    journal = journal_of(path, [Write("message", (10, cid, "user", "replayed", None, 0.0)).to_json()])
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    store = ChatStore(path)
+    store.add_message(cid, "user", "after")
+    assert store.flush(2) and contents(store, cid) == ["replayed", "after"]
+    assert store.take_notes() == [
+        f"{journal.name} cannot be removed (Permission denied): it stays, and the next start applies it again"
+    ]
+    store.close()
