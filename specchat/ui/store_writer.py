@@ -7,7 +7,8 @@ the UI gets a note, and another once they are saved. A write the database refuse
 message of a conversation deleted meanwhile) is dropped with a note. At close the thread has CLOSE_WAIT_S to
 finish; what it could not write goes to a journal beside the database (JSON lines naming a kind of write and its
 values, never SQL), which the next start queues before anything else. A journal that cannot be read stays, with a
-note; its lines that are not writes are skipped.
+note; one with lines that are not writes, or writes the database refuses, is kept as `<name>.not-saved-<time>`
+once the rest is in, with a note, rather than deleted.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 RETRY_S = 0.25  # between two tries of writes the database refused for now
@@ -54,12 +55,13 @@ class Write:
 
     kind: str
     args: tuple
+    source: Path | None = field(default=None, compare=False)  # the journal it was replayed from
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "args": list(self.args)})
 
     @staticmethod
-    def from_json(line: str) -> Write | None:
+    def from_json(line: str, source: Path | None = None) -> Write | None:
         """The write a journal line holds; None for a line that is not one (a journal cut short, a kind that is not
         a string, which raised TypeError at the start, values SQLite cannot take, which held up every write)."""
         try:
@@ -73,7 +75,7 @@ class Write:
             return None
         if not all(arg is None or isinstance(arg, int | float | str) for arg in args):
             return None
-        return Write(data["kind"], tuple(args))
+        return Write(data["kind"], tuple(args), source)
 
 
 def coalesce(writes: list[Write]) -> list[Write]:
@@ -99,6 +101,8 @@ class StoreWriter:
         self.done = 0  # of those, the ones written (or dropped for good), counted in queue order
         self.pending: list[Write] = []  # taken from the queue by the thread, not written yet
         self.forget: list[tuple[int, Path]] = []  # journals to delete once `done` reaches their last write
+        self.skipped: Counter[Path] = Counter()  # of each journal: lines that are not writes
+        self.refused: Counter[Path] = Counter()  # of each journal: writes the database refused for good
         self.closing = False
         self.deadline = float("inf")
         self.journal: Path | None = None  # where close() put what it could not write
@@ -112,15 +116,19 @@ class StoreWriter:
             self.cond.notify_all()
 
     def replay(self, journal: Path) -> None:
-        """Queue a journal's writes; the file goes once they are written. One that cannot be read (it raised OSError
-        at the start) stays where it is, with a note."""
+        """Queue a journal's writes; the file goes once they are written (kept aside if some could not be). One that
+        cannot be read (it raised OSError at the start) stays where it is, with a note."""
         try:
             lines = journal.read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError as exc:
             self._note(f"cannot read {journal.name} ({exc.strerror or exc}): its changes are not applied; it stays")
             return
-        for write in filter(None, map(Write.from_json, lines)):
-            self.put(write)
+        for line in filter(str.strip, lines):
+            write = Write.from_json(line, journal)
+            if write is None:
+                self.skipped[journal] += 1
+            else:
+                self.put(write)
         with self.cond:
             self.forget.append((self.queued, journal))
 
@@ -196,6 +204,8 @@ class StoreWriter:
                     self._transaction(db, [write])
                 except REFUSED as exc:
                     log.warning("dropped %s: %s", write, exc)
+                    if write.source is not None:
+                        self.refused[write.source] += 1
                     self._note(f"{self.path.name}: one change could not be saved and is dropped ({exc})")
 
     @staticmethod
@@ -222,14 +232,31 @@ class StoreWriter:
             self.cond.notify_all()
 
     def _forget(self, journal: Path) -> None:
-        """A replayed journal's writes are in: delete it. A file that cannot be removed (it raised OSError in this
-        thread, which then ended: nothing more was saved) stays, with a note."""
+        """A replayed journal's writes are in: delete it, or keep it aside if some of it could not be saved (lines
+        that are not writes, writes the database refused: deleted, they were lost). A file that cannot be removed (it
+        raised OSError in this thread, which then ended: nothing more was saved) stays, with a note."""
+        skipped, refused = self.skipped.pop(journal, 0), self.refused.pop(journal, 0)
         try:
-            journal.unlink(missing_ok=True)
+            if not skipped and not refused:
+                journal.unlink(missing_ok=True)
+                return
+            kept = journal.with_name(f"{journal.name}.not-saved-{time.strftime('%Y%m%d-%H%M%S')}")
+            journal.rename(kept)
         except OSError as exc:
             self._note(
                 f"{journal.name} cannot be removed ({exc.strerror or exc}): it stays, and the next start applies it again"
             )
+            return
+        why = []
+        if skipped:
+            why.append(
+                f"{skipped} lines are not changes and are skipped"
+                if skipped > 1
+                else "1 line is not a change and is skipped"
+            )
+        if refused:
+            why.append(f"{refused} changes could not be saved" if refused > 1 else "1 change could not be saved")
+        self._note(f"{journal.name}: {', '.join(why)}; the file is kept as {kept.name}")
 
     def _waiting_note(self, exc: sqlite3.Error) -> str:
         count = len(self.pending)

@@ -301,7 +301,8 @@ def test_a_journal_that_cannot_be_read_is_a_note_and_stays(path):
 def test_a_malformed_journal_never_stops_the_start_or_the_writes(path):
     """A journal line whose kind was not a string (a list) ended the start with a TypeError's traceback; one whose
     values were not SQL values (a list) made every write of the session wait for good, noted as "cannot be written"
-    and never saved."""
+    and never saved. Lines that are not writes were skipped silently and the journal deleted with them: now it is
+    kept aside, with a note."""
     store = ChatStore(path)
     cid = store.new_conversation("chat", "tiny")
     store.close()
@@ -312,12 +313,32 @@ def test_a_malformed_journal_never_stops_the_start_or_the_writes(path):
         "[" * 100_000,  # too deep for json
         Write("message", (11, cid, "assistant", "also kept", None, 0.0)).to_json(),
     ]
-    journal_of(path, lines)
+    journal = journal_of(path, lines)
     store = ChatStore(path)
     assert contents(store, cid) == ["kept", "also kept"]
     store.add_message(cid, "user", "after")
     assert store.flush(2) and contents(store, cid) == ["kept", "also kept", "after"]
     assert journals(path) == []
+    [kept] = path.parent.glob(f"{journal.name}.not-saved-*")
+    assert kept.read_text().splitlines() == lines
+    [note] = store.take_notes()
+    assert note == f"{journal.name}: 3 lines are not changes and are skipped; the file is kept as {kept.name}"
+    store.close()
+
+
+def test_a_journal_whose_changes_the_database_refuses_is_kept(path):
+    """The writes kept while the database was damaged continue chats of that file; the next start moves it aside,
+    and the new database refused them (their conversation is not in it): dropped, and the journal deleted, so those
+    messages were lost. Now the journal is kept aside, with a note."""
+    lines = [Write("message", (10, 12345, "user", "a message of a chat in the damaged file", None, 0.0)).to_json()]
+    journal = journal_of(path, lines)
+    store = ChatStore(path)
+    assert store.flush(2)
+    assert journals(path) == []
+    [kept] = path.parent.glob(f"{journal.name}.not-saved-*")
+    assert kept.read_text().splitlines() == lines
+    notes = store.take_notes()
+    assert f"{journal.name}: 1 change could not be saved; the file is kept as {kept.name}" in notes
     store.close()
 
 
@@ -339,3 +360,27 @@ def test_a_journal_that_cannot_be_removed_never_stops_the_writes(path, monkeypat
         f"{journal.name} cannot be removed (Permission denied): it stays, and the next start applies it again"
     ]
     store.close()
+
+
+def test_what_was_typed_on_a_damaged_file_survives_the_next_start(path, monkeypatch):
+    """The whole way of a file damaged while open: the next start moves it aside and applies the kept writes; a new
+    chat's are saved, and a message of a chat that is only in the damaged file stays in the kept journal."""
+    monkeypatch.setattr(store_writer, "CLOSE_WAIT_S", 0.3)
+    store = ChatStore(path)
+    old = next(iter(fill(store, conversations=30)))
+    store.close()
+    store = ChatStore(path)
+    BROKEN["text"](path)
+    store.add_message(old, "user", "to an old chat")
+    new = store.new_conversation("new chat", "m")
+    store.add_message(new, "user", "to a new chat")
+    store.close()
+    [journal] = journals(path)
+    again = ChatStore(path)
+    assert again.flush(2) and contents(again, new) == ["to a new chat"]
+    [aside] = path.parent.glob("chats.sqlite3.broken-*")
+    [kept] = path.parent.glob(f"{journal.name}.not-saved-*")
+    assert "to an old chat" in kept.read_text()
+    notes = again.take_notes()
+    assert f"moved to {aside.name}" in notes[0] and f"the file is kept as {kept.name}" in notes[-1]
+    again.close()
