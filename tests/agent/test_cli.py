@@ -224,6 +224,9 @@ def test_a_second_ctrl_c_while_the_runs_wind_down_ends_the_process(tmp_path, mon
     engines = iter([ScriptedCliEngine([HANG]), ScriptedCliEngine(["<final>1</final>"])])  # hangs until Ctrl-C; answers
     monkeypatch.setattr("specchat.engine.engine.Engine.load", lambda *args, **kwargs: next(engines))
     monkeypatch.setattr(sys, "stdout", io.StringIO())
+    # Python's handler, as at a terminal: a process started in the background by a non-interactive shell (`cmd &`)
+    # inherits SIGINT ignored, and the run then hung until its max_wall_s ended it
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
     try:
         timer.start()
@@ -233,5 +236,8 @@ def test_a_second_ctrl_c_while_the_runs_wind_down_ends_the_process(tmp_path, mon
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    run_headless(load_script(script), EngineConfig(model=str(tmp_path)), None, True)  # no Ctrl-C: as it was
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        run_headless(load_script(script), EngineConfig(model=str(tmp_path)), None, True)  # no Ctrl-C: as it was
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
