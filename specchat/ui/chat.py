@@ -18,7 +18,7 @@ from textual.widgets.markdown import MarkdownStream
 
 from specchat.engine.sequence import Finished
 from specchat.ui.pacing import StreamPacer
-from specchat.ui.store import ChatStore
+from specchat.ui.store import ChatStore, storable
 
 NOT_SENT = "not sent"  # the stored reason of a message typed while the model loaded that it could not take
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
@@ -36,7 +36,7 @@ def clean_text(text: str) -> str:
     lone surrogate as U+FFFD (neither UTF-8 nor SQLite takes one), CR LF and CR as line ends, escape sequences and
     other control characters dropped (written to the screen they recoloured it, retitled the window or, cut short,
     swallowed what came after)."""
-    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    text = storable(text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     return CONTROL.sub("", ANSI_SEQUENCE.sub("", text))
 
