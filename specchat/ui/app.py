@@ -50,6 +50,7 @@ from specchat.ui.welcome import WELCOME_KEYS, welcome_text
 W = TypeVar("W", bound=Widget)
 NARROW_WIDTH = 72  # columns from which the live panels are shown beside the chat
 PANEL_REFRESH_S = 0.25  # the engine's snapshot is read, and the panels repainted, this often
+STOPPED_WAITING = "stopped (Esc) before the model was ready"  # a waiting message's footer after Esc: "not sent: ..."
 
 
 class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App[Exception | None]):
@@ -319,16 +320,22 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
             try:
                 handle = self.submit_chat(pane.messages)
             except SpecchatError as exc:
-                text = pane.waiting.content
-                pane.waiting_sent(str(exc))
+                self.hold_back_waiting(pane, str(exc))
                 self.notify(str(exc), severity="error")
-                if not pane.prompt_input.text:  # back in the box, to shorten or fix
-                    pane.prompt_input.load_text(text)
                 continue
             self.requests[handle.request_id] = pane
             pane.request_id = handle.request_id
             pane.waiting_sent()
             await pane.begin_reply(handle.request_id)
+
+    @staticmethod
+    def hold_back_waiting(pane: ChatPane, why: str) -> None:
+        """The chat's waiting message is not sent (`why`): it stays on screen and in the store, marked "not sent", and
+        goes back into the prompt box if that is empty, to fix or send again."""
+        text = pane.waiting.content
+        pane.waiting_sent(why)
+        if not pane.prompt_input.text:
+            pane.prompt_input.load_text(text)
 
     def show_title(self, pane: ChatPane) -> None:
         """The chat's tab shows its title (its first message)."""
@@ -397,12 +404,15 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
             self.main.set_focus(prompt)
 
     def action_cancel(self) -> None:
-        """Stop the active chat's answer (the text so far is kept), or the runs of the active agent tab."""
+        """Stop the active chat's answer (the text so far is kept), or its message waiting for the model (it was sent
+        all the same once the model had loaded), or the runs of the active agent tab."""
         pane = self.chat
         if pane is None:
             self.stop_agent_tab()
         elif pane.busy and self.engine is not None:
             self.engine.cancel(pane.request_id)
+        elif pane.waiting is not None and self.engine is None:
+            self.hold_back_waiting(pane, STOPPED_WAITING)
 
     def action_system_prompt(self) -> None:
         """Edit the system prompt that new chats start with."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specchat.config import EngineConfig, SamplingParams, SpecParams
 from specchat.errors import ModelNotFoundError
-from specchat.ui.app import SpecchatApp
+from specchat.ui.app import STOPPED_WAITING, SpecchatApp
 from specchat.ui.chat import WAITING, MessageView
 from specchat.ui.loading import LoadingNotice
 from specchat.ui.screens import ModelScreen
@@ -106,6 +106,31 @@ async def test_a_waiting_message_the_model_cannot_take_goes_back_to_the_prompt(t
         await pilot.pause()
         (view,) = again.chat.query(MessageView)
         assert footer(view).startswith("not sent: ") and again.chat.messages == []
+
+
+async def test_escape_holds_back_a_message_waiting_for_the_model(tiny_engine, store, tmp_path):
+    """Esc on a message typed while the model loads: it is not sent once the model is ready (it was, whatever the
+    user pressed), stays in the chat and the store marked "not sent", and is back in the prompt box."""
+    loader = SlowLoader(tiny_engine)
+    app = slow_app(loader, store, tmp_path)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            pane = app.chat
+            await type_prompt(pilot, "never mind")
+            await wait_for(pilot, lambda: pane.waiting is not None, what="the message to wait")
+            await pilot.press("escape")
+            assert pane.waiting is None and pane.messages == []
+            (view,) = pane.query(MessageView)
+            assert footer(view) == f"not sent: {STOPPED_WAITING}"
+            assert pane.prompt_input.text == "never mind"
+            loader.release.set()
+            await wait_for(pilot, lambda: app.engine is not None, what="the model")
+            await pilot.pause()
+            assert not pane.busy and not app.requests and pane.messages == []
+    finally:
+        loader.release.set()
+    (stored,) = store.messages(pane.conversation_id)
+    assert stored.content == "never mind" and stored.meta["footer"] == f"not sent: {STOPPED_WAITING}"
 
 
 async def test_a_failed_load_ends_the_app_with_its_error(store, tmp_path):
