@@ -76,6 +76,10 @@ class ChatSettings:
 class LiveSettings:
     """The settings half of SpecchatApp (a mixin: it uses the app's engine, bridge, metrics and widgets)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.switching: dict[str, str] = {}  # drafter / weights / kv changes on their way: name -> value
+
     def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
         """A control was used: apply it, and give the keyboard back to the chat (Enter must not press the button
         again, and the next message typed must land in the prompt)."""
@@ -136,6 +140,11 @@ class LiveSettings:
                 self.notify(f"{name}: the model is still loading; change it once it is ready", severity="warning")
                 controls.show(name, getattr(self.settings, name) or "")
                 return
+            if name in self.switching:  # a second F3 while the first switch runs asked for the same format again
+                self.notify(f"{name}: still switching to {self.switching[name]}; change it again once that is done",
+                            severity="warning")  # fmt: skip
+                return
+            self.switching[name] = value
             controls.set_busy(True)
             self.notify(f"{name} → {value}…", timeout=3)
             self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
@@ -147,10 +156,11 @@ class LiveSettings:
             self.notify(f"weights → mxfp4: {message.what} over {message.total} linears, once for this model", timeout=6)
 
     def on_setting_applied(self, message: SettingApplied) -> None:
+        self.switching.pop(message.name, None)
         controls = self.widget(ControlsPanel)
         if controls is None:
             return
-        controls.set_busy(False)
+        controls.set_busy(bool(self.switching))  # another change still on its way keeps its progress bar
         if message.error is not None:
             self.notify(f"{message.name}: {message.error}", severity="error")
             controls.show(message.name, getattr(self.settings, message.name) or "")

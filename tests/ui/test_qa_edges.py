@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,48 @@ def failing_after_move(connect):
         return connect(path)
 
     return fail
+
+
+class SlowSwitchEngine(FakeEngine):
+    """A weights switch that takes until the test releases it (as a first MXFP4 quantization takes minutes)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+        self.asked: list[str] = []
+
+    def set_weights(self, fmt: str, progress=None) -> None:
+        self.asked.append(fmt)
+        self.release.wait(timeout=30)
+        super().set_weights(fmt, progress)
+
+
+async def test_a_second_switch_while_the_first_runs_is_refused_in_one_note(make_app, store):
+    """F3 twice in quick succession: the setting changed only once applied, so the second press asked for MXFP4
+    again and ran a second switch beside the first, whose end took the progress bar away while the other ran."""
+    from textual.widgets import ProgressBar
+
+    from specchat.ui.controls import ControlsPanel
+
+    engine = SlowSwitchEngine(total_tokens=6)
+    app = make_app(engine)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("f3")
+            await wait_for(pilot, lambda: engine.asked == ["mxfp4"], timeout=10, what="the switch to start")
+            await pilot.press("f4")  # another setting may change meanwhile (the engine's lock orders the two)
+            await pilot.press("f3")
+            await pilot.pause()
+            warnings = [n.message for n in app._notifications if n.severity == "warning"]
+            assert warnings == ["weights: still switching to mxfp4; change it again once that is done"]
+            await wait_for(pilot, lambda: app.settings.kv == "mxfp4", timeout=10, what="the KV switch")
+            assert app.main.query_one(ControlsPanel).query(ProgressBar)  # the weights' switch still runs
+            engine.release.set()
+            await wait_for(pilot, lambda: app.settings.weights == "mxfp4", timeout=10, what="the weights switch")
+            await pilot.pause()
+            assert engine.asked == ["mxfp4"] and not app.switching
+            assert not app.main.query_one(ControlsPanel).query(ProgressBar)
+            await pilot.press("f3")  # once done, F3 toggles back
+            await wait_for(pilot, lambda: app.settings.weights == "bf16", timeout=10, what="the switch back")
+    finally:
+        engine.release.set()
