@@ -41,7 +41,7 @@ def models() -> None:
 @click.argument("name", required=False, callback=check_model_name)
 def pull(name: str | None) -> None:
     """Fetch model NAME (default: smollm2-135m) into the cache ahead of time."""
-    from specchat.engine.loading import load_tokenizer
+    from specchat.engine.tokenizer import load_tokenizer
     from specchat.registry import fetch, resolve
 
     spec = resolve(name)

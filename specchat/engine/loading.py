@@ -28,7 +28,7 @@ from specchat.engine.kv_transform import load_or_calibrate
 from specchat.engine.loader import Progress, build_model, load_checkpoint, one_parse_per_file
 from specchat.engine.model import Transformer
 from specchat.engine.runner import ModelRunner
-from specchat.engine.tokenizer import Tokenizer, gguf_tokenizer
+from specchat.engine.tokenizer import Tokenizer, load_tokenizer
 from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels import cpu_block, cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
@@ -155,14 +155,6 @@ def make_runner(model: Transformer, pool: KVPool, eager: bool) -> ModelRunner:
 
     fuse(model)
     return CudaGraphRunner(model, pool)
-
-
-def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
-    """The tokenizer of an HF directory, or the one converted (once, then cached) from a GGUF file."""
-    folder = tokenizer_dir(spec, model_path)
-    if model_path.is_file():
-        return gguf_tokenizer(model_path, folder)
-    return Tokenizer.from_dir(folder)
 
 
 def load_model(

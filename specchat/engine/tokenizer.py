@@ -26,6 +26,7 @@ from tokenizers import decoders
 
 from specchat.engine.prompt_bound import byte_level_chars
 from specchat.errors import ModelFormatError, PromptError, note_not_saved
+from specchat.registry import ModelSpec, tokenizer_dir
 from specchat.safetensors_io import read_json_object
 
 # End-of-turn markers of common chat templates; those present in a vocabulary stop generation.
@@ -407,3 +408,12 @@ def _replace_folder(new: Path, target: Path) -> None:
     with contextlib.suppress(OSError):  # ENOTEMPTY / EEXIST: another process won
         new.rename(target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:
+    """The tokenizer of an HF directory, or the one converted (once, then cached) from a GGUF file. (Here, not in
+    engine/loading.py, so that `specchat pull` checks a model's tokenizer without importing torch: 1.9 s.)"""
+    folder = tokenizer_dir(spec, model_path)
+    if model_path.is_file():
+        return gguf_tokenizer(model_path, folder)
+    return Tokenizer.from_dir(folder)

@@ -59,3 +59,17 @@ def test_help_and_models_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     lines = out.stdout.splitlines()
     assert len(lines) == len(LIGHT_COMMANDS) and all(line.endswith(" False") for line in lines), out.stdout
+
+
+def test_pull_of_a_model_at_hand_does_not_import_torch(tiny_model_dir):
+    """`specchat pull` of a model already fetched checks its tokenizer and answers in ~0.5 s: it imported torch for
+    that (engine/loading.py), 2.1 s on a 2-core Xeon."""
+    code = (
+        "import sys, contextlib\n"
+        "from specchat.cli import main\n"
+        f"with contextlib.suppress(SystemExit):\n    main(['pull', {str(tiny_model_dir)!r}])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    said = out.stdout.splitlines()[-2:]
+    assert said == [f"{tiny_model_dir.name}: {tiny_model_dir}", "False"], (out.stdout, out.stderr)
