@@ -83,6 +83,19 @@ def storable(text: str) -> str:
     return text
 
 
+def read_meta(text: str | None) -> dict | None:
+    """A message's stored meta (its footer, why it ended), or None where there is none or it does not read as a JSON
+    object (a damaged page's bytes, another program's edit): the message still opens, without its footer, where the
+    chat ended with a JSONDecodeError's traceback."""
+    if not text:
+        return None
+    try:
+        meta = json.loads(text)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def default_path() -> Path:
     """chats.sqlite3 in $SPECCHAT_HOME (else ~/.cache/specchat)."""
     return cache_dir() / "chats.sqlite3"
@@ -270,7 +283,7 @@ class ChatStore:
         rows = self.rows(
             "SELECT id, role, content, meta FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         )
-        return [StoredMessage(i, role, content, json.loads(meta) if meta else None) for i, role, content, meta in rows]
+        return [StoredMessage(i, role, content, read_meta(meta)) for i, role, content, meta in rows]
 
     def recent_prompts(self, limit: int = 500) -> list[str]:
         """The user's latest prompts, oldest first (for input history)."""

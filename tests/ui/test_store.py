@@ -76,6 +76,22 @@ def test_writes_return_at_once_and_reads_see_them_in_order(path):
     again.close()
 
 
+@pytest.mark.parametrize("meta", ['{"footer": "12 tok', "[1, 2]", '"a string"', b"\xff\xfe"])
+def test_a_message_whose_meta_does_not_read_still_opens(path, meta):
+    """A stored meta that is not a JSON object (a damaged page, another program's edit) raised JSONDecodeError when
+    the chat was opened, or handed the UI a list where it reads meta["footer"]: the message opens without it."""
+    store = ChatStore(path)
+    conversation = store.new_conversation("t", "m")
+    kept = store.add_message(conversation, "user", "hello", {"footer": "fine"})
+    odd = store.add_message(conversation, "assistant", "hi")
+    store.writer.flush(5)
+    store.db.execute("UPDATE messages SET meta = ? WHERE id = ?", (meta, odd))
+    store.db.commit()
+    messages = store.messages(conversation)
+    assert [(m.id, m.content, m.meta) for m in messages] == [(kept, "hello", {"footer": "fine"}), (odd, "hi", None)]
+    store.close()
+
+
 def test_ids_made_by_two_stores_at_once_never_collide(path):
     first, second = ChatStore(path), ChatStore(path)
     cids = [first.new_conversation("a", "m"), second.new_conversation("b", "m")]
