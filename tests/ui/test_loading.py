@@ -6,8 +6,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from specchat.config import EngineConfig, SamplingParams, SpecParams
-from specchat.errors import ModelNotFoundError
+from specchat.errors import ModelNotFoundError, SpecchatError
 from specchat.ui.app import STOPPED_WAITING, SpecchatApp
 from specchat.ui.chat import WAITING, MessageView
 from specchat.ui.loading import LoadingNotice
@@ -133,14 +135,22 @@ async def test_escape_holds_back_a_message_waiting_for_the_model(tiny_engine, st
     assert stored.content == "never mind" and stored.meta["footer"] == f"not sent: {STOPPED_WAITING}"
 
 
-async def test_a_failed_load_ends_the_app_with_its_error(store, tmp_path):
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (ModelNotFoundError("unknown model 'nope'"), "unknown model 'nope'"),
+        # not ours (a damaged weights file): it ended the app with a worker's traceback; now the CLI's one line
+        (OSError(5, "Input/output error"), "tiny did not load: OSError: [Errno 5] Input/output error"),
+    ],
+)
+async def test_a_failed_load_ends_the_app_with_its_error(store, tmp_path, error, said):
     def failing(config, progress):
-        raise ModelNotFoundError("unknown model 'nope'")
+        raise error
 
     app = slow_app(failing, store, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.return_value is not None, what="the app to end")
-    assert isinstance(app.return_value, ModelNotFoundError)
+    assert isinstance(app.return_value, SpecchatError) and str(app.return_value) == said
 
 
 async def test_a_model_switch_keeps_the_chats_and_a_message_sent_meanwhile(tiny_engine, store, tmp_path):
@@ -176,13 +186,21 @@ async def test_a_model_switch_keeps_the_chats_and_a_message_sent_meanwhile(tiny_
         loader.release.set()
 
 
-async def test_a_switch_that_fails_loads_the_previous_model_again(tiny_engine, store, tmp_path):
+@pytest.mark.parametrize(
+    ("error", "note"),
+    [
+        (ModelNotFoundError("model 'broken': no weights"), "no weights; loading tiny again"),
+        # not ours (out of memory): it ended the app with a worker's traceback
+        (MemoryError("cannot allocate 140 GB"), "broken did not load: MemoryError: cannot allocate 140 GB"),
+    ],
+)
+async def test_a_switch_that_fails_loads_the_previous_model_again(tiny_engine, store, tmp_path, error, note):
     loaded: list[str] = []
 
     def loader(config: EngineConfig, progress) -> object:
         loaded.append(config.model)
         if config.model == "broken":
-            raise ModelNotFoundError("model 'broken': no weights")
+            raise error
         return tiny_engine
 
     app = SpecchatApp(engine=tiny_engine, config=EngineConfig(model="tiny"), store=store, loader=loader)
@@ -190,4 +208,4 @@ async def test_a_switch_that_fails_loads_the_previous_model_again(tiny_engine, s
         await app.switch_model("broken")
         await wait_for(pilot, lambda: app.engine is not None, what="the previous model back")
         assert loaded == ["broken", "tiny"] and app.is_running
-        assert any("no weights; loading tiny again" in n.message for n in app._notifications)
+        assert any(note in n.message for n in app._notifications)

@@ -12,7 +12,7 @@ import pytest
 from textual import events
 from textual.widgets import Markdown
 
-from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.config import SamplingParams, SpecParams
 from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
 from specchat.errors import PromptError, SpecchatError
@@ -110,34 +110,6 @@ async def test_a_system_prompt_with_a_lone_surrogate_is_cleaned_and_the_chat_sav
         path = app.save_transcript(".md")
         assert path is not None and "from an old store ?" in path.read_text(encoding="utf-8")
         assert app.is_running
-
-
-async def test_a_model_that_fails_to_load_with_any_error_is_one_message(tiny_engine, store):
-    """A loader that failed with anything but a SpecchatError (out of memory, a damaged weights file) ended the app
-    with a worker's traceback, even on a switch, where the previous model should come back."""
-    loaded: list[str] = []
-
-    def loader(config: EngineConfig, progress) -> object:
-        loaded.append(config.model)
-        if config.model == "huge":
-            raise MemoryError("cannot allocate 140 GB")
-        return tiny_engine
-
-    app = SpecchatApp(engine=tiny_engine, config=EngineConfig(model="tiny"), store=store, loader=loader)
-    async with app.run_test(size=SIZE) as pilot:
-        await app.switch_model("huge")
-        await wait_for(pilot, lambda: app.engine is not None, timeout=10, what="the previous model back")
-        assert loaded == ["huge", "tiny"] and app.is_running
-        assert any("huge did not load: MemoryError: cannot allocate 140 GB" in n.message for n in app._notifications)
-
-    def broken(config: EngineConfig, progress) -> object:
-        raise OSError(5, "Input/output error")
-
-    first = SpecchatApp(config=EngineConfig(model="tiny", device="cpu"), store=store, loader=broken)
-    async with first.run_test(size=SIZE) as pilot:  # at start: the app ends with that one line for the CLI
-        await wait_for(pilot, lambda: first.return_value is not None, timeout=10, what="the app to end")
-    assert isinstance(first.return_value, SpecchatError)
-    assert str(first.return_value) == "tiny did not load: OSError: [Errno 5] Input/output error"
 
 
 async def test_deleting_an_open_conversation_closes_its_tab(make_app, store):
