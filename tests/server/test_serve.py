@@ -75,6 +75,36 @@ def stopping_server(model_dir, grace_s: float, before_step=None, log_level: str 
     return engine, server, thread, port
 
 
+def ask_in_threads(port: int, max_tokens: int) -> tuple[dict, list[threading.Thread]]:
+    """A non-streaming and a streaming chat request to the server at `port`, each from a thread of its own, started:
+    ({stream: (status, body text)}, the threads); a request that failed is (None, its error): a 500, a cut stream."""
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens, "ignore_eos": True}
+    answers: dict = {}
+
+    def ask(stream: bool) -> None:
+        data = json.dumps({**body, "stream": stream}).encode()
+        request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answers[stream] = (response.status, response.read().decode())
+        except Exception as exc:
+            answers[stream] = (None, repr(exc))
+
+    clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for client in clients:
+        client.start()
+    return answers, clients
+
+
+def wind_down(engine, thread: threading.Thread, clients: list[threading.Thread]) -> None:
+    """After a stop: the clients' and the server's threads joined (30 s each at most), the engine closed."""
+    for client in clients:
+        client.join(30)
+    thread.join(30)
+    engine.close()
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """(base url, engine): a server of its own engine on a free port, for this module."""
@@ -233,25 +263,10 @@ def test_a_stopping_server_returns_the_answers_in_flight(tiny_model_dir):
     engine, server, thread, port = stopping_server(
         tiny_model_dir, 3, lambda _: time.sleep(0.02), log_level="error", end_early_s=2.5
     )
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True}
-    answers: dict = {}
-
-    def ask(stream: bool) -> None:
-        data = json.dumps({**body, "stream": stream}).encode()
-        request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            answers[stream] = (response.status, response.read().decode())
-
-    clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
-    for client in clients:
-        client.start()
+    answers, clients = ask_in_threads(port, max_tokens=200)
     time.sleep(1.0)
     server.handle_exit(signal.SIGINT, None)
-    for client in clients:
-        client.join(30)
-    thread.join(30)
-    engine.close()
+    wind_down(engine, thread, clients)
     status, text = answers[False]
     choice = json.loads(text)["choices"][0]
     assert status == 200 and choice["finish_reason"] == "length" and choice["message"]["content"]
@@ -482,31 +497,13 @@ def test_a_second_ctrl_c_ends_the_answers_now_rather_than_cancelling_them(tiny_m
     engine, server, thread, port = stopping_server(
         tiny_model_dir, 60, lambda _: time.sleep(0.02), end_early_s=1.0, force_after_s=30
     )
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5000, "ignore_eos": True}
-    answers: dict = {}
-
-    def ask(stream: bool) -> None:
-        data = json.dumps({**body, "stream": stream}).encode()
-        request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                answers[stream] = (response.status, response.read().decode())
-        except Exception as exc:  # a 500, a cut stream
-            answers[stream] = (None, repr(exc))
-
-    clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
-    for client in clients:
-        client.start()
+    answers, clients = ask_in_threads(port, max_tokens=5000)
     time.sleep(1.0)
     start = time.monotonic()
     server.handle_exit(signal.SIGINT, None)
     time.sleep(0.3)
     server.handle_exit(signal.SIGINT, None)
-    for client in clients:
-        client.join(30)
-    thread.join(30)
-    engine.close()
+    wind_down(engine, thread, clients)
     assert not thread.is_alive() and time.monotonic() - start < 15  # not the 60 s grace
     status, text = answers[False]
     assert status == 200, text
