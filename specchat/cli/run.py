@@ -172,8 +172,7 @@ class PlainChat:
             engine = self.engine()
         except KeyboardInterrupt:  # Ctrl-C while the answer waits for the model: it stops that answer, as below
             self.progress.shown.clear()  # (the load goes on, quietly again while the next message is typed)
-            click.echo("", err=True)
-            click.echo("[stopped]", err=True)
+            click.echo("\n[stopped]", err=True)
             return
         try:
             handle = engine.submit([*self.messages, {"role": "user", "content": text}], self.sampling, self.spec)

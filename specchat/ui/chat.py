@@ -288,9 +288,9 @@ class ChatPane(Vertical):
             self.waiting.add_class("waiting")
             self.waiting.set_footer(WAITING)
             return
-        joined = f"{self.waiting.content}\n\n{text}"
-        self.waiting.show_text(joined)
         self.messages = with_user(self.messages, text)
+        joined = self.messages[-1]["content"]  # the waiting message and this one, as with_user joins them
+        self.waiting.show_text(joined)
         self.store.update_message(self.waiting.db_id, joined)
 
     def waiting_sent(self, error: str | None = None) -> None:
