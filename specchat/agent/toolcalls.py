@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,20 +255,11 @@ def _call_parts(item: object) -> tuple[str, dict[str, Any]]:
         arguments = {}
     if not isinstance(arguments, dict):
         raise ValueError(f"the arguments of {name} must be a JSON object")
-    if not _finite(arguments):  # json.loads takes NaN and Infinity; the JSONL trace then held lines no parser reads
-        raise ValueError(f"the arguments of {name} hold NaN or Infinity, which are not JSON numbers")
+    try:  # json.loads takes NaN and Infinity; the JSONL trace then held lines no parser reads
+        json.dumps(arguments, allow_nan=False)
+    except ValueError:
+        raise ValueError(f"the arguments of {name} hold NaN or Infinity, which are not JSON numbers") from None
     return _valid_strings(name), _valid_strings(arguments)
-
-
-def _finite(value: Any) -> bool:
-    """Whether a decoded value holds no NaN or infinite number."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return all(_finite(item) for item in value)
-    return True
 
 
 def _valid_strings(value: Any) -> Any:
