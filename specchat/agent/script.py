@@ -361,8 +361,18 @@ def _stop(table: _Table) -> StopCondition:
 
 
 def _sampling(table: _Table) -> SamplingParams:
+    """The [sampling] table. SamplingParams names a bad value as the CLI flag spells it (`max-tokens must be > 0`);
+    the message names the key as the script spells it (`sampling.max_tokens must be > 0`)."""
     values = {key: table.get(key, kind, None) for key, kind in SAMPLING_KEYS.items() if key in table.data}
-    return _wrap("sampling", lambda: SamplingParams(**values))
+    try:
+        return SamplingParams(**values)
+    except ConfigError as error:
+        message = str(error)
+        for key in SAMPLING_KEYS:
+            flag = key.replace("_", "-")
+            if message.startswith(f"{flag} "):
+                raise ConfigError(f"{table.where(key)}{message.removeprefix(flag)}") from None
+        raise ConfigError(f"{table.name}: {message}") from None
 
 
 def _speculation(table: _Table, base: Path) -> SpecParams:

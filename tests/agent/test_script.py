@@ -199,8 +199,8 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks = ["x"]\n[stop]\ntag = "<final>"', "stop.tag must be a tag name"),
         ('tasks = ["x"]\n[stop]\ntool = "answer"', "stop.tool must be 'final_answer'"),
         ('tasks = ["x"]\n[stop]\ntag = "a"\nregex = "b"', "stop takes one of tool, tag, regex, got tag and regex"),
-        ('tasks = ["x"]\n[sampling]\ntop_p = 1.5', "sampling: top-p must be in (0, 1], got 1.5"),
-        ('tasks = ["x"]\n[sampling]\nmax_tokens = 0', "sampling: max-tokens must be > 0"),
+        ('tasks = ["x"]\n[sampling]\ntop_p = 1.5', "sampling.top_p must be in (0, 1], got 1.5"),
+        ('tasks = ["x"]\n[sampling]\nmax_tokens = 0', "sampling.max_tokens must be > 0, got 0"),
         (
             'tasks = ["x"]\n[speculation]\ndrafter = "medusa"',
             "speculation.drafter: unknown drafter 'medusa' (available: none | ngram | heads[:FILE] |",
@@ -245,6 +245,18 @@ def test_bad_scripts_name_the_file_and_the_key(tmp_path: Path, text: str, messag
     assert line.startswith(f"{path}: ")
     assert message in line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize(
+    ("line", "key"), [("max_tokens = 0", "max_tokens"), ("top_p = 0", "top_p"), ("top_k = -1", "top_k")]
+)
+def test_sampling_errors_spell_the_key_as_the_script_does(tmp_path: Path, line: str, key: str):
+    """The script says max_tokens, where the CLI flag is --max-tokens (its message, `max-tokens must be > 0`, is
+    held in tests/cli/test_fuzz.py): a script's message named a key that its user never wrote."""
+    with pytest.raises(ConfigError) as caught:
+        load_script(write(tmp_path, f'tasks = ["x"]\n[sampling]\n{line}'))
+    assert f"sampling.{key} must be" in str(caught.value)
+    assert key.replace("_", "-") not in str(caught.value)
 
 
 def test_missing_script(tmp_path: Path):
