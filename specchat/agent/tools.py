@@ -373,7 +373,9 @@ def _list_dir_tool(room: Workspace, options: ToolOptions) -> Tool:
 
 
 def _final_answer_tool(room: Workspace, options: ToolOptions) -> Tool:
-    def final_answer(answer: str) -> str:
+    def final_answer(answer: str) -> str | ToolResult:
+        if not answer.strip():  # a refusal the model can act on, where it ended the run with no answer
+            return ToolResult(False, "", f"argument 'answer' of {FINAL_ANSWER} is empty; call it with the answer")
         return answer
 
     parameters = _object_schema({"answer": "The answer to the task."})

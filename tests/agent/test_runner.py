@@ -100,6 +100,17 @@ def test_bad_arguments_come_back_as_an_error_result(tmp_path):
     assert "Error: unknown argument 'answer'" in engine.requests[1]["messages"][-1]["content"]
 
 
+def test_an_empty_final_answer_goes_back_and_the_run_goes_on(tmp_path):
+    empty = '<tool_call>{"name": "final_answer", "arguments": {"answer": " "}}</tool_call>'
+    engine = ScriptedEngine([empty, FINAL_CALL])
+    outcomes, events = run(engine, write_script(tmp_path))
+    result = events[3]
+    assert isinstance(result, ToolResultEvent) and not result.ok and "is empty" in result.error
+    assert "Error: argument 'answer' of final_answer is empty" in engine.requests[1]["messages"][-1]["content"]
+    assert [e.answer for e in events if isinstance(e, Final)] == ["391"]
+    assert (outcomes[0].reason, outcomes[0].answer, outcomes[0].steps) == ("final", "391", 2)
+
+
 def test_reply_without_a_call_is_nudged_until_max_steps(tmp_path):
     engine = ScriptedEngine(["It is 391.", "Still 391.", "391!"])
     outcomes, _ = run(engine, write_script(tmp_path))

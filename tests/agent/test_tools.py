@@ -138,6 +138,12 @@ def test_final_answer_returns_the_answer_and_takes_numbers(tmp_path: Path):
     assert box.call("final_answer", {"answer": 391}) == ToolResult(True, "391")
 
 
+@pytest.mark.parametrize("answer", ["", " \n\t"])
+def test_final_answer_refuses_an_empty_answer(tmp_path: Path, answer: str):
+    result = toolbox(tmp_path, "final_answer").call("final_answer", {"answer": answer})
+    assert result == ToolResult(False, "", "argument 'answer' of final_answer is empty; call it with the answer")
+
+
 def test_bad_calls_come_back_as_errors(tmp_path: Path):
     box = toolbox(tmp_path, "python", "read_file")
     assert "unknown tool 'pyhton'" in box.call("pyhton", {"code": ""}).error
