@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ FORMAT_HINTS = {
     "json": '{"name": "TOOL", "arguments": {...}}',
 }
 _DECODER = json.JSONDecoder()
+NESTED_TOO_DEEPLY = "arrays and objects nested too deeply"
 
 
 @dataclass(slots=True)
@@ -202,6 +204,8 @@ def _decode_at(text: str, start: int) -> tuple[object, int]:
         return _DECODER.raw_decode(text, start)
     except json.JSONDecodeError as error:
         json_error = error
+    except (ValueError, RecursionError) as error:  # JSON, but more than Python decodes
+        raise _DecodeError(f"invalid JSON ({_too_large(error)})", _balanced_end(text, start)) from None
     end = _balanced_end(text, start)
     if end is None:
         raise _DecodeError("the JSON is cut off (the reply probably hit its token limit)", None)
@@ -251,15 +255,28 @@ def _call_parts(item: object) -> tuple[str, dict[str, Any]]:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
             raise ValueError(f"the arguments of {name} are a string, not a JSON object") from None
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"the arguments of {name} are not valid JSON ({_too_large(error)})") from None
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
         raise ValueError(f"the arguments of {name} must be a JSON object")
     try:  # json.loads takes NaN and Infinity; the JSONL trace then held lines no parser reads
         json.dumps(arguments, allow_nan=False)
+        return _valid_strings(name), _valid_strings(arguments)
     except ValueError:
         raise ValueError(f"the arguments of {name} hold NaN or Infinity, which are not JSON numbers") from None
-    return _valid_strings(name), _valid_strings(arguments)
+    except RecursionError:  # decoded, but deeper than the walks over it reach
+        raise ValueError(f"the arguments of {name} hold {NESTED_TOO_DEEPLY}") from None
+
+
+def _too_large(error: ValueError | RecursionError) -> str:
+    """Why JSON that is well-formed did not decode, for the model: Python's int takes at most 4300 digits from
+    text, and nesting is bounded by the interpreter's stack. Both came out of a run's thread as a traceback that
+    ended every run (a model repeating a digit or a bracket until its token limit, say)."""
+    if isinstance(error, RecursionError):
+        return NESTED_TOO_DEEPLY
+    return f"a number of more than {sys.get_int_max_str_digits()} digits"
 
 
 def _valid_strings(value: Any) -> Any:

@@ -111,6 +111,18 @@ def test_an_empty_final_answer_goes_back_and_the_run_goes_on(tmp_path):
     assert (outcomes[0].reason, outcomes[0].answer, outcomes[0].steps) == ("final", "391", 2)
 
 
+def test_a_reply_past_what_json_decodes_goes_back_and_the_run_goes_on(tmp_path):
+    """A reply with a 5000-digit number raised ValueError out of the run's thread, and the session ended in a
+    traceback with no run_end or session_end."""
+    digits = '<tool_call>{"name": "python", "arguments": {"code": ' + "9" * 5000 + "}}</tool_call>"
+    engine = ScriptedEngine([digits, FINAL_CALL])
+    outcomes, events = run(engine, write_script(tmp_path))
+    errors = [e for e in events if isinstance(e, Error)]
+    assert len(errors) == 1 and not errors[0].fatal and "more than 4300 digits" in errors[0].message
+    assert (outcomes[0].reason, outcomes[0].answer) == ("final", "391")
+    assert isinstance(events[-1], SessionEnd)
+
+
 def test_reply_without_a_call_is_nudged_until_max_steps(tmp_path):
     engine = ScriptedEngine(["It is 391.", "Still 391.", "391!"])
     outcomes, _ = run(engine, write_script(tmp_path))

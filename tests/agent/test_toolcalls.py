@@ -16,7 +16,7 @@ from specchat.agent.toolcalls import (
 from specchat.agent.tools import ToolResult
 
 
-def hermes(name: str, arguments: dict) -> str:
+def hermes(name: str, arguments: dict | str) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
@@ -253,3 +253,32 @@ def test_nan_and_infinity_in_arguments_are_an_error_not_a_call():
     assert reply.calls == [] and "hold NaN or Infinity" in reply.errors[0]
     assert parse_tool_calls('{"name": "f", "arguments": "{\\"x\\": NaN}"}').errors  # arguments as a JSON string
     assert parse_tool_calls('{"name": "f", "arguments": {"x": 1e308}}').calls  # large, but a number
+
+
+def test_json_past_what_python_decodes_is_an_error_not_a_crash():
+    """A number of more than 4300 digits (Python's int limit) or nesting past the interpreter's stack raised
+    ValueError / RecursionError out of the parser: a traceback in the run's thread that ended every run."""
+    digits = "1" * 5000
+    deep = '{"a": ' * 2000 + "1" + "}" * 2000
+    for reply in (
+        f'<tool_call>{{"name": "python", "arguments": {{"code": {digits}}}}}</tool_call>',
+        f'<tool_call>{{"name": "python", "arguments": {{"code": {digits}',  # cut off at the token limit
+        f'{{"name": "python", "arguments": {{"code": {digits}}}}}',
+        hermes("python", f'{{"code": {digits}}}'),  # arguments as a JSON string
+    ):
+        parsed = parse_tool_calls(reply)
+        assert parsed.calls == [] and "a number of more than 4300 digits" in parsed.errors[0]
+    for reply in (
+        f'<tool_call>{{"name": "python", "arguments": {deep}}}</tool_call>',
+        "<tool_call>" + "[" * 100_000 + "</tool_call>",
+        hermes("python", deep),  # arguments as a JSON string
+    ):
+        parsed = parse_tool_calls(reply)
+        assert parsed.calls == [] and "nested too deeply" in parsed.errors[0]
+    shallower = '{"a": ' * 600 + "1" + "}" * 600  # decodes, then is too deep to walk
+    parsed = parse_tool_calls(
+        hermes("python", {}) + f'<tool_call>{{"name": "f", "arguments": {shallower}}}</tool_call>'
+    )
+    assert [call.name for call in parsed.calls] == ["python"]
+    assert parsed.errors[0].startswith("the arguments of f hold arrays and objects nested too deeply")
+    assert parse_tool_calls(f'The digits: {{"x": {digits}}}').errors == []  # not a call: left alone, as before
