@@ -55,7 +55,7 @@ class GenerationRequest:
     """A validated request: what to encode, how to sample and draft, how to answer."""
 
     chat: bool
-    prompt: list[dict] | str  # chat messages, or a raw prompt (completions)
+    prompt: list[dict] | str | list[int]  # chat messages, or a raw prompt or its token ids (completions)
     sampling: SamplingParams
     spec: SpecParams
     stream: bool = False
@@ -79,14 +79,7 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
     """A JSON body of /v1/chat/completions (chat) or /v1/completions -> GenerationRequest, or ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    if chat:
-        prompt = _messages(body.get("messages"))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "prompt must be a non-empty string", "prompt")
+    prompt = _messages(body.get("messages")) if chat else _prompt(body.get("prompt"))
     if _field(body, "n", int, 1) != 1:
         raise ApiError(400, "only n = 1 is supported", "n")
     logprobs = body.get("logprobs")  # (/v1/completions' logprobs 0 asks for the chosen tokens' own: 0 == False)
@@ -139,6 +132,20 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         tools=_tools(body) if chat else [],
         max_tokens=max_tokens,
     )
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    """/v1/completions' prompt: a text or token ids, alone or as a batch of one (OpenAI's four forms; the engine checks
+    the ids against the vocabulary). A batch of several is refused: it would need a choice for each."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "a batch of prompts is not supported: send one prompt a request", "prompt")
+    raise ApiError(400, "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
 def _refuse_output_shaping(body: dict) -> None:

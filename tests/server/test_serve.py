@@ -201,6 +201,20 @@ def test_completions_models_health_and_metrics(client, served):
     assert "specchat:kv_cache_usage_perc" in page and "specchat:tokens_per_second" in page
 
 
+def test_completions_take_token_ids_as_openai_does(client, served):
+    """A prompt of token ids (alone or as a batch of one: OpenAI's forms, which lm-eval and vLLM's benchmarks send)
+    was a 400 "prompt must be a non-empty string"; ids outside the vocabulary and a batch of several are 400s."""
+    url, engine = served
+    ids = engine.encode_prompt("Once upon a time", raw=True)
+    by_text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    for prompt in (ids, [ids]):
+        by_ids = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+    for prompt, message in (([10**9], "vocabulary"), ([ids, ids], "one prompt a request"), (["a", "b"], "one prompt")):
+        status, answer = post_raw(url + "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt}).encode())
+        assert status == 400 and answer["error"]["param"] == "prompt" and message in answer["error"]["message"], answer
+
+
 def test_body_readers_stop_after_their_loop_closed():
     """The stopping server's timer thread ends the body reads (BodyReaders.stop) and could fire after the event loop
     had closed: `call_soon_threadsafe` raised in that thread ("Event loop is closed", a traceback on stderr)."""
