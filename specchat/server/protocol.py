@@ -2,10 +2,10 @@
 
 Only what the engine does is accepted: n = 1, no logprobs, JSON mode, penalties, logit bias or legacy functions
 (their values that ask for nothing pass: response_format text, penalties of 0, an empty logit_bias, null). OpenAI's
-defaults apply where a field is absent (temperature 1, top_p 1, max_tokens up to the context). Speculation can be
-set per request with two fields beside the standard ones (the `extra_body` of the openai client): `drafter` and `k`
-(an integer or "auto"); `ignore_eos` (as vLLM takes it, which benchmark clients send) writes on past the model's
-end-of-text tokens up to max_tokens or a stop string.
+defaults apply where a field is absent (temperature 1, top_p 1, max_tokens up to the context; 16 on /v1/completions).
+Speculation can be set per request with two fields beside the standard ones (the `extra_body` of the openai client):
+`drafter` and `k` (an integer or "auto"); `ignore_eos` (as vLLM takes it, which benchmark clients send) writes on past
+the model's end-of-text tokens up to max_tokens or a stop string.
 Errors a client causes are ApiError, which the app answers with OpenAI's error body and a 4xx status.
 """
 
@@ -25,6 +25,7 @@ from specchat.engine.sequence import Finished
 from specchat.errors import ConfigError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+COMPLETION_TOKENS = 16  # /v1/completions' max_tokens where absent, as OpenAI's and vLLM's (chat's: the context)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; a client that sends more gets the same 400 it would get there
 
 
@@ -97,7 +98,7 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
     for name, limit in limits.items():
         if limit is not None and limit <= 0:  # a 0 is refused, not taken for an absent field
             raise ApiError(400, f"{name} must be > 0, got {limit}", name)
-    max_tokens = next((limit for limit in limits.values() if limit is not None), None)
+    max_tokens = next((limit for limit in limits.values() if limit is not None), None if chat else COMPLETION_TOKENS)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:

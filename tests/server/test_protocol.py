@@ -311,3 +311,13 @@ def test_tool_turns_are_spelled_out_for_chatml_without_tools_too(tool_choice) ->
 def test_a_plain_history_without_tools_is_passed_as_it_came() -> None:
     messages = [{"role": "user", "content": "hi"}]
     assert with_tools(messages, [], CHATML) == (messages, None)
+
+
+def test_completions_default_to_openais_16_tokens_and_chat_to_the_context() -> None:
+    """/v1/completions without max_tokens ran to the context (8,192 tokens of a base model that seldom ends, minutes
+    on the CPU); OpenAI's and vLLM's default there is 16. Chat's stays the context, as OpenAI's."""
+    assert parse_request({"prompt": "w"}, chat=False, default_spec=SpecParams()).max_tokens == 16
+    assert parse_request({"prompt": "w", "max_tokens": None}, chat=False, default_spec=SpecParams()).max_tokens == 16
+    assert parse_request({"prompt": "w", "max_tokens": 40}, chat=False, default_spec=SpecParams()).max_tokens == 40
+    chat = {"messages": [{"role": "user", "content": "w"}]}
+    assert parse_request(chat, chat=True, default_spec=SpecParams()).max_tokens is None
