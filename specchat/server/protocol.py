@@ -108,13 +108,18 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         raise ApiError(
             400, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}", "temperature"
         )
+    top_p, top_k = float(_field(body, "top_p", (int, float), 1.0)), _field(body, "top_k", int, 0)
+    if top_p == 0.0:  # in OpenAI's range (0 to 1): the top token alone, which is greedy
+        temperature, top_p = 0.0, 1.0
+    if top_k == -1:  # vLLM's "off" (the engine's is 0)
+        top_k = 0
     try:
         # (a temperature or top_p so small that float32 takes it for 0, 1e-300, is greedy / keeps the top token:
         # SamplingParams.greedy and sampling.probs_from_logits)
         sampling = SamplingParams(
             temperature=temperature,
-            top_p=float(_field(body, "top_p", (int, float), 1.0)),
-            top_k=_field(body, "top_k", int, 0),
+            top_p=top_p,
+            top_k=top_k,
             seed=_field(body, "seed", int),
             max_tokens=max_tokens or 1,  # the real cap is set once the prompt's length is known
             stop=stop,

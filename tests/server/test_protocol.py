@@ -266,7 +266,7 @@ def test_small_but_usable_temperatures_and_top_p_are_kept() -> None:
     body = {"messages": [{"role": "user", "content": "w"}], "temperature": 0.01, "top_p": 0.001}
     sampling = parse_request(body, chat=True, default_spec=SpecParams()).sampling
     assert sampling.temperature == 0.01 and sampling.top_p == 0.001
-    for top_p in (0, float("nan")):
+    for top_p in (-0.1, float("nan"), 1.5):
         with pytest.raises(ApiError) as refused:
             parse_request({**body, "top_p": top_p}, chat=True, default_spec=SpecParams())
         assert refused.value.param == "top_p"
@@ -321,3 +321,13 @@ def test_completions_default_to_openais_16_tokens_and_chat_to_the_context() -> N
     assert parse_request({"prompt": "w", "max_tokens": 40}, chat=False, default_spec=SpecParams()).max_tokens == 40
     chat = {"messages": [{"role": "user", "content": "w"}]}
     assert parse_request(chat, chat=True, default_spec=SpecParams()).max_tokens is None
+
+
+def test_top_p_zero_is_greedy_and_top_k_minus_one_is_off() -> None:
+    """top_p 0 (in OpenAI's range, 0 to 1: the top token alone, which clients send for repeatable answers) and top_k
+    -1 (vLLM's "off", which clients written for vLLM send) were 400s."""
+    body = {"messages": [{"role": "user", "content": "w"}], "temperature": 0.7}
+    sampling = parse_request({**body, "top_p": 0}, chat=True, default_spec=SpecParams()).sampling
+    assert sampling.greedy and sampling.top_p == 1.0
+    sampling = parse_request({**body, "top_k": -1}, chat=True, default_spec=SpecParams()).sampling
+    assert sampling.top_k == 0 and sampling.temperature == 0.7
