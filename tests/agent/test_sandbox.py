@@ -311,6 +311,37 @@ def test_a_killed_launcher_lets_nothing_escape(workspace: Path, isolation: Isola
     assert processes_in(workspace) == []
 
 
+SPECCHAT_ENDED_MID_CALL = """
+import sys
+from pathlib import Path
+from specchat.agent.isolation import Isolation
+from specchat.agent.processes import ProcessLimits, run_python
+workspace, namespaces, cgroup = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] or None
+code = "import pathlib, subprocess, time; subprocess.Popen(['sleep', '300']); pathlib.Path('started').touch(); "
+code += "time.sleep(300)"
+run_python(code, workspace, 300, 4000, ProcessLimits(), Isolation(namespaces, cgroup and Path(cgroup)))
+"""
+
+
+@pytest.mark.parametrize("ending", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_call_ends_with_the_specchat_that_made_it(workspace: Path, isolation: Isolation, ending: int):
+    """specchat ended mid-call (`timeout`, a CI job cancelled, the OOM killer) left the call's command running and
+    its launcher reaping for good, since only specchat ever killed it."""
+    argv = [str(workspace), "1" if isolation.namespaces else "0", str(isolation.pids_cgroup or "")]
+    specchat = subprocess.Popen([sys.executable, "-c", SPECCHAT_ENDED_MID_CALL, *argv], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (workspace / "started").exists() and time.monotonic() < deadline:
+        assert specchat.poll() is None, "the call did not start"
+        time.sleep(0.05)
+    assert processes_in(workspace), "the call's processes are not running"
+    specchat.send_signal(ending)
+    specchat.wait()
+    deadline = time.monotonic() + 10
+    while processes_in(workspace) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_in(workspace) == []
+
+
 @pytest.fixture
 def listener() -> Iterator[socket.socket]:
     """A TCP server on this machine's loopback; nothing in the sandbox may reach it."""
