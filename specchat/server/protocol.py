@@ -128,13 +128,16 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
     except ConfigError as exc:  # SamplingParams names the field first: "top_p must be ..."
         raise ApiError(400, str(exc), SAMPLING_FIELDS.get(str(exc).split(" ", 1)[0])) from None
     stream_options = _field(body, "stream_options", dict, {})
+    include_usage = stream_options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):  # ("no" was true)
+        raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options")
     return GenerationRequest(
         chat=chat,
         prompt=prompt,
         sampling=sampling,
         spec=_spec(body, default_spec),
         stream=bool(_field(body, "stream", bool, False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
+        include_usage=include_usage is True,
         tools=_tools(body) if chat else [],
         max_tokens=max_tokens,
     )
@@ -188,7 +191,9 @@ def _messages(messages: Any) -> list[dict]:
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            if not all(isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{i}]: a text content part's text must be a string", "messages")
+            content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or text parts", "messages")
         role = "system" if message["role"] == "developer" else message["role"]

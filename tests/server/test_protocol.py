@@ -331,3 +331,28 @@ def test_top_p_zero_is_greedy_and_top_k_minus_one_is_off() -> None:
     assert sampling.greedy and sampling.top_p == 1.0
     sampling = parse_request({**body, "top_k": -1}, chat=True, default_spec=SpecParams()).sampling
     assert sampling.top_k == 0 and sampling.temperature == 0.7
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 0}}, "stream_options"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+    ],
+)
+def test_a_wrong_type_inside_an_object_is_a_400(fields: dict, param: str) -> None:
+    """`include_usage: "no"` sent the usage (any non-empty string is true), and a text part's text of 5 or none at
+    all went to the model as "5" or ""."""
+    body = {"messages": [{"role": "user", "content": "w"}], **fields}
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_include_usage_true_false_or_null_is_read() -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "stream": True}
+    for value, wanted in ((True, True), (False, False), (None, False)):
+        req = parse_request({**body, "stream_options": {"include_usage": value}}, chat=True, default_spec=SpecParams())
+        assert req.include_usage is wanted
