@@ -44,6 +44,7 @@ from specchat.server.protocol import (
 from specchat.server.stopping import STOPPING_ERROR
 
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread (a 128k-token context is ~0.5 MB)
+READ_METHODS = ["GET", "HEAD"]  # HEAD too: uptime monitors and load balancers ask it (a 405 read as the server down)
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client still waits
 
 
@@ -184,7 +185,7 @@ def create_app(
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health() -> dict:
         return {"status": "ok", "model": model}
 
@@ -195,17 +196,17 @@ def create_app(
             404, f"the model {name!r} does not exist; this server runs {model!r}", "model", "model_not_found"
         )
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.api_route("/v1/models/{name:path}", methods=READ_METHODS)
     async def model_card(name: str) -> dict:  # the openai client's models.retrieve
         if name != model:
             raise unknown_model(name)
         return card
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def prometheus() -> PlainTextResponse:
         snap = await asyncio.to_thread(engine.snapshot)
         return PlainTextResponse(metrics.render(snap, model), media_type="text/plain; version=0.0.4")

@@ -215,6 +215,18 @@ def test_completions_take_token_ids_as_openai_does(client, served):
         assert status == 400 and answer["error"]["param"] == "prompt" and message in answer["error"]["message"], answer
 
 
+def test_head_answers_where_get_does(served):
+    """Uptime monitors and load balancers ask HEAD (UptimeRobot's default): /health was a 405 and the server read as
+    down."""
+    for path, status in (("/health", 200), ("/v1/models", 200), ("/v1/models/tiny", 200), ("/v1/models/gpt-9", 404)):
+        request = urllib.request.Request(served[0] + path, method="HEAD")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert (response.status, response.read()) == (status, b""), path
+        except urllib.error.HTTPError as error:
+            assert error.code == status, path
+
+
 def test_body_readers_stop_after_their_loop_closed():
     """The stopping server's timer thread ends the body reads (BodyReaders.stop) and could fire after the event loop
     had closed: `call_soon_threadsafe` raised in that thread ("Event loop is closed", a traceback on stderr)."""
