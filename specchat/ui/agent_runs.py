@@ -5,13 +5,16 @@ the engine batches; the Speculation, Throughput and Memory panels read the engin
 session's events wait in a queue, and the app is woken by at most one AgentEvents message in flight per
 session, however fast the runs stream: it drains the queue and adds each run's events to its tab. Before a
 shell command a run's thread posts a ShellQuestion and waits on a Future, which the dialog resolves, or
-stopping the runs (Esc, closing the app) resolves as a refusal: no thread waits on the UI forever.
+stopping the runs (Esc, closing the app) resolves as a refusal: no thread waits on the UI forever. A session that
+fails (its script's toolbox cannot be built, an OSError, our bug) ends every run it left open with the error in its
+tab; the chats and the app go on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError
@@ -50,12 +53,18 @@ class AgentTabs:
         self.session: AgentSession | None = None  # made in the worker (a drafter may take a while to load)
         self.panes: dict[int, AgentRunPane] = {}
         self.summary: SessionEnd | None = None
+        self.failure: str | None = None  # why the session ended before its runs did
         self.lock = threading.Lock()
         self.queued: list[Event] = []
         self.woken = False  # an AgentEvents message is on its way
         self.stopped = False
         self.run_of_thread: dict[int, int] = {}  # thread id -> the run it is running (a run keeps its thread)
         self.questions: set[Future[bool]] = set()
+
+    @property
+    def over(self) -> bool:
+        """Every run has ended (or the session failed)."""
+        return self.summary is not None or self.failure is not None
 
     def begin(self, session: AgentSession) -> None:
         """Worker: the session is made; if the runs were stopped meanwhile, they end at once."""
@@ -117,6 +126,15 @@ class AgentEvents(Message):
         self.tabs = tabs
 
 
+class AgentFailed(Message):
+    """A session ended in an exception: `problem` says which, in one line."""
+
+    def __init__(self, tabs: AgentTabs, problem: str) -> None:
+        super().__init__()
+        self.tabs = tabs
+        self.problem = problem
+
+
 class ShellQuestion(Message):
     """A run asks to execute a shell command; `answer` gets whether the user allows it."""
 
@@ -152,16 +170,19 @@ class AgentRuns:
 
     @work(thread=True, group="agent")
     def run_session(self, tabs: AgentTabs, engine) -> None:
-        """Run the session off the UI thread; its events come back through the tabs' queue."""
+        """Run the session off the UI thread; its events come back through the tabs' queue. An exception ends the
+        runs still open with it (a worker's exception would end the app, and the tabs would wait forever)."""
         try:
             session = AgentSession(engine, tabs.script, tabs.concurrency, confirm=tabs.confirm, stream=True)
+            if session.warning:
+                self.notify(session.warning, severity="warning", timeout=10)
+            tabs.begin(session)
+            session.run(tabs.put)
         except SpecchatError as exc:
-            self.notify(f"agent script {tabs.number}: {exc}", severity="error", timeout=10)
-            return
-        if session.warning:
-            self.notify(session.warning, severity="warning", timeout=10)
-        tabs.begin(session)
-        session.run(tabs.put)
+            self.post_message(AgentFailed(tabs, str(exc)))
+        except Exception as exc:  # a tool's or the engine's OSError, our bug: its traceback to the log, one line shown
+            self.log.error(traceback.format_exc())
+            self.post_message(AgentFailed(tabs, f"{type(exc).__name__}: {exc}"))
 
     async def on_agent_events(self, message: AgentEvents) -> None:
         """Show what the session's runs did since the last wake-up, each run in its tab, then the session's end."""
@@ -182,6 +203,19 @@ class AgentRuns:
             tabs.summary = summary
             self.notify(session_summary(summary), title=f"agent script {tabs.number} done", timeout=10)
 
+    async def on_agent_failed(self, message: AgentFailed) -> None:
+        """The session ended in an exception: every run it left open ends with it, in its tab."""
+        tabs = message.tabs
+        await self.on_agent_events(AgentEvents(tabs))  # what the runs did before it, first
+        container = self.widget(TabbedContent)
+        if container is not None:  # (None once the app is closing)
+            for pane in tabs.panes.values():
+                if pane.state in ("queued", "running"):
+                    await pane.fail(message.problem)
+                    container.get_tab(pane.parent.id).label = pane.label
+        tabs.failure = message.problem
+        self.notify(message.problem, title=f"agent script {tabs.number} failed", severity="error", timeout=10)
+
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         """Focus the shown run's trace (arrow keys scroll it, Tab walks its results), as the app does a chat's input:
         at once and only while its tab is shown."""
@@ -199,7 +233,7 @@ class AgentRuns:
     def stop_agent_tab(self) -> None:
         """Stop the runs of the agent script in the active tab (what they did so far stays shown)."""
         tabs = self.agent_tabs()
-        if tabs is not None and tabs.summary is None:
+        if tabs is not None and not tabs.over:
             tabs.stop()
             self.notify(f"stopping the runs of agent script {tabs.number}", timeout=3)
 

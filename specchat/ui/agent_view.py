@@ -214,6 +214,13 @@ class AgentRunPane(Vertical):
             await self.query_one(".trace", TraceScroll).mount_all(new)
         self.query_one(".run-status", Static).update(self.status)
 
+    async def fail(self, problem: str) -> None:
+        """The session ended in an exception before this run did: the run ends with it."""
+        step = self.step_view.step if self.step_view is not None else 0
+        self.state = "error"
+        self.status = "error: the agent session failed before this run ended"
+        await self.show([Error(self.run_index, step, problem, fatal=True)])
+
     def current_step(self, step: int, new: list[Widget]) -> StepView:
         """The view of turn `step`, opened (and queued for mounting) when the turn is new."""
         if self.step_view is None or self.step_view.step != step:

@@ -121,7 +121,7 @@ class ModelLoading:
         if self.engine is None:
             self.notify("a model is still loading", severity="warning")
             return
-        if self.requests or any(tabs.summary is None for tabs in self.agent_sessions):
+        if self.requests or not all(tabs.over for tabs in self.agent_sessions):
             self.notify("answers are running: stop them first (Esc)", severity="warning")
             return
         self.bridge.detach()  # stops the old engine's loop if the app started it; the engine goes with its refs

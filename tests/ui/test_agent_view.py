@@ -18,6 +18,7 @@ from textual.app import App
 from textual.widgets import Input
 
 import specchat.ui
+import specchat.ui.agent_runs
 from specchat.agent.script import load_script
 from specchat.agent.trace import Error, Final, RunEnd, RunStart, Step, ToolCallEvent, ToolResultEvent
 from specchat.config import EngineConfig
@@ -29,6 +30,7 @@ from specchat.ui.agent_view import (
     AgentRunPane,
     AgentScriptScreen,
     AnswerView,
+    ErrorView,
     ScriptPaths,
     ShellConfirmScreen,
     StepView,
@@ -185,6 +187,51 @@ async def test_escape_stops_the_runs(tmp_path, store):
         assert [p.state for p in run_panes(app)] == ["cancelled"] * 2
         assert tab_label(app, run_panes(app)[1]) == "■ 2: Wait too."
         assert "cancelled after 1 step " in str(run_panes(app)[0].query_one(".run-status").render())
+
+
+class BrokenUIEngine(ScriptedUIEngine):
+    """Canned replies until the second turn, whose prompt fails with what is not a SpecchatError (our bug, say)."""
+
+    def encode_prompt(self, messages: list[dict], tools=None) -> list[int]:
+        if self.requests:
+            raise RuntimeError("the tokenizer broke")
+        return super().encode_prompt(messages, tools)
+
+
+async def test_a_session_that_raises_ends_its_open_runs_and_the_app_goes_on(tmp_path, store):
+    """An exception other than SpecchatError out of AgentSession ended the app (the worker's error), or left the
+    run's tab running for good; now the run ends with it in its tab, after what it did before."""
+    engine = BrokenUIEngine([PYTHON_CALL])
+    app = agent_app(engine, write_script(tmp_path, ["What is 17 * 23?"]), tmp_path, store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.agent_sessions and app.agent_sessions[0].over, what="the session to end")
+        await wait_for(pilot, lambda: not app.workers, what="the session's worker")
+        (first,) = run_panes(app)
+        assert texts(first, ToolResultView) == ["← python ok\n391"]  # what the run did before stays
+        assert texts(first, ErrorView) == ["fatal: RuntimeError: the tokenizer broke"]
+        assert first.state == "error" and tab_label(app, first) == "✗ 1: What is 17 * 23?"
+        assert str(first.query_one(".run-status").render()) == "error: the agent session failed before this run ended"
+        assert [n.title for n in app._notifications if n.severity == "error"] == ["agent script 1 failed"]
+        press_now(app, "ctrl+pageup")
+        await wait_for(pilot, lambda: app.chat is not None, what="back to the chat")
+        assert app.is_running and app.return_value is None
+
+
+async def test_a_session_that_cannot_start_ends_its_queued_runs(tmp_path, store, monkeypatch):
+    """A session that fails to be made (an OSError building its toolbox, say) left every tab queued for good, and
+    a model switch refused as if runs were going on."""
+
+    def no_session(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/work/space")
+
+    monkeypatch.setattr(specchat.ui.agent_runs, "AgentSession", no_session)
+    app = agent_app(ScriptedUIEngine([]), write_script(tmp_path, ["One.", "Two."]), tmp_path, store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.agent_sessions and app.agent_sessions[0].over, what="the session to end")
+        problem = "PermissionError: [Errno 13] Permission denied: '/work/space'"
+        for pane in run_panes(app):
+            assert pane.state == "error" and texts(pane, ErrorView) == [f"fatal: {problem}"]
+        assert app.is_running
 
 
 SHELL_TOOLS = '["shell", "final_answer"]'
