@@ -234,7 +234,7 @@ class AgentRun:
         feedback = list(parsed.errors)
         if not parsed.calls:
             answer = self.script.stop.answer_in(parsed.content)
-            if answer is not None:
+            if answer:  # an empty one (`<final> </final>`) is nudged, as final_answer refuses it
                 self.emit(Final(self.index, self.step, answer, self.script.stop.kind))
                 return answer
             if not parsed.errors:

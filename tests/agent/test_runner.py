@@ -150,6 +150,19 @@ def test_tag_stop_takes_the_answer_from_the_reply(tmp_path):
     assert outcomes[0].reason == "final"
 
 
+def test_an_empty_tag_or_regex_answer_is_nudged_not_final(tmp_path):
+    """`<final> </final>` ended the run as final with an empty answer, where final_answer("") is refused."""
+    for stop, empty, full in (
+        ('tag = "final"', "<final> </final>", "<final>391</final>"),
+        ('regex = "A: (.*)"', "A: ", "A: 391"),
+    ):
+        engine = ScriptedEngine([empty, full])
+        outcomes, events = run(engine, write_script(tmp_path, f"\n[stop]\n{stop}\n"))
+        assert [e.answer for e in events if isinstance(e, Final)] == ["391"]
+        assert (outcomes[0].reason, outcomes[0].answer, outcomes[0].steps) == ("final", "391", 2)
+        assert "no tool call" in engine.requests[1]["messages"][-1]["content"]
+
+
 def test_a_reply_that_calls_tools_is_not_final(tmp_path):
     engine = ScriptedEngine([PYTHON_CALL + " <final>349</final>", "<final>391</final>"])
     outcomes, _ = run(engine, write_script(tmp_path, '\n[stop]\ntag = "final"\n'))
