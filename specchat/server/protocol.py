@@ -233,6 +233,13 @@ def _call_for_template(call: Any, i: int) -> dict:
 
 def _tools(body: dict) -> list[dict]:
     tools = body.get("tools") or []
+    if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
+        raise ApiError(
+            400,
+            "tools must be a list of {type: function, function: {name, description, parameters}}: the name a "
+            "non-empty string, the description a string, the parameters a JSON Schema object",
+            "tools",
+        )
     choice = body.get("tool_choice")
     if choice == "none":
         return []
@@ -240,15 +247,22 @@ def _tools(body: dict) -> list[dict]:
         raise ApiError(
             400, 'tool_choice must be "auto" or "none" (the model decides whether to call a tool)', "tool_choice"
         )
-    if not isinstance(tools, list) or not all(
-        isinstance(t, dict)
-        and t.get("type") == "function"
-        and isinstance(t.get("function"), dict)
-        and t["function"].get("name")
-        for t in tools
-    ):
-        raise ApiError(400, "tools must be a list of {type: function, function: {name, ...}}", "tools")
     return tools
+
+
+def _is_tool(tool: Any) -> bool:
+    """A function tool as OpenAI's is: a name of another type passed, and naming the declared functions at the answer's
+    end raised (an object's name is unhashable): a plain-text 500 after the whole answer, or a cut stream."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        return False
+    function = tool["function"]
+    description, parameters = function.get("description"), function.get("parameters")  # (null: absent)
+    return (
+        isinstance(function.get("name"), str)
+        and bool(function["name"])
+        and (description is None or isinstance(description, str))
+        and (parameters is None or isinstance(parameters, dict))
+    )
 
 
 def _spec(body: dict, default: SpecParams) -> SpecParams:

@@ -356,3 +356,24 @@ def test_include_usage_true_false_or_null_is_read() -> None:
     for value, wanted in ((True, True), (False, False), (None, False)):
         req = parse_request({**body, "stream_options": {"include_usage": value}}, chat=True, default_spec=SpecParams())
         assert req.include_usage is wanted
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+@pytest.mark.parametrize(
+    "function",
+    [{"name": {"a": 1}}, {"name": 5}, {"name": ""}, {"name": "f", "parameters": [1]}, {"name": "f", "description": 5}],
+)
+def test_a_malformed_tool_is_a_400_naming_tools(function: dict, tool_choice) -> None:
+    """A function named by an object passed, the answer was written, and then naming the declared functions raised:
+    a plain-text 500 after the whole answer, or a stream cut without its end; a name of 5 reached the template."""
+    body = {"messages": [{"role": "user", "content": "w"}], "tools": [{"type": "function", "function": function}]}
+    with pytest.raises(ApiError) as refused:
+        parse_request({**body, "tool_choice": tool_choice}, chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == "tools"
+
+
+def test_a_tool_with_null_or_absent_description_and_parameters_is_accepted() -> None:
+    body = {"messages": [{"role": "user", "content": "w"}]}
+    functions = [{"name": "f"}, {"name": "f", "description": None, "parameters": None}, ADD_TOOL["function"]]
+    tools = [{"type": "function", "function": function} for function in functions]
+    assert parse_request({**body, "tools": tools}, chat=True, default_spec=SpecParams()).tools == tools
