@@ -76,22 +76,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):
             if not is_number(getattr(self, name)):
-                raise ConfigError(f"{name.replace('_', '-')} must be a number, got {getattr(self, name)!r}")
+                raise ConfigError.of(name, f"must be a number, got {getattr(self, name)!r}")
         for name in ("top_k", "max_tokens"):
             if not is_number(getattr(self, name), integer=True):
-                raise ConfigError(f"{name.replace('_', '-')} must be an integer, got {getattr(self, name)!r}")
+                raise ConfigError.of(name, f"must be an integer, got {getattr(self, name)!r}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise ConfigError.of("stop", f"must be a list of non-empty strings, got {self.stop!r}")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise ConfigError.of("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ConfigError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+            raise ConfigError.of("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise ConfigError.of("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.max_tokens <= 0:
-            raise ConfigError(f"max-tokens must be > 0, got {self.max_tokens}")
+            raise ConfigError.of("max_tokens", f"must be > 0, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
-            raise ConfigError(f"seed must be in [0, 2^64 - 1], got {self.seed}")
+            raise ConfigError.of("seed", f"must be in [0, 2^64 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -23,7 +23,19 @@ class OfflineError(SpecchatError):
 
 
 class ConfigError(SpecchatError):
-    """An invalid parameter (sampling, speculation, engine settings)."""
+    """An invalid parameter (sampling, speculation, engine settings). `ConfigError.of` keeps which field it was and
+    what is wrong with it apart, so a caller whose user spells the field otherwise (an agent script's
+    `sampling.max_tokens`) can name it that way."""
+
+    field: str | None = None
+    problem: str | None = None
+
+    @classmethod
+    def of(cls, field: str, problem: str) -> ConfigError:
+        """ "<field as the CLI flag spells it> <problem>", e.g. `ConfigError.of("max_tokens", "must be > 0")`."""
+        error = cls(f"{field.replace('_', '-')} {problem}")
+        error.field, error.problem = field, problem
+        return error
 
 
 class PromptError(SpecchatError):

@@ -367,12 +367,9 @@ def _sampling(table: _Table) -> SamplingParams:
     try:
         return SamplingParams(**values)
     except ConfigError as error:
-        message = str(error)
-        for key in SAMPLING_KEYS:
-            flag = key.replace("_", "-")
-            if message.startswith(f"{flag} "):
-                raise ConfigError(f"{table.where(key)}{message.removeprefix(flag)}") from None
-        raise ConfigError(f"{table.name}: {message}") from None
+        if error.field in SAMPLING_KEYS:
+            raise ConfigError(f"{table.where(error.field)} {error.problem}") from None
+        raise ConfigError(f"{table.name}: {error}") from None
 
 
 def _speculation(table: _Table, base: Path) -> SpecParams:
