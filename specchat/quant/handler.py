@@ -202,6 +202,14 @@ class WeightSwitch:
 
     # --- accounting -------------------------------------------------------------------------------------------
     @property
+    def needs_gptq(self) -> bool:
+        """Whether a switch to MXFP4 would run GPTQ first (no checkpoint cached yet: minutes on a CPU)."""
+        try:
+            return self.current == "bf16" and self.sources.can_calibrate and not is_mxfp4_checkpoint(self.sources.cache)
+        except OSError:  # the model file is gone (its cache is keyed by its stat): the switch itself will say so
+            return False
+
+    @property
     def stash_bytes(self) -> int:
         """Bytes held outside the running model so that switching back is possible."""
         return module_bytes(self.stash, exclude=list(self.model.parameters()))
@@ -227,6 +235,7 @@ class WeightSwitch:
             "weights_format": self.current,  # "bf16" = unquantized, in the model dtype
             "weights_dtype": str(model_dtype(self.model)).removeprefix("torch."),
             "weights_method": self.method,  # how the MXFP4 weights were made: gptq-rot (cached), rtn-mse, ...
+            "weights_mxfp4_needs_gptq": self.needs_gptq,  # what the TUI warns of before a switch
             "weights_restore_bytes": self.stash_bytes,  # memory kept to switch back
             # the GGUF block types the CPU kernels read the file's linears as ("Q4_1+Q8_0"; "Q4_1+Q8_0 from
             # Q4_K+Q6_K" where the file stores others: engine/cpu_weights.py), None where none

@@ -230,12 +230,15 @@ class AgentRuns:
         pane = next(iter(active.query(AgentRunPane)), None) if active is not None else None
         return next((tabs for tabs in self.agent_sessions if pane in tabs.panes.values()), None)
 
-    def stop_agent_tab(self) -> None:
-        """Stop the runs of the agent script in the active tab (what they did so far stays shown)."""
+    def stop_agent_tab(self) -> bool:
+        """Stop the runs of the agent script in the active tab (what they did so far stays shown); False if none
+        were running."""
         tabs = self.agent_tabs()
-        if tabs is not None and not tabs.over:
-            tabs.stop()
-            self.notify(f"stopping the runs of agent script {tabs.number}", timeout=3)
+        if tabs is None or tabs.over:
+            return False
+        tabs.stop()
+        self.notify(f"stopping the runs of agent script {tabs.number}", timeout=3)
+        return True
 
     def on_unmount(self) -> None:
         for tabs in self.agent_sessions:

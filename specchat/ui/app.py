@@ -405,14 +405,18 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
 
     def action_cancel(self) -> None:
         """Stop the active chat's answer (the text so far is kept), or its message waiting for the model (it was sent
-        all the same once the model had loaded), or the runs of the active agent tab."""
+        all the same once the model had loaded), or the runs of the active agent tab; with none of them to stop, a
+        first MXFP4 switch's quantization."""
         pane = self.chat
         if pane is None:
-            self.stop_agent_tab()
+            if not self.stop_agent_tab():
+                self.cancel_quantizing()
         elif pane.busy and self.engine is not None:
             self.engine.cancel(pane.request_id)
         elif pane.waiting is not None and self.engine is None:
             self.hold_back_waiting(pane, STOPPED_WAITING)
+        else:
+            self.cancel_quantizing()
 
     def action_system_prompt(self) -> None:
         """Edit the system prompt that new chats start with."""

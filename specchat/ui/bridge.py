@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -69,6 +70,10 @@ def gpu_bytes(engine: ChatEngine) -> int | None:
     return int(torch.cuda.memory_reserved(engine.device))
 
 
+class SwitchStopped(Exception):
+    """Raised from a weight switch's progress callback to end its quantization: the user stopped it."""
+
+
 class EngineBridge:
     """Connects one engine to one app: step events in, settings out."""
 
@@ -106,9 +111,16 @@ class EngineBridge:
         memory = {**snapshot.memory, "rss_bytes": rss_bytes(), "gpu_bytes": gpu_bytes(self.engine)}
         self.app.post_message(EngineReading(snapshot, memory))
 
-    def apply_setting(self, name: str, value: str) -> None:
-        """Worker thread: call the engine's setter (it may take long: quantizing, loading a drafter)."""
-        progress = lambda what, done, total: self.app.post_message(SettingProgress(what, done, total))
+    def apply_setting(self, name: str, value: str, stop: threading.Event | None = None) -> None:
+        """Worker thread: call the engine's setter (it may take long: quantizing, loading a drafter). Once `stop` is
+        set, a weight switch's quantization ends at its next progress report (GPTQ: after the linear in hand),
+        changing nothing."""
+
+        def progress(what: str, done: int, total: int) -> None:
+            if stop is not None and stop.is_set():
+                raise SwitchStopped
+            self.app.post_message(SettingProgress(what, done, total))
+
         setter = {
             "drafter": self.engine.set_drafter,
             "weights": partial(self.engine.set_weights, progress=progress),
@@ -117,6 +129,9 @@ class EngineBridge:
         try:
             setter[name](value)
             error = None
+        except SwitchStopped:
+            self.app.post_message(SettingApplied(name, value, cancelled=True))
+            return
         except SpecchatError as exc:
             error = str(exc)
         except Exception as exc:  # our bug, but the chat must go on: log it, show one line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from textual import on
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.message import Message
 from textual.widgets import Button, Input, Label, ProgressBar, Select
 
@@ -54,10 +55,12 @@ class ControlsPanel(Vertical):
         with Horizontal(classes="row"):
             yield Label("temp", classes="name")
             yield Input(str(self.temperature), id="temperature", compact=True, classes="temp-field")
+        yield Label(id="switch-note")
 
     def on_mount(self) -> None:
         self.border_title = "Controls"
         self.show_k_state()
+        self.show_note("")
 
     def show_k_state(self) -> None:
         """K's row is disabled, with a hint, while no drafter drafts."""
@@ -120,9 +123,17 @@ class ControlsPanel(Vertical):
         """Show an indeterminate bar while a long change (quantizing, loading a drafter) runs."""
         bars = self.query(ProgressBar)
         if busy and not bars:
-            self.mount(ProgressBar(total=None, show_eta=False, show_percentage=False))
+            self.mount(ProgressBar(total=None, show_eta=False, show_percentage=False), before="#switch-note")
         elif not busy:
             bars.remove()
+            self.show_note("")
+
+    def show_note(self, note: str) -> None:
+        """A line under the bar saying what the long change does (a first MXFP4 switch: quantizing, time left);
+        "" hides it."""
+        label = self.query_one("#switch-note", Label)
+        label.update(Content(note))
+        label.display = bool(note)
 
     def show_progress(self, done: int, total: int) -> None:
         """Turn the busy bar into a measured one: `done` of `total` (GPTQ's linears on a first MXFP4 switch)."""

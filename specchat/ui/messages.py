@@ -63,10 +63,12 @@ class SettingProgress(Message):
 
 
 class SettingApplied(Message):
-    """A live setting (drafter, weights, KV) finished changing, or failed with `error`."""
+    """A live setting (drafter, weights, KV) finished changing, failed with `error`, or was `cancelled` (a weight
+    switch's quantization stopped by the user: nothing changed)."""
 
-    def __init__(self, name: str, value: str, error: str | None = None) -> None:
+    def __init__(self, name: str, value: str, error: str | None = None, cancelled: bool = False) -> None:
         super().__init__()
         self.name = name
         self.value = value
         self.error = error
+        self.cancelled = cancelled

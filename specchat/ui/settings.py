@@ -2,24 +2,53 @@
 
 K and temperature apply at once (K through `engine.set_k`, from the next step; temperature from the next
 message). Drafter, weights and KV call the engine's setter in a worker thread, since loading a drafter or
-quantizing takes a while; a refusal becomes a notification and the control snaps back. While the model loads,
-a drafter picked is what the first requests get; weights and KV wait for the model. Every change gives the
-keyboard back to the chat's prompt.
+quantizing takes a while; a refusal becomes a notification and the control snaps back. A first switch of a model
+to MXFP4 weights quantizes it (GPTQ, minutes on a CPU): the app says so, with a rough time, before it starts, shows
+the time left as it goes, and Esc stops it. While the model loads, a drafter picked is what the first requests
+get; weights and KV wait for the model. Every change gives the keyboard back to the chat's prompt.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+import threading
+import time
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from specchat.config import DRAFTERS, SpecParams, check_drafter_name
 from specchat.errors import ConfigError, SpecchatError
 from specchat.registry import ModelSpec, resolve
 from specchat.ui.controls import ControlsPanel, k_text
+from specchat.ui.memory import MemoryPanel
 from specchat.ui.messages import SettingApplied, SettingProgress
 from specchat.ui.speculation import SpeculationPanel
 
 K_ACTIONS = ("k_up", "k_down", "k_auto")  # nothing to do without a drafter: shown disabled then
+# GPTQ's cost in core-seconds per linear weight: the default model's first MXFP4 switch quantized its 134.5M linear
+# weights in 165 s on 2 idle cores (2026-12-06); on a busy machine it took up to ~45 min (docs/quantization.md)
+GPTQ_CORE_S_PER_WEIGHT = 2 * 165 / 134.5e6
+
+
+def duration_text(seconds: float) -> str:
+    """'under a minute', '~3 min'."""
+    return "under a minute" if seconds < 60 else f"~{round(seconds / 60)} min"
+
+
+def gptq_seconds(memory: dict, device: str | None) -> float | None:
+    """Roughly how long a first MXFP4 switch's GPTQ takes here on an idle machine; None off the CPU (not measured)."""
+    if device != "cpu":
+        return None
+    weights = memory.get("linear_weight_bytes_bf16", 0) / 2
+    return weights * GPTQ_CORE_S_PER_WEIGHT / (os.cpu_count() or 1)
+
+
+@dataclass(slots=True)
+class Quantizing:
+    """A first switch to MXFP4 weights under way (GPTQ into the model's cache); `stop` ends it."""
+
+    started: float = field(default_factory=time.monotonic)
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 def model_drafter(name: str, model: ModelSpec | str | None, device: str | None = None) -> str:
@@ -79,6 +108,7 @@ class LiveSettings:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.switching: dict[str, str] = {}  # drafter / weights / kv changes on their way: name -> value
+        self.quantizing: Quantizing | None = None
 
     def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
         """A control was used: apply it, and give the keyboard back to the chat (Enter must not press the button
@@ -141,26 +171,76 @@ class LiveSettings:
                 controls.show(name, getattr(self.settings, name) or "")
                 return
             if name in self.switching:  # a second F3 while the first switch runs asked for the same format again
-                self.notify(f"{name}: still switching to {self.switching[name]}; change it again once that is done",
-                            severity="warning")  # fmt: skip
+                doing = f"switching to {self.switching[name]}; change it again once that is done"
+                if name == "weights" and self.quantizing is not None:
+                    doing = "quantizing to mxfp4 (Esc stops it)"
+                self.notify(f"{name}: still {doing}", severity="warning")
                 return
             self.switching[name] = value
             controls.set_busy(True)
-            self.notify(f"{name} → {value}…", timeout=3)
-            self.run_worker(partial(self.bridge.apply_setting, name, value), thread=True, group="settings")
+            stop = None
+            if name == "weights" and value == "mxfp4" and self.reading().get("weights_mxfp4_needs_gptq"):
+                self.quantizing = Quantizing()
+                stop = self.quantizing.stop
+                seconds = gptq_seconds(self.reading(), engine_device(self.engine))
+                took = "minutes on the GPU" if seconds is None else f"{duration_text(seconds)} on this CPU when idle"
+                self.notify(
+                    "weights → mxfp4: this model has no MXFP4 checkpoint yet, so it is quantized now (GPTQ), once: "
+                    f"the result is cached and later switches take a second. It takes {took}, longer while the "
+                    "machine is busy. The chats go on meanwhile; Esc stops it.",
+                    title="Quantizing to MXFP4",
+                    timeout=20,
+                )
+                took = "minutes" if seconds is None else duration_text(seconds)
+                controls.show_note(f"quantizing to MXFP4, once: {took} · Esc stops")
+            else:
+                self.notify(f"{name} → {value}…", timeout=3)
+            self.run_worker(partial(self.bridge.apply_setting, name, value, stop), thread=True, group="settings")
+
+    def reading(self) -> dict:
+        """The engine's memory figures as last read ({} before the first reading)."""
+        panel = self.widget(MemoryPanel)
+        return panel.memory if panel is not None else {}
+
+    def cancel_quantizing(self) -> bool:
+        """Stop a first MXFP4 switch's quantization (it ends after the linear in hand); False if none runs."""
+        if self.quantizing is None or self.quantizing.stop.is_set():
+            return False
+        self.quantizing.stop.set()
+        if (controls := self.widget(ControlsPanel)) is not None:
+            controls.show_note("stopping the quantization…")
+        return True
+
+    def on_unmount(self) -> None:
+        """A quantization still running stops, so that quitting does not wait for it."""
+        self.cancel_quantizing()
 
     def on_setting_progress(self, message: SettingProgress) -> None:
-        if (controls := self.widget(ControlsPanel)) is not None:
-            controls.show_progress(message.done, message.total)
-        if message.done == 1:
-            self.notify(f"weights → mxfp4: {message.what} over {message.total} linears, once for this model", timeout=6)
+        controls = self.widget(ControlsPanel)
+        if controls is None:
+            return
+        controls.show_progress(message.done, message.total)
+        quantizing = self.quantizing
+        if quantizing is not None and not quantizing.stop.is_set() and message.done:
+            left = (time.monotonic() - quantizing.started) * (message.total - message.done) / message.done
+            controls.show_note(
+                f"MXFP4 {message.what} {message.done}/{message.total} · {duration_text(left)} left · Esc stops"
+            )
 
     def on_setting_applied(self, message: SettingApplied) -> None:
         self.switching.pop(message.name, None)
         controls = self.widget(ControlsPanel)
+        if message.name == "weights":
+            self.quantizing = None
+            if controls is not None:
+                controls.show_note("")
         if controls is None:
             return
         controls.set_busy(bool(self.switching))  # another change still on its way keeps its progress bar
+        if message.cancelled:
+            self.notify(f"{message.name}: quantizing to {message.value} stopped; nothing changed", timeout=5)
+            controls.show(message.name, getattr(self.settings, message.name) or "")
+            return
         if message.error is not None:
             self.notify(f"{message.name}: {message.error}", severity="error")
             controls.show(message.name, getattr(self.settings, message.name) or "")
