@@ -42,6 +42,11 @@ class PromptError(SpecchatError):
     """An empty prompt, or a prompt that does not fit the context."""
 
 
+class ContextLengthError(PromptError):
+    """A prompt longer than the model's context (the server's `context_length_exceeded`, which clients such as
+    LiteLLM read to shorten a conversation)."""
+
+
 class KVCacheFullError(SpecchatError):
     """The KV pool cannot hold a request even when it runs alone."""
 

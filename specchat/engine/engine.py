@@ -42,7 +42,7 @@ from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, 
 from specchat.engine.spec_step import SpecStep
 from specchat.engine.telemetry import EngineMetrics, Snapshot
 from specchat.engine.tokenizer import Tokenizer
-from specchat.errors import ConfigError, PromptError
+from specchat.errors import ConfigError, ContextLengthError, PromptError
 from specchat.kernels import cpu_build
 from specchat.quant.handler import WeightSwitch, weight_switch
 from specchat.quant.modules import model_dtype
@@ -234,7 +234,7 @@ class Engine:
             # (a token covers a character or more: a text shorter than the context cannot reach it)
             bound = self.token_bound if len(text) >= limit else None
             if bound is not None and (at_least := bound.reaches(text, limit)) is not None:
-                raise PromptError(_past_context(f"at least {at_least}", limit))
+                raise ContextLengthError(_past_context(f"at least {at_least}", limit))
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
@@ -245,7 +245,7 @@ class Engine:
         if not ids:
             raise PromptError("empty prompt")
         if len(ids) >= limit:
-            raise PromptError(_past_context(str(len(ids)), limit))
+            raise ContextLengthError(_past_context(str(len(ids)), limit))
         return ids
 
     @functools.cached_property

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from specchat.config import SpecParams
 from specchat.engine.api import ServedEngine
 from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, TextDelta
-from specchat.errors import ConfigError, SpecchatError
+from specchat.errors import ConfigError, ContextLengthError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
 from specchat.server.protocol import (
     ApiError,
@@ -259,7 +259,8 @@ def create_app(
         try:
             ids = await asyncio.to_thread(engine.encode_prompt, messages, raw=not req.chat, tools=tools)
         except SpecchatError as exc:
-            raise ApiError(400, str(exc), "messages" if req.chat else "prompt") from None
+            code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+            raise ApiError(400, str(exc), "messages" if req.chat else "prompt", code) from None
         room = engine.max_position - len(ids)
         req.sampling.max_tokens = min(req.max_tokens or room, room)
         queue: asyncio.Queue[list[Event]] = asyncio.Queue()

@@ -307,8 +307,9 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(client, served, 
     assert missing.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="max_tokens must be > 0"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=-1)
-    with pytest.raises(openai.BadRequestError, match="context holds"):
+    with pytest.raises(openai.BadRequestError, match="context holds") as too_long:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 400}])
+    assert too_long.value.body["code"] == "context_length_exceeded"  # what LiteLLM reads to shorten a chat
     with pytest.raises(openai.BadRequestError, match="unknown drafter"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"drafter": "nope"})
     with pytest.raises(openai.BadRequestError, match="only n = 1"):
@@ -361,6 +362,7 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_encoded(served, m
         status, answer = post_raw(url + path, json.dumps(body).encode())
         message = answer["error"]["message"]
         assert status == 400 and message.startswith("prompt is at least ") and "context holds 256" in message, answer
+        assert answer["error"]["code"] == "context_length_exceeded", answer
     assert encoded == []
     status, answer = post_raw(url + "/v1/completions", json.dumps({"model": "tiny", "prompt": "word " * 400}).encode())
     assert status == 400 and re.match(r"prompt is \d+ tokens", answer["error"]["message"]) and encoded  # counted
