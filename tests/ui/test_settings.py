@@ -116,3 +116,20 @@ async def test_quitting_stops_the_quantization(make_app, store):
     while engine.ended is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.ended == "SwitchStopped"
+
+
+async def test_a_model_switch_waits_for_a_quantization(make_app, store):
+    """Switch model during a first MXFP4 switch dropped the engine under the running quantization, which went on
+    for minutes, and its end set the new model's weights to mxfp4 in the Controls while it ran bf16."""
+    engine = QuantizingEngine(total_tokens=6)
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await start_quantizing(pilot, app, engine)
+        await app.switch_model("another-model")
+        await pilot.pause()
+        assert app.engine is engine and app.bridge is not None and app.config.model != "another-model"
+        warnings = [n.message for n in app._notifications if n.severity == "warning"]
+        assert warnings == ["weights still changing: switch the model once that is done, or Esc stops the quantization"]
+        engine.begin.set()
+        press_now(app, "escape")
+        await wait_for(pilot, lambda: not app.switching, timeout=10, what="the switch to end")
