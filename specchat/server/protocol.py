@@ -203,9 +203,12 @@ def _messages(messages: Any) -> list[dict]:
             if not isinstance(calls, list):
                 raise ApiError(400, f"messages[{i}].tool_calls must be a list of tool calls", "messages")
             entry["tool_calls"] = [_call_for_template(call, i) for call in calls]
-        if role == "tool":
-            entry["tool_call_id"] = str(message.get("tool_call_id", ""))
-            entry["name"] = str(message.get("name", ""))
+        if role == "tool":  # null as absent (clients send it), not the template's text "None"
+            for key in ("tool_call_id", "name"):
+                value = message.get(key)
+                if value is not None and not isinstance(value, str):
+                    raise ApiError(400, f"messages[{i}].{key} must be a string", "messages")
+                entry[key] = value or ""
         out.append(entry)
     return out
 

@@ -308,6 +308,16 @@ def test_tool_turns_are_spelled_out_for_chatml_without_tools_too(tool_choice) ->
     assert not any("tool_calls" in m for m in messages)
 
 
+def test_a_tool_turns_null_id_and_name_are_absent_not_the_text_none() -> None:
+    """`"name": null` reached the template as the string "None"; a non-string is refused."""
+    user = {"role": "user", "content": "add"}
+    tool = {"role": "tool", "tool_call_id": None, "name": None, "content": "1"}
+    req = parse_request({"messages": [user, tool]}, chat=True, default_spec=SpecParams())
+    assert req.prompt[1]["tool_call_id"] == "" and req.prompt[1]["name"] == ""
+    with pytest.raises(ApiError, match=r"messages\[1\]\.name must be a string"):
+        parse_request({"messages": [user, {**tool, "name": 5}]}, chat=True, default_spec=SpecParams())
+
+
 def test_a_plain_history_without_tools_is_passed_as_it_came() -> None:
     messages = [{"role": "user", "content": "hi"}]
     assert with_tools(messages, [], CHATML) == (messages, None)
