@@ -28,19 +28,8 @@ from specchat.engine.api import ServedEngine
 from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, TextDelta
 from specchat.errors import ConfigError, ContextLengthError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
-from specchat.server.protocol import (
-    ApiError,
-    GenerationRequest,
-    StreamChunks,
-    completion,
-    finish_reason,
-    new_id,
-    parse_request,
-    refused,
-    sse,
-    tool_calls,
-    with_tools,
-)
+from specchat.server.protocol import ApiError, GenerationRequest, parse_request, with_tools
+from specchat.server.responses import StreamChunks, completion, finish_reason, new_id, refused, sse, tool_calls
 from specchat.server.stopping import STOPPING_ERROR
 
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread (a 128k-token context is ~0.5 MB)

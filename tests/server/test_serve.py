@@ -23,7 +23,8 @@ from specchat.engine.sequence import Finished
 from specchat.engine.stats import SpecStats
 from specchat.errors import ConfigError
 from specchat.server.app import create_app
-from specchat.server.protocol import GenerationRequest, completion
+from specchat.server.protocol import GenerationRequest
+from specchat.server.responses import completion
 
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
 
