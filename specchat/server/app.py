@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specchat.config import SpecParams
 from specchat.engine.api import ServedEngine
@@ -119,6 +120,21 @@ def parse_json(raw: bytes) -> object:
         ) from None
 
 
+class TrailingSlashes:
+    """ASGI middleware: a path's trailing slash names the same route (/v1/chat/completions/ is /v1/chat/completions).
+    Starlette answered it with a 307 and an empty body, which a client that follows no redirect (curl without -L,
+    urllib) took for the answer, and /v1/models/ as the card of a model named ""."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+        await self.app(scope, receive, send)
+
+
 class EventRouter:
     """Engine listener: each step's events, per request, onto that request's asyncio queue."""
 
@@ -149,7 +165,8 @@ def create_app(
     """The app for `engine`, answering as model `model`; the engine's step loop must be running."""
     if not 0 <= stream_interval_s < float("inf"):
         raise ConfigError(f"the stream interval must be a number >= 0, got {stream_interval_s}")
-    app = FastAPI(title="specchat", docs_url=None, redoc_url=None)
+    app = FastAPI(title="specchat", docs_url=None, redoc_url=None, redirect_slashes=False)
+    app.add_middleware(TrailingSlashes)
     spec = default_spec or SpecParams(drafter="none", k=0)
     state: dict[str, EventRouter] = {}
     app.state.body_readers = readers = BodyReaders()  # the stopping server ends their reads (stopping.py)

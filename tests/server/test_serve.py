@@ -228,6 +228,31 @@ def test_head_answers_where_get_does(served):
             assert error.code == status, path
 
 
+def test_a_trailing_slash_names_the_same_route(served):
+    """POST /v1/chat/completions/ was Starlette's 307 with an empty body: a client that follows no redirect (curl
+    without -L, urllib, http.client) got no answer; GET /v1/models/ was a 404 for a model named ""."""
+    host, port = served[0].removeprefix("http://").split(":")
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "ignore_eos": True}
+    for method, path, body, status, wanted in (
+        ("POST", "/v1/chat/completions/", chat, 200, {"object": "chat.completion"}),
+        ("POST", "/v1/completions/", {"model": "tiny", "prompt": "Once", "max_tokens": 2}, 200, {"model": "tiny"}),
+        ("GET", "/v1/models/", None, 200, {"object": "list"}),
+        ("GET", "/v1/models/tiny/", None, 200, {"id": "tiny"}),
+        ("GET", "/health/", None, 200, {"status": "ok"}),
+        ("GET", "/v1/chat/completions/", None, 405, {}),
+        ("POST", "/v1/nowhere/", {}, 404, {}),
+    ):
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        data = None if body is None else json.dumps(body)
+        connection.request(method, path, data, {"content-type": "application/json"})
+        response = connection.getresponse()  # (http.client follows no redirect)
+        answer = json.loads(response.read() or b"null")
+        connection.close()
+        assert response.status == status and isinstance(answer, dict), (method, path, response.status, answer)
+        assert answer.items() >= wanted.items() and ("error" in answer) == (status != 200), (method, path, answer)
+    assert "specchat:kv_cache_usage_perc" in get(served[0] + "/metrics/")
+
+
 def test_body_readers_stop_after_their_loop_closed():
     """The stopping server's timer thread ends the body reads (BodyReaders.stop) and could fire after the event loop
     had closed: `call_soon_threadsafe` raised in that thread ("Event loop is closed", a traceback on stderr)."""
