@@ -123,7 +123,10 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         )
     except ConfigError as exc:  # SamplingParams names the field first: "top_p must be ..."
         raise ApiError(400, str(exc), SAMPLING_FIELDS.get(str(exc).split(" ", 1)[0])) from None
+    stream = bool(_field(body, "stream", bool, False))
     stream_options = _field(body, "stream_options", dict, {})
+    if body.get("stream_options") is not None and not stream:  # as OpenAI and vLLM: usage asked of no stream
+        raise ApiError(400, "stream_options can only be set if stream is true", "stream_options")
     include_usage = stream_options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):  # ("no" was true)
         raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options")
@@ -132,7 +135,7 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         prompt=prompt,
         sampling=sampling,
         spec=_spec(body, default_spec),
-        stream=bool(_field(body, "stream", bool, False)),
+        stream=stream,
         include_usage=include_usage is True,
         tools=_tools(body) if chat else [],
         max_tokens=max_tokens,

@@ -297,3 +297,24 @@ def test_a_tool_with_null_or_absent_description_and_parameters_is_accepted() -> 
     functions = [{"name": "f"}, {"name": "f", "description": None, "parameters": None}, ADD_TOOL["function"]]
     tools = [{"type": "function", "function": function} for function in functions]
     assert parse_request({**body, "tools": tools}, chat=True, default_spec=SpecParams()).tools == tools
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("stream", [{}, {"stream": False}, {"stream": None}])
+@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": False}, {}])
+def test_stream_options_without_stream_is_a_400(chat: bool, stream: dict, options: dict) -> None:
+    """Accepted silently: a client that asked for usage in a stream it never opened was not told, as OpenAI and vLLM
+    tell it."""
+    body = {"messages": [{"role": "user", "content": "w"}], "prompt": "w", **stream, "stream_options": options}
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=chat, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == "stream_options"
+    assert refused.value.message == "stream_options can only be set if stream is true"
+
+
+def test_null_stream_options_without_stream_is_accepted() -> None:
+    body = {"messages": [{"role": "user", "content": "w"}], "stream_options": None}
+    req = parse_request(body, chat=True, default_spec=SpecParams())
+    assert not req.stream and not req.include_usage
+    req = parse_request({**body, "stream": True, "stream_options": {}}, chat=True, default_spec=SpecParams())
+    assert req.stream and not req.include_usage
