@@ -23,6 +23,7 @@ from specchat.errors import ConfigError
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 COMPLETION_TOKENS = 16  # /v1/completions' max_tokens where absent, as OpenAI's and vLLM's (chat's: the context)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; a client that sends more gets the same 400 it would get there
+ROLES = ("system", "developer", "user", "assistant", "tool")  # a chat message's; developer is read as system
 
 
 # SamplingParams' messages start with the field's CLI name -> the request's field
@@ -178,14 +179,9 @@ def _messages(messages: Any) -> list[dict]:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-            "tool",
-        ):
-            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            roles = f"{', '.join(ROLES[:-1])} or {ROLES[-1]}"
+            raise ApiError(400, f"messages[{i}] needs a role of {roles}", "messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):

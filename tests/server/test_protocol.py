@@ -318,3 +318,14 @@ def test_null_stream_options_without_stream_is_accepted() -> None:
     assert not req.stream and not req.include_usage
     req = parse_request({**body, "stream": True, "stream_options": {}}, chat=True, default_spec=SpecParams())
     assert req.stream and not req.include_usage
+
+
+@pytest.mark.parametrize("message", [{"role": "robot", "content": "w"}, {"content": "w"}, "w"])
+def test_an_unknown_role_is_a_400_listing_every_accepted_role(message) -> None:
+    """The message listed system, user, assistant and tool, leaving out developer, which is accepted (as system)."""
+    with pytest.raises(ApiError) as refused:
+        parse_request({"messages": [{"role": "user", "content": "w"}, message]}, chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert refused.value.message == "messages[1] needs a role of system, developer, user, assistant or tool"
+    body = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "w"}]}
+    assert parse_request(body, chat=True, default_spec=SpecParams()).prompt[0]["role"] == "system"
