@@ -144,8 +144,9 @@ class AgentScript:
             raise ConfigError(f"max_wall_s must be > 0 and at most {MAX_WALL_S:.0f} (a year), got {self.max_wall_s}")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.workspace is not None and not self.workspace.is_dir():
-            raise ConfigError(f"workspace: no such directory {self.workspace}")
+        workspace_problem = self.workspace and path_problem(self.workspace, str(self.workspace), directory=True)
+        if workspace_problem:
+            raise ConfigError(f"workspace: {workspace_problem}")
         if self.stop.kind == "tool" and FINAL_ANSWER not in self.tools.builtin:
             raise ConfigError(f"stop.tool needs the {FINAL_ANSWER} tool enabled")
         if self.weights not in WEIGHT_CHOICES:

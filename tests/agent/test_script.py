@@ -178,6 +178,8 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks_file = "missing.txt"', "tasks_file: no such file"),
         ('tasks_file = "."', "is a directory, not a file"),
         ('tasks = ["x"]\nworkspace = "nowhere"', "workspace: no such directory"),
+        # a file said "no such directory", a folder the user could see was there
+        ('tasks = ["x"]\nworkspace = "agent.toml"', "workspace: {tmp}/agent.toml is a file, not a directory"),
         ('tasks = ["x"]\nmodel = "./missing.gguf"', "model: no such file or directory"),
         (
             'tasks = ["x"]\n[tools]\nenabled = ["pyhton"]',
@@ -243,7 +245,7 @@ def test_bad_scripts_name_the_file_and_the_key(tmp_path: Path, text: str, messag
         load_script(path)
     line = str(caught.value)
     assert line.startswith(f"{path}: ")
-    assert message in line
+    assert message.replace("{tmp}", str(tmp_path.resolve())) in line
     assert "\n" not in line
 
 
