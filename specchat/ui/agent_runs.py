@@ -303,19 +303,16 @@ class AgentRuns:
         self.push_screen(screen, partial(self.agent_settings_chosen, script, wanted))
 
     async def agent_settings_chosen(self, script: AgentScript, wanted: tuple[str, str], switch: bool | None) -> None:
-        """Start the script on the engine as it is (False), or after switching it to the script's settings."""
+        """Start the script on the engine as it is (False), or once the engine runs the script's settings: switched
+        as the Controls switch them (progress bar, a first quantization's note, Esc stops it), the script starting
+        only if every switch succeeded."""
         if switch is None:
             return
         if not switch:
             await self.start_agent(script)
             return
-        self.switch_then_start(script, wanted)
-
-    @work(thread=True, group="settings")
-    def switch_then_start(self, script: AgentScript, wanted: tuple[str, str]) -> None:
-        """Switch weights, then KV, as the Controls would (the panels follow), then start the script."""
         running = self.engine.resolve_formats(self.settings.weights or "auto", self.settings.kv or "auto")
-        for name, value, now in zip(("weights", "kv"), wanted, running, strict=True):
-            if value != now:
-                self.bridge.apply_setting(name, value)
-        self.call_from_thread(self.start_agent, script)
+        changes = {
+            name: value for name, value, now in zip(("weights", "kv"), wanted, running, strict=True) if value != now
+        }
+        self.switch_settings(changes, partial(self.start_agent, script), failed=f"{script.path.name} not started")

@@ -5,7 +5,8 @@ message). Drafter, weights and KV call the engine's setter in a worker thread, s
 quantizing takes a while; a refusal becomes a notification and the control snaps back. A first switch of a model
 to MXFP4 weights quantizes it (GPTQ, minutes on a CPU): the app says so, with a rough time, before it starts, shows
 the time left as it goes, and Esc stops it. While the model loads, a drafter picked is what the first requests
-get; weights and KV wait for the model. Every change gives the keyboard back to the chat's prompt.
+get; weights and KV wait for the model. Every change gives the keyboard back to the chat's prompt. An agent script
+that asks for other formats switches them the same way (`switch_settings`), and starts once they all succeeded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -49,6 +51,19 @@ class Quantizing:
 
     started: float = field(default_factory=time.monotonic)
     stop: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True)
+class SwitchBatch:
+    """Drafter / weights / KV changes started together for one purpose (an agent script's formats): `then` runs once
+    every one has succeeded; otherwise one notification, headed `failed`, says what went wrong and what did change."""
+
+    pending: set[str]
+    then: Callable[[], Awaitable[None] | None]
+    failed: str
+    problems: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    stopped_only: bool = True  # every problem was a quantization the user stopped (Esc): not an error
 
 
 def model_drafter(name: str, model: ModelSpec | str | None, device: str | None = None) -> str:
@@ -109,6 +124,7 @@ class LiveSettings:
         super().__init__(*args, **kwargs)
         self.switching: dict[str, str] = {}  # drafter / weights / kv changes on their way: name -> value
         self.quantizing: Quantizing | None = None
+        self.switch_batches: list[SwitchBatch] = []  # changes an agent script waits for
 
     def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
         """A control was used: apply it, and give the keyboard back to the chat (Enter must not press the button
@@ -166,36 +182,63 @@ class LiveSettings:
                 self.notify(str(exc), severity="error")
             self.show_drafter()
         else:
-            if self.bridge is None:
-                self.notify(f"{name}: the model is still loading; change it once it is ready", severity="warning")
-                controls.show(name, getattr(self.settings, name) or "")
+            if (refusal := self.switch_refusal(name)) is not None:
+                self.notify(f"{name}: {refusal}", severity="warning")
+                if self.bridge is None:
+                    controls.show(name, getattr(self.settings, name) or "")
                 return
-            if name in self.switching:  # a second F3 while the first switch runs asked for the same format again
-                doing = f"switching to {self.switching[name]}; change it again once that is done"
-                if name == "weights" and self.quantizing is not None:
-                    doing = "quantizing to mxfp4 (Esc stops it)"
-                self.notify(f"{name}: still {doing}", severity="warning")
-                return
-            self.switching[name] = value
-            controls.set_busy(True)
-            stop = None
-            if name == "weights" and value == "mxfp4" and self.reading().get("weights_mxfp4_needs_gptq"):
-                self.quantizing = Quantizing()
-                stop = self.quantizing.stop
-                seconds = gptq_seconds(self.reading(), engine_device(self.engine))
-                took = "minutes on the GPU" if seconds is None else f"{duration_text(seconds)} on this CPU when idle"
-                self.notify(
-                    "weights → mxfp4: this model has no MXFP4 checkpoint yet, so it is quantized now (GPTQ), once: "
-                    f"the result is cached and later switches take a second. It takes {took}, longer while the "
-                    "machine is busy. The chats go on meanwhile; Esc stops it.",
-                    title="Quantizing to MXFP4",
-                    timeout=20,
-                )
-                took = "minutes" if seconds is None else duration_text(seconds)
-                controls.show_note(f"quantizing to MXFP4, once: {took} · Esc stops")
-            else:
-                self.notify(f"{name} → {value}…", timeout=3)
-            self.run_worker(partial(self.bridge.apply_setting, name, value, stop), thread=True, group="settings")
+            self.start_switch(name, value)
+
+    def switch_refusal(self, name: str) -> str | None:
+        """Why a drafter / weights / KV change cannot start now (a second F3 while the first switch runs); None if
+        it can."""
+        if self.bridge is None:
+            return "the model is still loading; change it once it is ready"
+        if name not in self.switching:
+            return None
+        if name == "weights" and self.quantizing is not None:
+            return "still quantizing to mxfp4 (Esc stops it)"
+        return f"still switching to {self.switching[name]}; change it again once that is done"
+
+    def start_switch(self, name: str, value: str) -> None:
+        """Change drafter / weights / KV in a worker thread behind the Controls' progress bar; a first MXFP4 switch
+        says first that it quantizes, and how long that takes, and Esc stops it. Its end is a SettingApplied."""
+        controls = self.main.query_one(ControlsPanel)
+        self.switching[name] = value
+        controls.set_busy(True)
+        stop = None
+        if name == "weights" and value == "mxfp4" and self.reading().get("weights_mxfp4_needs_gptq"):
+            self.quantizing = Quantizing()
+            stop = self.quantizing.stop
+            seconds = gptq_seconds(self.reading(), engine_device(self.engine))
+            took = "minutes on the GPU" if seconds is None else f"{duration_text(seconds)} on this CPU when idle"
+            self.notify(
+                "weights → mxfp4: this model has no MXFP4 checkpoint yet, so it is quantized now (GPTQ), once: "
+                f"the result is cached and later switches take a second. It takes {took}, longer while the "
+                "machine is busy. The chats go on meanwhile; Esc stops it.",
+                title="Quantizing to MXFP4",
+                timeout=20,
+            )
+            took = "minutes" if seconds is None else duration_text(seconds)
+            controls.show_note(f"quantizing to MXFP4, once: {took} · Esc stops")
+        else:
+            self.notify(f"{name} → {value}…", timeout=3)
+        self.run_worker(partial(self.bridge.apply_setting, name, value, stop), thread=True, group="settings")
+
+    def switch_settings(self, changes: dict[str, str], then: Callable[[], Awaitable[None] | None], failed: str) -> None:
+        """Make several drafter / weights / KV changes as the Controls do, then call `then` once every one has
+        succeeded. If one cannot start (another change of it runs), none starts; if one fails or is stopped, `then`
+        never runs and one notification headed `failed` says why."""
+        refusals = [f"{name}: {why}" for name in changes if (why := self.switch_refusal(name)) is not None]
+        if refusals:
+            self.notify(f"{failed}: {'; '.join(refusals)}", severity="warning", timeout=10)
+            return
+        if not changes:  # (the formats became the wanted ones meanwhile)
+            self.call_later(then)
+            return
+        self.switch_batches.append(SwitchBatch(set(changes), then, failed))
+        for name, value in changes.items():
+            self.start_switch(name, value)
 
     def reading(self) -> dict:
         """The engine's memory figures as last read ({} before the first reading)."""
@@ -237,21 +280,42 @@ class LiveSettings:
         if controls is None:
             return
         controls.set_busy(bool(self.switching))  # another change still on its way keeps its progress bar
-        if message.cancelled:
-            self.notify(f"{message.name}: quantizing to {message.value} stopped; nothing changed", timeout=5)
+        batch = next((batch for batch in self.switch_batches if message.name in batch.pending), None)
+        if message.cancelled or message.error is not None:
             controls.show(message.name, getattr(self.settings, message.name) or "")
+            problem = f"quantizing to {message.value} stopped; nothing changed" if message.cancelled else message.error
+            if batch is not None:
+                batch.problems.append(f"{message.name}: {problem}")
+                batch.stopped_only &= message.cancelled
+            elif message.cancelled:
+                self.notify(f"{message.name}: {problem}", timeout=5)
+            else:
+                self.notify(f"{message.name}: {problem}", severity="error")
+        else:
+            setattr(self.settings, message.name, message.value)
+            controls.show(message.name, message.value)
+            if message.name == "drafter":
+                self.show_drafter()
+            self.show_welcome()
+            self.request_reading()
+            if batch is not None:
+                batch.changed.append(f"{message.name} is now {message.value}")
+            else:
+                self.notify(f"{message.name} = {message.value}", timeout=3)
+        if batch is not None:
+            batch.pending.discard(message.name)
+            if not batch.pending:
+                self.switch_batches.remove(batch)
+                self.end_batch(batch)
+
+    def end_batch(self, batch: SwitchBatch) -> None:
+        """Every change of the batch has ended: go on with `then`, or say in one notification why not."""
+        if not batch.problems:
+            self.call_later(batch.then)
             return
-        if message.error is not None:
-            self.notify(f"{message.name}: {message.error}", severity="error")
-            controls.show(message.name, getattr(self.settings, message.name) or "")
-            return
-        setattr(self.settings, message.name, message.value)
-        controls.show(message.name, message.value)
-        if message.name == "drafter":
-            self.show_drafter()
-        self.show_welcome()
-        self.notify(f"{message.name} = {message.value}", timeout=3)
-        self.request_reading()
+        changed = f" ({', '.join(batch.changed)})" if batch.changed else ""
+        severity = "warning" if batch.stopped_only else "error"
+        self.notify(f"{batch.failed}: {'; '.join(batch.problems)}{changed}", severity=severity, timeout=10)
 
     def action_k_up(self) -> None:
         """One more draft token per step."""
