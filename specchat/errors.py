@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import stat
 from pathlib import Path
 
 
@@ -51,16 +53,32 @@ class KVCacheFullError(SpecchatError):
     """The KV pool cannot hold a request even when it runs alone."""
 
 
+# What a path is, by the type bits of its mode, for "X is a FIFO, not a regular file".
+FILE_KINDS = (
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def path_problem(path: Path, shown: str, directory: bool = False) -> str | None:
-    """Why `path` is not the file (`directory`: the folder) a setting names, in words with `shown` for the path;
-    None where it is."""
-    if directory:
-        if path.is_dir():
-            return None
-        return f"{shown} is a file, not a directory" if path.exists() else f"no such directory {shown}"
-    if path.is_file():
+    """Why `path` is not the regular file (`directory`: the folder) a setting names, in words with `shown` for the
+    path; None where it is. A FIFO or a device (/dev/stdin on a terminal) is no file to read a setting from: the read
+    waits on whoever writes it, or never ends."""
+    try:
+        mode = path.stat().st_mode  # follows links: /dev/stdin is whatever stdin is
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path, which names nothing
+        if isinstance(error, ValueError) or error.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"no such {'directory' if directory else 'file'} {shown}"
+        return f"cannot read {shown} ({error.strerror or error})"
+    if stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode):
         return None
-    return f"{shown} is a directory, not a file" if path.is_dir() else f"no such file {shown}"
+    kind = next((name for is_kind, name in FILE_KINDS if is_kind(mode)), "a special file")
+    wanted = "a directory" if directory else "a file" if stat.S_ISDIR(mode) else "a regular file"
+    return f"{shown} is {kind}, not {wanted}"
 
 
 def note_not_saved(log: logging.Logger, path: Path, exc: Exception) -> None:

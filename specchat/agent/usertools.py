@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from specchat.agent.tools import Tool, ToolOptions
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, path_problem
 
 TOOL_MARK = "__specchat_tool__"
 PYTHON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -29,8 +29,8 @@ def tool(function: F) -> F:
 
 def load_user_tools(module_path: Path, names: Sequence[str], options: ToolOptions) -> list[Tool]:
     """The tools in a Python file: the functions `names` lists, or else every function marked with @tool."""
-    if not module_path.is_file():
-        raise ConfigError(f"no such file {module_path}")
+    if (why := path_problem(module_path, str(module_path))) is not None:
+        raise ConfigError(why)
     module_name = f"specchat_user_tools.{module_path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, module_path)
     if spec is None or spec.loader is None:

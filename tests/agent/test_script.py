@@ -1,5 +1,6 @@
 """Agent scripts: a full script parses into validated settings; every bad one is one clear ConfigError line."""
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -177,6 +178,9 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks = ["x"]\ntasks_file = "t.txt"', "give tasks or tasks_file, not both"),
         ('tasks_file = "missing.txt"', "tasks_file: no such file"),
         ('tasks_file = "."', "is a directory, not a file"),
+        # a FIFO or a device said "no such file" of a path that is there (and reading one waits for its writer)
+        ('tasks_file = "fifo"', "tasks_file: {tmp}/fifo is a FIFO (named pipe), not a regular file"),
+        ('tasks_file = "/dev/null"', "tasks_file: /dev/null is a character device, not a regular file"),
         ('tasks = ["x"]\nworkspace = "nowhere"', "workspace: no such directory"),
         # a file said "no such directory", a folder the user could see was there
         ('tasks = ["x"]\nworkspace = "agent.toml"', "workspace: {tmp}/agent.toml is a file, not a directory"),
@@ -197,6 +201,7 @@ def test_regex_stop_without_groups_returns_the_match():
         ('tasks = ["x"]\n[tools]\noutput_cap = 10', "output_cap must be >= 200"),
         ('tasks = ["x"]\n[tools.user]\nfunctions = ["f"]', "tools.user.module is required"),
         ('tasks = ["x"]\n[tools.user]\nmodule = "nope.py"', "tools.user: no such file"),
+        ('tasks = ["x"]\n[tools.user]\nmodule = "."', "tools.user: {tmp} is a directory, not a file"),
         ('tasks = ["x"]\n[stop]\nregex = "(unclosed"', "stop.regex is not a valid regular expression"),
         ('tasks = ["x"]\n[stop]\ntag = "<final>"', "stop.tag must be a tag name"),
         ('tasks = ["x"]\n[stop]\ntool = "answer"', "stop.tool must be 'final_answer'"),
@@ -240,6 +245,7 @@ def test_regex_stop_without_groups_returns_the_match():
     ],
 )
 def test_bad_scripts_name_the_file_and_the_key(tmp_path: Path, text: str, message: str):
+    os.mkfifo(tmp_path / "fifo")
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as caught:
         load_script(path)

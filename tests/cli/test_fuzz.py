@@ -172,6 +172,7 @@ FLAG_CASES = [
     ("--drafter heads:missing", [*GEN, "--drafter", "heads:{root}/nope.safetensors"], ["--drafter", "no such file"]),
     ("--drafter eagle:missing", [*GEN, "--drafter", "eagle:{root}/nope"], ["--drafter", "no such directory"]),
     ("--drafter heads:DIR", [*GEN, "--drafter", "heads:{root}"], ["--drafter", "is a directory, not a file"]),
+    ("--drafter heads:device", [*GEN, "--drafter", "heads:/dev/null"], ["--drafter", "is a character device, not a"]),
     ("--drafter draft-model:unknown", [*GEN, "--drafter", "draft-model:no-such-model"], ["--drafter", "no-such-model"]),
     (
         "--drafter heads:FILE without metadata",
