@@ -17,11 +17,15 @@ class AgentApp(SpecchatApp):
         super().__init__(config=config, sampling=script.sampling, spec=script.speculation, **kwargs)
         self.script = script
         self.concurrency = concurrency
+        self.script_started = False
 
     def attach_engine(self, engine) -> None:
-        """Attach as the chat app does, then start the script."""
+        """Attach as the chat app does, then start the script: on the first engine only (a model switched to later,
+        or the previous one back after a switch that failed, must not run its tasks again)."""
         super().attach_engine(engine)
-        self.call_later(self.start_agent, self.script, self.concurrency)
+        if not self.script_started:
+            self.script_started = True
+            self.call_later(self.start_agent, self.script, self.concurrency)
 
 
 def run_agent_app(script: AgentScript, config: EngineConfig, concurrency: int | None) -> None:

@@ -234,6 +234,29 @@ async def test_a_session_that_cannot_start_ends_its_queued_runs(tmp_path, store,
         assert app.is_running
 
 
+async def test_specchat_agent_runs_its_script_once_a_model_switch_does_not_run_it_again(tmp_path, store):
+    """`specchat agent SCRIPT` started the script on every engine it attached: Switch model, once the runs were over,
+    ran every task again on the new model, in new tabs (their shell commands asking again), and so did the previous
+    model coming back after a switch that failed."""
+    loaded: list[str] = []
+
+    def loader(config: EngineConfig, progress) -> ScriptedUIEngine:
+        loaded.append(config.model)
+        return ScriptedUIEngine([call("final_answer", answer="again")])
+
+    script = load_script(write_script(tmp_path, ["What is 2 + 2?"]))
+    engine = ScriptedUIEngine([call("final_answer", answer="4")])
+    app = AgentApp(script, EngineConfig(model="tiny"), 1, engine=engine, store=store, loader=loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.agent_sessions and app.agent_sessions[0].summary, what="the run")
+        await wait_for(pilot, lambda: not app.workers, what="the session's worker")
+        await app.switch_model("smollm2-360m")
+        await wait_for(pilot, lambda: loaded and app.engine is not None, what="the new model")
+        await pilot.pause(0.2)
+        assert len(app.agent_sessions) == 1 and [pane.answer for pane in run_panes(app)] == ["4"]
+        assert app.is_running
+
+
 SHELL_TOOLS = '["shell", "final_answer"]'
 SHELL_OPTIONS = '[tools.shell]\nallow = ["echo"]\n'
 
