@@ -98,6 +98,9 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+K_MAX_LIMIT = 16  # the largest k_max a SpecParams takes
+
+
 @dataclass(slots=True)
 class SpecParams:
     """Speculation for one request: which drafter proposes and how many tokens (k) per step.
@@ -111,10 +114,10 @@ class SpecParams:
     k_max: int = 8
 
     def __post_init__(self) -> None:
+        if not 0 <= self.k_max <= K_MAX_LIMIT:  # first: k_max is k's bound (k_max = -1 read "k must be in [0, -1]")
+            raise ConfigError.of("k_max", f"must be in [0, {K_MAX_LIMIT}], got {self.k_max}", shown="k_max")
         if self.k is not None and not 0 <= self.k <= self.k_max:
-            raise ConfigError(f"k must be in [0, {self.k_max}] or 'auto', got {self.k}")
-        if self.k_max < 0 or self.k_max > 16:
-            raise ConfigError(f"k_max must be in [0, 16], got {self.k_max}")
+            raise ConfigError.of("k", f"must be in [0, {self.k_max}] or 'auto', got {self.k}")
 
 
 @dataclass(slots=True)

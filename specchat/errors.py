@@ -33,9 +33,10 @@ class ConfigError(SpecchatError):
     problem: str | None = None
 
     @classmethod
-    def of(cls, field: str, problem: str) -> ConfigError:
-        """ "<field as the CLI flag spells it> <problem>", e.g. `ConfigError.of("max_tokens", "must be > 0")`."""
-        error = cls(f"{field.replace('_', '-')} {problem}")
+    def of(cls, field: str, problem: str, shown: str | None = None) -> ConfigError:
+        """ "<field as the CLI flag spells it> <problem>", e.g. `ConfigError.of("max_tokens", "must be > 0")`;
+        `shown` spells a field that no flag sets (`k_max`)."""
+        error = cls(f"{shown or field.replace('_', '-')} {problem}")
         error.field, error.problem = field, problem
         return error
 

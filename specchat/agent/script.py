@@ -26,7 +26,7 @@ from specchat.agent.tools import (
     ToolsConfig,
 )
 from specchat.agent.usertools import load_user_tools
-from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
+from specchat.config import K_MAX_LIMIT, KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
 from specchat.errors import ConfigError, ModelNotFoundError, path_problem
 from specchat.registry import resolve
 
@@ -71,6 +71,7 @@ TOML_TYPES = {
 T = TypeVar("T")
 
 
+DEFAULT_K_MAX = SpecParams().k_max
 MAX_WALL_S = 365 * 24 * 3600.0  # a run's wall-time limit waits on a lock: inf overflowed its timeout
 
 
@@ -386,8 +387,25 @@ def _speculation(table: _Table, base: Path) -> SpecParams:
     k = table.data.get("k", 4)
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
         raise ConfigError(f'speculation.k must be an integer or "auto", got {_describe(k)}')
-    k_max = table.get("k_max", int, 8)
-    return _wrap("speculation", lambda: SpecParams(drafter=drafter, k=None if k == "auto" else k, k_max=k_max))
+    k_max = table.get("k_max", int, DEFAULT_K_MAX)
+    try:
+        return SpecParams(drafter=drafter, k=None if k == "auto" else k, k_max=k_max)
+    except ConfigError as error:
+        if error.field == "k":
+            raise k_bound_error(table.where("k"), error, k_max, "the script") from None
+        if error.field == "k_max":
+            raise ConfigError(f"{table.where('k_max')} {error.problem}") from None
+        raise ConfigError(f"{table.name}: {error}") from None
+
+
+def k_bound_error(setting: str, error: ConfigError, k_max: int, script: str) -> ConfigError:
+    """SpecParams' error about `k` named as the user gave it (`--k`, `speculation.k`), with where its bound comes
+    from: the script's speculation.k_max, or its default."""
+    if k_max == DEFAULT_K_MAX:
+        why = f"the bound is speculation.k_max, {k_max} by default; {script} may set it up to {K_MAX_LIMIT}"
+    else:
+        why = f"the bound is speculation.k_max = {k_max} in {script}"
+    return ConfigError(f"{setting} {error.problem} ({why})")
 
 
 def _wrap(where: str, build: Callable[[], T]) -> T:

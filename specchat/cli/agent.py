@@ -155,7 +155,7 @@ def agent(
     kv: str | None,
 ) -> None:
     """Run the tasks of an agent SCRIPT (TOML; see docs/agents.md), several at once, with tools."""
-    from specchat.agent.script import load_script
+    from specchat.agent.script import k_bound_error, load_script
 
     if sys.stdout is None:  # started with stdout closed (>&-): no trace, and no terminal for the TUI
         raise SpecchatError("stdout is closed: the runs' trace has nowhere to go")
@@ -164,9 +164,14 @@ def agent(
         check_drafter_arg(drafter)  # the script's own drafter is the script's: a missing file runs without it
     if drafter is not None or k is not None:
         current = script.speculation
-        override = dataclasses.replace(
-            current, drafter=drafter or current.drafter, k=current.k if k is None else k_flag(k)
-        )  # the script's k_max kept
+        try:
+            override = dataclasses.replace(
+                current, drafter=drafter or current.drafter, k=current.k if k is None else k_flag(k)
+            )  # the script's k_max kept
+        except ConfigError as error:
+            if error.field != "k":
+                raise
+            raise k_bound_error("--k", error, current.k_max, script.path.name) from None
         script = dataclasses.replace(script, speculation=override)
     script = dataclasses.replace(script, weights=weights or script.weights, kv=kv or script.kv)
     config = EngineConfig(model=script.model, device=device, dtype=dtype, weights=script.weights, kv_format=script.kv)

@@ -72,6 +72,28 @@ def test_k_alone_keeps_the_scripts_drafter_and_is_not_blamed_for_it(tiny_model_d
     assert f"drafter 'heads:{tmp_path / 'missing.safetensors'}' is not available here" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("k_max", "k", "why"),
+    [
+        (
+            "",
+            "20",
+            "[0, 8] or 'auto', got 20 (the bound is speculation.k_max, 8 by default; agent.toml may set it up to 16)",
+        ),
+        ("k_max = 4\n", "6", "[0, 4] or 'auto', got 6 (the bound is speculation.k_max = 4 in agent.toml)"),
+    ],
+)
+def test_k_out_of_range_names_the_flag_and_its_bound(tiny_model_dir, tmp_path, monkeypatch, k_max, k, why):
+    """`--k 20` said `k must be in [0, 8] ...`, naming no flag, and with the script's k_max a bound the user never
+    gave on the command line."""
+    script = write_script(tmp_path, tiny_model_dir)
+    script.write_text(script.read_text() + f"[speculation]\n{k_max}")
+    monkeypatch.setattr("specchat.engine.engine.Engine.load", lambda *a, **kw: pytest.fail("loaded the model"))
+    result = CliRunner().invoke(main, ["agent", str(script), "--headless", "--device", "cpu", "--k", k])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert result.stderr.splitlines() == [f"specchat: error: --k must be in {why}"]
+
+
 def test_a_shell_that_asks_is_one_line_naming_the_script_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
     """Headless, nobody can answer the shell's questions: the line named neither the script nor the key."""
     script = write_script(tmp_path, tiny_model_dir, tools='["shell"]')

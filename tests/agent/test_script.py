@@ -214,7 +214,18 @@ def test_regex_stop_without_groups_returns_the_match():
         ),
         ('tasks = ["x"]\n[speculation]\ndrafter = "ngram:3"', "speculation.drafter: unknown drafter 'ngram:3'"),
         ('tasks = ["x"]\n[speculation]\nk = "many"', 'speculation.k must be an integer or "auto"'),
-        ('tasks = ["x"]\n[speculation]\nk = 20', "speculation: k must be in [0, 8]"),
+        (  # the bound is k_max's: the line says which, and where it comes from
+            'tasks = ["x"]\n[speculation]\nk = 20',
+            "speculation.k must be in [0, 8] or 'auto', got 20 (the bound is speculation.k_max, 8 by default; "
+            "the script may set it up to 16)",
+        ),
+        (
+            'tasks = ["x"]\n[speculation]\nk = 5\nk_max = 4',
+            "speculation.k must be in [0, 4] or 'auto', got 5 (the bound is speculation.k_max = 4 in the script)",
+        ),
+        # k was checked first, against the bad bound: "k must be in [0, -1] or 'auto', got 4"
+        ('tasks = ["x"]\n[speculation]\nk_max = -1', "speculation.k_max must be in [0, 16], got -1"),
+        ('tasks = ["x"]\n[speculation]\nk_max = 17', "speculation.k_max must be in [0, 16], got 17"),
         ('tasks = ["x"]\nsampling = 3', "sampling must be a table, got an integer 3"),
         ('tasks = ["x"]\ntool_choice = "always"', "tool_choice must be one of auto, first, required"),
         ('tasks = ["x"]\ntool_choice = "first"\n[stop]\ntag = "f"', "tool_choice = 'first' needs at least one tool"),
