@@ -56,6 +56,17 @@ def demo_messages(demos: list[Demo], stop: StopCondition, structured: bool) -> l
     return messages
 
 
+def empty_answer(answer: str, stop: StopCondition) -> str | None:
+    """Why a worked example's answer is empty as the stop condition reads it (a run turns such an answer back:
+    final_answer refuses it, the loop nudges an empty tag or match), or None where it is not."""
+    if stop.kind == "tool":
+        return None if answer.strip() else f"is empty: {FINAL_ANSWER} refuses an empty answer"
+    if stop.kind == "tag":
+        reply = f"<{stop.value}>{answer}</{stop.value}>"  # the example's last turn (demo_messages)
+        return None if stop.answer_in(reply) else f"is empty: <{stop.value}></{stop.value}> ends no run"
+    return None if stop.answer_in(answer) else f"leaves stop.regex {stop.value!r} an empty answer, which ends no run"
+
+
 def _call_message(call: ToolCall, structured: bool) -> dict[str, Any]:
     """An assistant turn making one call: `tool_calls` for templates that render them, else the taught markup."""
     payload = json.dumps([{"name": call.name, "arguments": call.arguments}], ensure_ascii=False)

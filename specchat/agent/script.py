@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from specchat.agent.demos import Demo, DemoCall
+from specchat.agent.demos import Demo, DemoCall, empty_answer
 from specchat.agent.processes import ProcessLimits
 from specchat.agent.tools import (
     BUILTIN_TOOLS,
@@ -165,6 +165,10 @@ class AgentScript:
             if self.stop.kind == "regex" and self.stop.answer_in(demo.answer) is None:
                 # the example is the reply that should end a run: one the stop misses teaches replies that never end
                 raise ConfigError(f"examples[{index}].answer does not match stop.regex {self.stop.value!r}")
+            if (why := empty_answer(demo.answer, self.stop)) is not None:
+                # an empty answer does not end a run (final_answer refuses it, the loop nudges an empty tag or
+                # match): the example would teach the one answer that is turned back
+                raise ConfigError(f"examples[{index}].answer {why}")
         if self.tool_choice == "required" and self.stop.kind != "tool":
             raise ConfigError('tool_choice = "required" makes every turn a tool call: it needs the final_answer stop')
 

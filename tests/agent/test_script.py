@@ -250,6 +250,16 @@ def test_regex_stop_without_groups_returns_the_match():
             'tasks = ["x"]\n[stop]\nregex = "ANSWER: (\\\\d+)"\n[[examples]]\ntask = "y"\nanswer = "twelve"',
             "examples[1].answer does not match stop.regex 'ANSWER: (\\\\d+)'",
         ),
+        # an empty answer taught the one answer a run turns back (final_answer refuses it, an empty tag is nudged)
+        ('tasks = ["x"]\n[[examples]]\ntask = "y"\nanswer = " "', "examples[1].answer is empty: final_answer refuses"),
+        (
+            'tasks = ["x"]\n[stop]\ntag = "final"\n[[examples]]\ntask = "y"\nanswer = ""',
+            "examples[1].answer is empty: <final></final> ends no run",
+        ),
+        (
+            'tasks = ["x"]\n[stop]\nregex = "ANSWER:(.*)"\n[[examples]]\ntask = "y"\nanswer = "ANSWER: "',
+            "examples[1].answer leaves stop.regex 'ANSWER:(.*)' an empty answer, which ends no run",
+        ),
         ('tasks = ["x"]\n[stop]\nregex = ""', "stop.regex must not match empty text"),  # every reply answered
         ('tasks = ["x"]\n[stop]\nregex = "(A: )?"', "stop.regex must not match empty text"),
         ('tasks = "x"\n[[', "invalid TOML"),
