@@ -43,19 +43,34 @@ def load_user_tools(module_path: Path, names: Sequence[str], options: ToolOption
     except (Exception, SystemExit) as error:  # sys.exit() at import ended specchat without a word
         raise ConfigError(f"importing {module_path} failed: {type(error).__name__}: {error}") from None
     if names:
-        functions = [getattr(module, name, None) for name in names]
-        for name, function in zip(names, functions, strict=True):
-            if not inspect.isfunction(function):
+        functions = {name: getattr(module, name, None) for name in names}
+        for name, function in functions.items():
+            if function is None:
                 raise ConfigError(f"{module_path.name} has no function {name!r}")
     else:
-        functions = [value for value in vars(module).values() if getattr(value, TOOL_MARK, False)]
+        functions = {name: value for name, value in vars(module).items() if getattr(value, TOOL_MARK, False)}
         if not functions:
             raise ConfigError(f"{module_path.name} has no @tool functions; mark some or list them in functions")
-    return [function_tool(function, options) for function in functions]
+    for name, function in functions.items():
+        if (why := not_a_function(function)) is not None:
+            raise ConfigError(f"{module_path.name}: {name!r} {why}")
+    return [function_tool(function, options) for function in functions.values()]
+
+
+def not_a_function(value: object) -> str | None:
+    """Why `value` cannot be a tool, or None: only a function defined with def has the name, docstring and typed
+    parameters that describe a tool to the model (a functools.partial or a callable object has no name of its own)."""
+    if inspect.isfunction(value):
+        return None
+    kind = type(value)
+    spelled = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"is of type {spelled}, not a function defined with def; wrap it in one with typed parameters"
 
 
 def function_tool(function: Callable[..., object], options: ToolOptions | None = None) -> Tool:
     """A Tool from a typed Python function: its name, its docstring's summary and Args, its signature."""
+    if (why := not_a_function(function)) is not None:
+        raise ConfigError(f"{function!r} {why}")
     description, parameters = schema_from_function(function)
     return Tool(function.__name__, description, parameters, function, options or ToolOptions())
 

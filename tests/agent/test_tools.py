@@ -1,5 +1,6 @@
 """Built-in and user tools through the Toolbox: schemas, bounded calls, failures as results."""
 
+import functools
 import os
 import re
 import textwrap
@@ -351,6 +352,20 @@ def test_user_tools_from_a_module(tmp_path: Path):
             [],
             "cannot be described",
         ),
+        # a callable without a name of its own ended in AttributeError: 'functools.partial' object has no '__name__'
+        (
+            "import functools\nfrom specchat.agent import tool\ndef add(a: int, b: int) -> int:\n    return a + b\n"
+            "inc = tool(functools.partial(add, b=1))\n",
+            [],
+            r"bad_tools\.py: 'inc' is of type functools\.partial, not a function defined with def",
+        ),
+        (
+            "from specchat.agent import tool\nclass Lookup:\n    def __call__(self, key: str) -> str:\n"
+            "        return key\nlookup = tool(Lookup())\n",
+            [],
+            r"'lookup' is of type specchat_user_tools\.bad_tools\.Lookup, not a function",
+        ),
+        ("LIMIT = 3\n", ["LIMIT"], "'LIMIT' is of type int, not a function defined with def"),  # "has no function"
     ],
 )
 def test_bad_user_tool_modules(tmp_path: Path, source: str, names: list[str], message: str):
@@ -358,6 +373,17 @@ def test_bad_user_tool_modules(tmp_path: Path, source: str, names: list[str], me
     module.write_text(textwrap.dedent(source))
     with pytest.raises(ConfigError, match=message):
         load_user_tools(module, names, ToolOptions())
+
+
+def test_function_tool_refuses_a_callable_that_is_no_function():
+    """function_tool read `function.__name__`: a functools.partial raised AttributeError, a traceback."""
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    with pytest.raises(ConfigError, match=r"functools\.partial\(.*\) is of type functools\.partial, not a function"):
+        function_tool(functools.partial(add, b=1))
 
 
 def test_missing_user_module(tmp_path: Path):
