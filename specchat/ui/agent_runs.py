@@ -283,7 +283,8 @@ class AgentRuns:
         self.push_screen(AgentScriptScreen(examples), self.run_agent_script)
 
     async def run_agent_script(self, path: Path | None) -> None:
-        """Load the script and start it; a bad script is one line of notification."""
+        """Load the script and start it; a bad script is one line of notification, and so is a weights or KV change
+        still running (the script's formats are compared with what the engine runs once it has ended)."""
         if path is None:
             return
         try:
@@ -293,6 +294,12 @@ class AgentRuns:
             return
         if script.model != self.model_name:
             self.notify(f"{path.name} names {script.model}; it runs on the loaded {self.model_name}", timeout=5)
+        if changing := [name for name in ("weights", "kv") if name in self.switching]:  # (its runs would straddle it)
+            stop = ", or Esc stops the quantization" if self.quantizing is not None else ""
+            what = " and ".join(changing)
+            self.notify(f"{path.name} not started: {what} still changing: run it once that is done{stop}",
+                        severity="warning", timeout=10)  # fmt: skip
+            return
         wanted = self.engine.resolve_formats(script.weights, script.kv)
         running = self.engine.resolve_formats(self.settings.weights or "auto", self.settings.kv or "auto")
         if wanted == running:

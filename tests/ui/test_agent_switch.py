@@ -139,3 +139,31 @@ async def test_a_script_starts_only_once_its_switch_succeeded(tmp_path, store):
             assert run_panes(app)[0].answer == "4"
     finally:
         engine.begin.set()
+
+
+async def test_a_script_waits_for_a_weights_switch_that_runs(tmp_path, store):
+    """A script started while F3 quantized was compared with the weights the Controls showed, not the ones the
+    engine was switching to: it started at once on bf16 and went on on MXFP4 once the quantization ended, its
+    status line naming weights it no longer ran on."""
+    engine = QuantizingUIEngine([call("final_answer", answer="4")])
+    app = SpecchatApp(engine=engine, store=store, transcript_dir=tmp_path)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.main.query_one(MemoryPanel).memory, timeout=10, what="the figures")
+            await pilot.press("f3")
+            await wait_for(pilot, lambda: app.quantizing is not None, timeout=10, what="the quantization")
+            script = tmp_path / "as_loaded.toml"  # weights auto: the model as loaded, bf16
+            script.write_text('tasks = ["What is 2 + 2?"]\n[tools]\nenabled = ["python", "final_answer"]\n')
+            (await script_dialog(pilot, app)).value = str(script)
+            await pilot.press("enter")
+            await pilot.pause(0.2)
+            assert not app.agent_sessions and not run_panes(app) and app.switching == {"weights": "mxfp4"}
+            assert notes(app, "warning") == [
+                "as_loaded.toml not started: weights still changing: run it once that is done, or Esc stops the "
+                "quantization"
+            ]
+            engine.begin.set()
+            await wait_for(pilot, lambda: app.settings.weights == "mxfp4", timeout=10, what="the switch")
+            assert app.chat is not None and app.is_running
+    finally:
+        engine.begin.set()
