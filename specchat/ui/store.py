@@ -192,6 +192,7 @@ class ChatStore:
                 f"{self.path}: cannot make the folder of the chat database ({exc.strerror or exc})"
             ) from None
         self.notes: deque[str] = deque(maxlen=32)  # for the UI to show, from this thread and the writer's
+        self.told_damaged = False  # a damaged file is told once: every later read fails the same way
         self.db, note = open_database(self.path)
         if note is not None:
             self.notes.append(note)
@@ -258,16 +259,17 @@ class ChatStore:
         except sqlite3.ProgrammingError:  # our own mistake (a closed store, bad SQL), not the file's
             raise
         except sqlite3.DatabaseError as exc:
-            if _broken(exc):
-                note = (
+            if not _broken(exc):
+                note = f"{self.path.name}: cannot read saved conversations now ({exc})"
+                if note not in self.notes:  # one note for the reads of one action (the history reads twice)
+                    self.notes.append(note)
+            elif not self.told_damaged:
+                self.told_damaged = True
+                self.notes.append(
                     f"{self.path.name} is damaged ({exc}): saved conversations cannot be read; the chat goes on, "
                     "its changes are kept (at exit in an unsaved-writes file) and the next start moves the damaged "
                     "file aside and saves them in a new one"
                 )
-            else:
-                note = f"{self.path.name}: cannot read saved conversations now ({exc})"
-            if note not in self.notes:  # one note for the reads of one action (the history reads twice)
-                self.notes.append(note)
             return []
 
     def conversations(self, limit: int = 200) -> list[Conversation]:
