@@ -16,7 +16,7 @@ MLP): each program computes BLOCK_N gate rows and the same up rows, so the SiLU-
 kernels/fused_triton.py's `silu_mul` combines them, so the result equals `silu_mul(dense_gemv(x, W))` bit for bit where
 both run the same launch configuration (the sums' order follows it).
 
-y^T = W @ x^T on the tensor cores (tl.dot, fp32 accumulation) with x's rows padded to `block_m`; the portable path
+y^T = W @ x^T on the tensor cores (tl.dot, fp32 accumulation) with x's rows padded to 16; the portable path
 (`fast=False`: float32 products, the interpreter's) is the same code with the operands cast up. The reference is
 F.linear (tests/kernels/test_dense_gemv.py).
 
@@ -33,7 +33,7 @@ import torch
 
 from specchat.kernels.fused import INTERPRET
 
-MAX_ROWS = 64  # x in one tile of 16, 32 or 64 rows (the MMA's n, `block_m`); more rows go to cuBLAS
+MAX_ROWS = 16  # one 16-row tile of x (the MMA's n); more rows go to cuBLAS
 DTYPES = (torch.bfloat16, torch.float16)
 ENABLED = os.environ.get("SPECCHAT_DENSE_GEMV", "1") != "0"  # read once; SPECCHAT_DENSE_GEMV=0: cuBLAS (A/B runs)
 
@@ -48,26 +48,13 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def block_m(m: int) -> int:
-    """The x tile's rows for m rows: the smallest of 16, 32 and 64 that holds them."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
-
-
 def choose_config(n: int, k: int, gated: bool = False, m: int = 1) -> GemvConfig:
     """The launch for m rows and n outputs of a [n, k] weight (gated: of a [2n, k] one), from the H200 sweeps
     (`benchmarks/dense_gemv.py --sweep`, PDL on, the default model's shapes): an output head's many rows in 64-row
     programs of 2 warps; the rest at one row (decoding) in 32-row programs of 256-wide steps where gated or K is
     long, else 16-row programs of 128-wide steps. With more rows (verification) gate_up's gated pairs take 128-wide
     steps (4.2 us against 5.3-5.9 at 4 and 16 rows) and a long K 16-row programs of 4 warps (4.3 us against
-    4.4-5.3). Past 16 rows (a batch's verification, x in a 32- or 64-row tile), from the sweep at 40 rows: the head
-    in 64-row programs of 4 warps, 2 stages; gated gate_up 16-row programs of 128-wide steps on 2 warps; the rest
-    16-row programs of 4 warps, 256-wide steps where K is long, else 64-wide."""
-    if m > 16:
-        if n >= 16384:
-            return GemvConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)
-        if gated:
-            return GemvConfig(block_n=16, block_k=128, num_warps=2)
-        return GemvConfig(block_n=16, block_k=256 if k >= 1024 else 64, num_warps=4)
+    4.4-5.3)."""
     if n >= 16384:
         return GemvConfig(block_n=64, block_k=64, num_warps=2)
     if m > 1 and gated:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from specchat.kernels import pdl, pdl_triton
-from specchat.kernels.dense_gemv import GemvConfig, block_m, choose_config, supported
+from specchat.kernels.dense_gemv import GemvConfig, choose_config, supported
 
 PREFETCH_TILES = 2  # with PDL: weight tiles per program prefetched into the L2 before the wait
 
@@ -30,7 +30,6 @@ def _dense_gemv_kernel(
     stride_ym,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FAST: tl.constexpr,
@@ -39,7 +38,7 @@ def _dense_gemv_kernel(
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, 16)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1)  # clamped rather than masked: the loads stay unmasked along N
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
@@ -50,10 +49,10 @@ def _dense_gemv_kernel(
                 if GATED:
                     pdl_triton.prefetch_l2(w_ptr + (rows + N) * stride_wn + i * BLOCK_K)
     pdl_triton.wait(PDL)  # x and y are other kernels' too: nothing of them before this
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]: x^T
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BK, 16]: x^T
     m_live = offs_m[None, :] < M
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_live = (k0 + offs_k) < K
         xt = tl.load(x_ptrs + k0, mask=m_live & k_live[:, None], other=0.0)
@@ -105,7 +104,7 @@ def dense_gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m(m), GATED=gated, HAS_BIAS=bias is not None, FAST=fast,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None, FAST=fast,
         PREFETCH=PREFETCH_TILES, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
         **pdl.launch_options(x.device),
     )  # fmt: skip

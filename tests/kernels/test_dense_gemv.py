@@ -17,17 +17,8 @@ from specchat.kernels.fused_triton import silu_mul
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-# (rows, n, k): the default model's shapes (576 wide), ragged n and k, one row to full 16-, 32- and 64-row tiles
-SHAPES = [
-    (1, 960, 576),
-    (3, 576, 1536),
-    (16, 200, 576),
-    (5, 64, 100),
-    (2, 17, 33),
-    (40, 576, 1536),
-    (24, 96, 100),
-    (64, 33, 576),
-]
+# (rows, n, k): the default model's shapes (576 wide), ragged n and k, one row to a full tile
+SHAPES = [(1, 960, 576), (3, 576, 1536), (16, 200, 576), (5, 64, 100), (2, 17, 33)]
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
