@@ -16,6 +16,7 @@ from specchat.cli.options import (
     StderrProgress,
     check_memory_ask,
     cpu_act_option,
+    flag_error,
     given_flags,
     model_argument,
     spec_params,
@@ -76,7 +77,10 @@ def bench_sessions(
 
     prompts = read_prompt_lines(Path(prompts_file), "--prompts")
     counts = int_list(sessions, "--sessions", least=1)
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
+    try:
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
+    except ConfigError as error:
+        raise flag_error(error) from None
     specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
     modes = [{"on": True, "off": False}.get(m.strip()) for m in step_ahead.split(",")]
     if None in modes:

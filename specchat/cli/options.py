@@ -238,12 +238,29 @@ def engine_config(model: str | None, device: str, dtype: str | None, **extra) ->
     return EngineConfig(model=model or default_model(), device=device, dtype=dtype, **{**settings, **extra})
 
 
+# The SamplingParams / SpecParams fields the sampling and speculation flags set, each as `--field-name`.
+FLAG_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "k")
+
+
+def flag_error(error: ConfigError) -> ConfigError:
+    """A SamplingParams / SpecParams error named by the flag that gave the value (`--k must be in [0, 8] or 'auto',
+    got 20`): the config classes name the bare field, which the API, agent scripts and config.toml spell their
+    own way. Read from `error.field`, never from the message's text."""
+    if error.field not in FLAG_FIELDS or error.problem is None:
+        return error
+    return ConfigError.of(error.field, error.problem, shown=f"--{error.field.replace('_', '-')}")
+
+
 def sampling_params(
     max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...] = ()
 ) -> SamplingParams:
-    return SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=list(stop)
-    )
+    """The sampling flags as SamplingParams; a bad value is a ConfigError naming its flag."""
+    try:
+        return SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=list(stop)
+        )
+    except ConfigError as error:
+        raise flag_error(error) from None
 
 
 def check_drafter_arg(drafter: str, setting: str | None = None) -> None:
@@ -277,8 +294,12 @@ def k_flag(k: str) -> int | None:
 
 
 def spec_params(drafter: str, k: str) -> SpecParams:
+    """--drafter and --k as SpecParams; a k out of range is a ConfigError naming --k."""
     check_drafter_arg(drafter)  # a typo or a missing file fails before the model loads
-    return SpecParams(drafter=drafter, k=k_flag(k))
+    try:
+        return SpecParams(drafter=drafter, k=k_flag(k))
+    except ConfigError as error:
+        raise flag_error(error) from None
 
 
 class StderrProgress:

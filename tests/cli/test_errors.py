@@ -95,15 +95,42 @@ def test_prompt_longer_than_context(tiny_model_dir):
 
 @pytest.mark.parametrize("value", ["0", "-5"])
 def test_max_tokens_not_positive(tiny_model_dir, value):
-    assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "hi", "--max-tokens", value), "max-tokens")
+    assert_one_line_error(
+        run_cli("generate", str(tiny_model_dir), "-p", "hi", "--max-tokens", value), "--max-tokens must be > 0"
+    )
 
 
 def test_negative_temperature(tiny_model_dir):
-    assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "hi", "--temperature", "-1"), "temperature")
+    assert_one_line_error(
+        run_cli("generate", str(tiny_model_dir), "-p", "hi", "--temperature", "-1"), "--temperature must be"
+    )
 
 
 def test_bad_k(tiny_model_dir):
     assert_one_line_error(run_cli("generate", str(tiny_model_dir), "-p", "hi", "--k", "lots"), "--k")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("run", "--plain", "--k", "20"), "--k must be in [0, 8] or 'auto', got 20"),
+        (("generate", "-p", "hi", "--k", "20"), "--k must be in [0, 8] or 'auto', got 20"),
+        (("generate", "-p", "hi", "--top-p", "2"), "--top-p must be in (0, 1], got 2.0"),
+        (("run", "--plain", "--seed", "-1"), "--seed must be in [0, 2^64 - 1], got -1"),
+        (("bench", "--sessions", "1", "--prompts", "{prompts}", "--k", "9"), "--k must be in [0, 8] or 'auto', got 9"),
+        (
+            ("bench", "--sessions", "1", "--prompts", "{prompts}", "--max-tokens", "0"),
+            "--max-tokens must be > 0, got 0",
+        ),
+    ],
+)
+def test_a_value_out_of_range_names_its_flag(tmp_path: Path, args: tuple[str, ...], message: str):
+    """The range checks live in SamplingParams / SpecParams, which name the bare field ("k must be in [0, 8]"); a
+    value given on the command line is named by its flag, before any model loads."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    proc = run_cli(*(arg.replace("{prompts}", str(prompts)) for arg in args), env={"SPECCHAT_HOME": str(tmp_path)})
+    assert proc.returncode == 1 and proc.stderr == f"specchat: error: {message}\n", proc.stderr
 
 
 def test_hub_model_offline_and_not_cached(tmp_path):

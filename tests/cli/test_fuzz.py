@@ -143,7 +143,7 @@ FLAG_CASES = [
     ("--top-k -1", [*GEN, "--top-k", "-1"], ["top-k"]),
     ("--max-tokens 0", [*GEN, "--max-tokens", "0"], ["max-tokens"]),
     ("--max-tokens abc", [*GEN, "--max-tokens", "abc"], ["--max-tokens"]),
-    ("--k 99", [*GEN, "--k", "99"], ["k must be"]),
+    ("--k 99", [*GEN, "--k", "99"], ["--k must be in [0, 8]"]),
     ("--k lots", [*GEN, "--k", "lots"], ["--k"]),
     ("--kv-memory inf", [*GEN, "--kv-memory", "inf"], ["--kv-memory"]),
     ("--kv-memory nan", [*GEN, "--kv-memory", "nan"], ["--kv-memory"]),
