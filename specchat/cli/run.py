@@ -149,7 +149,7 @@ class PlainChat:
                 click.echo("(conversation cleared)", err=True)
             elif name == "k":
                 if arg:
-                    self.spec = replace(self.spec, k=None if arg == "auto" else parse_k(arg))
+                    self.spec = repl_k(self.spec, arg)
                 click.echo(f"(k {'auto' if self.spec.k is None else self.spec.k})", err=True)
             elif name == "drafter":
                 if arg:
@@ -207,11 +207,20 @@ class PlainChat:
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 
-def parse_k(text: str) -> int:
+def repl_k(spec: SpecParams, text: str) -> SpecParams:
+    """`spec` with the k of `/k TEXT`; a bad value is a ConfigError naming /k (SpecParams names the bare field)."""
+    if text == "auto":
+        return replace(spec, k=None)
     try:
-        return int(text)
+        k = int(text)
     except ValueError:
-        raise ConfigError(f"k must be an integer or 'auto', got {text!r}") from None
+        raise ConfigError(f"/k must be an integer or 'auto', got {text!r}") from None
+    try:
+        return replace(spec, k=k)
+    except ConfigError as error:
+        if error.field != "k":
+            raise
+        raise ConfigError.of("k", error.problem, shown="/k") from None
 
 
 def plain_repl(chat: PlainChat) -> None:
