@@ -21,7 +21,7 @@ from specchat.cli.options import (
     model_argument,
     spec_params,
 )
-from specchat.config import DEVICES, DTYPE_CHOICES, WEIGHT_FORMATS, EngineConfig
+from specchat.config import DEVICES, DTYPE_CHOICES, KV_CHOICES, WEIGHT_CHOICES, WEIGHT_FORMATS, EngineConfig
 from specchat.errors import ConfigError
 from specchat.registry import default_model
 
@@ -357,6 +357,9 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
         return
     if prompts_file is None:
         raise click.UsageError("--sessions needs --prompts FILE")
+    for flag, value, choices in (("--weights", weights, WEIGHT_CHOICES), ("--kv", kv, KV_CHOICES)):
+        if value is not None and value not in choices:  # (EngineConfig's own error names no flag)
+            raise ConfigError(f"{flag} takes {', '.join(choices)} with --sessions, got {value!r}")
     # What `specchat run` loads unless told otherwise: on the CPU, bf16 here would mean dense float weights and
     # pages the C attention does not read, which measured half the speed users get.
     config = EngineConfig(

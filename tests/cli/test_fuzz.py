@@ -218,6 +218,16 @@ FLAG_CASES = [
         ["--batch, --steps", "for --synthetic"],
     ),
     ("bench --sessions without --prompts", ["bench", "{tiny}", "--sessions", "1"], ["--prompts"]),
+    (
+        "bench --sessions --weights int4",
+        ["bench", "{tiny}", "--sessions", "1", "--prompts", "{text}/ok.txt", "--weights", "int4"],
+        ["--weights takes auto, bf16, mxfp4 with --sessions, got 'int4'"],
+    ),
+    (
+        "bench --sessions --kv int3",
+        ["bench", "{tiny}", "--sessions", "1", "--prompts", "{text}/ok.txt", "--kv", "int3"],
+        ["--kv takes auto, bf16, fp16, fp32, mxfp4, k8v4 with --sessions, got 'int3'"],
+    ),
     ("bench --sessions 0", ["bench", "{tiny}", "--sessions", "0", "--prompts", "{text}/ok.txt"], ["--sessions"]),
     ("bench --sessions -1", ["bench", "{tiny}", "--sessions", "-1", "--prompts", "{text}/ok.txt"], [">= 1"]),
     ("bench --sessions abc", ["bench", "{tiny}", "--sessions", "abc", "--prompts", "{text}/ok.txt"], ["--sessions"]),
