@@ -80,7 +80,10 @@ class RunDefaults:
 
 
 def resolve_model(name: str) -> None:
-    """The model names something (an alias, a path that exists, a hub id); resolving touches no network."""
+    """The model names something (an alias, a path that exists, a hub id); resolving touches no network. An empty
+    name is a mistake, as the MODEL argument's is: `run` took it for the default model, silently."""
+    if not name.strip():
+        raise ConfigError("model is empty: leave the key out for the default model, or see `specchat models`")
     try:
         resolve(name)
     except ModelNotFoundError as exc:

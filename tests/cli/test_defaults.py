@@ -52,6 +52,7 @@ def test_every_key(tmp_path: Path, tiny_model_dir: Path):
         ('drafter = "eagle:/nonexistent"', "drafter: no such directory /nonexistent"),
         ('drafter = "draft-model:nonesuch"', "drafter: unknown model 'nonesuch'"),
         ('model = "./missing.gguf"', "model: model file not found: ./missing.gguf"),
+        ('model = ""', "model is empty: leave the key out for the default model"),
         ('system = ["a"]', "system must be a string"),
     ],
 )
