@@ -29,7 +29,7 @@ from specchat.errors import ConfigError, ModelNotFoundError, OfflineError
 
 Progress = Callable[[str, int, int], None]  # (what, done, total); total 0 = unknown
 SOURCES = ("pypi", "gguf", "dir", "hf")
-PROJECT_REGISTRY = Path(__file__).resolve().parent.parent / "models.toml"
+PROJECT_REGISTRY = Path(__file__).resolve().parent / "models.toml"  # a link to the repo root's, copied into wheels
 HF_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 POLL_S = 0.2  # how often a download's bytes on disk are read for the progress bar
 # pip's log line before a download: "Downloading https://.../x.whl (92.9 MB)", or "Using cached x.whl (92.9 MB)"
