@@ -23,7 +23,7 @@ from click.core import ParameterSource
 
 from specchat.cli.options import check_drafter_arg
 from specchat.config import KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams
-from specchat.errors import ConfigError, ModelNotFoundError, SpecchatError
+from specchat.errors import ConfigError, ModelNotFoundError, SpecchatError, path_problem
 from specchat.registry import cache_dir, read_toml, resolve
 
 # a key of the file -> the `run` parameter it stands in for (theme has no flag)
@@ -112,8 +112,10 @@ def defaults_path() -> Path:
 def load_defaults(path: Path | None = None) -> RunDefaults:
     """The defaults file (none: no defaults); a ConfigError naming the file and the key for any mistake in it."""
     path = path or defaults_path()
-    if not path.is_file():
+    if not path.exists():
         return RunDefaults()
+    if (problem := path_problem(path, str(path))) is not None:  # a folder or a FIFO there was ignored silently
+        raise ConfigError(f"{problem}: the defaults file must be a TOML file")
     data = read_toml(path)
     known = [f.name for f in fields(RunDefaults)]
     unknown = sorted(set(data) - set(known))

@@ -23,6 +23,13 @@ def test_no_file_no_defaults(tmp_path: Path):
     assert load_defaults(tmp_path / "config.toml") == RunDefaults()
 
 
+def test_a_defaults_file_that_is_a_folder_is_one_line(tmp_path: Path):
+    """A folder (or a FIFO) named config.toml was ignored without a word: the user's defaults silently not applied."""
+    (tmp_path / "config.toml").mkdir()
+    with pytest.raises(ConfigError, match=r"config\.toml is a directory, not a file: the defaults file must be"):
+        load_defaults(tmp_path / "config.toml")
+
+
 def test_every_key(tmp_path: Path, tiny_model_dir: Path):
     path = write(
         tmp_path,
