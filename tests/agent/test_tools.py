@@ -70,14 +70,30 @@ def cancel_soon(delay_s: float = 0.3) -> threading.Event:
     return cancelled
 
 
+def cancel_once(path: Path, within_s: float = 30.0) -> tuple[threading.Event, list[float]]:
+    """An event set as soon as `path` exists (a call is running: Ctrl-C arriving mid-call), and when it was set. A
+    fixed delay raced a loaded machine, where the call had not yet started when it was cancelled."""
+    cancelled, at = threading.Event(), []
+
+    def watch() -> None:
+        deadline = time.monotonic() + within_s
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        at.append(time.monotonic())
+        cancelled.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return cancelled, at
+
+
 def test_a_cancelled_python_call_ends_at_once_and_its_process_is_killed(tmp_path: Path):
     options = {"python": ToolOptions(timeout_s=60, allow_unsandboxed=True)}
-    box = build_toolbox(ToolsConfig(options), tmp_path, cancelled=cancel_soon())
-    started = time.monotonic()
+    cancelled, at = cancel_once(tmp_path / "alive")
+    box = build_toolbox(ToolsConfig(options), tmp_path, cancelled=cancelled)
     result = box.call("python", {"code": "import time\nopen('alive', 'w').close()\ntime.sleep(60)\nprint('late')"})
-    assert time.monotonic() - started < 10  # not its 60 s timeout
-    assert not result.ok and result.error == "cancelled; the process was killed"
     assert (tmp_path / "alive").exists()  # it was running when cancelled
+    assert time.monotonic() - at[0] < 10  # ended at the cancel, not at its 60 s timeout
+    assert not result.ok and result.error == "cancelled; the process was killed"
 
 
 def test_a_cancelled_in_process_tool_is_no_longer_waited_for():
