@@ -4,6 +4,7 @@ where nothing of the repository beside the package is."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,8 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_wheel_holds_the_model_registry_and_the_packages_data(tmp_path):
     """The registry (models.toml at the repository's root) was read from beside the package, so an installed wheel
     had none and every command that names a model failed; specchat/models.toml links to it and wheels copy it."""
+    source = tmp_path / "source"  # a copy, so that no build/ folder left in the checkout stands in for the package
+    shutil.copytree(ROOT / "specchat", source / "specchat", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "models.toml"):
+        shutil.copy2(ROOT / name, source / name)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
-    subprocess.run([*build, str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run([*build, str(source)], check=True, capture_output=True, timeout=300)
     [wheel] = tmp_path.glob("specchat-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
