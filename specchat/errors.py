@@ -40,6 +40,10 @@ class ConfigError(SpecchatError):
         error.field, error.problem = field, problem
         return error
 
+    def named(self, shown: str) -> ConfigError:
+        """This error with its field spelt `shown` (`--k`, `/k`, `sampling.max_tokens`); itself where it names none."""
+        return self if self.field is None or self.problem is None else ConfigError.of(self.field, self.problem, shown)
+
 
 class PromptError(SpecchatError):
     """An empty prompt, or a prompt that does not fit the context."""

@@ -374,7 +374,7 @@ def _sampling(table: _Table) -> SamplingParams:
         return SamplingParams(**values)
     except ConfigError as error:
         if error.field in SAMPLING_KEYS:
-            raise ConfigError(f"{table.where(error.field)} {error.problem}") from None
+            raise error.named(table.where(error.field)) from None
         raise ConfigError(f"{table.name}: {error}") from None
 
 
@@ -398,7 +398,7 @@ def _speculation(table: _Table, base: Path) -> SpecParams:
         if error.field == "k":
             raise k_bound_error(table.where("k"), error, k_max, "the script") from None
         if error.field == "k_max":
-            raise ConfigError(f"{table.where('k_max')} {error.problem}") from None
+            raise error.named(table.where("k_max")) from None
         raise ConfigError(f"{table.name}: {error}") from None
 
 

@@ -246,9 +246,7 @@ def flag_error(error: ConfigError) -> ConfigError:
     """A SamplingParams / SpecParams error named by the flag that gave the value (`--k must be in [0, 8] or 'auto',
     got 20`): the config classes name the bare field, which the API, agent scripts and config.toml spell their
     own way. Read from `error.field`, never from the message's text."""
-    if error.field not in FLAG_FIELDS or error.problem is None:
-        return error
-    return ConfigError.of(error.field, error.problem, shown=f"--{error.field.replace('_', '-')}")
+    return error.named(f"--{error.field.replace('_', '-')}") if error.field in FLAG_FIELDS else error
 
 
 def sampling_params(

@@ -218,9 +218,7 @@ def repl_k(spec: SpecParams, text: str) -> SpecParams:
     try:
         return replace(spec, k=k)
     except ConfigError as error:
-        if error.field != "k":
-            raise
-        raise ConfigError.of("k", error.problem, shown="/k") from None
+        raise (error.named("/k") if error.field == "k" else error) from None
 
 
 def plain_repl(chat: PlainChat) -> None:

@@ -294,11 +294,8 @@ class AgentRuns:
             return
         if script.model != self.model_name:
             self.notify(f"{path.name} names {script.model}; it runs on the loaded {self.model_name}", timeout=5)
-        if changing := [name for name in ("weights", "kv") if name in self.switching]:  # (its runs would straddle it)
-            stop = ", or Esc stops the quantization" if self.quantizing is not None else ""
-            what = " and ".join(changing)
-            self.notify(f"{path.name} not started: {what} still changing: run it once that is done{stop}",
-                        severity="warning", timeout=10)  # fmt: skip
+        if (changing := self.still_changing(("weights", "kv"), "run it")) is not None:  # (its runs would straddle it)
+            self.notify(f"{path.name} not started: {changing}", severity="warning", timeout=10)
             return
         wanted = self.engine.resolve_formats(script.weights, script.kv)
         running = self.engine.resolve_formats(self.settings.weights or "auto", self.settings.kv or "auto")

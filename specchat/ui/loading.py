@@ -124,10 +124,9 @@ class ModelLoading:
         if self.requests or not all(tabs.over for tabs in self.agent_sessions):
             self.notify("answers are running: stop them first (Esc)", severity="warning")
             return
-        if self.switching:  # its end would land on the new model (and a quantization go on for the old one)
-            changes = " and ".join(self.switching)
-            stop = ", or Esc stops the quantization" if self.quantizing is not None else ""
-            self.notify(f"{changes} still changing: switch the model once that is done{stop}", severity="warning")
+        # a change's end would land on the new model (and a quantization go on for the old one)
+        if (changing := self.still_changing(self.switching, "switch the model")) is not None:
+            self.notify(changing, severity="warning")
             return
         self.bridge.detach()  # stops the old engine's loop if the app started it; the engine goes with its refs
         self.engine, self.bridge = None, None

@@ -200,6 +200,15 @@ class LiveSettings:
             return "still quantizing to mxfp4 (Esc stops it)"
         return f"still switching to {self.switching[name]}; change it again once that is done"
 
+    def still_changing(self, names, then: str) -> str | None:
+        """'weights still changing: <then> once that is done' (with how to stop a quantization) while a change of
+        `names` runs; None while none does."""
+        changing = [name for name in names if name in self.switching]
+        if not changing:
+            return None
+        stop = ", or Esc stops the quantization" if self.quantizing is not None else ""
+        return f"{' and '.join(changing)} still changing: {then} once that is done{stop}"
+
     def start_switch(self, name: str, value: str) -> None:
         """Change drafter / weights / KV in a worker thread behind the Controls' progress bar; a first MXFP4 switch
         says first that it quantizes, and how long that takes, and Esc stops it. Its end is a SettingApplied."""
