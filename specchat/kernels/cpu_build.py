@@ -1,8 +1,9 @@
 """Compile-once C kernels for the CPU: a C source built by the system compiler, cached, and loaded through ctypes.
 
 Shared by kernels/cpu_gemv.py (block-quantized linears) and kernels/cpu_ops.py (norms, RoPE, SiLU, paged
-attention). A library is built the first time it is needed with `cc` (or $CC) into $SPECCHAT_HOME/kernels/,
-keyed by its source, flags, OpenMP runtime and torch version, then loaded from there. Where that fails (no
+attention), whose C lies in kernels/csrc/ (`c_source`). A library is built the first time it is needed with `cc`
+(or $CC) into $SPECCHAT_HOME/kernels/, keyed by its source text, flags, OpenMP runtime and torch version, then
+loaded from there. Where that fails (no
 compiler, not Linux, or SPECCHAT_CPU_KERNELS=0), `load` returns None and callers keep their plain torch path.
 """
 
@@ -132,6 +133,14 @@ def _openmp_pause() -> Callable[[int], int] | None:
 
 Sources = str | tuple[str, ...]  # one C source, or the translation units of one library
 BUILD_TIMEOUT_S = 120  # per compiler command
+CSRC = Path(__file__).with_name("csrc")  # the kernels' C files (package data: pyproject.toml)
+
+
+def c_source(*names: str) -> str:
+    """The text of these files of kernels/csrc/, one after the other: a translation unit as `load` builds and keys
+    it (by this text, so an edit to any of the files is a new build). Each module names the files it builds on
+    before its own."""
+    return "".join((CSRC / name).read_text(encoding="utf-8") for name in names)
 
 
 def _run_all(commands: list[list[str]]) -> None:
