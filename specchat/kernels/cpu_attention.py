@@ -1,16 +1,18 @@
 """Attention of a CPU decode or verification step over the paged KV cache, in C, beside its torch reference.
 
-`paged_attention` stores this step's keys/values at their slots of dense pages [KVH, slots, D], then computes each new token's causal attention over its request's context, read through the block table where it lies
-(no gather into a contiguous copy, no division per key: a page's rows are walked in order); the query heads of a
-KV group read their KV head's rows. Pages hold float32, float16 or bfloat16 elements (`AttentionPlan.kv_dtype`):
-this step's rows are rounded into them as torch converts, and every element read is widened to float32 exactly
-(vcvtph2ps, a 16-bit shift), so the arithmetic below is the same for each type; half-width pages halve the
-bytes a long context reads per token, which at a few thousand tokens is most of a decode step's traffic. Per query row: scores q.k * scale (a D/16-vector dot product, reduced once),
-softmax as exp(s - max) * (1 / sum) with kernels/cpu_ops.py's exp and fixed-order sum, then sum_j p_j v_j. Every
-row alone and the same way whatever the batch, so a verification step gives each token the scores plain decoding
-gives it. `AttentionPlan` is the step's metadata, built once a step (engine/kv_batch.py) and read by every layer.
-`paged_attention_ref` is the plain torch version tests/kernels/test_cpu_ops.py holds it to (and
-kernels/attention.paged_attention_reference, the reference of every page format).
+`paged_attention` stores this step's keys/values at their slots of dense pages [KVH, slots, D], then computes each
+new token's causal attention over its request's context, read through the block table where it lies (no gather into
+a contiguous copy, no division per key: a page's rows are walked in order); the query heads of a KV group read their
+KV head's rows. Pages hold float32, float16 or bfloat16 elements (`AttentionPlan.kv_dtype`): this step's rows are
+rounded into them as torch converts, and every element read is widened to float32 exactly (vcvtph2ps, a 16-bit
+shift), so the arithmetic (csrc/cpu_attention_kernels.c) is the same for each type; half-width pages halve the bytes
+a long context reads per token, which at a few thousand tokens is most of a decode step's traffic. Per query row:
+scores q.k * scale (a D/16-vector dot product, reduced once), softmax as exp(s - max) * (1 / sum) with
+kernels/cpu_ops.py's exp and fixed-order sum, then sum_j p_j v_j. Every row alone and the same way whatever the
+batch, so a verification step gives each token the scores plain decoding gives it. `AttentionPlan` is the step's
+metadata, built once a step (engine/kv_batch.py) and read by every layer. `paged_attention_ref` is the plain torch
+version tests/kernels/test_cpu_ops.py holds it to (and kernels/attention.paged_attention_reference, the reference of
+every page format).
 """
 
 from __future__ import annotations

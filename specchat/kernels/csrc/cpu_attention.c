@@ -1,4 +1,5 @@
-/* ---- end of the kernels: the attention's own translation unit ends here (C_KERNELS) ---- */
+/* Paged attention's step (paged_attention) and the quantize-on-append (quantize_rows), over the kernels of
+   cpu_attention_kernels.c, which are built before it (kernels/cpu_attention.py: the bindings and references). */
 
 /* ---- Quantize-on-append: kernels/kv_quant.py's quantize_rows, bit for bit, after the pages' rotation ---- */
 

@@ -1,3 +1,6 @@
+/* Paged attention's kernels: the step's Plan, each KV page format's row, tile and group functions and what they
+   inline (kernels/cpu_attention.py). Built after cpu_ops.h; kernels/cpu_block.py's library compiles them as a
+   translation unit of their own (KV_INSTANCES_DEFINE) and declares them in the other (KV_INSTANCES_DECLARE). */
 
 /* The step as the attention kernel sees it (built once per step; AttentionPlan in cpu_attention.py). */
 typedef struct {
@@ -829,4 +832,3 @@ static void attend_pairs(const Plan* p, const int32_t* table, int P, const int* 
 }
 #undef GROUP_T
 #endif
-

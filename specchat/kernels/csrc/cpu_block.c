@@ -1,3 +1,5 @@
+/* One decoder block of a decode step, the step's blocks in turn, and the draft heads' greedy chain, in one C call
+   each (kernels/cpu_block.py). Built after every other kernel module's C, whose functions it calls. */
 
 typedef struct {     /* one linear y = x W^T: GGUF Q4_1 (m != NULL) or Q8_0 blocks of W [n, k], or MXFP4 (fp4) */
   const void* codes;

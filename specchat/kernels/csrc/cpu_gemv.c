@@ -1,3 +1,5 @@
+/* Block-quantized matrix products with float activations: GGUF Q4_1 / Q8_0, MXFP4 and bfloat16 weights as stored
+   (kernels/cpu_gemv.py: the layouts, the bindings and the torch references). Built after fwht32.h. */
 
 #include <stdint.h>
 #include <stddef.h>

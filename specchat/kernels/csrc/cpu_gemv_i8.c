@@ -1,3 +1,5 @@
+/* Block-quantized matrix products with int8 activations, AVX512-VNNI or AVX2 (kernels/cpu_gemv_i8.py: the math,
+   the repacked layout, the bindings and the torch references). Built after fwht32.h. */
 
 #include <stdint.h>
 #include <stddef.h>

@@ -1,4 +1,5 @@
-/* ---- end of the header: what other modules' C sources build on (C_HEADER) ---- */
+/* The decode step's elementwise work around the linears: RMSNorm (with the residual add), RoPE, SiLU, argmax
+   (kernels/cpu_ops.py: the math, the bindings and the torch references). Built after cpu_ops.h. */
 
 void rms_norm(int rows, int n, const float* x, const float* w, float eps, float* out) {
   for (int i = 0; i < rows; i++) norm_row(n, x + (size_t)i * n, w, eps, out + (size_t)i * n);

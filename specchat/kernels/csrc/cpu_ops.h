@@ -1,3 +1,6 @@
+/* What the CPU kernels' C builds on: includes, macros and inline helpers (exp, fixed-order sums, a row's norm).
+   Not #included: its text goes before cpu_ops.c's, cpu_attention_kernels.c's and, in kernels/cpu_block.py's
+   library, both translation units' (kernels/cpu_build.c_source). */
 
 #include <math.h>
 #include <stdint.h>
@@ -118,4 +121,3 @@ INLINE void norm_row(int n, const float* x, const float* w, float eps, float* ou
   const float r = 1.0f / sqrtf(lane_sum(x, n, 1) / (float)n + eps);
   for (int j = 0; j < n; j++) out[j] = w[j] * (x[j] * r);
 }
-

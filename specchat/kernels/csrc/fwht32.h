@@ -1,3 +1,6 @@
+/* The 32-point fast Walsh-Hadamard transform of a RotatedFp4Linear's rows (x's blocks times R = H_32 / sqrt(32)).
+   Its text goes before cpu_gemv.c's and cpu_gemv_i8.c's (kernels/cpu_build.c_source); guarded, so a library of
+   both holds it once. */
 
 #ifndef SPECCHAT_FWHT32
 #define SPECCHAT_FWHT32
