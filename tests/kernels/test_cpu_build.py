@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,29 @@ def test_every_kernel_module_uses_the_one_library():
     if cpu_gemv_i8.available():
         assert cpu_gemv_i8._library() is lib
     assert cpu_build.library_path("cpu_block", cpu_block._sources(), cpu_ops.CFLAGS).exists()  # what built() reads
+
+
+def test_the_cache_key_follows_the_c_files_text(tmp_path, monkeypatch):
+    """A library is keyed by the text of its C files (kernels/csrc/, read by c_source): a copy of them keys the same
+    library, an edit of one (a blank line) a new one."""
+
+    def key() -> Path:
+        return cpu_build.library_path("cpu_ops", cpu_build.c_source("cpu_ops.h", "cpu_ops.c"), cpu_ops.CFLAGS)
+
+    before = key()
+    assert before == cpu_build.library_path("cpu_ops", cpu_ops.C_SOURCE, cpu_ops.CFLAGS)
+    monkeypatch.setattr(cpu_build, "CSRC", shutil.copytree(cpu_build.CSRC, tmp_path / "csrc"))
+    assert key() == before
+    header = tmp_path / "csrc" / "cpu_ops.h"
+    header.write_text(header.read_text() + "\n")
+    assert key() != before
+
+
+def test_every_c_file_is_in_the_library():
+    """Each file of kernels/csrc/ is built: the one library's units hold its text."""
+    units = "".join(cpu_block._sources())
+    files = sorted(cpu_build.CSRC.iterdir())
+    assert files and all(f.read_text() in units for f in files)
 
 
 def test_other_flags_build_their_own_library():
