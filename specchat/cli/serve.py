@@ -15,7 +15,7 @@ from specchat.cli.options import (
     tp_option,
 )
 from specchat.errors import ConfigError
-from specchat.server import STREAM_INTERVAL_S
+from specchat.server import DEFAULT_MAX_QUEUE, STREAM_INTERVAL_S
 
 PORT_RANGE = (1, 65535)
 
@@ -37,18 +37,48 @@ GRACEFUL_S = 10  # seconds in-flight answers get to finish when the server is st
     show_default=True,
     help="a stream sends text at most this often (0: at every engine step); fewer chunks cost the server less",
 )
-def serve(model, device, dtype, drafter, k, host, port, max_running, stream_interval_ms, **model_extra) -> None:
+@click.option(
+    "--max-queue",
+    type=int,
+    default=DEFAULT_MAX_QUEUE,
+    show_default=True,
+    help="requests that may wait past --max-running; more are refused at once with a 503 (0: no bound)",
+)
+@click.option(
+    "--allowed-origins",
+    default="",
+    help="comma-separated origins whose web pages may call the server (CORS), e.g. http://localhost:3000, or '*'"
+    " [default: none]",
+)
+def serve(
+    model,
+    device,
+    dtype,
+    drafter,
+    k,
+    host,
+    port,
+    max_running,
+    stream_interval_ms,
+    max_queue,
+    allowed_origins,
+    **model_extra,
+) -> None:
     """Serve MODEL (default: smollm2-135m) at http://HOST:PORT/v1 (chat/completions, completions, models)."""
     import uvicorn
 
     from specchat.engine.engine import Engine
+    from specchat.server.admission import Admission
     from specchat.server.app import create_app
+    from specchat.server.cors import parse_origins
     from specchat.server.stopping import StoppingServer
 
     if not PORT_RANGE[0] <= port <= PORT_RANGE[1]:
         raise ConfigError(f"--port must be in [{PORT_RANGE[0]}, {PORT_RANGE[1]}], got {port}")
     if not 0 <= stream_interval_ms < float("inf"):  # NaN too: it compared false and held every stream's text
         raise ConfigError(f"--stream-interval-ms must be a number >= 0, got {stream_interval_ms}")
+    admission = Admission(max_running, max_queue)
+    origins = parse_origins(allowed_origins)
     check_address(host, port)  # before the load: a port in use or a bad host is one line, at once
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)
@@ -58,7 +88,9 @@ def serve(model, device, dtype, drafter, k, host, port, max_running, stream_inte
     engine.warm_up(StderrProgress(), sessions=config.max_running, drafters=[spec.drafter])
     name = engine.model_spec.alias if engine.model_spec else config.model
     engine.start()
-    app = create_app(engine, name, spec, stream_interval_s=stream_interval_ms / 1000)
+    app = create_app(
+        engine, name, spec, stream_interval_s=stream_interval_ms / 1000, admission=admission, allowed_origins=origins
+    )
     click.echo(f"specchat: serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
     try:
         # on SIGTERM / Ctrl-C, answers in flight get GRACEFUL_S to finish, then are cancelled (a client waiting for

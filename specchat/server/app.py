@@ -3,7 +3,9 @@
 Every request is submitted `listen_only`: its events reach the server through one engine listener
 (`EventRouter`), which hands each step's events to the asyncio queue of the request they belong to. A request is
 submitted and its queue registered between two steps (`Engine.apply`), so no event can come before its queue.
-A streaming client that goes away cancels its request in the engine, which frees its KV pages.
+A streaming client that goes away cancels its request in the engine, which frees its KV pages. Requests past the
+engine's batch wait in a bounded queue (admission.py); pages of other origins may call the server where it allows
+them (cors.py).
 
 A stream sends text at most once every `stream_interval_s`: text the engine emits sooner is held and goes out
 with the first step after the interval (or with the end), so it waits at most one engine step past it, and no
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import suppress
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -25,10 +28,13 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specchat.config import SpecParams
+from specchat.engine.api import Request as EngineRequest
 from specchat.engine.api import ServedEngine
 from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, TextDelta
 from specchat.errors import ConfigError, ContextLengthError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
+from specchat.server.admission import Admission
+from specchat.server.cors import add_cors
 from specchat.server.protocol import ApiError, GenerationRequest, parse_request, with_tools
 from specchat.server.responses import StreamChunks, completion, finish_reason, new_id, refused, sse, tool_calls
 from specchat.server.stopping import STOPPING_ERROR
@@ -135,6 +141,23 @@ class TrailingSlashes:
         await self.app(scope, receive, send)
 
 
+class StreamedAnswer(StreamingResponse):
+    """A stream that lets its request go however the response ends (`let_go`): the generator's own `finally` never
+    runs where the client left before the first chunk (Starlette's disconnect listener can cancel the response
+    before it starts the generator), and the request would have decoded on, holding its KV pages and its place in the
+    server's count."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], let_go: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self.let_go = let_go
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.let_go()
+
+
 class EventRouter:
     """Engine listener: each step's events, per request, onto that request's asyncio queue."""
 
@@ -161,12 +184,18 @@ def create_app(
     model: str,
     default_spec: SpecParams | None = None,
     stream_interval_s: float = STREAM_INTERVAL_S,
+    admission: Admission | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The app for `engine`, answering as model `model`; the engine's step loop must be running."""
+    """The app for `engine`, answering as model `model`; the engine's step loop must be running. `admission` bounds
+    the requests waiting (None: no bound); `allowed_origins` may call it from a browser (none: no CORS headers)."""
     if not 0 <= stream_interval_s < float("inf"):
         raise ConfigError(f"the stream interval must be a number >= 0, got {stream_interval_s}")
     app = FastAPI(title="specchat", docs_url=None, redoc_url=None, redirect_slashes=False)
     app.add_middleware(TrailingSlashes)
+    if allowed_origins:
+        add_cors(app, allowed_origins)  # outermost: preflights of any path, and every response's headers
+    app.state.admission = admission = admission or Admission(max_running=1, max_queue=0)  # (max_queue 0: no bound)
     spec = default_spec or SpecParams(drafter="none", k=0)
     state: dict[str, EventRouter] = {}
     app.state.body_readers = readers = BodyReaders()  # the stopping server ends their reads (stopping.py)
@@ -179,7 +208,7 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:
@@ -215,7 +244,8 @@ def create_app(
     @app.api_route("/metrics", methods=READ_METHODS)
     async def prometheus() -> PlainTextResponse:
         snap = await asyncio.to_thread(engine.snapshot)
-        return PlainTextResponse(metrics.render(snap, model), media_type="text/plain; version=0.0.4")
+        page = metrics.render(snap, model, rejected=admission.rejected)
+        return PlainTextResponse(page, media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
         length = request.headers.get("content-length", "")
@@ -229,16 +259,18 @@ def create_app(
         if body.get("model") not in (None, model):
             raise unknown_model(body.get("model"))
         req = parse_request(body, chat, spec)
+        admission.admit()  # a 503 at once where the queue is full
         try:
             queue, handle = await submit(req)
-        except asyncio.CancelledError:
-            if not readers.stopping:
+        except BaseException as exc:  # refused (a 400), or cancelled
+            admission.release()
+            if not isinstance(exc, asyncio.CancelledError) or not readers.stopping:
                 raise
             asyncio.current_task().uncancel()  # uvicorn's deadline, the engine still in a step (below)
             raise ApiError(503, STOPPING_ERROR) from None
         rid = new_id(chat)
         if req.stream:
-            return StreamingResponse(stream(req, rid, queue, handle), media_type="text/event-stream")
+            return StreamedAnswer(stream(req, rid, queue), partial(let_go, handle))
         try:
             fin = await finished_while_connected(request, queue)
         except (asyncio.CancelledError, ClientGone) as exc:
@@ -251,6 +283,7 @@ def create_app(
             raise
         finally:
             router().queues.pop(handle.request_id, None)
+            admission.release()
         if refused(fin):
             raise refusal(fin)
         return completion(req, rid, model, fin)
@@ -306,33 +339,35 @@ def create_app(
         finally:
             answer.cancel()
 
-    async def stream(req: GenerationRequest, rid: str, queue, handle) -> AsyncIterator[bytes]:
+    def let_go(handle: EngineRequest) -> None:
+        """A stream's response has ended: its request leaves the count, and is cancelled where it has not finished
+        (its queue still registered: the client went away), which frees its KV pages."""
+        if router().queues.pop(handle.request_id, None) is not None:
+            handle.cancel()
+        admission.release()
+
+    async def stream(req: GenerationRequest, rid: str, queue) -> AsyncIterator[bytes]:
         chunks = StreamChunks(req, rid, model)
         loop = asyncio.get_running_loop()
         held, next_text = "", 0.0  # text not sent yet; the loop time before which only the end may send it
-        done = False
-        try:
-            if req.chat:
-                yield chunks.other({"role": "assistant", "content": ""})
-            while not done:
-                events = await queue.get()
-                while not queue.empty():  # behind the engine: send what piled up as one chunk, not one per token
-                    events += queue.get_nowait()
-                if not req.tools:
-                    held += "".join(e.text for e in events if isinstance(e, TextDelta))
-                last = any(isinstance(e, Finished) for e in events)
-                if held and (last or loop.time() >= next_text):
-                    yield chunks.text(held)
-                    held, next_text = "", loop.time() + stream_interval_s
-                for event in events:
-                    if isinstance(event, Finished):
-                        done = True
-                        async for line in stream_end(req, chunks, event):
-                            yield line
-        finally:
-            router().queues.pop(handle.request_id, None)
-            if not done:  # the client went away: stop generating, free the KV pages
-                handle.cancel()
+        if req.chat:
+            yield chunks.other({"role": "assistant", "content": ""})
+        while True:
+            events = await queue.get()
+            while not queue.empty():  # behind the engine: send what piled up as one chunk, not one per token
+                events += queue.get_nowait()
+            if not req.tools:
+                held += "".join(e.text for e in events if isinstance(e, TextDelta))
+            last = any(isinstance(e, Finished) for e in events)
+            if held and (last or loop.time() >= next_text):
+                yield chunks.text(held)
+                held, next_text = "", loop.time() + stream_interval_s
+            for event in events:
+                if isinstance(event, Finished):
+                    router().queues.pop(event.request_id, None)  # finished: nothing for let_go to cancel
+                    async for line in stream_end(req, chunks, event):
+                        yield line
+                    return
 
     async def stream_end(req: GenerationRequest, chunks: StreamChunks, fin: Finished) -> AsyncIterator[bytes]:
         if refused(fin):  # nothing written: the error ends the stream

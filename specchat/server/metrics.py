@@ -2,7 +2,8 @@
 
 The speculation counters are the ones vLLM exposes (drafts, draft tokens, accepted tokens, accepted tokens per
 draft position), with the definitions of engine/stats.py; beside them tokens per step, KV use, tok/s and the
-request queue, from the same engine.telemetry Snapshot the TUI reads.
+request queue, from the same engine.telemetry Snapshot the TUI reads; and the requests the server refused because its
+queue was full (server/admission.py), which the engine never sees.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def label_value(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render(snap: Snapshot, model: str) -> str:
+def render(snap: Snapshot, model: str, rejected: int = 0) -> str:
     label = f'model="{label_value(model)}"'
     spec, memory = snap.spec, snap.memory
     lines: list[str] = []
@@ -47,6 +48,7 @@ def render(snap: Snapshot, model: str) -> str:
     metric("requests_finished_total", "counter", "Requests finished.", snap.finished_total)
     metric("num_requests_running", "gauge", "Requests in the running batch.", snap.running)
     metric("num_requests_waiting", "gauge", "Requests waiting for KV pages or a slot.", snap.waiting)
+    metric("requests_rejected_total", "counter", "Requests refused at once: the waiting queue was full.", rejected)
     metric("tokens_per_second", "gauge", "Completion tokens per second, recent.", snap.tok_per_s or 0.0)
     metric("kv_cache_used_tokens", "gauge", "KV cache tokens held by requests.", memory.get("kv_used_tokens", 0))
     metric("kv_cache_capacity_tokens", "gauge", "KV cache capacity in tokens.", memory.get("kv_capacity_tokens", 0))

@@ -37,11 +37,20 @@ SAMPLING_FIELDS = {
 
 
 class ApiError(Exception):
-    """A request the server refuses: status, OpenAI error type, the offending parameter."""
+    """A request the server refuses: status, OpenAI error type, the offending parameter, and any headers its response
+    carries (an overloaded server's Retry-After)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"

@@ -1,0 +1,46 @@
+"""CORS: which web pages may call the server from a browser (`specchat serve --allowed-origins`).
+
+A page on another origin (a chat UI at http://localhost:3000) that POSTs JSON makes the browser ask first with a
+preflight (OPTIONS with Origin and Access-Control-Request-Method), then read the answer only where it carries
+Access-Control-Allow-Origin. Starlette's CORSMiddleware does both; this module says which origins, and what they
+may send. None by default: a local server is not readable from every page the user's browser opens (vLLM allows "*"
+unless told otherwise).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
+
+from specchat.errors import ConfigError
+
+ANY_ORIGIN = "*"
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+")  # scheme://host[:port], as a browser's Origin header spells it
+METHODS = ("GET", "HEAD", "POST")  # the server's routes' (a preflight names the method it will send)
+EXPOSED = ("Retry-After",)  # headers a page's script may read beyond the safelisted ones (an overloaded 503's)
+
+
+def parse_origins(text: str) -> list[str]:
+    """`--allowed-origins` ("http://localhost:3000,https://app.example", or "*") -> the origins; ConfigError for one
+    that a browser never sends (a path or a trailing slash would match no request, silently)."""
+    origins = [origin.strip() for origin in text.split(",") if origin.strip()]
+    for origin in origins:
+        if origin != ANY_ORIGIN and not ORIGIN.fullmatch(origin):
+            raise ConfigError(
+                f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path or trailing slash,"
+                " e.g. http://localhost:3000), nor '*'"
+            )
+    return origins
+
+
+def add_cors(app: Starlette, origins: Sequence[str]) -> None:
+    """Answer preflights, and mark responses (streams and errors too) readable by pages of `origins`.
+
+    Any request header is allowed (the openai JavaScript client sends Authorization and its own x-stainless-*
+    headers); no credentials (cookies): the server has no sessions."""
+    app.add_middleware(
+        CORSMiddleware, allow_origins=origins, allow_methods=METHODS, allow_headers=["*"], expose_headers=EXPOSED
+    )
