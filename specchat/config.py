@@ -51,7 +51,7 @@ def check_drafter_name(name: str) -> str:
     """`name` if it is a drafter kind, or `kind:ARG` for a kind that takes one; ConfigError otherwise."""
     kind, sep, arg = name.partition(":")
     if kind not in DRAFTER_CHOICES or (sep and (kind not in DRAFTER_ARGS or not arg)):
-        raise ConfigError(f"unknown drafter {name!r} (available: {DRAFTER_SYNTAX})")
+        raise ConfigError.of("drafter", f"unknown drafter {name!r} (available: {DRAFTER_SYNTAX})", alone=True)
     return name
 
 
@@ -80,8 +80,11 @@ class SamplingParams:
         for name in ("top_k", "max_tokens"):
             if not is_number(getattr(self, name), integer=True):
                 raise ConfigError.of(name, f"must be an integer, got {getattr(self, name)!r}")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError.of("stop", f"must be a list of non-empty strings, got {self.stop!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError.of("stop", f"must be a list of strings, got {self.stop!r}")
+        if "" in self.stop:
+            refused = "an empty stop text is refused (it is found at once, so every answer would end empty)"
+            raise ConfigError.of("stop", refused, alone=True)
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ConfigError.of("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:

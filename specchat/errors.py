@@ -31,18 +31,25 @@ class ConfigError(SpecchatError):
 
     field: str | None = None
     problem: str | None = None
+    alone: bool = False  # the problem is a whole sentence, which a spelling of the field goes before as "shown: "
 
     @classmethod
-    def of(cls, field: str, problem: str, shown: str | None = None) -> ConfigError:
+    def of(cls, field: str, problem: str, shown: str | None = None, alone: bool = False) -> ConfigError:
         """ "<field as the CLI flag spells it> <problem>", e.g. `ConfigError.of("max_tokens", "must be > 0")`;
-        `shown` spells a field that no flag sets (`k_max`)."""
-        error = cls(f"{shown or field.replace('_', '-')} {problem}")
-        error.field, error.problem = field, problem
+        `shown` spells a field that no flag sets (`k_max`). `alone`: the problem reads without the field ("unknown
+        drafter 'x' (available: ...)"), and is the message until a spelling names it ("--drafter: unknown ...")."""
+        if alone:
+            error = cls(f"{shown}: {problem}" if shown else problem)
+        else:
+            error = cls(f"{shown or field.replace('_', '-')} {problem}")
+        error.field, error.problem, error.alone = field, problem, alone
         return error
 
     def named(self, shown: str) -> ConfigError:
         """This error with its field spelt `shown` (`--k`, `/k`, `sampling.max_tokens`); itself where it names none."""
-        return self if self.field is None or self.problem is None else ConfigError.of(self.field, self.problem, shown)
+        if self.field is None or self.problem is None:
+            return self
+        return ConfigError.of(self.field, self.problem, shown, self.alone)
 
 
 class PromptError(SpecchatError):

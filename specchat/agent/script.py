@@ -383,8 +383,8 @@ def _speculation(table: _Table, base: Path) -> SpecParams:
     drafter = table.get("drafter", str, "none")
     try:
         check_drafter_name(drafter)
-    except ConfigError as exc:
-        raise ConfigError(f"speculation.drafter: {exc}") from None
+    except ConfigError as error:
+        raise error.named(table.where("drafter")) from None
     family, _, argument = drafter.partition(":")
     if family in ("heads", "ngram+heads") and argument:  # a heads file, relative to the script's folder
         drafter = f"{family}:{(base / Path(argument).expanduser()).resolve()}"

@@ -16,9 +16,9 @@ from specchat.cli.options import (
     StderrProgress,
     check_memory_ask,
     cpu_act_option,
-    flag_error,
     given_flags,
     model_argument,
+    sampling_params,
     spec_params,
 )
 from specchat.config import DEVICES, DTYPE_CHOICES, KV_CHOICES, WEIGHT_CHOICES, WEIGHT_FORMATS, EngineConfig
@@ -72,15 +72,11 @@ def bench_sessions(
     one round, the CPU's default, is timed warm too. Requests are greedy, or sampled at `temperature` (unseeded,
     as API clients send them); `requests` per run (default: the largest session count), the prompts cycled."""
     from specchat.bench.sessions import run_sessions
-    from specchat.config import SamplingParams
     from specchat.engine.engine import Engine
 
     prompts = read_prompt_lines(Path(prompts_file), "--prompts")
     counts = int_list(sessions, "--sessions", least=1)
-    try:
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
-    except ConfigError as error:
-        raise flag_error(error) from None
+    sampling = sampling_params(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     specs = [spec_params(name.strip(), k) for name in drafter.split(",")]
     modes = [{"on": True, "off": False}.get(m.strip()) for m in step_ahead.split(",")]
     if None in modes:

@@ -238,7 +238,9 @@ def generate(
     if raw and system is not None:
         raise click.UsageError("--system goes into the chat template, which --raw skips: give one or the other")
     items = read_prompts(prompt, prompts_file)
-    sampling = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
+    sampling = sampling_params(
+        stop, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
     spec = spec_params(drafter, k)
     config = engine_config(model, device, dtype, weights=weights)
     engine = Engine.load(config, progress=StderrProgress())

@@ -239,7 +239,7 @@ def engine_config(model: str | None, device: str, dtype: str | None, **extra) ->
 
 
 # The SamplingParams / SpecParams fields the sampling and speculation flags set, each as `--field-name`.
-FLAG_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "k")
+FLAG_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "drafter", "k")
 
 
 def flag_error(error: ConfigError) -> ConfigError:
@@ -249,22 +249,23 @@ def flag_error(error: ConfigError) -> ConfigError:
     return error.named(f"--{error.field.replace('_', '-')}") if error.field in FLAG_FIELDS else error
 
 
-def sampling_params(
-    max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...] = ()
-) -> SamplingParams:
-    """The sampling flags as SamplingParams; a bad value is a ConfigError naming its flag."""
+def sampling_params(stop: Sequence[str] = (), **fields: float | int | bool | None) -> SamplingParams:
+    """The sampling flags' values as SamplingParams, by its field names (those a command has no flag for left at
+    their defaults); a bad value is a ConfigError naming its flag."""
     try:
-        return SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=list(stop)
-        )
+        return SamplingParams(stop=list(stop), **fields)
     except ConfigError as error:
         raise flag_error(error) from None
 
 
 def check_drafter_arg(drafter: str, setting: str | None = None) -> None:
-    """The file, directory or model a `kind:ARG` drafter names exists (checked before the target loads). The error
-    names `setting` where a file gave the value (config.toml's `drafter`), else the flag: `--drafter VALUE: why`."""
-    kind, _, arg = check_drafter_name(drafter).partition(":")
+    """A drafter name, and the file, directory or model a `kind:ARG` drafter names exists (checked before the
+    target loads). The error names `setting` where a file gave the value (config.toml's `drafter`), else the flag:
+    `--drafter: unknown drafter ...`, `--drafter VALUE: why`."""
+    try:
+        kind, _, arg = check_drafter_name(drafter).partition(":")
+    except ConfigError as error:
+        raise (error.named(setting) if setting else flag_error(error)) from None
     if not arg:
         return
     where = setting or f"--drafter {drafter}"

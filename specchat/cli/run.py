@@ -153,7 +153,7 @@ class PlainChat:
                 click.echo(f"(k {'auto' if self.spec.k is None else self.spec.k})", err=True)
             elif name == "drafter":
                 if arg:
-                    self.engine().drafter(check_drafter_name(arg))  # built now: a missing file fails here
+                    self.engine().drafter(repl_drafter(arg))  # built now: a missing file fails here
                     self.spec = replace(self.spec, drafter=arg)
                 click.echo(f"(drafter {self.spec.drafter})", err=True)
             else:
@@ -221,6 +221,14 @@ def repl_k(spec: SpecParams, text: str) -> SpecParams:
         raise (error.named("/k") if error.field == "k" else error) from None
 
 
+def repl_drafter(name: str) -> str:
+    """The drafter of `/drafter NAME`; an unknown one is a ConfigError naming /drafter."""
+    try:
+        return check_drafter_name(name)
+    except ConfigError as error:
+        raise error.named("/drafter") from None
+
+
 def plain_repl(chat: PlainChat) -> None:
     """Read, stream, repeat, from the first moment: a message typed before the model is ready waits for it."""
     with contextlib.suppress(ImportError):
@@ -257,7 +265,9 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     defaults = load_defaults()  # a mistake in the file ends here, in one line naming the key
     given = {"model": model, "drafter": drafter, "k": k, "weights": weights, "temperature": temperature}
     given = apply_defaults(click.get_current_context(), defaults, {**given, "system": system})
-    sampling = sampling_params(max_tokens, given["temperature"], top_p, top_k, seed)
+    sampling = sampling_params(
+        max_tokens=max_tokens, temperature=given["temperature"], top_p=top_p, top_k=top_k, seed=seed
+    )
     spec = spec_params(given["drafter"], given["k"])
     kv = {"kv_format": given["kv_format"]} if "kv_format" in given else {}
     config = engine_config(given["model"], device, dtype, weights=given["weights"], **kv)

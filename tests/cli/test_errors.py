@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from specchat.config import DRAFTER_SYNTAX
+
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -122,11 +124,24 @@ def test_bad_k(tiny_model_dir):
             ("bench", "--sessions", "1", "--prompts", "{prompts}", "--max-tokens", "0"),
             "--max-tokens must be > 0, got 0",
         ),
+        (
+            ("generate", "-p", "hi", "--drafter", "nope"),
+            f"--drafter: unknown drafter 'nope' (available: {DRAFTER_SYNTAX})",
+        ),
+        (("run", "--plain", "--drafter", "nope"), f"--drafter: unknown drafter 'nope' (available: {DRAFTER_SYNTAX})"),
+        (
+            ("bench", "--sessions", "1", "--prompts", "{prompts}", "--drafter", "none,nope"),
+            f"--drafter: unknown drafter 'nope' (available: {DRAFTER_SYNTAX})",
+        ),
+        (
+            ("generate", "-p", "hi", "--stop", ""),
+            "--stop: an empty stop text is refused (it is found at once, so every answer would end empty)",
+        ),
     ],
 )
 def test_a_value_out_of_range_names_its_flag(tmp_path: Path, args: tuple[str, ...], message: str):
-    """The range checks live in SamplingParams / SpecParams, which name the bare field ("k must be in [0, 8]"); a
-    value given on the command line is named by its flag, before any model loads."""
+    """The checks live in SamplingParams / SpecParams and check_drafter_name, which name the bare field ("k must be
+    in [0, 8]", "unknown drafter"); a value given on the command line is named by its flag, before any model loads."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi\n")
     proc = run_cli(*(arg.replace("{prompts}", str(prompts)) for arg in args), env={"SPECCHAT_HOME": str(tmp_path)})

@@ -138,4 +138,4 @@ def test_stop_ends_the_answer_where_its_text_appears(tiny_model_dir: Path):
     assert cut["text"] == whole[: whole.index(stop)] and cut["finish_reason"] == "stop", (whole, stop, cut)
     assert generate(*args, "--stop", stop).stdout == whole[: whole.index(stop)] + "\n"
     refused = CliRunner().invoke(main, ["generate", *args, "--stop", ""])
-    assert refused.exit_code == 1 and "stop must be a list of non-empty strings" in refused.output
+    assert refused.exit_code == 1 and "--stop: an empty stop text is refused" in refused.output

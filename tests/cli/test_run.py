@@ -47,7 +47,10 @@ def test_mistakes_are_one_line_and_the_repl_goes_on(tiny_engine, monkeypatch, ca
     chat = repl(["/k many", "/k 99", "/drafter nope", "/what", "/clear", "hi"], loading, monkeypatch)
     err = capsys.readouterr().err
     assert "error: /k must be an integer or 'auto', got 'many'\n" in err
-    assert "error: /k must be in [0, 8] or 'auto', got 99\n" in err and "error: unknown drafter 'nope'" in err
+    assert (
+        "error: /k must be in [0, 8] or 'auto', got 99\n" in err
+        and "error: /drafter: unknown drafter 'nope' (available: " in err
+    )
     assert "unknown command /what: /help lists them" in err and "(conversation cleared)" in err
     assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi"]
 
