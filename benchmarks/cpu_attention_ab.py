@@ -25,15 +25,14 @@ import torch
 from specchat.kernels import cpu_attention, cpu_build, cpu_ops
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
+from benchmarks.base_source import module_source
 from benchmarks.cpu_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, PAGE, PREFILL
 from tests.kernels.test_cpu_ops import paged_case
 
 
 def base_library(tree: Path):
     """The base tree's attention kernel, built under its own name and bound as this checkout's is."""
-    text = (tree / "specchat/kernels/cpu_attention.py").read_text()
-    start = text.index('C_SOURCE = r"""') + len('C_SOURCE = r"""')
-    source = text[start : text.index('"""', start)]
+    source = module_source(tree, "cpu_attention")
     lib = cpu_build.load("cpu_attention_base", cpu_ops.C_SOURCE + source, cpu_ops.CFLAGS)
     if lib is None:
         sys.exit(f"cpu_attention_ab: the base tree's kernel at {tree} did not build")

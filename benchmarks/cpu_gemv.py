@@ -3,7 +3,7 @@ and beside them the int8-activation kernels (kernels/cpu_gemv_i8.py) where the C
 
     python benchmarks/cpu_gemv.py [--baseline REV] [--threads 1] [--rows 1 5] [--repeats 30]
 
-Both C sources (the baseline's read with `git show REV:specchat/kernels/cpu_gemv.py`) are compiled with the same
+Both C sources (the baseline's as the module built it at REV: benchmarks/base_source.py) are compiled with the same
 flags and called through ctypes with the same random Q4_1 / Q8_0 blocks, calls interleaved; the two outputs are
 compared (max abs difference) on each shape. Shapes of SmolLM2-135M: fused wqkv 960x576, wo 576x576, fused
 gate_up 3072x576, down 576x1536 (Q4_1, 30 layers each), the tied head 49152x576 (Q8_0). Prints a markdown table
@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import platform
-import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -30,6 +30,9 @@ import torch
 
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from benchmarks.base_source import module_source, tree_at
+
 SHAPES = [  # name, N, K, kind, times per token
     ("wqkv", 960, 576, "q4_1", 30),
     ("wo", 576, 576, "q4_1", 30),
@@ -37,14 +40,6 @@ SHAPES = [  # name, N, K, kind, times per token
     ("down", 576, 1536, "q4_1", 30),
     ("head", 49152, 576, "q8_0", 1),
 ]
-
-
-def c_source(rev: str, module: str) -> str:
-    """The C_SOURCE of specchat/kernels/<module>.py at git revision rev."""
-    old = subprocess.run(
-        ["git", "show", f"{rev}:specchat/kernels/{module}.py"], capture_output=True, text=True, check=True
-    ).stdout
-    return re.search(r'C_SOURCE = r"""(.*?)"""', old, re.S).group(1)
 
 
 def load(source: str, out: Path) -> ctypes.CDLL:
@@ -86,9 +81,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    base_src = c_source(args.baseline, "cpu_gemv")
     commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
+        base_tree = tree_at(args.baseline, Path(tmp) / "base")
+        base_src = module_source(base_tree, "cpu_gemv")
         libs = {
             "baseline": load(base_src, Path(tmp) / "base.so"),
             "this tree": load(cpu_gemv.C_SOURCE, Path(tmp) / "new.so"),
@@ -102,7 +98,7 @@ def main() -> None:
         int8 = cpu_gemv_i8.available()
         i8_libs = {}  # the baseline's int8 build (where it has one), then this tree's
         if int8:
-            base_i8 = cpu_gemv_i8.bind(load(c_source(args.baseline, "cpu_gemv_i8"), Path(tmp) / "base_i8.so"))
+            base_i8 = cpu_gemv_i8.bind(load(module_source(base_tree, "cpu_gemv_i8"), Path(tmp) / "base_i8.so"))
             i8_libs = {"int8 baseline": base_i8} if base_i8 else {}
             i8_libs["int8"] = cpu_gemv_i8._library()
         names = [*libs, *i8_libs]
