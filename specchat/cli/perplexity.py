@@ -29,7 +29,7 @@ from specchat.errors import ConfigError, KVCacheFullError, PromptError
 
 HELD_OUT_TEXT = "heldout_textwrap.txt"  # specchat/data/text: never calibrated or tuned on
 DEFAULT_CONTEXT = 1024
-DEFAULT_STRIDE = 512
+DEFAULT_STRIDE = DEFAULT_CONTEXT // 2  # the CLI's: half the window that runs
 PPL_SEQ_ID = -1  # the pool id of the window being scored; negative ids never collide with requests
 
 
@@ -129,7 +129,7 @@ def perplexity(
     help="text to score (default: the held-out text shipped in specchat/data/text)",
 )
 @click.option("--context", type=int, default=DEFAULT_CONTEXT, show_default=True, help="tokens per window")
-@click.option("--stride", type=int, default=DEFAULT_STRIDE, show_default=True, help="tokens between windows")
+@click.option("--stride", type=int, default=None, help="tokens between windows [default: half of --context]")
 @click.option(
     "--chunk",
     type=click.IntRange(min=1),
@@ -143,7 +143,7 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
 
     if context <= 1:
         raise ConfigError(f"--context must be > 1, got {context}")
-    if not 0 < stride <= context:
+    if stride is not None and not 0 < stride <= context:
         raise ConfigError(f"--stride must be in [1, --context = {context}], got {stride}")
     text = read_nonempty_text(text_file, "--file") if text_file else held_out_text()
     config = engine_config(model, device, dtype, weights=weights)  # --kv and --kv-memory: model_options
@@ -151,9 +151,15 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
     ids = engine.tokenizer.encode(text)
     if len(ids) < 2:  # perplexity() refuses it too, without the file's name
         raise PromptError(f"--file {text_file}: the text is {len(ids)} token; perplexity needs at least 2")
+    window = min(context, engine.model.cfg.max_position)  # perplexity() keeps windows within the model's context
+    if stride is None:  # half the window that runs: --context 64 alone is not refused for the default stride
+        stride = max(1, window // 2)
     result = perplexity(engine, ids, context, stride, progress=StderrProgress(), chunk=chunk)
-    if result.context < context:  # perplexity() keeps windows within the model's context: say so
-        click.echo(f"specchat: --context {context} is past the model's {result.context}: used that", err=True)
+    if window < context:
+        click.echo(f"specchat: --context {context} is past the model's {window}: used that", err=True)
+    if len(ids) - 1 < window:  # one window, shorter than the one asked for: the number is not comparable
+        note = f"the text ({len(ids)} tokens) is shorter than one window ({window}): it is scored as a single window"
+        click.echo(f"specchat: note: {note}", err=True)
     if as_json:
         click.echo(json.dumps({"ppl": round(result.ppl, 4), "tokens": result.tokens}))
     else:
