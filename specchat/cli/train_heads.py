@@ -37,6 +37,13 @@ class LineProgress:
             self.last = now
 
 
+def given_path(text: str, flag: str) -> Path:
+    """A path flag's value; an empty one (a shell variable that was not set) is refused, not read as "."."""
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty: name a file or folder")
+    return Path(text)
+
+
 def check_places(out: Path, work: Path, arch: str) -> None:
     """--out and the work folder, before the model loads: a place the result cannot go to failed at the save,
     after all the training."""
@@ -62,10 +69,8 @@ def check_places(out: Path, work: Path, arch: str) -> None:
     show_default=True,
     help="heads: MLP draft heads (a .safetensors file); eagle: an EAGLE-3 head (a directory vLLM and SGLang load too)",
 )
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="heads file (eagle: directory) to write")
-@click.option(
-    "--work", type=click.Path(file_okay=False, path_type=Path), help="answers, features, checkpoints (default OUT.work)"
-)
+@click.option("--out", required=True, type=click.Path(), help="heads file (eagle: directory) to write")
+@click.option("--work", type=click.Path(file_okay=False), help="answers, features, checkpoints (default OUT.work)")
 @click.option("--heads", "num_heads", type=int, default=4, show_default=True, help="draft heads (most drafts a step)")
 @click.option("--tap", type=int, default=None, help="target layer the heads read (default: the last)")
 @click.option("--parallel", is_flag=True, help="Medusa-style independent heads instead of sequential ones")
@@ -159,7 +164,8 @@ def train_heads(
             batch_size=batch_size,
             lr=lr or 2e-3,
         )
-    work = work or out.with_name(out.name + ".work")
+    out = given_path(out, "--out")
+    work = given_path(work, "--work") if work is not None else Path(os.path.abspath(out) + ".work")
     check_places(out, work, arch)
     config = engine_config(model, device, dtype, max_running=max_running, **model_extra)  # model_extra: --weights
     engine = Engine.load(config, progress=StderrProgress())
