@@ -10,13 +10,12 @@ switch) reads for this model, so the calibration runs once.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import click
 
 from specchat.cli.inputs import read_nonempty_text
-from specchat.cli.options import StderrProgress, model_argument
+from specchat.cli.options import StderrProgress, given_flags, model_argument
 from specchat.config import (
     CALIBRATION_TOKENS,
     DEFAULT_DAMP,
@@ -30,6 +29,8 @@ from specchat.config import (
 )
 from specchat.errors import ConfigError
 from specchat.registry import default_model
+
+GPTQ_ONLY = ("act_order", "damp", "calibration", "calibration_tokens")  # refused with --method rtn, not ignored
 
 
 def check_layers_text(layers: str) -> None:
@@ -56,8 +57,18 @@ def check_layers_select(model, layers: str) -> None:
 
 @click.command()
 @model_argument
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="checkpoint directory (default: cache)")
-@click.option("--method", type=click.Choice(QUANT_METHODS), default=DEFAULT_QUANT_METHOD, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="checkpoint folder to make (default: the cache the live MXFP4 toggle reads)",
+)
+@click.option(
+    "--method",
+    type=click.Choice(QUANT_METHODS),
+    default=DEFAULT_QUANT_METHOD,
+    show_default=True,
+    help="gptq: calibrated on a text (minutes on a CPU); rtn: round to nearest (seconds)",
+)
 @click.option(
     "--rule", type=click.Choice(MXFP4_RULES), default=DEFAULT_QUANT_RULE, show_default=True, help="block scale rule"
 )
@@ -69,20 +80,34 @@ def check_layers_select(model, layers: str) -> None:
 @click.option("--damp", type=float, default=DEFAULT_DAMP, show_default=True, help="GPTQ: dampening, x mean(diag H)")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="GPTQ calibration text (default: the one shipped in specchat/data/text)")  # fmt: skip
-@click.option("--calibration-tokens", type=int, default=CALIBRATION_TOKENS, show_default=True, help="at most")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="of the dense tensors saved beside")
+@click.option(
+    "--calibration-tokens",
+    type=int,
+    default=CALIBRATION_TOKENS,
+    show_default=True,
+    help="GPTQ: calibrate on at most this many tokens of the text",
+)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, help="where to quantize")
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default=None,
+    help="of the tensors kept dense (embedding, norms, linears not chosen) [default: as the model loads]",
+)
 def quantize(
     model, out, method, rule, layers, rotate, act_order, damp, calibration, calibration_tokens, device, dtype
 ) -> None:
-    """Quantize MODEL's linear layers to MXFP4 (OCP MX v1.0) and save a checkpoint `generate` can load."""
+    """Quantize the linears of MODEL (default: smollm2-135m) to MXFP4 (OCP MX v1.0): a checkpoint `generate` loads."""
     from specchat.config import EngineConfig
     from specchat.engine.engine import Engine
     from specchat.quant.quantize import QuantizeSettings, check_out_dir, quantize_to_checkpoint
     from specchat.registry import fetch, resolve, tokenizer_dir
 
-    if not math.isfinite(damp):
-        raise ConfigError(f"--damp must be a finite number > 0, got {damp}")
+    if method == "rtn" and (gptq_flags := given_flags(click.get_current_context(), GPTQ_ONLY)):
+        raise click.UsageError(f"{', '.join(gptq_flags)}: for --method gptq, not --method rtn")
+    if out is not None and not out.strip():
+        raise ConfigError("--out is empty: leave it out for the cache, or name a folder")
+    out = Path(out) if out is not None else None
     check_layers_text(layers)
     if calibration is not None:
         read_nonempty_text(calibration, "--calibration")  # an empty or unreadable text fails before the model loads
@@ -106,8 +131,15 @@ def quantize(
     result = quantize_to_checkpoint(
         engine.model, engine.tokenizer.encode, settings, source, spec.alias, tokenizer_dir(spec, source), out, progress
     )
+    how = result.method + (f", {result.calibration_tokens} calibration tokens" if result.calibration_tokens else "")
+    if result.reused:  # nothing ran: say so, rather than print the earlier run's time as this one's
+        click.echo(
+            f"{result.linears} linears -> MXFP4 ({how}): already in the cache the live MXFP4 toggle reads, made "
+            f"with the same settings in {result.seconds} s: {result.path}"
+        )
+        return
     where = "" if out else " (the cache the live MXFP4 toggle reads)"
-    click.echo(f"{result.linears} linears -> MXFP4 ({result.method}) in {result.seconds} s: {result.path}{where}")
+    click.echo(f"{result.linears} linears -> MXFP4 ({how}) in {result.seconds} s: {result.path}{where}")
 
 
 def register(group: click.Group) -> None:

@@ -17,7 +17,7 @@ once, as MXFP4; when the head goes back to dense, so does the embedding, sharing
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +25,8 @@ from torch import nn
 from specchat.config import DEFAULT_QUANT_LAYERS
 from specchat.kernels.mxfp4 import Rule, quantize_mxfp4
 from specchat.quant.fp4_linear import Fp4Linear, RotatedFp4Linear, TiedEmbedding, rotate_blocks
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 ROTATION = "hadamard32"
 LINEAR_TYPES = (nn.Linear, Fp4Linear)
@@ -88,12 +90,17 @@ def tied(model: nn.Module) -> bool:
     return bool(model.cfg.tie_embeddings)
 
 
-def round_to_nearest(model: nn.Module, names: Sequence[str], rule: Rule = "mse", rotate: bool = False) -> Packed:
-    """MXFP4 codes and scales of the named dense linears (of W R if `rotate`), block scales by `rule`, RNE."""
+def round_to_nearest(
+    model: nn.Module, names: Sequence[str], rule: Rule = "mse", rotate: bool = False, progress: Progress | None = None
+) -> Packed:
+    """MXFP4 codes and scales of the named dense linears (of W R if `rotate`), block scales by `rule`, RNE;
+    `progress` hears ("round to nearest", linears done, linears)."""
     packed = {}
     for name in names:
         weight = model.get_submodule(name).weight.detach()
         packed[name] = quantize_mxfp4(rotate_blocks(weight) if rotate else weight, rule=rule)
+        if progress:
+            progress("round to nearest", len(packed), len(names))
     return packed
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from specchat.config import (
@@ -55,6 +56,9 @@ from specchat.quant.modules import ROTATION, round_to_nearest, select_linears
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 CHECKPOINT_FILES = {WEIGHTS_FILE, METADATA_FILE, "config.json", *TOKENIZER_FILES}  # what a checkpoint folder holds
+# GPTQ adds damp x mean(diag H) to H's diagonal: past 1000 the off-diagonal terms that GPTQ compensates through are
+# under 0.1% of it (round to nearest, slower), and far past it the sum overflows and the Cholesky factor fails.
+MAX_DAMP = 1000.0
 
 
 @dataclass(slots=True)
@@ -77,8 +81,8 @@ class QuantizeSettings:
             raise ConfigError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
         if self.calibration_tokens <= 0:
             raise ConfigError(f"--calibration-tokens must be > 0, got {self.calibration_tokens}")
-        if self.damp <= 0:
-            raise ConfigError(f"--damp must be > 0, got {self.damp}")
+        if not 0 < self.damp <= MAX_DAMP:
+            raise ConfigError(f"--damp must be in (0, {MAX_DAMP:g}], got {self.damp}")
         if self.rotate is None:  # rotation helps GPTQ, hurts round to nearest (docs/benchmarks.md)
             self.rotate = self.method == "gptq"
 
@@ -96,6 +100,7 @@ class QuantizeResult:
     method: str  # how, in one word (quant.checkpoint.describe): "gptq-rot", "rtn-mse", ...
     seconds: float  # quantization time, saving excluded (of the run that made it, for a cached one)
     reused: bool = False  # the cache already held it
+    calibration_tokens: int | None = None  # GPTQ: the tokens it calibrated on (the text's, up to the most asked)
 
 
 def cached_result(source: Path, settings: QuantizeSettings) -> QuantizeResult | None:
@@ -106,7 +111,8 @@ def cached_result(source: Path, settings: QuantizeSettings) -> QuantizeResult | 
     meta = read_metadata(path)
     if meta.get("settings") != settings.record():
         return None
-    return QuantizeResult(path, len(meta["quantized"]), describe(meta), meta["seconds"], reused=True)
+    tokens = meta.get("gptq", {}).get("calibration_tokens")
+    return QuantizeResult(path, len(meta["quantized"]), describe(meta), meta["seconds"], True, tokens)
 
 
 def quantize_to_checkpoint(
@@ -129,6 +135,7 @@ def quantize_to_checkpoint(
     if is_mxfp4_checkpoint(source):
         raise ConfigError(f"{source} is already an MXFP4 checkpoint")
     if out is not None:
+        out = Path(os.path.abspath(out))  # "a/b/.." is "a": the partial checkpoint goes beside that
         check_out_dir(out)
     if out is None and (cached := cached_result(source, settings)) is not None:
         return cached
@@ -147,28 +154,37 @@ def quantize_to_checkpoint(
         "settings": settings.record(),
     }
     if settings.method == "rtn":
-        packed = round_to_nearest(model, names, settings.rule, settings.rotate)
+        packed = round_to_nearest(model, names, settings.rule, settings.rotate, progress)
     else:
         text = settings.calibration.read_text() if settings.calibration else calibration_text()
         sequences = calibration_sequences(encode(text), settings.calibration_tokens)
         gptq = GptqSettings(
             rule=settings.rule, damp=settings.damp, act_order=settings.act_order, rotate=settings.rotate
         )
-        packed = calibrate(model, sequences, names, gptq, progress=progress)
         tokens = sum(len(s) for s in sequences)
+        try:
+            packed = calibrate(model, sequences, names, gptq, progress=progress)
+        except torch.linalg.LinAlgError:  # H + damp x mean(diag H) not positive definite: too little of either
+            raise ConfigError(
+                f"GPTQ: a layer's Hessian is singular with --damp {settings.damp} on {tokens} calibration tokens: "
+                f"raise --damp (default {DEFAULT_DAMP}) or give more --calibration text"
+            ) from None
         meta["gptq"] = {"damp": settings.damp, "act_order": settings.act_order, "calibration_tokens": tokens}
         meta["calibration"] = str(settings.calibration or f"specchat/data/text/{CALIBRATION_TEXT}")
     meta["seconds"] = round(time.perf_counter() - started, 1)
     meta["created"] = datetime.now(UTC).isoformat(timespec="seconds")
     target = cache_dir(source) if out is None else out
     write_whole(target, model, packed, tokenizer_dir, meta)
-    return QuantizeResult(target, len(packed), describe(meta), meta["seconds"])
+    tokens = meta["gptq"]["calibration_tokens"] if "gptq" in meta else None
+    return QuantizeResult(target, len(packed), describe(meta), meta["seconds"], calibration_tokens=tokens)
 
 
 def check_out_dir(out: Path) -> None:
     """Refuse an --out the checkpoint cannot go to, or whose files it would replace: a file, a folder holding
     anything but an MXFP4 checkpoint's own files (the source model's folder among them), a place that cannot be
     made. An earlier checkpoint there is replaced whole."""
+    if Path(os.path.abspath(out)) == Path.cwd():  # the checkpoint replaces its folder whole: not the one we are in
+        raise ConfigError(f"--out {out}: the current folder; give a folder to make, such as {out / 'q'}")
     try:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out}: not a folder")

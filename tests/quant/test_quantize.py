@@ -22,7 +22,7 @@ def test_settings_rotate_by_default_for_gptq_only() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [("method", "awq", "method"), ("rule", "nearest", "rule"), ("calibration_tokens", 0, "calibration-tokens"),
-     ("damp", 0.0, "damp")],
+     ("damp", 0.0, "damp"), ("damp", 1e100, "damp"), ("damp", float("nan"), "damp")],
 )  # fmt: skip
 def test_bad_settings_are_config_errors(field: str, value, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
@@ -82,3 +82,14 @@ def test_an_interrupted_write_leaves_the_earlier_checkpoint(engine, tiny_model_d
         quantize_to_checkpoint(*args, tiny_model_dir, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no partial left beside it
+
+
+def test_round_to_nearest_reports_progress(engine, tiny_model_dir, tmp_path) -> None:
+    """Round to nearest runs ~11 s on the default model on a CPU, and said nothing all that time."""
+    heard: list[tuple[str, int, int]] = []
+    settings = QuantizeSettings(method="rtn")
+    result = quantize_to_checkpoint(
+        engine.model, engine.tokenizer.encode, settings, tiny_model_dir, "tiny", tiny_model_dir, tmp_path / "q",
+        lambda what, done, total: heard.append((what, done, total)),
+    )  # fmt: skip
+    assert heard == [("round to nearest", i, result.linears) for i in range(1, result.linears + 1)]
