@@ -108,7 +108,7 @@ def test_fuse_keeps_the_model_output_and_unfuse_restores_it():
 
 @kernel_test
 def test_a_half_precision_model_decodes_through_the_dense_gemv(monkeypatch):
-    """fp16 weights: steps of up to 16 rows run every linear through kernels/dense_gemv_triton.py (gate_up in its gated
+    """fp16 weights: steps of up to dense_gemv.MAX_ROWS rows run every linear through kernels/dense_gemv_triton.py (gate_up in its gated
     form, so the SiLU kernel is skipped) with logits within fp16 rounding of the plain model's; longer ones take
     F.linear as before."""
     from specchat.kernels import dense_gemv, dense_gemv_triton
@@ -116,7 +116,10 @@ def test_a_half_precision_model_decodes_through_the_dense_gemv(monkeypatch):
     monkeypatch.setattr(dense_gemv, "ENABLED", True)
     torch.manual_seed(0)
     model = Transformer(CFG).to(DEVICE, torch.float16).eval()
-    short, long = (torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE) for n in (9, 20))
+    short, long = (
+        torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).to(DEVICE)
+        for n in (9, dense_gemv.MAX_ROWS + 4)
+    )
     want = [logits(model, ids) for ids in (short, long)]
     fuse(model)
     calls = []
@@ -129,7 +132,7 @@ def test_a_half_precision_model_decodes_through_the_dense_gemv(monkeypatch):
     torch.testing.assert_close(got, want[0], atol=2e-2, rtol=2e-2)
     calls.clear()
     torch.testing.assert_close(logits(model, long), want[1], atol=2e-2, rtol=2e-2)
-    assert not calls  # 20 rows: cuBLAS (F.linear)
+    assert not calls  # more rows: cuBLAS (F.linear)
 
 
 def paged_steps(model: Transformer, feeds: list[list[int]], kv_format: str, taps: tuple[int, ...] = (0,)):
