@@ -1,5 +1,5 @@
 """Reading safetensors files, and the JSON files beside them, with errors a user can act on: the engine's HF
-loader and quant's MXFP4 checkpoints.
+loader and quant's MXFP4 checkpoints; and writing them (`save_tensors`) with the modes other files get.
 
 A damaged weight file (a truncated download, a copy cut short, a header that is not what the format says) should
 end in one line naming the file (docs/style.md #12), not in safetensors' own message or a KeyError. The format:
@@ -10,6 +10,7 @@ an 8-byte little-endian header length, a JSON object mapping each tensor name to
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
     import torch
 
 HEADER_LEN_BYTES = 8  # the little-endian uint64 that opens every safetensors file
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, then the file's mode as the umask gives any new file (0644 under umask 022):
+    save_file creates it 0600, so a quantized checkpoint or a heads file in a shared folder was readable by its
+    owner alone."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def read_json_object(file: Path) -> dict:

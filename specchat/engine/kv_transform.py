@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from specchat.kernels.attention import causal_attention
 from specchat.registry import derived_dir
+from specchat.safetensors_io import save_tensors
 
 CALIBRATION_TEXT = "calibration_heapq.txt"
 WINDOWS, CONTEXT = 2, 1024  # calibration tokens: the first WINDOWS windows of CONTEXT tokens
@@ -119,6 +119,6 @@ def load_or_calibrate(
     transform = calibrate(model, encode, text)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two processes calibrating at once each write whole
-    save_file({"transform": transform.contiguous()}, tmp, metadata={"text": digest})
+    save_tensors({"transform": transform.contiguous()}, tmp, metadata={"text": digest})
     tmp.replace(path)
     return transform

@@ -37,7 +37,7 @@ from specchat.errors import ModelFormatError
 from specchat.kernels.mxfp4 import dequantize_mxfp4
 from specchat.quant.fp4_linear import rotate_blocks
 from specchat.registry import derived_dir
-from specchat.safetensors_io import read_safetensors
+from specchat.safetensors_io import read_safetensors, save_tensors
 
 if TYPE_CHECKING:  # annotations only: the engine imports this package, never the other way round
     from specchat.engine.model import ModelConfig
@@ -98,8 +98,6 @@ def save_mxfp4_checkpoint(
     out: Path, model: torch.nn.Module, packed: Packed, tokenizer_dir: Path, metadata: dict
 ) -> None:
     """Write `model` (dense) with the linears in `packed` stored as MXFP4 codes and scales."""
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.cfg
     tensors: dict[str, torch.Tensor] = {}
@@ -111,7 +109,7 @@ def save_mxfp4_checkpoint(
     for name, (codes, scales) in packed.items():
         tensors[name + CODES] = codes.cpu().contiguous()
         tensors[name + SCALES] = scales.cpu().contiguous()
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", "specchat": FORMAT})
+    save_tensors(tensors, out / WEIGHTS_FILE, metadata={"format": "pt", "specchat": FORMAT})
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
     shapes = {name: list(model.get_submodule(name).weight.shape) for name in sorted(packed)}  # [out, in]
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "rotation": None, **metadata, "quantized": shapes}

@@ -16,6 +16,7 @@ import torch
 
 from specchat.errors import ModelFormatError
 from specchat.registry import derived_dir
+from specchat.safetensors_io import save_tensors
 
 
 def dense_cache_file(model_path: Path, dtype: torch.dtype) -> Path:
@@ -49,9 +50,7 @@ def read_dense(path: Path, names: list[str], dtype: torch.dtype, device: torch.d
 
 def write_dense(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write tensors (from host memory or a GPU) to `path`, whole or not at all."""
-    from safetensors.torch import save_file
-
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".part")
-    save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(partial))
+    save_tensors({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, partial)
     partial.replace(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -58,6 +59,10 @@ def test_quantize_cli_writes_a_checkpoint_generate_loads(tiny_model_dir, tmp_pat
     assert meta["method"] == "rtn" and meta["rule"] == "mse" and meta["rotation"] is None
     assert len(meta["quantized"]) == 9 and "lm_head" in meta["quantized"]  # the head too, by default
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    umask = os.umask(0)
+    os.umask(umask)
+    weights_mode = (out / "model.safetensors").stat().st_mode & 0o777
+    assert weights_mode == (out / "config.json").stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
 
     result = runner.invoke(
         main, ["generate", str(out), "-p", "hello", "--max-tokens", "4", "--json", "--device", "cpu"]

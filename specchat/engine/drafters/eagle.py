@@ -47,6 +47,7 @@ from specchat.engine.model import MLP, Attention, KVAttention, ModelConfig, RMSN
 from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels.attention import AttentionMetadata, paged_attention_supported
 from specchat.quant.modules import model_dtype, quantize_linears, swap_modules
+from specchat.safetensors_io import save_tensors
 
 if TYPE_CHECKING:
     from specchat.engine.sequence import Sequence
@@ -269,11 +270,9 @@ class EagleHead(nn.Module):
 
     def save(self, folder: Path, target: dict) -> None:
         """config.json + model.safetensors in `folder`; `target` (what it was trained on) goes in the metadata."""
-        from safetensors.torch import save_file
-
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(self.cfg.to_json(), indent=2) + "\n")
-        save_file(self.state_for_file(), str(folder / WEIGHTS_FILE), metadata={"specchat": json.dumps(target)})
+        save_tensors(self.state_for_file(), folder / WEIGHTS_FILE, metadata={"specchat": json.dumps(target)})
 
     @classmethod
     def load(cls, folder: Path, target: ModelConfig) -> EagleHead:

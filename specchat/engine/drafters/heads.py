@@ -45,6 +45,7 @@ from specchat.engine.sampling import probs_from_logits, sample_from_probs
 from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels import cpu_ops, draft_heads
 from specchat.quant.fp4_linear import Fp4Linear
+from specchat.safetensors_io import save_tensors
 
 if TYPE_CHECKING:
     from specchat.engine.runner import TokenContext
@@ -128,12 +129,10 @@ class DraftHeads(nn.Module):
         return torch.stack(states)
 
     def save(self, path: Path, target: dict) -> None:
-        from safetensors.torch import save_file
-
         tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in self.state_dict().items()}
         tensors["draft_vocab"] = self.draft_vocab.long().contiguous()
         meta = {"format": HEADS_FORMAT, "config": json.dumps(asdict(self.cfg)), "target": json.dumps(target)}
-        save_file(tensors, str(path), metadata=meta)
+        save_tensors(tensors, path, metadata=meta)
 
     @classmethod
     def load(cls, path: Path) -> tuple[DraftHeads, dict]:
