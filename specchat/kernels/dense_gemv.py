@@ -33,7 +33,7 @@ import torch
 
 from specchat.kernels.fused import INTERPRET
 
-MAX_ROWS = 64  # x in 16-row tiles (the MMA's n), a program each; more rows go to cuBLAS
+MAX_ROWS = 16  # one 16-row tile of x (the MMA's n); more rows go to cuBLAS
 DTYPES = (torch.bfloat16, torch.float16)
 ENABLED = os.environ.get("SPECCHAT_DENSE_GEMV", "1") != "0"  # read once; SPECCHAT_DENSE_GEMV=0: cuBLAS (A/B runs)
 

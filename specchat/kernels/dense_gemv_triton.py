@@ -36,10 +36,9 @@ def _dense_gemv_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    # axis 0 walks the 16-row tiles of x, fastest: the programs of one weight tile run side by side and all but
-    # the first read it from the L2
-    offs_m = tl.program_id(0) * 16 + tl.arange(0, 16)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1)  # clamped rather than masked: the loads stay unmasked along N
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
@@ -103,7 +102,7 @@ def dense_gemv(
         fast = x.is_cuda
     config = config or choose_config(n, k, gated, m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _dense_gemv_kernel[(triton.cdiv(m, 16), triton.cdiv(n, config.block_n))](
+    _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None, FAST=fast,
         PREFETCH=PREFETCH_TILES, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
