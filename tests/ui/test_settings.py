@@ -47,11 +47,15 @@ def note(app) -> Label:
     return app.main.query_one(ControlsPanel).query_one("#switch-note", Label)
 
 
-async def start_quantizing(pilot, app, engine: QuantizingEngine) -> None:
-    """F3 once the engine's figures are in (they say a switch quantizes first)."""
+async def start_quantizing(pilot, app, engine: QuantizingEngine, running: bool = False) -> None:
+    """F3 once the engine's figures are in (they say a switch quantizes first); `running`: and the quantization let
+    begin, until its progress shows."""
     await wait_for(pilot, lambda: app.main.query_one(MemoryPanel).memory, timeout=10, what="the engine's figures")
     await pilot.press("f3")
     await wait_for(pilot, lambda: engine.asked == ["mxfp4"], timeout=10, what="the switch to start")
+    if running:
+        engine.begin.set()
+        await wait_for(pilot, lambda: "left" in str(note(app).render()), timeout=10, what="the progress")
 
 
 async def test_a_first_mxfp4_switch_says_what_it_does_before_it_starts(make_app, store):
@@ -89,9 +93,7 @@ async def test_escape_stops_the_quantization_and_the_chat_goes_on(make_app, stor
     engine = QuantizingEngine(total_tokens=6)
     app = make_app(engine)
     async with app.run_test(size=SIZE) as pilot:
-        await start_quantizing(pilot, app, engine)
-        engine.begin.set()
-        await wait_for(pilot, lambda: "left" in str(note(app).render()), timeout=10, what="the progress")
+        await start_quantizing(pilot, app, engine, running=True)
         press_now(app, "escape")  # the chat has no answer running: Esc stops the quantization
         await wait_for(pilot, lambda: not app.switching, timeout=10, what="the switch to end")
         await pilot.pause()
@@ -109,9 +111,7 @@ async def test_quitting_stops_the_quantization(make_app, store):
     engine = QuantizingEngine(total_tokens=6)
     app = make_app(engine)
     async with app.run_test(size=SIZE) as pilot:
-        await start_quantizing(pilot, app, engine)
-        engine.begin.set()
-        await wait_for(pilot, lambda: "left" in str(note(app).render()), timeout=10, what="the progress")
+        await start_quantizing(pilot, app, engine, running=True)
     deadline = time.monotonic() + 5
     while engine.ended is None and time.monotonic() < deadline:
         time.sleep(0.05)
