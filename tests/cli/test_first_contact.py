@@ -72,6 +72,18 @@ def test_a_text_shorter_than_the_window_says_so(tiny_model_dir: Path, tmp_path: 
     assert "is shorter than one window" in result.stderr and '"tokens"' in result.stdout
 
 
+def test_a_long_text_says_it_is_being_tokenized(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A 16 MB --file was tokenized for ~14 s with nothing on the screen before the progress bar."""
+    from specchat.cli import perplexity
+
+    monkeypatch.setattr(perplexity, "LONG_TEXT_CHARS", 100)
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x): return x\n" * 10)
+    result = invoke(["perplexity", str(tiny_model_dir), "--device", "cpu", "--file", str(text), "--context", "16"])
+    assert result.exit_code == 0, result.output
+    assert "specchat: tokenizing 0.0 MB of text..." in result.stderr
+
+
 # --- quantize ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("flags", "needles"),
