@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from specchat.cli.options import StderrProgress, engine_config, given_flags, model_options
+from specchat.config import SEED_MAX
 from specchat.errors import ConfigError
 
 # Flags of one --arch only (their parameter names); given with the other, they are refused rather than ignored.
@@ -98,7 +99,7 @@ def check_places(out: Path, work: Path, arch: str) -> None:
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="eagle: padded tokens per step")
 @click.option("--ttt-steps", type=int, default=5, show_default=True, help="eagle: chain depth trained")
 @click.option("--lr", type=float, default=None, help="default: 2e-3 (heads), 1e-3 (eagle)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=0, show_default=True)
 @click.option(
     "--max-prompts", type=click.IntRange(min=1), default=None, help="train on the first N prompts only [default: all]"
 )

@@ -304,6 +304,7 @@ FLAG_CASES = [
         ["--max-prompts"],
     ),
     ("train-heads --heads 0", ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--heads", "0"], ["--heads"]),
+    ("train-heads --seed -1", ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--seed", "-1"], ["--seed"]),
     (
         "train-heads --epochs 0",
         ["train-heads", "{tiny}", "--out", "{root}/h.safetensors", "--epochs", "0"],
