@@ -25,6 +25,13 @@ def utf8_error(exc: UnicodeDecodeError) -> str:
     return f"not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
 
 
+def given_path(text: str, flag: str, hint: str = "name a file or folder") -> Path:
+    """A path flag's value; an empty one (a shell variable that was not set) is refused, not read as "."."""
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty: {hint}")
+    return Path(text)
+
+
 def read_text(path: Path, flag: str) -> str:
     """The UTF-8 text of a file a flag names; ConfigError naming both if it cannot be read or decoded."""
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.inputs import read_nonempty_text
+from specchat.cli.inputs import given_path, read_nonempty_text
 from specchat.cli.options import StderrProgress, given_flags, model_argument
 from specchat.config import (
     CALIBRATION_TOKENS,
@@ -105,9 +105,8 @@ def quantize(
 
     if method == "rtn" and (gptq_flags := given_flags(click.get_current_context(), GPTQ_ONLY)):
         raise click.UsageError(f"{', '.join(gptq_flags)}: for --method gptq, not --method rtn")
-    if out is not None and not out.strip():
-        raise ConfigError("--out is empty: leave it out for the cache, or name a folder")
-    out = Path(out) if out is not None else None
+    if out is not None:
+        out = given_path(out, "--out", "leave it out for the cache, or name a folder")
     check_layers_text(layers)
     if calibration is not None:
         read_nonempty_text(calibration, "--calibration")  # an empty or unreadable text fails before the model loads

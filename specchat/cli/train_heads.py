@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from specchat.cli.inputs import given_path
 from specchat.cli.options import StderrProgress, engine_config, given_flags, model_options
 from specchat.config import SEED_MAX
 from specchat.errors import ConfigError
@@ -36,13 +37,6 @@ class LineProgress:
         if now - self.last >= PLAIN_PROGRESS_EVERY_S or done >= total:
             click.echo(f"{what}: {done}/{total}", err=True)
             self.last = now
-
-
-def given_path(text: str, flag: str) -> Path:
-    """A path flag's value; an empty one (a shell variable that was not set) is refused, not read as "."."""
-    if not text.strip():
-        raise ConfigError(f"{flag} is empty: name a file or folder")
-    return Path(text)
 
 
 def check_places(out: Path, work: Path, arch: str) -> None:
