@@ -10,7 +10,6 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from specchat.config import EngineConfig
 from specchat.errors import ConfigError
 from specchat.server.admission import RETRY_AFTER_S, Admission
 from specchat.server.app import create_app
@@ -18,16 +17,6 @@ from specchat.server.protocol import ApiError
 from tests.server.test_serve import MESSAGES, get, serving
 
 SLOW_STEP_S = 0.02  # a step of the engine while a test fills its queue: answers of 200 tokens take ~4 s
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from specchat.engine.engine import Engine
-
-    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
-    engine.start()
-    yield engine
-    engine.close()
 
 
 def post(url: str, body: dict) -> tuple[int, dict, dict]:

@@ -9,7 +9,6 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specchat.config import EngineConfig
 from specchat.errors import ConfigError
 from specchat.server.app import create_app
 from specchat.server.cors import parse_origins
@@ -21,16 +20,6 @@ PREFLIGHT = {
     "Access-Control-Request-Method": "POST",
     "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",  # the openai JS client's
 }
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from specchat.engine.engine import Engine
-
-    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
-    engine.start()
-    yield engine
-    engine.close()
 
 
 def ask(url: str, method: str, path: str, headers: dict, body: dict | None = None) -> tuple[int, dict, bytes]:

@@ -107,15 +107,10 @@ def wind_down(engine, thread: threading.Thread, clients: list[threading.Thread])
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    """(base url, engine): a server of its own engine on a free port, for this module."""
-    from specchat.engine.engine import Engine
-
-    engine = Engine.load(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32"))
-    engine.start()
+def served(engine):
+    """(base url, engine): a server of this module's engine on a free port."""
     with serving(create_app(engine, "tiny")) as url:
         yield url, engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
