@@ -102,6 +102,12 @@ class QuantizeResult:
     reused: bool = False  # the cache already held it
     calibration_tokens: int | None = None  # GPTQ: the tokens it calibrated on (the text's, up to the most asked)
 
+    @classmethod
+    def of(cls, path: Path, linears: int, meta: dict, reused: bool = False) -> QuantizeResult:
+        """The result of a checkpoint whose metadata is `meta` (as written, or read back from the cache)."""
+        tokens = meta.get("gptq", {}).get("calibration_tokens")
+        return cls(path, linears, describe(meta), meta["seconds"], reused, tokens)
+
 
 def cached_result(source: Path, settings: QuantizeSettings) -> QuantizeResult | None:
     """The toggle's cached checkpoint of `source`, if one was made with `settings`."""
@@ -111,8 +117,7 @@ def cached_result(source: Path, settings: QuantizeSettings) -> QuantizeResult | 
     meta = read_metadata(path)
     if meta.get("settings") != settings.record():
         return None
-    tokens = meta.get("gptq", {}).get("calibration_tokens")
-    return QuantizeResult(path, len(meta["quantized"]), describe(meta), meta["seconds"], True, tokens)
+    return QuantizeResult.of(path, len(meta["quantized"]), meta, reused=True)
 
 
 def quantize_to_checkpoint(
@@ -175,8 +180,7 @@ def quantize_to_checkpoint(
     meta["created"] = datetime.now(UTC).isoformat(timespec="seconds")
     target = cache_dir(source) if out is None else out
     write_whole(target, model, packed, tokenizer_dir, meta)
-    tokens = meta["gptq"]["calibration_tokens"] if "gptq" in meta else None
-    return QuantizeResult(target, len(packed), describe(meta), meta["seconds"], calibration_tokens=tokens)
+    return QuantizeResult.of(target, len(packed), meta)
 
 
 def check_out_dir(out: Path) -> None:
