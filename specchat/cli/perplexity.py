@@ -71,20 +71,21 @@ def split_chunk(feed: list[int], start: int, rows: int, size: int) -> list[tuple
 
 
 def perplexity(
-    engine, ids: list[int], context: int, stride: int, progress=None, chunk: int | None = None
+    engine, ids: list[int], context: int, stride: int | None = None, progress=None, chunk: int | None = None
 ) -> PerplexityResult:
-    """Perplexity of `engine`'s model on token ids, windows of `context` tokens every `stride` tokens; `chunk`:
-    at most that many tokens a forward (None: the history and the scored tokens in one forward each)."""
+    """Perplexity of `engine`'s model on token ids, windows of `context` tokens (at most the model's) every `stride`
+    tokens (None: half the window); `chunk`: at most that many tokens a forward (None: the history and the scored
+    tokens in one forward each)."""
     import torch
 
     from specchat.engine.runner import StepBatch
 
-    if not 0 < stride <= context:
+    if stride is not None and not 0 < stride <= context:
         raise ConfigError(f"stride must be in [1, context = {context}], got {stride}")
     if len(ids) < 2:
         raise PromptError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
     context = min(context, engine.model.cfg.max_position)
-    stride = min(stride, context)
+    stride = max(1, context // 2) if stride is None else min(stride, context)
     runner, pool = engine.runner, engine.pool
     windows = sliding_windows(len(ids), context, stride)
     need = max(end - begin - 1 for begin, _, end in windows)  # tokens of KV the longest window reads back
@@ -154,10 +155,9 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
     ids = engine.tokenizer.encode(text)
     if len(ids) < 2:  # perplexity() refuses it too, without the file's name
         raise PromptError(f"--file {text_file}: the text is {len(ids)} token; perplexity needs at least 2")
-    window = min(context, engine.model.cfg.max_position)  # perplexity() keeps windows within the model's context
-    if stride is None:  # half the window that runs: --context 64 alone is not refused for the default stride
-        stride = max(1, window // 2)
+    # (no --stride: half the window that runs, so --context 64 alone is not refused for a default stride of 512)
     result = perplexity(engine, ids, context, stride, progress=StderrProgress(), chunk=chunk)
+    window = result.context  # perplexity() keeps windows within the model's context
     if window < context:
         click.echo(f"specchat: --context {context} is past the model's {window}: used that", err=True)
     if len(ids) - 1 < window:  # one window, shorter than the one asked for: the number is not comparable
