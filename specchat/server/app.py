@@ -195,7 +195,7 @@ def create_app(
     app.add_middleware(TrailingSlashes)
     if allowed_origins:
         add_cors(app, allowed_origins)  # outermost: preflights of any path, and every response's headers
-    app.state.admission = admission = admission or Admission(max_running=1, max_queue=0)  # (max_queue 0: no bound)
+    admission = admission or Admission(max_running=1, max_queue=0)  # (max_queue 0: no bound)
     spec = default_spec or SpecParams(drafter="none", k=0)
     state: dict[str, EventRouter] = {}
     app.state.body_readers = readers = BodyReaders()  # the stopping server ends their reads (stopping.py)

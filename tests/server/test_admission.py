@@ -75,10 +75,11 @@ def test_a_request_past_a_full_queue_is_refused_at_once_and_places_come_back(eng
     waits, the third gets the 503 at once; when the first two end (their clients gone) new requests come in."""
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: time.sleep(SLOW_STEP_S) or step())
-    app = create_app(engine, "tiny", admission=Admission(max_running=1, max_queue=1))
+    admission = Admission(max_running=1, max_queue=1)
+    app = create_app(engine, "tiny", admission=admission)
     with serving(app) as url:
         streams = [open_stream(url), open_stream(url)]
-        assert app.state.admission.in_flight == 2
+        assert admission.in_flight == 2
         start = time.monotonic()
         body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
         status, headers, answer = post(url + "/v1/chat/completions", body)
@@ -88,7 +89,7 @@ def test_a_request_past_a_full_queue_is_refused_at_once_and_places_come_back(eng
         assert 'specchat:requests_rejected_total{model="tiny"} 1' in get(url + "/metrics")
         for stream in streams:
             stream.close()  # the clients go away mid-answer
-        wait_until(lambda: app.state.admission.in_flight == 0, "a stream whose client left kept its place")
+        wait_until(lambda: admission.in_flight == 0, "a stream whose client left kept its place")
         wait_until(lambda: not engine.scheduler.has_work(), "a stream whose client left kept running")
         status, _, answer = post(url + "/v1/chat/completions", body)
         assert status == 200 and answer["usage"]["completion_tokens"] == 2
@@ -97,7 +98,7 @@ def test_a_request_past_a_full_queue_is_refused_at_once_and_places_come_back(eng
             status, _, answer = post(url + "/v1/chat/completions", too_long)
             assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
         status, _, answer = post(url + "/v1/completions", {"model": "tiny", "prompt": "Once", "max_tokens": 2})
-        assert status == 200 and app.state.admission.in_flight == 0
+        assert status == 200 and admission.in_flight == 0
 
 
 def test_max_queue_is_checked_before_the_model_loads():
