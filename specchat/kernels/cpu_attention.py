@@ -33,7 +33,7 @@ QUANTIZED_PAIRS = (("mxfp8", "mxfp4"), ("mxfp4", "mxfp4"))  # (keys, values) the
 # functions and what they inline (C_KERNELS: kernels/cpu_block.py compiles them as a translation unit of their own
 # beside the rest of the library), then cpu_attention.c: the quantize-on-append and paged_attention, bound below.
 C_KERNELS = cpu_build.c_source("cpu_attention_kernels.c")
-C_SOURCE = cpu_build.c_source("cpu_attention_kernels.c", "cpu_attention.c")
+C_SOURCE = C_KERNELS + cpu_build.c_source("cpu_attention.c")
 
 
 class Plan(ctypes.Structure):

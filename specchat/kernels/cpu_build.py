@@ -3,8 +3,8 @@
 Shared by kernels/cpu_gemv.py (block-quantized linears) and kernels/cpu_ops.py (norms, RoPE, SiLU, paged
 attention), whose C lies in kernels/csrc/ (`c_source`). A library is built the first time it is needed with `cc`
 (or $CC) into $SPECCHAT_HOME/kernels/, keyed by its source text, flags, OpenMP runtime and torch version, then
-loaded from there. Where that fails (no
-compiler, not Linux, or SPECCHAT_CPU_KERNELS=0), `load` returns None and callers keep their plain torch path.
+loaded from there. Where that fails (no compiler, not Linux, or SPECCHAT_CPU_KERNELS=0), `load` returns None and
+callers keep their plain torch path.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from specchat.kernels import cpu_build
 # The C of these kernels (csrc/): cpu_ops.h, the includes, macros and inline helpers the other modules' C builds on
 # (C_HEADER), then cpu_ops.c, the functions bound below.
 C_HEADER = cpu_build.c_source("cpu_ops.h")
-C_SOURCE = cpu_build.c_source("cpu_ops.h", "cpu_ops.c")
+C_SOURCE = C_HEADER + cpu_build.c_source("cpu_ops.c")
 
 # -O3 and the host's vector units; no contraction into fused multiply-adds beyond the ones written, so RoPE and
 # the residual add round as the torch reference does.
