@@ -31,9 +31,21 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
-    umask = os.umask(0)
+    os.chmod(path, 0o666 & ~process_umask())
+
+
+def process_umask() -> int:
+    """The process's umask, read where Linux shows it: setting it to read it back (os.umask's only way) would,
+    for that moment, give files that other threads create (the TUI's store, the engine's) the wrong mode."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)  # elsewhere: the brief window it is a common default
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask
 
 
 def read_json_object(file: Path) -> dict:
