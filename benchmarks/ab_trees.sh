@@ -7,15 +7,20 @@
 #   mkdir -p .ab_base && git archive BASE | tar -x --exclude=specchat/data -C .ab_base   # git-ignored
 #   BASE_TREE=.ab_base ROUNDS=2 bash benchmarks/ab_trees.sh python -m specchat bench --synthetic ...
 #
-# Rounds alternate the order (base first, then head first, ...) so that a warm-up or drift favours neither.
+# More trees: TREES="base=.ab_base variant=.ab_prev head=." (label=folder ...) instead of BASE_TREE.
+# Rounds rotate the order (base first, then head first, ...) so that a warm-up or drift favours none.
 # Each run's output is prefixed with "[base N]" / "[head N]"; when OUT is set the command sees
 # OUT=$OUT/ab_<label>_<round>, so runs that write files do not overwrite each other.
 set -uo pipefail
-BASE_TREE=${BASE_TREE:?BASE_TREE=<folder with the base commit\'s specchat/>}
+TREES=${TREES:-base=${BASE_TREE:?BASE_TREE=<folder with the base commit\'s specchat/> or TREES=\"label=folder ...\"} head=.}
 ROUNDS=${ROUNDS:-2}
 [ $# -gt 0 ] || { echo "usage: BASE_TREE=DIR [ROUNDS=N] bash benchmarks/ab_trees.sh COMMAND..." >&2; exit 2; }
-[ -d "$BASE_TREE/specchat" ] || { echo "ab_trees: $BASE_TREE/specchat is missing" >&2; exit 2; }
-[ -e "$BASE_TREE/specchat/data" ] || ln -s "$PWD/specchat/data" "$BASE_TREE/specchat/data"
+read -ra trees <<< "$TREES"
+for entry in "${trees[@]}"; do
+  tree=${entry#*=}
+  [ -d "$tree/specchat" ] || { echo "ab_trees: $tree/specchat is missing" >&2; exit 2; }
+  [ -e "$tree/specchat/data" ] || ln -s "$PWD/specchat/data" "$tree/specchat/data"
+done
 run() {  # label tree round command...
   local label=$1 tree=$2 round=$3
   shift 3
@@ -24,12 +29,10 @@ run() {  # label tree round command...
   echo "=== [$label $round] $(date -u +%T) in $tree: $*"
   (cd "$tree" && PYTHONPATH=. OUT="$out" "$@") 2>&1 | sed "s/^/[$label $round] /"
 }
+n=${#trees[@]}
 for ((round = 1; round <= ROUNDS; round++)); do
-  if ((round % 2)); then
-    run base "$BASE_TREE" "$round" "$@"
-    run head . "$round" "$@"
-  else
-    run head . "$round" "$@"
-    run base "$BASE_TREE" "$round" "$@"
-  fi
+  for ((i = 0; i < n; i++)); do  # odd rounds in the given order, even ones reversed
+    entry=${trees[$(( round % 2 ? i : n - 1 - i ))]}
+    run "${entry%%=*}" "${entry#*=}" "$round" "$@"
+  done
 done
