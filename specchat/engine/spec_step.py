@@ -236,6 +236,12 @@ def _context_rows(out: StepOutput, index: list[int]) -> Callable[[], TokenContex
     return context
 
 
+def _at_newest(context: TokenContext | None, accepted: torch.Tensor) -> TokenContext | None:
+    """A drafting step's token context (positions: each request's first fed) moved to each request's newest token,
+    after its accepted drafts."""
+    return None if context is None else dataclasses.replace(context, positions=context.positions + accepted + 1)
+
+
 def _batch_ahead(seqs: list[Sequence], q: int) -> StepBatch:
     """The step launched ahead for these requests (each feeding its newest token now, or a prompt joining) as the
     host stages it: q tokens each from the position after its newest, their ids on the device (the step before's
@@ -338,8 +344,8 @@ class SpecStep:
                 ids = torch.zeros(1, k + 1, dtype=torch.long, device=device)
                 hidden = [torch.zeros(1, k + 1, d, dtype=dtype, device=device) for _ in drafter.taps]
                 key = (name, id(drafter), k)
-                if not drafter.reads_context:  # (one that does runs its fallback directly: `_verdicts_ahead`)
-                    self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
+                # (one that reads the context: its chain, the lookup run apart where the step was no bound replay)
+                self._verdicts.warm_up(sessions, [key], lambda key, i=ids, h=hidden: (i, i, *h))
                 if sessions > 1 and self.joins_drafting:  # and the drafts of prompts joining a step ahead
                     # (`_first_drafts`), from one row each (a lone session has no step ahead to join)
                     first = (ids[:, :1], ids[:, :1], *(h[:, :1] for h in hidden))
@@ -634,11 +640,10 @@ class SpecStep:
             if outs is None:
                 assert out.flat_hidden is not None, "a drafting step ahead runs as one forward"
                 hidden = [out.flat_hidden[layer].view(n, q, -1) for layer in drafter.taps]
-                if drafter.reads_context:  # (its inputs would include the step's page tables, of varying width)
-                    where = _context_rows(out, list(range(n)))  # (a graph's has its bucket's padding rows too)
-                    outs = self._verdicts_and_drafts(key, *targets(), *hidden, context=where() if where else None)
-                else:
-                    outs = self._verdicts(key, *targets(), *hidden)
+                outs = self._verdicts(key, *targets(), *hidden)  # (without a context: a drafter's chain alone)
+                where = _context_rows(out, list(range(n))) if drafter.reads_context else None
+                if where is not None:  # the lookup apart: its inputs, the step's page tables, vary in width
+                    outs = (self._looked_up(drafter, k, outs[0], where()), *outs[1:])
             packed, *rows = outs
             verdicts = _Tokens(packed)
             going_on = _picked(packed, following.going_on)
@@ -723,13 +728,20 @@ class SpecStep:
         rows = torch.arange(len(target), device=target.device)
         newest = target[rows, accepted]  # the bonus or recovered tokens
         at_newest = [h[rows, accepted] for h in hidden]
-        if context is not None and drafter.reads_context:  # the newest token's position: after the accepted drafts
-            context = dataclasses.replace(context, positions=context.positions + accepted + 1)
-        else:
-            context = None
+        context = _at_newest(context, accepted) if drafter.reads_context else None
         drafted = drafter.draft_on_device(k, dict(zip(drafter.taps, at_newest, strict=True)), newest, context)
         chain, source = drafted if isinstance(drafted, tuple) else (drafted, torch.zeros_like(newest))
         return (torch.cat([accepted[:, None], target, newest[:, None], chain, source[:, None]], 1), *at_newest)
+
+    @staticmethod
+    def _looked_up(drafter: Drafter, k: int, packed: torch.Tensor, context: TokenContext) -> torch.Tensor:
+        """`_verdicts_and_drafts`' packed rows [B, 2 + 2q] of a drafter that `reads_context`, made without the
+        context, with what its lookup there makes of their drafts (`Drafter.look_up`): the same rows as one call
+        with the context."""
+        q = k + 1
+        accepted, newest = packed[:, 0], packed[:, 1 + q]
+        chain, source = drafter.look_up(packed[:, 2 + q : 2 + q + k], newest, _at_newest(context, accepted))
+        return torch.cat([packed[:, : 2 + q], chain, source[:, None]], 1)
 
     def _padded_width(self, plan: StepPlan, rows: list[int], decoding: list[bool]) -> int | None:
         """The width the runner wants the decoding requests (newest token + drafts) padded to, if their padding

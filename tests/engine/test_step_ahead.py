@@ -627,3 +627,46 @@ def test_a_drafting_step_verified_off_its_graph_reads_the_token_context_of_its_o
         assert picked.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
         assert torch.equal(picked, logits.view(seqs, q, -1)[index].flatten(0, 1))
     assert _context_rows(StepOutput(logits, Rows(logits, sizes), Rows(hidden, sizes)), [0]) is None
+
+
+def test_the_hybrids_lookup_run_apart_from_its_chain_gives_the_rows_of_one_call(tiny_engine):
+    """A drafting step verified off its bound graph (prompts joined it) runs the verdicts and the heads' chain
+    through the captured function and the hybrid's lookup apart (`SpecStep._looked_up`: its inputs, the page
+    tables, vary in width): the rows of one call with the context, for a request whose lookup matches and ones
+    whose does not. (Eagerly, the chain's launches cost a joining step ~1.2 ms of host time on an H100.)"""
+    from specchat.engine.drafters import hybrid
+    from specchat.engine.drafters.heads import HeadsDrafter
+    from specchat.engine.runner import TokenContext
+    from specchat.engine.spec_step import SpecStep
+    from tests.engine.test_drafters import random_heads
+
+    model = tiny_engine.model
+    assert model.cfg.vocab_size > 100
+    drafter = hybrid.NgramThenHeads(HeadsDrafter(random_heads(model, num_heads=4), model, cpu_blocks=False))
+    tiny_engine.drafters["ngram+heads:apart"] = drafter
+    k, q, page = 3, 4, 16
+    # three requests of two pages each, fed from positions 10, 12 and 8: the first repeats 11 12 13 14, the
+    # others never repeat
+    tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    starts = torch.tensor([10, 12, 8])
+    ids = torch.zeros(6 * page, dtype=torch.long)
+    ids[:32] = torch.tensor([11, 12, 13, 14] * 8)
+    ids[32:64] = 40 + torch.arange(32)
+    ids[64:] = 70 + torch.arange(32)
+    tokens = ids.view(-1, page)[tables.long()].flatten(1)  # [3, 32] each request's tokens by position
+    fed = torch.stack([tokens[r, s : s + q] for r, s in enumerate(starts.tolist())])
+    # accepted 3 (its newest, 13, continues the pattern), 1 and 0
+    target = torch.tensor([[14, 11, 12, 13], [53, 99, 98, 97], [96, 95, 94, 93]])
+    hidden = [
+        torch.randn(3, q, model.cfg.hidden_size, generator=torch.Generator().manual_seed(t)) for t in drafter.taps
+    ]
+    context = TokenContext(ids, tables, starts, page)
+    spec = tiny_engine.spec_step
+    key = ("ngram+heads:apart", id(drafter), k)
+    whole, *rows = spec._verdicts_and_drafts(key, target, fed, *hidden, context=context)
+    chain, *rows_apart = spec._verdicts_and_drafts(key, target, fed, *hidden)
+    assert torch.equal(SpecStep._looked_up(drafter, k, chain, context), whole)
+    assert all(torch.equal(a, b) for a, b in zip(rows_apart, rows, strict=True))
+    assert whole[:, 0].tolist() == [3, 1, 0] and whole[:, -1].tolist() == [1, 0, 0]  # the lookup drafted the first
+    assert whole[0, 2 + q : 2 + q + k].tolist() == [14, 11, 12]
+    assert torch.equal(whole[1:, 2 + q : 2 + q + k], chain[1:, 2 + q : 2 + q + k])  # the heads, the others

@@ -61,6 +61,14 @@ class Drafter:
         drafter cannot (it needs host state, or runs on the host)."""
         return None
 
+    def look_up(
+        self, chain: torch.Tensor, newest: torch.Tensor, context: TokenContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a drafter that `reads_context`: what reading the context makes of the drafts [B, depth] that
+        `draft_on_device` gives without one, and their sources; `draft_on_device` with a context is that call
+        after the one without (so a step may capture the first in a graph and run this apart)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts without reading the context")
+
     def drafts_on_device(self, depth: int | None = None) -> bool:
         """Whether `draft_on_device` drafts (depth: that many tokens; None: any it can)."""
         return type(self).draft_on_device is not Drafter.draft_on_device

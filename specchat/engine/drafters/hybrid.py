@@ -63,9 +63,16 @@ class NgramThenHeads(Drafter):
         chain = self.heads.draft_on_device(depth, hidden, newest)
         if chain is None or context is None:
             return chain
+        return self.look_up(chain, newest, context)
+
+    def look_up(
+        self, chain: torch.Tensor, newest: torch.Tensor, context: TokenContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' chain [B, depth] with the lookup's drafts where it matches, and which drafted (1: the n-grams):
+        `draft_on_device`'s second half, which SpecStep also runs apart, after a captured chain."""
         ngram, found = ngram_kernels.lookup(
-            context.ids, context.tables, context.positions, newest, context.page_size, depth, self.ngram.min_n,
-            self.ngram.max_n,
+            context.ids, context.tables, context.positions, newest, context.page_size, chain.shape[1],
+            self.ngram.min_n, self.ngram.max_n,
         )  # fmt: skip
         return torch.where(found[:, None], ngram, chain), found.long()
 
