@@ -42,6 +42,9 @@ from specchat.server.stopping import STOPPING_ERROR
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread (a 128k-token context is ~0.5 MB)
 READ_METHODS = ["GET", "HEAD"]  # HEAD too: uptime monitors and load balancers ask it (a 405 read as the server down)
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client still waits
+NESTS_TOO_DEEP = (
+    "the request nests deeper than this server writes into a prompt (tools' parameters, tool calls' arguments)"
+)
 
 
 ENGINE_FAILED = (STEP_FAILED, LOOP_FAILED)  # how the errors of requests the engine failed begin
@@ -290,16 +293,18 @@ def create_app(
 
     async def submit(req: GenerationRequest):
         """Encode, then submit and register the request's queue between two engine steps."""
-        messages, tools = (
-            with_tools(req.prompt, req.tools, engine.tokenizer.chat_template_source or "")
-            if req.chat
-            else (req.prompt, None)
-        )
         try:
+            messages, tools = (
+                with_tools(req.prompt, req.tools, engine.tokenizer.chat_template_source or "")
+                if req.chat
+                else (req.prompt, None)
+            )
             ids = await asyncio.to_thread(engine.encode_prompt, messages, raw=not req.chat, tools=tools)
         except SpecchatError as exc:
             code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
             raise ApiError(400, str(exc), "messages" if req.chat else "prompt", code) from None
+        except RecursionError:  # tools' parameters or a call's arguments parsed, but too deep to write into the prompt
+            raise ApiError(400, NESTS_TOO_DEEP) from None
         room = engine.max_position - len(ids)
         req.sampling.max_tokens = min(req.max_tokens or room, room)
         queue: asyncio.Queue[list[Event]] = asyncio.Queue()

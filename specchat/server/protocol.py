@@ -227,7 +227,7 @@ def _call_for_template(call: Any, i: int) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or more than Python decodes (deep, 4,300+ digits): a 500
             arguments = None
     if not isinstance(arguments, dict):
         raise ApiError(400, f"messages[{i}].tool_calls: a tool call's arguments must be a JSON object", "messages")

@@ -26,6 +26,8 @@ def assistant_calling(tool_calls) -> dict:
         [{"function": {"name": "add", "arguments": "[1, 2]"}}],
         [{"function": {"name": "add", "arguments": "{not json"}}],
         [{"function": {"name": "add", "arguments": 3}}],
+        [{"function": {"name": "add", "arguments": '{"a": ' * 5000 + "1" + "}" * 5000}}],  # a RecursionError: a 500
+        [{"function": {"name": "add", "arguments": '{"a": 1' + "0" * 5000 + "}"}}],  # past 4,300 digits: a 500
     ],
 )
 def test_malformed_tool_calls_in_history_are_a_400(tool_calls) -> None:

@@ -298,6 +298,23 @@ def test_bodies_past_what_the_parser_takes_are_400s_not_500s(served, monkeypatch
     assert status == 200 and answer["choices"][0]["message"]["content"] is not None
 
 
+def test_tools_nested_deeper_than_the_prompt_writes_are_400s_not_500s(served):
+    """Parameters the body's parser took but json.dumps could not write into the system prompt (it recurses deeper
+    from the handler than the parse did) were a 500 with a traceback: every depth is a 200 or an OpenAI 400."""
+    url = served[0] + "/v1/chat/completions"
+    statuses = set()
+    for depth in range(880, 1000):  # the window between the two limits is a few levels, set by the server's stack
+        parameters = '{"a": ' * depth + "1" + "}" * depth
+        body = '{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "w"}], "tools": [{"type": '
+        body += f'"function", "function": {{"name": "f", "parameters": {parameters}}}}}]}}'
+        status, answer = post_raw(url, body.encode())
+        assert status in (200, 400) and (status == 200 or answer["error"]["type"] == "invalid_request_error"), depth
+        statuses.add(status)
+    assert 400 in statuses
+    status, answer = post_raw(url, json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 2}).encode())
+    assert status == 200
+
+
 def test_a_stopping_server_returns_the_answers_in_flight(tiny_model_dir):
     """Ctrl-C / SIGTERM: uvicorn cancels the requests still running at its deadline (a plain-text 500, a stream
     without its end, a traceback). StoppingServer ends the engine's answers just before it, so a non-streaming
