@@ -331,3 +331,21 @@ def test_an_unknown_role_is_a_400_listing_every_accepted_role(message) -> None:
     assert refused.value.message == "messages[1] needs a role of system, developer, user, assistant or tool"
     body = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "w"}]}
     assert parse_request(body, chat=True, default_spec=SpecParams()).prompt[0]["role"] == "system"
+
+
+@pytest.mark.parametrize("field", ["stop", "tools"])
+@pytest.mark.parametrize("value", [False, 0, {}, 0.0])
+def test_a_falsy_value_of_the_wrong_type_is_a_400_not_absent(field: str, value) -> None:
+    """`stop: 0` or `tools: false` were read as absent (`or []`), where every other wrong type is a 400."""
+    body = {"messages": [{"role": "user", "content": "w"}], field: value}
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=True, default_spec=SpecParams())
+    assert refused.value.status == 400 and refused.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("stop", None), ("stop", ""), ("stop", []), ("tools", None), ("tools", [])]
+)
+def test_null_or_empty_stop_and_tools_are_none(field: str, value) -> None:
+    req = parse_request({"messages": [{"role": "user", "content": "w"}], field: value}, True, SpecParams())
+    assert req.sampling.stop == [] and req.tools == []
