@@ -21,17 +21,21 @@ def _dense_gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K] (gated: [2 * N, K], gate rows then up rows)
     b_ptr,  # [N] bias (gated: [2 * N]), or anything when HAS_BIAS is off
+    r_ptr,  # [M, N] residual, or anything when HAS_RESIDUAL is off
     y_ptr,  # [M, N]
     M,
     N,
     K,
     stride_xm,
     stride_wn,
+    stride_rm,
     stride_ym,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ACT: tl.constexpr,
     FAST: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -71,7 +75,13 @@ def _dense_gemv_kernel(
         acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
         if GATED:
             acc_up += tl.load(b_ptr + N + rows).to(tl.float32)[:, None]
+    if HAS_RESIDUAL:  # (as addmm's epilogue: added to the float32 sums, rounded once)
+        r_ptrs = r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
+        acc += tl.load(r_ptrs, mask=m_live & (offs_n[:, None] < N), other=0.0).to(tl.float32)
     y = acc.to(dtype)
+    if ACT:  # silu of the rounded output, rounded again: F.silu after F.linear
+        yf = y.to(tl.float32)
+        y = (yf / (1.0 + tl.exp(-yf))).to(dtype)
     if GATED:  # silu(gate) * up as fused_triton.silu_mul rounds it, from the values an ungated launch would store
         gate = y.to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -87,9 +97,12 @@ def dense_gemv(
     gated: bool = False,
     config: GemvConfig | None = None,
     fast: bool | None = None,
+    act: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x [..., K], weight [N, K], bias) -> [..., N] in x's dtype; gated: weight [2I, K] (and bias [2I])
-    -> silu(gate) * up [..., I].
+    -> silu(gate) * up [..., I]. Ungated, `act` takes F.silu of the output and `residual` ([..., N], x's dtype)
+    is added to the sums before they are rounded, as torch.addmm(residual, x, weight.t()) adds it.
 
     fast: the tensor-core path (default on CUDA); otherwise float32 products (the interpreter's).
     """
@@ -98,13 +111,17 @@ def dense_gemv(
     m, k = x2.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.shape[1] == k and (not gated or weight.shape[0] % 2 == 0), (x.shape, weight.shape)
+    assert not (gated and (act or residual is not None)), "gated: silu(gate) * up is the epilogue"
+    r2 = None if residual is None else residual.reshape(m, n)
+    assert r2 is None or (r2.dtype == x.dtype and r2.stride(-1) == 1), (residual.shape, residual.dtype)
     if fast is None:
         fast = x.is_cuda
     config = config or choose_config(n, k, gated, m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None, FAST=fast,
+        x2, weight, weight if bias is None else bias, y if r2 is None else r2, y, m, n, k, x2.stride(0),
+        weight.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None, ACT=act, FAST=fast,
         PREFETCH=PREFETCH_TILES, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
         **pdl.launch_options(x.device),
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Where the draft heads' greedy chain runs in five launches a head (its kernels: kernels/draft_heads_triton.py).
+"""Where the draft heads' greedy chain runs in four or five launches a head (its kernels: kernels/draft_heads_triton.py).
 
 `HeadsDrafter.greedy_chain` asks `supported` on every device, the CPU included: it lives apart from the kernels so
 that the CPU path never imports Triton (docs/architecture.md).

@@ -1,4 +1,4 @@
-"""The draft heads' greedy chain in five launches a head (issue 13).
+"""The draft heads' greedy chain in four or five launches a head (issue 13).
 
 A sequential head (engine/drafters/heads.py, `HeadBlock`) turns the state s and the previous token x into the
 next state and its draft:
@@ -8,12 +8,16 @@ next state and its draft:
 In plain PyTorch that is ~13 kernels a head (the embedding gather, two norms, a cat, two matmuls, SiLU, the
 residual add, the final norm, the draft rows' matmul, a cast to fp32, the argmax and the vocabulary lookup). On
 the H200 at one session, inside the chain's CUDA graph, each still costs 1.5-6 us of device time: ~30 us a head,
-~120 us of a 1.1 ms drafting step at k = 4 (docs/benchmarks.md, nineteenth session). Here a head is five:
+~120 us of a 1.1 ms drafting step at k = 4 (docs/benchmarks.md, nineteenth session). Here a head is five (four):
 
 - `_head_input_kernel` (one program per request): picks the previous head's draft from its partial argmaxes (or
   takes the newest token, for the first head), writes it to the chain's output, gathers its embedding and writes
   u with both norms applied;
-- W_up (cuBLAS), SiLU, and W_down with the residual add as one `addmm` (cuBLAS's epilogue);
+- W_up (cuBLAS), SiLU, and W_down with the residual add as one `addmm` (cuBLAS's epilogue); on CUDA at up to
+  16 rows of half-precision weights, two launches of kernels/dense_gemv_triton.py instead, W_up with the SiLU
+  and W_down with the residual add as their epilogues, which join the step's chain of programmatic dependent
+  launches (H100, real default model, k = 4: heads 1.4% and ngram+heads 1.6% faster at one session, 0.3-1.0% at
+  eight; docs/benchmarks.md, fifty-third session);
 - `_draft_argmax_kernel` (one program per 64 draft rows and 16 requests): the final norm of s', the draft rows'
   logits for the program's rows, rounded to the activation dtype as the plain matmul's output is, and their
   argmax (first index of the largest), kept as one partial per program for the next head's input kernel to pick
@@ -32,6 +36,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specchat.kernels import dense_gemv as dense_gemv_rules
+from specchat.kernels.dense_gemv_triton import dense_gemv
 from specchat.kernels.draft_heads import BLOCK_K
 from specchat.kernels.fused_triton import rms_normed
 
@@ -112,6 +118,18 @@ def _head_input(state, token, parts, vocab, embed, block, u, out, col, from_part
     )  # fmt: skip
 
 
+def _on_dense_gemv(u: torch.Tensor, block) -> bool:
+    """Whether a head's MLP runs on kernels/dense_gemv_triton.py (a few rows of half-precision weights, on CUDA):
+    W_up with the SiLU as its epilogue, W_down with the residual add as its."""
+    return (
+        dense_gemv_rules.ENABLED
+        and u.is_cuda
+        and block.act is F.silu
+        and dense_gemv_rules.supported(u, block.up.weight)
+        and block.down.weight.is_contiguous()
+    )
+
+
 def greedy_chain(
     blocks, embed: torch.Tensor, norm, rows: torch.Tensor, vocab: torch.Tensor, hidden: torch.Tensor,
     newest: torch.Tensor,
@@ -132,7 +150,10 @@ def greedy_chain(
     state = hidden.contiguous()
     for i, block in enumerate(blocks):
         _head_input(state, newest, parts, vocab, embed, block, u, out, i - 1, i > 0, True)
-        state = torch.addmm(state, block.act(F.linear(u, block.up.weight)), block.down.weight.t())
+        if _on_dense_gemv(u, block):  # (two launches in the PDL chain where cuBLAS took three outside it)
+            state = dense_gemv(dense_gemv(u, block.up.weight, act=True), block.down.weight, residual=state)
+        else:
+            state = torch.addmm(state, block.act(F.linear(u, block.up.weight)), block.down.weight.t())
         _draft_argmax_kernel[(num_parts, triton.cdiv(n, BLOCK_B))](
             state, norm.weight, rows, *parts, n, num_rows, d, num_parts, state.stride(0), norm.eps,
             BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, PRECISION=precision, num_warps=4,

@@ -80,6 +80,34 @@ def test_a_bias_is_added_before_the_rounding(gated: bool) -> None:
 
 
 @kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES[:3])
+def test_the_silu_epilogue_is_silu_of_the_plain_output(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """`act`: F.silu of the rounded output (the draft heads' W_up), bit for bit where the launch is the same."""
+    x, w = operands(m, n, k, dtype, seed=6)
+    got = dense_gemv(x, w, act=True)
+    plain = dense_gemv(x, w)
+    # (another exp: at most the last bit apart)
+    torch.testing.assert_close(got, F.silu(plain.float()).to(dtype), atol=0, rtol=torch.finfo(dtype).eps)
+    torch.testing.assert_close(got.float(), F.silu(reference(x, w).float()), atol=4e-3, rtol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES[:3])
+def test_a_residual_is_added_before_the_rounding_as_addmm_adds_it(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """`residual`: the draft heads' W_down with their state added, one rounding of the float32 sum."""
+    x, w = operands(m, n, k, dtype, seed=7)
+    residual = (torch.randn(m, n, generator=torch.Generator().manual_seed(8)) * 4).to(dtype).to(DEVICE)
+    got = dense_gemv(x, w, residual=residual)
+    want = (F.linear(x.float(), w.float()) + residual.float()).to(dtype)
+    torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=8e-3)
+    assert not torch.equal(got, dense_gemv(x, w)) and torch.equal(residual, residual.clone())
+    with pytest.raises(AssertionError, match="gated"):
+        dense_gemv(x, torch.cat([w, w]), gated=True, residual=residual)
+
+
+@kernel_test
 def test_leading_dims_are_kept() -> None:
     x, w = operands(6, 48, 64, torch.float16, seed=3)
     assert torch.equal(dense_gemv(x.view(2, 3, 64), w), dense_gemv(x, w).view(2, 3, 48))
