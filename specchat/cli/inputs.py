@@ -43,9 +43,10 @@ def read_text(path: Path, flag: str) -> str:
 
 
 def read_nonempty_text(path: Path, flag: str) -> str:
-    """read_text, refusing a file with nothing but whitespace."""
+    """read_text, refusing a file with nothing but whitespace (a byte order mark counts as none: Windows editors
+    save an empty UTF-8 file as one, which `perplexity` scored as 2 tokens). A BOM before text is kept."""
     text = read_text(path, flag)
-    if not text.strip():
+    if not text.replace("\ufeff", "").strip():
         raise ConfigError(f"{flag} {path}: the file has no text")
     return text
 

@@ -84,6 +84,15 @@ def test_a_long_text_says_it_is_being_tokenized(tiny_model_dir: Path, tmp_path: 
     assert "specchat: tokenizing 0.0 MB of text..." in result.stderr
 
 
+@pytest.mark.parametrize("content", [b"\xef\xbb\xbf", b"\xef\xbb\xbf \r\n"])
+def test_a_file_of_only_a_byte_order_mark_has_no_text(tiny_model_dir: Path, tmp_path: Path, content: bytes) -> None:
+    """An empty UTF-8 file saved with a BOM (Windows editors) was scored: "perplexity 2565.2215 over 2 tokens"."""
+    text = tmp_path / "t.txt"
+    text.write_bytes(content)
+    result = invoke(["perplexity", str(tiny_model_dir), "--device", "cpu", "--file", str(text)])
+    assert "the file has no text" in error_line(result)
+
+
 # --- quantize ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("flags", "needles"),
