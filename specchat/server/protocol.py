@@ -82,6 +82,15 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = 
     return value
 
 
+def _seed(body: dict) -> int | None:
+    """The request's seed: any 64-bit integer, as vLLM takes it (some clients send -1); a negative one is read as
+    its two's complement, so each still gives its own reproducible text."""
+    seed = _field(body, "seed", int)
+    if seed is not None and -(1 << 63) <= seed < 0:
+        seed += 1 << 64
+    return seed
+
+
 def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> GenerationRequest:
     """A JSON body of /v1/chat/completions (chat) or /v1/completions -> GenerationRequest, or ApiError."""
     if not isinstance(body, dict):
@@ -127,7 +136,7 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            seed=_field(body, "seed", int),
+            seed=_seed(body),
             max_tokens=max_tokens or 1,  # the real cap is set once the prompt's length is known
             stop=stop,
             ignore_eos=bool(_field(body, "ignore_eos", bool, False)),

@@ -43,13 +43,30 @@ def test_a_well_formed_tool_call_in_history_is_read_as_a_dict() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("temperature", -1), ("temperature", 2.5), ("top_p", 2), ("top_k", -3), ("seed", -1)]
+    ("field", "value"),
+    [
+        ("temperature", -1),
+        ("temperature", 2.5),
+        ("top_p", 2),
+        ("top_k", -3),
+        ("seed", -(1 << 63) - 1),
+        ("seed", 1 << 64),
+    ],
 )
 def test_a_bad_sampling_field_is_named_in_the_error(field: str, value) -> None:
     body = {"messages": [{"role": "user", "content": "w"}], field: value}
     with pytest.raises(ApiError) as refused:
         parse_request(body, chat=True, default_spec=SpecParams())
     assert refused.value.status == 400 and refused.value.param == field
+
+
+def test_any_64_bit_seed_is_taken_as_vllm_takes_it() -> None:
+    """Some clients send seed -1; a negative seed is its two's complement, each a reproducible text of its own."""
+    seeds = []
+    for seed in (-1, -2, -(1 << 63), 0, (1 << 64) - 1):
+        body = {"messages": [{"role": "user", "content": "w"}], "seed": seed, "temperature": 1}
+        seeds.append(parse_request(body, chat=True, default_spec=SpecParams()).sampling.seed)
+    assert seeds == [(1 << 64) - 1, (1 << 64) - 2, 1 << 63, 0, (1 << 64) - 1]
 
 
 def test_temperature_two_is_accepted_as_openai_accepts_it() -> None:
