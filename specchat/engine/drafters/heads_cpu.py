@@ -73,8 +73,11 @@ DRAFT_ROWS = 2048
 HYBRID_HEADS_K = 3
 # a greedy chain stops before the first draft whose chain probability (the product of its heads' softmax
 # probabilities over the draft vocabulary) is below this: such a draft is accepted about as often as that
-# probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here)
-MIN_CONFIDENCE = 0.2
+# probability says (CPU, eval prompts), too rarely to pay for its verification row (~12% of a step here). 0.2 until
+# 2026-12-07: on the AVX512-VNNI Xeon, whose int8 rows make a plain step faster and a row dearer beside it, 0.3 ran
+# the heads 1.29x -> 1.36x plain decoding over 30 eval prompts (ngram+heads 1.50x -> 1.51x; four runs, each +3-7%
+# for the heads: docs/benchmarks.md, fifty-third session)
+MIN_CONFIDENCE = 0.3
 GATED_K = 3  # what such heads draft up to under adaptive K: their gate, not the controller, picks the length
 # The same on a float target (a bf16 model on a CPU with native bf16), where a verification row costs a few % of a
 # step (the default model in bf16: 1 + 4 rows 43.9 ms against 42.0 for one through torch's linears, 1 + 5 rows 30.5
