@@ -79,13 +79,11 @@ def _dense_gemv_kernel(
         r_ptrs = r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
         acc += tl.load(r_ptrs, mask=m_live & (offs_n[:, None] < N), other=0.0).to(tl.float32)
     y = acc.to(dtype)
-    if ACT:  # silu of the rounded output, rounded again: F.silu after F.linear
+    if ACT or GATED:  # silu of the rounded output, rounded again: F.silu after F.linear, or silu_mul's gate
         yf = y.to(tl.float32)
         y = (yf / (1.0 + tl.exp(-yf))).to(dtype)
     if GATED:  # silu(gate) * up as fused_triton.silu_mul rounds it, from the values an ungated launch would store
-        gate = y.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        y = (y.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, y, mask=m_live & (offs_n[:, None] < N))
 
