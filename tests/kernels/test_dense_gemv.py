@@ -99,10 +99,11 @@ def test_a_residual_is_added_before_the_rounding_as_addmm_adds_it(m: int, n: int
     """`residual`: the draft heads' W_down with their state added, one rounding of the float32 sum."""
     x, w = operands(m, n, k, dtype, seed=7)
     residual = (torch.randn(m, n, generator=torch.Generator().manual_seed(8)) * 4).to(dtype).to(DEVICE)
+    before = residual.clone()
     got = dense_gemv(x, w, residual=residual)
-    want = (F.linear(x.float(), w.float()) + residual.float()).to(dtype)
+    want = (F.linear(x.float(), w.float()) + before.float()).to(dtype)
     torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=8e-3)
-    assert not torch.equal(got, dense_gemv(x, w)) and torch.equal(residual, residual.clone())
+    assert not torch.equal(got, dense_gemv(x, w)) and torch.equal(residual, before)  # (read, not written)
     with pytest.raises(AssertionError, match="gated"):
         dense_gemv(x, torch.cat([w, w]), gated=True, residual=residual)
 
