@@ -114,8 +114,8 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         if limit is not None and limit <= 0:  # a 0 is refused, not taken for an absent field
             raise ApiError(400, f"{name} must be > 0, got {limit}", name)
     max_tokens = next((limit for limit in limits.values() if limit is not None), None if chat else COMPLETION_TOKENS)
-    stop = body.get("stop")  # (a falsy value of another type, 0 or false, passed as no stop)
-    stop = [] if stop in (None, "") else stop
+    stop = body.get("stop")  # None or "" is no stop; 0, false or {} are refused below (they were read as none)
+    stop = [] if stop is None or stop == "" else stop
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} non-empty strings", "stop")
@@ -237,7 +237,7 @@ def _call_for_template(call: Any, i: int) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments else {}
-        except (ValueError, RecursionError):  # not JSON, or more than Python decodes (deep, 4,300+ digits): a 500
+        except (ValueError, RecursionError):  # not JSON, or more than Python decodes (deep, 4,300+ digits)
             arguments = None
     if not isinstance(arguments, dict):
         raise ApiError(400, f"messages[{i}].tool_calls: a tool call's arguments must be a JSON object", "messages")
@@ -249,7 +249,7 @@ def _call_for_template(call: Any, i: int) -> dict:
 
 
 def _tools(body: dict) -> list[dict]:
-    tools = body.get("tools")  # (a falsy value of another type, false, 0 or {}, passed as no tools)
+    tools = body.get("tools")  # None is no tools; false, 0 or {} are refused below (they were read as none)
     tools = [] if tools is None else tools
     if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
         raise ApiError(
