@@ -16,7 +16,7 @@ the H200 at one session, inside the chain's CUDA graph, each still costs 1.5-6 u
 - W_up (cuBLAS), SiLU, and W_down with the residual add as one `addmm` (cuBLAS's epilogue); on CUDA at up to
   16 rows of half-precision weights, two launches of kernels/dense_gemv_triton.py instead, W_up with the SiLU
   and W_down with the residual add as their epilogues, which join the step's chain of programmatic dependent
-  launches (H100, real default model, k = 4: heads 1.4% and ngram+heads 1.6% faster at one session, 0.3-1.0% at
+  launches (H100, real default model, k = 4: heads 1.4% and ngram+heads 1.6% faster at one session, 0.3-0.6% at
   eight; docs/benchmarks.md, fifty-third session);
 - `_draft_argmax_kernel` (one program per 64 draft rows and 16 requests): the final norm of s', the draft rows'
   logits for the program's rows, rounded to the activation dtype as the plain matmul's output is, and their
