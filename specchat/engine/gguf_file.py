@@ -13,6 +13,8 @@ first, uint32 ggml type, uint64 offset), then the tensor data from the next mult
 
 from __future__ import annotations
 
+import itertools
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -99,7 +101,15 @@ class GGUFFile:
             if name in seen:
                 raise ModelFormatError(f"{where}: tensor {name} appears twice")
             seen.add(name)
+            if offset % alignment:
+                raise ModelFormatError(f"{where}: tensor {name}'s data is not aligned to {alignment} bytes (damaged?)")
             self.tensors.append(self._tensor(whole, start, name, dims, gtype, offset))
+        # each tensor's bytes are its own (llama.cpp's writer packs them in order): a type or a dimension altered by
+        # damage reads into its neighbour's bytes, which would load as wrong weights without a word
+        spans = sorted((t.data.ctypes.data, t.data.nbytes, t.name) for t in self.tensors)
+        for (begin, size, name), (after, _, other) in itertools.pairwise(spans):
+            if begin + size > after:
+                raise ModelFormatError(f"{where}: tensors {name} and {other} overlap in the file (damaged?)")
 
     def _tensor(self, whole: np.ndarray, start: int, name: str, dims: tuple[int, ...], gtype: int, offset: int):
         try:
@@ -108,7 +118,9 @@ class GGUFFile:
         except (ValueError, KeyError):
             raise ModelFormatError(f"{self.path}: tensor {name} has an unknown ggml type {gtype}") from None
         shape = tuple(reversed(dims))  # outermost first, as numpy wants
-        count = int(np.prod(dims, dtype=np.int64))
+        count = math.prod(dims)  # (Python's integers: numpy's int64 product wraps around on damaged dimensions)
+        if not count:
+            raise ModelFormatError(f"{self.path}: tensor {name} has no elements (shape {shape})")
         if ttype in _ELEMENT_TYPES:
             dtype = np.dtype(_ELEMENT_TYPES[ttype])
             nbytes = count * dtype.itemsize

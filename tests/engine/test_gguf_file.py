@@ -125,3 +125,39 @@ def test_arrays_nested_past_pythons_recursion_are_a_damaged_file(tmp_path):
     path.write_bytes(header(items=1) + nested + struct.pack("<IQ", 4, 0))
     with pytest.raises(ModelFormatError, match="damaged or truncated"):
         GGUFFile(path)
+
+
+def tensor_info_at(data: bytes, name: str) -> int:
+    """Where tensor `name`'s info goes on after its name: uint32 dims, uint64 dims, uint32 type, uint64 offset."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    return data.index(key) + len(key)
+
+
+def test_damaged_tensor_infos_name_the_tensor(files, tmp_path):
+    """A tensor info whose dimensions overflow (their product wrapped numpy's int64 to 0 or below: a ValueError
+    traceback from the reshape), is empty, points between alignments, or whose type was altered so that its bytes
+    run into its neighbour's (loaded as wrong weights without a word): one ModelFormatError naming the tensor."""
+    whole = files[2].read_bytes()  # blocks.gguf: the linears are Q8_0
+    at = tensor_info_at(whole, "blk.0.attn_q.weight")
+    dims, (kind, offset) = at + 4, struct.unpack_from("<IQ", whole, at + 20)
+    assert kind == GGMLQuantizationType.Q8_0
+
+    def patched(fmt: str, where: int, *values: int) -> bytes:
+        data = bytearray(whole)
+        struct.pack_into(fmt, data, where, *values)
+        return bytes(data)
+
+    cases = {
+        "wraps to zero": (patched("<QQ", dims, 2**32, 2**32), "runs past the end of the file"),
+        "wraps negative": (patched("<QQ", dims, 32, 3 * 2**61), "runs past the end of the file"),
+        "largest": (patched("<QQ", dims, 2**64 - 32, 2**64 - 1), "runs past the end of the file"),
+        "empty": (patched("<QQ", dims, 0, 64), "has no elements"),
+        "misaligned": (patched("<Q", at + 24, offset + 1), "not aligned to 32 bytes"),
+        "overlapping": (patched("<I", at + 20, int(GGMLQuantizationType.F32)), "overlap"),
+    }
+    for case, (data, message) in cases.items():
+        path = tmp_path / f"{case}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(ModelFormatError, match=message) as info:
+            GGUFFile(path)
+        assert str(path) in str(info.value) and "blk.0.attn_q.weight" in str(info.value), case
