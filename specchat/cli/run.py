@@ -34,7 +34,7 @@ from specchat.cli.options import (
     tp_option,
 )
 from specchat.config import DRAFTER_SYNTAX, EngineConfig, SamplingParams, SpecParams, check_drafter_name
-from specchat.errors import ConfigError, PromptError, SpecchatError
+from specchat.errors import ConfigError, ContextLengthError, PromptError, SpecchatError
 
 REPL_HELP = f"""\
 Type a message and press Enter (end a line with \\ to continue it); Ctrl-C stops an answer.
@@ -177,7 +177,11 @@ class PlainChat:
         try:
             handle = engine.submit([*self.messages, {"role": "user", "content": text}], self.sampling, self.spec)
         except SpecchatError as exc:  # a prompt too long for the context, say: the conversation is unchanged
-            click.echo(f"error: {exc}", err=True)
+            # (past the context with earlier turns, every later message failed the same way, with nothing saying
+            # that the "prompt" is the whole conversation or how to go on)
+            grown = isinstance(exc, ContextLengthError) and any(m["role"] != "system" for m in self.messages)
+            hint = "; the conversation so far is part of it: /clear starts a new one" if grown else ""
+            click.echo(f"error: {exc}{hint}", err=True)
             return
         reply, error = "", None
         try:

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 WARM_UP_K = 4
 # On the CPU a step that decodes requests feeds at most this many tokens of a prompt beside them
 CPU_CHUNK_BESIDE_DECODING = 256  # (a 3,356-token prompt beside a stream: its longest gap 2.6 s -> 0.58 s)
+# How a request live when the engine's step loop was closed (Engine.close) ends: Finished.error
+ENGINE_CLOSED = "the engine was closed while the request ran"
 
 
 class RequestHandle:
@@ -515,11 +517,19 @@ class Engine:
                 self._deliver(self.scheduler.fail_all(f"{LOOP_FAILED}: {type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
+        """Stop the background step loop. Requests still live end now with ENGINE_CLOSED, keeping what each wrote:
+        their readers waited on their queues for good, since no thread stepped for them any more. The engine
+        stays usable as before `start()`: a later request is stepped by the thread that reads its events."""
         if self._thread is not None:
             self._stop = True
             self._wake.set()
             self._thread.join()
             self._thread = None
+            with self._lock:
+                self._drain_commands()  # (changes queued for the loop: a cancel, say)
+                self.spec_step.drop_ahead()
+                events = self.scheduler.fail_all(ENGINE_CLOSED)
+            self._deliver(events)
 
     # --- accounting -------------------------------------------------------------------------------------------
     def reset_metrics(self, whole_run: bool = False) -> None:

@@ -130,12 +130,17 @@ class Scheduler:
     def _admit(self, events: list[Event]) -> None:
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            need = self.pool.pages_for(seq.num_tokens + seq.spec.k_max + 1)
+            # room for its tokens, the next one, and as many drafts as it may ever verify in a step: none without a
+            # drafter, and no more than its max tokens and the context leave (k_max + 1 refused a prompt that fits
+            # with its whole answer, under `none` too, for "drafts" it could never make)
+            drafts = self._draft_len(seq, seq.spec.k_max)
+            need = self.pool.pages_for(seq.num_tokens + 1 + drafts)
             if need > self.pool.num_pages:
+                also = f" and {drafts} for its next step's drafts" if drafts else ""
                 self._fail(
                     seq,
-                    f"request needs {seq.num_tokens} tokens of KV cache and {seq.spec.k_max + 1} for its next step's "
-                    f"drafts, the pool holds {self.pool.capacity_tokens} (raise --kv-memory)",
+                    f"request needs {seq.num_tokens + 1} tokens of KV cache{also}, the pool holds "
+                    f"{self.pool.capacity_tokens} (raise --kv-memory)",
                     events,
                 )
                 continue

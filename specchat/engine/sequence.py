@@ -160,18 +160,24 @@ class Sequence:
         return kept
 
     def _apply_stop_strings(self) -> None:
+        """Cut the text at the earliest stop string found (cutting at each in turn, one found later in the list but
+        earlier in the text, "cab" of stops ["ab", "cab"], was cut off by the other and its start kept)."""
+        cut = None
         for stop in self.sampling.stop:
             idx = self.text.find(stop, max(0, self.emitted_chars - len(stop) + 1))
-            if idx >= 0:
-                self.text = self.text[:idx]
-                self.finish_reason = "stop"
+            if idx >= 0 and (cut is None or idx < cut):
+                cut = idx
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
 
     def take_delta(self) -> str:
         """Text not sent yet, holding back a tail that could still become a stop string."""
         end = len(self.text)
         if self.finish_reason is None:
             for stop in self.sampling.stop:
-                for n in range(min(len(stop) - 1, end - self.emitted_chars), 0, -1):
+                # (up to the whole unsent text, not to `end`: another stop's held tail may be this one's middle)
+                for n in range(min(len(stop) - 1, len(self.text) - self.emitted_chars), 0, -1):
                     if self.text.endswith(stop[:n]):
                         end = min(end, len(self.text) - n)
                         break

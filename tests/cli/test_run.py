@@ -188,3 +188,25 @@ def test_ctrl_c_while_an_answer_waits_for_the_model_stops_that_answer(tiny_engin
     err = capsys.readouterr().err
     assert "[stopped]" in err and "[3 tokens" in err
     assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["again"]
+
+
+def test_a_conversation_grown_past_the_context_says_so_and_clear_goes_on(tiny_engine, monkeypatch, capsys):
+    """The history is part of every prompt: past the context each later message failed with "prompt is N tokens",
+    N far above what was typed, and nothing said how to go on. The error says the conversation is in it and that
+    /clear starts afresh; the conversation is kept until then, and answered after it."""
+    loading: Future = Future()
+    loading.set_result(tiny_engine)
+    long = "word " * 230  # 243 of the tiny model's 256 positions with the template: no other message fits beside
+    chat = repl([long, "hi", "again", "/clear", "hi"], loading, monkeypatch)
+    err = capsys.readouterr().err
+    assert err.count("error: prompt is ") == 2 and err.count("/clear starts a new one") == 2, err
+    assert "Traceback" not in err and err.count("[3 tokens") == 2
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi"]
+
+
+def test_a_first_message_past_the_context_says_nothing_of_the_conversation(tiny_engine, monkeypatch, capsys):
+    loading: Future = Future()
+    loading.set_result(tiny_engine)
+    chat = repl(["word " * 300], loading, monkeypatch)
+    err = capsys.readouterr().err
+    assert "error: prompt is " in err and "/clear" not in err and chat.messages == []

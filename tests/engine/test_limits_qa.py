@@ -1,0 +1,136 @@
+"""The engine at its limits through its public API: stop strings that overlap, a request that fills the KV pool
+exactly, the step loop closed under a request in flight."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specchat.config import EngineConfig, SamplingParams, SpecParams
+from specchat.engine.sequence import Finished, Sequence, TextDelta
+
+
+class CharDetok:
+    """A stream decoder whose token i is the text table[i]."""
+
+    def __init__(self, table: dict[int, str]) -> None:
+        self.table = table
+
+    def push(self, ids: list[int]) -> str:
+        return "".join(self.table[i] for i in ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+def streamed(pieces: list[str], stop: list[str], per_step: int) -> tuple[str, Sequence]:
+    """The text streamed for tokens decoding to `pieces`, `per_step` tokens a step (a speculative step emits
+    several), and the request."""
+    table = {10 + i: piece for i, piece in enumerate(pieces)}
+    seq = Sequence(
+        seq_id=1,
+        prompt_ids=[1],
+        sampling=SamplingParams(max_tokens=100, stop=stop),
+        spec=SpecParams(),
+        detok=CharDetok(table),
+        eos_ids=frozenset(),
+        max_position=1000,
+    )
+    ids, out = list(table), ""
+    for start in range(0, len(ids), per_step):
+        seq.append_tokens(ids[start : start + per_step])
+        out += seq.take_delta()
+        if seq.finish_reason is not None:
+            break
+    return out, seq
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 100])
+@pytest.mark.parametrize("stop", [["ab", "cab"], ["cab", "ab"]])
+def test_the_earliest_stop_string_ends_the_text_whatever_their_order(stop, per_step):
+    """Stops ["ab", "cab"] over "xxcab...": "cab" starts first, so the answer is "xx". Cut at each stop in turn, the
+    text was "xxc" (the "ab" cut took the "cab" away), and a token at a time the "c" had been streamed already: the
+    held-back tail was bounded by the other stop's."""
+    out, seq = streamed(list("xxcab and more"), stop, per_step)
+    assert (out, seq.text, seq.finish_reason) == ("xx", "xx", "stop")
+
+
+def test_an_engines_answer_ends_at_the_earliest_of_overlapping_stops(tiny_engine):
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    text = tiny_engine.submit("hello", greedy).result().text
+    # a piece of the text whose tail is found first where the piece is: stops [tail, piece] must cut before piece
+    at = next(
+        i
+        for i in range(1, len(text) - 4)
+        if text.find(text[i : i + 4]) == i and text.find(text[i + 1 : i + 4]) == i + 1
+    )
+    piece = text[at : at + 4]
+    for stop in ([piece[1:], piece], [piece, piece[1:]]):
+        handle = tiny_engine.submit("hello", SamplingParams(max_tokens=40, ignore_eos=True, stop=stop))
+        events = list(handle.events())
+        finished = events[-1]
+        assert finished.reason == "stop" and finished.text == text[:at], stop
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text[:at]
+
+
+@pytest.fixture(scope="module")
+def pool_of_64(tiny_model_dir):
+    from specchat.engine.engine import Engine
+
+    page = 2 * 2 * 16 * 2 * 4 * 16  # tiny model: layers * kv heads * head_dim * (k, v) * fp32 * page
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", kv_format="fp32", kv_memory=4 * page
+    )
+    return Engine.load(config)
+
+
+@pytest.mark.parametrize(("drafter", "k"), [("none", 0), ("none", None), ("ngram", 2), ("ngram", None)])
+def test_a_request_that_fits_the_pool_exactly_runs(pool_of_64, drafter, k):
+    """56 prompt tokens and 8 answer tokens in a pool of 64: admission asked room for k_max + 1 = 9 more, "for its
+    next step's drafts", and refused it, under `none` too, which never drafts."""
+    engine = pool_of_64
+    assert engine.pool.capacity_tokens == 64
+    prompt = [5, 6, 7, 8] * 14
+    finished = engine.submit(prompt, SamplingParams(max_tokens=8, ignore_eos=True), SpecParams(drafter, k)).result()
+    assert (finished.reason, len(finished.token_ids), finished.error) == ("length", 8, None)
+    assert engine.pool.used_pages == 0
+
+
+def test_a_request_too_big_for_the_pool_is_refused_with_what_it_needs(pool_of_64):
+    engine = pool_of_64
+    finished = engine.submit([5, 6, 7, 8] * 16, SamplingParams(max_tokens=8)).result()
+    assert finished.reason == "error"
+    assert finished.error == "request needs 65 tokens of KV cache, the pool holds 64 (raise --kv-memory)"
+
+
+def test_closing_the_engine_ends_a_request_in_flight_instead_of_leaving_its_reader_waiting(tiny_engine):
+    """close() stopped the step loop and a reader waiting for a live request's events waited on its queue for good
+    (a hang). Now the request ends with an error, keeping what it wrote, and a request submitted after is stepped by
+    its reader."""
+    from specchat.engine.engine import ENGINE_CLOSED
+
+    wrote = threading.Event()
+
+    def listener(events) -> None:
+        if any(isinstance(e, TextDelta) and e.token_ids for e in events):
+            wrote.set()
+
+    tiny_engine.listeners.append(listener)
+    handle = tiny_engine.submit([5, 6, 7] * 10, SamplingParams(max_tokens=200, ignore_eos=True))
+    tiny_engine.start()
+    done: list[Finished] = []
+    reader = threading.Thread(target=lambda: done.append(handle.result()), daemon=True)
+    try:
+        reader.start()
+        assert wrote.wait(timeout=30)
+    finally:
+        tiny_engine.close()
+        tiny_engine.listeners.remove(listener)
+    reader.join(timeout=30)
+    assert done, "the request's reader still waits after close()"
+    finished = done[0]
+    assert finished.reason == "error" and finished.error == ENGINE_CLOSED and 0 < len(finished.token_ids) < 200
+    assert tiny_engine.pool.used_pages == 0 and not tiny_engine.scheduler.has_work()
+    after = tiny_engine.submit([5, 6, 7] * 10, SamplingParams(max_tokens=5, ignore_eos=True)).result()
+    assert (after.reason, len(after.token_ids)) == ("length", 5)
