@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,13 +41,56 @@ class LineProgress:
             self.last = now
 
 
+EAGLE_FILES = {"config.json", "model.safetensors"}  # what train-heads --arch eagle writes in its folder
+
+
+def is_heads_file(path: Path) -> bool:
+    """A draft heads file that train-heads wrote (its safetensors metadata says so)."""
+    from safetensors import SafetensorError, safe_open
+
+    from specchat.engine.drafters.heads import HEADS_FORMAT
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("format") == HEADS_FORMAT
+    except (OSError, SafetensorError, ValueError):
+        return False
+
+
+def is_eagle_folder(path: Path) -> bool:
+    """A folder holding an EAGLE-3 head's files and nothing else (config.json names its eagle_config)."""
+    try:
+        if not {p.name for p in path.iterdir()} <= EAGLE_FILES:
+            return False
+        return "eagle_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def is_empty_folder(path: Path) -> bool:
+    try:
+        return not any(path.iterdir())
+    except OSError:
+        return False  # unreadable: not known to be empty
+
+
 def check_places(out: Path, work: Path, arch: str) -> None:
     """--out and the work folder, before the model loads: a place the result cannot go to failed at the save,
-    after all the training."""
+    after all the training. What --out names is replaced by the result, so it must be an earlier result (or
+    nothing): `--arch eagle --out MODEL_DIR` replaced the model's own config.json and model.safetensors."""
     if arch == "heads" and out.is_dir():
         raise ConfigError(f"--out {out}: a folder; draft heads are one file (give FILE.safetensors)")
+    if arch == "heads" and out.exists() and not is_heads_file(out):
+        raise ConfigError(
+            f"--out {out}: a file that is not draft heads, which the heads would replace; give a new file"
+        )
     if arch == "eagle" and out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: a file; an EAGLE-3 head is a folder")
+    if arch == "eagle" and out.is_dir() and not is_eagle_folder(out) and not is_empty_folder(out):
+        raise ConfigError(
+            f"--out {out}: the folder holds files other than an EAGLE-3 head's, which the head would replace; "
+            "give a new or empty folder"
+        )
     for what, folder in (("--out", out.parent), ("the work folder (--work)", work)):
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -53,6 +98,10 @@ def check_places(out: Path, work: Path, arch: str) -> None:
             raise ConfigError(f"{what}: cannot make {folder} ({exc.strerror or exc})") from None
         if not os.access(folder, os.W_OK):
             raise ConfigError(f"{what}: cannot write in {folder}")
+        try:  # where os.access says yes but nothing can be made (/proc, /sys as root)
+            os.rmdir(tempfile.mkdtemp(prefix=".train-heads.", dir=folder))
+        except OSError as exc:
+            raise ConfigError(f"{what}: cannot write in {folder} ({exc.strerror or exc})") from None
 
 
 @click.command("train-heads")
@@ -169,7 +218,11 @@ def train_heads(
         raise ConfigError(f"--tap must be a layer of this model, in [0, {layers - 1}], got {tap}")
     log = lambda line: click.echo(line, err=True)
     train = train_eagle if arch == "eagle" else run_training
-    report = train(engine, cfg, out, LineProgress(), log, work)
+    try:
+        report = train(engine, cfg, out, LineProgress(), log, work)
+    except OSError as exc:  # a work file that cannot be written (a full disk): one line, not a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise ConfigError(f"{where}{exc.strerror or exc}") from None
     label = "step" if arch == "eagle" else "head"
     rows = zip(report["top1"], report["tokens_per_step"], report["run_tokens_per_step"], strict=True)
     for i, (acc, tps, run) in enumerate(rows):

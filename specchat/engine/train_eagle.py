@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -34,8 +35,10 @@ from specchat.engine.drafters.eagle import EagleConfig, EagleHead
 from specchat.engine.runner import StepBatch
 from specchat.engine.train_heads import (
     IGNORE,
+    WRITE_ERRORS,
     Progress,
     check_at_least,
+    check_training_set,
     draft_vocab_by_frequency,
     generate_answers,
     greedy_run_tokens_per_step,
@@ -43,6 +46,7 @@ from specchat.engine.train_heads import (
     lr_factor,
     read_or_remake,
     with_synth,
+    write_error,
     write_whole,
 )
 from specchat.errors import ConfigError
@@ -201,6 +205,7 @@ class EagleTrainer:
         with torch.no_grad():  # start from the target's own output rows for the draft vocabulary
             head.lm_head.weight.copy_(self.model.lm_head.weight[vocab.to(self.device)].float())
         train = [f for f in feats if not f["eval"]]
+        check_training_set(len(train), len(feats), "answers")
         batches = self._batches(train)
         total = cfg.epochs * len(batches)
         opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -351,5 +356,23 @@ def train_eagle(
     head = trainer.train(records, feats)
     report = trainer.report(head, feats)
     spec = engine.model_spec
-    head.save(out, {"model": spec.alias if spec else "", "train": asdict(cfg), "report": report})
+    target = {"model": spec.alias if spec else "", "train": asdict(cfg), "report": report}
+    save_folder(out, lambda folder: head.save(folder, target))
     return report
+
+
+def save_folder(out: Path, save: Callable[[Path], None]) -> None:
+    """Write the head's folder under a temporary name beside `out`, then put it in `out`'s place (an earlier head
+    there is replaced whole): a run stopped or failing mid-write (a full disk) leaves `out` as it was, never a
+    config.json beside a torn or older model.safetensors."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_name(out.name + ".part")
+    try:
+        shutil.rmtree(part, ignore_errors=True)
+        save(part)
+        shutil.rmtree(out, ignore_errors=True)
+        part.rename(out)
+    except WRITE_ERRORS as exc:
+        raise write_error(out, exc) from None
+    finally:
+        shutil.rmtree(part, ignore_errors=True)

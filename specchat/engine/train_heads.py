@@ -250,6 +250,7 @@ class HeadTrainer:
             labels = self._draft_labels(targets.to(self.device), heads.draft_vocab)
         offsets = torch.arange(1, cfg.num_heads + 1, device=self.device)
         train_rows = (~feats["is_eval"]).nonzero().squeeze(-1)
+        check_training_set(len(train_rows), len(feats["is_eval"]), "positions")
         steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
         total = cfg.epochs * steps_per_epoch
         opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -512,15 +513,39 @@ T = TypeVar("T")
 TORN_FILE_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
+# What a serializer raises when its file cannot be written (a full or read-only disk): OSError, safetensors' own
+# error, and torch.save's zip writer, which reports a short write as a RuntimeError ("unexpected pos ...").
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def write_error(path: Path, exc: BaseException) -> ConfigError:
+    """One line for a file that could not be written (a traceback ended a run whose disk filled up)."""
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "the write failed: is the disk full?"
+    return ConfigError(f"{path}: cannot write it ({why})")
+
+
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a work file through a partial beside it, renamed into place: a run stopped mid-write (Ctrl-C while a
-    checkpoint saves) leaves the last whole file to resume from, never a torn one."""
+    """Write a file through a partial beside it, renamed into place: a run stopped mid-write (Ctrl-C while a
+    checkpoint saves) leaves the last whole file to resume from, never a torn one; a write that fails (a full
+    disk) is a ConfigError naming the file."""
     part = path.with_name(path.name + ".part")
     try:
         write(part)
         os.replace(part, path)
+    except WRITE_ERRORS as exc:
+        raise write_error(path, exc) from None
     finally:
         part.unlink(missing_ok=True)
+
+
+def check_training_set(train: int, total: int, what: str) -> None:
+    """Refuse to train on nothing: with every answer held out for the report (--max-prompts 1 holds out its only
+    prompt) no step ran, and the untrained heads were written and reported as trained."""
+    if train == 0:
+        raise ConfigError(
+            f"nothing to train on: all {total} {what} are held out for the report (a tenth of the prompts, at least "
+            "one); give --max-prompts 2 or more, or --synth-prompts"
+        )
 
 
 def read_or_remake(path: Path, read: Callable[[Path], T], log: Callable[[str], None]) -> T | None:
@@ -616,5 +641,5 @@ def train_heads(
     spec = engine.model_spec
     target = {"model": spec.alias if spec else "", "train": asdict(trainer.cfg), "report": report}
     out.parent.mkdir(parents=True, exist_ok=True)
-    heads.save(out, target)
+    write_whole(out, lambda part: heads.save(part, target))  # never a torn heads file where --out points
     return report

@@ -1,0 +1,127 @@
+"""QA of the power-user commands (bench, quantize, train-heads, perplexity): each failure a user can cause ends in
+one `specchat: error:` line and a nonzero exit, never a traceback, a silent wrong result or a torn output file."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from specchat.cli import main
+
+pytestmark = pytest.mark.timeout(240)
+
+TINY_TRAINING = ["--max-prompts", "2", "--max-tokens", "4", "--samples", "0", "--epochs", "1"]
+
+
+def invoke(args: list[str]) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+
+
+def assert_one_error_line(result: Result, *needles: str) -> str:
+    assert not (result.exception and not isinstance(result.exception, SystemExit)), (
+        f"uncaught {type(result.exception).__name__}: {result.exception}"
+    )
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("specchat") or "Traceback" in line]
+    assert len(lines) == 1 and lines[0].startswith("specchat: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+# --- train-heads ----------------------------------------------------------------------------------------------
+
+
+def test_eagle_out_naming_a_model_folder_is_refused_and_the_model_left_alone(tiny_model_dir, tmp_path) -> None:
+    """`--arch eagle --out MODEL_DIR` wrote the head's config.json and model.safetensors over the model's own."""
+    victim = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    before = digests(victim)
+    result = invoke(["train-heads", tiny_model_dir, "--arch", "eagle", "--out", victim, *TINY_TRAINING])
+    assert_one_error_line(result, "--out", "EAGLE-3")
+    assert digests(victim) == before
+
+
+def test_heads_out_naming_a_file_that_is_not_heads_is_refused(tiny_model_dir, tmp_path) -> None:
+    """`--out MODEL_DIR/model.safetensors` replaced the model's weights with the heads."""
+    victim = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    before = digests(victim)
+    result = invoke(["train-heads", tiny_model_dir, "--out", victim / "model.safetensors", *TINY_TRAINING])
+    assert_one_error_line(result, "--out", "not draft heads")
+    assert digests(victim) == before
+
+
+@pytest.mark.parametrize("arch", ["heads", "eagle"])
+def test_a_run_whose_every_answer_is_held_out_is_refused_not_written_untrained(tiny_model_dir, tmp_path, arch):
+    """--max-prompts 1 holds out its only prompt for the report: no training step ran, the random heads were
+    written and the command said `wrote ...` with exit 0."""
+    out = tmp_path / ("h.safetensors" if arch == "heads" else "e")
+    args = ["train-heads", tiny_model_dir, "--arch", arch, "--out", out, "--max-prompts", "1", "--max-tokens", "4"]
+    result = invoke([*args, "--samples", "0", "--epochs", "1"])
+    assert_one_error_line(result, "nothing to train on", "--max-prompts")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("arch", ["heads", "eagle"])
+def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_no_torn_output(
+    tiny_model_dir, tmp_path, monkeypatch, arch
+) -> None:
+    """The result is written beside --out and renamed: a save that fails half-way (a full disk) used to end in a
+    traceback with a torn file (heads) or a config.json without its weights (eagle) where --out points."""
+    from specchat.engine.drafters.eagle import EagleHead
+    from specchat.engine.drafters.heads import DraftHeads
+
+    cls = DraftHeads if arch == "heads" else EagleHead
+
+    def full_disk_save(self, path: Path, target: dict) -> None:
+        file = path if arch == "heads" else path / "model.safetensors"
+        file.parent.mkdir(parents=True, exist_ok=True)
+        if arch == "eagle":
+            (path / "config.json").write_text("{}")
+        file.write_bytes(b"\0" * 100)  # torn
+        raise OSError(errno.ENOSPC, "No space left on device", str(file))
+
+    monkeypatch.setattr(cls, "save", full_disk_save)
+    out = tmp_path / ("h.safetensors" if arch == "heads" else "e")
+    result = invoke(["train-heads", tiny_model_dir, "--arch", arch, "--out", out, *TINY_TRAINING])
+    assert_one_error_line(result, str(out), "No space left on device")
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name + ".work"]
+
+
+def test_an_eagle_head_made_earlier_is_replaced_whole(tiny_model_dir, tmp_path) -> None:
+    out = tmp_path / "e"
+    assert invoke(["train-heads", tiny_model_dir, "--arch", "eagle", "--out", out, *TINY_TRAINING]).exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    again = invoke(["train-heads", tiny_model_dir, "--arch", "eagle", "--out", out, *TINY_TRAINING])
+    assert again.exit_code == 0, again.output
+    assert "eagle_config" in json.loads((out / "config.json").read_text())
+
+
+def test_a_checkpoint_torch_cannot_write_is_one_line(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """torch.save reports a short write (a full disk) as a RuntimeError from its zip writer: it was a traceback."""
+    import torch
+
+    def short_write(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 6592 vs 6486")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    out = tmp_path / "h.safetensors"
+    result = invoke(["train-heads", tiny_model_dir, "--out", out, *TINY_TRAINING])
+    assert_one_error_line(result, "checkpoint", "cannot write")
+    assert not out.exists()
+
+
+def test_an_out_where_nothing_can_be_made_is_refused_before_loading(tiny_model_dir, tmp_path) -> None:
+    """/proc passes os.access for root, but nothing can be made there: the save failed after all the training."""
+    result = invoke(["train-heads", tiny_model_dir, "--out", "/proc/h.safetensors", "--work", tmp_path / "w"])
+    assert_one_error_line(result, "--out", "cannot write in /proc")
