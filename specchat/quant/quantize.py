@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from specchat.config import (
@@ -205,6 +207,10 @@ def check_out_dir(out: Path) -> None:
         raise ConfigError(f"--out {out}: cannot make {out.parent} ({exc.strerror or exc})") from None
     if not os.access(out.parent, os.W_OK):
         raise ConfigError(f"--out {out}: cannot write in {out.parent}")
+    try:  # where os.access says yes but nothing can be made (/proc, /sys as root): before the minutes of GPTQ
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc})") from None
 
 
 def write_whole(target: Path, model: nn.Module, packed: Packed, tokenizer_dir: Path, meta: dict) -> None:
@@ -216,7 +222,8 @@ def write_whole(target: Path, model: nn.Module, packed: Packed, tokenizer_dir: P
         save_mxfp4_checkpoint(partial, model, packed, tokenizer_dir, meta)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
-    except OSError as exc:
-        raise ConfigError(f"{target}: cannot write the checkpoint ({exc.strerror or exc})") from None
+    except (OSError, SafetensorError) as exc:  # (safetensors' error for a full disk: "File too large", ...)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).removeprefix("Error while ")
+        raise ConfigError(f"{target}: cannot write the checkpoint ({why})") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # what a failed or interrupted write left

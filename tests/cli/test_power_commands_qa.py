@@ -125,3 +125,28 @@ def test_an_out_where_nothing_can_be_made_is_refused_before_loading(tiny_model_d
     """/proc passes os.access for root, but nothing can be made there: the save failed after all the training."""
     result = invoke(["train-heads", tiny_model_dir, "--out", "/proc/h.safetensors", "--work", tmp_path / "w"])
     assert_one_error_line(result, "--out", "cannot write in /proc")
+
+
+# --- quantize ---------------------------------------------------------------------------------------------------
+
+
+def test_quantize_to_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """safetensors reports a failed write as its own SafetensorError, not an OSError: it was a traceback."""
+    from safetensors import SafetensorError
+
+    from specchat.quant import checkpoint
+
+    def full_disk(tensors, path, metadata=None):
+        Path(path).write_bytes(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(checkpoint, "save_tensors", full_disk)
+    out = tmp_path / "q"
+    result = invoke(["quantize", tiny_model_dir, "--method", "rtn", "--out", out])
+    assert_one_error_line(result, str(out), "File too large")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quantize_out_where_nothing_can_be_made_is_refused_before_quantizing() -> None:
+    result = invoke(["quantize", "/nonexistent-model-dir-never-read", "--out", "/proc/q"])
+    assert_one_error_line(result, "--out /proc/q", "cannot write in /proc")
