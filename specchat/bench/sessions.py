@@ -49,12 +49,13 @@ def run_sessions(
     engine.reset_metrics(whole_run=True)  # (the newest latencies alone would be the run's tail, as the batch drains)
     caps_before = gate_caps(engine)
     peak = 0
-    todo = list(range(requests or sessions))
+    total, submitted = requests or sessions, 0  # (a count, not a list of request numbers: any number runs)
     in_flight, finished = [], []
     start = time.perf_counter()
-    while todo or in_flight:
-        while todo and len(in_flight) < sessions:
-            in_flight.append(engine.submit(prompts[todo.pop(0) % len(prompts)], sampling, spec))
+    while submitted < total or in_flight:
+        while submitted < total and len(in_flight) < sessions:
+            in_flight.append(engine.submit(prompts[submitted % len(prompts)], sampling, spec))
+            submitted += 1
         engine.step()
         peak = max(peak, engine.pool.used_pages * engine.pool.page_size)
         for handle in list(in_flight):

@@ -81,7 +81,11 @@ def bench_sessions(
     modes = [{"on": True, "off": False}.get(m.strip()) for m in step_ahead.split(",")]
     if None in modes:
         raise ConfigError(f"--step-ahead takes on, off or both (on,off), got {step_ahead!r}")
+    config = dataclasses.replace(config, max_running=max(config.max_running, *counts))  # N sessions run at once
     engine = Engine.load(config, progress=StderrProgress())
+    check_sessions_fit(
+        engine, prompts[: min(requests or max(counts), len(prompts))], max(counts), sampling.max_tokens, specs
+    )
     modes = list(dict.fromkeys(m and engine.runner.overlaps for m in modes))  # nothing runs ahead without overlap
     # the graphs of every batch bucket and drafter's taps: none captured mid-run
     engine.warm_up(StderrProgress(), sessions=max(counts), drafters=[spec.drafter for spec in specs])
@@ -100,7 +104,10 @@ def bench_sessions(
         for r in results:
             click.echo(json.dumps(dataclasses.asdict(r)))
         return
-    base = {(r.drafter, r.step_ahead): r.tok_per_s for r in results if r.sessions == results[0].sessions}
+    base = {}  # each drafter's (and mode's) first run at the first count: "vs N" of a count listed twice, too
+    for r in results:
+        if r.sessions == results[0].sessions:
+            base.setdefault((r.drafter, r.step_ahead), r.tok_per_s)
     rows = [
         [
             r.sessions,
@@ -142,6 +149,23 @@ def bench_sessions(
             ]
             mode = "" if len(modes) == 1 else f" (step ahead {'on' if r.step_ahead else 'off'})"
             click.echo(f"  {r.sessions} {r.drafter}{mode}: " + " / ".join(each))
+
+
+def check_sessions_fit(engine, prompts: list[str], sessions: int, max_tokens: int, specs) -> None:
+    """The KV cache must hold `sessions` requests at once, each its prompt, `max_tokens` answer tokens (bench
+    ignores end of text) and a step's drafts: past it the scheduler preempted requests, so the row said N sessions
+    of a run that never had N in flight (and `--sessions 99999999999` ended in a MemoryError)."""
+    page = engine.pool.page_size
+    drafts = max(spec.k_max if spec.k is None else spec.k for spec in specs) + 1
+    longest = max(len(engine.encode_prompt(p)) for p in prompts)
+    pages = -(-(longest + max_tokens + drafts) // page)  # the longest request's pages at its end
+    fits = engine.pool.num_pages // pages
+    if sessions > fits:
+        raise ConfigError(
+            f"--sessions {sessions}: the KV cache holds {fits} such sessions at once (each up to "
+            f"{longest + max_tokens} tokens: its prompt and --max-tokens {max_tokens}); lower --sessions or "
+            "--max-tokens"
+        )
 
 
 WARM_UP_REQUESTS = 2  # an untimed run of each configuration, before the timed rounds
@@ -232,7 +256,10 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
         for r in results:
             click.echo(json.dumps(dataclasses.asdict(r)))
         return
-    plain = {(r.case.batch, r.case.weights, r.case.kv): r.tok_per_s for r in results if r.case.k == 0}
+    plain = {}  # each batch's first plain run (a batch listed twice compares with the first)
+    for r in results:
+        if r.case.k == 0:
+            plain.setdefault((r.case.batch, r.case.weights, r.case.kv), r.tok_per_s)
     rows = []
     for r in results:
         c = r.case

@@ -150,3 +150,57 @@ def test_quantize_to_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, 
 def test_quantize_out_where_nothing_can_be_made_is_refused_before_quantizing() -> None:
     result = invoke(["quantize", "/nonexistent-model-dir-never-read", "--out", "/proc/q"])
     assert_one_error_line(result, "--out /proc/q", "cannot write in /proc")
+
+
+# --- bench ------------------------------------------------------------------------------------------------------
+
+
+def table_rows(output: str) -> list[list[str]]:
+    lines = [line for line in output.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_bench_sessions_listed_twice_compare_with_the_first(tiny_model_dir, tmp_path) -> None:
+    """`--sessions 1,1`: the first row read "0.61x" against itself (the base was the last run of the count)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello there\nWrite a poem\n")
+    result = invoke(["bench", tiny_model_dir, "--sessions", "1,1", "--prompts", prompts, "--max-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    assert len(rows) == 2 and rows[0][5] == "1.00x"
+    assert abs(float(rows[1][5].removesuffix("x")) - float(rows[1][4]) / float(rows[0][4])) < 0.02  # (rounded)
+
+
+def test_bench_synthetic_batch_listed_twice_compares_with_the_first_plain_run() -> None:
+    result = invoke(["bench", "--synthetic", "tiny", "--batch", "1,1", "--k", "0", "--steps", "2", "--context", "8"])
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    assert len(rows) == 2 and rows[0][10] == "1.00x"
+
+
+def test_bench_more_sessions_than_the_kv_cache_holds_is_refused(tiny_model_dir, tmp_path) -> None:
+    """`--sessions 99999999999` ended in a MemoryError traceback (a list of every request number)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello there\n")
+    result = invoke(["bench", tiny_model_dir, "--sessions", "99999999999", "--prompts", prompts, "--max-tokens", "4"])
+    assert_one_error_line(result, "--sessions 99999999999", "KV cache")
+
+
+def test_bench_runs_more_sessions_than_the_engines_default_batch_at_once(tiny_model_dir, tmp_path, monkeypatch):
+    """`--sessions 70` ran at most 64 requests at once (EngineConfig.max_running's default) under a row saying 70."""
+    from specchat.cli import bench as bench_cli
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+
+    asked = []
+
+    def load(config, progress=None):
+        asked.append(config.max_running)
+        raise SystemExit(3)  # what the engine would be asked for is all this test needs
+
+    monkeypatch.setattr(Engine, "load", load)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello\n")
+    with pytest.raises(SystemExit):
+        bench_cli.bench_sessions(EngineConfig(model=str(tiny_model_dir)), prompts, "1,70", 4, "none", "4", False)
+    assert asked == [70]
