@@ -284,7 +284,7 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
         )
     mode = "eager" if eager or dev.type != "cuda" else "fused kernels + CUDA graphs"
     click.echo(f"synthetic {shape}, {dev}, context {context}, {steps} steps, {mode}")
-    headers = ["batch", "weights", "KV", "decoding", "tok/s", "tok/s per request", "step ms", "tokens/step"]
+    headers = ["batch", "weights", "KV", "decoding", "tok/s", "tok/s per request", "step P50 ms", "tokens/step"]
     print_table([*headers, "P50 ms/token", "P99 ms/token", "vs plain", "prefill tok/s"], rows)
 
 

@@ -340,6 +340,7 @@ class StderrProgress:
         elapsed = now - self.stage_start
         line = f"{what}: {100 * done // total}% after {elapsed:.0f} s" if total else f"{what}: {elapsed:.0f} s"
         if total and done:
-            line += f", about {elapsed * (total - done) / done / 60:.0f} min left"
+            minutes = round(elapsed * (total - done) / done / 60)
+            line += f", about {minutes} min left" if minutes else ", under a minute left"  # (not "about 0 min")
         click.echo(line, err=True)
         self.logged = now

@@ -176,6 +176,7 @@ def test_bench_synthetic_batch_listed_twice_compares_with_the_first_plain_run() 
     assert result.exit_code == 0, result.output
     rows = table_rows(result.stdout)
     assert len(rows) == 2 and rows[0][10] == "1.00x"
+    assert "| step P50 ms |" in result.stdout  # a median (tok/s is the whole run's mean): not "step ms"
 
 
 def test_bench_more_sessions_than_the_kv_cache_holds_is_refused(tiny_model_dir, tmp_path) -> None:

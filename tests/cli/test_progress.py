@@ -25,3 +25,14 @@ def test_a_long_stage_gets_plain_lines_and_a_quick_one_none(monkeypatch, capsys)
     bar("GPTQ", 100, 100)  # done: nothing more
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["GPTQ: 10% after 6 s, about 1 min left", "GPTQ: 40% after 67 s, about 2 min left"]
+
+
+def test_a_stage_near_its_end_says_under_a_minute_not_about_0_min(monkeypatch, capsys):
+    """`perplexity: 15% after 5 s, about 0 min left` where 28 s were left."""
+    clock = [100.0]
+    monkeypatch.setattr(options.time, "monotonic", lambda: clock[0])
+    bar = StderrProgress()
+    bar("perplexity", 0, 100)
+    clock[0] += 6
+    bar("perplexity", 60, 100)
+    assert capsys.readouterr().err.splitlines() == ["perplexity: 60% after 6 s, under a minute left"]
