@@ -78,6 +78,9 @@ def check_places(out: Path, work: Path, arch: str) -> None:
     """--out and the work folder, before the model loads: a place the result cannot go to failed at the save,
     after all the training. What --out names is replaced by the result, so it must be an earlier result (or
     nothing): `--arch eagle --out MODEL_DIR` replaced the model's own config.json and model.safetensors."""
+    out_at, work_at = Path(os.path.abspath(out)), Path(os.path.abspath(work))
+    if work_at == out_at or out_at in work_at.parents:  # the result replaces --out whole, work files and all
+        raise ConfigError(f"--work {work}: the same as or inside --out {out}, which the result replaces")
     if arch == "heads" and out.is_dir():
         raise ConfigError(f"--out {out}: a folder; draft heads are one file (give FILE.safetensors)")
     if arch == "heads" and out.exists() and not is_heads_file(out):

@@ -127,6 +127,15 @@ def test_an_out_where_nothing_can_be_made_is_refused_before_loading(tiny_model_d
     assert_one_error_line(result, "--out", "cannot write in /proc")
 
 
+@pytest.mark.parametrize(("arch", "out", "work"), [("eagle", "e", "e"), ("eagle", "e", "e/w"), ("heads", "h", "h")])
+def test_a_work_folder_that_the_result_would_replace_is_refused(tiny_model_dir, tmp_path, arch, out, work) -> None:
+    """--work inside an eagle --out was deleted with it when the head replaced the folder; --work equal to a heads
+    --out made a folder where the heads file was to go, and the save failed after all the training."""
+    args = ["train-heads", tiny_model_dir, "--arch", arch, "--out", tmp_path / out, "--work", tmp_path / work]
+    assert_one_error_line(invoke([*args, *TINY_TRAINING]), "--work", "inside --out")
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- quantize ---------------------------------------------------------------------------------------------------
 
 
