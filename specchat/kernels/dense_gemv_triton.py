@@ -61,13 +61,13 @@ def _dense_gemv_kernel(
     m_live = offs_m[None, :] < M
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K, 16], dtype=tl.float32)  # (summed once after the loop: no reduction in it)
+    squares = tl.zeros([16], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_live = (k0 + offs_k) < K
         xt = tl.load(x_ptrs + k0, mask=m_live & k_live[:, None], other=0.0)
         if NORM:  # RMSNorm(x) @ W^T = r * ((norm_w * x) @ W^T), r = 1 / rms(x) a row: its squares on the way
             xf = xt.to(tl.float32)
-            squares += xf * xf
+            squares += tl.sum(xf * xf, axis=0)
             nw = tl.load(nw_ptr + k0 + offs_k, mask=k_live, other=0.0).to(tl.float32)
             xt = (xf * nw[:, None]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=k_live[None, :], other=0.0)
@@ -82,7 +82,7 @@ def _dense_gemv_kernel(
     pdl_triton.launch_dependents(PDL)
     dtype = y_ptr.dtype.element_ty
     if NORM:
-        r = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        r = 1.0 / tl.sqrt(squares / K + eps)
         acc *= r[None, :]
         if GATED:
             acc_up *= r[None, :]

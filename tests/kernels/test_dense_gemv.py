@@ -144,14 +144,14 @@ def test_a_norm_taken_in_the_same_pass_equals_the_plain_norm_then_the_gemv(
     w = (torch.randn(2 * n if gated else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
     norm_weight = (1 + torch.rand(k, generator=g)).to(dtype).to(DEVICE)
     eps = 1e-5
+    got = dense_gemv(x, w, gated=gated, norm=(norm_weight, eps))
+    want = dense_gemv(rms_norm_plain(x, norm_weight, eps), w, gated=gated)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2e-2)
+    # ... and the bias goes on after the norm's factor
     bias = torch.randn(w.shape[0], generator=g).to(dtype).to(DEVICE)
-    for b in (None, bias):  # (the bias goes on after the norm's factor)
-        got = dense_gemv(x, w, b, gated=gated, norm=(norm_weight, eps))
-        want = dense_gemv(rms_norm_plain(x, norm_weight, eps), w, b, gated=gated)
-        # each normed input is rounded once either way, at another point: a few roundings of the output's scale
-        scale = want.float().abs().max().item()
-        tol = 4 * torch.finfo(dtype).eps * scale
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+    got = dense_gemv(x, w, bias, gated=gated, norm=(norm_weight, eps))
+    want = dense_gemv(rms_norm_plain(x, norm_weight, eps), w, bias, gated=gated)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2e-2)
 
 
 @kernel_test
