@@ -16,10 +16,6 @@ unfused for checking. Besides one kernel per elementwise job, two fusions cut ke
   (kernels/pdl.py), and `FusedMLP` runs gate_up through its gated form: silu(gate) * up in the GEMV, one kernel
   less a layer. More rows (prefill, many sessions), and MXFP4 weights (`Fp4Linear`), keep their own paths. The
   default model's shape decodes 1.24x faster at batch 1 on the H200 with it (SPECCHAT_DENSE_GEMV=0 turns it off).
-- Where a block's linears all run on that GEMV (`_on_gemv`), `FusedTransformer` carries the residual stream alone
-  through it: each norm is taken inside the GEMV that reads its output (wqkv, gate_up, the output head: the
-  kernel's `norm`), and each residual add in the epilogue of the GEMV before it (wo, w_down: `residual_rounded`),
-  so no add-and-norm kernel runs between them: two kernels less a layer again.
 
 At batch 1 on a GPU a step is a chain of small launches (a 30-layer model: ~13 kernels a layer), so each kernel
 less is time saved even inside a CUDA graph.
@@ -83,54 +79,24 @@ class FusedMLP(MLP):
 
         return self.w_down(dense_gemv_triton.dense_gemv(x, gate_up.weight, gate_up.bias, gated=True))
 
-    def stream(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """x + self(norm(x)) for a residual stream x, on the GEMV alone (`_on_gemv`): the norm in gate_up's pass,
-        the add in w_down's epilogue."""
-        from specchat.kernels import dense_gemv_triton
-
-        gate_up, down = self.w_gate_up, self.w_down
-        h = dense_gemv_triton.dense_gemv(x, gate_up.weight, gate_up.bias, gated=True, norm=(norm.weight, norm.eps))
-        return dense_gemv_triton.dense_gemv(h, down.weight, down.bias, residual=x, residual_rounded=True)
-
 
 class FusedAttention(Attention):
     """Attention whose rotary kernel also writes the step's keys and values where the KV batch keeps dense pages
     (`KVBatch.dense_pages`); elsewhere (quantized or rotated pages, other KV views) the plain forward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
-        out = self._attend(*self.project(x), cos, sin, kv)
-        return self.wo(out.reshape(x.shape[0], self.q_size))
-
-    def stream(self, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention):
-        """x + self(norm(x), ...) for a residual stream x, on the GEMV alone (`_on_gemv`): the norm in wqkv's
-        pass, the add in wo's epilogue."""
-        from specchat.kernels import dense_gemv_triton
-
-        qkv = dense_gemv_triton.dense_gemv(x, self.wqkv.weight, self.wqkv.bias, norm=(norm.weight, norm.eps))
-        out = self._attend(*self.split(qkv), cos, sin, kv).reshape(x.shape[0], self.q_size)
-        return dense_gemv_triton.dense_gemv(out, self.wo.weight, self.wo.bias, residual=x, residual_rounded=True)
-
-    def _attend(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
         dense_pages = getattr(kv, "dense_pages", None)
         pages = dense_pages(self.layer) if dense_pages is not None else None
+        q, k, v = self.project(x)
         if pages is None or not fused.rope_qk_supported(q):
             q, k = self.rotary(q, k, cos, sin)
-            return kv.attend(self.layer, q, k, v)
-        from specchat.kernels import fused_triton
+            out = kv.attend(self.layer, q, k, v)
+        else:
+            from specchat.kernels import fused_triton
 
-        q, k = fused_triton.rope_qk(q, k, cos, sin, v=v, pages=pages)
-        return kv.attend(self.layer, q, k, v, written=True)
-
-
-def _on_gemv(block: nn.Module, x: torch.Tensor) -> bool:
-    """Whether every linear of `block` takes x's rows on the dense GEMV (FusedLinear modules of dense weights that
-    `dense_gemv.wanted` takes: not MXFP4's Fp4Linear, at most 16 rows), so that its residual stream can go through
-    `FusedAttention.stream` and `FusedMLP.stream`."""
-    attn, mlp = block.attn, block.mlp
-    if type(attn) is not FusedAttention or type(mlp) is not FusedMLP:
-        return False
-    linears = (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down)
-    return all(type(m) is FusedLinear and dense_gemv.wanted(x, m.weight, m.bias) for m in linears)
+            q, k = fused_triton.rope_qk(q, k, cos, sin, v=v, pages=pages)
+            out = kv.attend(self.layer, q, k, v, written=True)
+        return self.wo(out.reshape(x.shape[0], self.q_size))
 
 
 class FusedTransformer(Transformer):
@@ -153,31 +119,16 @@ class FusedTransformer(Transformer):
         cos, sin = self.rope(positions)
         hidden: dict[int, torch.Tensor] = {}
         layers = self.layers
-        normed = None  # norm(x) for the next block (or the output head), where a kernel wrote it
+        normed = layers[0].attn_norm(x) if len(layers) else self.norm(x)
         for i, block in enumerate(layers):
+            x, normed = fused_triton.add_rms_norm(
+                x, block.attn(normed, cos, sin, kv), block.mlp_norm.weight, block.mlp_norm.eps
+            )
             after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            if _on_gemv(block, x):  # the stream alone: each norm and add inside a GEMV
-                x = block.mlp.stream(block.attn.stream(x, block.attn_norm, cos, sin, kv), block.mlp_norm)
-                normed = None
-            else:
-                if normed is None:
-                    normed = block.attn_norm(x)
-                x, normed = fused_triton.add_rms_norm(
-                    x, block.attn(normed, cos, sin, kv), block.mlp_norm.weight, block.mlp_norm.eps
-                )
-                x, normed = fused_triton.add_rms_norm(x, block.mlp(normed), after.weight, after.eps)
+            x, normed = fused_triton.add_rms_norm(x, block.mlp(normed), after.weight, after.eps)
             if i in taps:
                 hidden[i] = x
-        if normed is None:
-            rows = x if logits_at is None else x[logits_at]
-            head = self.lm_head
-            if type(head) is FusedLinear and dense_gemv.wanted(rows, head.weight, head.bias):
-                from specchat.kernels import dense_gemv_triton
-
-                norm = (self.norm.weight, self.norm.eps)
-                return dense_gemv_triton.dense_gemv(rows, head.weight, head.bias, norm=norm).float(), hidden
-            normed = self.norm(rows)
-        elif logits_at is not None:
+        if logits_at is not None:
             normed = normed[logits_at]
         return self.lm_head(normed).float(), hidden
 

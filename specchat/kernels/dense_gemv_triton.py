@@ -22,7 +22,6 @@ def _dense_gemv_kernel(
     w_ptr,  # [N, K] (gated: [2 * N, K], gate rows then up rows)
     b_ptr,  # [N] bias (gated: [2 * N]), or anything when HAS_BIAS is off
     r_ptr,  # [M, N] residual, or anything when HAS_RESIDUAL is off
-    nw_ptr,  # [K] the RMSNorm weight applied to x's rows first, or anything when NORM is off
     y_ptr,  # [M, N]
     M,
     N,
@@ -31,14 +30,11 @@ def _dense_gemv_kernel(
     stride_wn,
     stride_rm,
     stride_ym,
-    eps,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    RESIDUAL_ROUNDED: tl.constexpr,
-    NORM: tl.constexpr,
     ACT: tl.constexpr,
     FAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -61,15 +57,9 @@ def _dense_gemv_kernel(
     m_live = offs_m[None, :] < M
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    squares = tl.zeros([16], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_live = (k0 + offs_k) < K
         xt = tl.load(x_ptrs + k0, mask=m_live & k_live[:, None], other=0.0)
-        if NORM:  # RMSNorm(x) @ W^T = r * ((norm_w * x) @ W^T), r = 1 / rms(x) a row: its squares on the way
-            xf = xt.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=0)
-            nw = tl.load(nw_ptr + k0 + offs_k, mask=k_live, other=0.0).to(tl.float32)
-            xt = (xf * nw[:, None]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=k_live[None, :], other=0.0)
         if not FAST:
             xt, w = xt.to(tl.float32), w.to(tl.float32)
@@ -81,23 +71,14 @@ def _dense_gemv_kernel(
             acc_up = tl.dot(up, xt, acc_up, input_precision="ieee")
     pdl_triton.launch_dependents(PDL)
     dtype = y_ptr.dtype.element_ty
-    if NORM:
-        r = 1.0 / tl.sqrt(squares / K + eps)
-        acc *= r[None, :]
-        if GATED:
-            acc_up *= r[None, :]
     if HAS_BIAS:  # added to the float32 sums, rounded once (as cuBLAS's epilogue does)
         acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
         if GATED:
             acc_up += tl.load(b_ptr + N + rows).to(tl.float32)[:, None]
-    if HAS_RESIDUAL:
+    if HAS_RESIDUAL:  # (as addmm's epilogue: added to the float32 sums, rounded once)
         r_ptrs = r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None]
-        residual = tl.load(r_ptrs, mask=m_live & (offs_n[:, None] < N), other=0.0).to(tl.float32)
-        if not RESIDUAL_ROUNDED:  # as addmm's epilogue: added to the float32 sums, rounded once
-            acc += residual
+        acc += tl.load(r_ptrs, mask=m_live & (offs_n[:, None] < N), other=0.0).to(tl.float32)
     y = acc.to(dtype)
-    if HAS_RESIDUAL and RESIDUAL_ROUNDED:  # as `residual + F.linear(...)`: the output rounded, then the sum
-        y = (y.to(tl.float32) + residual).to(dtype)
     if ACT or GATED:  # silu of the rounded output, rounded again: F.silu after F.linear, or silu_mul's gate
         yf = y.to(tl.float32)
         y = (yf / (1.0 + tl.exp(-yf))).to(dtype)
@@ -116,17 +97,10 @@ def dense_gemv(
     fast: bool | None = None,
     act: bool = False,
     residual: torch.Tensor | None = None,
-    residual_rounded: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """F.linear(x [..., K], weight [N, K], bias) -> [..., N] in x's dtype; gated: weight [2I, K] (and bias [2I])
     -> silu(gate) * up [..., I]. Ungated, `act` takes F.silu of the output and `residual` ([..., N], x's dtype)
-    is added to the sums before they are rounded, as torch.addmm(residual, x, weight.t()) adds it; with
-    `residual_rounded`, to the rounded output, as `residual + F.linear(x, weight)` adds it (a layer's residual
-    stream). `norm` = (its weight [K], eps): x's rows go through that RMSNorm first, taken in the same pass
-    (`RMSNorm(x) @ W^T = r * ((w * x) @ W^T)` with r = 1 / rms(x) a row, applied to the sums), so no kernel of its
-    own writes the normed rows: equal to the plain norm's output fed to the linear up to rounding (the plain norm
-    rounds x * r to x's dtype before it multiplies by w).
+    is added to the sums before they are rounded, as torch.addmm(residual, x, weight.t()) adds it.
 
     fast: the tensor-core path (default on CUDA); otherwise float32 products (the interpreter's).
     """
@@ -136,21 +110,17 @@ def dense_gemv(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.shape[1] == k and (not gated or weight.shape[0] % 2 == 0), (x.shape, weight.shape)
     assert not (gated and (act or residual is not None)), "gated: silu(gate) * up is the epilogue"
-    assert not (act and residual is not None), "act or residual, not both"
     r2 = None if residual is None else residual.reshape(m, n)
     assert r2 is None or (r2.dtype == x.dtype and r2.stride(-1) == 1), (residual.shape, residual.dtype)
-    norm_weight, eps = norm if norm is not None else (None, 0.0)
-    assert norm_weight is None or (norm_weight.shape == (k,) and norm_weight.is_contiguous()), norm_weight
     if fast is None:
         fast = x.is_cuda
     config = config or choose_config(n, k, gated, m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x2, weight, weight if bias is None else bias, y if r2 is None else r2,
-        weight if norm_weight is None else norm_weight, y, m, n, k, x2.stride(0), weight.stride(0),
-        0 if r2 is None else r2.stride(0), y.stride(0), float(eps), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None, RESIDUAL_ROUNDED=residual_rounded,
-        NORM=norm_weight is not None, ACT=act, FAST=fast, PREFETCH=PREFETCH_TILES, num_warps=config.num_warps,
-        num_stages=config.num_stages, enable_fp_fusion=False, **pdl.launch_options(x.device),
+        x2, weight, weight if bias is None else bias, y if r2 is None else r2, y, m, n, k, x2.stride(0),
+        weight.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None, ACT=act, FAST=fast,
+        PREFETCH=PREFETCH_TILES, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
+        **pdl.launch_options(x.device),
     )  # fmt: skip
     return y.view(*x.shape[:-1], n)

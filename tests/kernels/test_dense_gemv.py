@@ -109,52 +109,6 @@ def test_a_residual_is_added_before_the_rounding_as_addmm_adds_it(m: int, n: int
 
 
 @kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES[:3])
-def test_a_rounded_residual_is_added_as_the_residual_stream_adds_it(m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    """`residual_rounded`: a layer's `x + F.linear(...)`: the output rounded as the plain launch rounds it, then
-    the sum rounded (bit for bit against the same launch without the residual)."""
-    x, w = operands(m, n, k, dtype, seed=9)
-    residual = (torch.randn(m, n, generator=torch.Generator().manual_seed(10)) * 4).to(dtype).to(DEVICE)
-    before = residual.clone()
-    got = dense_gemv(x, w, residual=residual, residual_rounded=True)
-    assert torch.equal(got, before + dense_gemv(x, w)) and torch.equal(residual, before)
-    with pytest.raises(AssertionError, match="not both"):
-        dense_gemv(x, w, act=True, residual=residual)
-
-
-def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """engine/model.py's RMSNorm as it rounds: x * r in x's dtype, times the weight, rounded again."""
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight.float() * normed.float()).to(x.dtype)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_a_norm_taken_in_the_same_pass_equals_the_plain_norm_then_the_gemv(
-    m: int, n: int, k: int, gated: bool, dtype: torch.dtype
-) -> None:
-    """`norm`: RMSNorm(x) fed to the GEMV, without the normed rows written (a layer's residual stream in, its
-    linear's output out): within the rounding of the normed rows the plain norm makes first."""
-    g = torch.Generator().manual_seed(11)
-    x = (torch.randn(m, k, generator=g) * 8).to(dtype).to(DEVICE)  # (a residual stream is not unit-scaled)
-    w = (torch.randn(2 * n if gated else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
-    norm_weight = (1 + torch.rand(k, generator=g)).to(dtype).to(DEVICE)
-    eps = 1e-5
-    got = dense_gemv(x, w, gated=gated, norm=(norm_weight, eps))
-    want = dense_gemv(rms_norm_plain(x, norm_weight, eps), w, gated=gated)
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2e-2)
-    # ... and the bias goes on after the norm's factor
-    bias = torch.randn(w.shape[0], generator=g).to(dtype).to(DEVICE)
-    got = dense_gemv(x, w, bias, gated=gated, norm=(norm_weight, eps))
-    want = dense_gemv(rms_norm_plain(x, norm_weight, eps), w, bias, gated=gated)
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2e-2)
-
-
-@kernel_test
 def test_leading_dims_are_kept() -> None:
     x, w = operands(6, 48, 64, torch.float16, seed=3)
     assert torch.equal(dense_gemv(x.view(2, 3, 64), w), dense_gemv(x, w).view(2, 3, 48))
