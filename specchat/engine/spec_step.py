@@ -39,6 +39,7 @@ from specchat.engine.drafters import Draft, Drafter, DrafterCache, NoDrafter
 from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutput, TokenContext
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
+from specchat.errors import KVCacheFullError
 from specchat.kernels import cpu_ops
 from specchat.quant.fp4_linear import embedding_pointer
 
@@ -761,9 +762,17 @@ class SpecStep:
             if item.k > 0:
                 groups.setdefault(item.seq.spec.drafter, []).append(i)
         for name, members in groups.items():
-            proposed = self.drafters.get(name).propose(
-                [plan.items[i].seq for i in members], [plan.items[i].k for i in members]
-            )
+            seqs = [plan.items[i].seq for i in members]
+            try:
+                proposed = self.drafters.get(name).propose(seqs, [plan.items[i].k for i in members])
+            except KVCacheFullError:
+                # the drafter's own KV pool is full (an EAGLE head's, sized from the target's capacity when it was
+                # built, which a live switch to a smaller KV format raises): its requests verify no drafts this step,
+                # which is plain decoding, and it forgets them, to take them up again from their next rows. It failed
+                # the step, ending every request of the batch with the error
+                for seq in seqs:
+                    self.drafters.release(seq)
+                continue
             for i, draft in zip(members, proposed, strict=True):
                 k = plan.items[i].k
                 drafts[i] = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.source)

@@ -134,3 +134,30 @@ def test_closing_the_engine_ends_a_request_in_flight_instead_of_leaving_its_read
     assert tiny_engine.pool.used_pages == 0 and not tiny_engine.scheduler.has_work()
     after = tiny_engine.submit([5, 6, 7] * 10, SamplingParams(max_tokens=5, ignore_eos=True)).result()
     assert (after.reason, len(after.token_ids)) == ("length", 5)
+
+
+def test_a_drafter_whose_own_kv_pool_fills_leaves_its_requests_to_plain_steps(tiny_model_dir):
+    """An EAGLE head's KV pool is sized from the target's capacity when it is built; a live switch to a smaller KV
+    format then holds more tokens in the target than in the head. Its full pool raised KVCacheFullError in the step
+    and every request of the batch ended with "the engine step failed". Now those requests verify no drafts while
+    the head has no room (plain decoding: the same greedy text), and it takes them up again."""
+    from specchat.engine.engine import Engine
+    from tests.engine.test_eagle import random_eagle
+
+    page = 2 * 2 * 16 * 2 * 4 * 16  # tiny model: layers * kv heads * head_dim * (k, v) * fp32 * page
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", kv_format="fp32", kv_memory=96 * page
+    )
+    engine = Engine.load(config)
+    engine.drafters["eagle:random"] = head = random_eagle(engine)
+    engine.set_kv("fp16")  # the target holds 3,072 tokens, the head 1,536 + its slack of 1,024
+    assert engine.pool.capacity_tokens == 2 * 1536 and head.pool.capacity_tokens < 12 * 240
+    prompts = [[5 + i, 6, 7 + i % 3, 8] * 50 for i in range(12)]
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    drafting = [engine.submit(p, sampling, SpecParams("eagle:random", k=3)) for p in prompts]
+    results = [h.result() for h in drafting]
+    assert [r.error for r in results] == [None] * 12
+    assert sum(r.stats.drafted for r in results) > 0
+    plain = [engine.submit(p, sampling).result().token_ids for p in prompts]
+    assert [r.token_ids for r in results] == plain
+    assert engine.pool.used_pages == 0 and head.pool.used_pages <= 1  # (the head's scratch page)
