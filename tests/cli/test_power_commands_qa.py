@@ -161,6 +161,16 @@ def test_quantize_out_where_nothing_can_be_made_is_refused_before_quantizing() -
     assert_one_error_line(result, "--out /proc/q", "cannot write in /proc")
 
 
+def test_perplexity_of_a_text_as_long_as_the_context_says_why_it_is_one_window(tiny_model_dir, tmp_path) -> None:
+    """`the text (2 tokens) is shorter than one window (2)` contradicted itself: a window is 3 tokens there."""
+    text = tmp_path / "t.txt"
+    text.write_text("hello world")  # 2 tokens of the tiny tokenizer
+    result = invoke(["perplexity", tiny_model_dir, "--file", text, "--context", "2", "--stride", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "the text (2 tokens) is shorter than one window (3 tokens: 2 of context and the next)" in result.stderr
+    assert json.loads(result.stdout)["tokens"] == 1
+
+
 # --- bench ------------------------------------------------------------------------------------------------------
 
 
