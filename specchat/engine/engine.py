@@ -514,7 +514,11 @@ class Engine:
                 self.step()
             except Exception as exc:  # outside any one request's step (a bug): end what is live, keep the loop
                 log.exception("engine loop error; live requests end with an error")
-                self._deliver(self.scheduler.fail_all(f"{LOOP_FAILED}: {type(exc).__name__}: {exc}"))
+                try:
+                    self._deliver(self.scheduler.fail_all(f"{LOOP_FAILED}: {type(exc).__name__}: {exc}"))
+                except Exception:  # a listener that raises again (the handles have their events by then): the loop
+                    # goes on; it ended the thread, and every later request waited for good on a loop that was gone
+                    log.exception("engine loop error while ending the live requests")
 
     def close(self) -> None:
         """Stop the background step loop. Requests still live end now with ENGINE_CLOSED, keeping what each wrote:

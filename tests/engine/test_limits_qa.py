@@ -161,3 +161,34 @@ def test_a_drafter_whose_own_kv_pool_fills_leaves_its_requests_to_plain_steps(ti
     plain = [engine.submit(p, sampling).result().token_ids for p in prompts]
     assert [r.token_ids for r in results] == plain
     assert engine.pool.used_pages == 0 and head.pool.used_pages <= 1  # (the head's scratch page)
+
+
+def test_a_listener_that_keeps_raising_does_not_end_the_step_loop(tiny_engine):
+    """A listener (a front end's) that raised again while the loop ended the live requests ended the engine's thread:
+    every later request then waited for good. Now each request ends with the engine's error, and the loop goes on
+    to serve requests once the listener is gone."""
+
+    def broken(events) -> None:
+        raise RuntimeError("listener bug")
+
+    tiny_engine.listeners.append(broken)
+    tiny_engine.start()
+    done: list[Finished] = []
+    try:
+        for _ in range(2):
+            handle = tiny_engine.submit([5, 6, 7] * 5, SamplingParams(max_tokens=5, ignore_eos=True))
+            reader = threading.Thread(target=lambda h=handle: done.append(h.result()), daemon=True)
+            reader.start()
+            reader.join(timeout=30)
+        assert len(done) == 2, "a request waited for good after a listener raised"
+        assert all(f.reason == "error" and "listener bug" in f.error for f in done)
+        tiny_engine.listeners.remove(broken)
+        after = tiny_engine.submit([5, 6, 7] * 5, SamplingParams(max_tokens=5, ignore_eos=True))
+        reader = threading.Thread(target=lambda: done.append(after.result()), daemon=True)
+        reader.start()
+        reader.join(timeout=30)
+        assert len(done) == 3 and (done[2].reason, len(done[2].token_ids)) == ("length", 5)
+    finally:
+        if broken in tiny_engine.listeners:
+            tiny_engine.listeners.remove(broken)
+        tiny_engine.close()
