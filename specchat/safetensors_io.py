@@ -89,7 +89,15 @@ def tensor_data_end(header: object, file: Path) -> int:
 
 
 def check_safetensors_size(file: Path) -> None:
-    """A clear ModelFormatError for a truncated file or a corrupt header, before safetensors' own error."""
+    """A clear ModelFormatError for a file we may not read, a truncated file or a corrupt header, before
+    safetensors' own error."""
+    try:
+        _check_safetensors_size(file)
+    except OSError as exc:  # not ours to read (a PermissionError traceback), a folder, gone meanwhile
+        raise ModelFormatError(f"{file}: cannot read ({exc.strerror or exc})") from None
+
+
+def _check_safetensors_size(file: Path) -> None:
     size = file.stat().st_size
     with file.open("rb") as f:
         head = f.read(HEADER_LEN_BYTES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -21,7 +22,7 @@ from specchat.config import HF_ARCHITECTURES
 from specchat.engine.gguf_file import GGUFFile, dequantize
 from specchat.engine.model import ModelConfig, RotaryEmbedding, Transformer, skeleton
 from specchat.engine.weights_cache import read_converted, write_converted
-from specchat.errors import ModelFormatError
+from specchat.errors import ModelFormatError, path_problem
 from specchat.quant.checkpoint import is_mxfp4_checkpoint, read_mxfp4_state
 from specchat.safetensors_io import read_json_object, read_safetensors
 
@@ -30,6 +31,7 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 Deferral = Callable[[ModelConfig, dict[str, object]], set[str]]
 
 SUPPORTED_GGUF = ("llama", "qwen2")
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a checkpoint's tensors may be
 GGUF_CACHE_MAX_BYTES = 2 << 30  # dequantized GGUF weights are cached for models up to this size in float32
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,8 @@ def load_gguf(
     cfg, sd = _load_gguf(path, progress, defer)
     deferred = any(t.is_meta for t in sd.values())
     if cache is not None and not deferred and sum(t.numel() for t in sd.values()) * 4 <= GGUF_CACHE_MAX_BYTES:
+        check_state(skeleton(cfg).state_dict(), sd, path)  # (a model that cannot be built is not cached: its cache
+        # had been written, then failed its check at every later load, with a note, before the same error)
         write_converted(cache, cfg, sd)
     return cfg, sd
 
@@ -198,6 +202,8 @@ def _load_gguf(
             raw[t.name] = dequantize(t)
         except Exception as exc:
             raise ModelFormatError(f"{path}: cannot read tensor {t.name} ({exc})") from None
+        if not math.isfinite(raw[t.name].sum()):  # a NaN or an infinity makes the sum one (a pass, no copy)
+            raise ModelFormatError(f"{path}: tensor {t.name} holds NaN or infinite values (a damaged file)")
         if progress:
             progress("loading weights", i + 1, total)
     if "rope_freqs.weight" in raw:
@@ -211,12 +217,27 @@ def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
     def take(name: str, rows: int | None = None) -> torch.Tensor:
         if name not in raw:
             raise ModelFormatError(f"{path}: missing tensor {name}")
+        if raw[name].dtype not in WEIGHT_DTYPES:  # (float8 failed in torch.cat; ints and bools loaded as numbers)
+            kinds = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
+            what = str(raw[name].dtype).removeprefix("torch.")
+            raise ModelFormatError(f"{path}: tensor {name} is stored as {what} (supported: {kinds})")
         if rows is not None and (raw[name].dim() == 0 or raw[name].shape[0] != rows):
             shape = tuple(raw[name].shape)
             raise ModelFormatError(f"{path}: tensor {name} has shape {shape}, the config implies {rows} rows")
         return raw[name]
 
     return take
+
+
+def _check_layer_count(names, prefix: str, cfg: ModelConfig, key: str, path: Path) -> None:
+    """Tensors of a layer past the config's count (`prefix` "blk." or "model.layers."): the file holds more layers
+    than `key` says, which would load as a model cut short without a word."""
+    for name in names:
+        index = name[len(prefix) :].partition(".")[0] if name.startswith(prefix) else ""
+        if index.isdigit() and int(index) >= cfg.num_layers:
+            raise ModelFormatError(
+                f"{path}: tensor {name} is of layer {index}, but {key} says the model has {cfg.num_layers}"
+            )
 
 
 def _cat_rows(parts: list[torch.Tensor], what: str, path: Path) -> torch.Tensor:
@@ -232,6 +253,7 @@ def _cat_rows(parts: list[torch.Tensor], what: str, path: Path) -> torch.Tensor:
 
 
 def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    _check_layer_count(raw, "blk.", cfg, f"{cfg.arch}.block_count", path)
     take = _tensor_getter(raw, path)
     permuted = cfg.arch == "llama"  # llama.cpp permutes q/k rows only for its llama architecture
     sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
@@ -330,14 +352,20 @@ def load_hf_dir(path: Path, progress: Progress | None = None) -> tuple[ModelConf
     cfg = hf_config(path)
     raw: dict[str, torch.Tensor] = {}
     files = safetensors_files(path)
+    where: dict[str, Path] = {}
     for i, file in enumerate(files):
-        raw.update(read_safetensors(file))
+        tensors = read_safetensors(file)
+        if twice := next((name for name in tensors if name in raw), None):  # (a stray copy beside the shards)
+            raise ModelFormatError(f"{path}: tensor {twice} is in both {where[twice].name} and {file.name}")
+        raw.update(tensors)
+        where.update(dict.fromkeys(tensors, file))
         if progress:
             progress("loading weights", i + 1, len(files))
     return cfg, _rename_hf(raw, cfg, path)
 
 
 def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    _check_layer_count(raw, "model.layers.", cfg, "num_hidden_layers in config.json", path)
     take = _tensor_getter(raw, path)
     sd = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     sd["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else take("lm_head.weight")
@@ -371,21 +399,33 @@ def _placed(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> 
     return t.to(dtype=dtype) if t.is_meta else t.to(device=device, dtype=dtype)
 
 
-def build_model(
-    cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
-) -> Transformer:
-    """Instantiate the Transformer and load the state dict, checking every shape against the config."""
-    model = skeleton(cfg)
-    expected = model.state_dict()
+def check_state(expected: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor], where: Path | None) -> None:
+    """Every tensor of the model (`expected`: a skeleton's state dict) in `state_dict`, of its shape; else a
+    ModelFormatError naming the checkpoint `where`."""
+    named = f"{where}: " if where is not None else ""
     missing = sorted(set(expected) - set(state_dict))
     if missing:
         raise ModelFormatError(
-            f"checkpoint lacks {missing[0]}" + (f" and {len(missing) - 1} more" if missing[1:] else "")
+            f"{named}checkpoint lacks {missing[0]}" + (f" and {len(missing) - 1} more" if missing[1:] else "")
         )
     for name, ref in expected.items():
-        got = state_dict[name]
-        if tuple(got.shape) != tuple(ref.shape):
-            raise ModelFormatError(f"tensor {name} has shape {tuple(got.shape)}, the config implies {tuple(ref.shape)}")
+        got, implied = tuple(state_dict[name].shape), tuple(ref.shape)
+        if got != implied:
+            raise ModelFormatError(f"{named}tensor {name} has shape {got}, the config implies {implied}")
+
+
+def build_model(
+    cfg: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    where: Path | None = None,
+) -> Transformer:
+    """Instantiate the Transformer and load the state dict, checking every shape against the config; `where`: the
+    checkpoint, which the errors name (a draft model's or the target's)."""
+    model = skeleton(cfg)
+    expected = model.state_dict()
+    check_state(expected, state_dict, where)
     tensors = {name: _placed(state_dict[name], dtype, device) for name in expected}
     if cfg.tie_embeddings:
         tensors["lm_head.weight"] = tensors["embed.weight"]
@@ -404,9 +444,15 @@ def load_checkpoint(
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or directory")
     if path.is_dir():
+        try:  # (a folder we may not list or enter: globs find nothing in it, stats of its files raise)
+            os.listdir(path)
+        except OSError as exc:
+            raise ModelFormatError(f"{path}: cannot read the directory ({exc.strerror or exc})") from None
         if is_mxfp4_checkpoint(path):  # written by `specchat quantize`: the state also holds packed linears
             return load_mxfp4_dir(path, progress)
         return load_hf_dir(path, progress)
+    if problem := path_problem(path, str(path)):  # a FIFO named x.gguf: opening it waits for a writer, forever
+        raise ModelFormatError(problem)
     if path.suffix.lower() == ".gguf":
         return load_gguf(path, progress, cache, defer)
     raise ModelFormatError(f"{path}: expected a .gguf file or a directory with config.json + *.safetensors")

@@ -167,8 +167,18 @@ def load_model(
     defer = deferred_tensors if blocks else None
     model_cfg, state = load_checkpoint(path, progress=progress, cache=cache, defer=defer)
     packed, meta = take_packed(state), checkpoint_metadata(path)
-    model = build_model(model_cfg, state, dtype, device)
+    model = build_model(model_cfg, state, dtype, device, where=path)
     return model, packed, meta, cache
+
+
+def check_vocabulary(tokenizer: Tokenizer, model: Transformer, path: Path) -> None:
+    """A tokenizer whose ids run past the model's embedding rows (a tokenizer of another model, a vocab_size cut
+    short) fails every prompt that meets such a token inside the step (an IndexError); said once, at load."""
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ModelFormatError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding only "
+            f"{model.cfg.vocab_size} rows (a tokenizer of another model?)"
+        )
 
 
 def pack_cpu_weights(
@@ -274,6 +284,7 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     with one_parse_per_file():  # (a first load reads a GGUF's tensors twice: float weights, then CPU blocks)
         model, packed, meta, converted = load_model(path, dtype, device, progress, blocks)
         tokenizer = load_tokenizer(spec, path)
+        check_vocabulary(tokenizer, model, path)
         weights = weight_switch(
             model,
             packed,

@@ -1,0 +1,188 @@
+"""Model files as a user outside hits them: a GGUF file or an HF folder that is damaged, inconsistent, of a kind we
+do not load, or not ours to read ends in one line naming the file and what is wrong, with a nonzero exit status;
+never a traceback, a hang or a model that loads wrong without a word."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file, save_file
+
+from specchat.cli import main
+from specchat.registry import derived_dir
+from tests.engine.tiny_gguf import write_tiny_gguf
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def generate(model: Path, *extra: str) -> Result:
+    """`specchat generate MODEL` in the user's cache (its CPU kernels built once; what it derives from the tests'
+    models goes with the session: tests/conftest.py)."""
+    args = ["generate", str(model), "-p", "hi", "--max-tokens", "2", *extra]
+    return CliRunner().invoke(main, args, catch_exceptions=True)
+
+
+def assert_one_error_line(result: Result, *needles: str) -> None:
+    assert not (result.exception and not isinstance(result.exception, SystemExit)), (
+        f"uncaught {type(result.exception).__name__}: {result.exception}"
+    )
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("specchat: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def copy_model(src: Path, dst: Path, tensors=None, config: dict | None = None) -> Path:
+    """A copy of the HF folder `src`, its weights passed through `tensors(dict) -> dict` and its config.json
+    updated with `config`."""
+    shutil.copytree(src, dst)
+    if tensors is not None:
+        weights = dst / "model.safetensors"
+        state = tensors(load_file(weights))
+        weights.unlink()
+        save_file(state, str(weights))
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+def with_dtype(name_part: str, dtype: torch.dtype):
+    return lambda state: {k: v.to(dtype) if name_part in k else v for k, v in state.items()}
+
+
+def test_a_fifo_named_like_a_gguf_file_is_one_line_not_a_hang(tmp_path):
+    """Opening a FIFO waits for a writer: `generate x.gguf` hung for ever."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    assert_one_error_line(generate(fifo), str(fifo), "FIFO")
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("float8", torch.float8_e4m3fn), ("int32", torch.int32), ("bool", torch.bool)]
+)
+def test_weights_of_a_type_we_do_not_load_name_the_tensor(tiny_model_dir, tmp_path, name, dtype):
+    """An FP8 checkpoint's float8 weights failed in torch.cat with a RuntimeError traceback; integer and bool
+    weights loaded as numbers, a model of garbage without a word."""
+    model = copy_model(tiny_model_dir, tmp_path / name, tensors=with_dtype("layers.0.self_attn.v_proj", dtype))
+    result = generate(model)
+    assert_one_error_line(result, str(model), "model.layers.0.self_attn.v_proj.weight", str(dtype).split(".")[1])
+
+
+def test_half_precision_weights_still_load(tiny_model_dir, tmp_path):
+    model = copy_model(tiny_model_dir, tmp_path / "half", tensors=with_dtype("mlp", torch.float16))
+    result = generate(model)
+    assert result.exit_code == 0, result.output
+
+
+def test_more_layers_in_the_file_than_the_config_says(tiny_model_dir, tmp_path):
+    """config.json's num_hidden_layers below the file's layers loaded a model cut short, without a word."""
+    model = copy_model(tiny_model_dir, tmp_path / "cut", config={"num_hidden_layers": 1})
+    assert_one_error_line(generate(model), str(model), "model.layers.1.", "num_hidden_layers")
+
+
+def test_more_layers_in_a_gguf_file_than_its_block_count(tmp_path):
+    path = write_tiny_gguf(tmp_path / "model.gguf")
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, _field_value_offset(path, "llama.block_count"), 1)
+    path.write_bytes(data)
+    assert_one_error_line(generate(path), str(path), "blk.1.", "llama.block_count")
+
+
+def _field_value_offset(path: Path, key: str) -> int:
+    """Where a uint32 metadata value lies in a GGUF file: after its key and its type."""
+    data = path.read_bytes()
+    name = struct.pack("<Q", len(key)) + key.encode()
+    return data.index(name) + len(name) + 4
+
+
+def test_a_tensor_in_two_safetensors_files(tiny_model_dir, tmp_path):
+    """A stray file beside the weights (no index) overrode the embedding without a word."""
+    model = copy_model(tiny_model_dir, tmp_path / "stray")
+    embed = load_file(model / "model.safetensors")["model.embed_tokens.weight"]
+    save_file({"model.embed_tokens.weight": torch.zeros_like(embed)}, str(model / "zz-stray.safetensors"))
+    result = generate(model)
+    assert_one_error_line(result, str(model), "model.embed_tokens.weight", "model.safetensors", "zz-stray.safetensors")
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
+    """A tokenizer of another model (ids past the embedding's rows) loaded, then failed a prompt's step with an
+    IndexError traceback ("index out of range in self"); `serve` started and failed every request."""
+    from tests.conftest import save_tiny_hf
+
+    model = save_tiny_hf(tmp_path / "small", {"vocab_size": 300})
+    save_tiny_tokenizer(model, 49152)
+    assert_one_error_line(generate(model), str(model), "49152", "300")
+
+
+def test_a_shape_the_config_does_not_imply_names_the_model(tiny_model_dir, tmp_path):
+    """`tensor embed.weight has shape ...` named no file (a draft model's or the target's?)."""
+    model = copy_model(tiny_model_dir, tmp_path / "vocab", config={"vocab_size": 100})
+    assert_one_error_line(generate(model), str(model), "embed.weight")
+
+
+def test_a_gguf_file_that_cannot_be_built_writes_no_cache(tmp_path):
+    """Its dequantized weights had been cached before the shapes were checked: every later load read the cache,
+    found it wrong, noted that it rebuilt it (a second line) and failed the same way."""
+    path = write_tiny_gguf(tmp_path / "model.gguf")
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, _field_value_offset(path, "llama.feed_forward_length"), 64)
+    path.write_bytes(data)
+    for _ in range(2):
+        assert_one_error_line(generate(path), str(path), "w_gate_up")
+    assert not (derived_dir(path) / "weights.safetensors").exists()
+
+
+def test_a_nan_block_scale_is_a_damaged_file(tmp_path):
+    """A Q8_0 block whose float16 scale is NaN (a flipped bit): the CPU kernels' repacking raised a ValueError
+    traceback; --eager generated from NaN logits with exit 0."""
+    from gguf import GGUFReader
+
+    path = write_tiny_gguf(tmp_path / "model.gguf", blocks=True)
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.0.attn_q.weight")
+    data = bytearray(path.read_bytes())
+    data[tensor.data_offset : tensor.data_offset + 2] = struct.pack("<e", float("nan"))
+    path.write_bytes(data)
+    for extra in ((), ("--eager",)):
+        assert_one_error_line(generate(path, *extra), str(path), "blk.0.attn_q.weight", "NaN")
+
+
+# --- files and folders that are not ours to read --------------------------------------------------------------
+def run_unprivileged(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as a process that file modes bind: root's capabilities to pass them dropped (capsh) where we run as
+    root."""
+    command = [sys.executable, "-m", "specchat", *args]
+    if os.geteuid() == 0:
+        capsh = shutil.which("capsh")
+        if capsh is None:
+            pytest.skip("running as root without capsh: file modes do not bind")
+        command = [capsh, "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", " ".join(map(repr, command))]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize(("name", "mode", "target"), [("weights", 0, "model.safetensors"), ("folder", 0o311, "")])
+def test_model_files_we_may_not_read(tiny_model_dir, tmp_path, name, mode, target):
+    """An unreadable model.safetensors was a PermissionError traceback; a folder that may not be listed said "no
+    *.safetensors files" (mode 311) or was a PermissionError traceback (mode 000)."""
+    model = copy_model(tiny_model_dir, tmp_path / name)
+    (model / target).chmod(mode)
+    try:
+        proc = run_unprivileged("generate", str(model), "-p", "hi", "--max-tokens", "2")
+    finally:
+        (model / target).chmod(0o755)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("specchat: error: "), proc.stderr
+    assert str(model / target).rstrip("/") in lines[0] and "Permission denied" in lines[0], lines[0]
