@@ -22,7 +22,7 @@ from specchat.cli.options import (
     spec_params,
 )
 from specchat.config import DEVICES, DTYPE_CHOICES, KV_CHOICES, WEIGHT_CHOICES, WEIGHT_FORMATS, EngineConfig
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, PromptError
 from specchat.registry import default_model
 
 SYNTHETIC_WEIGHTS = (*WEIGHT_FORMATS, "int4")  # int4: gpt-fast's int4 g32 yardstick (specchat/bench/int4.py)
@@ -155,16 +155,28 @@ def check_sessions_fit(engine, prompts: list[str], sessions: int, max_tokens: in
     """The KV cache must hold `sessions` requests at once, each its prompt, `max_tokens` answer tokens (bench
     ignores end of text) and a step's drafts: past it the scheduler preempted requests, so the row said N sessions
     of a run that never had N in flight (and `--sessions 99999999999` ended in a MemoryError)."""
+    lengths = []
+    for n, prompt in enumerate(prompts, 1):
+        try:
+            lengths.append(len(engine.encode_prompt(prompt)))
+        except PromptError as exc:  # (one past the context: the message named no prompt)
+            raise type(exc)(f"--prompts, prompt {n}: {exc}") from None
+    longest, context = max(lengths), engine.model.cfg.max_position
+    if longest + max_tokens > context:  # answers end at the context: fewer tokens than asked, said so
+        click.echo(
+            f"specchat: note: --max-tokens {max_tokens} after a prompt of {longest} tokens is past the model's "
+            f"context ({context}): such answers stop there",
+            err=True,
+        )
     page = engine.pool.page_size
     drafts = max(spec.k_max if spec.k is None else spec.k for spec in specs) + 1
-    longest = max(len(engine.encode_prompt(p)) for p in prompts)
-    pages = -(-(longest + max_tokens + drafts) // page)  # the longest request's pages at its end
+    tokens = min(longest + max_tokens, context)
+    pages = -(-(tokens + drafts) // page)  # the longest request's pages at its end
     fits = engine.pool.num_pages // pages
     if sessions > fits:
         raise ConfigError(
-            f"--sessions {sessions}: the KV cache holds {fits} such sessions at once (each up to "
-            f"{longest + max_tokens} tokens: its prompt and --max-tokens {max_tokens}); lower --sessions or "
-            "--max-tokens"
+            f"--sessions {sessions}: the KV cache holds {fits} such sessions at once (each up to {tokens} tokens: "
+            f"its prompt and --max-tokens {max_tokens}); lower --sessions or --max-tokens"
         )
 
 

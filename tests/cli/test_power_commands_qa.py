@@ -224,3 +224,17 @@ def test_bench_runs_more_sessions_than_the_engines_default_batch_at_once(tiny_mo
     with pytest.raises(SystemExit):
         bench_cli.bench_sessions(EngineConfig(model=str(tiny_model_dir)), prompts, "1,70", 4, "none", "4", False)
     assert asked == [70]
+
+
+def test_bench_names_the_prompt_past_the_context_and_notes_answers_cut_by_it(tiny_model_dir, tmp_path) -> None:
+    """A prompt past the context failed with a message naming neither --prompts nor the prompt; --max-tokens past
+    the context ran shorter answers than asked without a word."""
+    long = tmp_path / "long.txt"
+    long.write_text("hi\n" + "word " * 2000 + "\n")
+    result = invoke(["bench", tiny_model_dir, "--sessions", "1", "--prompts", long, "--requests", "2"])
+    assert_one_error_line(result, "--prompts, prompt 2:", "context")
+    short = tmp_path / "short.txt"
+    short.write_text("hi\n")
+    result = invoke(["bench", tiny_model_dir, "--sessions", "1", "--prompts", short, "--max-tokens", "1000"])
+    assert result.exit_code == 0, result.output
+    assert "--max-tokens 1000 after a prompt of" in result.stderr and "past the model's context (256)" in result.stderr
