@@ -172,12 +172,15 @@ def load_model(
 
 
 def check_vocabulary(tokenizer: Tokenizer, model: Transformer, path: Path) -> None:
-    """A tokenizer whose ids run past the model's embedding rows (a tokenizer of another model, a vocab_size cut
-    short) fails every prompt that meets such a token inside the step (an IndexError); said once, at load."""
-    if tokenizer.vocab_size > model.cfg.vocab_size:
+    """A tokenizer whose vocabulary runs past the model's embedding rows (a tokenizer of another model, a vocab_size
+    cut short) fails every prompt that meets such a token inside the step (an IndexError); said once, at load. Its
+    added tokens are left out: transformers' GGUF converter adds <s>, </s> and <unk> where a vocabulary lacks
+    them, which only a prompt that spells them out meets."""
+    tokens = tokenizer.backend.get_vocab_size(with_added_tokens=False)
+    if tokens > model.cfg.vocab_size:
         raise ModelFormatError(
-            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding only "
-            f"{model.cfg.vocab_size} rows (a tokenizer of another model?)"
+            f"{path}: the tokenizer has {tokens} tokens, the model's embedding only {model.cfg.vocab_size} rows "
+            "(a tokenizer of another model?)"
         )
 
 
