@@ -226,6 +226,9 @@ def train_heads(
     except OSError as exc:  # a work file that cannot be written (a full disk): one line, not a traceback
         where = f"{exc.filename}: " if exc.filename else ""
         raise ConfigError(f"{where}{exc.strerror or exc}") from None
+    except KeyboardInterrupt:  # Ctrl-C: what was done is kept, and the run said nothing of it
+        click.echo(f"\nspecchat: interrupted; {out} not written. The same command resumes from {work}", err=True)
+        raise
     label = "step" if arch == "eagle" else "head"
     rows = zip(report["top1"], report["tokens_per_step"], report["run_tokens_per_step"], strict=True)
     for i, (acc, tps, run) in enumerate(rows):

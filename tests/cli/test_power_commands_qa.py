@@ -253,3 +253,18 @@ def test_bench_synthetic_step_p50_is_the_per_token_p50_of_plain_decoding() -> No
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout.splitlines()[0])
     assert row["step_ms"] == pytest.approx(row["latency_p50_ms"], rel=1e-6)
+
+
+def test_ctrl_c_in_train_heads_says_what_was_kept_and_how_to_resume(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """Ctrl-C after hours of answers ended with a blank line: nothing said the work folder lets it resume."""
+    from specchat.engine import train_heads as engine_train_heads
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_train_heads, "train_heads", interrupted)
+    out = tmp_path / "h.safetensors"
+    result = invoke(["train-heads", tiny_model_dir, "--out", out, *TINY_TRAINING])
+    assert result.exit_code == 130 and "Traceback" not in result.output
+    assert f"specchat: interrupted; {out} not written. The same command resumes from {out}.work" in result.stderr
+    assert not out.exists()
