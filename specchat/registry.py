@@ -127,9 +127,14 @@ def _read_registry(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
             key = "alias" if "alias" in entry else sorted(unknown)[0]
             raise ConfigError(f"{path}: model {alias!r} has unknown key {key!r}")
         try:
-            specs[alias] = ModelSpec(alias=alias, **entry)
+            spec = ModelSpec(alias=alias, **entry)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+        if spec.source in ("gguf", "dir") and not Path(spec.path).expanduser().is_absolute():
+            # relative to the models.toml that names it, as an agent script's paths are to the script: against the
+            # working directory an alias loaded in one folder and "does not exist" in the next
+            spec.path = str(path.resolve().parent / spec.path)
+        specs[alias] = spec
     return specs, default
 
 

@@ -186,3 +186,18 @@ def test_model_files_we_may_not_read(tiny_model_dir, tmp_path, name, mode, targe
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("specchat: error: "), proc.stderr
     assert str(model / target).rstrip("/") in lines[0] and "Permission denied" in lines[0], lines[0]
+
+
+def test_a_relative_path_in_the_users_models_toml_is_relative_to_that_file(tmp_path, monkeypatch):
+    """`path = "models/tiny.gguf"` was read against the working directory: the alias loaded from one folder and
+    was "does not exist" from the next, while `specchat models` said it was present."""
+    home = tmp_path / "home"
+    write_tiny_gguf((home / "models").mkdir(parents=True) or home / "models" / "tiny.gguf")
+    (home / "models.toml").write_text('[models.mine]\nsource = "gguf"\npath = "models/tiny.gguf"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    env = {"SPECCHAT_HOME": str(home)}
+    for command in (["pull", "mine"], ["models"]):
+        result = CliRunner().invoke(main, command, env=env)
+        assert result.exit_code == 0 and str(home / "models" / "tiny.gguf") in result.output, result.output
