@@ -40,7 +40,7 @@ from specchat.engine.runner import ModelRunner, RowOf, Rows, StepBatch, StepOutp
 from specchat.engine.sequence import Sequence
 from specchat.engine.verify import greedy_verdicts, plain_tokens, verify_batch
 from specchat.errors import KVCacheFullError
-from specchat.kernels import cpu_ops
+from specchat.kernels import cpu_ops, fused
 from specchat.quant.fp4_linear import embedding_pointer
 
 PAD_TOKEN = 0  # fills a padded request's rows past its drafts; their logits are never read
@@ -725,10 +725,16 @@ class SpecStep:
         step's graph)."""
         name, _, k = key[:3]
         drafter = self.drafters.get(name)
-        accepted = greedy_verdicts(target, fed)
-        rows = torch.arange(len(target), device=target.device)
-        newest = target[rows, accepted]  # the bonus or recovered tokens
-        at_newest = [h[rows, accepted] for h in hidden]
+        if fused.verdicts_supported(target, fed):  # (one launch for the compare, the count and the indices)
+            from specchat.kernels import verdicts_triton
+
+            accepted, newest, flat = verdicts_triton.greedy_verdicts(target, fed)
+            at_newest = [h.flatten(0, 1).index_select(0, flat) for h in hidden]
+        else:
+            accepted = greedy_verdicts(target, fed)
+            rows = torch.arange(len(target), device=target.device)
+            newest = target[rows, accepted]  # the bonus or recovered tokens
+            at_newest = [h[rows, accepted] for h in hidden]
         context = _at_newest(context, accepted) if drafter.reads_context else None
         drafted = drafter.draft_on_device(k, dict(zip(drafter.taps, at_newest, strict=True)), newest, context)
         chain, source = drafted if isinstance(drafted, tuple) else (drafted, torch.zeros_like(newest))

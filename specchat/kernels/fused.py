@@ -34,3 +34,9 @@ def rope_qk_supported(q: torch.Tensor) -> bool:
 def silu_mul_supported(x: torch.Tensor) -> bool:
     """Whether `silu_mul` takes x: a Triton device, not float64."""
     return _runs_on(x) and x.dtype != torch.float64
+
+
+def verdicts_supported(target: torch.Tensor, fed: torch.Tensor) -> bool:
+    """Whether kernels/verdicts_triton.py's `greedy_verdicts` takes a step's argmax targets and fed tokens [B, q]:
+    a Triton device, unit strides along q."""
+    return _runs_on(target) and target.dim() == 2 and target.stride(1) == 1 and fed.stride(-1) == 1
