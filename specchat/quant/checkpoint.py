@@ -101,7 +101,14 @@ def save_mxfp4_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.cfg
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        # A linear that reads only its GGUF blocks (CPU int8 rows) has released its float weight, so state_dict()
+        # lacks it: `.weight` makes it from the blocks. Without this a checkpoint of some linears (`--layers
+        # all,-layers.0.*` of a GGUF model) lacked the others' weights and did not load.
+        if isinstance(module, torch.nn.Linear) and name not in packed and f"{name}.weight" not in state:
+            state[f"{name}.weight"] = module.weight
+    for name, tensor in state.items():
         module = name.rpartition(".")[0]
         if module in packed or (cfg.tie_embeddings and name == "lm_head.weight"):
             continue  # stored packed, or the tied head (the embedding holds it)

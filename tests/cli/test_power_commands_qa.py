@@ -156,6 +156,28 @@ def test_quantize_to_a_full_disk_is_one_line_and_leaves_nothing(tiny_model_dir, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_quantize_some_linears_of_a_gguf_model_writes_the_others_dense(tmp_path) -> None:
+    """On the CPU a GGUF model's block linears drop their float weights (int8 rows read only the blocks), so the
+    checkpoint of `--layers all,-layers.0.*` lacked layer 0's weights: written with exit 0, it did not load
+    ("checkpoint lacks layers.0.attn.wo.weight and 3 more"). The default model with `--layers lm_head` too."""
+    import torch
+
+    from specchat.config import EngineConfig
+    from specchat.engine.engine import Engine
+    from specchat.safetensors_io import read_safetensors
+    from tests.engine.tiny_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny-q8.gguf", blocks=True)
+    out = tmp_path / "q"
+    result = invoke(["quantize", gguf, "--method", "rtn", "--layers", "all,-layers.0.*", "--out", out])
+    assert result.exit_code == 0, result.output
+    generated = invoke(["generate", out, "-p", "hi", "--max-tokens", "2"])
+    assert generated.exit_code == 0, generated.output
+    saved = read_safetensors(out / "model.safetensors")
+    source = Engine.load(EngineConfig(model=str(gguf), device="cpu", cpu_act="fp32"))
+    assert torch.equal(saved["layers.0.attn.wo.weight"], source.model.layers[0].attn.wo.weight.float())
+
+
 def test_quantize_out_where_nothing_can_be_made_is_refused_before_quantizing() -> None:
     result = invoke(["quantize", "/nonexistent-model-dir-never-read", "--out", "/proc/q"])
     assert_one_error_line(result, "--out /proc/q", "cannot write in /proc")
