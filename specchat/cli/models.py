@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from specchat.cli.options import StderrProgress, check_model_name
+
+log = logging.getLogger(__name__)
 
 
 def human_bytes(n: int | None) -> str:
@@ -42,12 +46,31 @@ def models() -> None:
 def pull(name: str | None) -> None:
     """Fetch model NAME (default: smollm2-135m) into the cache ahead of time."""
     from specchat.engine.tokenizer import load_tokenizer
-    from specchat.registry import fetch, resolve
+    from specchat.errors import ModelFormatError
+    from specchat.registry import fetch, is_download, refetch, resolve
 
     spec = resolve(name)
     path = fetch(spec, progress=StderrProgress())
-    load_tokenizer(spec, path)
+    try:
+        check_model_file(path)
+        load_tokenizer(spec, path)
+    except ModelFormatError as exc:  # our own download, damaged since (a size-preserving corruption): fetched again
+        if not is_download(spec, path):
+            raise
+        log.warning("specchat: note: %s; downloading %s again", exc, spec.alias)
+        path = refetch(spec, progress=StderrProgress())
+        check_model_file(path)
+        load_tokenizer(spec, path)
     click.echo(f"{spec.alias}: {path}")
+
+
+def check_model_file(path) -> None:
+    """A GGUF file's header and tensor table read (ModelFormatError where damaged): a tokenizer converted earlier
+    is read from its cache, which would not see the file."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from specchat.engine.gguf_file import GGUFFile
+
+        GGUFFile(path)
 
 
 def register(group: click.Group) -> None:

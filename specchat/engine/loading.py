@@ -33,7 +33,15 @@ from specchat.errors import ConfigError, ModelFormatError
 from specchat.kernels import cpu_block, cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.checkpoint import checkpoint_metadata, take_packed
 from specchat.quant.handler import WeightSwitch, weight_switch
-from specchat.registry import ModelSpec, derived_dir, fetch, resolve, tokenizer_dir
+from specchat.registry import (
+    ModelSpec,
+    damaged_download,
+    derived_dir,
+    fetch,
+    is_download,
+    resolve,
+    tokenizer_dir,
+)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET = 1 << 30  # bytes; pages are allocated lazily by the OS, so unused capacity costs nothing
@@ -285,8 +293,13 @@ def load_parts(config: EngineConfig, progress: Progress | None = None) -> Loaded
     dtype = pick_dtype(config.dtype, device, cpu_blocks)
     blocks = cpu_blocks and dtype == torch.float32 and config.weights in ("auto", "bf16")  # (mxfp4 reads floats)
     with one_parse_per_file():  # (a first load reads a GGUF's tensors twice: float weights, then CPU blocks)
-        model, packed, meta, converted = load_model(path, dtype, device, progress, blocks)
-        tokenizer = load_tokenizer(spec, path)
+        try:
+            model, packed, meta, converted = load_model(path, dtype, device, progress, blocks)
+            tokenizer = load_tokenizer(spec, path)
+        except ModelFormatError as exc:  # our own download, damaged: the error says how to fetch it again
+            if is_download(spec, path):
+                raise damaged_download(spec, exc) from None
+            raise
         check_vocabulary(tokenizer, model, path)
         weights = weight_switch(
             model,

