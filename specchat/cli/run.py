@@ -176,6 +176,10 @@ class PlainChat:
             return
         try:
             handle = engine.submit([*self.messages, {"role": "user", "content": text}], self.sampling, self.spec)
+        except KeyboardInterrupt:  # Ctrl-C just after Enter, while a long conversation is encoded (30-120 ms at 6k
+            # tokens): it stops this answer before it starts, as above (it ended the chat, exit 130, all of it lost)
+            click.echo("\n[stopped]", err=True)
+            return
         except SpecchatError as exc:  # a prompt too long for the context, say: the conversation is unchanged
             # (past the context with earlier turns, every later message failed the same way, with nothing saying
             # that the "prompt" is the whole conversation or how to go on)

@@ -210,3 +210,26 @@ def test_a_first_message_past_the_context_says_nothing_of_the_conversation(tiny_
     chat = repl(["word " * 300], loading, monkeypatch)
     err = capsys.readouterr().err
     assert "error: prompt is " in err and "/clear" not in err and chat.messages == []
+
+
+def test_ctrl_c_while_a_message_is_encoded_stops_that_answer(tiny_engine, monkeypatch, capsys):
+    """Ctrl-C just after Enter lands in submit() while a long conversation is encoded: it ended the chat (exit 130,
+    the conversation lost) instead of stopping that answer."""
+    submit, calls = tiny_engine.submit, []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_engine, "submit", interrupted_once)
+    loading: Future = Future()
+    loading.set_result(tiny_engine)
+    try:
+        chat = repl(["hi", "stopped", "again"], loading, monkeypatch)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while the message was encoded ended the chat")
+    err = capsys.readouterr().err
+    assert "[stopped]" in err and err.count("[3 tokens") == 2
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi", "again"]
