@@ -223,4 +223,5 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
         return codes.float().view(rows, -1, BLOCK).mul_(d[..., None]).reshape(shape)
     from gguf.quants import dequantize as gguf_dequantize
 
-    return torch.from_numpy(np.array(gguf_dequantize(data, kind), dtype=np.float32))
+    with np.errstate(all="ignore"):  # a damaged block's NaN scale: the loader names the tensor, numpy need not warn
+        return torch.from_numpy(np.array(gguf_dequantize(data, kind), dtype=np.float32))

@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,22 @@ def test_a_damaged_download_says_how_to_fetch_it_again_and_pull_does(tmp_path, m
     assert downloads == ["fake"] and cached.read_bytes() == good
     notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("specchat: note: ")]
     assert len(notes) == 1 and "downloading fake again" in notes[0], notes
+
+
+def test_an_infinite_k_quant_scale_is_one_line_without_numpys_warnings(tmp_path):
+    """A K-quant block whose scale is infinite: gguf's dequantization printed numpy's RuntimeWarning (two more lines
+    on stderr) before the error."""
+    from gguf import GGUFReader
+
+    path = write_tiny_gguf(tmp_path / "model.gguf", kquants=True)
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+    assert tensor.tensor_type.name == "Q6_K"
+    data = bytearray(path.read_bytes())
+    block = tensor.data_offset  # Q6_K's first block: 192 bytes of codes, 16 int8 scales, the float16 d
+    data[block + 192 : block + 210] = bytes(16) + struct.pack("<e", float("inf"))  # inf x 0: numpy's "invalid"
+    path.write_bytes(data)
+    with warnings.catch_warnings(record=True) as caught:  # (pytest catches what a process would print)
+        warnings.simplefilter("always")
+        result = generate(path)
+    assert_one_error_line(result, str(path), "blk.0.ffn_down.weight", "NaN")
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
