@@ -341,14 +341,22 @@ class Engine:
         SpecParams(k=k)  # the range check, here in the caller
 
         def change() -> None:
-            for seq in self._running_seqs(request_id):
-                seq.spec = SpecParams(drafter=seq.spec.drafter, k=k, k_max=seq.spec.k_max)
+            seqs = self._running_seqs(request_id)
+            # every live request: k up to its own k_max; one request: its k_max's range check, before any change (a
+            # request of a smaller k_max raised midway, the requests before it changed and those after it not)
+            clamp = request_id is None and k is not None
+            specs = [
+                SpecParams(drafter=s.spec.drafter, k=min(k, s.spec.k_max) if clamp else k, k_max=s.spec.k_max)
+                for s in seqs
+            ]
+            for seq, spec in zip(seqs, specs, strict=True):
+                seq.spec = spec
                 drafter = self.drafter(seq.spec.drafter)
                 seq.adaptive = _controller(seq.spec.k_max, drafter, seq.sampling) if k is None else None
                 seq.k = (
                     seq.adaptive.next_k()
                     if seq.adaptive is not None
-                    else _start_k(k, seq.spec.k_max, drafter, seq.sampling)
+                    else _start_k(spec.k, seq.spec.k_max, drafter, seq.sampling)
                 )
 
         self.apply(change)

@@ -192,3 +192,26 @@ def test_a_listener_that_keeps_raising_does_not_end_the_step_loop(tiny_engine):
         if broken in tiny_engine.listeners:
             tiny_engine.listeners.remove(broken)
         tiny_engine.close()
+
+
+def test_set_k_for_every_request_keeps_each_within_its_own_k_max(tiny_engine):
+    """set_k(6) over requests of k_max 8, 4, 8 raised at the second (k must be in [0, 4]): the first had k 6, the
+    third kept its k 2, and in the background nobody heard of it. Every request now takes k up to its own k_max; a
+    k past the k_max of one named request is refused and changes nothing."""
+    from specchat.errors import ConfigError
+
+    sampling = SamplingParams(max_tokens=100, ignore_eos=True)
+    handles = [
+        tiny_engine.submit([5, 6, 7 + i] * 5, sampling, SpecParams("ngram", k=2, k_max=k_max))
+        for i, k_max in enumerate((8, 4, 8))
+    ]
+    try:
+        tiny_engine.set_k(6)
+        assert [(s.spec.k, s.k) for s in tiny_engine.scheduler.live()] == [(6, 6), (4, 4), (6, 6)]
+        with pytest.raises(ConfigError, match=r"\[0, 4\]"):
+            tiny_engine.set_k(5, handles[1].request_id)
+        assert [s.spec.k for s in tiny_engine.scheduler.live()] == [6, 4, 6]
+    finally:
+        for handle in handles:
+            handle.cancel()
+            handle.result()
