@@ -135,6 +135,13 @@ def gguf_config(reader, path: Path) -> ModelConfig:
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=special("eos"),
     )
+    # the model rotates and attends over whole heads of one width: a file that says otherwise (partial rotary, values
+    # of another width) would load and answer wrongly without a word
+    for key in ("rope.dimension_count", "attention.value_length"):
+        if reader.get(f"{arch}.{key}") is not None and number(key) != cfg.head_dim:
+            raise ModelFormatError(
+                f"{path}: {arch}.{key} is {number(key)}, not the head dimension {cfg.head_dim} (not supported)"
+            )
     return check_shape(cfg, path)
 
 
@@ -207,7 +214,13 @@ def _load_gguf(
         if progress:
             progress("loading weights", i + 1, total)
     if "rope_freqs.weight" in raw:
-        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": raw.pop("rope_freqs.weight").tolist()}
+        factors = raw.pop("rope_freqs.weight")
+        if tuple(factors.shape) != (cfg.head_dim // 2,):  # (one factor per rotary pair; else the first step failed)
+            shape = tuple(factors.shape)
+            raise ModelFormatError(
+                f"{path}: tensor rope_freqs.weight has shape {shape}, the config implies ({cfg.head_dim // 2},)"
+            )
+        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
     return cfg, _rename_gguf(raw, cfg, path)
 
 

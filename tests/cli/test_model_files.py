@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner, Result
@@ -252,3 +253,53 @@ def test_an_infinite_k_quant_scale_is_one_line_without_numpys_warnings(tmp_path)
         result = generate(path)
     assert_one_error_line(result, str(path), "blk.0.ffn_down.weight", "NaN")
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+
+
+def write_llama_gguf(path: Path, metadata: dict[str, int] | None = None, rope_freqs: tuple[int, ...] | None = None):
+    """The tiny llama GGUF (tiny_gguf's shapes, float32) with more uint32 metadata and a rope_freqs tensor."""
+    from gguf import GGUFReader, GGUFWriter
+
+    source = GGUFReader(str(write_tiny_gguf(path.with_suffix(".src.gguf"))))
+    writer = GGUFWriter(str(path), "llama")
+    for key, field in source.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value, kind = field.contents(), field.types[0]
+        if kind.name == "ARRAY":
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value)
+    for t in source.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.ones(rope_freqs, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "metadata", "rope_freqs", "needles"),
+    [
+        ("rope factors too few", None, (5,), ["rope_freqs.weight", "(5,)", "(8,)"]),
+        ("rope factors 2-d", None, (2, 8), ["rope_freqs.weight", "(2, 8)"]),
+        ("partial rotary", {"llama.rope.dimension_count": 8}, None, ["llama.rope.dimension_count", "16"]),
+        ("value heads wider", {"llama.attention.value_length": 32}, None, ["llama.attention.value_length", "16"]),
+    ],
+)
+def test_gguf_rope_and_head_widths_the_model_does_not_have(tmp_path, name, metadata, rope_freqs, needles):
+    """rope_freqs.weight of another length than the rotary pairs loaded, then failed the first step with a
+    RuntimeError traceback; a rope.dimension_count or value_length other than the head dimension (partial rotary,
+    values of another width) loaded a model that rotates whole heads, answering wrongly without a word."""
+    path = write_llama_gguf(tmp_path / "model.gguf", metadata, rope_freqs)
+    assert_one_error_line(generate(path), str(path), *needles)
+
+
+def test_gguf_rope_factors_of_the_right_length_load(tmp_path):
+    path = write_llama_gguf(tmp_path / "model.gguf", {"llama.rope.dimension_count": 16}, rope_freqs=(8,))
+    result = generate(path)
+    assert result.exit_code == 0, result.output
