@@ -40,6 +40,7 @@ from specchat.engine.train_heads import (
     check_at_least,
     check_training_set,
     draft_vocab_by_frequency,
+    features_kv_full,
     generate_answers,
     greedy_run_tokens_per_step,
     held_out_ids,
@@ -49,7 +50,7 @@ from specchat.engine.train_heads import (
     write_error,
     write_whole,
 )
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, KVCacheFullError
 
 FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced target forward
 
@@ -177,7 +178,10 @@ class EagleTrainer:
             ids = [-(i + 1) for i in range(len(batch))]  # ids no live request uses
             for seq_id in ids:
                 pool.add(seq_id, [])  # no prefix reuse: every position is fed and tapped
-            out = runner.forward(StepBatch(ids, seqs, [0] * len(seqs), [0] * len(seqs)), taps=sorted(set(taps)))
+            try:
+                out = runner.forward(StepBatch(ids, seqs, [0] * len(seqs), [0] * len(seqs)), taps=sorted(set(taps)))
+            except KVCacheFullError:
+                raise features_kv_full(self.engine, seqs) from None
             for seq_id, r, seq, hidden in zip(ids, batch, seqs, out.hidden, strict=True):
                 pool.free(seq_id)
                 fused = torch.cat([hidden[t] for t in taps], dim=-1)  # [T, 3h]

@@ -48,7 +48,7 @@ from specchat.engine.drafters.base import DATA_DIR
 from specchat.engine.drafters.heads import DraftHeads, DraftVocabOutput, HeadsConfig
 from specchat.engine.runner import StepBatch
 from specchat.engine.sequence import Finished
-from specchat.errors import ConfigError
+from specchat.errors import ConfigError, KVCacheFullError
 
 PROMPTS_DIR = DATA_DIR / "prompts"
 CATEGORIES = ("code", "math", "chat", "tool_use", "code_edit")
@@ -408,6 +408,8 @@ def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[
         while engine.scheduler.has_work():
             for event in engine.step():
                 if isinstance(event, Finished):
+                    if event.reason == "error":  # (kept, a KV-full answer cut short was trained on as a whole one)
+                        raise ConfigError(f"answering the training prompts: {event.error}")
                     key, prompt, messages, greedy = handles[event.request_id]
                     prompt_ids = engine.encode_prompt(messages)
                     records.append(
@@ -561,6 +563,16 @@ def read_or_remake(path: Path, read: Callable[[Path], T], log: Callable[[str], N
         return None
 
 
+def features_kv_full(engine, seqs: list[list[int]]) -> KVCacheFullError:
+    """The features' forward over whole answers did not fit the KV pool ("KV cache full: not enough free pages for
+    this step" said neither what nor how)."""
+    tokens = sum(len(seq) for seq in seqs)
+    return KVCacheFullError(
+        f"KV cache full: the features of {len(seqs)} answers ({tokens} tokens) need more than the pool holds "
+        f"({engine.pool.capacity_tokens} tokens); raise --kv-memory"
+    )
+
+
 def tapped_forward(engine, seqs: list[list[int]], logit_rows: list[int], tap: int):
     """One teacher-forced forward of whole token sequences, each under an id no live request uses and without
     prefix reuse, so that every position is fed and its hidden state at layer `tap` kept (StepOutput.hidden)."""
@@ -569,6 +581,8 @@ def tapped_forward(engine, seqs: list[list[int]], logit_rows: list[int], tap: in
         engine.pool.add(seq_id, [])
     try:
         return engine.runner.forward(StepBatch(ids, seqs, [0] * len(seqs), logit_rows), taps=[tap])
+    except KVCacheFullError:
+        raise features_kv_full(engine, seqs) from None
     finally:
         for seq_id in ids:
             engine.pool.free(seq_id)

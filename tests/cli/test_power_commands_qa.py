@@ -136,6 +136,20 @@ def test_a_work_folder_that_the_result_would_replace_is_refused(tiny_model_dir, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("arch", ["heads", "eagle"])
+@pytest.mark.parametrize(("kv_memory", "max_tokens", "needle"), [("8K", "200", "answering"), ("16K", "10", "features")])
+def test_a_kv_cache_too_small_for_training_says_so_and_how(
+    tiny_model_dir, tmp_path, arch, kv_memory, max_tokens, needle
+):
+    """An answer the KV pool cut short was kept as training data, then the features failed with "KV cache full: not
+    enough free pages for this step", which named neither the stage nor --kv-memory."""
+    out = tmp_path / "o"
+    args = ["train-heads", tiny_model_dir, "--arch", arch, "--out", out, "--kv-memory", kv_memory]
+    result = invoke([*args, "--max-prompts", "2", "--max-tokens", max_tokens, "--samples", "0", "--epochs", "1"])
+    assert_one_error_line(result, needle, "raise --kv-memory")
+    assert not out.exists()
+
+
 # --- quantize ---------------------------------------------------------------------------------------------------
 
 
