@@ -315,7 +315,8 @@ def hf_config(path: Path) -> ModelConfig:
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ModelFormatError(f"{cfg_file}: rope_scaling must be an object, got {rope!r}")
-    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    head_dim = number("head_dim", hidden // heads)
+    scaling = rope_scaling(rope, cfg_file, head_dim)
     eos_ids = token_ids(c.get("eos_token_id"), "eos_token_id", cfg_file)
     gen_cfg = path / "generation_config.json"
     if gen_cfg.is_file():
@@ -329,7 +330,7 @@ def hf_config(path: Path) -> ModelConfig:
         num_layers=number("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=number("num_key_value_heads", heads),
-        head_dim=number("head_dim", hidden // heads),
+        head_dim=head_dim,
         rope_theta=positive_float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0, "rope_theta", cfg_file),
         rms_norm_eps=number("rms_norm_eps", 1e-6, positive_float),
         max_position=number("max_position_embeddings", 4096),
@@ -340,6 +341,32 @@ def hf_config(path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
     )
     return check_shape(cfg, cfg_file)
+
+
+def rope_scaling(rope: dict, cfg_file: Path, head_dim: int) -> dict | None:
+    """config.json's rope settings -> the scaling model.rope_inv_freq computes (None: plain RoPE), checked: a kind
+    it does not compute (yarn, dynamic: a ValueError traceback as the model was built) or a factor it cannot use (a
+    KeyError or ValueError traceback; a factor of 0 made every frequency infinite, answers of garbage).
+    "freq_factors" is a GGUF's rope_freqs.weight, kept by the MXFP4 checkpoints `specchat quantize` writes."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "freq_factors":
+        factors = rope.get("factors")
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ModelFormatError(f"{cfg_file}: the rope scaling's factors must be {head_dim // 2} numbers")
+        for value in factors:
+            positive_float(value, "a rope scaling factor", cfg_file)
+        return rope
+    if kind not in ("linear", "llama3"):
+        raise ModelFormatError(f"{cfg_file}: rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    positive_float(rope.get("factor"), "the rope scaling's factor", cfg_file)
+    if kind == "llama3":
+        positive_float(rope.get("original_max_position_embeddings"), "original_max_position_embeddings", cfg_file)
+        low = positive_float(rope.get("low_freq_factor", 1.0), "low_freq_factor", cfg_file)
+        if positive_float(rope.get("high_freq_factor", 4.0), "high_freq_factor", cfg_file) <= low:
+            raise ModelFormatError(f"{cfg_file}: the rope scaling's high_freq_factor must be above low_freq_factor")
+    return rope
 
 
 def safetensors_files(path: Path) -> list[Path]:

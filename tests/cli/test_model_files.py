@@ -303,3 +303,59 @@ def test_gguf_rope_factors_of_the_right_length_load(tmp_path):
     path = write_llama_gguf(tmp_path / "model.gguf", {"llama.rope.dimension_count": 16}, rope_freqs=(8,))
     result = generate(path)
     assert result.exit_code == 0, result.output
+
+
+def rope_config(rope: dict) -> dict:
+    """config.json's rope settings as transformers >= 5 writes them (theta and scaling in rope_parameters)."""
+    return {"rope_parameters": {"rope_theta": 10000.0, **rope}}
+
+
+@pytest.mark.parametrize(
+    ("name", "rope", "needles"),
+    [
+        ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, ["'yarn'"]),
+        ("dynamic", {"type": "dynamic", "factor": 2.0}, ["'dynamic'"]),
+        ("linear without factor", {"rope_type": "linear"}, ["factor"]),
+        ("linear factor text", {"rope_type": "linear", "factor": "two"}, ["factor", "'two'"]),
+        ("linear factor 0", {"rope_type": "linear", "factor": 0}, ["factor", "0"]),
+        ("llama3 without context", {"rope_type": "llama3", "factor": 8.0}, ["original_max_position_embeddings"]),
+        (
+            "llama3 equal factors",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+            },
+            ["high_freq_factor"],
+        ),
+        ("freq_factors too few", {"rope_type": "freq_factors", "factors": [1.0, 2.0]}, ["factors", "8"]),
+    ],
+)
+def test_rope_scaling_the_model_does_not_compute(tiny_model_dir, tmp_path, name, rope, needles):
+    """A yarn or dynamic scaling (Qwen 2.5's long-context configs) was a ValueError traceback as the model was built;
+    a linear or llama3 scaling without its factors a KeyError or ValueError traceback; a factor of 0 loaded a model
+    with infinite frequencies, answering garbage with exit 0."""
+    model = copy_model(tiny_model_dir, tmp_path / "rope", config=rope_config(rope))
+    assert_one_error_line(generate(model), str(model / "config.json"), *needles)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "freq_factors", "factors": [1.0] * 8},  # (a GGUF's rope_freqs, in an MXFP4 checkpoint)
+    ],
+)
+def test_rope_scaling_the_model_computes_loads(tiny_model_dir, tmp_path, rope):
+    model = copy_model(tiny_model_dir, tmp_path / "rope", config=rope_config(rope))
+    result = generate(model)
+    assert result.exit_code == 0, result.output
