@@ -391,6 +391,9 @@ def bench(model, device, dtype, sessions, prompts_file, max_tokens, drafter, k, 
     if other_mode:  # refused, not ignored: a table that looks like the answer to another question
         mode, other = ("--synthetic", "--sessions") if shape is not None else ("--sessions", "--synthetic")
         raise click.UsageError(f"{', '.join(other_mode)}: for {other}, not {mode}")
+    given_rate = shape is not None and k is not None and given_flags(click.get_current_context(), ("acceptance",))
+    if given_rate and not any(int_list(k, "--k")):  # refused, not ignored: no row of the table would use it
+        raise click.UsageError("--acceptance is for speculative rows (--k above 0); --k 0 decodes plainly")
     if shape is not None:
         weights, kv = weights or "bf16", kv or "bf16"
         bench_synthetic(shape, device, batch, weights, kv, k or "0,4", acceptance, context, steps, eager, as_json)
