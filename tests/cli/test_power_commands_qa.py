@@ -304,3 +304,10 @@ def test_ctrl_c_in_train_heads_says_what_was_kept_and_how_to_resume(tiny_model_d
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert f"specchat: interrupted; {out} not written. The same command resumes from {out}.work" in result.stderr
     assert not out.exists()
+
+
+def test_bench_synthetic_refuses_an_acceptance_no_row_uses() -> None:
+    """`--k 0 --acceptance 0.5` printed a plain-decoding table as if the rate had been measured with."""
+    result = invoke(["bench", "--synthetic", "tiny", "--k", "0", "--acceptance", "0.5"])
+    assert_one_error_line(result, "--acceptance", "--k 0")
+    assert invoke(["bench", "--synthetic", "tiny", "--k", "0", "--steps", "1", "--context", "4"]).exit_code == 0
