@@ -230,6 +230,7 @@ def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
     def take(name: str, rows: int | None = None) -> torch.Tensor:
         if name not in raw:
             raise ModelFormatError(f"{path}: missing tensor {name}")
+        taken.add(name)
         if raw[name].dtype not in WEIGHT_DTYPES:  # (float8 failed in torch.cat; ints and bools loaded as numbers)
             kinds = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
             what = str(raw[name].dtype).removeprefix("torch.")
@@ -239,7 +240,18 @@ def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
             raise ModelFormatError(f"{path}: tensor {name} has shape {shape}, the config implies {rows} rows")
         return raw[name]
 
+    taken: set[str] = set()
+    take.taken = taken
     return take
+
+
+def _check_all_read(raw: dict[str, torch.Tensor], take, prefix: str, path: Path) -> None:
+    """A layer's tensor that the model has no place for (`prefix` "blk." or "model.layers."): an o_proj or MLP
+    bias (Llama's attention_bias, mlp_bias), another architecture's piece. Left out, the model answered wrongly
+    without a word. (Rotary tables that old checkpoints saved are recomputed, not read.)"""
+    for name in raw:
+        if name.startswith(prefix) and name not in take.taken and "rotary_emb" not in name:
+            raise ModelFormatError(f"{path}: tensor {name} has no place in the model (not supported)")
 
 
 def _check_layer_count(names, prefix: str, cfg: ModelConfig, key: str, path: Path) -> None:
@@ -288,6 +300,7 @@ def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> 
         gate_up = [take(b + "ffn_gate.weight"), take(b + "ffn_up.weight")]
         sd[o + "mlp.w_gate_up.weight"] = _cat_rows(gate_up, b + "ffn gate/up", path)
         sd[o + "mlp.w_down.weight"] = take(b + "ffn_down.weight")
+    _check_all_read(raw, take, "blk.", path)
     return sd
 
 
@@ -311,6 +324,8 @@ def hf_config(path: Path) -> ModelConfig:
         return check(default if value is None else value, key, cfg_file)
 
     heads, hidden = number("num_attention_heads"), number("hidden_size")
+    if c.get("hidden_act", "silu") != "silu":  # (the MLP is SwiGLU: another activation answered wrongly silently)
+        raise ModelFormatError(f"{cfg_file}: hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
     # transformers >= 5 writes rope settings (theta included) as "rope_parameters"; older files as rope_scaling
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     if not isinstance(rope, dict):
@@ -421,6 +436,7 @@ def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> di
         gate_up = [take(b + "mlp.gate_proj.weight"), take(b + "mlp.up_proj.weight")]
         sd[o + "mlp.w_gate_up.weight"] = _cat_rows(gate_up, b + "mlp gate/up", path)
         sd[o + "mlp.w_down.weight"] = take(b + "mlp.down_proj.weight")
+    _check_all_read(raw, take, "model.layers.", path)
     return sd
 
 

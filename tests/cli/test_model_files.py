@@ -359,3 +359,33 @@ def test_rope_scaling_the_model_computes_loads(tiny_model_dir, tmp_path, rope):
     model = copy_model(tiny_model_dir, tmp_path / "rope", config=rope_config(rope))
     result = generate(model)
     assert result.exit_code == 0, result.output
+
+
+def with_tensors(extra):
+    return lambda state: {**state, **{name: torch.zeros(n) for name, n in extra.items()}}
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "config", "needles"),
+    [
+        (
+            "llama attention bias",  # transformers' Llama: attention_bias puts a bias on o_proj too
+            {f"model.layers.{i}.self_attn.{p}_proj.bias": 64 if p in "qo" else 32 for i in range(2) for p in "qkvo"},
+            {"attention_bias": True},
+            ["model.layers.0.self_attn.o_proj.bias"],
+        ),
+        ("mlp bias", {"model.layers.1.mlp.down_proj.bias": 64}, {"mlp_bias": True}, ["model.layers.1.mlp.down_proj"]),
+        ("gelu", {}, {"hidden_act": "gelu"}, ["config.json", "hidden_act", "'gelu'"]),
+    ],
+)
+def test_model_pieces_the_model_has_no_place_for(tiny_model_dir, tmp_path, name, extra, config, needles):
+    """An o_proj or MLP bias was dropped, and a GELU MLP run as SwiGLU's SiLU: a model that answered wrongly, exit 0."""
+    model = copy_model(tiny_model_dir, tmp_path / "model", tensors=with_tensors(extra), config=config)
+    assert_one_error_line(generate(model), str(model), *needles)
+
+
+def test_rotary_tables_of_old_checkpoints_are_left_alone(tiny_model_dir, tmp_path):
+    extra = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": 8 for i in range(2)}
+    model = copy_model(tiny_model_dir, tmp_path / "model", tensors=with_tensors(extra))
+    result = generate(model)
+    assert result.exit_code == 0, result.output
