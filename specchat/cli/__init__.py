@@ -70,8 +70,8 @@ def report(exc: BaseException, ctx: click.Context) -> int | None:
             err=True,
         )
         return 1
-    if isinstance(exc, KeyboardInterrupt):
-        click.echo("", err=True)
+    if isinstance(exc, KeyboardInterrupt):  # (on a line of its own: the terminal's ^C, a progress line end there)
+        click.echo("\nspecchat: interrupted", err=True)
         return 130
     return None
 

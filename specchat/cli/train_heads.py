@@ -228,7 +228,7 @@ def train_heads(
         raise ConfigError(f"{where}{exc.strerror or exc}") from None
     except KeyboardInterrupt:  # Ctrl-C: what was done is kept, and the run said nothing of it
         click.echo(f"\nspecchat: interrupted; {out} not written. The same command resumes from {work}", err=True)
-        raise
+        raise click.exceptions.Exit(130) from None  # (told: not `report`'s plain line again)
     label = "step" if arch == "eagle" else "head"
     rows = zip(report["top1"], report["tokens_per_step"], report["run_tokens_per_step"], strict=True)
     for i, (acc, tps, run) in enumerate(rows):

@@ -303,7 +303,26 @@ def test_ctrl_c_in_train_heads_says_what_was_kept_and_how_to_resume(tiny_model_d
     result = invoke(["train-heads", tiny_model_dir, "--out", out, *TINY_TRAINING])
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert f"specchat: interrupted; {out} not written. The same command resumes from {out}.work" in result.stderr
+    assert result.stderr.count("specchat: interrupted") == 1  # (said once: not the plain line after it)
     assert not out.exists()
+
+
+def test_ctrl_c_in_a_long_command_says_it_was_interrupted(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """bench, perplexity and quantize stopped by Ctrl-C ended with a blank line on stderr and exit 130: a run cut
+    short read like one that had nothing to say."""
+    from specchat.engine.engine import Engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "load", interrupted)
+    text = tmp_path / "t.txt"
+    text.write_text("some text to score " * 20)
+    bench = ["bench", tiny_model_dir, "--sessions", "1", "--prompts", text]
+    for args in (bench, ["perplexity", tiny_model_dir, "--file", text]):
+        result = invoke(args)
+        assert result.exit_code == 130 and "Traceback" not in result.output, (args, result.output)
+        assert [line for line in result.stderr.splitlines() if line] == ["specchat: interrupted"], result.stderr
 
 
 def test_bench_synthetic_refuses_an_acceptance_no_row_uses() -> None:
