@@ -238,6 +238,13 @@ class Engine:
             if bound is not None and (at_least := bound.reaches(text, limit)) is not None:
                 raise ContextLengthError(_past_context(f"at least {at_least}", limit))
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            vocab = self.model.cfg.vocab_size
+            if ids and (past := max(ids)) >= vocab:  # (a token the tokenizer adds that the weights have no row for)
+                piece = self.tokenizer.decode([past], skip_special_tokens=False)
+                raise PromptError(
+                    f"the prompt encodes to token {past} ({piece!r}), past the model's vocabulary of {vocab}: its "
+                    f"tokenizer holds tokens its weights have no row for"
+                )
         else:
             ids = list(prompt)
             vocab = self.model.cfg.vocab_size

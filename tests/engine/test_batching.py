@@ -182,6 +182,16 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_submit(tiny_engine):
     assert tiny_engine.submit([1, vocab - 1], SamplingParams(max_tokens=2)).result().reason in ("length", "stop")
 
 
+def test_a_text_encoding_past_the_vocabulary_is_refused_at_submit(tiny_engine, monkeypatch):
+    """A tokenizer holding tokens the weights have no row for (the `</s>` a GGUF converter adds to a vocabulary
+    without it) encoded a text prompt to an id past the embedding: an IndexError traceback in the step."""
+    vocab = tiny_engine.model.cfg.vocab_size
+    encode = tiny_engine.tokenizer.encode
+    monkeypatch.setattr(tiny_engine.tokenizer, "encode", lambda text, **kw: [*encode(text, **kw), vocab])
+    with pytest.raises(PromptError, match=f"token {vocab} .*past the model's vocabulary of {vocab}"):
+        tiny_engine.submit("say it", SamplingParams(max_tokens=2), raw=True)
+
+
 def test_an_abandoned_generate_gives_its_pages_back(tiny_engine):
     """A caller that stops reading engine.generate (a break, then the generator closed) cancels its request."""
     free_before = tiny_engine.pool.num_free_pages
