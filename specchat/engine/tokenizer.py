@@ -407,7 +407,10 @@ def _replace_folder(new: Path, target: Path) -> None:
         target.rename(old)
     with contextlib.suppress(OSError):  # ENOTEMPTY / EEXIST: another process won
         new.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:  # a file or a link where the folder was (a link goes, never what it points to)
+        old.unlink(missing_ok=True)
 
 
 def load_tokenizer(spec: ModelSpec, model_path: Path) -> Tokenizer:

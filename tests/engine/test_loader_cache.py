@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -188,6 +189,7 @@ TOKENIZER_DAMAGE = {
     "chat_template.jinja not UTF-8": lambda d: (d / "chat_template.jinja").write_bytes(b"{{ \xff }}"),
     "chat_template.jinja does not compile": lambda d: (d / "chat_template.jinja").write_text("{% for %}"),
     "an empty folder": lambda d: [f.unlink() for f in d.iterdir()],
+    "a plain file where the folder was": lambda d: (shutil.rmtree(d), d.write_text("not a folder")),
 }
 
 
@@ -202,6 +204,20 @@ def test_a_damaged_tokenizer_conversion_is_redone_with_a_note(gguf, fresh_ids, t
     [note] = notes(caplog)
     assert str(folder) in note and "converting the tokenizer again from tiny.gguf" in note
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]  # no staging or old folder left
+
+
+def test_a_link_where_the_tokenizer_folder_was_is_replaced_and_its_target_kept(gguf, fresh_ids, tmp_path, caplog):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "keep").mkdir(parents=True)
+    (elsewhere / "keep" / "file").write_text("kept")
+    derived = tmp_path / "derived"
+    derived.mkdir()
+    (derived / "tokenizer").symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING):
+        assert gguf_tokenizer(gguf, derived / "tokenizer").encode_chat(MESSAGES) == fresh_ids
+    assert len(notes(caplog)) == 1
+    assert [p.name for p in derived.iterdir()] == ["tokenizer"] and not (derived / "tokenizer").is_symlink()
+    assert (elsewhere / "keep" / "file").read_text() == "kept"
 
 
 def test_a_tokenizer_folder_that_cannot_be_made_is_skipped_with_a_note(gguf, fresh_ids, tmp_path, caplog):
