@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
 
-from specchat.config import KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
+from specchat.config import K_MAX_LIMIT, KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.engine import cpu_fusion
 from specchat.engine.adaptive import AdaptiveK
 from specchat.engine.api import Prompt
@@ -344,8 +344,14 @@ class Engine:
         return seqs if request_id is None else [s for s in seqs if s.seq_id == request_id]
 
     def set_k(self, k: int | None, request_id: int | None = None) -> None:
-        """Draft length for one request (or all live ones): an int, or None for adaptive; next step on."""
-        SpecParams(k=k)  # the range check, here in the caller
+        """Draft length for one request (or all live ones): an int, or None for adaptive; next step on. The bound is
+        each request's own k_max: every live request takes k up to its own; one named request refuses a k past it."""
+        # the range check, here in the caller (also when the change runs later on the engine's thread): against the
+        # named request's k_max, or the largest any request may have (the default k_max refused 12 under k_max 16)
+        with self._lock:  # (after the step running now)
+            named = [s.spec.k_max for s in self._running_seqs(request_id)] if request_id is not None else []
+        for k_max in named or [K_MAX_LIMIT]:
+            SpecParams(k=k, k_max=k_max)
 
         def change() -> None:
             seqs = self._running_seqs(request_id)

@@ -215,3 +215,33 @@ def test_set_k_for_every_request_keeps_each_within_its_own_k_max(tiny_engine):
         for handle in handles:
             handle.cancel()
             handle.result()
+
+
+def test_set_k_is_bounded_by_each_requests_own_k_max(tiny_engine):
+    """set_k(12) over requests of k_max 16 was refused with "k must be in [0, 8]": the check before the change took
+    SpecParams' default k_max. Every request now takes k up to its own k_max (16 here; 4 for one of k_max 4); a k
+    past the largest k_max any request may have is refused saying that bound, and so is a k past one named
+    request's own, in the caller also while the engine steps in the background."""
+    from specchat.config import K_MAX_LIMIT
+    from specchat.errors import ConfigError
+
+    sampling = SamplingParams(max_tokens=200, ignore_eos=True)
+    handles = [
+        tiny_engine.submit([5, 6, 7 + i] * 5, sampling, SpecParams("ngram", k=2, k_max=k_max))
+        for i, k_max in enumerate((16, 4, 16))
+    ]
+    try:
+        tiny_engine.set_k(12)
+        assert [(s.spec.k, s.k) for s in tiny_engine.scheduler.live()] == [(12, 12), (4, 4), (12, 12)]
+        tiny_engine.set_k(14, handles[0].request_id)
+        assert [s.spec.k for s in tiny_engine.scheduler.live()] == [14, 4, 12]
+        with pytest.raises(ConfigError, match=rf"k must be in \[0, {K_MAX_LIMIT}\] or 'auto', got {K_MAX_LIMIT + 1}"):
+            tiny_engine.set_k(K_MAX_LIMIT + 1)
+        tiny_engine.start()
+        with pytest.raises(ConfigError, match=r"k must be in \[0, 4\] or 'auto', got 5"):
+            tiny_engine.set_k(5, handles[1].request_id)
+    finally:
+        for handle in handles:
+            handle.cancel()
+            handle.result()
+        tiny_engine.close()
