@@ -121,6 +121,8 @@ class PlainChat:
     spec: SpecParams
     system: str | None = None
     messages: list[dict] = field(default_factory=list)
+    sent: int = 0  # messages sent to the model (not those Ctrl-C stopped before they reached it)
+    failed: int = 0  # of them, those whose answer ended in an error (refused at submit, or ended by the engine)
 
     def __post_init__(self) -> None:
         self.clear()
@@ -186,7 +188,9 @@ class PlainChat:
             grown = isinstance(exc, ContextLengthError) and any(m["role"] != "system" for m in self.messages)
             hint = "; the conversation so far is part of it: /clear starts a new one" if grown else ""
             click.echo(f"error: {exc}{hint}", err=True)
+            self.sent, self.failed = self.sent + 1, self.failed + 1
             return
+        self.sent += 1
         reply, error = "", None
         try:
             for event in handle.events():
@@ -211,6 +215,7 @@ class PlainChat:
             click.echo("[stopped]", err=True)
         if error is not None:
             click.echo(f"error: {error} (this message and its answer are left out of the conversation)", err=True)
+            self.failed += 1
             return
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
@@ -267,6 +272,8 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
 
     Model, drafter, k, weights, KV, temperature, theme and system prompt default to what
     $SPECCHAT_HOME/config.toml sets (see docs/tui.md); a flag given here wins over the file.
+
+    With messages piped in (stdin not a terminal) the exit status is 1 if any answer ended in an error.
     """
     from specchat.registry import resolve
 
@@ -295,6 +302,8 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     click.echo(f"loading {entry.alias} (drafter {drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
     chat = PlainChat(load_in_background(config, progress), progress, sampling, spec, given["system"])
     plain_repl(chat)
+    if chat.failed and not sys.stdin.isatty():  # a script piping messages in learns of failed answers (exit 1)
+        raise SpecchatError(f"{chat.failed} of {chat.sent} messages ended in an error (each named above)")
 
 
 def leave_while_loading(loading: Future):

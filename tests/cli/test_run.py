@@ -91,6 +91,7 @@ def test_an_answer_the_kv_cache_cut_is_shown_and_left_out_of_the_conversation(ti
     assert "error: " in captured.err and "KV" in captured.err and "left out of the conversation" in captured.err
     assert [m["role"] for m in chat.messages] == ["user", "assistant"] and chat.messages[0]["content"] == "hi"
     assert captured.err.count("error: ") == 1 and captured.out.endswith("\n")
+    assert (chat.failed, chat.sent) == (1, 2)  # (what `run` counts for its exit status with piped input)
 
 
 def test_run_follows_the_models_drafter(tiny_model_dir: Path, tmp_path: Path):
@@ -159,6 +160,21 @@ def test_piped_answers_on_stdout_carry_no_prompts(tiny_model_dir: Path):
     lines = result.stdout.split("\n")
     assert len(lines) == 3 and lines[2] == "", result.stdout  # two answers, each ending its line
     assert not any(line.startswith(("> ", ". ")) for line in lines), result.stdout
+
+
+@pytest.mark.parametrize("messages", [["word " * 300, "hi"], ["word " * 300, "word " * 301]], ids=["one", "all"])
+def test_piped_messages_whose_answers_failed_end_in_status_1(tiny_model_dir: Path, messages: list[str]):
+    """A script piping messages in could not tell that answers had failed: every message past the context was an
+    `error:` line, and the exit status 0. With stdin not a terminal the chat still goes on to the end, then one more
+    line counts the failures, exit status 1."""
+    args = ["run", str(tiny_model_dir), "--plain", "--drafter", "none", "--max-tokens", "3"]
+    result = CliRunner().invoke(main, args, input="".join(f"{m}\n" for m in messages))
+    failed = sum(m.startswith("word") for m in messages)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("error: prompt is ") == failed and "Traceback" not in result.stderr
+    last = result.stderr.rstrip("\n").splitlines()[-1]
+    assert last == f"specchat: error: {failed} of {len(messages)} messages ended in an error (each named above)"
+    assert result.stdout.count("\n") == len(messages) - failed  # the answer that came, on stdout
 
 
 class InterruptedOnce(Future):
