@@ -17,7 +17,7 @@ class SessionsResult:
     sessions: int
     requests: int
     drafter: str
-    k: str
+    k: str | None  # "auto" or the fixed k; None for plain decoding (drafter none), which drafts nothing
     completion_tokens: int
     wall_s: float
     tok_per_s: float  # aggregate: completion tokens of all sessions / wall time
@@ -71,7 +71,7 @@ def run_sessions(
         sessions=sessions,
         requests=len(finished),
         drafter=spec.drafter,
-        k="auto" if spec.k is None else str(spec.k),
+        k=None if spec.drafter == "none" else "auto" if spec.k is None else str(spec.k),
         completion_tokens=tokens,
         wall_s=wall,
         tok_per_s=tokens / wall,

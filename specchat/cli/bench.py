@@ -113,7 +113,7 @@ def bench_sessions(
             r.sessions,
             r.requests,
             r.drafter if len(modes) == 1 else f"{r.drafter}{'' if r.step_ahead else ' (no step ahead)'}",
-            r.k if r.drafter != "none" else "-",
+            "-" if r.k is None else r.k,
             r.tok_per_s,
             f"{r.tok_per_s / base[r.drafter, r.step_ahead]:.2f}x",
             r.itl_p50_ms,

@@ -59,6 +59,8 @@ def test_bench_sessions_sample_at_a_temperature(tiny_model_dir, tmp_path):
     assert run.exit_code == 0, run.output
     rows = [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
     assert sorted((r["sessions"], r["drafter"]) for r in rows) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
+    # a plain row drafts nothing: its k is null, where the JSON said "4" (the table's "-")
+    assert {(r["drafter"], r["k"]) for r in rows} == {("none", None), ("ngram", "4")}
 
 
 def test_bench_reports_each_configurations_median_warm_run():
