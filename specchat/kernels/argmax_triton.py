@@ -8,7 +8,7 @@ launch (kernels/pdl.py) with the step's other kernels.
 
 torch.argmax's answer exactly: the first index of the largest value, and in a row holding a NaN, the first NaN
 (torch takes NaN for the largest). tests/kernels/test_argmax.py holds the two equal, ties and NaNs included.
-`cpu_ops.argmax` sends CUDA tensors here.
+`cpu_ops.argmax` sends CUDA tensors here where `fused.argmax_supported`.
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr,
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., V] (a float dtype, unit stride along V) -> x.argmax(-1) as int64 [...]."""
-    assert x.dim() >= 1 and x.shape[-1] > 0 and x.stride(-1) == 1 and x.is_floating_point(), (x.shape, x.stride())
+    """x [..., V] (float32, bfloat16 or float16, compared in float32; unit stride along V) -> x.argmax(-1) as int64
+    [...]."""
+    assert x.dim() >= 1 and x.shape[-1] > 0 and x.stride(-1) == 1, (x.shape, x.stride())
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype  # (float64 would round)
     v = x.shape[-1]
     x2 = x.reshape(-1, v)
     rows, parts = x2.shape[0], triton.cdiv(v, BLOCK_V)

@@ -29,7 +29,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from specchat.kernels import cpu_build
+from specchat.kernels import cpu_build, fused
 
 # The C of these kernels (csrc/): cpu_ops.h, the includes, macros and inline helpers the other modules' C builds on
 # (C_HEADER), then cpu_ops.c, the functions bound below.
@@ -148,11 +148,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1), in C for a float32 CPU tensor, each thread over the columns it wrote (torch's took ~90 us over
     a 49,152-entry row of logits inside a decoding step on a 2-core Xeon); on CUDA in the two launches of
     kernels/argmax_triton.py (torch's took 13 us of a 0.8 ms step on an H100); any other tensor goes to torch."""
-    n = x.shape[-1] if x.dim() else 0
-    if x.is_cuda and n > 0 and x.is_floating_point() and x.stride(-1) == 1:
+    if fused.argmax_supported(x):
         from specchat.kernels import argmax_triton  # (CUDA only: a CPU process never imports Triton)
 
         return argmax_triton.argmax_rows(x)
+    n = x.shape[-1] if x.dim() else 0
     # (grad mode does not matter here, unlike for `supported`'s kernels: an index carries no gradient; the engine
     # verifies outside inference mode)
     if n == 0 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or _library() is None:

@@ -1,4 +1,5 @@
-"""Where the one-pass kernels of kernels/fused_triton.py run (RMSNorm, rotary embedding, SiLU-and-mul).
+"""Where the step's small Triton kernels run: the one-pass kernels of kernels/fused_triton.py (RMSNorm, rotary
+embedding, SiLU-and-mul), the argmax of kernels/argmax_triton.py and the greedy verdicts of kernels/verdicts_triton.py.
 
 Each kernel has a `*_supported` check here: where it runs (CUDA, or the CPU under TRITON_INTERPRET=1) and the
 dtypes and shapes it takes. The checks live apart from the kernels so that the CPU path, which asks them and is
@@ -34,6 +35,13 @@ def rope_qk_supported(q: torch.Tensor) -> bool:
 def silu_mul_supported(x: torch.Tensor) -> bool:
     """Whether `silu_mul` takes x: a Triton device, not float64."""
     return _runs_on(x) and x.dtype != torch.float64
+
+
+def argmax_supported(x: torch.Tensor) -> bool:
+    """Whether kernels/argmax_triton.py's `argmax_rows` takes x [..., V]: CUDA (the CPU has its C argmax), a float
+    dtype it compares exactly in float32 (not float64), unit stride along V."""
+    n = x.shape[-1] if x.dim() else 0
+    return x.is_cuda and n > 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.stride(-1) == 1
 
 
 def verdicts_supported(target: torch.Tensor, fed: torch.Tensor) -> bool:

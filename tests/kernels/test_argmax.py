@@ -52,6 +52,18 @@ def test_leading_dims_and_strided_rows() -> None:
     assert argmax_rows(wide[:0]).shape == (0,)
 
 
+def test_what_it_takes() -> None:
+    """CUDA tensors of the dtypes it compares exactly in float32; float64 (which it would round), CPU tensors
+    (which have their C argmax) and rows of another stride stay with their own paths."""
+    from specchat.kernels.fused import argmax_supported
+
+    x = torch.zeros(2, 8)
+    assert not argmax_supported(x)  # (the CPU)
+    if torch.cuda.is_available():
+        assert argmax_supported(x.cuda()) and argmax_supported(x.cuda().half())
+        assert not argmax_supported(x.cuda().double()) and not argmax_supported(x.cuda().t())
+
+
 @subprocess_test
 def test_kernels_under_interpreter() -> None:
     run_under_interpreter([__file__], "not interpreter")
