@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "specchat"
-SHARED = {"specchat.config", "specchat.errors", "specchat.registry", "specchat.safetensors_io"}
+SHARED = {"specchat.config", "specchat.errors", "specchat.registry", "specchat.safetensors_io", "specchat.writes"}
 # package -> the specchat packages / modules it may import at run time (besides itself and SHARED)
 ALLOWED = {
     "kernels": set(),

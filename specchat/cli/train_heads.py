@@ -6,7 +6,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from specchat.cli.inputs import given_path
 from specchat.cli.options import StderrProgress, engine_config, given_flags, model_options
 from specchat.config import SEED_MAX
 from specchat.errors import ConfigError
+from specchat.writes import check_writable_folder
 
 # Flags of one --arch only (their parameter names); given with the other, they are refused rather than ignored.
 HEADS_ONLY = ("num_heads", "parallel", "labels", "batch_size")  # (--tap has its own message)
@@ -95,16 +95,7 @@ def check_places(out: Path, work: Path, arch: str) -> None:
             "give a new or empty folder"
         )
     for what, folder in (("--out", out.parent), ("the work folder (--work)", work)):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"{what}: cannot make {folder} ({exc.strerror or exc})") from None
-        if not os.access(folder, os.W_OK):
-            raise ConfigError(f"{what}: cannot write in {folder}")
-        try:  # where os.access says yes but nothing can be made (/proc, /sys as root)
-            os.rmdir(tempfile.mkdtemp(prefix=".train-heads.", dir=folder))
-        except OSError as exc:
-            raise ConfigError(f"{what}: cannot write in {folder} ({exc.strerror or exc})") from None
+        check_writable_folder(folder, what)
 
 
 @click.command("train-heads")

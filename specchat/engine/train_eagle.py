@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -35,7 +34,6 @@ from specchat.engine.drafters.eagle import EagleConfig, EagleHead
 from specchat.engine.runner import StepBatch
 from specchat.engine.train_heads import (
     IGNORE,
-    WRITE_ERRORS,
     Progress,
     check_at_least,
     check_training_set,
@@ -47,10 +45,9 @@ from specchat.engine.train_heads import (
     lr_factor,
     read_or_remake,
     with_synth,
-    write_error,
-    write_whole,
 )
 from specchat.errors import ConfigError, KVCacheFullError
+from specchat.writes import write_folder_whole, write_whole
 
 FEATURE_BATCH_TOKENS = 4096  # tokens per teacher-forced target forward
 
@@ -361,22 +358,5 @@ def train_eagle(
     report = trainer.report(head, feats)
     spec = engine.model_spec
     target = {"model": spec.alias if spec else "", "train": asdict(cfg), "report": report}
-    save_folder(out, lambda folder: head.save(folder, target))
+    write_folder_whole(out, lambda folder: head.save(folder, target))  # (never a config.json beside a torn model)
     return report
-
-
-def save_folder(out: Path, save: Callable[[Path], None]) -> None:
-    """Write the head's folder under a temporary name beside `out`, then put it in `out`'s place (an earlier head
-    there is replaced whole): a run stopped or failing mid-write (a full disk) leaves `out` as it was, never a
-    config.json beside a torn or older model.safetensors."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_name(out.name + ".part")
-    try:
-        shutil.rmtree(part, ignore_errors=True)
-        save(part)
-        shutil.rmtree(out, ignore_errors=True)
-        part.rename(out)
-    except WRITE_ERRORS as exc:
-        raise write_error(out, exc) from None
-    finally:
-        shutil.rmtree(part, ignore_errors=True)

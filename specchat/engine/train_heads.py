@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import pickle
 import random
 from collections import Counter
@@ -49,6 +48,7 @@ from specchat.engine.drafters.heads import DraftHeads, DraftVocabOutput, HeadsCo
 from specchat.engine.runner import StepBatch
 from specchat.engine.sequence import Finished
 from specchat.errors import ConfigError, KVCacheFullError
+from specchat.writes import write_whole
 
 PROMPTS_DIR = DATA_DIR / "prompts"
 CATEGORIES = ("code", "math", "chat", "tool_use", "code_edit")
@@ -513,31 +513,6 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 T = TypeVar("T")
 # What reading a work file cut short raises: json (ValueError), safetensors, torch.load's zip reader and unpickler.
 TORN_FILE_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
-
-
-# What a serializer raises when its file cannot be written (a full or read-only disk): OSError, safetensors' own
-# error, and torch.save's zip writer, which reports a short write as a RuntimeError ("unexpected pos ...").
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
-
-
-def write_error(path: Path, exc: BaseException) -> ConfigError:
-    """One line for a file that could not be written (a traceback ended a run whose disk filled up)."""
-    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "the write failed: is the disk full?"
-    return ConfigError(f"{path}: cannot write it ({why})")
-
-
-def write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a file through a partial beside it, renamed into place: a run stopped mid-write (Ctrl-C while a
-    checkpoint saves) leaves the last whole file to resume from, never a torn one; a write that fails (a full
-    disk) is a ConfigError naming the file."""
-    part = path.with_name(path.name + ".part")
-    try:
-        write(part)
-        os.replace(part, path)
-    except WRITE_ERRORS as exc:
-        raise write_error(path, exc) from None
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def check_training_set(train: int, total: int, what: str) -> None:

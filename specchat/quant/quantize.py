@@ -14,8 +14,6 @@ folder, say) is refused before anything is quantized.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -23,7 +21,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 
 from specchat.config import (
@@ -55,6 +52,7 @@ from specchat.quant.gptq import (
     calibration_text,
 )
 from specchat.quant.modules import ROTATION, round_to_nearest, select_linears
+from specchat.writes import check_writable_folder, write_folder_whole
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 CHECKPOINT_FILES = {WEIGHTS_FILE, METADATA_FILE, "config.json", *TOKENIZER_FILES}  # what a checkpoint folder holds
@@ -201,29 +199,11 @@ def check_out_dir(out: Path) -> None:
                 raise ConfigError(f"--out {out}: the folder {what}; give a new or empty folder")
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)  # the checkpoint is written beside `out`, then renamed
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot make {out.parent} ({exc.strerror or exc})") from None
-    if not os.access(out.parent, os.W_OK):
-        raise ConfigError(f"--out {out}: cannot write in {out.parent}")
-    try:  # where os.access says yes but nothing can be made (/proc, /sys as root): before the minutes of GPTQ
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc})") from None
+    # (the checkpoint is written beside `out`, then renamed; checked before the minutes of GPTQ)
+    check_writable_folder(out.parent, f"--out {out}")
 
 
 def write_whole(target: Path, model: nn.Module, packed: Packed, tokenizer_dir: Path, meta: dict) -> None:
     """Write the checkpoint under a temporary name beside `target`, then put it in `target`'s place: a run cut
     short leaves `target` as it was (an earlier checkpoint, or nothing)."""
-    partial = target.with_name(target.name + ".part")
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        save_mxfp4_checkpoint(partial, model, packed, tokenizer_dir, meta)
-        shutil.rmtree(target, ignore_errors=True)
-        partial.rename(target)
-    except (OSError, SafetensorError) as exc:  # (safetensors' error for a full disk: "File too large", ...)
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).removeprefix("Error while ")
-        raise ConfigError(f"{target}: cannot write the checkpoint ({why})") from None
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # what a failed or interrupted write left
+    write_folder_whole(target, lambda folder: save_mxfp4_checkpoint(folder, model, packed, tokenizer_dir, meta))
