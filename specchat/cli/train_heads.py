@@ -41,9 +41,6 @@ class LineProgress:
             self.last = now
 
 
-EAGLE_FILES = {"config.json", "model.safetensors"}  # what train-heads --arch eagle writes in its folder
-
-
 def is_heads_file(path: Path) -> bool:
     """A draft heads file that train-heads wrote (its safetensors metadata says so)."""
     from safetensors import SafetensorError, safe_open
@@ -59,8 +56,10 @@ def is_heads_file(path: Path) -> bool:
 
 def is_eagle_folder(path: Path) -> bool:
     """A folder holding an EAGLE-3 head's files and nothing else (config.json names its eagle_config)."""
+    from specchat.engine.drafters.eagle import HEAD_FILES
+
     try:
-        if not {p.name for p in path.iterdir()} <= EAGLE_FILES:
+        if not {p.name for p in path.iterdir()} <= set(HEAD_FILES):
             return False
         return "eagle_config" in json.loads((path / "config.json").read_text())
     except (OSError, ValueError, TypeError):

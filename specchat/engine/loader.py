@@ -225,7 +225,8 @@ def _load_gguf(
 
 
 def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
-    """raw[name] (with `rows` rows if given), or a ModelFormatError naming the tensor and the file."""
+    """(take, taken): take(name[, rows]) is raw[name] (with `rows` rows if given), or a ModelFormatError naming the
+    tensor and the file; taken the names it was asked for (`_check_all_read`)."""
 
     def take(name: str, rows: int | None = None) -> torch.Tensor:
         if name not in raw:
@@ -241,16 +242,15 @@ def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
         return raw[name]
 
     taken: set[str] = set()
-    take.taken = taken
-    return take
+    return take, taken
 
 
-def _check_all_read(raw: dict[str, torch.Tensor], take, prefix: str, path: Path) -> None:
+def _check_all_read(raw: dict[str, torch.Tensor], taken: set[str], prefix: str, path: Path) -> None:
     """A layer's tensor that the model has no place for (`prefix` "blk." or "model.layers."): an o_proj or MLP
     bias (Llama's attention_bias, mlp_bias), another architecture's piece. Left out, the model answered wrongly
     without a word. (Rotary tables that old checkpoints saved are recomputed, not read.)"""
     for name in raw:
-        if name.startswith(prefix) and name not in take.taken and "rotary_emb" not in name:
+        if name.startswith(prefix) and name not in taken and "rotary_emb" not in name:
             raise ModelFormatError(f"{path}: tensor {name} has no place in the model (not supported)")
 
 
@@ -279,7 +279,7 @@ def _cat_rows(parts: list[torch.Tensor], what: str, path: Path) -> torch.Tensor:
 
 def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
     _check_layer_count(raw, "blk.", cfg, f"{cfg.arch}.block_count", path)
-    take = _tensor_getter(raw, path)
+    take, taken = _tensor_getter(raw, path)
     permuted = cfg.arch == "llama"  # llama.cpp permutes q/k rows only for its llama architecture
     sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
     sd["lm_head.weight"] = raw.get("output.weight", sd["embed.weight"])
@@ -300,7 +300,7 @@ def _rename_gguf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> 
         gate_up = [take(b + "ffn_gate.weight"), take(b + "ffn_up.weight")]
         sd[o + "mlp.w_gate_up.weight"] = _cat_rows(gate_up, b + "ffn gate/up", path)
         sd[o + "mlp.w_down.weight"] = take(b + "ffn_down.weight")
-    _check_all_read(raw, take, "blk.", path)
+    _check_all_read(raw, taken, "blk.", path)
     return sd
 
 
@@ -421,7 +421,7 @@ def load_hf_dir(path: Path, progress: Progress | None = None) -> tuple[ModelConf
 
 def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
     _check_layer_count(raw, "model.layers.", cfg, "num_hidden_layers in config.json", path)
-    take = _tensor_getter(raw, path)
+    take, taken = _tensor_getter(raw, path)
     sd = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     sd["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else take("lm_head.weight")
     for i in range(cfg.num_layers):
@@ -436,7 +436,7 @@ def _rename_hf(raw: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> di
         gate_up = [take(b + "mlp.gate_proj.weight"), take(b + "mlp.up_proj.weight")]
         sd[o + "mlp.w_gate_up.weight"] = _cat_rows(gate_up, b + "mlp gate/up", path)
         sd[o + "mlp.w_down.weight"] = take(b + "mlp.down_proj.weight")
-    _check_all_read(raw, take, "model.layers.", path)
+    _check_all_read(raw, taken, "model.layers.", path)
     return sd
 
 

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 LINEARS = ("fc", "attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head")  # EagleHead's, in order
 WEIGHTS_FILE = "model.safetensors"
+HEAD_FILES = ("config.json", WEIGHTS_FILE)  # what `save` writes in a head's folder
 DRAFT_SLACK_TOKENS = 64 * 16  # the head's KV pool holds the target's capacity plus room for drafts in flight
 CATCH_UP_ROWS = (2, 3, 5, 9)  # a graphed catch-up's rows per request (the newly verified: 1..k + 1, k up to 8)
 
