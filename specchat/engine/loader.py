@@ -220,7 +220,8 @@ def _load_gguf(
             raise ModelFormatError(
                 f"{path}: tensor rope_freqs.weight has shape {shape}, the config implies ({cfg.head_dim // 2},)"
             )
-        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
+        scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
+        cfg.rope_scaling = rope_scaling(scaling, path, cfg.head_dim)  # (checked as config.json's are)
     return cfg, _rename_gguf(raw, cfg, path)
 
 

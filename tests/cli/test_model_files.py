@@ -255,7 +255,9 @@ def test_an_infinite_k_quant_scale_is_one_line_without_numpys_warnings(tmp_path)
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
 
 
-def write_llama_gguf(path: Path, metadata: dict[str, int] | None = None, rope_freqs: tuple[int, ...] | None = None):
+def write_llama_gguf(
+    path: Path, metadata: dict[str, int] | None = None, rope_freqs: tuple[int, ...] | None = None, factor: float = 1.0
+):
     """The tiny llama GGUF (tiny_gguf's shapes, float32) with more uint32 metadata and a rope_freqs tensor."""
     from gguf import GGUFReader, GGUFWriter
 
@@ -274,7 +276,7 @@ def write_llama_gguf(path: Path, metadata: dict[str, int] | None = None, rope_fr
     for t in source.tensors:
         writer.add_tensor(t.name, np.asarray(t.data))
     if rope_freqs is not None:
-        writer.add_tensor("rope_freqs.weight", np.ones(rope_freqs, dtype=np.float32))
+        writer.add_tensor("rope_freqs.weight", np.full(rope_freqs, factor, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -303,6 +305,14 @@ def test_gguf_rope_factors_of_the_right_length_load(tmp_path):
     path = write_llama_gguf(tmp_path / "model.gguf", {"llama.rope.dimension_count": 16}, rope_freqs=(8,))
     result = generate(path)
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0])  # (an infinity is a damaged tensor, refused before)
+def test_gguf_rope_factors_that_are_not_positive_numbers(tmp_path, factor):
+    """rope_freqs.weight is checked as config.json's factors are: a factor of 0 made every frequency infinite,
+    answers of garbage with exit 0."""
+    path = write_llama_gguf(tmp_path / "model.gguf", {"llama.rope.dimension_count": 16}, (8,), factor)
+    assert_one_error_line(generate(path), str(path), "rope scaling factor")
 
 
 def rope_config(rope: dict) -> dict:
