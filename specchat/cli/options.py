@@ -341,6 +341,6 @@ class StderrProgress:
         line = f"{what}: {100 * done // total}% after {elapsed:.0f} s" if total else f"{what}: {elapsed:.0f} s"
         if total and done:
             minutes = round(elapsed * (total - done) / done / 60)
-            line += f", about {minutes} min left" if minutes else ", under a minute left"  # (not "about 0 min")
+            line += f", about {minutes} min left" if minutes else ", under a minute left"
         click.echo(line, err=True)
         self.logged = now

@@ -161,7 +161,7 @@ def perplexity_command(model, device, dtype, weights, text_file, context, stride
     if window < context:
         click.echo(f"specchat: --context {context} is past the model's {window}: used that", err=True)
     if len(ids) - 1 < window:  # one window, shorter than the one asked for: the number is not comparable
-        note = (  # (a window is its context and the token after it: "2 tokens ... shorter than one window (2)" read wrong)
+        note = (  # (a window is its context and the token after it)
             f"the text ({len(ids)} tokens) is shorter than one window ({window + 1} tokens: {window} of context and "
             "the next): it is scored as a single window"
         )

@@ -178,8 +178,7 @@ def load_gguf(
     cfg, sd = _load_gguf(path, progress, defer)
     deferred = any(t.is_meta for t in sd.values())
     if cache is not None and not deferred and sum(t.numel() for t in sd.values()) * 4 <= GGUF_CACHE_MAX_BYTES:
-        check_state(skeleton(cfg).state_dict(), sd, path)  # (a model that cannot be built is not cached: its cache
-        # had been written, then failed its check at every later load, with a note, before the same error)
+        check_state(skeleton(cfg).state_dict(), sd, path)  # (a model that cannot be built is not cached)
         write_converted(cache, cfg, sd)
     return cfg, sd
 
@@ -233,7 +232,7 @@ def _tensor_getter(raw: dict[str, torch.Tensor], path: Path):
         if name not in raw:
             raise ModelFormatError(f"{path}: missing tensor {name}")
         taken.add(name)
-        if raw[name].dtype not in WEIGHT_DTYPES:  # (float8 failed in torch.cat; ints and bools loaded as numbers)
+        if raw[name].dtype not in WEIGHT_DTYPES:  # (float8, integers and bools are not weights it computes with)
             kinds = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
             what = str(raw[name].dtype).removeprefix("torch.")
             raise ModelFormatError(f"{path}: tensor {name} is stored as {what} (supported: {kinds})")
@@ -325,7 +324,7 @@ def hf_config(path: Path) -> ModelConfig:
         return check(default if value is None else value, key, cfg_file)
 
     heads, hidden = number("num_attention_heads"), number("hidden_size")
-    if c.get("hidden_act", "silu") != "silu":  # (the MLP is SwiGLU: another activation answered wrongly silently)
+    if c.get("hidden_act", "silu") != "silu":  # (the MLP is SwiGLU: another activation would answer wrongly)
         raise ModelFormatError(f"{cfg_file}: hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
     # transformers >= 5 writes rope settings (theta included) as "rope_parameters"; older files as rope_scaling
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}

@@ -131,8 +131,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             # room for its tokens, the next one, and as many drafts as it may ever verify in a step: none without a
-            # drafter, and no more than its max tokens and the context leave (k_max + 1 refused a prompt that fits
-            # with its whole answer, under `none` too, for "drafts" it could never make)
+            # drafter, and no more than its max tokens and the context leave (a prompt that fits with its whole
+            # answer is admitted)
             drafts = self._draft_len(seq, seq.spec.k_max)
             need = self.pool.pages_for(seq.num_tokens + 1 + drafts)
             if need > self.pool.num_pages:

@@ -160,8 +160,8 @@ class Sequence:
         return kept
 
     def _apply_stop_strings(self) -> None:
-        """Cut the text at the earliest stop string found (cutting at each in turn, one found later in the list but
-        earlier in the text, "cab" of stops ["ab", "cab"], was cut off by the other and its start kept)."""
+        """Cut the text at the earliest stop string found, whatever their order in the list ("cab" of stops ["ab",
+        "cab"] cuts before its "c")."""
         cut = None
         for stop in self.sampling.stop:
             idx = self.text.find(stop, max(0, self.emitted_chars - len(stop) + 1))

@@ -772,10 +772,10 @@ class SpecStep:
             try:
                 proposed = self.drafters.get(name).propose(seqs, [plan.items[i].k for i in members])
             except KVCacheFullError:
-                # the drafter's own KV pool is full (an EAGLE head's, sized from the target's capacity when it was
-                # built, which a live switch to a smaller KV format raises): its requests verify no drafts this step,
-                # which is plain decoding, and it forgets them, to take them up again from their next rows. It failed
-                # the step, ending every request of the batch with the error
+                # the drafter's own KV pool is full (an EAGLE head's is sized from the target's capacity when it is
+                # built, which a live switch to a smaller KV format raises): its requests verify no drafts this step
+                # (plain decoding, not the batch's failure) and it forgets them, to take them up again from their
+                # next rows
                 for seq in seqs:
                     self.drafters.release(seq)
                 continue

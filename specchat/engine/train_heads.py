@@ -408,7 +408,7 @@ def generate_answers(engine, cfg, path: Path, progress: Progress, log: Callable[
         while engine.scheduler.has_work():
             for event in engine.step():
                 if isinstance(event, Finished):
-                    if event.reason == "error":  # (kept, a KV-full answer cut short was trained on as a whole one)
+                    if event.reason == "error":  # (an answer cut short, by a full KV cache, is no training data)
                         raise ConfigError(f"answering the training prompts: {event.error}")
                     key, prompt, messages, greedy = handles[event.request_id]
                     prompt_ids = engine.encode_prompt(messages)
