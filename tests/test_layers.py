@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "specchat"
 SHARED = {"specchat.config", "specchat.errors", "specchat.registry", "specchat.safetensors_io", "specchat.writes"}
+SHARED |= {"specchat.derived_folders"}  # (registry.py's)
 # package -> the specchat packages / modules it may import at run time (besides itself and SHARED)
 ALLOWED = {
     "kernels": set(),
