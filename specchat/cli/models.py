@@ -47,11 +47,13 @@ def pull(name: str | None) -> None:
     """Fetch model NAME (default: smollm2-135m) into the cache ahead of time."""
     from specchat.engine.tokenizer import load_tokenizer
     from specchat.errors import ModelFormatError
-    from specchat.registry import fetch, is_download, refetch, resolve
+    from specchat.registry import download_intact, fetch, is_download, refetch, resolve
 
     spec = resolve(name)
     path = fetch(spec, progress=StderrProgress())
     try:
+        if is_download(spec, path) and not download_intact(path):
+            raise ModelFormatError(f"{path}: its bytes differ from those downloaded (a damaged copy)")
         check_model_file(path)
         load_tokenizer(spec, path)
     except ModelFormatError as exc:  # our own download, damaged since (a size-preserving corruption): fetched again

