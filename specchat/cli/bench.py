@@ -168,11 +168,9 @@ def check_sessions_fit(engine, prompts: list[str], sessions: int, max_tokens: in
             f"context ({context}): such answers stop there",
             err=True,
         )
-    page = engine.pool.page_size
     drafts = max(spec.k_max if spec.k is None else spec.k for spec in specs) + 1
     tokens = min(longest + max_tokens, context)
-    pages = -(-(tokens + drafts) // page)  # the longest request's pages at its end
-    fits = engine.pool.num_pages // pages
+    fits = engine.pool.num_pages // engine.pool.pages_for(tokens + drafts)  # (the longest request's at its end)
     if sessions > fits:
         raise ConfigError(
             f"--sessions {sessions}: the KV cache holds {fits} such sessions at once (each up to {tokens} tokens: "
@@ -237,7 +235,14 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     import torch
 
     from specchat.bench.int4 import quantize_int4
-    from specchat.bench.synthetic import SHAPES, estimate_bytes, quantize_all, random_model, run_case
+    from specchat.bench.synthetic import (
+        SHAPES,
+        WARMUP_STEPS,
+        estimate_bytes,
+        quantize_all,
+        random_model,
+        run_case,
+    )
     from specchat.engine.loading import make_runner, pick_device
 
     if shape not in SHAPES:
@@ -245,14 +250,16 @@ def bench_synthetic(shape, device, batch, weights, kv, k, acceptance, context, s
     if context < 1 or steps < 1:
         raise ConfigError(f"--context and --steps must be >= 1, got {context} and {steps}")
     acceptance = acceptance_rates(acceptance)
-    if context >= SHAPES[shape].max_position:  # a model of that shape runs no such request: timed all the same
-        raise ConfigError(
-            f"--context {context}: past the {shape} shape's context of {SHAPES[shape].max_position} tokens (the "
-            "prompt and what is decoded after it)"
-        )
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cases = synthetic_cases(weights, kv, batch, k, acceptance, str(dtype).removeprefix("torch."))
+    # a model of that shape runs no request past its context: the prompt, then k + 1 positions a step (warm-up too)
+    reach = context + (WARMUP_STEPS + steps) * (max(c.k for c in cases) + 1)
+    if reach > SHAPES[shape].max_position:
+        raise ConfigError(
+            f"--context {context} and --steps {steps}: the requests reach position {reach}, past the {shape} "
+            f"shape's context of {SHAPES[shape].max_position} tokens (the prompt, then k + 1 tokens a step)"
+        )
     check_memory_ask(estimate_bytes(SHAPES[shape], dtype, cases, context, steps), device, f"--synthetic {shape}")
 
     runner_factory = functools.partial(make_runner, eager=eager)

@@ -280,6 +280,9 @@ def test_bench_synthetic_refuses_a_context_past_the_shapes() -> None:
     """`--synthetic tiny --context 2000` timed requests past the shape's 1,024 positions without a word."""
     result = invoke(["bench", "--synthetic", "tiny", "--context", "2000"])
     assert_one_error_line(result, "--context 2000", "1024")
+    # ... and one whose steps would decode past it: 1000 + (4 warm-up + 64) x 5 positions at k = 4
+    result = invoke(["bench", "--synthetic", "tiny", "--context", "1000", "--k", "0,4"])
+    assert_one_error_line(result, "--context 1000", "position 1340", "1024")
 
 
 def test_bench_synthetic_step_p50_is_the_per_token_p50_of_plain_decoding() -> None:
