@@ -535,26 +535,30 @@ class Engine:
                 self.step()
             except Exception as exc:  # outside any one request's step (a bug): end what is live, keep the loop
                 log.exception("engine loop error; live requests end with an error")
-                try:
-                    self._deliver(self.scheduler.fail_all(f"{LOOP_FAILED}: {type(exc).__name__}: {exc}"))
-                except Exception:  # a listener that raises again (the handles have their events by then): the loop
-                    # goes on; it ended the thread, and every later request waited for good on a loop that was gone
-                    log.exception("engine loop error while ending the live requests")
+                self._deliver_guarded(self.scheduler.fail_all(f"{LOOP_FAILED}: {type(exc).__name__}: {exc}"))
+
+    def _deliver_guarded(self, events: list[Event]) -> None:
+        """`_deliver` where a listener that raises must not end the caller (the step loop, `close`): the handles
+        have their events by then; the error is logged."""
+        try:
+            self._deliver(events)
+        except Exception:
+            log.exception("a listener failed while live requests were ended")
 
     def close(self) -> None:
-        """Stop the background step loop. Requests still live end now with ENGINE_CLOSED, keeping what each wrote:
-        their readers waited on their queues for good, since no thread stepped for them any more. The engine
-        stays usable as before `start()`: a later request is stepped by the thread that reads its events."""
+        """Stop the background step loop. Requests still live end now with ENGINE_CLOSED, keeping what each wrote
+        (no thread steps for them any more). The engine stays usable as before `start()`: a later request is
+        stepped by the thread that reads its events."""
         if self._thread is not None:
             self._stop = True
             self._wake.set()
             self._thread.join()
-            self._thread = None
-            with self._lock:
+            with self._lock:  # (the thread cleared under the lock: a caller's step starts after the requests end)
+                self._thread = None
                 self._drain_commands()  # (changes queued for the loop: a cancel, say)
                 self.spec_step.drop_ahead()
                 events = self.scheduler.fail_all(ENGINE_CLOSED)
-            self._deliver(events)
+            self._deliver_guarded(events)
 
     # --- accounting -------------------------------------------------------------------------------------------
     def reset_metrics(self, whole_run: bool = False) -> None:
