@@ -235,7 +235,7 @@ def run_case(
     return SyntheticResult(
         case=case,
         tok_per_s=emitted / total,
-        step_ms=percentile(step_times, 50) * 1e3,  # as the per-token P50 (an even count's upper middle read above it)
+        step_ms=percentile(step_times, 50) * 1e3,  # the median as the per-token P50 takes it
         tokens_per_step=emitted / (steps * case.batch),
         latency_p50_ms=percentile(latencies, 50),
         latency_p99_ms=percentile(latencies, 99),

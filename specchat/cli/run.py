@@ -179,12 +179,11 @@ class PlainChat:
         try:
             handle = engine.submit([*self.messages, {"role": "user", "content": text}], self.sampling, self.spec)
         except KeyboardInterrupt:  # Ctrl-C just after Enter, while a long conversation is encoded (30-120 ms at 6k
-            # tokens): it stops this answer before it starts, as above (it ended the chat, exit 130, all of it lost)
+            # tokens): it stops this answer before it starts, as above; the chat goes on
             click.echo("\n[stopped]", err=True)
             return
-        except SpecchatError as exc:  # a prompt too long for the context, say: the conversation is unchanged
-            # (past the context with earlier turns, every later message failed the same way, with nothing saying
-            # that the "prompt" is the whole conversation or how to go on)
+        except SpecchatError as exc:  # a prompt too long for the context, say: the conversation is unchanged (with
+            # earlier turns, the hint says the "prompt" is the whole conversation and how to go on)
             grown = isinstance(exc, ContextLengthError) and any(m["role"] != "system" for m in self.messages)
             hint = "; the conversation so far is part of it: /clear starts a new one" if grown else ""
             click.echo(f"error: {exc}{hint}", err=True)

@@ -355,8 +355,8 @@ class Engine:
 
         def change() -> None:
             seqs = self._running_seqs(request_id)
-            # every live request: k up to its own k_max; one request: its k_max's range check, before any change (a
-            # request of a smaller k_max raised midway, the requests before it changed and those after it not)
+            # every live request: k up to its own k_max; one request: its k_max's range check, before any change
+            # (so a refusal changes no request)
             clamp = request_id is None and k is not None
             specs = [
                 SpecParams(drafter=s.spec.drafter, k=min(k, s.spec.k_max) if clamp else k, k_max=s.spec.k_max)
