@@ -36,7 +36,7 @@ from torch import nn
 from specchat.engine.gguf_file import q4_0_arrays, q4_1_arrays, q8_0_arrays
 from specchat.engine.loader import Progress, gguf_reader
 from specchat.engine.model import Linear, ModelConfig, Transformer
-from specchat.errors import note_not_saved
+from specchat.errors import ModelFormatError, note_not_saved
 from specchat.kernels import cpu_build, cpu_gemv, cpu_gemv_i8
 from specchat.quant.fp4_linear import TiedEmbedding, set_fp4_activations
 
@@ -352,8 +352,10 @@ def _blocks(tensors: dict, names: list[tuple[str, int | None]]) -> Blocks | None
     kind = "q4_1" if all(t.tensor_type.name in AS_Q4_1 for t in parts) else "q8_0"
     read = as_q4_1 if kind == "q4_1" else as_q8_0
     pieces = []
-    for t, (_, heads) in zip(parts, names, strict=True):
+    for t, (name, heads) in zip(parts, names, strict=True):
         arrays = read(np.asarray(t.data), t.tensor_type.name, int(t.shape[-1]))
+        if not all(bool(torch.isfinite(scales).all()) for scales in arrays[1:]):  # (the kernels take no NaN scale)
+            raise ModelFormatError(f"tensor {name} holds NaN or infinite values (a damaged file)")
         pieces.append([_unpermute_rows(a, heads) if heads else a for a in arrays])
     source = "+".join(sorted({t.tensor_type.name for t in parts}))
     return Blocks(kind, tuple(torch.cat(column).contiguous() for column in zip(*pieces, strict=True)), source)
@@ -370,7 +372,10 @@ def read_blocks(model: Transformer, gguf_path: Path, progress: Progress | None =
     with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
         futures = {pool.submit(_blocks, tensors, names): name for name, names in sources.items()}
         for i, future in enumerate(as_completed(futures)):
-            found[futures[future]] = future.result()
+            try:
+                found[futures[future]] = future.result()
+            except ModelFormatError as exc:  # (what a file's damaged blocks say, naming the file)
+                raise ModelFormatError(f"{gguf_path}: {exc}") from None
             if progress:
                 progress(BLOCKS_STAGE, i + 1, len(sources))
     return {name: found[name] for name in sources if found[name] is not None}

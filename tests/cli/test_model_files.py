@@ -161,6 +161,22 @@ def test_a_nan_block_scale_is_a_damaged_file(tmp_path):
         assert_one_error_line(generate(path, *extra), str(path), "blk.0.attn_q.weight", "NaN")
 
 
+def test_a_nan_block_scale_in_a_model_too_large_to_cache_is_a_damaged_file(tmp_path, monkeypatch):
+    """Past the weights cache's size the loader defers the block linears to the CPU kernels' reader, unchecked:
+    the first step's repacking raised a ValueError ("block scales must be float16 values")."""
+    from gguf import GGUFReader
+
+    from specchat.engine import loader
+
+    monkeypatch.setattr(loader, "GGUF_CACHE_MAX_BYTES", 0)
+    path = write_tiny_gguf(tmp_path / "model.gguf", blocks=True)
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.0.attn_q.weight")
+    data = bytearray(path.read_bytes())
+    data[tensor.data_offset : tensor.data_offset + 2] = struct.pack("<e", float("nan"))
+    path.write_bytes(data)
+    assert_one_error_line(generate(path), str(path), "blk.0.attn_q.weight", "NaN")
+
+
 # --- files and folders that are not ours to read --------------------------------------------------------------
 def run_unprivileged(*args: str) -> subprocess.CompletedProcess:
     """The CLI as a process that file modes bind: root's capabilities to pass them dropped (capsh) where we run as
