@@ -549,6 +549,8 @@ class Engine:
         """Stop the background step loop. Requests still live end now with ENGINE_CLOSED, keeping what each wrote
         (no thread steps for them any more). The engine stays usable as before `start()`: a later request is
         stepped by the thread that reads its events."""
+        if self._thread is not None and self._thread is threading.current_thread():
+            raise ConfigError("close() from the engine's own step loop (a listener): call it from another thread")
         if self._thread is not None:
             self._stop = True
             self._wake.set()

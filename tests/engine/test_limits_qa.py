@@ -250,3 +250,28 @@ def test_set_k_is_bounded_by_each_requests_own_k_max(tiny_engine):
             handle.cancel()
             handle.result()
         tiny_engine.close()
+
+
+def test_close_from_a_listener_is_refused_and_the_loop_goes_on(tiny_engine):
+    """close() called by a listener (on the step loop's own thread) raised "cannot join current thread" and left a
+    dead loop marked as running: later requests waited for good."""
+    from specchat.errors import ConfigError
+
+    refused = []
+
+    def closing(events) -> None:
+        if not refused:
+            try:
+                tiny_engine.close()
+            except ConfigError as exc:
+                refused.append(str(exc))
+
+    tiny_engine.listeners.append(closing)
+    tiny_engine.start()
+    try:
+        done = tiny_engine.submit([5, 6, 7] * 4, SamplingParams(max_tokens=4, ignore_eos=True)).result()
+    finally:
+        tiny_engine.listeners.remove(closing)
+        tiny_engine.close()
+    assert refused and "another thread" in refused[0]
+    assert (done.reason, len(done.token_ids)) == ("length", 4)
