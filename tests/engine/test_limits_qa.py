@@ -3,6 +3,7 @@ exactly, the step loop closed under a request in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -199,27 +200,34 @@ def test_a_listener_that_keeps_raising_does_not_end_the_step_loop(tiny_engine):
         tiny_engine.close()
 
 
+@contextlib.contextmanager
+def ngram_requests(engine, k_maxes, max_tokens: int = 100):
+    """Live ngram requests at k = 2, one of each k_max, cancelled (and their results read) at the end."""
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    handles = [
+        engine.submit([5, 6, 7 + i] * 5, sampling, SpecParams("ngram", k=2, k_max=k_max))
+        for i, k_max in enumerate(k_maxes)
+    ]
+    try:
+        yield handles
+    finally:
+        for handle in handles:
+            handle.cancel()
+            handle.result()
+
+
 def test_set_k_for_every_request_keeps_each_within_its_own_k_max(tiny_engine):
     """set_k(6) over requests of k_max 8, 4, 8 raised at the second (k must be in [0, 4]): the first had k 6, the
     third kept its k 2, and in the background nobody heard of it. Every request now takes k up to its own k_max; a
     k past the k_max of one named request is refused and changes nothing."""
     from specchat.errors import ConfigError
 
-    sampling = SamplingParams(max_tokens=100, ignore_eos=True)
-    handles = [
-        tiny_engine.submit([5, 6, 7 + i] * 5, sampling, SpecParams("ngram", k=2, k_max=k_max))
-        for i, k_max in enumerate((8, 4, 8))
-    ]
-    try:
+    with ngram_requests(tiny_engine, (8, 4, 8)) as handles:
         tiny_engine.set_k(6)
         assert [(s.spec.k, s.k) for s in tiny_engine.scheduler.live()] == [(6, 6), (4, 4), (6, 6)]
         with pytest.raises(ConfigError, match=r"\[0, 4\]"):
             tiny_engine.set_k(5, handles[1].request_id)
         assert [s.spec.k for s in tiny_engine.scheduler.live()] == [6, 4, 6]
-    finally:
-        for handle in handles:
-            handle.cancel()
-            handle.result()
 
 
 def test_set_k_is_bounded_by_each_requests_own_k_max(tiny_engine):
@@ -230,12 +238,7 @@ def test_set_k_is_bounded_by_each_requests_own_k_max(tiny_engine):
     from specchat.config import K_MAX_LIMIT
     from specchat.errors import ConfigError
 
-    sampling = SamplingParams(max_tokens=200, ignore_eos=True)
-    handles = [
-        tiny_engine.submit([5, 6, 7 + i] * 5, sampling, SpecParams("ngram", k=2, k_max=k_max))
-        for i, k_max in enumerate((16, 4, 16))
-    ]
-    try:
+    with ngram_requests(tiny_engine, (16, 4, 16), max_tokens=200) as handles:
         tiny_engine.set_k(12)
         assert [(s.spec.k, s.k) for s in tiny_engine.scheduler.live()] == [(12, 12), (4, 4), (12, 12)]
         tiny_engine.set_k(14, handles[0].request_id)
@@ -243,13 +246,11 @@ def test_set_k_is_bounded_by_each_requests_own_k_max(tiny_engine):
         with pytest.raises(ConfigError, match=rf"k must be in \[0, {K_MAX_LIMIT}\] or 'auto', got {K_MAX_LIMIT + 1}"):
             tiny_engine.set_k(K_MAX_LIMIT + 1)
         tiny_engine.start()
-        with pytest.raises(ConfigError, match=r"k must be in \[0, 4\] or 'auto', got 5"):
-            tiny_engine.set_k(5, handles[1].request_id)
-    finally:
-        for handle in handles:
-            handle.cancel()
-            handle.result()
-        tiny_engine.close()
+        try:
+            with pytest.raises(ConfigError, match=r"k must be in \[0, 4\] or 'auto', got 5"):
+                tiny_engine.set_k(5, handles[1].request_id)
+        finally:
+            tiny_engine.close()
 
 
 def test_close_from_a_listener_is_refused_and_the_loop_goes_on(tiny_engine):
