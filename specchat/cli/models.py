@@ -45,7 +45,6 @@ def models() -> None:
 @click.argument("name", required=False, callback=check_model_name)
 def pull(name: str | None) -> None:
     """Fetch model NAME (default: smollm2-135m) into the cache ahead of time."""
-    from specchat.engine.tokenizer import load_tokenizer
     from specchat.errors import ModelFormatError
     from specchat.registry import download_intact, fetch, is_download, refetch, resolve
 
@@ -54,25 +53,26 @@ def pull(name: str | None) -> None:
     try:
         if is_download(spec, path) and not download_intact(path):
             raise ModelFormatError(f"{path}: its bytes differ from those downloaded (a damaged copy)")
-        check_model_file(path)
-        load_tokenizer(spec, path)
+        check_model_file(spec, path)
     except ModelFormatError as exc:  # our own download, damaged since (a size-preserving corruption): fetched again
         if not is_download(spec, path):
             raise
         log.warning("specchat: note: %s; downloading %s again", exc, spec.alias)
         path = refetch(spec, progress=StderrProgress())
-        check_model_file(path)
-        load_tokenizer(spec, path)
+        check_model_file(spec, path)
     click.echo(f"{spec.alias}: {path}")
 
 
-def check_model_file(path) -> None:
-    """A GGUF file's header and tensor table read (ModelFormatError where damaged): a tokenizer converted earlier
-    is read from its cache, which would not see the file."""
+def check_model_file(spec, path) -> None:
+    """A GGUF file's header and tensor table read, and its tokenizer (ModelFormatError where damaged): a tokenizer
+    converted earlier is read from its cache, which would not see the file."""
+    from specchat.engine.tokenizer import load_tokenizer
+
     if path.is_file() and path.suffix.lower() == ".gguf":
         from specchat.engine.gguf_file import GGUFFile
 
         GGUFFile(path)
+    load_tokenizer(spec, path)
 
 
 def register(group: click.Group) -> None:

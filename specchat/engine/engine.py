@@ -230,7 +230,7 @@ class Engine:
         """A prompt (text, chat messages or token ids) -> token ids, validated against the context. A text too long
         to fit is refused before it is encoded: encoding megabytes takes seconds and holds the GIL (every stream and
         the server's /health stall meanwhile)."""
-        limit = self.model.cfg.max_position
+        limit, vocab = self.model.cfg.max_position, self.model.cfg.vocab_size
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
             text, add_special_tokens = self._prompt_text(prompt, system, raw, tools)
             # (a token covers a character or more: a text shorter than the context cannot reach it)
@@ -238,7 +238,6 @@ class Engine:
             if bound is not None and (at_least := bound.reaches(text, limit)) is not None:
                 raise ContextLengthError(_past_context(f"at least {at_least}", limit))
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            vocab = self.model.cfg.vocab_size
             if ids and (past := max(ids)) >= vocab:  # (a token the tokenizer adds that the weights have no row for)
                 piece = self.tokenizer.decode([past], skip_special_tokens=False)
                 raise PromptError(
@@ -247,7 +246,6 @@ class Engine:
                 )
         else:
             ids = list(prompt)
-            vocab = self.model.cfg.vocab_size
             bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:  # inside the step it would fail every request of the batch
                 raise PromptError(f"token id {bad!r} is not in the model's vocabulary (0 .. {vocab - 1})")
