@@ -260,8 +260,11 @@ def _invoke_with_timeout(tool: Tool, arguments: dict[str, Any], cancelled: threa
     def run() -> None:
         try:
             outcome.append(_invoke(tool, arguments))
-        except KeyboardInterrupt:  # raised by the tool's own code (no signal reaches this thread): its failure
-            outcome.append(ToolResult(False, "", f"{tool.name} raised KeyboardInterrupt"))
+        except BaseException as error:  # KeyboardInterrupt, asyncio's CancelledError, GeneratorExit raised by the
+            # tool's own code (no signal reaches this thread): its failure, where it was a thread's traceback and a
+            # result that said "timed out"
+            detail = f": {error}" if str(error) else ""
+            outcome.append(ToolResult(False, "", f"{tool.name} raised {type(error).__name__}{detail}"))
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()

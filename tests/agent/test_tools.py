@@ -263,6 +263,28 @@ def test_a_tools_odd_results_are_its_failures_or_valid_text():
         result.content.encode("utf-8")  # encodes: the prompt it goes into does too
 
 
+def test_any_base_exception_of_a_tool_is_its_failure_at_once():
+    """asyncio's CancelledError (a BaseException) from a tool's own code printed a thread's traceback and the run
+    waited the whole timeout for a result that said 'timed out'."""
+    import asyncio
+
+    def cancelled(n: int) -> str:
+        """Raises CancelledError, as async code run inside a tool can."""
+        raise asyncio.CancelledError("task was cancelled")
+
+    def closed(n: int) -> str:
+        """Raises GeneratorExit."""
+        raise GeneratorExit
+
+    box = Toolbox(
+        [function_tool(cancelled, ToolOptions(timeout_s=600)), function_tool(closed, ToolOptions(timeout_s=600))]
+    )
+    assert box.call("cancelled", {"n": 1}) == ToolResult(
+        False, "", "cancelled raised CancelledError: task was cancelled"
+    )
+    assert box.call("closed", {"n": 1}) == ToolResult(False, "", "closed raised GeneratorExit")
+
+
 def test_a_value_json_cannot_hold_is_the_tools_error_not_its_repr():
     """A tool returns a string, a ToolResult or a JSON-serialisable value: object() passed as ok with its repr."""
 
