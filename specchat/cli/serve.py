@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import click
@@ -102,18 +103,28 @@ def serve(
 
 
 def check_address(host: str, port: int) -> None:
-    """ConfigError unless a server could listen on host:port now (binding as uvicorn does, SO_REUSEADDR set, so a
-    port in TIME_WAIT passes); uvicorn's own failure there came after the "serving" line, as a log record."""
+    """ConfigError unless a server could listen on host:port now: on every address the host names, bound at once as
+    the event loop's create_server binds them (SO_REUSEADDR, so a port in TIME_WAIT passes; IPv6 sockets v6-only).
+    uvicorn's own failure there came after the "serving" line, as a log record; probing only the first address missed
+    a name with several ("localhost": ::1 and 127.0.0.1, another server holding the port on the second)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ConfigError(f"--host {host!r}: {exc.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    with contextlib.ExitStack() as probes:
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # (each address once, in order)
+            try:
+                probe = probes.enter_context(socket.socket(family, kind, proto))
+            except OSError:  # a family this machine lacks (IPv6 off): create_server skips it too
+                continue
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                where = f"{host}:{port}" if len(infos) == 1 else f"{host}:{port} ({address[0]})"
+                raise ConfigError(f"cannot listen on {where}: {exc.strerror or exc}") from None
 
 
 def register(group: click.Group) -> None:

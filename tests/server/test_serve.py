@@ -642,3 +642,27 @@ def test_a_stop_whose_deadline_comes_mid_step_answers_a_503(tiny_model_dir, plac
     engine.close()
     status, text = answers["reply"]
     assert status == 503 and json.loads(text)["error"]["message"] == STOPPING_ERROR, (status, text)
+
+
+def test_a_host_of_several_addresses_is_checked_on_each(monkeypatch):
+    """The name localhost is ::1 and 127.0.0.1 on most Linux machines, and the server listens on both; the check probed
+    the first only, so a port another server held on the second passed, the model loaded, and uvicorn's bind failed
+    after the "serving" line."""
+    from click.testing import CliRunner
+
+    from specchat.cli import main
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        both = [
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+        ]
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: both)
+        result = CliRunner().invoke(main, ["serve", "no-such-model", "--host", "localhost", "--port", str(port)])
+    assert result.exit_code != 0 and f"cannot listen on localhost:{port} (127.0.0.1)" in result.stderr, result.output
+    assert "serving" not in result.output and "Traceback" not in result.output
