@@ -92,7 +92,11 @@ class AgentSession:
         self.stream = stream  # emit Delta events as replies are generated (live views)
         self.spec, self.warning = usable_spec(engine, script.speculation)
         self.structured = template_renders_tools(engine.tokenizer.chat_template_source or "")
-        self.schemas = build_toolbox(script.tools, script.workspace or Path.cwd(), confirm).schemas()
+        root = script.workspace or Path.cwd()
+        try:
+            self.schemas = build_toolbox(script.tools, root, confirm).schemas()
+        except OSError as error:  # the workspace went after the script was read (the model loads for seconds)
+            raise SpecchatError(f"workspace: cannot use {root}: {error.strerror or error}") from None
         self.cancelled = threading.Event()
         self._handles: set = set()
         self._lock = threading.Lock()
@@ -179,7 +183,10 @@ class AgentSession:
                 workspace = stack.enter_context(run_workspace(self.script.workspace, self.script.copy_workspace))
             except OSError as error:  # a full disk, an unreadable file: this run fails, the others go on
                 return AgentRun(self, index, None, emit).fail(f"cannot make the run's workspace: {os_problem(error)}")
-            toolbox = build_toolbox(self.script.tools, workspace, self.confirm, cancelled=self.cancelled)
+            try:
+                toolbox = build_toolbox(self.script.tools, workspace, self.confirm, cancelled=self.cancelled)
+            except OSError as error:  # the shared workspace is gone (an earlier run's code deleted it): this run fails
+                return AgentRun(self, index, None, emit).fail(f"cannot use the run's workspace: {os_problem(error)}")
             return AgentRun(self, index, toolbox, emit).run()
 
 

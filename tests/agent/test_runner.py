@@ -4,6 +4,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from specchat.agent.runner import AgentSession
 from specchat.agent.script import load_script
 from specchat.agent.trace import (
@@ -17,6 +19,7 @@ from specchat.agent.trace import (
     ToolCallEvent,
     ToolResultEvent,
 )
+from specchat.errors import SpecchatError
 from tests.agent.scripted_engine import HANG, ScriptedEngine
 
 STRUCTURED_TEMPLATE = "{% for m in messages %}{{ m.tool_calls }}{% endfor %}{{ tools }}"
@@ -319,3 +322,28 @@ def test_a_workspace_that_cannot_be_made_fails_its_run_not_the_session(tmp_path,
         "cannot make the run's workspace: [Errno 28] No space left on device (and 1 more files)"
     )
     assert [type(event).__name__ for event in events] == ["RunStart", "Error", "RunEnd", "SessionEnd"]
+
+
+def test_a_workspace_removed_mid_session_fails_the_runs_after_it_not_the_session(tmp_path):
+    """A run's python code deleted the (shared) workspace: the next run's toolbox raised FileNotFoundError from its
+    thread, which ended the session in a traceback and lost every later run."""
+    (tmp_path / "ws").mkdir()
+    path = write_script(tmp_path, 'workspace = "ws"\n')
+    path.write_text(path.read_text().replace('tasks = ["What is 17 * 23?"]', 'tasks = ["first", "second"]'))
+    remove = '<tool_call>[{"name": "python", "arguments": {"code": "import os, shutil; shutil.rmtree(os.getcwd())"}}]'
+    outcomes, events = run(ScriptedEngine([remove + "</tool_call>", FINAL_CALL]), path)
+    assert [outcome.reason for outcome in outcomes] == ["final", "error"]
+    [error] = [event for event in events if isinstance(event, Error)]
+    assert error.run == 1 and error.fatal
+    assert error.message.startswith("cannot use the run's workspace: [Errno 2] No such file or directory")
+    assert isinstance(events[-1], SessionEnd)
+
+
+def test_a_workspace_removed_while_the_model_loads_is_one_line(tmp_path):
+    """The script was checked, then its workspace went (the model loads for seconds): FileNotFoundError's
+    traceback came out of the session's making."""
+    (tmp_path / "ws").mkdir()
+    script = load_script(write_script(tmp_path, 'workspace = "ws"\n'))
+    (tmp_path / "ws").rmdir()
+    with pytest.raises(SpecchatError, match=r"^workspace: cannot use .*ws: No such file or directory$"):
+        AgentSession(ScriptedEngine([]), script)
