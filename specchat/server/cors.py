@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
@@ -20,20 +21,36 @@ from specchat.errors import ConfigError
 ANY_ORIGIN = "*"
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+")  # scheme://host[:port], as a browser's Origin header spells it
 METHODS = ("GET", "HEAD", "POST")  # the server's routes' (a preflight names the method it will send)
+DEFAULT_PORTS = {"http": 80, "https": 443}  # a browser's Origin leaves these out
 EXPOSED = ("Retry-After",)  # headers a page's script may read beyond the safelisted ones (an overloaded 503's)
 
 
 def parse_origins(text: str) -> list[str]:
-    """`--allowed-origins` ("http://localhost:3000,https://app.example", or "*") -> the origins; ConfigError for one
-    that a browser never sends (a path or a trailing slash would match no request, silently)."""
-    origins = [origin.strip() for origin in text.split(",") if origin.strip()]
-    for origin in origins:
-        if origin != ANY_ORIGIN and not ORIGIN.fullmatch(origin):
-            raise ConfigError(
-                f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path or trailing slash,"
-                " e.g. http://localhost:3000), nor '*'"
-            )
-    return origins
+    """`--allowed-origins` ("http://localhost:3000,https://app.example", or "*") -> the origins, spelled as a
+    browser's Origin header spells them (scheme and host in lower case, no default port: "http://LocalHost:3000" or
+    "https://app.example:443" matched no request, silently); ConfigError for one that a browser never sends (a path
+    or a trailing slash would match no request either)."""
+    return [_origin(origin.strip()) for origin in text.split(",") if origin.strip()]
+
+
+def _origin(origin: str) -> str:
+    if origin == ANY_ORIGIN:
+        return origin
+    scheme, sep, rest = origin.partition("://")
+    candidate = scheme.lower() + sep + rest
+    try:
+        parts = urlsplit(candidate) if ORIGIN.fullmatch(candidate) else None
+        port = parts.port if parts is not None else None  # (a ValueError where it is not a port)
+        host = parts.hostname if parts is not None and parts.username is None else None
+    except ValueError:
+        host = None
+    if not host:
+        raise ConfigError(
+            f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path or trailing slash,"
+            " e.g. http://localhost:3000), nor '*'"
+        )
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}" + ("" if port in (None, DEFAULT_PORTS.get(parts.scheme)) else f":{port}")
 
 
 def add_cors(app: Starlette, origins: Sequence[str]) -> None:

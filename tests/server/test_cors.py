@@ -46,6 +46,19 @@ def test_origins_are_parsed_and_a_wrong_one_is_refused():
     assert result.exit_code != 0 and "--allowed-origins" in result.stderr and "Traceback" not in result.output
 
 
+def test_an_origin_is_spelled_as_the_browser_sends_it(engine):
+    """A browser's Origin has its scheme and host in lower case and no default port: "http://LocalHost:3000" or
+    "https://chat.example:443" were taken as given and matched no request, so their pages were refused, silently."""
+    given = "HTTP://LocalHost:3000, https://Chat.Example:443, http://[::1]:8080, http://h:80"
+    assert parse_origins(given) == [PAGE, "https://chat.example", "http://[::1]:8080", "http://h"]
+    for wrong in ("http://user@localhost:3000", "http://localhost:99999", "http://"):
+        with pytest.raises(ConfigError, match="is not an origin"):
+            parse_origins(wrong)
+    with serving(create_app(engine, "tiny", allowed_origins=parse_origins("http://LocalHost:3000"))) as url:
+        status, headers, _ = ask(url, "OPTIONS", "/v1/chat/completions", PREFLIGHT)
+    assert status == 200 and headers["access-control-allow-origin"] == PAGE, (status, headers)
+
+
 def test_an_allowed_origin_gets_its_preflight_answered_and_every_response_marked(engine):
     """A browser page's preflight was a 405: the page could not call the server at all."""
     with serving(create_app(engine, "tiny", allowed_origins=[PAGE, "https://chat.example"])) as url:
