@@ -19,6 +19,7 @@ from specchat.errors import ConfigError, PromptError
 JSONL_SUFFIX = ".jsonl"  # a prompt file with this suffix holds one JSON object per line
 MESSAGE_KEYS = ("role", "content")
 ROLES = ("system", "user", "assistant")  # what the chat templates take
+BOM = "\ufeff"  # a UTF-8 byte order mark: Windows editors (and PowerShell 5's Out-File) start files with one
 
 
 def utf8_error(exc: UnicodeDecodeError) -> str:
@@ -46,14 +47,20 @@ def read_nonempty_text(path: Path, flag: str) -> str:
     """read_text, refusing a file with nothing but whitespace (a byte order mark counts as none: Windows editors
     save an empty UTF-8 file as one, which `perplexity` scored as 2 tokens). A BOM before text is kept."""
     text = read_text(path, flag)
-    if not text.replace("\ufeff", "").strip():
+    if not text.replace(BOM, "").strip():
         raise ConfigError(f"{flag} {path}: the file has no text")
     return text
 
 
+def read_prompt_text(path: Path, flag: str) -> str:
+    """read_text less a leading byte order mark, which is no part of the first prompt (in a .jsonl file it made
+    line 1 invalid JSON; in a plain file it went to the model as a token of the first prompt)."""
+    return read_text(path, flag).removeprefix(BOM)
+
+
 def read_prompt_lines(path: Path, flag: str) -> list[str]:
     """The non-blank lines of a plain prompt file (one prompt per line)."""
-    prompts = [line for line in read_text(path, flag).splitlines() if line.strip()]
+    prompts = [line for line in read_prompt_text(path, flag).splitlines() if line.strip()]
     if not prompts:
         raise PromptError(f"{flag} {path}: no prompts (one per line)")
     return prompts
@@ -92,7 +99,7 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[PromptIt
         text = sys.stdin.buffer.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PromptError(f"stdin: {utf8_error(exc)}") from None
-    return [PromptItem("stdin", text.removesuffix("\n"))]
+    return [PromptItem("stdin", text.removeprefix(BOM).removesuffix("\n"))]
 
 
 def read_prompt_file(path: Path) -> list[PromptItem]:
@@ -100,7 +107,7 @@ def read_prompt_file(path: Path) -> list[PromptItem]:
     jsonl = path.suffix.lower() == JSONL_SUFFIX
     items = [
         jsonl_item(line, number) if jsonl else PromptItem(f"line {number}", line)
-        for number, line in enumerate(read_text(path, "--prompts-file").splitlines(), 1)
+        for number, line in enumerate(read_prompt_text(path, "--prompts-file").splitlines(), 1)
         if line.strip()
     ]
     if not items:

@@ -139,3 +139,27 @@ def test_stop_ends_the_answer_where_its_text_appears(tiny_model_dir: Path):
     assert generate(*args, "--stop", stop).stdout == whole[: whole.index(stop)] + "\n"
     refused = CliRunner().invoke(main, ["generate", *args, "--stop", ""])
     assert refused.exit_code == 1 and "--stop: an empty stop text is refused" in refused.output
+
+
+def test_a_byte_order_mark_is_no_part_of_the_first_prompt(tiny_model_dir: Path, tmp_path: Path):
+    """Windows editors start a UTF-8 file with a BOM: a .jsonl file's line 1 failed as invalid JSON, a plain file's
+    first prompt and stdin's got it as a token, and a BOM alone on stdin was answered with exit 0."""
+    from specchat.cli.inputs import read_prompt_file
+
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n{"prompt": "yo"}\n')
+    assert [item.prompt for item in read_prompt_file(jsonl)] == ["hi", "yo"]
+    plain = tmp_path / "p.txt"
+    plain.write_bytes(b"\xef\xbb\xbfhi\n")
+    assert [item.prompt for item in read_prompt_file(plain)] == ["hi"]
+    args = [str(tiny_model_dir), "--raw", "--json", "--max-tokens", "2"]
+    records = [json.loads(line) for line in generate(*args, "--prompts-file", str(jsonl)).stdout.splitlines()]
+    assert [r["finish_reason"] for r in records] == ["length", "length"]
+    with_bom = CliRunner().invoke(main, ["generate", *args], input="\ufeffhi")
+    assert (
+        with_bom.exit_code == 0
+        and json.loads(with_bom.stdout)["stats"]["prompt_tokens"]
+        == (json.loads(generate(*args, "-p", "hi").stdout)["stats"]["prompt_tokens"])
+    )
+    only_bom = CliRunner().invoke(main, ["generate", *args], input="\ufeff")
+    assert only_bom.exit_code == 1 and "empty prompt" in only_bom.stderr
