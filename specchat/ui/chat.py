@@ -247,6 +247,7 @@ class ChatPane(Vertical):
         found = self.store.conversation(conversation_id)
         self.title = found.title if found else self.title
         stored = self.store.messages(conversation_id)
+        self.messages = []  # the stored chat's own system message, if it began with one: not today's prompt
         await self.query(".welcome").remove()
         views = []
         for m in stored:

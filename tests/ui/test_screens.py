@@ -119,3 +119,26 @@ async def test_the_system_prompt_applies_to_new_chats(store: ChatStore):
         await pilot.press("x", "escape")  # Esc changes nothing
         await wait_for(pilot, lambda: not isinstance(app.screen, SystemPromptScreen))
         assert app.settings.system is None
+
+
+async def test_a_reopened_chat_keeps_the_system_prompt_it_began_with(store: ChatStore):
+    """A chat opened from the history into the empty tab got the current system prompt in front of its own (two
+    system messages), or in front of a chat that began without one: the model was given a conversation that never
+    was."""
+    plain = saved(store, "No system", "hi", "hello")
+    own = store.new_conversation("Own system", "tiny")
+    store.add_message(own, "system", "Answer in French.")
+    store.add_message(own, "user", "hi")
+    store.add_message(own, "assistant", "bonjour")
+    app = SpecchatApp(engine=FakeEngine(), store=store, system="Be brief.")
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.chat.messages == [{"role": "system", "content": "Be brief."}]
+        await app.open_conversation(plain)
+        assert [m["role"] for m in app.chat.messages] == ["user", "assistant"]
+        await pilot.press("ctrl+t")
+        await app.open_conversation(own)
+        assert [(m["role"], m["content"]) for m in app.chat.messages] == [
+            ("system", "Answer in French."),
+            ("user", "hi"),
+            ("assistant", "bonjour"),
+        ]
