@@ -254,12 +254,18 @@ class LiveSettings:
         panel = self.widget(MemoryPanel)
         return panel.memory if panel is not None else {}
 
+    def controls_panel(self) -> ControlsPanel | None:
+        """The Controls panel; None once the app is closing, its children torn down (a setting's progress or end
+        still on its way then reached a panel without its fields, and quitting ended in a NoMatches traceback)."""
+        controls = self.widget(ControlsPanel)
+        return controls if controls is not None and controls.query("#switch-note") else None
+
     def cancel_quantizing(self) -> bool:
         """Stop a first MXFP4 switch's quantization (it ends after the linear in hand); False if none runs."""
         if self.quantizing is None or self.quantizing.stop.is_set():
             return False
         self.quantizing.stop.set()
-        if (controls := self.widget(ControlsPanel)) is not None:
+        if (controls := self.controls_panel()) is not None:
             controls.show_note("stopping the quantization…")
         return True
 
@@ -268,7 +274,7 @@ class LiveSettings:
         self.cancel_quantizing()
 
     def on_setting_progress(self, message: SettingProgress) -> None:
-        controls = self.widget(ControlsPanel)
+        controls = self.controls_panel()
         if controls is None:
             return
         controls.show_progress(message.done, message.total)
@@ -281,7 +287,7 @@ class LiveSettings:
 
     def on_setting_applied(self, message: SettingApplied) -> None:
         self.switching.pop(message.name, None)
-        controls = self.widget(ControlsPanel)
+        controls = self.controls_panel()
         if message.name == "weights":
             self.quantizing = None
             if controls is not None:

@@ -133,3 +133,21 @@ async def test_a_model_switch_waits_for_a_quantization(make_app, store):
         engine.begin.set()
         press_now(app, "escape")
         await wait_for(pilot, lambda: not app.switching, timeout=10, what="the switch to end")
+
+
+async def test_a_setting_that_reports_while_the_app_closes_ends_nothing(make_app, store):
+    """Quitting mid-quantization: a progress or end message still on its way reached a Controls panel whose children
+    were already torn down, and the app ended with NoMatches' traceback instead of quitting."""
+    from specchat.ui.messages import SettingApplied, SettingProgress
+
+    engine = QuantizingEngine(total_tokens=6)
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await start_quantizing(pilot, app, engine, running=True)
+        await app.main.query_one(ControlsPanel).remove_children()  # as the app's teardown leaves it
+        app.on_setting_progress(SettingProgress("GPTQ", 3, LINEARS))
+        app.on_setting_applied(SettingApplied("weights", "mxfp4", cancelled=True))
+        app.on_setting_applied(SettingApplied("drafter", "ngram"))
+        assert app.cancel_quantizing() is False and not app.switching
+        await pilot.pause()
+    assert app.return_value is None
