@@ -57,7 +57,15 @@ def add_cors(app: Starlette, origins: Sequence[str]) -> None:
     """Answer preflights, and mark responses (streams and errors too) readable by pages of `origins`.
 
     Any request header is allowed (the openai JavaScript client sends Authorization and its own x-stainless-*
-    headers); no credentials (cookies): the server has no sessions."""
+    headers); no credentials (cookies): the server has no sessions. A page on a public site calling this server on the
+    user's machine or network makes Chrome's preflight ask for the private network too
+    (Access-Control-Request-Private-Network): an allowed origin gets it (it was a 400, "Disallowed CORS
+    private-network", and the page could not call the server it was allowed to)."""
     app.add_middleware(
-        CORSMiddleware, allow_origins=origins, allow_methods=METHODS, allow_headers=["*"], expose_headers=EXPOSED
+        CORSMiddleware,
+        allow_origins=origins,
+        allow_methods=METHODS,
+        allow_headers=["*"],
+        expose_headers=EXPOSED,
+        allow_private_network=True,
     )

@@ -87,6 +87,18 @@ def test_an_allowed_origin_gets_its_preflight_answered_and_every_response_marked
         assert status == 200 and headers["access-control-allow-origin"] == "*"
 
 
+def test_a_public_page_may_call_the_server_on_a_private_network(engine):
+    """Chrome's preflight from a public site to a server on the user's machine asks for the private network too: an
+    allowed origin's was a 400 ("Disallowed CORS private-network"), so its page could not call the server."""
+    private = {**PREFLIGHT, "Origin": "https://chat.example", "Access-Control-Request-Private-Network": "true"}
+    with serving(create_app(engine, "tiny", allowed_origins=["https://chat.example"])) as url:
+        status, headers, body = ask(url, "OPTIONS", "/v1/chat/completions", private)
+        assert status == 200 and headers["access-control-allow-origin"] == "https://chat.example", (status, body)
+        assert headers["access-control-allow-private-network"] == "true"
+        status, headers, _ = ask(url, "OPTIONS", "/v1/chat/completions", {**private, "Origin": "https://evil.example"})
+        assert status == 400 and "access-control-allow-origin" not in headers
+
+
 def test_without_allowed_origins_no_page_may_call_the_server(engine):
     with serving(create_app(engine, "tiny")) as url:
         status, headers, _ = ask(url, "OPTIONS", "/v1/chat/completions", PREFLIGHT)
