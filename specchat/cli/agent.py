@@ -61,28 +61,39 @@ def _run_headless(script, config: EngineConfig, concurrency: int | None, as_json
     return outcomes
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a cancelled CI job, `kill`) while the runs go: they stop as for Ctrl-C, their processes
+    killed and their run_end events ("cancelled") written, where the process ended at once, without a word."""
+
+
+TERMINATED_STATUS = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
+
+
 @contextlib.contextmanager
 def second_interrupt_kills() -> Iterator[None]:
-    """The first Ctrl-C stops the runs (KeyboardInterrupt: exit 130); a second one while they wind down (the engine
-    closing, torch's exit hooks) ends the process at once, where it raised KeyboardInterrupt inside those hooks and
-    printed their traceback. Left alone where SIGINT is not Python's (ignored in a background job, say)."""
+    """The first Ctrl-C (or SIGTERM) stops the runs (KeyboardInterrupt: exit 130; Terminated: exit 143); a second
+    signal while they wind down (the engine closing, torch's exit hooks) ends the process at once, where it raised
+    KeyboardInterrupt inside those hooks and printed their traceback. A signal that is not Python's default here
+    (SIGINT ignored in a background job, say) is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    ours = [number for number, default in defaults.items() if signal.getsignal(number) is default]
 
     def interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        raise KeyboardInterrupt
+        for number in ours:
+            signal.signal(number, signal.SIG_DFL)
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, interrupt)
+    for number in ours:
+        signal.signal(number, interrupt)
     try:
         yield
     finally:
-        if signal.getsignal(signal.SIGINT) is interrupt:  # no Ctrl-C came: as it was
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for number in ours:
+            if signal.getsignal(number) is interrupt:  # no signal came: as it was
+                signal.signal(number, defaults[number])
 
 
 class TraceSink:
@@ -185,7 +196,11 @@ def agent(
             launch(script, config, concurrency)
             return
         click.echo("specchat: the TUI has no agent view yet; printing the trace instead", err=True)
-    check_outcomes(run_headless(script, config, concurrency, as_json))
+    try:
+        check_outcomes(run_headless(script, config, concurrency, as_json))
+    except Terminated:
+        click.echo("specchat: terminated (SIGTERM)", err=True)
+        sys.exit(TERMINATED_STATUS)
 
 
 def register(group: click.Group) -> None:

@@ -263,3 +263,42 @@ def test_a_second_ctrl_c_while_the_runs_wind_down_ends_the_process(tmp_path, mon
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+HANGING_AGENT = """
+import sys
+from tests.agent.scripted_engine import HANG, ScriptedEngine
+from tests.agent.test_cli import ScriptedCliEngine
+import specchat.engine.engine
+specchat.engine.engine.Engine.load = lambda *args, **kwargs: ScriptedCliEngine([HANG, HANG])
+from specchat.cli import main
+sys.argv = ["specchat", "agent", sys.argv[1], "--json"]
+main()
+"""
+
+
+def test_sigterm_stops_the_runs_with_one_line_and_keeps_their_ends(tmp_path):
+    """`timeout 60 specchat agent ...` or a cancelled CI job: SIGTERM ended the process at once, without a word, and
+    the trace had no run_end for the runs in flight."""
+    import signal
+
+    script = tmp_path / "agent.toml"
+    script.write_text('tasks = ["a", "b"]\nconcurrency = 2\n[stop]\ntag = "final"\n')
+    process = subprocess.Popen(
+        [sys.executable, "-c", HANGING_AGENT, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    try:
+        lines = [process.stdout.readline(), process.stdout.readline()]  # both runs have started (and hang)
+        assert [json.loads(line)["type"] for line in lines] == ["run_start", "run_start"]
+        process.send_signal(signal.SIGTERM)
+        rest, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    events = [json.loads(line) for line in rest.splitlines()]
+    assert sorted((event["type"], event["run"], event["reason"]) for event in events if event["type"] == "run_end") == [
+        ("run_end", 0, "cancelled"),
+        ("run_end", 1, "cancelled"),
+    ]
+    assert process.returncode == 128 + signal.SIGTERM
+    assert stderr.strip().splitlines() == ["specchat: terminated (SIGTERM)"]
