@@ -92,7 +92,7 @@ def serve(
     app = create_app(
         engine, name, spec, stream_interval_s=stream_interval_ms / 1000, admission=admission, allowed_origins=origins
     )
-    click.echo(f"specchat: serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+    click.echo(f"specchat: serving {name} at {base_url(host, port)} (Ctrl-C stops)", err=True)
     try:
         # on SIGTERM / Ctrl-C, answers in flight get GRACEFUL_S to finish, then are cancelled (a client waiting for
         # 100,000 tokens would hold up a `docker stop` or systemd's stop for good)
@@ -100,6 +100,12 @@ def serve(
         StoppingServer(config, engine).run()
     finally:
         engine.close()
+
+
+def base_url(host: str, port: int) -> str:
+    """The URL clients are told to use: an IPv6 address in brackets ("http://::1:8000/v1" is no URL: the openai
+    client and curl refuse it)."""
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
 def check_address(host: str, port: int) -> None:

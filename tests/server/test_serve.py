@@ -666,3 +666,14 @@ def test_a_host_of_several_addresses_is_checked_on_each(monkeypatch):
         result = CliRunner().invoke(main, ["serve", "no-such-model", "--host", "localhost", "--port", str(port)])
     assert result.exit_code != 0 and f"cannot listen on localhost:{port} (127.0.0.1)" in result.stderr, result.output
     assert "serving" not in result.output and "Traceback" not in result.output
+
+
+def test_the_url_the_server_names_is_one_a_client_can_use():
+    """`--host ::1` was announced as http://::1:8000/v1, which no client parses as that host and port."""
+    from urllib.parse import urlsplit
+
+    from specchat.cli.serve import base_url
+
+    for host in ("::1", "::", "127.0.0.1", "localhost"):
+        url = urlsplit(base_url(host, 8000))
+        assert (url.hostname, url.port, url.path) == (host.lower(), 8000, "/v1"), (host, url)
