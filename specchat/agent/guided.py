@@ -3,7 +3,8 @@
 For models too small to start a tool call on their own (SmolLM2-135M answers from memory instead), a turn can be
 generated in pieces: the opener `<tool_call>[{"name": "` is given and the model writes the tool name up to its
 closing quote; then the key of each required argument is given and the model writes the value up to its closing
-quote (or, for a number or boolean, up to the next `,` or `}`); then the call is closed. Each piece is an ordinary
+quote (for a number or boolean, up to the next `,` or `}`; for an array or object, whose opening bracket is given,
+up to the closing bracket that makes it whole); then the call is closed. Each piece is an ordinary
 engine request, speculation included, and every piece repeats the conversation so far, which the prefix cache
 then serves instead of recomputing it. The structure is constrained by construction, not by masking logits: a name
 that is no tool's still comes through, and is answered like any unknown tool.
@@ -22,7 +23,9 @@ from specchat.engine.sequence import Finished
 OPENER = '<tool_call>[{"name": "'  # the list form that tools_system_prompt teaches
 CLOSER = "}}]</tool_call>"
 NAME_TOKENS = 16  # longest tool name, in tokens, that a guided call waits for
-MAX_ESCAPED_QUOTES = 8  # \" inside one string value before the value is cut there
+MAX_PIECES = 8  # pieces of one value: a string's that stop at a \" it escapes, an array's or object's that stop at
+# a nested (or quoted) closing bracket; then the value is cut there
+BRACKETS = {"array": ("[", "]"), "object": ("{", "}")}
 
 Request = Callable[[list[int], SamplingParams], Finished]  # one engine request: prompt ids + sampling -> its end
 
@@ -51,9 +54,24 @@ def guided_call(
     text += f'{name}", "arguments": {{'
     schema = parameters.get(name, {})
     for index, key in enumerate(schema.get("required", [])):
-        is_string = schema.get("properties", {}).get(key, {}).get("type", "string") == "string"
-        text += (", " if index else "") + json.dumps(key) + (': "' if is_string else ": ")
-        for _ in range(MAX_ESCAPED_QUOTES if is_string else 1):
+        kind = schema.get("properties", {}).get(key, {}).get("type", "string")
+        text += (", " if index else "") + json.dumps(key) + ": "
+        if kind in BRACKETS:  # the runner opens it; the model writes up to a closing bracket, until the value is whole
+            opener, closer = BRACKETS[kind]
+            text += opener
+            value = opener
+            for _ in range(MAX_PIECES):
+                piece = fill([closer], sampling.max_tokens)
+                if piece is None:
+                    return text, pieces
+                text += piece + closer
+                value += piece + closer
+                if _is_whole(value):
+                    break
+            continue
+        is_string = kind == "string"
+        text += '"' if is_string else ""
+        for _ in range(MAX_PIECES if is_string else 1):
             value = fill(['"'] if is_string else [",", "}"], sampling.max_tokens)
             if value is None:
                 return text, pieces
@@ -61,6 +79,23 @@ def guided_call(
             if not _escapes_its_quote(value):
                 break
     return text + CLOSER, pieces
+
+
+def _is_whole(value: str) -> bool:
+    """Whether an array or object value has closed every bracket it opened outside its strings: a nested closing
+    bracket, or one inside a string, is where a piece stopped, not where the value ends."""
+    depth, in_string, escaped = 0, False, False
+    for char in value:
+        if in_string:
+            in_string = escaped or char != '"'
+            escaped = not escaped and char == "\\"
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+    return depth <= 0
 
 
 def _escapes_its_quote(value: str) -> bool:

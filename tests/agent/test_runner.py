@@ -272,6 +272,31 @@ def test_a_guided_name_that_is_no_tool_is_answered_as_an_unknown_tool(tmp_path):
     assert result.name == "17" and "unknown tool '17'" in result.error
 
 
+def test_a_guided_call_takes_array_and_object_values_whole(tmp_path):
+    """A user tool with a list or dict parameter under tool_choice = "first": its value stopped at the first ',' (as a
+    number's does), so `[1, 2, 3]` became `[1`, and every guided call to it was JSON that could not be parsed."""
+    (tmp_path / "listy.py").write_text(
+        "from specchat.agent import tool\n\n\n@tool\n"
+        "def total(values: list[list[float]], scale: dict, label: str) -> float:\n"
+        '    """Sum numbers, times scale["k"]."""\n'
+        '    return sum(sum(row) for row in values) * scale["k"]\n'
+    )
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        'tasks = ["Sum 1, 2 and 3"]\nmax_steps = 2\ntool_choice = "first"\n[tools.user]\nmodule = "listy.py"\n'
+    )
+    # each piece ends at its stop string: the name; the nested list in three; the object, with a "}" inside a string,
+    # in two; the label
+    pieces = ['total"', "[1]", ", [2, 3]", "]", '"k": 2, "note": "a }', ' here"}', 'sum"']
+    engine = ScriptedEngine([*pieces, FINAL_CALL])
+    _, events = run(engine, path)
+    call = next(e for e in events if isinstance(e, ToolCallEvent))
+    assert call.arguments == {"values": [[1], [2, 3]], "scale": {"k": 2, "note": "a } here"}, "label": "sum"}
+    values_piece, *_ = engine.requests[0]["submits"][1:]
+    assert values_piece["text"].endswith('"arguments": {"values": [') and values_piece["sampling"].stop == ["]"]
+    assert not [e for e in events if isinstance(e, Error)]
+
+
 def test_worked_examples_come_before_the_task_in_the_run_format(tmp_path):
     examples = (
         '[[examples]]\ntask = "What is 3 * 4?"\nanswer = "The answer is 12."\n'
