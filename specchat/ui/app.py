@@ -29,7 +29,7 @@ from textual.widgets import Footer, Header, TabbedContent, TabPane
 from specchat.config import DRAFTERS, KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.engine.api import ChatEngine, Request
 from specchat.engine.sequence import Finished, TextDelta
-from specchat.errors import SpecchatError
+from specchat.errors import ContextLengthError, SpecchatError
 from specchat.registry import cache_dir
 from specchat.ui.agent_runs import AgentRuns
 from specchat.ui.bridge import EngineBridge, load_engine
@@ -297,7 +297,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         try:
             handle = self.submit_chat(with_user(pane.messages, message.text))
         except SpecchatError as exc:
-            self.notify(str(exc), severity="error")
+            self.notify(self.refusal(pane, exc), severity="error")
             return
         self.requests[handle.request_id] = pane
         pane.request_id = handle.request_id  # busy from now on, before any await
@@ -305,6 +305,14 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         await pane.add_user(message.text)
         await pane.begin_reply(handle.request_id)
         self.show_title(pane)
+
+    def refusal(self, pane: ChatPane, exc: SpecchatError) -> str:
+        """Why the engine refused a chat's message; past the context in a chat with earlier turns, that the prompt
+        is the whole conversation and how to go on (the count of tokens alone read as if one short message were
+        too long)."""
+        if isinstance(exc, ContextLengthError) and any(m["role"] == "assistant" for m in pane.messages):
+            return f"{exc}; the conversation so far is part of it: {self.key_display('new_chat')} starts a new chat"
+        return str(exc)
 
     def submit_chat(self, messages: list[dict]) -> Request:
         """Submit a conversation with the chats' settings; its events come as EngineStep messages."""
@@ -321,7 +329,7 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
                 handle = self.submit_chat(pane.messages)
             except SpecchatError as exc:
                 self.hold_back_waiting(pane, str(exc))
-                self.notify(str(exc), severity="error")
+                self.notify(self.refusal(pane, exc), severity="error")
                 continue
             self.requests[handle.request_id] = pane
             pane.request_id = handle.request_id

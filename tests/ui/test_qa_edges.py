@@ -314,3 +314,31 @@ async def test_a_second_switch_while_the_first_runs_is_refused_in_one_note(make_
             await wait_for(pilot, lambda: app.settings.weights == "bf16", timeout=10, what="the switch back")
     finally:
         engine.release.set()
+
+
+async def test_a_chat_past_the_context_says_the_conversation_is_the_prompt(make_app, store):
+    """A long chat fills the context: its next message, however short, was refused with "prompt is 280 tokens; the
+    model's context holds 256" and no more, as if that message were too long (the plain REPL says the conversation is
+    part of it and how to go on). The message stays in the prompt, the conversation as it was."""
+    from specchat.errors import ContextLengthError
+
+    class FullContext(FakeEngine):
+        def submit(self, messages, *args, **kwargs):
+            if len(messages) > 1:
+                raise ContextLengthError("prompt is 280 tokens; the model's context holds 256")
+            return super().submit(messages, *args, **kwargs)
+
+    app = make_app(FullContext(total_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        pane = app.chat
+        await send(pilot, app, "first")
+        await wait_for(pilot, lambda: len(pane.messages) == 2, timeout=10, what="the answer")
+        pane.prompt_input.load_text("thanks")
+        await pilot.press("enter")
+        await pilot.pause()
+        [error] = [n.message for n in app._notifications if n.severity == "error"]
+        assert error == (
+            "prompt is 280 tokens; the model's context holds 256; the conversation so far is part of it: "
+            "^t starts a new chat"
+        )
+        assert pane.prompt_input.text == "thanks" and len(pane.messages) == 2
