@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specchat.config import SpecParams
 from specchat.engine.api import Request as EngineRequest
 from specchat.engine.api import ServedEngine
+from specchat.engine.drafters.base import default_drafter_name
 from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, TextDelta
 from specchat.errors import ConfigError, ContextLengthError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
@@ -200,6 +201,8 @@ def create_app(
         add_cors(app, allowed_origins)  # outermost: preflights of any path, and every response's headers
     admission = admission or Admission(max_running=1, max_queue=0)  # (max_queue 0: no bound)
     spec = default_spec or SpecParams(drafter="none", k=0)
+    # what a request's drafter "default" names (a models.toml entry may name a file or another model)
+    model_drafter = default_drafter_name(engine) if getattr(engine, "model_spec", None) is not None else "none"
     state: dict[str, EventRouter] = {}
     app.state.body_readers = readers = BodyReaders()  # the stopping server ends their reads (stopping.py)
 
@@ -261,7 +264,7 @@ def create_app(
             raise ApiError(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model):
             raise unknown_model(body.get("model"))
-        req = parse_request(body, chat, spec)
+        req = parse_request(body, chat, spec, model_drafter)
         admission.admit()  # a 503 at once where the queue is full
         try:
             queue, handle = await submit(req)

@@ -91,8 +91,9 @@ def _seed(body: dict) -> int | None:
     return seed
 
 
-def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> GenerationRequest:
-    """A JSON body of /v1/chat/completions (chat) or /v1/completions -> GenerationRequest, or ApiError."""
+def parse_request(body: Any, chat: bool, default_spec: SpecParams, model_drafter: str = "none") -> GenerationRequest:
+    """A JSON body of /v1/chat/completions (chat) or /v1/completions -> GenerationRequest, or ApiError.
+    `model_drafter` is what a request's drafter "default" names: the served model's models.toml drafter."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     prompt = _messages(body.get("messages")) if chat else _prompt(body.get("prompt"))
@@ -154,7 +155,7 @@ def parse_request(body: Any, chat: bool, default_spec: SpecParams) -> Generation
         chat=chat,
         prompt=prompt,
         sampling=sampling,
-        spec=_spec(body, default_spec),
+        spec=_spec(body, default_spec, model_drafter),
         stream=stream,
         include_usage=include_usage is True,
         tools=_tools(body) if chat else [],
@@ -283,19 +284,22 @@ def _is_tool(tool: Any) -> bool:
     )
 
 
-def _spec(body: dict, default: SpecParams) -> SpecParams:
+def _spec(body: dict, default: SpecParams, model_drafter: str) -> SpecParams:
     drafter = body.get("drafter")  # null is absent, as for every other field (it was a 400)
     drafter = default.drafter if drafter is None else drafter
     k = body.get("k")
     k = ("auto" if default.k is None else default.k) if k is None else k
     if not isinstance(drafter, str):
         raise ApiError(400, "drafter must be a string", "drafter")
-    # a file, a folder or a model (bare draft-model: the registry's default one): the server's disk, the hub
-    if (":" in drafter or drafter == "draft-model") and drafter != default.drafter:
+    # a file, a folder or a model (bare draft-model: the registry's default one): the server's disk, the hub; also
+    # where "default" names one (the model's models.toml drafter), unless the server runs it already
+    named = model_drafter if drafter == "default" else drafter
+    if (":" in named or named == "draft-model") and default.drafter not in (drafter, named):
+        meaning = f" (this model's {named!r})" if named != drafter else ""
         raise ApiError(
             400,
-            f"drafter {drafter!r}: a request names a built-in drafter (such as ngram, heads or ngram+heads); drafters "
-            f"from files, folders or other models are chosen when the server starts (serve --drafter)",
+            f"drafter {drafter!r}{meaning}: a request names a built-in drafter (such as ngram, heads or ngram+heads); "
+            f"drafters from files, folders or other models are chosen when the server starts (serve --drafter)",
             "drafter",
         )
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):

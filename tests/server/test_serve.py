@@ -677,3 +677,18 @@ def test_the_url_the_server_names_is_one_a_client_can_use():
     for host in ("::1", "::", "127.0.0.1", "localhost"):
         url = urlsplit(base_url(host, 8000))
         assert (url.hostname, url.port, url.path) == (host.lower(), 8000, "/v1"), (host, url)
+
+
+def test_a_request_for_the_default_drafter_loads_no_model_the_server_did_not(engine, tmp_path, monkeypatch):
+    """A request's drafter "default" is the model's models.toml drafter, which a user's entry may name as another
+    model or a file: a client of a server run with another --drafter made it load (or download) that model."""
+    from specchat.registry import ModelSpec
+    from tests.conftest import save_tiny_hf
+
+    draft = f"draft-model:{save_tiny_hf(tmp_path, seed=1)}"
+    monkeypatch.setattr(engine, "model_spec", ModelSpec(alias="tiny", source="dir", path="x", drafter=draft))
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "drafter": "default"}
+    with serving(create_app(engine, "tiny", SpecParams(drafter="ngram", k=2))) as url:
+        status, reply = post_raw(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["param"] == "drafter" and draft in reply["error"]["message"], reply
+    assert draft not in engine.drafters.by_name
