@@ -48,8 +48,8 @@ GRACEFUL_S = 10  # seconds in-flight answers get to finish when the server is st
 @click.option(
     "--allowed-origins",
     default="",
-    help="comma-separated origins whose web pages may call the server (CORS), e.g. http://localhost:3000, or '*'"
-    " [default: none]",
+    help="comma-separated origins whose web pages may call the server (CORS), e.g. http://localhost:3000, or '*';"
+    " other pages' requests are refused with a 403 [default: none]",
 )
 def serve(
     model,

@@ -35,7 +35,7 @@ from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, 
 from specchat.errors import ConfigError, ContextLengthError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
 from specchat.server.admission import Admission
-from specchat.server.cors import add_cors
+from specchat.server.cors import add_cors, guard_origins
 from specchat.server.protocol import ApiError, GenerationRequest, parse_request, with_tools
 from specchat.server.responses import StreamChunks, completion, finish_reason, new_id, refused, sse, tool_calls
 from specchat.server.stopping import STOPPING_ERROR
@@ -130,6 +130,23 @@ def parse_json(raw: bytes) -> object:
         ) from None
 
 
+def json_body_type(content_type: str | None) -> None:
+    """A 415 where a body is declared something other than JSON (application/json, or application/...+json, as
+    FastAPI reads a JSON body): text/plain and the form types are what a web page may POST without a preflight, so
+    any page could make the server generate (cors.OriginCheck refuses those of other origins; this, where a browser
+    sent no Origin). No Content-Type at all is taken as JSON, as FastAPI and vLLM take it."""
+    if content_type is None:
+        return
+    kind = content_type.partition(";")[0].strip().lower()
+    main, _, sub = kind.partition("/")
+    if main != "application" or not (sub == "json" or sub.endswith("+json")):
+        raise ApiError(
+            415,
+            f"the request body must be JSON, sent with Content-Type: application/json (got {content_type!r})",
+            code="unsupported_media_type",
+        )
+
+
 class TrailingSlashes:
     """ASGI middleware: a path's trailing slash names the same route (/v1/chat/completions/ is /v1/chat/completions).
     Starlette answered it with a 307 and an empty body, which a client that follows no redirect (curl without -L,
@@ -197,6 +214,7 @@ def create_app(
         raise ConfigError(f"the stream interval must be a number >= 0, got {stream_interval_s}")
     app = FastAPI(title="specchat", docs_url=None, redoc_url=None, redirect_slashes=False)
     app.add_middleware(TrailingSlashes)
+    guard_origins(app, allowed_origins)  # another origin's page is a 403: it could not read, but it made us generate
     if allowed_origins:
         add_cors(app, allowed_origins)  # outermost: preflights of any path, and every response's headers
     admission = admission or Admission(max_running=1, max_queue=0)  # (max_queue 0: no bound)
@@ -254,6 +272,7 @@ def create_app(
         return PlainTextResponse(page, media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
+        json_body_type(request.headers.get("content-type"))
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:  # else read and tokenized whole before it is refused
             raise ApiError(

@@ -15,6 +15,7 @@ from specchat.server.cors import parse_origins
 from tests.server.test_serve import MESSAGES, serving
 
 PAGE = "http://localhost:3000"
+JSON = "application/json"
 PREFLIGHT = {
     "Origin": PAGE,
     "Access-Control-Request-Method": "POST",
@@ -22,12 +23,15 @@ PREFLIGHT = {
 }
 
 
-def ask(url: str, method: str, path: str, headers: dict, body: dict | None = None) -> tuple[int, dict, bytes]:
-    """(status, headers with lower-case names, body) of one request."""
+def ask(
+    url: str, method: str, path: str, headers: dict, body: dict | None = None, content_type: str | None = JSON
+) -> tuple[int, dict, bytes]:
+    """(status, headers with lower-case names, body) of one request; `headers` with lower-case names (a "host"
+    replaces the one http.client sends); `content_type` None: none sent."""
     host, port = url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     data = None if body is None else json.dumps(body)
-    connection.request(method, path, data, {"content-type": "application/json", **headers})
+    connection.request(method, path, data, ({"content-type": content_type} if content_type else {}) | headers)
     response = connection.getresponse()
     answer = (response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
     connection.close()
@@ -81,7 +85,7 @@ def test_an_allowed_origin_gets_its_preflight_answered_and_every_response_marked
         )
         assert status == 400 and "access-control-allow-origin" not in headers
         status, headers, _ = ask(url, "GET", "/v1/models", {"Origin": "https://evil.example"})
-        assert status == 200 and "access-control-allow-origin" not in headers  # served; the browser hides it
+        assert status == 403 and "access-control-allow-origin" not in headers  # refused (it was served, hidden)
     with serving(create_app(engine, "tiny", allowed_origins=["*"])) as url:
         status, headers, _ = ask(url, "OPTIONS", "/v1/completions", {**PREFLIGHT, "Origin": "https://any.example"})
         assert status == 200 and headers["access-control-allow-origin"] == "*"
@@ -103,5 +107,94 @@ def test_without_allowed_origins_no_page_may_call_the_server(engine):
     with serving(create_app(engine, "tiny")) as url:
         status, headers, _ = ask(url, "OPTIONS", "/v1/chat/completions", PREFLIGHT)
         assert status == 405 and "access-control-allow-origin" not in headers
-        status, headers, _ = ask(url, "GET", "/v1/models", {"Origin": PAGE})
+        status, headers, body = ask(url, "GET", "/v1/models", {"origin": PAGE})
+        assert status == 403 and "access-control-allow-origin" not in headers, (status, body)
+
+
+@pytest.fixture
+def submitted(engine, monkeypatch) -> list:
+    """The requests the engine is given from here on (each one generation run)."""
+    calls = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda *args, **kwargs: calls.append(args) or submit(*args, **kwargs))
+    return calls
+
+
+def refused_origin(status: int, body: bytes, origin: str) -> bool:
+    message = json.loads(body).get("error", {}).get("message", "")
+    how = "--allowed-origins '*'" if origin == "null" else f"--allowed-origins {origin}"
+    code = json.loads(body).get("error", {}).get("code")
+    return status == 403 and code == "origin_not_allowed" and repr(origin) in message and how in message
+
+
+@pytest.mark.parametrize("allowed", [(), (PAGE,)])
+def test_a_page_of_another_origin_makes_the_server_generate_nothing(engine, submitted, allowed):
+    """Any page the user's browser opened could make the server generate (their CPU or GPU): a POST with
+    Content-Type text/plain is a "simple request", sent without a preflight, and the server took any body type; the
+    page could not read the answer, but the work ran. Now an Origin the server does not allow is a 403 (as Ollama's),
+    before the body is read; its preflight is refused as before."""
+    evil = "https://evil.example"
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    with serving(create_app(engine, "tiny", allowed_origins=list(allowed))) as url:
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/"):
+            for content_type in ("text/plain", JSON, "application/x-www-form-urlencoded"):
+                body = chat if "chat" in path else {"model": "tiny", "prompt": "sea", "max_tokens": 4}
+                status, headers, answer = ask(url, "POST", path, {"origin": evil}, body, content_type)
+                assert refused_origin(status, answer, evil), (path, content_type, status, answer)
+                assert "access-control-allow-origin" not in headers
+        for origin in ("null", "http://localhost:3001", "http://127.0.0.1:3000"):  # a sandboxed page, other ports
+            status, _, answer = ask(url, "POST", "/v1/chat/completions", {"origin": origin}, chat, "text/plain")
+            assert refused_origin(status, answer, origin), (origin, status, answer)
+        status, _, answer = ask(url, "GET", "/metrics", {"origin": evil})
+        assert refused_origin(status, answer, evil)
+        status, headers, _ = ask(url, "OPTIONS", "/v1/chat/completions", {**PREFLIGHT, "Origin": evil})
+        assert status == (400 if allowed else 405) and "access-control-allow-origin" not in headers
+    assert submitted == []
+
+
+def test_an_allowed_origin_the_servers_own_and_no_origin_still_generate(engine, submitted):
+    """The check leaves alone every client that sends no Origin (curl, the openai client, httpx), the pages of the
+    --allowed-origins (spelled otherwise too) and a page on the server's own origin, where its host cannot be another
+    name for it (DNS rebinding: a page of evil.example whose name was made to resolve to 127.0.0.1 is same-origin
+    with it in the browser's eyes)."""
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    with serving(create_app(engine, "tiny", allowed_origins=parse_origins("HTTP://LocalHost:3000"))) as url:
+        port = url.rsplit(":", 1)[1]
+        status, headers, _ = ask(url, "POST", "/v1/chat/completions", {"origin": PAGE}, chat)
+        assert status == 200 and headers["access-control-allow-origin"] == PAGE
+        status, headers, _ = ask(url, "POST", "/v1/chat/completions", {}, chat)
         assert status == 200 and "access-control-allow-origin" not in headers
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LocalHost:{port}"):
+            own = {"origin": f"http://{host.lower()}", "host": host}
+            status, _, answer = ask(url, "POST", "/v1/chat/completions", own, chat)
+            assert status == 200, (host, status, answer)
+        status, _, _ = ask(url, "GET", "/v1/models", {"origin": f"http://127.0.0.1:{port}"})
+        assert status == 200
+        rebound = {"origin": f"http://evil.example:{port}", "host": f"evil.example:{port}"}
+        status, _, answer = ask(url, "POST", "/v1/chat/completions", rebound, chat)
+        assert refused_origin(status, answer, f"http://evil.example:{port}"), (status, answer)
+        other_port = {"origin": "http://127.0.0.1:1", "host": f"127.0.0.1:{port}"}
+        status, _, answer = ask(url, "POST", "/v1/chat/completions", other_port, chat)
+        assert status == 403, (status, answer)
+    assert len(submitted) == 5
+    with serving(create_app(engine, "tiny", allowed_origins=["*"])) as url:
+        status, headers, _ = ask(url, "POST", "/v1/completions", {"origin": "https://any.example"}, {"prompt": "a"})
+        assert status == 200 and headers["access-control-allow-origin"] == "*"
+
+
+def test_a_body_that_is_not_json_is_a_415_and_generates_nothing(engine, submitted):
+    """text/plain and the form types are the bodies a page may POST without a preflight; the server took any type, so
+    a browser that sent no Origin could still make it generate. Every client the tests and docs use sends
+    application/json; none, as a raw client may send, is still taken as JSON (as FastAPI and vLLM take it)."""
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    with serving(create_app(engine, "tiny")) as url:
+        for kind in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "text/json"):
+            status, _, answer = ask(url, "POST", "/v1/chat/completions", {}, chat, kind)
+            error = json.loads(answer)["error"]
+            assert status == 415 and error["code"] == "unsupported_media_type", (kind, status, answer)
+            assert "application/json" in error["message"] and repr(kind) in error["message"]
+        assert submitted == []
+        for kind in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
+            status, _, answer = ask(url, "POST", "/v1/chat/completions", {}, chat, kind)
+            assert status == 200, (kind, status, answer)
+    assert len(submitted) == 4
