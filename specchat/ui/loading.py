@@ -138,6 +138,7 @@ class ModelLoading:
         """Settings and panels for a model about to load: its models.toml drafter, its formats as configured."""
         self.config = config
         self.settings.drafter = model_drafter("default", config.model, config.chosen_device)
+        self.failed_drafter = None  # (F2 goes on from the new model's drafter)
         self.settings.weights = None if config.weights == "auto" else config.weights
         self.settings.kv = None if config.kv_format == "auto" else config.kv_format
         self.metrics = PanelFigures()

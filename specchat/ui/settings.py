@@ -125,6 +125,9 @@ class LiveSettings:
         self.switching: dict[str, str] = {}  # drafter / weights / kv changes on their way: name -> value
         self.quantizing: Quantizing | None = None
         self.switch_batches: list[SwitchBatch] = []  # changes an agent script waits for
+        self.failed_drafter: str | None = (
+            None  # the drafter last asked for, if it could not be built: F2 goes on from it
+        )
 
     def on_controls_panel_changed(self, message: ControlsPanel.Changed) -> None:
         """A control was used: apply it, and give the keyboard back to the chat (Enter must not press the button
@@ -296,6 +299,8 @@ class LiveSettings:
             return
         controls.set_busy(bool(self.switching))  # another change still on its way keeps its progress bar
         batch = next((batch for batch in self.switch_batches if message.name in batch.pending), None)
+        if message.name == "drafter":
+            self.failed_drafter = message.value if message.error is not None else None
         if message.cancelled or message.error is not None:
             controls.show(message.name, getattr(self.settings, message.name) or "")
             problem = f"quantizing to {message.value} stopped; nothing changed" if message.cancelled else message.error
@@ -347,9 +352,12 @@ class LiveSettings:
         self.change_setting("k", "auto")
 
     def action_next_drafter(self) -> None:
-        """Switch to the next drafter."""
+        """Switch to the next drafter: the one after the drafter in use, or after the last one asked for if it could
+        not be built (a model without trained heads: F2 asked for `heads` again and again, and never reached the
+        drafters after it)."""
         names = DRAFTERS
-        current = names.index(self.settings.drafter) if self.settings.drafter in names else -1
+        last = self.failed_drafter or self.settings.drafter
+        current = names.index(last) if last in names else -1
         self.change_setting("drafter", names[(current + 1) % len(names)])
 
     def action_toggle_weights(self) -> None:

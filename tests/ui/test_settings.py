@@ -151,3 +151,28 @@ async def test_a_setting_that_reports_while_the_app_closes_ends_nothing(make_app
         assert app.cancel_quantizing() is False and not app.switching
         await pilot.pause()
     assert app.return_value is None
+
+
+async def test_f2_goes_past_a_drafter_that_cannot_be_built(make_app, store):
+    """On a model without trained heads F2 went ngram -> heads (refused) -> heads (refused) ... for good: the drafters
+    after it were out of its reach."""
+    from specchat.config import DRAFTERS
+    from specchat.errors import ConfigError
+
+    class NoHeads(FakeEngine):
+        def set_drafter(self, name: str, request_id: int | None = None) -> None:
+            self.settings.setdefault("asked", []).append(name)
+            if "heads" in name:
+                raise ConfigError(f"no trained draft heads for this model ({name})")
+            super().set_drafter(name, request_id)
+
+    engine = NoHeads(total_tokens=6)
+    app = make_app(engine, drafter="ngram")
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(len(DRAFTERS)):
+            await pilot.press("f2")
+            await wait_for(pilot, lambda: not app.switching, timeout=10, what="the switch to end")
+        assert engine.settings["asked"] == ["heads", "ngram+heads", "eagle", "draft-model", "none", "ngram"]
+        assert app.settings.drafter == "ngram"
+        errors = [n.message for n in app._notifications if n.severity == "error"]
+        assert len(errors) == 2 and all("no trained draft heads" in e for e in errors)
