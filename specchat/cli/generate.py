@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.inputs import PromptItem, read_prompts
+from specchat.cli.inputs import PromptItem, check_stdout, read_prompts
 from specchat.cli.options import (
     StderrProgress,
     engine_config,
@@ -237,6 +237,7 @@ def generate(
 
     if raw and system is not None:
         raise click.UsageError("--system goes into the chat template, which --raw skips: give one or the other")
+    check_stdout()
     items = read_prompts(prompt, prompts_file)
     sampling = sampling_params(
         stop, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed

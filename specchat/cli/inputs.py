@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from specchat.errors import ConfigError, PromptError
+from specchat.errors import ConfigError, PromptError, SpecchatError
 
 JSONL_SUFFIX = ".jsonl"  # a prompt file with this suffix holds one JSON object per line
 MESSAGE_KEYS = ("role", "content")
@@ -93,13 +93,22 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[PromptIt
         return [PromptItem("--prompt", prompt)]
     if prompts_file is not None:
         return read_prompt_file(prompts_file)
-    if sys.stdin is not None and sys.stdin.isatty():
+    if sys.stdin is None:  # closed (`<&-`, a service without one): it raised AttributeError's traceback
+        raise click.UsageError("stdin is closed: give --prompt or --prompts-file")
+    if sys.stdin.isatty():
         raise click.UsageError("give --prompt, --prompts-file, or the prompt on stdin (echo hi | specchat generate)")
     try:
         text = sys.stdin.buffer.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PromptError(f"stdin: {utf8_error(exc)}") from None
     return [PromptItem("stdin", text.removeprefix(BOM).removesuffix("\n"))]
+
+
+def check_stdout() -> None:
+    """The answers have somewhere to go: with stdout closed (`>&-`) `generate` printed nothing and exited 0, and
+    `run --plain` aborted (exit 134) after a traceback."""
+    if sys.stdout is None:
+        raise SpecchatError("stdout is closed: the answers would go nowhere (redirect it to a file, or to /dev/null)")
 
 
 def read_prompt_file(path: Path) -> list[PromptItem]:

@@ -22,7 +22,7 @@ import click
 
 from specchat.cli import exit_status
 from specchat.cli.defaults import apply_defaults, load_defaults
-from specchat.cli.inputs import is_non_utf8
+from specchat.cli.inputs import check_stdout, is_non_utf8
 from specchat.cli.options import (
     StderrProgress,
     engine_config,
@@ -70,7 +70,10 @@ def read_message() -> str | None:
 
 def ask(prompt: str) -> str:
     """input() with its prompt where a person reads it, never among the answers on stdout (a file or a pipe of
-    them): none when stdin is not a terminal (piped messages), on stderr when only stdout is redirected."""
+    them): none when stdin is not a terminal (piped messages), on stderr when only stdout is redirected. A closed
+    stdin (`<&-`) is the end of input."""
+    if sys.stdin is None:
+        raise EOFError
     if not sys.stdin.isatty():
         return input()
     if sys.stdout.isatty():
@@ -276,6 +279,7 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     """
     from specchat.registry import resolve
 
+    check_stdout()
     defaults = load_defaults()  # a mistake in the file ends here, in one line naming the key
     given = {"model": model, "drafter": drafter, "k": k, "weights": weights, "temperature": temperature}
     given = apply_defaults(click.get_current_context(), defaults, {**given, "system": system})
@@ -289,7 +293,7 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     device = config.chosen_device
     if spec.drafter == "default" and (device is not None or not entry.default_drafter_varies()):
         spec = replace(spec, drafter=entry.default_drafter(device, config.tp))  # else the engine resolves it
-    if not plain and sys.stdin.isatty() and sys.stdout.isatty():
+    if not plain and stdin_is_terminal() and sys.stdout.isatty():
         from specchat.ui.app import run_tui
 
         run_tui(config, sampling, spec, given["system"], defaults.theme)  # loads the model itself, behind a notice
@@ -301,8 +305,13 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     click.echo(f"loading {entry.alias} (drafter {drafter}, k {'auto' if spec.k is None else spec.k})", err=True)
     chat = PlainChat(load_in_background(config, progress), progress, sampling, spec, given["system"])
     plain_repl(chat)
-    if chat.failed and not sys.stdin.isatty():  # a script piping messages in learns of failed answers (exit 1)
+    if chat.failed and not stdin_is_terminal():  # a script piping messages in learns of failed answers (exit 1)
         raise SpecchatError(f"{chat.failed} of {chat.sent} messages ended in an error (each named above)")
+
+
+def stdin_is_terminal() -> bool:
+    """stdin is a terminal (a person types); False for a pipe, a file, or none at all (closed: `<&-`)."""
+    return sys.stdin is not None and sys.stdin.isatty()
 
 
 def leave_while_loading(loading: Future):

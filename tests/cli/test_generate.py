@@ -163,3 +163,19 @@ def test_a_byte_order_mark_is_no_part_of_the_first_prompt(tiny_model_dir: Path, 
     )
     only_bom = CliRunner().invoke(main, ["generate", *args], input="\ufeff")
     assert only_bom.exit_code == 1 and "empty prompt" in only_bom.stderr
+
+
+def test_a_closed_stdin_or_stdout_is_one_line(tiny_model_dir: Path):
+    """`generate <&-` without --prompt raised AttributeError's traceback; `generate -p hi >&-` answered into nothing
+    and exited 0."""
+    from tests.cli.test_run import run_closed
+
+    args = ["generate", str(tiny_model_dir), "--device", "cpu", "--max-tokens", "2"]
+    no_stdin = run_closed(args, 0)
+    assert no_stdin.returncode == 2 and no_stdin.stderr.decode().startswith(
+        "specchat: error: stdin is closed: give --prompt or --prompts-file"
+    )
+    no_stdout = run_closed([*args, "-p", "hi"], 1)
+    assert no_stdout.returncode == 1 and no_stdout.stderr.decode().splitlines() == [
+        "specchat: error: stdout is closed: the answers would go nowhere (redirect it to a file, or to /dev/null)"
+    ]

@@ -249,3 +249,32 @@ def test_ctrl_c_while_a_message_is_encoded_stops_that_answer(tiny_engine, monkey
     err = capsys.readouterr().err
     assert "[stopped]" in err and err.count("[3 tokens") == 2
     assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi", "again"]
+
+
+def run_closed(args: list[str], fd: int):
+    """`specchat ARGS` in a process started with file descriptor `fd` closed (`<&-` or `>&-` in a shell)."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "specchat", *args], stdin=subprocess.DEVNULL, capture_output=True,
+        preexec_fn=lambda: os.close(fd), timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("plain", [["--plain"], []], ids=["plain", "tui"])
+def test_a_closed_stdin_is_the_end_of_input(tiny_model_dir: Path, plain: list[str]):
+    """`specchat run <&-` (a service, cron): stdin is None in Python, and the REPL (or the choice of it) ended in an
+    AttributeError's traceback; it is an input with no messages, as /dev/null's."""
+    proc = run_closed(["run", str(tiny_model_dir), *plain, "--device", "cpu", "--max-tokens", "2"], 0)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_closed_stdout_is_one_line():
+    """`specchat run --plain >&-`: input() raised 'lost sys.stdout', then the exit hook's flush, and torch aborted the
+    process (exit 134); nothing loads now, one line says why."""
+    proc = run_closed(["run", "--plain", "--max-tokens", "2"], 1)
+    assert proc.returncode == 1 and proc.stderr.decode().splitlines() == [
+        "specchat: error: stdout is closed: the answers would go nowhere (redirect it to a file, or to /dev/null)"
+    ]
