@@ -194,10 +194,20 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
         if not path.is_file():
             return
         try:
-            self.keymap = {str(k): str(v) for k, v in tomllib.loads(path.read_text()).items()}
+            table = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a BOM (Windows editors) is not TOML
+        except UnicodeDecodeError as exc:  # (it ended the app with a traceback)
+            self.notify(f"{path}: not valid UTF-8 (at byte {exc.start}); the default keys apply", severity="error")
+            return
         except (OSError, tomllib.TOMLDecodeError) as exc:
             self.notify(f"{path}: {exc}", severity="error")
             return
+        bad = [k for k, v in table.items() if not isinstance(v, str) or not v.strip()]
+        if bad:  # `new_chat = 5` bound the key 5, `new_chat = ""` took the binding away, in silence
+            self.notify(
+                f'{path}: {bad[0]} must be a key such as "ctrl+n" (keys separated by commas); it keeps its default',
+                severity="error",
+            )
+        self.keymap = {k: v for k, v in table.items() if k not in bad}
         self.set_keymap(self.keymap)
 
     def get_key_display(self, binding: Binding) -> str:

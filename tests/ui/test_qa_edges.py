@@ -342,3 +342,30 @@ async def test_a_chat_past_the_context_says_the_conversation_is_the_prompt(make_
             "^t starts a new chat"
         )
         assert pane.prompt_input.text == "thanks" and len(pane.messages) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "note"),
+    [
+        (b"\xff\xfenew_chat = 'ctrl+n'", "keymap.toml: not valid UTF-8 (at byte 0); the default keys apply"),
+        (b"new_chat = 5", 'keymap.toml: new_chat must be a key such as "ctrl+n"'),
+        (b'new_chat = ""', 'keymap.toml: new_chat must be a key such as "ctrl+n"'),
+        (b'\xef\xbb\xbfnew_chat = "ctrl+n"', None),  # a BOM (Windows editors) is not a mistake
+    ],
+    ids=["not-utf8", "number", "empty", "bom"],
+)
+async def test_a_keymap_file_with_a_mistake_is_one_notification(make_app, tmp_path, monkeypatch, content, note):
+    """A keymap.toml that was not UTF-8 ended the app at its start with UnicodeDecodeError's traceback; `new_chat = 5`
+    bound the key 5 and `new_chat = ""` unbound New chat, both in silence."""
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+    (tmp_path / "keymap.toml").write_bytes(content)
+    app = make_app(FakeEngine(total_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        errors = [n.message for n in app._notifications if n.severity == "error"]
+        if note is None:
+            assert errors == [] and app.keymap == {"new_chat": "ctrl+n"}
+        else:
+            assert len(errors) == 1 and note in errors[0] and app.keymap == {}
+        assert app.key_display("new_chat") == ("^n" if note is None else "^t")
+
