@@ -171,11 +171,22 @@ def _parse_llama(text: str, step: int) -> ParsedReply:
 
 
 def _parse_json(text: str, step: int) -> ParsedReply:
-    """Call-shaped JSON objects anywhere in the text; a broken object that starts like a call is an error."""
+    """Call-shaped JSON objects anywhere in the text, and lists of them (the list's brackets and commas are no part of
+    the reply's content); a broken object that starts like a call is an error."""
     collector = _Collector(step, "json")
     spans = []
     index = 0
-    while (start := text.find("{", index)) != -1:
+    while (start := _next_bracket(text, index)) != -1:
+        if text[start] == "[":
+            found = _call_list(text, start)
+            if found is not None:
+                collector.add(found[0])
+                end = found[1]
+                spans.append((start, end))
+                index = end
+            else:
+                index = start + 1
+            continue
         try:
             value, end = _decode_at(text, start)
         except _DecodeError as error:
@@ -196,6 +207,23 @@ def _parse_json(text: str, step: int) -> ParsedReply:
     if not spans:
         return ParsedReply(content=text.strip())
     return collector.finish(_remove_spans(text, spans))
+
+
+def _next_bracket(text: str, index: int) -> int:
+    """The index of the next '{' or '[' from index, or -1."""
+    found = [i for i in (text.find("{", index), text.find("[", index)) if i != -1]
+    return min(found, default=-1)
+
+
+def _call_list(text: str, start: int) -> tuple[list[object], int] | None:
+    """The JSON list at text[start] and its end, where it is a non-empty list of call-shaped objects, else None."""
+    try:
+        value, end = _decode_at(text, start)
+    except _DecodeError:
+        return None
+    if isinstance(value, list) and value and all(_is_call(item) for item in value):
+        return value, end
+    return None
 
 
 def _decode_at(text: str, start: int) -> tuple[object, int]:

@@ -153,6 +153,15 @@ def test_plain_json_in_a_fence_inside_prose():
     assert "I will read it." in reply.content and "Then answer." in reply.content
 
 
+def test_a_bare_list_of_calls_leaves_no_brackets_in_the_content():
+    text = 'Both: [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": [1]}}] then done'
+    reply = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in reply.calls] == [("f", {}), ("g", {"a": [1]})]
+    assert reply.content == "Both:  then done" and not reply.errors
+    other = parse_tool_calls('a list [1, 2] and {"name": "f", "arguments": {}}')  # a list of other things stays
+    assert other.content == "a list [1, 2] and" and [c.name for c in other.calls] == ["f"]
+
+
 def test_openai_function_wrapper():
     text = '{"type": "function", "function": {"name": "f", "arguments": "{\\"a\\": 1}"}}'
     assert [(c.name, c.arguments) for c in parse_tool_calls(text).calls] == [("f", {"a": 1})]
