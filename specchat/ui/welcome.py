@@ -32,20 +32,21 @@ def welcome_text(
 ) -> str:
     """Model and device (None: still loading), drafter, K, weights (`dtype`: the model dtype asked for, if any) and
     KV, then the keys (binding id -> key)."""
+    model, drafter = escape(model), escape(settings.drafter)  # a path or file name may hold "[...]": not markup
     if device is None:
         head = (
             f"Loading [b]{model}[/b]… Type your message now: it is sent as soon as the model is ready.\n"
-            f"drafter {settings.drafter}, K {k_text(settings.k)}"
+            f"drafter {drafter}, K {k_text(settings.k)}"
         )
     else:
         weights = weights_format(memory, dtype) if memory else NA
         head = (
-            f"[b]{model}[/b] on {device} · drafter [b]{settings.drafter}[/b], K {k_text(settings.k)} · "
+            f"[b]{model}[/b] on {device} · drafter [b]{drafter}[/b], K {k_text(settings.k)} · "
             f"weights {weights} · KV {memory.get('kv_format', NA)}\n"
             "Type a message and press Enter (Ctrl+J: new line). The panels on the right show speculative decoding "
             "live: the drafter proposes K tokens, the model checks them all in one step and keeps those it agrees with."
         )
     if settings.system:
         head += f"\nSystem prompt: {escape(shorten(' '.join(settings.system.split()), SYSTEM_SHOWN))}"
-    shortcuts = " · ".join(f"[b]{keys[id_]}[/b] {what}" for id_, what in WELCOME_KEYS if id_ in keys)
+    shortcuts = " · ".join(f"[b]{escape(keys[id_])}[/b] {what}" for id_, what in WELCOME_KEYS if id_ in keys)
     return f"{head}\n{shortcuts}"

@@ -369,3 +369,21 @@ async def test_a_keymap_file_with_a_mistake_is_one_notification(make_app, tmp_pa
             assert len(errors) == 1 and note in errors[0] and app.keymap == {}
         assert app.key_display("new_chat") == ("^n" if note is None else "^t")
 
+
+async def test_the_welcome_names_a_model_and_drafter_with_brackets_as_they_are(store, tmp_path):
+    """A model folder named `llama [finetuned]` (or a heads file under one) read as markup in the empty chat's welcome:
+    `llama ` alone, the bracketed part taken for a style."""
+    from specchat.config import EngineConfig
+
+    app = SpecchatApp(
+        engine=FakeEngine(),
+        config=EngineConfig(model="/models/llama [finetuned]"),
+        spec=SpecParams(drafter="heads:/heads/[bold red]v2.safetensors", k=4),
+        store=store,
+        transcript_dir=tmp_path,
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        welcome = str(app.chat.query_one(".welcome").render())
+        assert "/models/llama [finetuned] on cpu" in welcome, welcome
+        assert "drafter heads:/heads/[bold red]v2.safetensors, K 4" in welcome, welcome
