@@ -489,7 +489,11 @@ class SpecchatApp(AgentRuns, LiveSettings, ModelLoading, SavedConversations, App
 def run_tui(
     config: EngineConfig, sampling: SamplingParams, spec: SpecParams, system: str | None, theme: str | None = None
 ) -> None:
-    """Run the app; a load error ends it and is raised here, for the CLI to print as one line."""
-    error = SpecchatApp(config=config, sampling=sampling, spec=spec, system=system, theme=theme).run()
+    """Run the app; a load error ends it and is raised here, for the CLI to print as one line. An app that ended in
+    an exception (our bug: Textual has printed its traceback) ends the command with its status, 1, not 0."""
+    app = SpecchatApp(config=config, sampling=sampling, spec=spec, system=system, theme=theme)
+    error = app.run()
     if isinstance(error, Exception):
         raise error
+    if app.return_code:
+        raise SystemExit(app.return_code)

@@ -162,3 +162,21 @@ async def test_a_reply_that_ends_before_its_stream_ran_frees_the_chat(tiny_engin
         await pane.finish(Finished(99, "error", "", [], 9, SpecStats(), 0.0, 0.0, error="the KV cache is full"))
         assert not pane.busy and pane.messages == []
         assert "error: the KV cache is full" in footer(pane.query(MessageView).last())
+
+
+def test_an_app_that_ends_in_an_exception_ends_run_with_status_1(tmp_path, monkeypatch):
+    """A bug that ended the TUI in an exception printed Textual's traceback, and `specchat run` then exited 0."""
+    from specchat.config import EngineConfig
+    from specchat.ui.app import run_tui
+
+    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
+
+    def broken(self) -> None:
+        raise RuntimeError("a bug of ours")
+
+    run = SpecchatApp.run
+    monkeypatch.setattr(SpecchatApp, "on_mount", broken)
+    monkeypatch.setattr(SpecchatApp, "run", lambda self, **kwargs: run(self, headless=True, **kwargs))
+    with pytest.raises(SystemExit) as ended:
+        run_tui(EngineConfig(model="smollm2-135m"), SamplingParams(), SpecParams(), None)
+    assert ended.value.code == 1
