@@ -59,6 +59,12 @@ def read_message() -> str | None:
             line = ask("> " if not lines else ". ")
         except EOFError:
             return "\n".join(lines) if lines else None
+        except KeyboardInterrupt:  # at a terminal, Ctrl-C drops the line being typed, as a shell does: a second
+            if not stdin_is_terminal():  # Ctrl-C meant for an answer that had just ended left the chat, conversation
+                raise  # and all (piped messages: it stops the command, exit 130)
+            click.echo("\n(Ctrl-D or /quit leaves)", err=True)
+            lines = []
+            continue
         if is_non_utf8(line):
             raise PromptError("stdin: the message is not valid UTF-8")
         if line.endswith("\\"):

@@ -278,3 +278,32 @@ def test_a_closed_stdout_is_one_line():
     assert proc.returncode == 1 and proc.stderr.decode().splitlines() == [
         "specchat: error: stdout is closed: the answers would go nowhere (redirect it to a file, or to /dev/null)"
     ]
+
+
+def scripted_input(monkeypatch, answers: list, terminal: bool) -> None:
+    """stdin as a person at a terminal (or a pipe) gives it: each item a line, or an exception input() raises."""
+    feed = iter(answers)
+
+    def ask(prompt: str) -> str:
+        item = next(feed, EOFError())
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr("specchat.cli.run.ask", ask)
+    monkeypatch.setattr("specchat.cli.run.stdin_is_terminal", lambda: terminal)
+
+
+def test_ctrl_c_at_the_prompt_drops_the_line_and_the_chat_goes_on(tiny_engine, monkeypatch, capsys):
+    """A second Ctrl-C meant for an answer that had just ended landed at the prompt and left the REPL, the
+    conversation with it (exit 130); at a terminal it drops the line being typed, as a shell does."""
+    loading: Future = Future()
+    loading.set_result(tiny_engine)
+    chat = PlainChat(loading, LoadProgress(), SamplingParams(max_tokens=3, ignore_eos=True), SpecParams("none", 4))
+    scripted_input(monkeypatch, ["hello", "half a line \\", KeyboardInterrupt(), "again"], terminal=True)
+    plain_repl(chat)
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hello", "again"]
+    assert "(Ctrl-D or /quit leaves)" in capsys.readouterr().err
+    scripted_input(monkeypatch, ["hello", KeyboardInterrupt(), "never read"], terminal=False)
+    with pytest.raises(KeyboardInterrupt):  # piped messages: Ctrl-C stops the command
+        plain_repl(chat)
