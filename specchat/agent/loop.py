@@ -143,10 +143,8 @@ class AgentRun:
     def _loop(self) -> tuple[str, str | None]:
         """(reason, answer) at the end of the loop."""
         while self.step < self.script.max_steps:
-            if self.session.cancelled.is_set():
-                return "cancelled", None
-            if time.perf_counter() >= self.deadline:
-                return "max_wall_s", None
+            if (limit := self._stopped()) is not None:
+                return limit, None
             self.step += 1
             try:
                 turn = self._generate()
@@ -161,7 +159,15 @@ class AgentRun:
             answer = self._act(turn.text)
             if answer is not None:
                 return "final", answer
-        return "max_steps", None
+        return self._stopped() or "max_steps", None  # a last step's calls cut short by a stop or the wall time
+
+    def _stopped(self) -> str | None:
+        """'cancelled' once the runs were stopped, 'max_wall_s' once the run's wall time is up, else None."""
+        if self.session.cancelled.is_set():
+            return "cancelled"
+        if time.perf_counter() >= self.deadline:
+            return "max_wall_s"
+        return None
 
     def _guided(self) -> bool:
         """Whether this turn is written as a guided call (tool_choice "required", or "first" on step 1)."""
@@ -222,6 +228,8 @@ class AgentRun:
         for message in parsed.errors:
             self.emit(Error(self.index, self.step, message))
         for call in parsed.calls:
+            if self._stopped() is not None:  # the call in flight finished; later ones are not started
+                return None
             self.emit(ToolCallEvent(self.index, self.step, call.id, call.name, call.arguments))
             result = self.toolbox.call(call.name, call.arguments)
             self.emit(

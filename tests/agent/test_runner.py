@@ -372,3 +372,19 @@ def test_a_workspace_removed_while_the_model_loads_is_one_line(tmp_path):
     (tmp_path / "ws").rmdir()
     with pytest.raises(SpecchatError, match=r"^workspace: cannot use .*ws: No such file or directory$"):
         AgentSession(ScriptedEngine([]), script)
+
+
+def test_calls_after_the_wall_time_are_not_run(tmp_path):
+    """max_wall_s bounds a run: the calls of one reply ran to the last after it had passed (six calls of a tool that
+    takes longer than the limit ran the run to six times it), and a last step's then ended as max_steps. The call in
+    flight finishes; the later ones are not started, and the run ends as max_wall_s."""
+    (tmp_path / "slow.py").write_text(
+        "import time\nfrom specchat.agent import tool\n\n\n@tool\ndef wait(seconds: float) -> str:\n"
+        '    """Wait."""\n    time.sleep(seconds)\n    return "waited"\n'
+    )
+    path = tmp_path / "agent.toml"
+    path.write_text('tasks = ["t"]\nmax_wall_s = 2\nmax_steps = 1\n[tools.user]\nmodule = "slow.py"\ntimeout_s = 30\n')
+    calls = "<tool_call>[" + ", ".join(['{"name": "wait", "arguments": {"seconds": 2.5}}'] * 6) + "]</tool_call>"
+    outcomes, events = run(ScriptedEngine([calls]), path)
+    assert [e.content for e in events if isinstance(e, ToolResultEvent)] == ["waited"]
+    assert (outcomes[0].reason, outcomes[0].steps) == ("max_wall_s", 1)
