@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,12 @@ from specchat.engine.stats import SpecStats
 from specchat.errors import ConfigError, SpecchatError
 
 __all__ = ["AgentSession", "RunOutcome", "session_end", "usable_spec"]
+
+# How often run() wakes while it waits for the runs. A process-directed signal (Ctrl-C, SIGTERM) that the kernel hands
+# to one of the runs' threads only flags it for the main thread, which runs Python handlers; blocked on a lock with no
+# timeout, the main thread then never saw it until a run ended (with a run waiting on a slow tool or a long turn, it
+# seemed to ignore Ctrl-C).
+SIGNAL_POLL_S = 0.1
 
 
 def usable_spec(engine: AgentEngine, spec: SpecParams) -> tuple[SpecParams, str | None]:
@@ -120,8 +126,10 @@ class AgentSession:
 
         started, hits_before = time.perf_counter(), prefix_hit_tokens(self.engine)
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="specchat-agent") as pool:
-            futures = [pool.submit(self._run_one, index, emit) for index in range(len(self.script.tasks))]
-            try:
+            try:  # (the submits too: a Ctrl-C among them left the runs started going, and the pool waited on them)
+                futures = [pool.submit(self._run_one, index, emit) for index in range(len(self.script.tasks))]
+                while not wait(futures, timeout=SIGNAL_POLL_S).done.issuperset(futures):
+                    pass  # (SIGNAL_POLL_S)
                 outcomes = [future.result() for future in futures]
             except BaseException:
                 self.cancel()

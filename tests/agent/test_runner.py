@@ -388,3 +388,30 @@ def test_calls_after_the_wall_time_are_not_run(tmp_path):
     outcomes, events = run(ScriptedEngine([calls]), path)
     assert [e.content for e in events if isinstance(e, ToolResultEvent)] == ["waited"]
     assert (outcomes[0].reason, outcomes[0].steps) == ("max_wall_s", 1)
+
+
+def test_ctrl_c_that_reaches_a_runs_thread_stops_the_session(tmp_path):
+    """The kernel hands a process-directed signal (Ctrl-C, SIGTERM) to any thread; one that reached a run's thread
+    only flagged it for the main thread, blocked on a run's result without a timeout, so Ctrl-C did nothing until a
+    run ended (here, never: the reply hangs until it is cancelled)."""
+    import signal
+
+    session = AgentSession(ScriptedEngine([HANG]), load_script(write_script(tmp_path)))
+    rescued = threading.Event()
+
+    def interrupt_a_run() -> None:
+        while not (runs := [t for t in threading.enumerate() if t.name.startswith("specchat-agent")]):
+            time.sleep(0.01)
+        signal.pthread_kill(runs[0].ident, signal.SIGINT)
+        if not session.cancelled.wait(30):  # the interrupt was lost: end the run, so that the test fails, not hangs
+            rescued.set()
+            session.cancel()
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=interrupt_a_run, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            session.run(lambda event: None)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert not rescued.is_set()
