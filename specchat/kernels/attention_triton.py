@@ -6,8 +6,8 @@ The kernel is split-KV ("flash-decoding", Dao et al. 2023): program (partition, 
 online softmax (Milakov & Gimelshein 2018) over one slice of the context for all query rows of its KV group
 (q_len tokens x H/KVH heads, so each key tile is read once for the whole group), and the last program of a
 (request, KV head) to finish merges the partitions (an arrival counter, as split-K GEMMs fix up their tiles;
-one launch a layer instead of two: `merge_counters`; the merge kernel where there are none). Quantized tiles
-are decoded in registers, never written back:
+one launch a layer instead of two: kernels/device.py's `arrival_counters`; the merge kernel where there are
+none). Quantized tiles are decoded in registers, never written back:
 
 - MXFP8 codes are E4M3 bytes, which sm_89+ converts to fp16 two at a time (`cvt.rn.f16x2.e4m3x2`). An MXFP4
   code (E2M1: sign, 2 exponent bits, mantissa) becomes an E4M3 byte by placing its bits, the sign at bit 7 and
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from specchat.kernels import pdl, pdl_triton
 from specchat.kernels.attention import AttentionMetadata, fill_partitions, paged_attention_supported
-from specchat.kernels.device import sm_count
+from specchat.kernels.device import ARRIVAL_COUNTERS, arrival_counters, sm_count
 from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor
 from specchat.kernels.kv_quant_triton import pow2
 from specchat.kernels.mxfp4_decode import join4, word_bytes
@@ -582,7 +582,7 @@ def paged_attention(
     block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages), num_warps, key_rows (keys as
     the MMA's rows; default: for quantized pages), num_stages and max_registers (per thread) are launch settings
     for benchmarks to sweep; decode (DECODE_*; default: the device's best) lets tests run each decode;
-    merge_in_kernel=False merges the partitions in a second kernel (as where `merge_counters` has none).
+    merge_in_kernel=False merges the partitions in a second kernel (as where there are no `arrival_counters`).
     """
     quantized = k_pages.fmt != DENSE
     if block_n is None:
@@ -634,7 +634,7 @@ def paged_attention(
     )
 
     out = torch.empty_like(q)
-    counters = merge_counters(q.device, batch * kv_heads) if merge_in_kernel else None
+    counters = arrival_counters(q.device) if merge_in_kernel and batch * kv_heads <= ARRIVAL_COUNTERS else None
 
     def kernel_args(partitions: int) -> tuple:
         """The kernel's arguments for `partitions` slices of the context, the partials' buffers first."""
@@ -693,23 +693,6 @@ def paged_attention(
         **pdl_options,
     )
     return out
-
-
-MERGE_COUNTERS = 1 << 16  # (request, KV head) pairs whose partitions the kernel merges itself; more: the merge kernel
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """The device's arrival counters (int32, zero between launches: the merging program resets its own) for the
-    kernel's own merge of `pairs` groups of partitions, made once at MERGE_COUNTERS, so CUDA graphs captured
-    with them keep a live buffer. None (the separate merge kernel) for more pairs, and where first asked during a
-    graph's capture: zeros written there would only be written when the graph replays."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if pairs > MERGE_COUNTERS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        counters = _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return counters if pairs <= MERGE_COUNTERS else None
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

@@ -19,7 +19,8 @@ from specchat.kernels.attention import (
     paged_attention_reference,
     paged_attention_supported,
 )
-from specchat.kernels.attention_triton import DECODE_BITS, DECODE_E4M3, merge_counters, paged_attention
+from specchat.kernels.attention_triton import DECODE_BITS, DECODE_E4M3, paged_attention
+from specchat.kernels.device import arrival_counters
 from specchat.kernels.kv_quant import PageTensor
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
@@ -177,7 +178,7 @@ def test_merge_in_kernel_equals_merge_kernel(case):
     runs = [paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=3) for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
     torch.testing.assert_close(runs[0].float(), separate.float(), atol=1e-5, rtol=1e-5)
-    assert not merge_counters(q.device, 1).any()
+    assert not arrival_counters(q.device).any()
     one = paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=1)  # no partials: the output at once
     torch.testing.assert_close(one.float(), separate.float(), atol=2e-2, rtol=2e-2)
 
