@@ -101,7 +101,8 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[PromptIt
         text = sys.stdin.buffer.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PromptError(f"stdin: {utf8_error(exc)}") from None
-    return [PromptItem("stdin", text.removeprefix(BOM).removesuffix("\n"))]
+    # CR LF (Windows pipes: PowerShell's `echo hi |`) as the line end it is: each CR was a token of the prompt
+    return [PromptItem("stdin", text.removeprefix(BOM).replace("\r\n", "\n").removesuffix("\n"))]
 
 
 def check_stdout() -> None:

@@ -179,3 +179,14 @@ def test_a_closed_stdin_or_stdout_is_one_line(tiny_model_dir: Path):
     assert no_stdout.returncode == 1 and no_stdout.stderr.decode().splitlines() == [
         "specchat: error: stdout is closed: the answers would go nowhere (redirect it to a file, or to /dev/null)"
     ]
+
+
+def test_a_prompt_piped_with_windows_line_ends_is_the_same_prompt(tiny_model_dir: Path):
+    """`echo hi | specchat generate` from PowerShell sends "hi\\r\\n": the CR stayed in the prompt, a token more, and
+    the answer was another (a prompt file's lines, and run --plain's messages, never had it)."""
+    args = ["generate", str(tiny_model_dir), "--raw", "--json", "--max-tokens", "4"]
+    unix = CliRunner().invoke(main, args, input="first line\nsecond\n")
+    windows = CliRunner().invoke(main, args, input="first line\r\nsecond\r\n")
+    assert unix.exit_code == windows.exit_code == 0, windows.output
+    assert json.loads(windows.stdout)["stats"]["prompt_tokens"] == json.loads(unix.stdout)["stats"]["prompt_tokens"]
+    assert json.loads(windows.stdout)["token_ids"] == json.loads(unix.stdout)["token_ids"]
