@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import tempfile
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,14 +17,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from specchat.agent.demos import Demo, DemoCall, empty_answer
+from specchat.agent.isolation import Isolation
 from specchat.agent.processes import ProcessLimits
 from specchat.agent.tools import (
     BUILTIN_TOOLS,
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
     FINAL_ANSWER,
+    Tool,
     ToolOptions,
     ToolsConfig,
+    build_toolbox,
+    check_arguments,
 )
 from specchat.agent.usertools import load_user_tools
 from specchat.config import K_MAX_LIMIT, KV_CHOICES, WEIGHT_CHOICES, SamplingParams, SpecParams, check_drafter_name
@@ -158,10 +163,15 @@ class AgentScript:
             raise ConfigError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {self.tool_choice!r}")
         if self.tool_choice != "auto" and not self.tools.names:
             raise ConfigError(f"tool_choice = {self.tool_choice!r} needs at least one tool enabled")
+        tools = self._tools_for_examples()
         for index, demo in enumerate(self.examples, 1):
-            for call in demo.calls:
+            for number, call in enumerate(demo.calls, 1):
                 if call.name not in self.tools.names:
                     raise ConfigError(f"examples[{index}] calls {call.name!r}, which is not an enabled tool")
+                try:  # as a run checks a call: an argument misspelt in an example was copied into every run's calls
+                    check_arguments(tools[call.name], call.arguments)
+                except ValueError as error:
+                    raise ConfigError(f"examples[{index}].calls[{number}]: {error}") from None
             if self.stop.kind == "regex" and self.stop.answer_in(demo.answer) is None:
                 # the example is the reply that should end a run: one the stop misses teaches replies that never end
                 raise ConfigError(f"examples[{index}].answer does not match stop.regex {self.stop.value!r}")
@@ -171,6 +181,14 @@ class AgentScript:
                 raise ConfigError(f"examples[{index}].answer {why}")
         if self.tool_choice == "required" and self.stop.kind != "tool":
             raise ConfigError('tool_choice = "required" makes every turn a tool call: it needs the final_answer stop')
+
+    def _tools_for_examples(self) -> dict[str, Tool]:
+        """The enabled tools by name, for checking the examples' calls (their schemas; nothing runs)."""
+        if not any(demo.calls for demo in self.examples):
+            return {}
+        root = self.workspace or Path(tempfile.gettempdir())  # (the file tools are bound to a folder that exists)
+        toolbox = build_toolbox(self.tools, root, confirm=lambda command: False, isolation=Isolation(False))
+        return toolbox.tools
 
     @property
     def name(self) -> str:

@@ -241,6 +241,21 @@ def test_regex_stop_without_groups_returns_the_match():
             "examples[1] calls 'grep', which is not an enabled tool",
         ),
         ('tasks = ["x"]\n[[examples]]\ntask = "y"\nanswer = "z"\ncalls = [{ result = "1" }]', "calls[1] needs a name"),
+        (  # the example taught a call that every run then made and got an error for
+            'tasks = ["x"]\n[tools]\nenabled = ["python"]\n[[examples]]\ntask = "y"\nanswer = "z"\n'
+            'calls = [{ name = "python", arguments = { cod = "print(1)" } }]',
+            "examples[1].calls[1]: unknown argument 'cod' for python; parameters: code",
+        ),
+        (
+            'tasks = ["x"]\n[tools]\nenabled = ["read_file"]\n[[examples]]\ntask = "y"\nanswer = "z"\n'
+            'calls = [{ name = "read_file", result = "1" }]',
+            "examples[1].calls[1]: missing required argument 'path' for read_file",
+        ),
+        (
+            'tasks = ["x"]\n[tools]\nenabled = ["read_file"]\n[[examples]]\ntask = "y"\nanswer = "z"\n'
+            'calls = [{ name = "read_file", arguments = { path = ["a.txt"] } }]',
+            "examples[1].calls[1]: argument 'path' of read_file must be string, got array",
+        ),
         (  # a TOML date passed the checks and failed once the model was loaded (not JSON serializable)
             'tasks = ["x"]\n[[examples]]\ntask = "y"\nanswer = "z"\n'
             'calls = [{ name = "python", arguments = { code = 1979-05-27T07:32:00Z } }]',
