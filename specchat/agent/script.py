@@ -280,14 +280,20 @@ def _tasks(top: _Table, base: Path) -> list[str]:
     if (why := path_problem(path, str(path))) is not None:
         raise ConfigError(f"tasks_file: {why}")
     if path.suffix == ".toml":
-        return _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
+        tasks = _wrap(f"tasks_file {path}", lambda: _Table(_read_toml(path), "", ("tasks",)).strings("tasks", []))
+        if not tasks:
+            raise ConfigError(f"tasks_file {path} has no tasks: give them as tasks = [...] there")
+        return tasks
     try:
         lines = path.read_bytes().decode("utf-8-sig").splitlines()  # a BOM (Windows editors) is no task
     except UnicodeDecodeError as error:
         raise ConfigError(f"tasks_file {path}: not valid UTF-8 (at byte {error.start})") from None
     except OSError as error:
         raise ConfigError(f"tasks_file {path}: cannot read ({error.strerror or error})") from None
-    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    tasks = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not tasks:
+        raise ConfigError(f"tasks_file {path} has no tasks: one a line (blank lines and # lines are skipped)")
+    return tasks
 
 
 def _examples(top: _Table) -> list[Demo]:

@@ -328,3 +328,11 @@ def test_a_tasks_file_with_a_byte_order_mark(tmp_path: Path):
     (tmp_path / "tasks.txt").write_bytes("\ufeff# comment\r\nfirst task\r\n".encode())
     script = load_script(write(tmp_path, 'tasks_file = "tasks.txt"'))
     assert script.tasks == ["first task"]
+
+
+@pytest.mark.parametrize(("name", "text"), [("tasks.txt", "# only a comment\n\n"), ("tasks.toml", "tasks = []\n")])
+def test_a_tasks_file_without_tasks_names_the_file(tmp_path: Path, name: str, text: str):
+    """It said 'no tasks: give tasks = [...] or tasks_file = ...', to a script that gave a tasks_file."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=rf": tasks_file {tmp_path.resolve()}/{name} has no tasks"):
+        load_script(write(tmp_path, f'tasks_file = "{name}"'))
