@@ -109,7 +109,6 @@ def test_a_residual_is_added_before_the_rounding_as_addmm_adds_it(m: int, n: int
 
 
 @kernel_test
-@kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 576), (5, 576, 1536), (16, 200, 576), (2, 1024, 64)])
 def test_add_norm_equals_add_rms_norm_of_the_plain_gemv(m: int, n: int, k: int, dtype: torch.dtype) -> None:
@@ -129,6 +128,7 @@ def test_add_norm_equals_add_rms_norm_of_the_plain_gemv(m: int, n: int, k: int, 
     assert torch.equal(s2, s) and torch.equal(y2, y)
 
 
+@kernel_test
 def test_leading_dims_are_kept() -> None:
     x, w = operands(6, 48, 64, torch.float16, seed=3)
     assert torch.equal(dense_gemv(x.view(2, 3, 64), w), dense_gemv(x, w).view(2, 3, 48))
