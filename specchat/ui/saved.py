@@ -53,6 +53,13 @@ class SavedConversations:
             if pane.conversation_id == conversation_id:
                 tabs.active = pane.parent.id
                 return
+        if self.store.conversation(conversation_id) is None:  # deleted since the history listed it (another
+            # specchat): opened, the chat took its dead id, and the store dropped every message sent there
+            self.notify(
+                "that conversation is no longer saved (deleted meanwhile?), or the store cannot be read now",
+                severity="warning",
+            )
+            return
         pane = (
             self.chat if self.chat is not None and self.chat.conversation_id is None else await self.action_new_chat()
         )

@@ -142,3 +142,21 @@ async def test_a_reopened_chat_keeps_the_system_prompt_it_began_with(store: Chat
             ("user", "hi"),
             ("assistant", "bonjour"),
         ]
+
+
+async def test_a_conversation_deleted_elsewhere_is_not_opened(store: ChatStore):
+    """The history lists a conversation that another specchat deletes before Enter: it opened as an empty chat under
+    the dead id, and every message sent there was dropped by the store (its conversation gone), the chat unsaved."""
+    gone = saved(store, "Deleted elsewhere", "hi", "hello")
+    app = SpecchatApp(engine=FakeEngine(total_tokens=4), store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        store.delete_conversation(gone)  # (as another process would)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen))
+        assert app.chat.conversation_id is None
+        assert any("no longer saved" in n.message for n in app._notifications)
+        await type_prompt(pilot, "still saved")
+        await wait_for(pilot, lambda: len(app.chat.messages) == 2, what="the answer")
+        assert store.flush() and [m.content for m in store.messages(app.chat.conversation_id)][:1] == ["still saved"]
