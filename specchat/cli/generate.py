@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.inputs import PromptItem, check_stdout, read_prompts
+from specchat.cli.inputs import PromptItem, check_flag_text, check_stdout, read_prompts
 from specchat.cli.options import (
     StderrProgress,
     engine_config,
@@ -238,6 +238,8 @@ def generate(
     if raw and system is not None:
         raise click.UsageError("--system goes into the chat template, which --raw skips: give one or the other")
     check_stdout()
+    for flag, text in [("--system", system), *(("--stop", text) for text in stop)]:
+        check_flag_text(flag, text)
     items = read_prompts(prompt, prompts_file)
     sampling = sampling_params(
         stop, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed

@@ -75,6 +75,21 @@ def is_non_utf8(text: str) -> bool:
     return False
 
 
+def check_flag_text(flag: str, value: str | None) -> None:
+    """A text flag (--system, --stop) holds UTF-8: bytes that are not reach Python as lone surrogates, and the
+    engine then refused every prompt as "not valid Unicode text", naming --prompt or each line of a prompts file
+    (every message of `run`) instead of the flag."""
+    if value is None or not is_non_utf8(value):
+        return
+    try:
+        value.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{flag}: {utf8_error(exc)}") from None
+    except UnicodeEncodeError:  # (a lone surrogate that stands for no byte)
+        pass
+    raise ConfigError(f"{flag}: not valid Unicode text (it holds a lone surrogate)")
+
+
 @dataclass(slots=True)
 class PromptItem:
     """One prompt to run: text or chat messages, or why its line could not be read (`prompt` is then None)."""

@@ -22,7 +22,7 @@ import click
 
 from specchat.cli import exit_status
 from specchat.cli.defaults import apply_defaults, load_defaults
-from specchat.cli.inputs import check_stdout, is_non_utf8
+from specchat.cli.inputs import check_flag_text, check_stdout, is_non_utf8
 from specchat.cli.options import (
     StderrProgress,
     engine_config,
@@ -286,6 +286,7 @@ def run(model, device, dtype, weights, system, plain, max_tokens, temperature, t
     from specchat.registry import resolve
 
     check_stdout()
+    check_flag_text("--system", system)
     defaults = load_defaults()  # a mistake in the file ends here, in one line naming the key
     given = {"model": model, "drafter": drafter, "k": k, "weights": weights, "temperature": temperature}
     given = apply_defaults(click.get_current_context(), defaults, {**given, "system": system})

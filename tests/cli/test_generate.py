@@ -190,3 +190,18 @@ def test_a_prompt_piped_with_windows_line_ends_is_the_same_prompt(tiny_model_dir
     assert unix.exit_code == windows.exit_code == 0, windows.output
     assert json.loads(windows.stdout)["stats"]["prompt_tokens"] == json.loads(unix.stdout)["stats"]["prompt_tokens"]
     assert json.loads(windows.stdout)["token_ids"] == json.loads(unix.stdout)["token_ids"]
+
+
+def test_a_text_flag_that_is_not_utf8_is_named(tiny_model_dir: Path, tmp_path: Path):
+    """`--system $'\\xff'` (bytes that are not UTF-8 reach Python as lone surrogates): the engine refused the prompt as
+    "not valid Unicode text", blaming --prompt, or every line of a prompts file; a --stop of them never matched."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n")
+    args = ["generate", str(tiny_model_dir), "--max-tokens", "2"]
+    for flags, error in [
+        (["-p", "hi", "--system", "bad\udcff"], "--system: not valid UTF-8 (byte 0xff at offset 3)"),
+        (["--prompts-file", str(prompts), "--system", "\udcff"], "--system: not valid UTF-8 (byte 0xff at offset 0)"),
+        (["-p", "hi", "--stop", "ok", "--stop", "\udce9t\udce9"], "--stop: not valid UTF-8 (byte 0xe9 at offset 0)"),
+    ]:
+        result = CliRunner().invoke(main, [*args, *flags])
+        assert result.exit_code == 1 and result.stderr.splitlines() == [f"specchat: error: {error}"], result.output

@@ -307,3 +307,10 @@ def test_ctrl_c_at_the_prompt_drops_the_line_and_the_chat_goes_on(tiny_engine, m
     scripted_input(monkeypatch, ["hello", KeyboardInterrupt(), "never read"], terminal=False)
     with pytest.raises(KeyboardInterrupt):  # piped messages: Ctrl-C stops the command
         plain_repl(chat)
+
+
+def test_a_system_prompt_that_is_not_utf8_is_named_before_anything_loads(tiny_model_dir: Path):
+    """`run --system $'\\xff'` refused every message, each as "the prompt is not valid Unicode text"."""
+    result = CliRunner().invoke(main, ["run", str(tiny_model_dir), "--plain", "--system", "be\udcff"], input="hi\n")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == ["specchat: error: --system: not valid UTF-8 (byte 0xff at offset 2)"]
