@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -89,6 +90,21 @@ def stdout_closed() -> bool:
         return True
 
 
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # a full disk (stdout redirected to it, /dev/full)
+
+
+def report_failed_write(exc: OSError) -> int:
+    """A write to an open file that failed for room (no file name: the output redirected to a full disk or
+    /dev/full; the files we write name theirs in their own errors) is one line and status 1; what stdout still buffers
+    goes where it can, else nowhere (`discard`), so that the interpreter's flush at exit does not fail again."""
+    click.echo(f"specchat: cannot write the output: {exc.strerror}", err=True)
+    try:
+        sys.__stdout__.flush()
+    except (OSError, ValueError):
+        discard(sys.__stdout__)
+    return 1
+
+
 def report_closed_stdout() -> int:
     """Output cut short by a reader that quit (`| head -1`) ends quietly, as `git log | head -1` or `cat | head -1`
     do: the reader chose to stop, nothing failed. Stdout is pointed at /dev/null so that the interpreter's own
@@ -146,6 +162,11 @@ class Group(click.Group):
             if not stdout_closed():
                 raise
             _EXIT_STATUS[0] = report_closed_stdout()
+            sys.exit(_EXIT_STATUS[0])
+        except OSError as exc:
+            if exc.errno not in WRITE_ERRORS or exc.filename is not None:
+                raise
+            _EXIT_STATUS[0] = report_failed_write(exc)
             sys.exit(_EXIT_STATUS[0])
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

@@ -230,3 +230,20 @@ def test_a_closed_stdout_pipe_ends_quietly_with_sigpipes_status(args, tiny_model
         os.close(write_end)
     assert proc.returncode == 141
     assert proc.stderr == ""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device every write to fails: ENOSPC)")
+@pytest.mark.parametrize(
+    "args", [("models",), ("generate", "{tiny}", "-p", "hi", "--max-tokens", "3"), ("generate", "{tiny}", "-p", "hi",
+    "--max-tokens", "3", "--json")]
+)  # fmt: skip
+def test_output_to_a_full_disk_is_one_line_and_status_1(args, tiny_model_dir: Path):
+    """stdout redirected to a full disk (`> /dev/full`): one line naming the failure, status 1, no traceback (an
+    OSError traceback before)."""
+    argv = [a.replace("{tiny}", str(tiny_model_dir)) for a in args]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "specchat", *argv], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300
+        )
+    assert proc.returncode == 1
+    assert_one_line_error(proc, "cannot write the output", "No space left on device")
