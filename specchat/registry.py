@@ -63,6 +63,8 @@ class ModelSpec:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
                 raise ConfigError(f"model {self.alias!r}: {key} must be a {kind.__name__}, got {value!r}")
+        if self.size is not None and self.size <= 0:
+            raise ConfigError(f"model {self.alias!r}: size is the file's bytes, a positive number, got {self.size}")
         for name in (self.drafter, self.cpu_drafter):
             if name is not None:
                 check_drafter_name(name)

@@ -165,3 +165,13 @@ def test_a_derived_folder_that_cannot_be_made_is_returned_for_its_writers_to_ski
     assert folder.parent == home / "derived" and (home / "derived").is_file()
     (home / "derived").unlink()
     assert derived_dir(model) == folder and folder.is_dir()
+
+
+@pytest.mark.parametrize("size", [0, -5])
+def test_a_size_that_is_no_file_size_is_refused(size):
+    """`size = -5` in a user's models.toml loaded, and `specchat models` listed the model as "-5 B"."""
+    from specchat.errors import ConfigError
+    from specchat.registry import ModelSpec
+
+    with pytest.raises(ConfigError, match="size is the file's bytes"):
+        ModelSpec("mine", "gguf", path="m.gguf", size=size)
