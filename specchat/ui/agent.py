@@ -29,7 +29,11 @@ class AgentApp(SpecchatApp):
 
 
 def run_agent_app(script: AgentScript, config: EngineConfig, concurrency: int | None) -> None:
-    """Run the app; a load error ends it and is raised here, for the CLI to print as one line."""
-    error = AgentApp(script, config, concurrency).run()
+    """Run the app; a load error ends it and is raised here, for the CLI to print as one line. An app that ended in
+    an exception (our bug: Textual has printed its traceback) ends the command with its status, 1, not 0."""
+    app = AgentApp(script, config, concurrency)
+    error = app.run()
     if isinstance(error, Exception):
         raise error
+    if app.return_code:
+        raise SystemExit(app.return_code)
