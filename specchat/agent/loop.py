@@ -227,8 +227,10 @@ class AgentRun:
         self.messages.append(assistant_message(reply, parsed, structured))
         for message in parsed.errors:
             self.emit(Error(self.index, self.step, message))
-        for call in parsed.calls:
-            if self._stopped() is not None:  # the call in flight finished; later ones are not started
+        for position, call in enumerate(parsed.calls):
+            # past the wall time, the reply's later calls are not started (the one before has finished); its first
+            # call runs, as a reply that ended in time is acted on, and so does a final answer, which runs nothing
+            if position and call.name != FINAL_ANSWER and self._stopped() is not None:
                 return None
             self.emit(ToolCallEvent(self.index, self.step, call.id, call.name, call.arguments))
             result = self.toolbox.call(call.name, call.arguments)

@@ -415,3 +415,23 @@ def test_ctrl_c_that_reaches_a_runs_thread_stops_the_session(tmp_path):
     finally:
         signal.signal(signal.SIGINT, before)
     assert not rescued.is_set()
+
+
+def test_a_reply_that_ends_just_past_the_wall_time_still_gives_its_final_answer(tmp_path, monkeypatch):
+    """A reply that finished (not cut off) as max_wall_s ran out is acted on: its final_answer call counts, as a tag
+    answer in the same reply would; only the calls after the first are not started once the time is up."""
+    import time
+
+    import tests.agent.scripted_engine as scripted
+
+    class Slow(scripted.ScriptedHandle):
+        def events(self):
+            time.sleep(1.2)  # the reply ends after the wall time: the engine's cancel came too late to stop it
+            yield from super().events()
+
+    monkeypatch.setattr(scripted, "ScriptedHandle", Slow)
+    path = tmp_path / "agent.toml"
+    path.write_text('tasks = ["t"]\nmax_wall_s = 1\nmax_steps = 3\n[tools]\nenabled = ["final_answer"]\n')
+    reply = '<tool_call>[{"name": "final_answer", "arguments": {"answer": "391"}}]</tool_call>'
+    outcomes, _ = run(ScriptedEngine([reply]), path)
+    assert (outcomes[0].reason, outcomes[0].answer) == ("final", "391")
