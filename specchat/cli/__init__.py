@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 
 from specchat.registry import cache_dir
@@ -90,13 +91,25 @@ def stdout_closed() -> bool:
         return True
 
 
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # a full disk (stdout redirected to it, /dev/full)
+def stdout_full() -> bool:
+    """Whether stdout is where a write fails for room: /dev/full, or a file on a filesystem with no free blocks (a
+    full disk's ENOSPC from another file, a checkpoint or a trace, is not stdout's to report)."""
+    try:
+        descriptor = sys.__stdout__.fileno()
+        info = os.fstat(descriptor)
+        if stat.S_ISCHR(info.st_mode):
+            return info.st_rdev == os.makedev(1, 7)  # /dev/full
+        if stat.S_ISREG(info.st_mode):
+            room = os.fstatvfs(descriptor)
+            return room.f_bavail == 0 or room.f_bfree == 0
+    except (OSError, ValueError, AttributeError):
+        pass
+    return False
 
 
 def report_failed_write(exc: OSError) -> int:
-    """A write to an open file that failed for room (no file name: the output redirected to a full disk or
-    /dev/full; the files we write name theirs in their own errors) is one line and status 1; what stdout still buffers
-    goes where it can, else nowhere (`discard`), so that the interpreter's flush at exit does not fail again."""
+    """Output redirected to a full disk or /dev/full (`stdout_full`) is one line and status 1; what stdout still
+    buffers goes where it can, else nowhere (`discard`), so that the interpreter's flush at exit does not fail again."""
     click.echo(f"specchat: cannot write the output: {exc.strerror}", err=True)
     try:
         sys.__stdout__.flush()
@@ -164,7 +177,7 @@ class Group(click.Group):
             _EXIT_STATUS[0] = report_closed_stdout()
             sys.exit(_EXIT_STATUS[0])
         except OSError as exc:
-            if exc.errno not in WRITE_ERRORS or exc.filename is not None:
+            if exc.errno != errno.ENOSPC or exc.filename is not None or not stdout_full():
                 raise
             _EXIT_STATUS[0] = report_failed_write(exc)
             sys.exit(_EXIT_STATUS[0])
