@@ -8,8 +8,7 @@ swaps them back. The parameters and state stay the same objects, so a model can 
 unfused for checking. Besides one kernel per elementwise job, two fusions cut kernels per layer:
 
 - `FusedTransformer` adds each residual in the same kernel as the norm that follows it (the attention's output
-  with the MLP's norm, the MLP's output with the next layer's norm or the final one): two kernels less a layer;
-  where wo and w_down run on the dense GEMV, in the GEMV's own launch (`_project_add_norm`), two more.
+  with the MLP's norm, the MLP's output with the next layer's norm or the final one): two kernels less a layer.
 - `FusedAttention` stores the step's keys and values in dense KV pages from the rotary kernel (the pool's write,
   two index_put kernels a layer, otherwise).
 - `FusedLinear` runs steps of at most 16 rows of dense (bf16/fp16) weights through the Triton GEMV of
@@ -73,16 +72,12 @@ class FusedLinear(Linear):
 
 class FusedMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(self.inner(x))
-
-    def inner(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, w_down's input: gate_up's gated GEMV where it runs."""
         gate_up = self.w_gate_up
         if type(gate_up) is not FusedLinear or not dense_gemv.wanted(x, gate_up.weight, gate_up.bias):
-            return self.act(gate_up(x))  # (an MXFP4 Fp4Linear, or too many rows)
+            return super().forward(x)  # (an MXFP4 Fp4Linear, or too many rows)
         from specchat.kernels import dense_gemv_triton
 
-        return dense_gemv_triton.dense_gemv(x, gate_up.weight, gate_up.bias, gated=True)
+        return self.w_down(dense_gemv_triton.dense_gemv(x, gate_up.weight, gate_up.bias, gated=True))
 
 
 class FusedAttention(Attention):
@@ -90,10 +85,6 @@ class FusedAttention(Attention):
     (`KVBatch.dense_pages`); elsewhere (quantized or rotated pages, other KV views) the plain forward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
-        return self.wo(self.inner(x, cos, sin, kv))
-
-    def inner(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention) -> torch.Tensor:
-        """The attention's output [T, H * D], wo's input."""
         dense_pages = getattr(kv, "dense_pages", None)
         pages = dense_pages(self.layer) if dense_pages is not None else None
         q, k, v = self.project(x)
@@ -105,7 +96,7 @@ class FusedAttention(Attention):
 
             q, k = fused_triton.rope_qk(q, k, cos, sin, v=v, pages=pages)
             out = kv.attend(self.layer, q, k, v, written=True)
-        return out.reshape(x.shape[0], self.q_size)
+        return self.wo(out.reshape(x.shape[0], self.q_size))
 
 
 class FusedTransformer(Transformer):
@@ -123,39 +114,23 @@ class FusedTransformer(Transformer):
         x = self.embed(ids)
         if not fused.rms_norm_supported(x, self.norm.weight):
             return super().forward(ids, positions, kv, taps, logits_at)
+        from specchat.kernels import fused_triton
 
         cos, sin = self.rope(positions)
         hidden: dict[int, torch.Tensor] = {}
         layers = self.layers
         normed = layers[0].attn_norm(x) if len(layers) else self.norm(x)
         for i, block in enumerate(layers):
-            x, normed = _project_add_norm(block.attn.wo, block.attn.inner(normed, cos, sin, kv), x, block.mlp_norm)
+            x, normed = fused_triton.add_rms_norm(
+                x, block.attn(normed, cos, sin, kv), block.mlp_norm.weight, block.mlp_norm.eps
+            )
             after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.norm
-            x, normed = _project_add_norm(block.mlp.w_down, block.mlp.inner(normed), x, after)
+            x, normed = fused_triton.add_rms_norm(x, block.mlp(normed), after.weight, after.eps)
             if i in taps:
                 hidden[i] = x
         if logits_at is not None:
             normed = normed[logits_at]
         return self.lm_head(normed).float(), hidden
-
-
-def _project_add_norm(
-    linear: nn.Module, h: torch.Tensor, x: torch.Tensor, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + linear(h), norm(x + linear(h))) as add_rms_norm rounds them: in the dense GEMV's own launch where it
-    runs (its last program normalises the rows: kernels/device.py's arrival counters), else the projection and
-    one add_rms_norm kernel."""
-    from specchat.kernels import device, fused_triton
-
-    if type(linear) is FusedLinear and dense_gemv.wanted(h, linear.weight, linear.bias):
-        counters = device.arrival_counters(h.device)
-        if counters is not None and dense_gemv.add_norm_supported(h, linear.weight, x, norm.weight):
-            from specchat.kernels import dense_gemv_triton
-
-            return dense_gemv_triton.dense_gemv_add_norm(
-                h, linear.weight, linear.bias, x, norm.weight, norm.eps, counters
-            )
-    return fused_triton.add_rms_norm(x, linear(h), norm.weight, norm.eps)
 
 
 FUSED = {

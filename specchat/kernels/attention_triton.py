@@ -4,10 +4,8 @@ kernels/attention.py holds the terms, the torch reference and where the kernel r
 
 The kernel is split-KV ("flash-decoding", Dao et al. 2023): program (partition, KV head, request) runs an
 online softmax (Milakov & Gimelshein 2018) over one slice of the context for all query rows of its KV group
-(q_len tokens x H/KVH heads, so each key tile is read once for the whole group), and the last program of a
-(request, KV head) to finish merges the partitions (an arrival counter, as split-K GEMMs fix up their tiles;
-one launch a layer instead of two: kernels/device.py's `arrival_counters`; the merge kernel where there are
-none). Quantized tiles are decoded in registers, never written back:
+(q_len tokens x H/KVH heads, so each key tile is read once for the whole group), and a second kernel merges
+the partitions. Quantized tiles are decoded in registers, never written back:
 
 - MXFP8 codes are E4M3 bytes, which sm_89+ converts to fp16 two at a time (`cvt.rn.f16x2.e4m3x2`). An MXFP4
   code (E2M1: sign, 2 exponent bits, mantissa) becomes an E4M3 byte by placing its bits, the sign at bit 7 and
@@ -42,7 +40,7 @@ import triton.language as tl
 
 from specchat.kernels import pdl, pdl_triton
 from specchat.kernels.attention import AttentionMetadata, fill_partitions, paged_attention_supported
-from specchat.kernels.device import ARRIVAL_COUNTERS, arrival_counters, sm_count
+from specchat.kernels.device import sm_count
 from specchat.kernels.kv_quant import DENSE, MXFP4, MXFP8, PageTensor
 from specchat.kernels.kv_quant_triton import pow2
 from specchat.kernels.mxfp4_decode import join4, word_bytes
@@ -327,8 +325,6 @@ def _paged_attention_kernel(
     part_out_ptr,  # [T, H, P, D] fp32: unnormalised partial outputs
     part_max_ptr,  # [T, H, P] fp32: running max (log2 units)
     part_sum_ptr,  # [T, H, P] fp32: softmax denominators
-    out_ptr,  # [T, H, D]: the merged output (MERGE, or one partition), else unused
-    counter_ptr,  # [>= B * KVH] int32 arrivals per (request, KV head), zero between launches (MERGE)
     k_ptr,
     k_scale_ptr,
     v_ptr,
@@ -354,8 +350,6 @@ def _paged_attention_kernel(
     stride_op,
     stride_mt,
     stride_mh,
-    stride_yt,
-    stride_yh,
     K_FMT: tl.constexpr,
     V_FMT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -370,9 +364,6 @@ def _paged_attention_kernel(
     KEY_ROWS: tl.constexpr,  # keys as the MMA's rows (see `paged_attention`)
     OFFSETS: tl.constexpr,  # tl.int32 where every page tensor has fewer than 2^31 elements (cheaper addresses)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
-    SPLIT: tl.constexpr,  # more than one partition: partials to merge (else the output straight away)
-    MERGE: tl.constexpr,  # the last partition of each (request, KV head) to finish merges them (`_merge_rows`)
-    BLOCK_P: tl.constexpr,  # partitions, rounded up to a power of two (MERGE)
 ):
     pdl_triton.wait(PDL)
     part = tl.program_id(0)
@@ -464,58 +455,15 @@ def _paged_attention_kernel(
         oa_col, ob_col = 2 * d, 2 * d + 1
     else:
         oa_col, ob_col = d, HALF + d
+    out_row = part_out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + part * stride_op
     if KEY_ROWS:
         acc_a = tl.trans(acc_a)
         acc_b = tl.trans(acc_b)
-    if not SPLIT:  # the whole context in this program: normalise and write the output
-        y_row = out_ptr + token[:, None] * stride_yt + head[:, None] * stride_yh
-        dtype = out_ptr.dtype.element_ty
-        tl.store(y_row + oa_col[None, :], (acc_a / l_i[:, None]).to(dtype), mask=row_valid[:, None])
-        tl.store(y_row + ob_col[None, :], (acc_b / l_i[:, None]).to(dtype), mask=row_valid[:, None])
-    else:
-        out_row = part_out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + part * stride_op
-        tl.store(out_row + oa_col[None, :], acc_a, mask=row_valid[:, None])
-        tl.store(out_row + ob_col[None, :], acc_b, mask=row_valid[:, None])
-        stat = token * stride_mt + head * stride_mh + part
-        tl.store(part_max_ptr + stat, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + stat, l_i, mask=row_valid)
-        if MERGE:  # publish this partition's partials; the last of the group's partitions to arrive merges them
-            tl.debug_barrier()  # every thread's partials are written before the (release) arrival below
-            ticket = counter_ptr + req * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(ticket, 1, sem="acq_rel")
-            if arrived == tl.num_programs(0) - 1:
-                _merge_rows(
-                    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, token, head, row_valid, tl.num_programs(0),
-                    stride_ot, stride_oh, stride_op, stride_mt, stride_mh, stride_yt, stride_yh, HEAD_DIM, BLOCK_P,
-                )  # fmt: skip
-                tl.atomic_xchg(ticket, 0)  # ready for the next launch
-
-
-@triton.jit
-def _merge_rows(
-    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, token, head, row_valid, num_parts,
-    stride_ot, stride_oh, stride_op, stride_mt, stride_mh, stride_yt, stride_yh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
-    """`_merge_partitions_kernel`'s sums for one program's query rows (token, head: [BLOCK_M]), inside the
-    attention kernel: the partials are read through the L2 (.cg), where the other programs' writes are."""
-    p = tl.arange(0, BLOCK_P)
-    stat = token[:, None] * stride_mt + head[:, None] * stride_mh + p[None, :]
-    live = row_valid[:, None] & (p[None, :] < num_parts)
-    m = tl.load(part_max_ptr + stat, mask=live, other=_NEG_BIG, cache_modifier=".cg")  # [BLOCK_M, BLOCK_P]
-    l_p = tl.load(part_sum_ptr + stat, mask=live, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
-    total = tl.sum(l_p * tl.exp2(m - m_max[:, None]), axis=1)
-    d = tl.arange(0, HEAD_DIM)
-    rows = part_out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    acc = tl.zeros((token.shape[0], HEAD_DIM), tl.float32)
-    for part in range(num_parts):
-        m_part = tl.load(part_max_ptr + token * stride_mt + head * stride_mh + part, mask=row_valid, other=0.0,
-                         cache_modifier=".cg")  # fmt: skip
-        o = tl.load(rows + part * stride_op, mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-        acc += o * tl.exp2(m_part - m_max)[:, None]
-    y = out_ptr + token[:, None] * stride_yt + head[:, None] * stride_yh + d[None, :]
-    tl.store(y, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(out_row + oa_col[None, :], acc_a, mask=row_valid[:, None])
+    tl.store(out_row + ob_col[None, :], acc_b, mask=row_valid[:, None])
+    stat = token * stride_mt + head * stride_mh + part
+    tl.store(part_max_ptr + stat, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + stat, l_i, mask=row_valid)
 
 
 @triton.jit
@@ -574,15 +522,13 @@ def paged_attention(
     num_stages: int | None = None,
     max_registers: int | None = None,
     decode: int | None = None,
-    merge_in_kernel: bool = True,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: causal attention of each request's new rows over its paged context.
 
     num_partitions: how many slices each request's context is split into (default: `fill_partitions`);
     block_n (keys per tile; default BLOCK_N, QUANT_BLOCK_N for quantized pages), num_warps, key_rows (keys as
     the MMA's rows; default: for quantized pages), num_stages and max_registers (per thread) are launch settings
-    for benchmarks to sweep; decode (DECODE_*; default: the device's best) lets tests run each decode;
-    merge_in_kernel=False merges the partitions in a second kernel (as where there are no `arrival_counters`).
+    for benchmarks to sweep; decode (DECODE_*; default: the device's best) lets tests run each decode.
     """
     quantized = k_pages.fmt != DENSE
     if block_n is None:
@@ -633,48 +579,35 @@ def paged_attention(
         **pdl_options,
     )
 
-    out = torch.empty_like(q)
-    counters = arrival_counters(q.device) if merge_in_kernel and batch * kv_heads <= ARRIVAL_COUNTERS else None
-
     def kernel_args(partitions: int) -> tuple:
         """The kernel's arguments for `partitions` slices of the context, the partials' buffers first."""
         part_out = torch.empty(t, num_heads, partitions, head_dim, dtype=torch.float32, device=q.device)
         part_max = torch.empty(t, num_heads, partitions, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
         return (
-            q, part_out, part_max, part_sum, out, out if counters is None else counters, k_data, k_scales, v_data,
-            v_scales,
+            q, part_out, part_max, part_sum, k_data, k_scales, v_data, v_scales,
             meta.block_tables, meta.q_starts, meta.q_lens, meta.ctx_lens, scale * math.log2(math.e),
             q.stride(0), q.stride(1), k_data.stride(0), k_data.stride(1), k_scales.stride(0), k_scales.stride(1),
             v_data.stride(0), v_data.stride(1), v_scales.stride(0), v_scales.stride(1), meta.block_tables.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
-            out.stride(0), out.stride(1),
         )  # fmt: skip
-
-    def launch(partitions: int) -> dict:
-        """The constexprs of a launch over `partitions` slices."""
-        split = partitions > 1
-        merge = split and counters is not None
-        return {**constexprs, "SPLIT": split, "MERGE": merge, "BLOCK_P": triton.next_power_of_2(partitions)}
 
     if num_partitions is None:
         if _interpreting():
             num_partitions = triton.cdiv(INTERPRETER_PROGRAMS, batch * kv_heads)
         else:
-            key = (q.device, *launch(2).values())
-            grid = (2, kv_heads, batch)  # compiled only: the partition count specialises nothing but the merge's
+            key = (q.device, *constexprs.values())
+            grid = (2, kv_heads, batch)  # compiled only: the partition count specialises nothing
             resident = _resident_programs(
-                q.device, key, lambda: _paged_attention_kernel.warmup(*kernel_args(2), grid=grid, **launch(2))
+                q.device, key, lambda: _paged_attention_kernel.warmup(*kernel_args(2), grid=grid, **constexprs)
             )
             per_sm = QUANT_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
             num_partitions = fill_partitions(batch * kv_heads, sm_count(q.device), resident, per_sm, meta.max_q_len)
     num_partitions = max(1, min(num_partitions, triton.cdiv(meta.max_ctx_len, block_n)))
     args = kernel_args(num_partitions)
-    chosen = launch(num_partitions)
-    _paged_attention_kernel[(num_partitions, kv_heads, batch)](*args, **chosen)
-    if not chosen["SPLIT"] or chosen["MERGE"]:
-        return out
+    _paged_attention_kernel[(num_partitions, kv_heads, batch)](*args, **constexprs)
     part_out, part_max, part_sum = args[1:4]
+    out = torch.empty_like(q)
     _merge_partitions_kernel[(t, num_heads)](
         part_out,
         part_max,

@@ -34,7 +34,6 @@ import torch
 from specchat.kernels.fused import INTERPRET
 
 MAX_ROWS = 16  # one 16-row tile of x (the MMA's n); more rows go to cuBLAS
-MAX_NORM_WIDTH = 1024  # widest output whose rows `dense_gemv_add_norm`'s last program normalises (one row in registers)
 DTYPES = (torch.bfloat16, torch.float16)
 ENABLED = os.environ.get("SPECCHAT_DENSE_GEMV", "1") != "0"  # read once; SPECCHAT_DENSE_GEMV=0: cuBLAS (A/B runs)
 
@@ -81,24 +80,6 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         and x.stride(-1) == 1
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-    )
-
-
-def add_norm_supported(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
-) -> bool:
-    """Whether `dense_gemv_add_norm` takes a residual [..., N] and a norm weight [N] beside x and weight (with
-    `supported`): the last program normalises each row whole in registers, so N is at most MAX_NORM_WIDTH."""
-    n = weight.shape[0]
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (
-        n <= MAX_NORM_WIDTH
-        and residual.dtype == norm_weight.dtype == x.dtype
-        and residual.device == x.device
-        and residual.is_contiguous()
-        and residual.numel() == rows * n
-        and norm_weight.shape == (n,)
-        and norm_weight.is_contiguous()
     )
 
 

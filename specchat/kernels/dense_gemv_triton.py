@@ -11,8 +11,7 @@ import triton
 import triton.language as tl
 
 from specchat.kernels import pdl, pdl_triton
-from specchat.kernels.dense_gemv import GemvConfig, add_norm_supported, choose_config, supported
-from specchat.kernels.fused_triton import rms_normed
+from specchat.kernels.dense_gemv import GemvConfig, choose_config, supported
 
 PREFETCH_TILES = 2  # with PDL: weight tiles per program prefetched into the L2 before the wait
 
@@ -22,28 +21,21 @@ def _dense_gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K] (gated: [2 * N, K], gate rows then up rows)
     b_ptr,  # [N] bias (gated: [2 * N]), or anything when HAS_BIAS is off
-    r_ptr,  # [M, N] residual, or anything when neither HAS_RESIDUAL nor ADD_NORM is on
-    y_ptr,  # [M, N] (ADD_NORM: the normalised sum)
-    s_ptr,  # ADD_NORM: [M, N] the sum residual + y, else anything
-    nw_ptr,  # ADD_NORM: [N] the norm's weight, else anything
-    counter_ptr,  # ADD_NORM: one int32 arrival counter, zero between launches, else anything
+    r_ptr,  # [M, N] residual, or anything when HAS_RESIDUAL is off
+    y_ptr,  # [M, N]
     M,
     N,
     K,
-    eps,
     stride_xm,
     stride_wn,
     stride_rm,
     stride_ym,
-    stride_sm,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ACT: tl.constexpr,
-    ADD_NORM: tl.constexpr,  # s = r + y (add_rms_norm's add), and y = RMSNorm(s) by the last program to finish
-    BLOCK_D: tl.constexpr,  # ADD_NORM: N rounded up to a power of two (a whole row)
     FAST: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -92,23 +84,8 @@ def _dense_gemv_kernel(
         y = (yf / (1.0 + tl.exp(-yf))).to(dtype)
     if GATED:  # silu(gate) * up as fused_triton.silu_mul rounds it, from the values an ungated launch would store
         y = (y.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    out_live = m_live & (offs_n[:, None] < N)
-    if not ADD_NORM:
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=out_live)
-    else:  # fused_triton.add_rms_norm(r, y) without its launch: each program adds its columns, the last the norm
-        r = tl.load(r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_live, other=0.0)
-        tl.store(s_ptr + offs_m[None, :] * stride_sm + offs_n[:, None], (r.to(tl.float32) + y.to(tl.float32)).to(dtype),
-                 mask=out_live)  # fmt: skip
-        tl.debug_barrier()  # every thread's sums are written before the (release) arrival below
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            cols = tl.arange(0, BLOCK_D)
-            live = cols < N
-            nw = tl.load(nw_ptr + cols, mask=live, other=0.0).to(tl.float32)
-            for m in range(M):
-                row = tl.load(s_ptr + m * stride_sm + cols, mask=live, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + m * stride_ym + cols, rms_normed(row.to(tl.float32), nw, N, eps, dtype), mask=live)
-            tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, y, mask=m_live & (offs_n[:, None] < N))
 
 
 def dense_gemv(
@@ -139,61 +116,11 @@ def dense_gemv(
         fast = x.is_cuda
     config = config or choose_config(n, k, gated, m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _launch(x2, weight, bias, r2, y, None, None, None, 0.0, gated, act, fast, config)
-    return y.view(*x.shape[:-1], n)
-
-
-def dense_gemv_add_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    counters: torch.Tensor,
-    config: GemvConfig | None = None,
-    fast: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_triton.add_rms_norm(residual, dense_gemv(x, weight, bias), norm_weight, eps) in one launch, the same
-    bits: (s, RMSNorm(s)) with s = residual + the rounded projection [M, N]. The last program to finish (one
-    arrival counter, `counters[0]`: kernels/device.py's `arrival_counters`) normalises the rows (`add_norm_supported`)."""
-    assert supported(x, weight, bias) and add_norm_supported(x, weight, residual, norm_weight), (x.shape, weight.shape)
-    x2 = x.reshape(-1, x.shape[-1])
-    m, n = x2.shape[0], weight.shape[0]
-    r2 = residual.reshape(m, n)
-    if fast is None:
-        fast = x.is_cuda
-    s = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _launch(
-        x2,
-        weight,
-        bias,
-        r2,
-        y,
-        s,
-        norm_weight,
-        counters,
-        eps,
-        False,
-        False,
-        fast,
-        config or choose_config(n, x2.shape[1], m=m),
-    )
-    return s.view(residual.shape), y.view(residual.shape)
-
-
-def _launch(x2, weight, bias, r2, y, s, norm_weight, counters, eps, gated, act, fast, config: GemvConfig) -> None:
-    """One launch of the kernel over y's columns (s, norm_weight and counters: ADD_NORM's, else None)."""
-    m, k = x2.shape
-    n = y.shape[1]
-    add_norm = s is not None
     _dense_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x2, weight, weight if bias is None else bias, y if r2 is None else r2, y, y if s is None else s,
-        weight if norm_weight is None else norm_weight, y if counters is None else counters, m, n, k, eps,
-        x2.stride(0), weight.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0), 0 if s is None else s.stride(0),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=r2 is not None and not add_norm, ACT=act, ADD_NORM=add_norm,
-        BLOCK_D=triton.next_power_of_2(n) if add_norm else 1, FAST=fast, PREFETCH=PREFETCH_TILES,
-        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False, **pdl.launch_options(x2.device),
+        x2, weight, weight if bias is None else bias, y if r2 is None else r2, y, m, n, k, x2.stride(0),
+        weight.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None, ACT=act, FAST=fast,
+        PREFETCH=PREFETCH_TILES, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
+        **pdl.launch_options(x.device),
     )  # fmt: skip
+    return y.view(*x.shape[:-1], n)

@@ -20,7 +20,6 @@ from specchat.kernels.attention import (
     paged_attention_supported,
 )
 from specchat.kernels.attention_triton import DECODE_BITS, DECODE_E4M3, paged_attention
-from specchat.kernels.device import arrival_counters
 from specchat.kernels.kv_quant import PageTensor
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
@@ -162,25 +161,6 @@ def test_kernel_equals_reference(case, key_rows):
     # dense fp32 is exact up to summation order; 16-bit pages and decoded tiles go through fp16/bf16 dots
     tol = 1e-5 if page_format == "fp32" else (2e-2 if page_format == "bf16" else 4e-3)
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
-
-
-@kernel_test
-@pytest.mark.parametrize("case", ["verify-page-boundaries", "mxfp4-verify", "bf16"])
-def test_merge_in_kernel_equals_merge_kernel(case):
-    """The partitions merged by the last program of each (request, KV head) to finish give the merge kernel's
-    output, and leave the arrival counters at zero for the next launch (run twice: the same output)."""
-    page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, _ = CASES[case]
-    q, k_pages, v_pages, meta, _ = random_paged_batch(
-        page_format, q_lens, ctx_lens, num_heads, kv_heads, head_dim, seed=7, device=DEVICE
-    )
-    scale = head_dim**-0.5
-    separate = paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=3, merge_in_kernel=False)
-    runs = [paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=3) for _ in range(2)]
-    assert torch.equal(runs[0], runs[1])
-    torch.testing.assert_close(runs[0].float(), separate.float(), atol=1e-5, rtol=1e-5)
-    assert not arrival_counters(q.device).any()
-    one = paged_attention(q, k_pages, v_pages, meta, scale, num_partitions=1)  # no partials: the output at once
-    torch.testing.assert_close(one.float(), separate.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(

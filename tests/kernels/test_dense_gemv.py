@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from specchat.kernels.dense_gemv import MAX_ROWS, GemvConfig, choose_config, supported
-from specchat.kernels.dense_gemv_triton import dense_gemv, dense_gemv_add_norm
-from specchat.kernels.fused_triton import add_rms_norm, silu_mul
+from specchat.kernels.dense_gemv_triton import dense_gemv
+from specchat.kernels.fused_triton import silu_mul
 from tests.kernels.interpreter import DEVICE, kernel_test, run_under_interpreter, subprocess_test
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -106,26 +106,6 @@ def test_a_residual_is_added_before_the_rounding_as_addmm_adds_it(m: int, n: int
     assert not torch.equal(got, dense_gemv(x, w)) and torch.equal(residual, before)  # (read, not written)
     with pytest.raises(AssertionError, match="gated"):
         dense_gemv(x, torch.cat([w, w]), gated=True, residual=residual)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 576), (5, 576, 1536), (16, 200, 576), (2, 1024, 64)])
-def test_add_norm_equals_add_rms_norm_of_the_plain_gemv(m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    """The sum and its norm from the GEMV's launch (the last program normalising every row) are add_rms_norm's of
-    the plain GEMV's output, bit for bit, and the arrival counter is back at zero for the next launch."""
-    x, w = operands(m, n, k, dtype, seed=3)
-    g = torch.Generator().manual_seed(4)
-    residual = torch.randn(m, n, generator=g).to(dtype).to(DEVICE)
-    norm_w = (1 + torch.randn(n, generator=g) / 4).to(dtype).to(DEVICE)
-    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
-    launch = choose_config(n, k, m=m)
-    s, y = dense_gemv_add_norm(x, w, None, residual, norm_w, 1e-5, counters, config=launch)
-    want_s, want_y = add_rms_norm(residual, dense_gemv(x, w, config=launch), norm_w, 1e-5)
-    assert torch.equal(s, want_s) and torch.equal(y, want_y)
-    assert not counters.any()
-    s2, y2 = dense_gemv_add_norm(x, w, None, residual, norm_w, 1e-5, counters, config=launch)
-    assert torch.equal(s2, s) and torch.equal(y2, y)
 
 
 @kernel_test
