@@ -59,6 +59,11 @@ def _origin(origin: str) -> str:
             f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path or trailing slash,"
             " e.g. http://localhost:3000), nor '*'"
         )
+    if "*" in host:  # a pattern would be taken as a host of its own and match no request
+        raise ConfigError(
+            f"--allowed-origins: {origin!r} has a wildcard in its host; list each origin as the browser sends it"
+            " (a browser extension's: chrome-extension://<its id>), or give '*' alone"
+        )
     host = f"[{host}]" if ":" in host else host
     return f"{parts.scheme}://{host}" + ("" if port in (None, DEFAULT_PORTS.get(parts.scheme)) else f":{port}")
 

@@ -58,6 +58,14 @@ def test_an_origin_is_spelled_as_the_browser_sends_it(engine):
     for wrong in ("http://user@localhost:3000", "http://localhost:99999", "http://"):
         with pytest.raises(ConfigError, match="is not an origin"):
             parse_origins(wrong)
+    # a pattern was taken as a host of its own and matched no request; an extension's or a webview's origin is kept
+    for pattern in ("chrome-extension://*", "http://*.example.com"):
+        with pytest.raises(ConfigError, match="wildcard in its host"):
+            parse_origins(pattern)
+    assert parse_origins("chrome-extension://abcdef, tauri://localhost") == [
+        "chrome-extension://abcdef",
+        "tauri://localhost",
+    ]
     with serving(create_app(engine, "tiny", allowed_origins=parse_origins("http://LocalHost:3000"))) as url:
         status, headers, _ = ask(url, "OPTIONS", "/v1/chat/completions", PREFLIGHT)
     assert status == 200 and headers["access-control-allow-origin"] == PAGE, (status, headers)
