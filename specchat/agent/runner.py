@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -128,8 +128,11 @@ class AgentSession:
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="specchat-agent") as pool:
             try:  # (the submits too: a Ctrl-C among them left the runs started going, and the pool waited on them)
                 futures = [pool.submit(self._run_one, index, emit) for index in range(len(self.script.tasks))]
-                while not wait(futures, timeout=SIGNAL_POLL_S).done.issuperset(futures):
-                    pass  # (SIGNAL_POLL_S)
+                pending = set(futures)
+                while pending:  # (SIGNAL_POLL_S) a run that raised (our bug) stops the others now, not at the end
+                    done, pending = wait(pending, timeout=SIGNAL_POLL_S, return_when=FIRST_EXCEPTION)
+                    for future in done:
+                        future.result()
                 outcomes = [future.result() for future in futures]
             except BaseException:
                 self.cancel()

@@ -435,3 +435,32 @@ def test_a_reply_that_ends_just_past_the_wall_time_still_gives_its_final_answer(
     reply = '<tool_call>[{"name": "final_answer", "arguments": {"answer": "391"}}]</tool_call>'
     outcomes, _ = run(ScriptedEngine([reply]), path)
     assert (outcomes[0].reason, outcomes[0].answer) == ("final", "391")
+
+
+def test_a_run_that_raises_stops_the_others_at_once(tmp_path, monkeypatch):
+    """A run that raised (our bug) cancels the runs beside it as soon as it fails: the session waited for every run to
+    end first, so a run waiting on a reply that never comes kept the session, and the bug's report, waiting for good."""
+    path = tmp_path / "agent.toml"
+    path.write_text('tasks = ["a", "b"]\nconcurrency = 2\n')
+    session = AgentSession(ScriptedEngine([HANG]), load_script(path))
+    run_one = AgentSession._run_one
+
+    def failing(self, index, emit):
+        if index == 1:
+            time.sleep(0.2)  # run 0 is waiting on its reply by then
+            raise RuntimeError("a bug of ours")
+        return run_one(self, index, emit)
+
+    monkeypatch.setattr(AgentSession, "_run_one", failing)
+    raised: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            session.run(lambda event: None)
+        except RuntimeError as error:
+            raised.append(error)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and [str(e) for e in raised] == ["a bug of ours"]
