@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specchat.agent.script import AgentScript
 from specchat.config import EngineConfig
-from specchat.ui.app import SpecchatApp
+from specchat.ui.app import SpecchatApp, run_app
 
 
 class AgentApp(SpecchatApp):
@@ -31,9 +31,4 @@ class AgentApp(SpecchatApp):
 def run_agent_app(script: AgentScript, config: EngineConfig, concurrency: int | None) -> None:
     """Run the app; a load error ends it and is raised here, for the CLI to print as one line. An app that ended in
     an exception (our bug: Textual has printed its traceback) ends the command with its status, 1, not 0."""
-    app = AgentApp(script, config, concurrency)
-    error = app.run()
-    if isinstance(error, Exception):
-        raise error
-    if app.return_code:
-        raise SystemExit(app.return_code)
+    run_app(AgentApp(script, config, concurrency))

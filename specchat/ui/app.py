@@ -491,7 +491,12 @@ def run_tui(
 ) -> None:
     """Run the app; a load error ends it and is raised here, for the CLI to print as one line. An app that ended in
     an exception (our bug: Textual has printed its traceback) ends the command with its status, 1, not 0."""
-    app = SpecchatApp(config=config, sampling=sampling, spec=spec, system=system, theme=theme)
+    run_app(SpecchatApp(config=config, sampling=sampling, spec=spec, system=system, theme=theme))
+
+
+def run_app(app: App) -> None:
+    """Run a specchat app to its end: the load error it returns is raised (for the CLI's one line), and an app that
+    ended in an exception (our bug: Textual has printed its traceback) ends the command with its status, 1, not 0."""
     error = app.run()
     if isinstance(error, Exception):
         raise error
