@@ -213,13 +213,13 @@ class TracePrinter:
                 drafter = event.drafter if event.drafter == "none" else f"{event.drafter} k={k}"  # no drafter, no k
                 tools = ", ".join(event.tools) or "none"
                 settings = f"model {event.model}, weights {event.weights}, KV {event.kv}, drafter {drafter}"
-                limits = f"tools {tools}, max {event.max_steps} steps"
+                limits = f"tools {tools}, max {plural(event.max_steps, 'step')}"
                 header = [self._clip(f"{tag} task: {event.task}"), f"{tag}   {settings}", f"{tag}   {limits}"]
                 if any(name in PROCESS_TOOLS for name in event.tools):
                     header.append(f"{tag}   sandbox: {event.sandbox}")
                 return header
             case Step():
-                head = f"{tag} step {event.step}: {event.tokens} tokens{_stats_text(event.stats)}"
+                head = f"{tag} step {event.step}: {plural(event.tokens, 'token')}{_stats_text(event.stats)}"
                 return [head, *self._block(event.text)]
             case Delta():
                 return []  # the whole reply is shown with its step

@@ -139,3 +139,14 @@ def test_a_stdout_that_is_not_utf8_gets_escapes_not_a_traceback():
     JsonlWriter(utf8).write(event)
     utf8.flush()
     assert "日本" in utf8.buffer.getvalue().decode("utf-8")
+
+
+def test_counts_of_one_read_in_the_singular():
+    """'step 1: 1 tokens' and 'max 1 steps' read as counts of one."""
+    events = run_events()
+    start = RunStart(run=0, task="t", model="m", drafter="ngram", k=None, tools=["python"], max_steps=1)
+    step = Step(run=0, step=1, text="x", tokens=1, finish_reason="eos", elapsed_s=0.1, stats=events[1].stats)
+    printer = TracePrinter(io.StringIO())
+    text = "\n".join(printer.format(start) + printer.format(step))
+    assert "max 1 step" in text and "max 1 steps" not in text
+    assert "step 1: 1 token" in text and "1 tokens" not in text
