@@ -158,3 +158,10 @@ class ServedEngine(ChatEngine, Protocol):
     def end_all(self, error: str) -> Future:
         """End every live request with `error`, keeping what each wrote (a stopping server)."""
         ...
+
+
+def default_drafter_name(engine) -> str:
+    """What a request's drafter `default` names on a loaded engine: its models.toml entry's drafter on its device
+    (`none` outside models.toml; the engine and the server both ask)."""
+    spec = getattr(engine, "model_spec", None)
+    return spec.default_drafter(engine.device.type, engine.config.tp) if spec is not None else "none"

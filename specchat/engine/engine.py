@@ -26,9 +26,9 @@ from dataclasses import replace
 from specchat.config import K_MAX_LIMIT, KV_FORMATS, WEIGHT_FORMATS, EngineConfig, SamplingParams, SpecParams
 from specchat.engine import cpu_fusion
 from specchat.engine.adaptive import AdaptiveK
-from specchat.engine.api import Prompt
+from specchat.engine.api import Prompt, default_drafter_name
 from specchat.engine.drafters import Drafter, DrafterCache, make_drafter
-from specchat.engine.drafters.base import NoDrafter, default_drafter_name
+from specchat.engine.drafters.base import NoDrafter
 from specchat.engine.fusion import FusedTransformer, fuse_linears
 from specchat.engine.kv_cache import KVPool
 from specchat.engine.kv_pages import auto_format

@@ -29,8 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specchat.config import SpecParams
 from specchat.engine.api import Request as EngineRequest
-from specchat.engine.api import ServedEngine
-from specchat.engine.drafters.base import default_drafter_name
+from specchat.engine.api import ServedEngine, default_drafter_name
 from specchat.engine.sequence import LOOP_FAILED, STEP_FAILED, Event, Finished, TextDelta
 from specchat.errors import ConfigError, ContextLengthError, SpecchatError
 from specchat.server import STREAM_INTERVAL_S, metrics
@@ -220,7 +219,7 @@ def create_app(
     admission = admission or Admission(max_running=1, max_queue=0)  # (max_queue 0: no bound)
     spec = default_spec or SpecParams(drafter="none", k=0)
     # what a request's drafter "default" names (a models.toml entry may name a file or another model)
-    model_drafter = default_drafter_name(engine) if getattr(engine, "model_spec", None) is not None else "none"
+    model_drafter = default_drafter_name(engine)
     state: dict[str, EventRouter] = {}
     app.state.body_readers = readers = BodyReaders()  # the stopping server ends their reads (stopping.py)
 

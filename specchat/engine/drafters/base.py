@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specchat.config import check_drafter_name
+from specchat.engine.api import default_drafter_name
 from specchat.errors import ConfigError, path_problem
 
 if TYPE_CHECKING:
@@ -89,13 +90,6 @@ class NoDrafter(Drafter):
 
 
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
-
-
-def default_drafter_name(context) -> str:
-    """What `default` names for a loaded engine: its models.toml entry's drafter on its device (`none` outside
-    models.toml)."""
-    spec = context.model_spec
-    return spec.default_drafter(context.device.type, context.config.tp) if spec is not None else "none"
 
 
 def make_drafter(name: str, context) -> Drafter:
