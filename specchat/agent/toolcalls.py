@@ -28,6 +28,7 @@ PYTHON_TAG = "<|python_tag|>"
 LLAMA_END_TOKENS = ("<|eom_id|>", "<|eot_id|>")
 THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)  # reasoning is not acted on
 CALL_START = re.compile(r"""\{\s*["'](?:name|function)["']\s*:""")
+OPENING_BRACKET = re.compile(r"[{\[]")  # where a call object, or a list of calls, may start
 EMPTY_FENCE = re.compile(r"```(?:json)?\s*```")
 FORMAT_HINTS = {
     "hermes": '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>',
@@ -176,16 +177,16 @@ def _parse_json(text: str, step: int) -> ParsedReply:
     collector = _Collector(step, "json")
     spans = []
     index = 0
-    while (start := _next_bracket(text, index)) != -1:
+    while (match := OPENING_BRACKET.search(text, index)) is not None:
+        start = match.start()
         if text[start] == "[":
             found = _call_list(text, start)
-            if found is not None:
-                collector.add(found[0])
-                end = found[1]
-                spans.append((start, end))
-                index = end
-            else:
+            if found is None:
                 index = start + 1
+                continue
+            collector.add(found[0])
+            spans.append((start, found[1]))
+            index = found[1]
             continue
         try:
             value, end = _decode_at(text, start)
@@ -207,12 +208,6 @@ def _parse_json(text: str, step: int) -> ParsedReply:
     if not spans:
         return ParsedReply(content=text.strip())
     return collector.finish(_remove_spans(text, spans))
-
-
-def _next_bracket(text: str, index: int) -> int:
-    """The index of the next '{' or '[' from index, or -1."""
-    found = [i for i in (text.find("{", index), text.find("[", index)) if i != -1]
-    return min(found, default=-1)
 
 
 def _call_list(text: str, start: int) -> tuple[list[object], int] | None:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -100,7 +101,7 @@ def own_origin(scope: Scope) -> str | None:
     server: a host that is an address or "localhost". Not another name: DNS rebinding makes an attacker's name
     (evil.example) resolve to 127.0.0.1, and its page is then same-origin with the server in the browser's eyes, Origin
     and Host both http://evil.example:8000."""
-    host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), None)
+    host = Headers(scope=scope).get("host")
     spelled = _spelled(f"{scope.get('scheme', 'http')}://{host}") if host else None
     hostname = urlsplit(spelled).hostname if spelled else None
     if hostname is None:
@@ -141,7 +142,7 @@ class OriginCheck:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS":
-            origin = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"origin"), None)
+            origin = Headers(scope=scope).get("origin")
             if origin is not None and not self.allows(origin, scope):
                 refused = refusal(origin)
                 await JSONResponse(refused.body(), status_code=refused.status)(scope, receive, send)
