@@ -91,3 +91,16 @@ def roomy_engine(tmp_path_factory):
 
     path = save_tiny_hf(tmp_path_factory.mktemp("roomy-tiny"), {"max_position_embeddings": 8192})
     return Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+
+
+def crash_on_mount(monkeypatch: pytest.MonkeyPatch, app_class: type, home: Path) -> None:
+    """Make `app_class` end in an exception as it mounts (a bug of ours), run headless: what the exit-status tests of
+    `run` and `agent` start."""
+    monkeypatch.setenv("SPECCHAT_HOME", str(home))
+
+    def broken(self) -> None:
+        raise RuntimeError("a bug of ours")
+
+    run = app_class.run
+    monkeypatch.setattr(app_class, "on_mount", broken)
+    monkeypatch.setattr(app_class, "run", lambda self, **kwargs: run(self, headless=True, **kwargs))

@@ -454,15 +454,9 @@ def test_run_pane_snapshot(snap_compare):
 def test_an_agent_app_that_ends_in_an_exception_ends_the_command_with_status_1(tmp_path, monkeypatch):
     """A bug that ended the agent TUI in an exception printed Textual's traceback, and `specchat agent` exited 0."""
     from specchat.ui.agent import run_agent_app
+    from tests.ui.conftest import crash_on_mount
 
-    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
-
-    def broken(self) -> None:
-        raise RuntimeError("a bug of ours")
-
-    run = AgentApp.run
-    monkeypatch.setattr(AgentApp, "on_mount", broken)
-    monkeypatch.setattr(AgentApp, "run", lambda self, **kwargs: run(self, headless=True, **kwargs))
+    crash_on_mount(monkeypatch, AgentApp, tmp_path)
     with pytest.raises(SystemExit) as ended:
         run_agent_app(load_script(write_script(tmp_path, ["What is 2 + 2?"])), EngineConfig(model="smollm2-135m"), 1)
     assert ended.value.code == 1

@@ -168,15 +168,9 @@ def test_an_app_that_ends_in_an_exception_ends_run_with_status_1(tmp_path, monke
     """A bug that ended the TUI in an exception printed Textual's traceback, and `specchat run` then exited 0."""
     from specchat.config import EngineConfig
     from specchat.ui.app import run_tui
+    from tests.ui.conftest import crash_on_mount
 
-    monkeypatch.setenv("SPECCHAT_HOME", str(tmp_path))
-
-    def broken(self) -> None:
-        raise RuntimeError("a bug of ours")
-
-    run = SpecchatApp.run
-    monkeypatch.setattr(SpecchatApp, "on_mount", broken)
-    monkeypatch.setattr(SpecchatApp, "run", lambda self, **kwargs: run(self, headless=True, **kwargs))
+    crash_on_mount(monkeypatch, SpecchatApp, tmp_path)
     with pytest.raises(SystemExit) as ended:
         run_tui(EngineConfig(model="smollm2-135m"), SamplingParams(), SpecParams(), None)
     assert ended.value.code == 1
